@@ -1,0 +1,1 @@
+//! The driver layer and the public API.

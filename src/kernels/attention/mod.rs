@@ -1,0 +1,1 @@
+//! Attention forward kernels.

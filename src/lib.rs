@@ -1,0 +1,17 @@
+//! flashcore: attention kernels for NVIDIA GPUs, generated at run time from a Rust PTX DSL
+//! and loaded through the CUDA driver API. No CUDA toolkit at build time.
+//!
+//! - [`ptx`]: the typed PTX builder.
+//! - [`kernels`]: kernel generators (`config -> ptx::Module`) and the dispatch catalog.
+//! - [`tma`]: tensor-map descriptions for the Hopper path.
+//! - [`host`]: the driver layer and the public forward API.
+//! - [`reference`]: float64 CPU reference with the kernels' exact semantics.
+
+pub mod error;
+pub mod host;
+pub mod kernels;
+pub mod ptx;
+pub mod reference;
+pub mod tma;
+
+pub use error::{Error, Result};

@@ -1,0 +1,196 @@
+//! Integer and float arithmetic, comparisons and selects.
+//!
+//! Every operation has two forms: `op(..) -> Reg<T>` makes a fresh register, `op_to(dst, ..)`
+//! writes an existing one (for values carried around a loop: running max, row sums).
+
+use super::kernel::{Cmp, Kernel, Reg, Src};
+use super::types::*;
+
+/// Types with `add`, `sub`, `mul`, `mad`, `min`, `max`.
+pub trait Arith: Comparable {
+    /// The multiply that keeps the type (`mul.lo` for integers, `mul.rn` for floats).
+    const MUL: &'static str;
+    /// The multiply-add (`mad.lo` for integers, `fma.rn` for floats).
+    const MAD: &'static str;
+}
+impl Arith for U32 {
+    const MUL: &'static str = "mul.lo";
+    const MAD: &'static str = "mad.lo";
+}
+impl Arith for S32 {
+    const MUL: &'static str = "mul.lo";
+    const MAD: &'static str = "mad.lo";
+}
+impl Arith for U64 {
+    const MUL: &'static str = "mul.lo";
+    const MAD: &'static str = "mad.lo";
+}
+impl Arith for S64 {
+    const MUL: &'static str = "mul.lo";
+    const MAD: &'static str = "mad.lo";
+}
+impl Arith for F32 {
+    const MUL: &'static str = "mul.rn";
+    const MAD: &'static str = "fma.rn";
+}
+
+macro_rules! binary {
+    ($(#[$doc:meta])* $name:ident, $name_to:ident, $bound:ident, |$t:ident| $op:expr) => {
+        $(#[$doc])*
+        pub fn $name<T: $bound>(&mut self, a: impl Src<T>, b: impl Src<T>) -> Reg<T> {
+            let d = self.reg();
+            self.$name_to(d, a, b);
+            d
+        }
+        $(#[$doc])*
+        pub fn $name_to<T: $bound>(&mut self, d: Reg<T>, a: impl Src<T>, b: impl Src<T>) {
+            self.check_owner(&[Src::<T>::owner(&d), a.owner(), b.owner()]);
+            let $t = T::NAME;
+            let op: String = $op;
+            self.emit(format!("{op} {}, {}, {};", d.name(), a.operand(), b.operand()));
+        }
+    };
+}
+
+macro_rules! unary_f32 {
+    ($(#[$doc:meta])* $name:ident, $name_to:ident, $op:literal) => {
+        $(#[$doc])*
+        pub fn $name(&mut self, a: impl Src<F32>) -> Reg<F32> {
+            let d = self.reg();
+            self.$name_to(d, a);
+            d
+        }
+        $(#[$doc])*
+        pub fn $name_to(&mut self, d: Reg<F32>, a: impl Src<F32>) {
+            self.check_owner(&[Src::<F32>::owner(&d), a.owner()]);
+            self.emit(format!(concat!($op, " {}, {};"), d.name(), a.operand()));
+        }
+    };
+}
+
+impl Kernel {
+    binary!(/// `d = a + b`.
+        add, add_to, Arith, |t| format!("add.{t}"));
+    binary!(/// `d = a - b`.
+        sub, sub_to, Arith, |t| format!("sub.{t}"));
+    binary!(/// `d = a * b` (low half for integers, round-to-nearest for floats).
+        mul, mul_to, Arith, |t| format!("{}.{t}", T::MUL));
+    binary!(/// `d = min(a, b)`.
+        min, min_to, Arith, |t| format!("min.{t}"));
+    binary!(/// `d = max(a, b)`.
+        max, max_to, Arith, |t| format!("max.{t}"));
+    binary!(/// Bitwise and.
+        and, and_to, Bits, |_t| format!("and.{}", T::BITS_NAME));
+    binary!(/// Bitwise or.
+        or, or_to, Bits, |_t| format!("or.{}", T::BITS_NAME));
+    binary!(/// Bitwise exclusive or.
+        xor, xor_to, Bits, |_t| format!("xor.{}", T::BITS_NAME));
+
+    /// `d = a * b + c` (`mad.lo` for integers, `fma.rn` for floats).
+    pub fn mad<T: Arith>(&mut self, a: impl Src<T>, b: impl Src<T>, c: impl Src<T>) -> Reg<T> {
+        let d = self.reg();
+        self.mad_to(d, a, b, c);
+        d
+    }
+
+    /// `d = a * b + c` into an existing register.
+    pub fn mad_to<T: Arith>(&mut self, d: Reg<T>, a: impl Src<T>, b: impl Src<T>, c: impl Src<T>) {
+        self.check_owner(&[Src::<T>::owner(&d), a.owner(), b.owner(), c.owner()]);
+        let (op, t) = (T::MAD, T::NAME);
+        let (a, b, c) = (a.operand(), b.operand(), c.operand());
+        self.emit(format!("{op}.{t} {}, {a}, {b}, {c};", d.name()));
+    }
+
+    /// `d = a * b` as 64 bits from two unsigned 32-bit values (`mul.wide.u32`).
+    pub fn mul_wide_u32(&mut self, a: impl Src<U32>, b: impl Src<U32>) -> Reg<U64> {
+        let d = self.reg::<U64>();
+        self.check_owner(&[a.owner(), b.owner()]);
+        self.emit(format!("mul.wide.u32 {}, {}, {};", d.name(), a.operand(), b.operand()));
+        d
+    }
+
+    /// `d = a * b` as 64 bits from two signed 32-bit values (`mul.wide.s32`).
+    pub fn mul_wide_s32(&mut self, a: impl Src<S32>, b: impl Src<S32>) -> Reg<S64> {
+        let d = self.reg::<S64>();
+        self.check_owner(&[a.owner(), b.owner()]);
+        self.emit(format!("mul.wide.s32 {}, {}, {};", d.name(), a.operand(), b.operand()));
+        d
+    }
+
+    /// `d = a << n`.
+    pub fn shl<T: Bits>(&mut self, a: impl Src<T>, n: u32) -> Reg<T> {
+        let d = self.reg();
+        self.check_owner(&[a.owner()]);
+        if n >= 64 {
+            self.fail(super::PtxError::BadOperand(format!("shift by {n}")));
+        }
+        self.emit(format!("shl.{} {}, {}, {n};", T::BITS_NAME, d.name(), a.operand()));
+        d
+    }
+
+    /// `d = a >> n`: logical for unsigned and bit types, arithmetic for signed.
+    pub fn shr<T: Bits>(&mut self, a: impl Src<T>, n: u32) -> Reg<T> {
+        let d = self.reg();
+        self.check_owner(&[a.owner()]);
+        if n >= 64 {
+            self.fail(super::PtxError::BadOperand(format!("shift by {n}")));
+        }
+        self.emit(format!("shr.{} {}, {}, {n};", T::NAME, d.name(), a.operand()));
+        d
+    }
+
+    /// `p = a <cmp> b`.
+    pub fn setp<T: Comparable>(&mut self, cmp: Cmp, a: impl Src<T>, b: impl Src<T>) -> Reg<Pred> {
+        let p = self.reg::<Pred>();
+        self.check_owner(&[a.owner(), b.owner()]);
+        let (c, t) = (cmp.name(), T::NAME);
+        self.emit(format!("setp.{c}.{t} {}, {}, {};", p.name(), a.operand(), b.operand()));
+        p
+    }
+
+    /// `p = a && b` on predicates.
+    pub fn and_pred(&mut self, a: Reg<Pred>, b: Reg<Pred>) -> Reg<Pred> {
+        let p = self.reg::<Pred>();
+        self.check_owner(&[a.owner(), b.owner()]);
+        self.emit(format!("and.pred {}, {}, {};", p.name(), a.name(), b.name()));
+        p
+    }
+
+    /// `p = a || b` on predicates.
+    pub fn or_pred(&mut self, a: Reg<Pred>, b: Reg<Pred>) -> Reg<Pred> {
+        let p = self.reg::<Pred>();
+        self.check_owner(&[a.owner(), b.owner()]);
+        self.emit(format!("or.pred {}, {}, {};", p.name(), a.name(), b.name()));
+        p
+    }
+
+    /// `d = p ? a : b`.
+    pub fn selp<T: PtxType>(&mut self, a: impl Src<T>, b: impl Src<T>, p: Reg<Pred>) -> Reg<T> {
+        let d = self.reg();
+        self.selp_to(d, a, b, p);
+        d
+    }
+
+    /// `d = p ? a : b` into an existing register.
+    pub fn selp_to<T: PtxType>(&mut self, d: Reg<T>, a: impl Src<T>, b: impl Src<T>, p: Reg<Pred>) {
+        self.check_owner(&[Src::<T>::owner(&d), a.owner(), b.owner(), p.owner()]);
+        let t = match T::CLASS {
+            RegClass::B32 => "b32",
+            RegClass::B64 => "b64",
+            _ => T::NAME,
+        };
+        let (a, b) = (a.operand(), b.operand());
+        self.emit(format!("selp.{t} {}, {a}, {b}, {};", d.name(), p.name()));
+    }
+
+    unary_f32!(/// `2^a`, approximate (2 ulp), subnormals flushed: the softmax exponential.
+        ex2, ex2_to, "ex2.approx.ftz.f32");
+    unary_f32!(/// `log2(a)`, approximate, subnormals flushed.
+        lg2, lg2_to, "lg2.approx.ftz.f32");
+    unary_f32!(/// `1 / a`, correctly rounded.
+        rcp, rcp_to, "rcp.rn.f32");
+    unary_f32!(/// `-a`.
+        neg, neg_to, "neg.f32");
+    unary_f32!(/// `|a|`.
+        abs, abs_to, "abs.f32");
+}

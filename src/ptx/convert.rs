@@ -1,0 +1,61 @@
+//! `cvt`: widening, int/float, and packing two f32 into one 16-bit pair.
+
+use super::kernel::{Kernel, Reg, Src};
+use super::module::Target;
+use super::types::*;
+
+impl Kernel {
+    /// Zero-extends a `u32` to `u64`.
+    pub fn cvt_u64_u32(&mut self, a: impl Src<U32>) -> Reg<U64> {
+        let d = self.reg::<U64>();
+        self.check_owner(&[a.owner()]);
+        self.emit(format!("cvt.u64.u32 {}, {};", d.name(), a.operand()));
+        d
+    }
+
+    /// Sign-extends an `s32` to `s64`.
+    pub fn cvt_s64_s32(&mut self, a: impl Src<S32>) -> Reg<S64> {
+        let d = self.reg::<S64>();
+        self.check_owner(&[a.owner()]);
+        self.emit(format!("cvt.s64.s32 {}, {};", d.name(), a.operand()));
+        d
+    }
+
+    /// `s32 -> f32`, round to nearest.
+    pub fn cvt_f32_s32(&mut self, a: impl Src<S32>) -> Reg<F32> {
+        let d = self.reg::<F32>();
+        self.check_owner(&[a.owner()]);
+        self.emit(format!("cvt.rn.f32.s32 {}, {};", d.name(), a.operand()));
+        d
+    }
+
+    /// Packs two f32 into a 16-bit float pair, round to nearest: `lo` lands in the low
+    /// half (the lower address / lower k index), `hi` in the high half. PTX's `cvt` takes
+    /// the high source first; this method takes them in memory order.
+    pub fn pack_half2<H: Half2>(&mut self, lo: impl Src<F32>, hi: impl Src<F32>) -> Reg<H> {
+        let d = self.reg::<H>();
+        self.check_owner(&[lo.owner(), hi.owner()]);
+        let e = H::ELEM;
+        self.emit(format!("cvt.rn.{e}x2.f32 {}, {}, {};", d.name(), hi.operand(), lo.operand()));
+        d
+    }
+
+    /// Packs two f32 into two e4m3 bytes, round to nearest, saturating to ±448 (`lo` in
+    /// byte 0). Needs sm_89.
+    pub fn pack_e4m3x2(&mut self, lo: impl Src<F32>, hi: impl Src<F32>) -> Reg<B16> {
+        self.requires(Target::Sm89);
+        let d = self.reg::<B16>();
+        self.check_owner(&[lo.owner(), hi.owner()]);
+        let (hi, lo) = (hi.operand(), lo.operand());
+        self.emit(format!("cvt.rn.satfinite.e4m3x2.f32 {}, {hi}, {lo};", d.name()));
+        d
+    }
+
+    /// Joins two 16-bit halves into one 32-bit word (`lo` in the low half).
+    pub fn join_b16x2(&mut self, lo: Reg<B16>, hi: Reg<B16>) -> Reg<B32> {
+        let d = self.reg::<B32>();
+        self.check_owner(&[Src::<B16>::owner(&lo), Src::<B16>::owner(&hi)]);
+        self.emit(format!("mov.b32 {}, {{{}, {}}};", d.name(), lo.name(), hi.name()));
+        d
+    }
+}

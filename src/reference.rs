@@ -1,0 +1,1 @@
+//! Float64 CPU reference.
