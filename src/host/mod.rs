@@ -1,1 +1,19 @@
 //! The driver layer and the public API.
+//!
+//! - [`device`]: driver presence, device properties, the CUDA context.
+//! - [`module`]: PTX loading through `cuModuleLoadDataEx` with the JIT logs kept.
+//! - [`cache`]: generate-and-load once per (kernel, architecture).
+//! - [`launch`]: raw kernel launches on a caller's stream.
+//! - [`timing`]: CUDA-event timing.
+//! - [`tensor`]: tensor views (pointer, shape, strides, dtype).
+//! - [`validate`]: argument checks that return typed errors before anything runs.
+//! - [`attention`]: the forward-attention entry point and dispatch.
+
+pub mod attention;
+pub mod cache;
+pub mod device;
+pub mod launch;
+pub mod module;
+pub mod tensor;
+pub mod timing;
+pub mod validate;

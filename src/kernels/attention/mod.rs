@@ -1,1 +1,137 @@
-//! Attention forward kernels.
+//! Attention forward kernels: configurations, the argument block shared with the host,
+//! and the generators.
+
+pub mod sm80;
+
+use crate::ptx::{Module, PtxError};
+
+/// The 16-bit element type of Q, K, V and O.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum HalfType {
+    F16,
+    Bf16,
+}
+
+impl HalfType {
+    pub fn name(self) -> &'static str {
+        match self {
+            HalfType::F16 => "f16",
+            HalfType::Bf16 => "bf16",
+        }
+    }
+}
+
+/// Which generator family a configuration uses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Path {
+    /// FlashAttention-2 style: `mma.sync` + `cp.async`, `.target sm_80`; runs on sm_80..sm_90.
+    Sm80,
+}
+
+impl Path {
+    pub fn name(self) -> &'static str {
+        match self {
+            Path::Sm80 => "sm80",
+        }
+    }
+}
+
+/// Head dimensions the forward kernels are generated for.
+pub const FWD_HEAD_DIMS: [u32; 5] = [32, 64, 96, 128, 256];
+
+/// One forward-kernel configuration: everything that changes the generated code.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct FwdConfig {
+    pub path: Path,
+    pub dtype: HalfType,
+    pub head_dim: u32,
+    pub causal: bool,
+}
+
+impl FwdConfig {
+    /// The kernel id: also the PTX entry name, e.g. `attn_fwd_sm80_f16_d128_causal`.
+    pub fn id(&self) -> String {
+        format!(
+            "attn_fwd_{}_{}_d{}{}",
+            self.path.name(),
+            self.dtype.name(),
+            self.head_dim,
+            if self.causal { "_causal" } else { "" }
+        )
+    }
+
+    /// Parses an id made by [`FwdConfig::id`].
+    pub fn from_id(id: &str) -> Option<FwdConfig> {
+        all_fwd_configs().into_iter().find(|c| c.id() == id)
+    }
+
+    /// Tile shape and launch geometry.
+    pub fn tiling(&self) -> Tiling {
+        match self.path {
+            Path::Sm80 => sm80::tiling(self),
+        }
+    }
+
+    /// Generates the module (one entry, named [`FwdConfig::id`]).
+    pub fn generate(&self) -> Result<Module, PtxError> {
+        match self.path {
+            Path::Sm80 => sm80::generate(self),
+        }
+    }
+}
+
+/// Tile shape and launch geometry of a forward kernel.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Tiling {
+    /// Query rows per block.
+    pub block_m: u32,
+    /// Key rows per inner-loop step.
+    pub block_n: u32,
+    /// Threads per block.
+    pub threads: u32,
+    /// Dynamic shared memory per block, bytes.
+    pub smem_bytes: u32,
+}
+
+/// Every forward configuration the dispatch can choose.
+pub fn all_fwd_configs() -> Vec<FwdConfig> {
+    let mut v = Vec::new();
+    for dtype in [HalfType::F16, HalfType::Bf16] {
+        for head_dim in FWD_HEAD_DIMS {
+            for causal in [false, true] {
+                v.push(FwdConfig { path: Path::Sm80, dtype, head_dim, causal });
+            }
+        }
+    }
+    v
+}
+
+/// The by-value argument block of every forward kernel (`.param .align 8 .b8 args[..]`).
+/// Strides are in elements, for the logical dimensions (batch, sequence, head); the head
+/// dimension is contiguous. `lse` may be 0 (no log-sum-exp output).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, bytemuck::Pod, bytemuck::Zeroable)]
+pub struct FwdArgs {
+    pub q: u64,
+    pub k: u64,
+    pub v: u64,
+    pub o: u64,
+    pub lse: u64,
+    pub q_stride: [u64; 3],
+    pub k_stride: [u64; 3],
+    pub v_stride: [u64; 3],
+    pub o_stride: [u64; 3],
+    pub seqlen_q: u32,
+    pub seqlen_k: u32,
+    pub heads_q: u32,
+    /// Query heads per key/value head (Hq / Hkv).
+    pub group: u32,
+    /// softmax_scale · log2(e): scores go through `exp2`.
+    pub scale_log2: f32,
+    /// Sk − Sq: query row i sees keys j <= i + causal_offset (bottom-right alignment).
+    pub causal_offset: i32,
+}
+
+impl FwdArgs {
+    pub const SIZE: usize = std::mem::size_of::<FwdArgs>();
+}
