@@ -13,16 +13,26 @@ pub enum Error {
     NoDevice { ordinal: usize, count: usize },
     /// The GPU's architecture has no kernel path.
     #[error("unsupported GPU: {name} is sm_{major}{minor}; flashcore needs sm_80 or newer")]
-    UnsupportedGpu { name: String, major: i32, minor: i32 },
+    UnsupportedGpu {
+        name: String,
+        major: i32,
+        minor: i32,
+    },
     /// Two tensors disagree on a dimension, or a tensor has the wrong rank or extent.
     #[error("shape mismatch: {0}")]
     ShapeMismatch(String),
     /// A stride is not usable: last dimension not contiguous, or overlapping/overflowing strides.
     #[error("bad strides for {tensor}: {reason}")]
-    BadStrides { tensor: &'static str, reason: String },
+    BadStrides {
+        tensor: &'static str,
+        reason: String,
+    },
     /// A dimension is zero.
     #[error("{tensor} has a zero-size dimension ({dim})")]
-    EmptyDimension { tensor: &'static str, dim: &'static str },
+    EmptyDimension {
+        tensor: &'static str,
+        dim: &'static str,
+    },
     /// The head dimension has no kernel.
     #[error("unsupported head dimension {0} (supported: {1})")]
     UnsupportedHeadDim(usize, &'static str),
@@ -37,7 +47,11 @@ pub enum Error {
     NullPointer(&'static str),
     /// A device pointer is not aligned as the kernel needs.
     #[error("{tensor} pointer {ptr:#x} is not {align}-byte aligned")]
-    Misaligned { tensor: &'static str, ptr: u64, align: u64 },
+    Misaligned {
+        tensor: &'static str,
+        ptr: u64,
+        align: u64,
+    },
     /// An argument outside its domain (a non-finite softmax scale, say).
     #[error("invalid argument: {0}")]
     InvalidArgument(String),
@@ -46,7 +60,11 @@ pub enum Error {
     Ptx(#[from] PtxError),
     /// The driver's JIT (ptxas) refused the module; `log` holds its error log.
     #[error("loading kernel {kernel} failed ({code}): {log}")]
-    ModuleLoad { kernel: String, code: String, log: String },
+    ModuleLoad {
+        kernel: String,
+        code: String,
+        log: String,
+    },
     /// Any other driver call failed.
     #[error("CUDA driver call {call} failed: {code}")]
     Driver { call: &'static str, code: String },

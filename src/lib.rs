@@ -7,6 +7,7 @@
 //! - [`host`]: the driver layer and the public forward API.
 //! - [`reference`]: float64 CPU reference with the kernels' exact semantics.
 
+pub mod check;
 pub mod error;
 pub mod host;
 pub mod kernels;

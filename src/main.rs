@@ -1,1 +1,444 @@
-fn main() {}
+//! The `flashcore` command line.
+//!
+//! ```text
+//! flashcore info                 driver, GPU, and the kernel each configuration dispatches to
+//! flashcore ptx --list           every kernel id the dispatch can choose
+//! flashcore ptx <id>             that kernel's PTX
+//! flashcore report               each kernel's tiling, and registers/spills if ptxas is on PATH
+//! flashcore run [options]        one forward pass: error against float64 and time (GPU)
+//! flashcore bench [--json FILE]  the benchmark shapes, TFLOP/s (GPU)
+//! ```
+
+use std::process::ExitCode;
+use std::sync::Arc;
+
+use flashcore::check::{FwdCase, Layout, check_forward, time_forward};
+use flashcore::host::attention::{Attention, dispatch, path_for_arch};
+use flashcore::host::device::{Device, driver_present};
+use flashcore::kernels::attention::{FWD_HEAD_DIMS, FwdConfig, HalfType, all_fwd_configs};
+use flashcore::kernels::catalog;
+use flashcore::reference::Rng;
+
+const USAGE: &str = "usage:
+  flashcore info
+  flashcore ptx --list | ptx <id>
+  flashcore report
+  flashcore run [--batch B] [--heads H] [--kv-heads HKV] [--seqlen S | --seqlen-q SQ --seqlen-k SK]
+                [--head-dim D] [--dtype f16|bf16] [--causal] [--layout bshd|bhsd] [--iters N]
+  flashcore bench [--json FILE] [--iters N]";
+
+fn main() -> ExitCode {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let rest = args.get(1..).unwrap_or(&[]);
+    let result = match args.first().map(String::as_str) {
+        Some("info") => info(),
+        Some("ptx") => ptx(rest),
+        Some("report") => report(),
+        Some("run") => run(rest),
+        Some("bench") => bench(rest),
+        Some("help" | "--help" | "-h") => {
+            println!("{USAGE}");
+            Ok(())
+        }
+        _ => Err(Failure::Usage(String::new())),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(Failure::Usage(msg)) => {
+            if !msg.is_empty() {
+                eprintln!("error: {msg}");
+            }
+            eprintln!("{USAGE}");
+            ExitCode::from(2)
+        }
+        Err(Failure::Run(msg)) => {
+            eprintln!("error: {msg}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+enum Failure {
+    Usage(String),
+    Run(String),
+}
+
+impl From<flashcore::Error> for Failure {
+    fn from(e: flashcore::Error) -> Self {
+        Failure::Run(e.to_string())
+    }
+}
+
+/// Opens device 0, or explains why there is none.
+fn open_gpu() -> Result<Arc<Device>, Failure> {
+    if !driver_present() {
+        return Err(Failure::Run(
+            "no CUDA driver on this machine (libcuda not found): this command needs an NVIDIA GPU. \
+             `flashcore report` shows the generated kernels without one."
+                .into(),
+        ));
+    }
+    Ok(Arc::new(Device::new(0)?))
+}
+
+fn info() -> Result<(), Failure> {
+    println!("flashcore {}", env!("CARGO_PKG_VERSION"));
+    let arch = if !driver_present() {
+        println!("driver: none (libcuda not found); no GPU path can run here");
+        None
+    } else {
+        let dev = Device::new(0)?;
+        let (major, minor) = dev.compute_capability();
+        println!(
+            "driver: CUDA {}.{}",
+            dev.driver_version() / 1000,
+            dev.driver_version() % 1000 / 10
+        );
+        println!(
+            "gpu 0: {} ({}), {} SMs, {} KiB shared memory per block (opt-in), {} MiB L2",
+            dev.name(),
+            dev.arch_name(),
+            dev.sm_count(),
+            dev.smem_optin() / 1024,
+            dev.l2_bytes() >> 20
+        );
+        match path_for_arch((major, minor)) {
+            Ok(p) => println!("path: {}", p.name()),
+            Err(why) => println!("path: none ({why})"),
+        }
+        Some((major, minor))
+    };
+    println!(
+        "\ndispatch (dtype, head dim, causal -> kernel{}):",
+        if arch.is_some() {
+            ""
+        } else {
+            " on sm_80..sm_90"
+        }
+    );
+    let arch = arch.unwrap_or((8, 0));
+    for dtype in [HalfType::F16, HalfType::Bf16] {
+        for d in FWD_HEAD_DIMS {
+            for causal in [false, true] {
+                let target = match dispatch(arch, dtype, d, causal) {
+                    Ok(cfg) => {
+                        let t = cfg.tiling();
+                        format!(
+                            "{}  (tile {}x{}, {} threads, {} KiB smem)",
+                            cfg.id(),
+                            t.block_m,
+                            t.block_n,
+                            t.threads,
+                            t.smem_bytes / 1024
+                        )
+                    }
+                    Err(why) => format!("unsupported: {why}"),
+                };
+                println!(
+                    "  {:<4} d{:<3} {:<6} -> {target}",
+                    dtype.name(),
+                    d,
+                    if causal { "causal" } else { "full" }
+                );
+            }
+        }
+    }
+    Ok(())
+}
+
+fn ptx(args: &[String]) -> Result<(), Failure> {
+    match args.first().map(String::as_str) {
+        Some("--list") => {
+            for spec in catalog() {
+                println!("{}", spec.id());
+            }
+            Ok(())
+        }
+        Some(id) => {
+            let spec = flashcore::kernels::find(id).ok_or_else(|| {
+                Failure::Usage(format!("no kernel `{id}` (see `flashcore ptx --list`)"))
+            })?;
+            let module = spec.generate().map_err(|e| Failure::Run(e.to_string()))?;
+            print!("{}", module.to_ptx());
+            Ok(())
+        }
+        None => Err(Failure::Usage("ptx needs --list or a kernel id".into())),
+    }
+}
+
+/// Each kernel's tiling; with ptxas on PATH, its registers and spills for sm_80.
+fn report() -> Result<(), Failure> {
+    let ptxas = which("ptxas");
+    println!(
+        "{:<34} {:>9} {:>7} {:>9} {}",
+        "kernel",
+        "tile",
+        "threads",
+        "smem KiB",
+        if ptxas.is_some() {
+            "ptxas sm_80 (registers, spills)"
+        } else {
+            "(ptxas not on PATH: no register report)"
+        }
+    );
+    for cfg in all_fwd_configs() {
+        let t = cfg.tiling();
+        let usage = match &ptxas {
+            Some(p) => ptxas_usage(p, &cfg).unwrap_or_else(|e| format!("error: {e}")),
+            None => String::new(),
+        };
+        println!(
+            "{:<34} {:>9} {:>7} {:>9} {usage}",
+            cfg.id(),
+            format!("{}x{}", t.block_m, t.block_n),
+            t.threads,
+            t.smem_bytes / 1024
+        );
+    }
+    Ok(())
+}
+
+fn which(tool: &str) -> Option<std::path::PathBuf> {
+    std::env::var_os("PATH")?
+        .to_str()?
+        .split(':')
+        .map(|d| std::path::Path::new(d).join(tool))
+        .find(|p| p.is_file())
+}
+
+fn ptxas_usage(ptxas: &std::path::Path, cfg: &FwdConfig) -> Result<String, String> {
+    let dir = std::env::temp_dir().join(format!("flashcore-report-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
+    let src = dir.join(format!("{}.ptx", cfg.id()));
+    let ptx = cfg.generate().map_err(|e| e.to_string())?.to_ptx();
+    std::fs::write(&src, ptx).map_err(|e| e.to_string())?;
+    let out = std::process::Command::new(ptxas)
+        .args(["-arch=sm_80", "-v", "-o"])
+        .arg(dir.join("k.cubin"))
+        .arg(&src)
+        .output()
+        .map_err(|e| e.to_string())?;
+    let log = String::from_utf8_lossy(&out.stderr).to_string();
+    let _ = std::fs::remove_dir_all(&dir);
+    if !out.status.success() {
+        return Err(log);
+    }
+    let regs = log
+        .split("Used ")
+        .nth(1)
+        .and_then(|s| s.split(' ').next())
+        .unwrap_or("?")
+        .to_string();
+    let spills = log
+        .split(", ")
+        .find(|s| s.contains("spill stores"))
+        .unwrap_or("? spill stores");
+    Ok(format!("{regs} registers, {}", spills.trim()))
+}
+
+/// Parses `--name value` pairs and `--flag` switches.
+struct Opts<'a> {
+    args: &'a [String],
+}
+
+impl<'a> Opts<'a> {
+    fn value(&self, name: &str) -> Option<&'a str> {
+        self.args
+            .iter()
+            .position(|a| a == name)
+            .and_then(|i| self.args.get(i + 1))
+            .map(String::as_str)
+    }
+    fn num(&self, name: &str, default: usize) -> Result<usize, Failure> {
+        match self.value(name) {
+            None => Ok(default),
+            Some(v) => v
+                .parse()
+                .map_err(|_| Failure::Usage(format!("{name} takes a number, got `{v}`"))),
+        }
+    }
+    fn flag(&self, name: &str) -> bool {
+        self.args.iter().any(|a| a == name)
+    }
+    fn check_known(&self, known: &[&str], switches: &[&str]) -> Result<(), Failure> {
+        let mut i = 0;
+        while i < self.args.len() {
+            let a = self.args[i].as_str();
+            if switches.contains(&a) {
+                i += 1;
+            } else if known.contains(&a) {
+                i += 2;
+            } else {
+                return Err(Failure::Usage(format!("unknown argument `{a}`")));
+            }
+        }
+        Ok(())
+    }
+}
+
+fn parse_dtype(s: &str) -> Result<HalfType, Failure> {
+    match s {
+        "f16" | "fp16" => Ok(HalfType::F16),
+        "bf16" => Ok(HalfType::Bf16),
+        other => Err(Failure::Usage(format!(
+            "unknown dtype `{other}` (f16 or bf16)"
+        ))),
+    }
+}
+
+fn run(args: &[String]) -> Result<(), Failure> {
+    let o = Opts { args };
+    o.check_known(
+        &[
+            "--batch",
+            "--heads",
+            "--kv-heads",
+            "--seqlen",
+            "--seqlen-q",
+            "--seqlen-k",
+            "--head-dim",
+            "--dtype",
+            "--layout",
+            "--iters",
+        ],
+        &["--causal"],
+    )?;
+    let seqlen = o.num("--seqlen", 512)?;
+    let heads = o.num("--heads", 8)?;
+    let case = FwdCase {
+        batch: o.num("--batch", 2)?,
+        seqlen_q: o.num("--seqlen-q", seqlen)?,
+        seqlen_k: o.num("--seqlen-k", seqlen)?,
+        heads_q: heads,
+        heads_kv: o.num("--kv-heads", heads)?,
+        head_dim: o.num("--head-dim", 64)?,
+        dtype: parse_dtype(o.value("--dtype").unwrap_or("f16"))?,
+        causal: o.flag("--causal"),
+        layout: match o.value("--layout").unwrap_or("bshd") {
+            "bshd" => Layout::Bshd,
+            "bhsd" => Layout::Bhsd,
+            other => return Err(Failure::Usage(format!("unknown layout `{other}`"))),
+        },
+    };
+    let iters = o.num("--iters", 20)?;
+    let dev = open_gpu()?;
+    let stream = dev.context().default_stream();
+    let attn = Attention::new(dev.clone())?;
+    let mut rng = Rng::from_entropy();
+    let r = check_forward(&attn, &stream, case, &mut rng)?;
+    println!(
+        "{} {} B{} H{}/{} Sq{} Sk{} D{} {} {:?}",
+        dev.name(),
+        case.dtype.name(),
+        case.batch,
+        case.heads_q,
+        case.heads_kv,
+        case.seqlen_q,
+        case.seqlen_k,
+        case.head_dim,
+        if case.causal { "causal" } else { "full" },
+        case.layout
+    );
+    println!(
+        "relative L2 error vs float64: out {:.3e}, lse {:.3e}, unwritten {} (tolerance {:.1e}; seed {:#x})",
+        r.out_err,
+        r.lse_err,
+        r.unwritten,
+        flashcore::check::tolerance(case.dtype),
+        r.seed
+    );
+    if iters > 0 {
+        let t = time_forward(&attn, &stream, case, iters, &mut rng)?;
+        println!(
+            "time: median {:.3} ms (min {:.3}, max {:.3}, {} runs) = {:.1} TFLOP/s",
+            t.median_ms,
+            t.min_ms,
+            t.max_ms,
+            t.iters,
+            case.flops() / (t.median_ms as f64 * 1e9)
+        );
+    }
+    for (id, _, regs, local) in attn.loaded_kernels() {
+        println!("kernel {id}: {regs} registers, {local} bytes local memory");
+    }
+    if r.passes(case.dtype) {
+        Ok(())
+    } else {
+        Err(Failure::Run("error above tolerance".into()))
+    }
+}
+
+/// The benchmark shapes of the project (B, H, S, D), each causal and not, fp16.
+pub const BENCH_SHAPES: [(usize, usize, usize, usize); 4] = [
+    (2, 8, 512, 64),
+    (4, 32, 4096, 64),
+    (8, 16, 2048, 128),
+    (1, 16, 16384, 128),
+];
+
+fn bench(args: &[String]) -> Result<(), Failure> {
+    let o = Opts { args };
+    o.check_known(&["--json", "--iters", "--dtype"], &[])?;
+    let iters = o.num("--iters", 30)?;
+    let dtype = parse_dtype(o.value("--dtype").unwrap_or("f16"))?;
+    let dev = open_gpu()?;
+    let stream = dev.context().default_stream();
+    let attn = Attention::new(dev.clone())?;
+    let mut rng = Rng::from_entropy();
+    let mut records = Vec::new();
+    println!("{} ({}), {dtype:?}", dev.name(), dev.arch_name());
+    println!(
+        "{:<24} {:>7} {:>10} {:>9} {:>10}",
+        "shape", "causal", "ms", "TFLOP/s", "rel err"
+    );
+    let total = BENCH_SHAPES.len() * 2;
+    let runs = BENCH_SHAPES
+        .iter()
+        .flat_map(|&shape| [(shape, false), (shape, true)]);
+    for (i, ((b, h, s, d), causal)) in runs.enumerate() {
+        eprintln!("[{}/{total}] B{b} H{h} S{s} D{d} causal={causal}", i + 1);
+        let case = FwdCase {
+            batch: b,
+            seqlen_q: s,
+            seqlen_k: s,
+            heads_q: h,
+            heads_kv: h,
+            head_dim: d,
+            dtype,
+            causal,
+            layout: Layout::Bhsd,
+        };
+        // The error check on the largest shapes would cost minutes of float64 on the CPU;
+        // check a one-batch, two-head slice of the same kernel instead.
+        let checked = FwdCase {
+            batch: 1,
+            heads_q: 2,
+            heads_kv: 2,
+            ..case
+        };
+        let err = check_forward(&attn, &stream, checked, &mut rng)?;
+        let t = time_forward(&attn, &stream, case, iters, &mut rng)?;
+        let tflops = case.flops() / (t.median_ms as f64 * 1e9);
+        println!(
+            "{:<24} {:>7} {:>10.4} {:>9.1} {:>10.2e}",
+            format!("B{b} H{h} S{s} D{d}"),
+            causal,
+            t.median_ms,
+            tflops,
+            err.out_err
+        );
+        records.push(format!(
+            "{{\"batch\": {b}, \"heads_q\": {h}, \"heads_kv\": {h}, \"seqlen_q\": {s}, \"seqlen_k\": {s}, \
+             \"head_dim\": {d}, \"dtype\": \"{}\", \"causal\": {causal}, \"backend\": \"flashcore\", \
+             \"median_ms\": {:.6}, \"tflops\": {tflops:.3}, \"rel_err\": {:.3e}}}",
+            if dtype == HalfType::F16 { "float16" } else { "bfloat16" },
+            t.median_ms,
+            err.out_err
+        ));
+    }
+    if let Some(path) = o.value("--json") {
+        std::fs::write(path, format!("[\n  {}\n]\n", records.join(",\n  ")))
+            .map_err(|e| Failure::Run(format!("writing {path}: {e}")))?;
+    }
+    Ok(())
+}

@@ -1,1 +1,161 @@
-//! (in progress)
+//! Forward attention: validation, dispatch, the module cache and the launch.
+
+use std::ffi::c_void;
+use std::sync::Arc;
+
+use cudarc::driver::sys::CUstream;
+
+use super::cache::ModuleCache;
+use super::device::Device;
+use super::launch::{LaunchDims, launch};
+use super::module::LoadedKernel;
+use super::tensor::{AttentionParams, LseView, TensorView};
+use super::validate::{FwdProblem, validate_fwd};
+use crate::error::{Error, Result};
+use crate::kernels::attention::{FwdArgs, FwdConfig, HalfType, Path};
+
+/// Which kernel path an architecture gets, or why it gets none.
+pub fn path_for_arch(arch: (i32, i32)) -> Result<Path, String> {
+    match arch {
+        (major, _) if major >= 8 => Ok(Path::Sm80),
+        (major, minor) => Err(format!("sm_{major}{minor} is below sm_80: no kernel path")),
+    }
+}
+
+/// The kernel configuration a problem dispatches to on `arch`.
+pub fn dispatch(
+    arch: (i32, i32),
+    dtype: HalfType,
+    head_dim: u32,
+    causal: bool,
+) -> Result<FwdConfig, String> {
+    let path = path_for_arch(arch)?;
+    let cfg = FwdConfig {
+        path,
+        dtype,
+        head_dim,
+        causal,
+    };
+    match FwdConfig::from_id(cfg.id_static()) {
+        Some(_) => Ok(cfg),
+        None => Err(format!("no kernel for head dim {head_dim}")),
+    }
+}
+
+/// Forward attention on one device: owns the loaded kernels for it.
+///
+/// The first call for a configuration generates its PTX and loads it (milliseconds);
+/// later calls validate, look the kernel up and launch, with no allocation, so they can
+/// be captured in a CUDA graph.
+pub struct Attention {
+    device: Arc<Device>,
+    cache: ModuleCache,
+}
+
+impl Attention {
+    /// Forward attention on `device`; refuses GPUs below sm_80.
+    pub fn new(device: Arc<Device>) -> Result<Attention> {
+        device.require_sm80()?;
+        Ok(Attention {
+            device,
+            cache: ModuleCache::new(),
+        })
+    }
+
+    pub fn device(&self) -> &Arc<Device> {
+        &self.device
+    }
+
+    /// The kernels loaded so far: (id, arch, registers, local-memory bytes).
+    pub fn loaded_kernels(&self) -> Vec<(String, (i32, i32), i32, i32)> {
+        self.cache.loaded()
+    }
+
+    /// The configuration `problem` runs with on this device.
+    pub fn plan(&self, problem: &FwdProblem) -> Result<FwdConfig> {
+        let arch = self.device.compute_capability();
+        dispatch(arch, problem.dtype, problem.head_dim as u32, problem.causal).map_err(|why| {
+            let (major, minor) = arch;
+            Error::UnsupportedGpu {
+                name: format!("{} ({why})", self.device.name()),
+                major,
+                minor,
+            }
+        })
+    }
+
+    /// Generates and loads the kernel for `cfg` now (otherwise the first call does it).
+    pub fn prepare(&self, cfg: &FwdConfig) -> Result<Arc<LoadedKernel>> {
+        let arch = self.device.compute_capability();
+        self.cache
+            .get_or_load(self.device.context(), cfg.id_static(), arch, || {
+                let ptx = cfg.generate()?.to_ptx();
+                Ok((ptx, cfg.tiling().smem_bytes))
+            })
+    }
+
+    /// `o = softmax(q kᵀ · scale) v` over views of device memory, on `stream` (null for the
+    /// context's default stream). Writes `lse` (natural log, float32 `[B, H, Sq]`) when given.
+    /// Every argument is checked first: on error nothing is launched and nothing written.
+    ///
+    /// The pointers must be device memory of this device's context, valid for the views'
+    /// extents until the kernel has run; the call is asynchronous.
+    #[allow(clippy::too_many_arguments)]
+    pub fn forward(
+        &self,
+        q: &TensorView,
+        k: &TensorView,
+        v: &TensorView,
+        o: &TensorView,
+        lse: Option<&LseView>,
+        params: &AttentionParams,
+        stream: CUstream,
+    ) -> Result<()> {
+        let problem = validate_fwd(q, k, v, o, lse, params)?;
+        let cfg = self.plan(&problem)?;
+        let kernel = self.prepare(&cfg)?;
+        let tiling = cfg.tiling();
+        let mut args = FwdArgs {
+            q: q.ptr,
+            k: k.ptr,
+            v: v.ptr,
+            o: o.ptr,
+            lse: lse.map_or(0, |l| l.ptr),
+            q_stride: strides(q),
+            k_stride: strides(k),
+            v_stride: strides(v),
+            o_stride: strides(o),
+            seqlen_q: problem.seqlen_q as u32,
+            seqlen_k: problem.seqlen_k as u32,
+            heads_q: problem.heads_q as u32,
+            group: problem.group() as u32,
+            scale_log2: problem.scale * std::f32::consts::LOG2_E,
+            causal_offset: problem.seqlen_k as i32 - problem.seqlen_q as i32,
+        };
+        let dims = LaunchDims {
+            grid: (
+                problem.seqlen_q.div_ceil(tiling.block_m as usize) as u32,
+                problem.heads_q as u32,
+                problem.batch as u32,
+            ),
+            block: (tiling.threads, 1, 1),
+            dynamic_smem: tiling.smem_bytes,
+        };
+        let mut params = [&mut args as *mut FwdArgs as *mut c_void];
+        // SAFETY: the kernel's one parameter is the by-value `FwdArgs` block, which `args`
+        // is and which outlives the call; validate_fwd checked every pointer is non-null,
+        // aligned, and that the strides and shapes describe the extents the kernel reads
+        // (q, k, v) and writes (o, lse); the caller guarantees they are live device memory
+        // of this context and that `stream` belongs to it.
+        unsafe { launch(&kernel, &dims, stream, &mut params) }
+    }
+}
+
+/// (batch, sequence, head) strides in elements.
+fn strides(t: &TensorView) -> [u64; 3] {
+    [
+        t.strides[0] as u64,
+        t.strides[1] as u64,
+        t.strides[2] as u64,
+    ]
+}

@@ -1,1 +1,215 @@
-//! (in progress)
+//! CUDA-event timing on a raw stream.
+//!
+//! Events measure GPU time between two points of a stream, so host-side launch overhead
+//! only counts where it leaves the GPU idle.
+
+use std::ptr;
+use std::sync::Arc;
+
+use cudarc::driver::CudaContext;
+use cudarc::driver::sys::{self, CUevent, CUevent_flags, CUstream};
+
+use super::device::{check, driver_err};
+use crate::error::{Error, Result};
+
+/// One timing-capable CUDA event (`CU_EVENT_DEFAULT`; cudarc's `new_event(None)` would
+/// disable timing), destroyed on drop.
+#[derive(Debug)]
+struct Event {
+    ctx: Arc<CudaContext>,
+    raw: CUevent,
+}
+
+impl Event {
+    fn new(ctx: &Arc<CudaContext>) -> Result<Self> {
+        ctx.bind_to_thread()
+            .map_err(driver_err("cuCtxSetCurrent"))?;
+        let mut raw: CUevent = ptr::null_mut();
+        // SAFETY: the context is bound to this thread; `raw` is a valid out-pointer; the
+        // flags are a valid CUevent_flags value.
+        check("cuEventCreate", unsafe {
+            sys::cuEventCreate(&mut raw, CUevent_flags::CU_EVENT_DEFAULT as u32)
+        })?;
+        Ok(Self {
+            ctx: Arc::clone(ctx),
+            raw,
+        })
+    }
+
+    /// Enqueues the event on `stream` (null = legacy default stream).
+    fn record(&self, stream: CUstream) -> Result<()> {
+        self.ctx
+            .bind_to_thread()
+            .map_err(driver_err("cuCtxSetCurrent"))?;
+        // SAFETY: `self.raw` is a live event of the bound context. `stream` is, by the
+        // documented contract of the public callers, null or a live stream of that context.
+        check("cuEventRecord", unsafe {
+            sys::cuEventRecord(self.raw, stream)
+        })
+    }
+
+    /// Milliseconds from `self` to `end`, waiting for `end` to complete first.
+    fn elapsed_to(&self, end: &Event) -> Result<f32> {
+        self.ctx
+            .bind_to_thread()
+            .map_err(driver_err("cuCtxSetCurrent"))?;
+        // SAFETY: `end.raw` is a live event of the bound context.
+        check("cuEventSynchronize", unsafe {
+            sys::cuEventSynchronize(end.raw)
+        })?;
+        let mut ms = 0f32;
+        // SAFETY: both events are live, timing-enabled events of the bound context; `ms` is
+        // a valid out-pointer. (The cuda-12080 bindings name the v1 entry point, which every
+        // 12.x and 13.x driver exports.)
+        check("cuEventElapsedTime", unsafe {
+            sys::cuEventElapsedTime(&mut ms, self.raw, end.raw)
+        })?;
+        Ok(ms)
+    }
+}
+
+impl Drop for Event {
+    fn drop(&mut self) {
+        // Nothing can be reported from Drop: a failed bind or destroy is ignored.
+        let _ = self.ctx.bind_to_thread();
+        // SAFETY: `self.raw` was created by cuEventCreate and is destroyed exactly once, here.
+        // Destroying an event that is still pending is allowed: the driver releases it once
+        // the event completes.
+        let _ = unsafe { sys::cuEventDestroy_v2(self.raw) };
+    }
+}
+
+// SAFETY: a CUevent is an opaque driver handle and the driver API is thread-safe; every use
+// binds the owning context to the calling thread first.
+unsafe impl Send for Event {}
+// SAFETY: as above; shared access only records, synchronizes on or reads the event.
+unsafe impl Sync for Event {}
+
+/// A start/stop pair of events for timing one span of a stream.
+///
+/// The raw `stream` passed to the `record_*` methods must be null (the legacy default
+/// stream) or a live stream of the timer's context.
+#[derive(Debug)]
+pub struct EventTimer {
+    start: Event,
+    stop: Event,
+}
+
+impl EventTimer {
+    /// Creates the two events in `ctx`.
+    pub fn new(ctx: &Arc<CudaContext>) -> Result<Self> {
+        Ok(Self {
+            start: Event::new(ctx)?,
+            stop: Event::new(ctx)?,
+        })
+    }
+
+    /// Marks the start of the timed span on `stream`.
+    pub fn record_start(&self, stream: CUstream) -> Result<()> {
+        self.start.record(stream)
+    }
+
+    /// Marks the end of the timed span on `stream`.
+    pub fn record_stop(&self, stream: CUstream) -> Result<()> {
+        self.stop.record(stream)
+    }
+
+    /// Milliseconds between the two marks. Blocks until the stop mark has been reached.
+    pub fn elapsed_ms(&self) -> Result<f32> {
+        self.start.elapsed_to(&self.stop)
+    }
+}
+
+/// Summary of a timed run, in milliseconds.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct TimingStats {
+    pub median_ms: f32,
+    pub min_ms: f32,
+    pub max_ms: f32,
+    /// Number of timed iterations (warm-up calls not included).
+    pub iters: usize,
+}
+
+/// Median (mean of the two middle values for an even count), min and max. `None` when empty.
+fn summarize(samples: &mut [f32]) -> Option<TimingStats> {
+    let n = samples.len();
+    if n == 0 {
+        return None;
+    }
+    samples.sort_by(f32::total_cmp);
+    let median_ms = if n % 2 == 1 {
+        samples[n / 2]
+    } else {
+        (samples[n / 2 - 1] + samples[n / 2]) / 2.0
+    };
+    Some(TimingStats {
+        median_ms,
+        min_ms: samples[0],
+        max_ms: samples[n - 1],
+        iters: n,
+    })
+}
+
+/// Times `f` (which should enqueue work on `stream`) `iters` times after `warmup` untimed
+/// calls, and summarizes the per-iteration GPU times.
+///
+/// Events `e0, e1, ..., e_iters` are recorded between the calls, with no host
+/// synchronization in between, so iteration `i` is the span `e_i -> e_{i+1}` and the GPU
+/// does not idle between iterations while the host launches the next one. (With
+/// `warmup == 0`, the first span may include the first launch's host overhead.)
+///
+/// `stream` must be null (the legacy default stream) or a live stream of `ctx`, and `f`
+/// must enqueue its work on it. Errors from `f` are returned as they are.
+pub fn median_ms(
+    ctx: &Arc<CudaContext>,
+    stream: CUstream,
+    warmup: usize,
+    iters: usize,
+    mut f: impl FnMut() -> Result<()>,
+) -> Result<TimingStats> {
+    if iters == 0 {
+        return Err(Error::InvalidArgument(
+            "median_ms needs at least one timed iteration".into(),
+        ));
+    }
+    let marks = (0..=iters)
+        .map(|_| Event::new(ctx))
+        .collect::<Result<Vec<_>>>()?;
+    for _ in 0..warmup {
+        f()?;
+    }
+    marks[0].record(stream)?;
+    for mark in &marks[1..] {
+        f()?;
+        mark.record(stream)?;
+    }
+    let mut samples = marks
+        .windows(2)
+        .map(|w| w[0].elapsed_to(&w[1]))
+        .collect::<Result<Vec<_>>>()?;
+    // `iters > 0` was checked, so there is at least one sample.
+    summarize(&mut samples)
+        .ok_or_else(|| Error::InvalidArgument("median_ms recorded no samples".into()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn summarize_odd_even_and_empty() {
+        let s = summarize(&mut [3.0, 1.0, 2.0]).unwrap();
+        assert_eq!(
+            (s.median_ms, s.min_ms, s.max_ms, s.iters),
+            (2.0, 1.0, 3.0, 3)
+        );
+        let s = summarize(&mut [4.0, 1.0, 2.0, 3.0]).unwrap();
+        assert_eq!(
+            (s.median_ms, s.min_ms, s.max_ms, s.iters),
+            (2.5, 1.0, 4.0, 4)
+        );
+        let s = summarize(&mut [0.5]).unwrap();
+        assert_eq!((s.median_ms, s.min_ms, s.max_ms), (0.5, 0.5, 0.5));
+        assert!(summarize(&mut []).is_none());
+    }
+}

@@ -28,7 +28,10 @@ impl KernelSpec {
 
 /// Every kernel the dispatch can choose, in a stable order.
 pub fn catalog() -> Vec<KernelSpec> {
-    attention::all_fwd_configs().into_iter().map(KernelSpec::Fwd).collect()
+    attention::all_fwd_configs()
+        .into_iter()
+        .map(KernelSpec::Fwd)
+        .collect()
 }
 
 /// Looks a kernel up by id.

@@ -79,6 +79,10 @@ impl Kernel {
         min, min_to, Arith, |t| format!("min.{t}"));
     binary!(/// `d = max(a, b)`.
         max, max_to, Arith, |t| format!("max.{t}"));
+    binary!(/// `d = a / b`, truncating (integers) or round-to-nearest (floats).
+        div, div_to, Arith, |t| if t == "f32" { "div.rn.f32".to_string() } else { format!("div.{t}") });
+    binary!(/// `d = a % b` (integers only).
+        rem, rem_to, Int, |t| format!("rem.{t}"));
     binary!(/// Bitwise and.
         and, and_to, Bits, |_t| format!("and.{}", T::BITS_NAME));
     binary!(/// Bitwise or.
@@ -105,7 +109,12 @@ impl Kernel {
     pub fn mul_wide_u32(&mut self, a: impl Src<U32>, b: impl Src<U32>) -> Reg<U64> {
         let d = self.reg::<U64>();
         self.check_owner(&[a.owner(), b.owner()]);
-        self.emit(format!("mul.wide.u32 {}, {}, {};", d.name(), a.operand(), b.operand()));
+        self.emit(format!(
+            "mul.wide.u32 {}, {}, {};",
+            d.name(),
+            a.operand(),
+            b.operand()
+        ));
         d
     }
 
@@ -113,7 +122,12 @@ impl Kernel {
     pub fn mul_wide_s32(&mut self, a: impl Src<S32>, b: impl Src<S32>) -> Reg<S64> {
         let d = self.reg::<S64>();
         self.check_owner(&[a.owner(), b.owner()]);
-        self.emit(format!("mul.wide.s32 {}, {}, {};", d.name(), a.operand(), b.operand()));
+        self.emit(format!(
+            "mul.wide.s32 {}, {}, {};",
+            d.name(),
+            a.operand(),
+            b.operand()
+        ));
         d
     }
 
@@ -124,7 +138,12 @@ impl Kernel {
         if n >= 64 {
             self.fail(super::PtxError::BadOperand(format!("shift by {n}")));
         }
-        self.emit(format!("shl.{} {}, {}, {n};", T::BITS_NAME, d.name(), a.operand()));
+        self.emit(format!(
+            "shl.{} {}, {}, {n};",
+            T::BITS_NAME,
+            d.name(),
+            a.operand()
+        ));
         d
     }
 
@@ -135,7 +154,12 @@ impl Kernel {
         if n >= 64 {
             self.fail(super::PtxError::BadOperand(format!("shift by {n}")));
         }
-        self.emit(format!("shr.{} {}, {}, {n};", T::NAME, d.name(), a.operand()));
+        self.emit(format!(
+            "shr.{} {}, {}, {n};",
+            T::NAME,
+            d.name(),
+            a.operand()
+        ));
         d
     }
 
@@ -144,7 +168,12 @@ impl Kernel {
         let p = self.reg::<Pred>();
         self.check_owner(&[a.owner(), b.owner()]);
         let (c, t) = (cmp.name(), T::NAME);
-        self.emit(format!("setp.{c}.{t} {}, {}, {};", p.name(), a.operand(), b.operand()));
+        self.emit(format!(
+            "setp.{c}.{t} {}, {}, {};",
+            p.name(),
+            a.operand(),
+            b.operand()
+        ));
         p
     }
 
@@ -152,7 +181,12 @@ impl Kernel {
     pub fn and_pred(&mut self, a: Reg<Pred>, b: Reg<Pred>) -> Reg<Pred> {
         let p = self.reg::<Pred>();
         self.check_owner(&[a.owner(), b.owner()]);
-        self.emit(format!("and.pred {}, {}, {};", p.name(), a.name(), b.name()));
+        self.emit(format!(
+            "and.pred {}, {}, {};",
+            p.name(),
+            a.name(),
+            b.name()
+        ));
         p
     }
 

@@ -36,7 +36,12 @@ impl Kernel {
         let d = self.reg::<H>();
         self.check_owner(&[lo.owner(), hi.owner()]);
         let e = H::ELEM;
-        self.emit(format!("cvt.rn.{e}x2.f32 {}, {}, {};", d.name(), hi.operand(), lo.operand()));
+        self.emit(format!(
+            "cvt.rn.{e}x2.f32 {}, {}, {};",
+            d.name(),
+            hi.operand(),
+            lo.operand()
+        ));
         d
     }
 
@@ -47,7 +52,10 @@ impl Kernel {
         let d = self.reg::<B16>();
         self.check_owner(&[lo.owner(), hi.owner()]);
         let (hi, lo) = (hi.operand(), lo.operand());
-        self.emit(format!("cvt.rn.satfinite.e4m3x2.f32 {}, {hi}, {lo};", d.name()));
+        self.emit(format!(
+            "cvt.rn.satfinite.e4m3x2.f32 {}, {hi}, {lo};",
+            d.name()
+        ));
         d
     }
 
@@ -55,7 +63,12 @@ impl Kernel {
     pub fn join_b16x2(&mut self, lo: Reg<B16>, hi: Reg<B16>) -> Reg<B32> {
         let d = self.reg::<B32>();
         self.check_owner(&[Src::<B16>::owner(&lo), Src::<B16>::owner(&hi)]);
-        self.emit(format!("mov.b32 {}, {{{}, {}}};", d.name(), lo.name(), hi.name()));
+        self.emit(format!(
+            "mov.b32 {}, {{{}, {}}};",
+            d.name(),
+            lo.name(),
+            hi.name()
+        ));
         d
     }
 }

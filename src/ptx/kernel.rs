@@ -4,9 +4,9 @@ use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::marker::PhantomData;
 
-use super::types::*;
 use super::PtxError;
 use super::module::Target;
+use super::types::*;
 
 /// A virtual register of PTX type `T`. Copy it freely: it is a name, not a value.
 #[derive(Debug)]
@@ -31,7 +31,11 @@ impl<T: PtxType> Reg<T> {
     /// The same register seen as another type of its class (`u32` as `s32`, `f16x2` as `b32`).
     /// Only types sharing a register class convert, which the trait bound enforces.
     pub fn cast<U: SameClass<T>>(self) -> Reg<U> {
-        Reg { index: self.index, kernel: self.kernel, _ty: PhantomData }
+        Reg {
+            index: self.index,
+            kernel: self.kernel,
+            _ty: PhantomData,
+        }
     }
 }
 
@@ -294,7 +298,11 @@ impl Kernel {
         let n = self.counts.entry(T::CLASS).or_insert(0);
         let index = *n;
         *n += 1;
-        Reg { index, kernel: self.id, _ty: PhantomData }
+        Reg {
+            index,
+            kernel: self.id,
+            _ty: PhantomData,
+        }
     }
 
     /// `N` fresh registers.
@@ -332,14 +340,22 @@ impl Kernel {
     /// Declares a scalar parameter (`.param .u64 name`).
     pub fn param<T: PtxType>(&mut self, name: &str) -> Param<T> {
         if T::CLASS == RegClass::Pred {
-            self.fail(PtxError::BadParam(format!("{name}: predicates cannot be parameters")));
+            self.fail(PtxError::BadParam(format!(
+                "{name}: predicates cannot be parameters"
+            )));
         }
         let ty = match T::NAME {
             "f16x2" | "bf16x2" => "b32",
             t => t,
         };
-        self.params.push(ParamDecl { name: name.to_string(), decl: format!(".param .{ty} {name}") });
-        Param { index: self.params.len() - 1, _ty: PhantomData }
+        self.params.push(ParamDecl {
+            name: name.to_string(),
+            decl: format!(".param .{ty} {name}"),
+        });
+        Param {
+            index: self.params.len() - 1,
+            _ty: PhantomData,
+        }
     }
 
     /// Loads a scalar parameter into a register (`ld.param`).
@@ -359,21 +375,29 @@ impl Kernel {
     /// [`Kernel::load_param_at`].
     pub fn param_bytes(&mut self, name: &str, size: usize, align: usize) -> ParamBytes {
         if size == 0 || !align.is_power_of_two() {
-            self.fail(PtxError::BadParam(format!("{name}: {size} bytes aligned {align}")));
+            self.fail(PtxError::BadParam(format!(
+                "{name}: {size} bytes aligned {align}"
+            )));
         }
         self.params.push(ParamDecl {
             name: name.to_string(),
             decl: format!(".param .align {align} .b8 {name}[{size}]"),
         });
-        ParamBytes { index: self.params.len() - 1, size }
+        ParamBytes {
+            index: self.params.len() - 1,
+            size,
+        }
     }
 
     /// Loads the field at byte `offset` of a by-value struct parameter. The offset must
     /// be in bounds and aligned to the field's size.
     pub fn load_param_at<T: PtxType>(&mut self, p: ParamBytes, offset: usize) -> Reg<T> {
         let width = if T::CLASS == RegClass::B64 { 8 } else { 4 };
-        if offset % width != 0 || offset + width > p.size || T::CLASS == RegClass::Pred {
-            self.fail(PtxError::BadParam(format!("field at byte {offset} of a {}-byte struct", p.size)));
+        if !offset.is_multiple_of(width) || offset + width > p.size || T::CLASS == RegClass::Pred {
+            self.fail(PtxError::BadParam(format!(
+                "field at byte {offset} of a {}-byte struct",
+                p.size
+            )));
         }
         let d = self.reg::<T>();
         let name = self.params[p.index].name.clone();
@@ -391,10 +415,14 @@ impl Kernel {
     /// 32-bit shared-window address. Call once.
     pub fn dynamic_shared(&mut self, align: u32) -> Reg<U32> {
         if self.dynamic_smem.is_some() {
-            self.fail(PtxError::BadShared("dynamic shared memory declared twice".into()));
+            self.fail(PtxError::BadShared(
+                "dynamic shared memory declared twice".into(),
+            ));
         }
         if !align.is_power_of_two() {
-            self.fail(PtxError::BadShared(format!("alignment {align} is not a power of two")));
+            self.fail(PtxError::BadShared(format!(
+                "alignment {align} is not a power of two"
+            )));
         }
         let sym = format!("{}_smem", self.name);
         self.dynamic_smem = Some((sym.clone(), align));
@@ -406,9 +434,12 @@ impl Kernel {
     /// Declares a static shared array of `bytes` bytes and returns its address.
     pub fn static_shared(&mut self, name: &str, bytes: u32, align: u32) -> Reg<U32> {
         if bytes == 0 || !align.is_power_of_two() {
-            self.fail(PtxError::BadShared(format!("{name}: {bytes} bytes aligned {align}")));
+            self.fail(PtxError::BadShared(format!(
+                "{name}: {bytes} bytes aligned {align}"
+            )));
         }
-        self.shared_decls.push(format!(".shared .align {align} .b8 {name}[{bytes}];"));
+        self.shared_decls
+            .push(format!(".shared .align {align} .b8 {name}[{bytes}];"));
         let d = self.reg::<U32>();
         self.emit(format!("mov.u32 {}, {name};", d.name()));
         d
@@ -450,11 +481,16 @@ impl Kernel {
     /// Places `l` here. Placing a label twice is an error.
     pub fn place(&mut self, l: Label) {
         if self.guard.is_some() {
-            self.fail(PtxError::BadControlFlow("label placed inside a guarded region".into()));
+            self.fail(PtxError::BadControlFlow(
+                "label placed inside a guarded region".into(),
+            ));
         }
         match self.labels_placed.get_mut(l.0 as usize) {
             Some(p) if !*p => *p = true,
-            _ => self.fail(PtxError::BadControlFlow(format!("label {} placed twice", l.0))),
+            _ => self.fail(PtxError::BadControlFlow(format!(
+                "label {} placed twice",
+                l.0
+            ))),
         }
         let pad = "    ".repeat(self.depth.saturating_sub(1));
         let name = self.label_name(l);
@@ -534,7 +570,11 @@ impl Kernel {
         let cmp = if step > 0 { "ge" } else { "le" };
         let done = self.reg::<Pred>();
         self.place(top);
-        self.emit(format!("setp.{cmp}.s32 {}, {}, {end_op};", done.name(), i.name()));
+        self.emit(format!(
+            "setp.{cmp}.s32 {}, {}, {end_op};",
+            done.name(),
+            i.name()
+        ));
         self.bra_if(done, true, exit);
         self.depth += 1;
         body(self, i);
@@ -569,10 +609,11 @@ impl Kernel {
         if let Some(e) = self.error.take() {
             return Err(e);
         }
-        for (i, (&placed, &used)) in self.labels_placed.iter().zip(&self.labels_used).enumerate()
-        {
+        for (i, (&placed, &used)) in self.labels_placed.iter().zip(&self.labels_used).enumerate() {
             if used && !placed {
-                return Err(PtxError::BadControlFlow(format!("label {i} used but never placed")));
+                return Err(PtxError::BadControlFlow(format!(
+                    "label {i} used but never placed"
+                )));
             }
         }
         let mut module_decls = Vec::new();
@@ -580,7 +621,11 @@ impl Kernel {
             module_decls.push(format!(".extern .shared .align {align} .b8 {sym}[];"));
         }
         let mut s = String::new();
-        let params: Vec<String> = self.params.iter().map(|p| format!("    {}", p.decl)).collect();
+        let params: Vec<String> = self
+            .params
+            .iter()
+            .map(|p| format!("    {}", p.decl))
+            .collect();
         let _ = writeln!(s, ".visible .entry {}(", self.name);
         let _ = writeln!(s, "{}", params.join(",\n"));
         let _ = writeln!(s, ")");
@@ -605,6 +650,11 @@ impl Kernel {
         }
         let _ = writeln!(s, "    ret;");
         let _ = writeln!(s, "}}");
-        Ok(KernelText { name: self.name, needs: self.needs, module_decls, entry: s })
+        Ok(KernelText {
+            name: self.name,
+            needs: self.needs,
+            module_decls,
+            entry: s,
+        })
     }
 }

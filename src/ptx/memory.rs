@@ -3,9 +3,9 @@
 //! Global addresses are `Reg<U64>` (generic 64-bit), shared addresses `Reg<U32>`
 //! (the 32-bit shared window). Offsets are byte immediates.
 
+use super::PtxError;
 use super::kernel::{Kernel, Reg, Src};
 use super::types::*;
-use super::PtxError;
 
 fn word_name<T: Word32>() -> &'static str {
     if T::NAME == "f32" { "f32" } else { "b32" }
@@ -34,7 +34,10 @@ impl Kernel {
         self.check_owner(&[Src::<U64>::owner(&base)]);
         let a = addr(base.name(), offset);
         let [x, y, z, w] = d.map(|r| r.name());
-        self.emit(format!("ld.global.v4.{} {{{x}, {y}, {z}, {w}}}, {a};", word_name::<T>()));
+        self.emit(format!(
+            "ld.global.v4.{} {{{x}, {y}, {z}, {w}}}, {a};",
+            word_name::<T>()
+        ));
         d
     }
 
@@ -42,7 +45,11 @@ impl Kernel {
     pub fn st_global<T: Word32>(&mut self, base: Reg<U64>, offset: i32, v: impl Src<T>) {
         self.check_owner(&[Src::<U64>::owner(&base), v.owner()]);
         let a = addr(base.name(), offset);
-        self.emit(format!("st.global.{} {a}, {};", word_name::<T>(), v.operand()));
+        self.emit(format!(
+            "st.global.{} {a}, {};",
+            word_name::<T>(),
+            v.operand()
+        ));
     }
 
     /// `st.global.v4` of four 32-bit words (16-byte aligned).
@@ -51,7 +58,10 @@ impl Kernel {
         self.check_owner(&v.map(|r| Src::<T>::owner(&r)));
         let a = addr(base.name(), offset);
         let [x, y, z, w] = v.map(|r| r.name());
-        self.emit(format!("st.global.v4.{} {a}, {{{x}, {y}, {z}, {w}}};", word_name::<T>()));
+        self.emit(format!(
+            "st.global.v4.{} {a}, {{{x}, {y}, {z}, {w}}};",
+            word_name::<T>()
+        ));
     }
 
     /// `ld.shared` of one 32-bit word.
@@ -69,7 +79,10 @@ impl Kernel {
         self.check_owner(&[Src::<U32>::owner(&base)]);
         let a = addr(base.name(), offset);
         let [x, y, z, w] = d.map(|r| r.name());
-        self.emit(format!("ld.shared.v4.{} {{{x}, {y}, {z}, {w}}}, {a};", word_name::<T>()));
+        self.emit(format!(
+            "ld.shared.v4.{} {{{x}, {y}, {z}, {w}}}, {a};",
+            word_name::<T>()
+        ));
         d
     }
 
@@ -77,7 +90,11 @@ impl Kernel {
     pub fn st_shared<T: Word32>(&mut self, base: Reg<U32>, offset: i32, v: impl Src<T>) {
         self.check_owner(&[Src::<U32>::owner(&base), v.owner()]);
         let a = addr(base.name(), offset);
-        self.emit(format!("st.shared.{} {a}, {};", word_name::<T>(), v.operand()));
+        self.emit(format!(
+            "st.shared.{} {a}, {};",
+            word_name::<T>(),
+            v.operand()
+        ));
     }
 
     /// `st.shared.v4` of four 32-bit words (16-byte aligned).
@@ -86,16 +103,27 @@ impl Kernel {
         self.check_owner(&v.map(|r| Src::<T>::owner(&r)));
         let a = addr(base.name(), offset);
         let [x, y, z, w] = v.map(|r| r.name());
-        self.emit(format!("st.shared.v4.{} {a}, {{{x}, {y}, {z}, {w}}};", word_name::<T>()));
+        self.emit(format!(
+            "st.shared.v4.{} {a}, {{{x}, {y}, {z}, {w}}};",
+            word_name::<T>()
+        ));
     }
 
     /// `cp.async.cg.shared.global` of 16 bytes, bypassing L1. Only `src_bytes` bytes are
     /// read (0 or 16 in practice); the rest of the 16 is zero-filled, which is how tiles
     /// past the end of a sequence become zeros without a branch.
     pub fn cp_async_16(&mut self, dst: Reg<U32>, src: Reg<U64>, src_bytes: impl Src<U32>) {
-        self.check_owner(&[Src::<U32>::owner(&dst), Src::<U64>::owner(&src), src_bytes.owner()]);
+        self.check_owner(&[
+            Src::<U32>::owner(&dst),
+            Src::<U64>::owner(&src),
+            src_bytes.owner(),
+        ]);
         let n = src_bytes.operand();
-        self.emit(format!("cp.async.cg.shared.global [{}], [{}], 16, {n};", dst.name(), src.name()));
+        self.emit(format!(
+            "cp.async.cg.shared.global [{}], [{}], 16, {n};",
+            dst.name(),
+            src.name()
+        ));
     }
 
     /// Closes the current group of `cp.async` copies.
@@ -107,7 +135,9 @@ impl Kernel {
     /// copies only: a `bar.sync` must follow before other threads read the data).
     pub fn cp_async_wait(&mut self, pending: u32) {
         if pending > 7 {
-            self.fail(PtxError::BadOperand(format!("cp.async.wait_group {pending}: at most 7")));
+            self.fail(PtxError::BadOperand(format!(
+                "cp.async.wait_group {pending}: at most 7"
+            )));
         }
         self.emit(format!("cp.async.wait_group {pending};"));
     }

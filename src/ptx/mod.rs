@@ -41,5 +41,9 @@ pub enum PtxError {
     #[error("bad operand: {0}")]
     BadOperand(String),
     #[error("kernel `{kernel}` needs {needs} but the module targets {target}")]
-    TargetTooOld { kernel: String, needs: &'static str, target: &'static str },
+    TargetTooOld {
+        kernel: String,
+        needs: &'static str,
+        target: &'static str,
+    },
 }

@@ -1,7 +1,7 @@
 //! A PTX module: header (`.version`, `.target`, `.address_size`) plus kernels.
 
-use super::kernel::KernelText;
 use super::PtxError;
+use super::kernel::KernelText;
 
 /// The `.target` of a module.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -42,7 +42,10 @@ pub struct Module {
 
 impl Module {
     pub fn new(target: Target) -> Self {
-        Module { target, kernels: Vec::new() }
+        Module {
+            target,
+            kernels: Vec::new(),
+        }
     }
 
     pub fn target(&self) -> Target {

@@ -1,7 +1,7 @@
 //! Block-level barriers.
 
-use super::kernel::Kernel;
 use super::PtxError;
+use super::kernel::Kernel;
 
 impl Kernel {
     /// `bar.sync id` for the whole block, or `bar.sync id, threads` for the first

@@ -1,15 +1,17 @@
 //! Warp shuffles.
 
+use super::PtxError;
 use super::kernel::{Kernel, Reg, Src};
 use super::types::*;
-use super::PtxError;
 
 impl Kernel {
     /// `shfl.sync.bfly.b32` over the full warp: the value of lane `lane ^ lane_mask`.
     /// Masks 1 and 2 reduce across the 4 lanes of an `mma` quad (one accumulator row).
     pub fn shfl_bfly<T: Word32>(&mut self, v: Reg<T>, lane_mask: u32) -> Reg<T> {
         if lane_mask >= 32 {
-            self.fail(PtxError::BadOperand(format!("shfl lane mask {lane_mask} >= 32")));
+            self.fail(PtxError::BadOperand(format!(
+                "shfl lane mask {lane_mask} >= 32"
+            )));
         }
         self.check_owner(&[Src::<T>::owner(&v)]);
         let d = self.reg::<T>();

@@ -37,7 +37,7 @@ impl Path {
 }
 
 /// Head dimensions the forward kernels are generated for.
-pub const FWD_HEAD_DIMS: [u32; 5] = [32, 64, 96, 128, 256];
+pub const FWD_HEAD_DIMS: [u32; 4] = [32, 64, 128, 256];
 
 /// One forward-kernel configuration: everything that changes the generated code.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -58,6 +58,20 @@ impl FwdConfig {
             self.head_dim,
             if self.causal { "_causal" } else { "" }
         )
+    }
+
+    /// [`FwdConfig::id`] without allocating: ids of the catalog are made once per process.
+    pub fn id_static(&self) -> &'static str {
+        use std::collections::HashMap;
+        use std::sync::OnceLock;
+        static IDS: OnceLock<HashMap<FwdConfig, &'static str>> = OnceLock::new();
+        let ids = IDS.get_or_init(|| {
+            all_fwd_configs()
+                .into_iter()
+                .map(|c| (c, &*Box::leak(c.id().into_boxed_str())))
+                .collect()
+        });
+        ids.get(self).copied().unwrap_or("attn_fwd_unknown")
     }
 
     /// Parses an id made by [`FwdConfig::id`].
@@ -99,7 +113,12 @@ pub fn all_fwd_configs() -> Vec<FwdConfig> {
     for dtype in [HalfType::F16, HalfType::Bf16] {
         for head_dim in FWD_HEAD_DIMS {
             for causal in [false, true] {
-                v.push(FwdConfig { path: Path::Sm80, dtype, head_dim, causal });
+                v.push(FwdConfig {
+                    path: Path::Sm80,
+                    dtype,
+                    head_dim,
+                    causal,
+                });
             }
         }
     }

@@ -1,0 +1,296 @@
+#!/usr/bin/env bash
+# Builds everything the GPU machine runs (it has no cargo) into gpu-bundle/ (git-ignored):
+#
+#   gpu-bundle/tests/<name>      integration-test binaries (tests/<name>.rs)
+#   gpu-bundle/tests/lib-<name>  the library's unit tests, tests/bin-<name> a binary's
+#   gpu-bundle/benches/<name>    criterion benchmark binaries
+#   gpu-bundle/bin/flashcore     the command line (target/release/flashcore)
+#   gpu-bundle/sdpa_bench.py     the PyTorch SDPA baseline (scripts/sdpa_bench.py)
+#   gpu-bundle/manifest.txt      commit, build date, file list
+#   gpu-bundle/run.sh            what the GPU machine runs
+#
+# Usage (here):        scripts/gpu-bundle.sh
+# Then (GPU machine):  bash gpu-bundle/run.sh [all | system tests sanitize bench criterion ...]
+#                      from the repository root; everything is written under $OUT
+#                      (default ./out). The bundle is git-ignored: pass it along
+#                      explicitly (e.g. as a carried path) when copying the tree.
+set -euo pipefail
+
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+root=$(pwd)
+bundle="$root/gpu-bundle"
+
+command -v python3 >/dev/null || { echo "gpu-bundle: python3 is needed to read cargo's JSON" >&2; exit 1; }
+
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+
+# Reads cargo --message-format=json on stdin; prints "dest<TAB>source" for each executable.
+# $1 = tests | benches | bin
+select_executables() {
+    python3 -c '
+import json, sys
+mode = sys.argv[1]
+seen = set()
+for line in sys.stdin:
+    line = line.strip()
+    if not line.startswith("{"):
+        continue
+    try:
+        m = json.loads(line)
+    except ValueError:
+        continue
+    if m.get("reason") != "compiler-artifact" or not m.get("executable"):
+        continue
+    t, prof = m["target"], m.get("profile", {})
+    kinds, name = t.get("kind", []), t["name"]
+    if mode == "tests":
+        if not prof.get("test"):
+            continue  # examples etc.: built by cargo test, not tests
+        if "test" in kinds:
+            dest = "tests/" + name
+        elif "bin" in kinds:
+            dest = "tests/bin-" + name
+        elif "bench" in kinds:
+            dest = "tests/bench-" + name
+        else:
+            dest = "tests/lib-" + name
+    elif mode == "benches":
+        if "bench" not in kinds:
+            continue
+        dest = "benches/" + name
+    else:
+        if "bin" not in kinds or prof.get("test"):
+            continue
+        dest = "bin/" + name
+    if dest in seen:
+        sys.exit("gpu-bundle: two executables map to " + dest)
+    seen.add(dest)
+    print(dest + "\t" + m["executable"])
+' "$1"
+}
+
+timed() {
+    local t0=$SECONDS
+    echo "==> $*" >&2
+    "$@"
+    echo "==> done in $((SECONDS - t0))s" >&2
+}
+
+timed cargo test --release --no-run --message-format=json >"$tmp/tests.json"
+timed cargo bench --no-run --message-format=json >"$tmp/benches.json"
+timed cargo build --release --message-format=json >"$tmp/build.json"
+
+{
+    select_executables tests <"$tmp/tests.json"
+    select_executables benches <"$tmp/benches.json"
+    select_executables bin <"$tmp/build.json"
+} >"$tmp/list"
+
+grep -q '^bin/flashcore	' "$tmp/list" || { echo "gpu-bundle: no flashcore binary was built" >&2; exit 1; }
+
+rm -rf "$bundle"
+mkdir -p "$bundle/tests" "$bundle/benches" "$bundle/bin"
+while IFS=$'\t' read -r dest src; do
+    cp "$src" "$bundle/$dest"
+    chmod +x "$bundle/$dest"
+done <"$tmp/list"
+cp scripts/sdpa_bench.py "$bundle/sdpa_bench.py"
+
+{
+    echo "flashcore gpu-bundle"
+    echo "built:  $(date -u +%Y-%m-%dT%H:%M:%SZ) on $(uname -srm)"
+    if commit=$(git rev-parse --short HEAD 2>/dev/null); then
+        dirty=$(git status --porcelain 2>/dev/null | grep -c . || true)
+        echo "commit: $commit ($dirty changed/untracked paths in the work tree)"
+    fi
+    echo "rustc:  $(rustc --version)"
+    echo "files:"
+    (cd "$bundle" && find . -type f ! -name manifest.txt | sort | while read -r f; do
+        printf '  %-40s %10s bytes\n' "${f#./}" "$(stat -c %s "$f")"
+    done)
+} >"$bundle/manifest.txt"
+
+# ------------------------------------------------------------------------------------------
+cat >"$bundle/run.sh" <<'RUN_SH'
+#!/usr/bin/env bash
+# Runs on the GPU machine (no cargo) from the repository root:
+#
+#   bash gpu-bundle/run.sh                 # everything
+#   bash gpu-bundle/run.sh tests bench     # some groups: system tests sanitize bench criterion
+#
+# Writes under $OUT (default ./out), at most 7 files, no subfolders:
+#   system.log     manifest, nvidia-smi, flashcore info
+#   tests.log      every test binary (--include-ignored --test-threads=1)
+#   sanitizer.log  compute-sanitizer memcheck / racecheck / synccheck on `flashcore run`
+#   bench.log      flashcore bench, PyTorch SDPA bench, comparison (+ criterion if asked)
+#   ours.json      flashcore bench --json
+#   sdpa.json      sdpa_bench.py --json
+#   summary.txt    one line per step: status, exit code, seconds, log
+# Each step runs under a timeout; one failing step never stops the others. Steps that
+# would start after the deadline ($RUN_DEADLINE_S seconds after start, default 570) are
+# skipped, so the summary table (the LAST lines printed) always gets out.
+set -uo pipefail
+
+bundle=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+cd "$bundle/.." || exit 1
+
+OUT=${OUT:-./out}
+mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
+scratch=$(mktemp -d)
+trap 'rm -rf "$scratch"' EXIT
+
+export PATH=/usr/local/cuda/bin:$PATH
+export FLASHCORE_CUDA_BIN=/usr/local/cuda/bin
+export RUST_BACKTRACE=1
+
+t_start=$SECONDS
+deadline=${RUN_DEADLINE_S:-570}
+fc="$bundle/bin/flashcore"
+
+groups=("$@")
+[[ ${#groups[@]} -eq 0 ]] && groups=(all)
+want() {
+    local g
+    for g in "${groups[@]}"; do
+        [[ $g == "$1" || ($g == all && $1 != criterion) ]] && return 0
+    done
+    return 1
+}
+
+names=()
+results=()
+failed_logs=()
+n_ok=0
+n_fail=0
+n_skip=0
+
+# step LOG NAME TIMEOUT_S CMD...: runs CMD, appends its output to $OUT/LOG, records status.
+step() {
+    local log=$1 name=$2 limit=$3
+    shift 3
+    local left=$((deadline - (SECONDS - t_start)))
+    local tmp="$scratch/step.$((${#names[@]}))"
+    names+=("$name")
+    if ((left < 15)); then
+        results+=("$(printf '%-7s %4s %6s  %-13s' SKIP - - "$log")")
+        n_skip=$((n_skip + 1))
+        printf '[skip] %s (deadline)\n' "$name"
+        printf '\n===== %s: SKIPPED (deadline)\n' "$name" >>"$OUT/$log"
+        return 0
+    fi
+    if ((limit > left - 10)); then
+        limit=$((left - 10))
+    fi
+    local t0=$SECONDS rc
+    {
+        printf '\n===== %s\n$ %s\n' "$name" "$*"
+    } >>"$OUT/$log"
+    timeout --kill-after=10 "$limit" "$@" >"$tmp" 2>&1 </dev/null
+    rc=$?
+    local dt=$((SECONDS - t0))
+    cat "$tmp" >>"$OUT/$log"
+    local status=ok
+    if ((rc == 124 || rc == 137)); then
+        status=TIMEOUT
+    elif ((rc != 0)); then
+        status=FAIL
+    fi
+    printf -- '----- %s: %s (exit %s, %ss)\n' "$name" "$status" "$rc" "$dt" >>"$OUT/$log"
+    results+=("$(printf '%-7s %4s %5ss  %-13s' "$status" "$rc" "$dt" "$log")")
+    if [[ $status == ok ]]; then
+        n_ok=$((n_ok + 1))
+    else
+        n_fail=$((n_fail + 1))
+        cp "$tmp" "$scratch/fail.${#failed_logs[@]}"
+        failed_logs+=("$name")
+    fi
+    printf '[%s] %s (%ss)\n' "$status" "$name" "$dt"
+    return 0
+}
+
+echo "flashcore gpu run: groups: ${groups[*]}; output in $OUT"
+
+# ---- system ------------------------------------------------------------------------------
+if want system; then
+    step system.log manifest 10 cat "$bundle/manifest.txt"
+    step system.log nvidia-smi 30 nvidia-smi
+    step system.log tool-versions 60 bash -c 'ptxas --version; cuobjdump --version; compute-sanitizer --version; python3 -c "import torch; print(\"torch\", torch.__version__, \"cuda\", torch.version.cuda, \"cudnn\", torch.backends.cudnn.version())"'
+    step system.log "flashcore info" 60 "$fc" info
+fi
+
+# ---- tests -------------------------------------------------------------------------------
+if want tests; then
+    for t in "$bundle"/tests/*; do
+        [[ -x $t ]] || continue
+        extra=()
+        [[ $(basename "$t") == assembly ]] && extra=(--nocapture)
+        step tests.log "test $(basename "$t")" 300 "$t" --include-ignored --test-threads=1 "${extra[@]}"
+    done
+fi
+
+# ---- sanitizers --------------------------------------------------------------------------
+if want sanitize; then
+    shapes=(
+        "--batch 1 --heads 2 --kv-heads 2 --seqlen-q 113 --seqlen-k 200 --head-dim 64 --dtype f16"
+        "--batch 1 --heads 2 --kv-heads 2 --seqlen-q 113 --seqlen-k 200 --head-dim 64 --dtype f16 --causal"
+        "--batch 1 --heads 2 --kv-heads 1 --seqlen-q 200 --seqlen-k 113 --head-dim 128 --dtype bf16 --causal"
+        "--batch 1 --heads 2 --kv-heads 1 --seqlen-q 77 --seqlen-k 77 --head-dim 128 --dtype bf16"
+    )
+    for tool in memcheck racecheck synccheck; do
+        for s in "${shapes[@]}"; do
+            read -ra shape_args <<<"$s"
+            short=$(sed -e 's/--batch /B/; s/ --heads /H/; s/ --kv-heads /KV/; s/ --seqlen-q /Sq/; s/ --seqlen-k /Sk/; s/ --head-dim /D/; s/ --dtype / /; s/ --causal/ causal/' <<<"$s")
+            step sanitizer.log "$tool $short" 180 \
+                compute-sanitizer --tool "$tool" --error-exitcode 1 \
+                "$fc" run "${shape_args[@]}" --iters 1
+        done
+    done
+fi
+
+# ---- benchmarks --------------------------------------------------------------------------
+if want bench; then
+    rm -f "$OUT/ours.json" "$OUT/sdpa.json"
+    step bench.log "flashcore bench" 240 "$fc" bench --json "$OUT/ours.json"
+    step bench.log "sdpa_bench" 240 python3 "$bundle/sdpa_bench.py" --json "$OUT/sdpa.json"
+    step bench.log "compare" 60 python3 "$bundle/sdpa_bench.py" --compare "$OUT/ours.json" "$OUT/sdpa.json"
+fi
+if want criterion; then
+    for b in "$bundle"/benches/*; do
+        [[ -x $b ]] || continue
+        step bench.log "criterion $(basename "$b")" 300 "$b" --bench
+    done
+fi
+
+# ---- report (the tail is what comes back: summary last) ----------------------------------
+for i in "${!failed_logs[@]}"; do
+    echo
+    echo "---- ${failed_logs[$i]}: last lines ----"
+    tail -n 12 "$scratch/fail.$i" | cut -c1-200
+done
+if want bench && [[ -s $OUT/ours.json || -s $OUT/sdpa.json ]]; then
+    echo
+    python3 "$bundle/sdpa_bench.py" --compare "$OUT/ours.json" "$OUT/sdpa.json" 2>&1 | tail -n 40
+fi
+{
+    echo
+    echo "==== flashcore gpu run summary ($((SECONDS - t_start))s; logs in $OUT) ===="
+    printf '%-7s %4s %6s  %-13s %s\n' status exit time log step
+    for i in "${!names[@]}"; do
+        printf '%s  %s\n' "${results[$i]}" "${names[$i]}"
+    done
+    echo "ok: $n_ok  failed: $n_fail  skipped: $n_skip"
+} | tee "$OUT/summary.txt"
+((n_fail == 0 && n_skip == 0))
+RUN_SH
+chmod +x "$bundle/run.sh"
+
+echo >&2
+cat "$bundle/manifest.txt" >&2
+size=$(du -sb "$bundle" | cut -f1)
+echo "gpu-bundle: $((size / 1024 / 1024)) MiB in $bundle" >&2
+if ((size > 60 * 1024 * 1024)); then
+    echo "gpu-bundle: warning: over 60 MiB (a carried path is limited to 64 MiB in all)" >&2
+fi
+echo "gpu-bundle: on the GPU machine, from the repository root: bash gpu-bundle/run.sh" >&2

@@ -1,0 +1,352 @@
+//! End-to-end checks and timing of the forward kernel on a GPU: random inputs, poisoned
+//! outputs, a run, and the comparison with the float64 [`reference`](crate::reference).
+//! Used by the GPU tests, the `flashcore run` / `bench` commands and the benches.
+
+use std::sync::Arc;
+
+use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
+
+use crate::error::{Error, Result};
+use crate::host::attention::Attention;
+use crate::host::device::driver_err;
+use crate::host::tensor::{AttentionParams, DType, LseView, TensorView};
+use crate::host::timing::{TimingStats, median_ms};
+use crate::kernels::attention::HalfType;
+use crate::reference::{self, RefShape, Rng};
+
+/// How a tensor is laid out in memory (the logical shape is always `[B, S, H, D]`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Layout {
+    /// `[B, S, H, D]`, as FlashAttention takes it.
+    Bshd,
+    /// `[B, H, S, D]`, as PyTorch SDPA takes it.
+    Bhsd,
+}
+
+/// One forward problem.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct FwdCase {
+    pub batch: usize,
+    pub seqlen_q: usize,
+    pub seqlen_k: usize,
+    pub heads_q: usize,
+    pub heads_kv: usize,
+    pub head_dim: usize,
+    pub dtype: HalfType,
+    pub causal: bool,
+    pub layout: Layout,
+}
+
+impl FwdCase {
+    /// Multiply-adds ×2 of QKᵀ and PV over the visible (query, key) pairs.
+    pub fn flops(&self) -> f64 {
+        let pairs: usize = if self.causal {
+            (0..self.seqlen_q)
+                .map(|i| {
+                    (i + 1 + self.seqlen_k)
+                        .saturating_sub(self.seqlen_q)
+                        .min(self.seqlen_k)
+                })
+                .sum()
+        } else {
+            self.seqlen_q * self.seqlen_k
+        };
+        4.0 * (self.batch * self.heads_q * pairs * self.head_dim) as f64
+    }
+
+    /// Bytes of Q, K, V and O.
+    pub fn bytes(&self) -> usize {
+        2 * self.head_dim
+            * self.batch
+            * (2 * self.seqlen_q * self.heads_q + 2 * self.seqlen_k * self.heads_kv)
+    }
+
+    fn view(&self, ptr: u64, seqlen: usize, heads: usize) -> TensorView {
+        let dtype = DType::from(self.dtype);
+        let (b, d) = (self.batch, self.head_dim);
+        match self.layout {
+            Layout::Bshd => TensorView::bshd(ptr, dtype, b, seqlen, heads, d),
+            Layout::Bhsd => TensorView::bhsd(ptr, dtype, b, seqlen, heads, d),
+        }
+    }
+
+    /// Host `[B, S, H, D]` data in this case's memory order.
+    fn to_layout(&self, data: &[u16], seqlen: usize, heads: usize) -> Vec<u16> {
+        match self.layout {
+            Layout::Bshd => data.to_vec(),
+            Layout::Bhsd => permute(data, self.batch, seqlen, heads, self.head_dim, false),
+        }
+    }
+
+    fn from_layout(&self, data: &[u16], seqlen: usize, heads: usize) -> Vec<u16> {
+        match self.layout {
+            Layout::Bshd => data.to_vec(),
+            Layout::Bhsd => permute(data, self.batch, seqlen, heads, self.head_dim, true),
+        }
+    }
+}
+
+/// `[B, S, H, D] -> [B, H, S, D]`, or back with `inverse`.
+fn permute(x: &[u16], b: usize, s: usize, h: usize, d: usize, inverse: bool) -> Vec<u16> {
+    let mut out = vec![0u16; x.len()];
+    for bi in 0..b {
+        for si in 0..s {
+            for hi in 0..h {
+                let bshd = ((bi * s + si) * h + hi) * d;
+                let bhsd = ((bi * h + hi) * s + si) * d;
+                let (from, to) = if inverse { (bhsd, bshd) } else { (bshd, bhsd) };
+                out[to..to + d].copy_from_slice(&x[from..from + d]);
+            }
+        }
+    }
+    out
+}
+
+/// A case's tensors on the device, with the host copies of the inputs.
+pub struct DeviceCase {
+    pub case: FwdCase,
+    stream: Arc<CudaStream>,
+    q: CudaSlice<u16>,
+    k: CudaSlice<u16>,
+    v: CudaSlice<u16>,
+    o: CudaSlice<u16>,
+    lse: CudaSlice<f32>,
+    /// Exact input values, `[B, S, H, D]`.
+    host: [Vec<f64>; 3],
+    pub seed: u64,
+}
+
+impl DeviceCase {
+    /// Draws fresh N(0, 1) inputs and uploads them; O and LSE are poisoned (NaN).
+    pub fn new(stream: &Arc<CudaStream>, case: FwdCase, rng: &mut Rng) -> Result<DeviceCase> {
+        let c = &case;
+        let n_q = c.batch * c.seqlen_q * c.heads_q * c.head_dim;
+        let n_kv = c.batch * c.seqlen_k * c.heads_kv * c.head_dim;
+        let (q_bits, q) = reference::random_half(rng, n_q, c.dtype);
+        let (k_bits, k) = reference::random_half(rng, n_kv, c.dtype);
+        let (v_bits, v) = reference::random_half(rng, n_kv, c.dtype);
+        let upload = |bits: &[u16], s, h| {
+            stream
+                .clone_htod(&c.to_layout(bits, s, h))
+                .map_err(driver_err("cuMemcpyHtoD"))
+        };
+        let dev = DeviceCase {
+            q: upload(&q_bits, c.seqlen_q, c.heads_q)?,
+            k: upload(&k_bits, c.seqlen_k, c.heads_kv)?,
+            v: upload(&v_bits, c.seqlen_k, c.heads_kv)?,
+            o: stream
+                .clone_htod(&vec![reference::poison(c.dtype); n_q])
+                .map_err(driver_err("cuMemcpyHtoD"))?,
+            lse: stream
+                .clone_htod(&vec![f32::NAN; c.batch * c.heads_q * c.seqlen_q])
+                .map_err(driver_err("cuMemcpyHtoD"))?,
+            stream: stream.clone(),
+            host: [q, k, v],
+            seed: rng.seed(),
+            case,
+        };
+        Ok(dev)
+    }
+
+    /// The views of Q, K, V, O and LSE.
+    pub fn views(&self) -> ([TensorView; 4], LseView) {
+        let c = &self.case;
+        let ptr = |s: &CudaSlice<u16>| s.device_ptr(&self.stream).0;
+        let lse = LseView {
+            ptr: self.lse.device_ptr(&self.stream).0,
+        };
+        (
+            [
+                c.view(ptr(&self.q), c.seqlen_q, c.heads_q),
+                c.view(ptr(&self.k), c.seqlen_k, c.heads_kv),
+                c.view(ptr(&self.v), c.seqlen_k, c.heads_kv),
+                c.view(ptr(&self.o), c.seqlen_q, c.heads_q),
+            ],
+            lse,
+        )
+    }
+
+    /// One forward call on this case's stream, LSE included.
+    pub fn run(&self, attn: &Attention, params: &AttentionParams) -> Result<()> {
+        let ([q, k, v, o], lse) = self.views();
+        attn.forward(&q, &k, &v, &o, Some(&lse), params, self.stream.cu_stream())
+    }
+
+    /// The output as `[B, Sq, Hq, D]` bits and the LSE.
+    pub fn download(&self) -> Result<(Vec<u16>, Vec<f32>)> {
+        let o = self
+            .stream
+            .clone_dtoh(&self.o)
+            .map_err(driver_err("cuMemcpyDtoH"))?;
+        let lse = self
+            .stream
+            .clone_dtoh(&self.lse)
+            .map_err(driver_err("cuMemcpyDtoH"))?;
+        self.stream
+            .synchronize()
+            .map_err(driver_err("cuStreamSynchronize"))?;
+        Ok((
+            self.case
+                .from_layout(&o, self.case.seqlen_q, self.case.heads_q),
+            lse,
+        ))
+    }
+
+    /// The float64 reference for this case's inputs, computed on all cores.
+    pub fn reference(&self, scale: f64) -> reference::RefOutput {
+        parallel_reference(&self.case, &self.host, scale)
+    }
+}
+
+/// The reference, one (batch, head) per task: heads are independent, and GQA only
+/// selects which K/V head a query head reads.
+fn parallel_reference(c: &FwdCase, host: &[Vec<f64>; 3], scale: f64) -> reference::RefOutput {
+    let (sq, sk, d) = (c.seqlen_q, c.seqlen_k, c.head_dim);
+    let group = c.heads_q / c.heads_kv;
+    let one = RefShape {
+        batch: 1,
+        seqlen_q: sq,
+        seqlen_k: sk,
+        heads_q: 1,
+        heads_kv: 1,
+        head_dim: d,
+    };
+    let slice = |x: &[f64], b: usize, s: usize, heads: usize, h: usize| -> Vec<f64> {
+        (0..s)
+            .flat_map(|i| x[((b * s + i) * heads + h) * d..][..d].iter().copied())
+            .collect()
+    };
+    let pairs: Vec<(usize, usize)> = (0..c.batch)
+        .flat_map(|b| (0..c.heads_q).map(move |h| (b, h)))
+        .collect();
+    let workers = std::thread::available_parallelism().map_or(4, |n| n.get());
+    let results: Vec<((usize, usize), reference::RefOutput)> = std::thread::scope(|scope| {
+        let handles: Vec<_> = (0..workers)
+            .map(|w| {
+                let pairs = &pairs;
+                let one = &one;
+                scope.spawn(move || {
+                    pairs
+                        .iter()
+                        .skip(w)
+                        .step_by(workers)
+                        .map(|&(b, h)| {
+                            let q = slice(&host[0], b, sq, c.heads_q, h);
+                            let k = slice(&host[1], b, sk, c.heads_kv, h / group);
+                            let v = slice(&host[2], b, sk, c.heads_kv, h / group);
+                            (
+                                (b, h),
+                                reference::attention_f64(one, &q, &k, &v, scale, c.causal),
+                            )
+                        })
+                        .collect::<Vec<_>>()
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .flat_map(|h| h.join().expect("reference worker panicked"))
+            .collect()
+    });
+    let mut out = vec![0.0; c.batch * sq * c.heads_q * d];
+    let mut lse = vec![0.0; c.batch * c.heads_q * sq];
+    for ((b, h), r) in results {
+        for i in 0..sq {
+            out[((b * sq + i) * c.heads_q + h) * d..][..d].copy_from_slice(&r.out[i * d..][..d]);
+        }
+        lse[(b * c.heads_q + h) * sq..][..sq].copy_from_slice(&r.lse);
+    }
+    reference::RefOutput { out, lse }
+}
+
+/// What one checked run measured.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct CheckResult {
+    /// Relative L2 error of O against float64 (+∞ on NaN or unwritten elements).
+    pub out_err: f64,
+    /// Relative L2 error of the LSE.
+    pub lse_err: f64,
+    /// Output elements still holding the poison pattern (never written).
+    pub unwritten: usize,
+    pub seed: u64,
+}
+
+impl CheckResult {
+    /// The bounds: 2e-3 for fp16, 1.6e-2 for bf16, every element written.
+    pub fn passes(&self, dtype: HalfType) -> bool {
+        let tol = tolerance(dtype);
+        self.unwritten == 0 && self.out_err <= tol && self.lse_err <= tol
+    }
+}
+
+/// Relative L2 bound against float64 for a dtype.
+pub fn tolerance(dtype: HalfType) -> f64 {
+    match dtype {
+        HalfType::F16 => 2e-3,
+        HalfType::Bf16 => 1.6e-2,
+    }
+}
+
+/// Runs `case` once on fresh random inputs and compares with the reference.
+pub fn check_forward(
+    attn: &Attention,
+    stream: &Arc<CudaStream>,
+    case: FwdCase,
+    rng: &mut Rng,
+) -> Result<CheckResult> {
+    let dev = DeviceCase::new(stream, case, rng)?;
+    let params = AttentionParams {
+        softmax_scale: None,
+        causal: case.causal,
+    };
+    dev.run(attn, &params)?;
+    let (o_bits, lse) = dev.download()?;
+    let poison = reference::poison(case.dtype);
+    let unwritten = o_bits.iter().filter(|&&b| b == poison).count();
+    let want = dev.reference(params.scale_for(case.head_dim) as f64);
+    let got = reference::half_bits_to_f64(&o_bits, case.dtype);
+    let lse: Vec<f64> = lse.iter().map(|&x| x as f64).collect();
+    Ok(CheckResult {
+        out_err: reference::rel_l2(&got, &want.out),
+        lse_err: reference::rel_l2(&lse, &want.lse),
+        unwritten,
+        seed: dev.seed,
+    })
+}
+
+/// Times `case`: median of `iters` forward calls after warm-up, rotating over enough
+/// input sets that together they exceed twice the L2 cache.
+pub fn time_forward(
+    attn: &Attention,
+    stream: &Arc<CudaStream>,
+    case: FwdCase,
+    iters: usize,
+    rng: &mut Rng,
+) -> Result<TimingStats> {
+    let l2 = attn.device().l2_bytes() as usize;
+    let sets = (2 * l2).div_ceil(case.bytes().max(1)).clamp(1, 64);
+    let cases = (0..sets)
+        .map(|_| DeviceCase::new(stream, case, rng))
+        .collect::<Result<Vec<_>>>()?;
+    let params = AttentionParams {
+        softmax_scale: None,
+        causal: case.causal,
+    };
+    let mut next = 0;
+    let stats = median_ms(
+        attn.device().context(),
+        stream.cu_stream(),
+        3,
+        iters,
+        || {
+            next = (next + 1) % cases.len();
+            cases[next].run(attn, &params)
+        },
+    )?;
+    if !stats.median_ms.is_finite() {
+        return Err(Error::InvalidArgument(
+            "timing produced no finite sample".into(),
+        ));
+    }
+    Ok(stats)
+}

@@ -1,0 +1,619 @@
+//! Offline assembly of every catalog kernel with NVIDIA's `ptxas`, no GPU needed.
+//!
+//! For each kernel of [`flashcore::kernels::catalog`], the generated PTX is assembled for
+//! every architecture its `.target` is meant to run on (an `sm_80` module: sm_80, sm_89
+//! and sm_90), and the test checks that:
+//!
+//! - ptxas accepts it,
+//! - `ptxas -v` reports 0 bytes of spill stores and spill loads,
+//! - the SASS (`cuobjdump --dump-sass`) contains `HMMA` (`mma.sync`) and `LDGSTS`
+//!   (`cp.async`), i.e. the tensor-core and async-copy paths survived assembly.
+//!
+//! Tools: `ptxas` and `cuobjdump` (which runs `nvdisasm`) are looked up in the directory
+//! `$FLASHCORE_CUDA_BIN` when it is set, else on `PATH`. Without them the tests FAIL (they
+//! never pass silently); install them with `scripts/install-cuda-tools.sh DIR` and put
+//! `DIR/nvidia/cu13/bin` on `PATH` (or in `FLASHCORE_CUDA_BIN`).
+//!
+//! Run with `cargo test --release --test assembly -- --nocapture` to see the table of
+//! registers, spills and shared memory per kernel and architecture.
+
+use std::collections::HashSet;
+use std::ffi::OsString;
+use std::fmt::Write as _;
+use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use flashcore::kernels::{self, KernelSpec};
+use flashcore::ptx::{F16x2, F32, Kernel, Module, Special, Target, U64};
+
+// ---- tool discovery ---------------------------------------------------------------------
+
+const INSTALL_HINT: &str = "install them with `scripts/install-cuda-tools.sh DIR` (pip wheels, \
+no GPU or CUDA toolkit needed), then put DIR/nvidia/cu13/bin on PATH or set \
+FLASHCORE_CUDA_BIN=DIR/nvidia/cu13/bin. `.ci/run` does this automatically.";
+
+/// Where ptxas and cuobjdump were found.
+struct Tools {
+    ptxas: PathBuf,
+    cuobjdump: PathBuf,
+    /// PATH for child processes: the tools' directory first, so cuobjdump finds nvdisasm.
+    child_path: OsString,
+}
+
+fn is_executable(p: &Path) -> bool {
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::PermissionsExt;
+        p.metadata()
+            .map(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
+            .unwrap_or(false)
+    }
+    #[cfg(not(unix))]
+    {
+        p.is_file()
+    }
+}
+
+fn find_tool(name: &str) -> Result<PathBuf, String> {
+    let exe = format!("{name}{}", std::env::consts::EXE_SUFFIX);
+    if let Some(dir) = std::env::var_os("FLASHCORE_CUDA_BIN").filter(|d| !d.is_empty()) {
+        let p = PathBuf::from(&dir).join(&exe);
+        return if is_executable(&p) {
+            Ok(p)
+        } else {
+            Err(format!(
+                "`{name}` not found: FLASHCORE_CUDA_BIN={} has no executable {exe}; {INSTALL_HINT}",
+                PathBuf::from(dir).display()
+            ))
+        };
+    }
+    let path = std::env::var_os("PATH").unwrap_or_default();
+    std::env::split_paths(&path)
+        .map(|d| d.join(&exe))
+        .find(|p| is_executable(p))
+        .ok_or_else(|| {
+            format!("`{name}` not found on PATH (and FLASHCORE_CUDA_BIN is unset); {INSTALL_HINT}")
+        })
+}
+
+/// Finds the tools or fails the test with instructions.
+fn tools() -> Tools {
+    let ptxas = find_tool("ptxas").unwrap_or_else(|e| panic!("{e}"));
+    let cuobjdump = find_tool("cuobjdump").unwrap_or_else(|e| panic!("{e}"));
+    let mut dirs: Vec<PathBuf> = Vec::new();
+    for t in [&ptxas, &cuobjdump] {
+        if let Some(d) = t.parent() {
+            dirs.push(d.to_path_buf());
+        }
+    }
+    dirs.extend(std::env::split_paths(
+        &std::env::var_os("PATH").unwrap_or_default(),
+    ));
+    let child_path = std::env::join_paths(dirs).expect("PATH entries are joinable");
+    Tools {
+        ptxas,
+        cuobjdump,
+        child_path,
+    }
+}
+
+// ---- temp dirs --------------------------------------------------------------------------
+
+/// A fresh directory under the system temp dir; removed on drop unless `keep` is set
+/// (kept after a failure, so the PTX and cubins can be inspected).
+struct TempDir {
+    path: PathBuf,
+    keep: bool,
+}
+
+impl TempDir {
+    fn new(tag: &str) -> TempDir {
+        static COUNTER: AtomicUsize = AtomicUsize::new(0);
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos())
+            .unwrap_or(0);
+        let n = COUNTER.fetch_add(1, Ordering::Relaxed);
+        let path = std::env::temp_dir().join(format!(
+            "flashcore-{tag}-{}-{nanos}-{n}",
+            std::process::id()
+        ));
+        std::fs::create_dir_all(&path)
+            .unwrap_or_else(|e| panic!("cannot create {}: {e}", path.display()));
+        TempDir { path, keep: false }
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        if self.keep {
+            eprintln!("assembly: kept work files in {}", self.path.display());
+        } else {
+            let _ = std::fs::remove_dir_all(&self.path);
+        }
+    }
+}
+
+// ---- ptxas -v parsing -------------------------------------------------------------------
+
+/// What `ptxas -v` reports for one entry function.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+struct FnStats {
+    name: String,
+    registers: u32,
+    stack_frame: u32,
+    spill_stores: u32,
+    spill_loads: u32,
+    /// Static shared memory (dynamic shared memory is sized at launch and not reported).
+    smem: u32,
+}
+
+/// The number right before `what` in `line` (`"0 bytes spill stores"` -> 0).
+fn number_before(line: &str, what: &str) -> Option<u32> {
+    let at = line.find(what)?;
+    line[..at].split_whitespace().last()?.parse().ok()
+}
+
+/// Parses `ptxas -v` output (stdout and stderr together) into one record per function.
+///
+/// ```text
+/// ptxas info    : Compiling entry function 'k' for 'sm_80'
+/// ptxas info    : Function properties for k
+///     0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+/// ptxas info    : Used 168 registers, used 1 barriers, 32768 bytes smem, 400 bytes cmem[0]
+/// ```
+fn parse_ptxas_verbose(out: &str) -> Vec<FnStats> {
+    let mut fns: Vec<FnStats> = Vec::new();
+    for line in out.lines() {
+        if let Some(rest) = line.split("Compiling entry function '").nth(1) {
+            let name = rest.split('\'').next().unwrap_or("").to_string();
+            fns.push(FnStats {
+                name,
+                ..FnStats::default()
+            });
+            continue;
+        }
+        let Some(cur) = fns.last_mut() else { continue };
+        if line.contains("bytes spill stores") {
+            cur.stack_frame = number_before(line, "bytes stack frame").unwrap_or(0);
+            cur.spill_stores = number_before(line, "bytes spill stores").unwrap_or(u32::MAX);
+            cur.spill_loads = number_before(line, "bytes spill loads").unwrap_or(u32::MAX);
+        } else if line.contains("Used ") && line.contains(" registers") {
+            cur.registers = number_before(line, "registers").unwrap_or(0);
+            cur.smem = number_before(line, "bytes smem").unwrap_or(0);
+        }
+    }
+    fns
+}
+
+// ---- assembling -------------------------------------------------------------------------
+
+/// The `ptxas -arch` values a module is meant to run on: every tested architecture at or
+/// above its `.target` (`sm_80` -> sm_80, sm_89, sm_90); an arch-specific target (`sm_90a`)
+/// runs only on itself.
+fn archs_for(target: Target) -> Vec<String> {
+    const TESTED: [u32; 3] = [80, 89, 90];
+    let name = target.name();
+    if name.ends_with('a') || name.ends_with('f') {
+        return vec![name.to_string()];
+    }
+    let cc: u32 = name.trim_start_matches("sm_").parse().unwrap_or(0);
+    let v: Vec<String> = TESTED
+        .iter()
+        .filter(|&&a| a >= cc)
+        .map(|a| format!("sm_{a}"))
+        .collect();
+    if v.is_empty() {
+        vec![name.to_string()]
+    } else {
+        v
+    }
+}
+
+/// The result of assembling one module for one architecture.
+struct Assembled {
+    arch: String,
+    fns: Vec<FnStats>,
+    sass: String,
+}
+
+fn run(cmd: &mut Command, what: &str) -> Result<String, String> {
+    let out = cmd
+        .output()
+        .map_err(|e| format!("{what}: cannot run: {e}"))?;
+    let mut text = String::from_utf8_lossy(&out.stdout).into_owned();
+    text.push_str(&String::from_utf8_lossy(&out.stderr));
+    if out.status.success() {
+        Ok(text)
+    } else {
+        let tail: Vec<&str> = text.lines().rev().take(40).collect();
+        let tail: Vec<&str> = tail.into_iter().rev().collect();
+        Err(format!(
+            "{what} failed ({}):\n{}",
+            out.status,
+            tail.join("\n")
+        ))
+    }
+}
+
+/// `ptxas -arch=<arch> -v` then `cuobjdump --dump-sass`.
+fn assemble(tools: &Tools, ptx_file: &Path, arch: &str) -> Result<Assembled, String> {
+    let cubin = ptx_file.with_extension(format!("{arch}.cubin"));
+    let verbose = run(
+        Command::new(&tools.ptxas)
+            .env("PATH", &tools.child_path)
+            .arg(format!("-arch={arch}"))
+            .arg("-v")
+            .arg("-o")
+            .arg(&cubin)
+            .arg(ptx_file),
+        &format!("ptxas -arch={arch}"),
+    )?;
+    let fns = parse_ptxas_verbose(&verbose);
+    if fns.is_empty() {
+        return Err(format!("could not parse `ptxas -v` output:\n{verbose}"));
+    }
+    let sass = run(
+        Command::new(&tools.cuobjdump)
+            .env("PATH", &tools.child_path)
+            .arg("--dump-sass")
+            .arg(&cubin),
+        "cuobjdump --dump-sass",
+    )?;
+    Ok(Assembled {
+        arch: arch.to_string(),
+        fns,
+        sass,
+    })
+}
+
+/// Checks one assembly; returns every problem found.
+fn check(id: &str, a: &Assembled, entries: &[String]) -> Vec<String> {
+    let mut errs = Vec::new();
+    for f in &a.fns {
+        if f.spill_stores != 0 || f.spill_loads != 0 {
+            errs.push(format!(
+                "{id} [{}]: `{}` spills: {} bytes stores, {} bytes loads ({} registers)",
+                a.arch, f.name, f.spill_stores, f.spill_loads, f.registers
+            ));
+        }
+    }
+    for e in entries {
+        if !a.fns.iter().any(|f| &f.name == e) {
+            errs.push(format!(
+                "{id} [{}]: ptxas did not report entry `{e}`",
+                a.arch
+            ));
+        }
+    }
+    for (op, ptx) in [("HMMA", "mma.sync"), ("LDGSTS", "cp.async")] {
+        if !a.sass.contains(op) {
+            errs.push(format!(
+                "{id} [{}]: SASS has no {op} ({ptx} missing or optimized away)",
+                a.arch
+            ));
+        }
+    }
+    errs
+}
+
+/// Maps `f` over `items` on `available_parallelism` threads, keeping the order.
+fn par_map<T: Sync, R: Send>(items: &[T], f: impl Fn(&T) -> R + Sync) -> Vec<R> {
+    let threads = std::thread::available_parallelism()
+        .map(|n| n.get())
+        .unwrap_or(2)
+        .min(items.len().max(1));
+    let next = AtomicUsize::new(0);
+    let results: Mutex<Vec<Option<R>>> = Mutex::new((0..items.len()).map(|_| None).collect());
+    std::thread::scope(|s| {
+        for _ in 0..threads {
+            s.spawn(|| {
+                loop {
+                    let i = next.fetch_add(1, Ordering::Relaxed);
+                    if i >= items.len() {
+                        break;
+                    }
+                    let r = f(&items[i]);
+                    results.lock().unwrap_or_else(|e| e.into_inner())[i] = Some(r);
+                }
+            });
+        }
+    });
+    results
+        .into_inner()
+        .unwrap_or_else(|e| e.into_inner())
+        .into_iter()
+        .map(|r| r.expect("every item was processed"))
+        .collect()
+}
+
+fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
+    if let Some(s) = p.downcast_ref::<&str>() {
+        s.to_string()
+    } else if let Some(s) = p.downcast_ref::<String>() {
+        s.clone()
+    } else {
+        "(non-string panic payload)".to_string()
+    }
+}
+
+/// Dynamic shared memory the launch asks for (not visible to ptxas).
+#[allow(unreachable_patterns)]
+fn launch_smem(spec: &KernelSpec) -> Option<u32> {
+    match spec {
+        KernelSpec::Fwd(c) => catch_unwind(|| c.tiling().smem_bytes).ok(),
+        _ => None,
+    }
+}
+
+struct Row {
+    id: String,
+    arch: String,
+    stats: FnStats,
+    dyn_smem: Option<u32>,
+}
+
+fn print_table(rows: &[Row]) {
+    let w = rows.iter().map(|r| r.id.len()).max().unwrap_or(2).max(2);
+    let mut s = String::new();
+    let _ = writeln!(
+        s,
+        "{:<w$}  {:<6}  {:>4}  {:>11}  {:>11}  {:>5}  {:>9}  {:>9}",
+        "id", "arch", "regs", "spill st B", "spill ld B", "stack", "smem B", "dyn smem B"
+    );
+    for r in rows {
+        let dynamic = r
+            .dyn_smem
+            .map(|b| b.to_string())
+            .unwrap_or_else(|| "-".into());
+        let _ = writeln!(
+            s,
+            "{:<w$}  {:<6}  {:>4}  {:>11}  {:>11}  {:>5}  {:>9}  {:>9}",
+            r.id,
+            r.arch,
+            r.stats.registers,
+            r.stats.spill_stores,
+            r.stats.spill_loads,
+            r.stats.stack_frame,
+            r.stats.smem,
+            dynamic
+        );
+    }
+    println!("{s}");
+}
+
+/// Assembles `modules` (id, module) for every architecture each is meant for; prints the
+/// table and returns every failure.
+fn assemble_all(
+    tools: &Tools,
+    dir: &Path,
+    modules: &[(String, Module, Option<u32>)],
+) -> (Vec<Row>, Vec<String>) {
+    let mut jobs: Vec<(usize, String, PathBuf)> = Vec::new();
+    let mut failures = Vec::new();
+    for (i, (id, m, _)) in modules.iter().enumerate() {
+        let ptx_file = dir.join(format!("{id}.ptx"));
+        if let Err(e) = std::fs::write(&ptx_file, m.to_ptx()) {
+            failures.push(format!("{id}: cannot write {}: {e}", ptx_file.display()));
+            continue;
+        }
+        for arch in archs_for(m.target()) {
+            jobs.push((i, arch, ptx_file.clone()));
+        }
+    }
+    let results = par_map(&jobs, |(i, arch, ptx_file)| {
+        let (id, m, _) = &modules[*i];
+        let entries: Vec<String> = m.entry_names().map(str::to_string).collect();
+        match assemble(tools, ptx_file, arch) {
+            Ok(a) => {
+                let errs = check(id, &a, &entries);
+                (Some(a), errs)
+            }
+            Err(e) => (None, vec![format!("{id} [{arch}]: {e}")]),
+        }
+    });
+    let mut rows = Vec::new();
+    for ((i, _, _), (a, errs)) in jobs.iter().zip(results) {
+        let (id, _, dyn_smem) = &modules[*i];
+        if let Some(a) = a {
+            for f in a.fns {
+                rows.push(Row {
+                    id: id.clone(),
+                    arch: a.arch.clone(),
+                    stats: f,
+                    dyn_smem: *dyn_smem,
+                });
+            }
+        }
+        failures.extend(errs);
+    }
+    print_table(&rows);
+    (rows, failures)
+}
+
+fn fail_with(dir: &mut TempDir, what: &str, failures: &[String]) -> ! {
+    dir.keep = true;
+    panic!(
+        "{what}: {} failure(s):\n\n{}\n",
+        failures.len(),
+        failures.join("\n\n")
+    );
+}
+
+// ---- tests ------------------------------------------------------------------------------
+
+/// Every catalog kernel assembles for every architecture it targets, without spills, and
+/// its SASS uses the tensor cores (HMMA) and async copies (LDGSTS).
+#[test]
+fn catalog_kernels_assemble_without_spills() {
+    let tools = tools();
+    let specs = kernels::catalog();
+    assert!(!specs.is_empty(), "the kernel catalog is empty");
+
+    let generated = par_map(&specs, |spec| {
+        let id = spec.id();
+        let r = catch_unwind(AssertUnwindSafe(|| spec.generate()));
+        (
+            id,
+            r.map_err(|p| panic_message(p.as_ref())),
+            launch_smem(spec),
+        )
+    });
+    let mut failures = Vec::new();
+    let mut modules = Vec::new();
+    for (id, r, dyn_smem) in generated {
+        match r {
+            Ok(Ok(m)) => {
+                if !m.entry_names().any(|e| e == id) {
+                    let names: Vec<&str> = m.entry_names().collect();
+                    failures.push(format!(
+                        "{id}: the module has no entry named after the id (entries: {names:?})"
+                    ));
+                }
+                modules.push((id, m, dyn_smem));
+            }
+            Ok(Err(e)) => failures.push(format!("{id}: generate() returned an error: {e}")),
+            Err(msg) => failures.push(format!("{id}: generate() panicked: {msg}")),
+        }
+    }
+
+    let mut dir = TempDir::new("assembly");
+    let (rows, asm_failures) = assemble_all(&tools, &dir.path, &modules);
+    failures.extend(asm_failures);
+    println!(
+        "assembly: {} kernels in the catalog, {} generated, {} (kernel, arch) assemblies reported",
+        specs.len(),
+        modules.len(),
+        rows.len()
+    );
+    if !failures.is_empty() {
+        fail_with(&mut dir, "catalog assembly", &failures);
+    }
+}
+
+/// Catalog ids are unique and `find` returns the spec for each id (and nothing for others).
+#[test]
+fn catalog_ids_are_unique_and_find_round_trips() {
+    let specs = kernels::catalog();
+    assert!(!specs.is_empty(), "the kernel catalog is empty");
+    let mut seen = HashSet::new();
+    let mut failures = Vec::new();
+    for spec in &specs {
+        let id = spec.id();
+        if !seen.insert(id.clone()) {
+            failures.push(format!("duplicate id `{id}`"));
+        }
+        let valid = !id.is_empty()
+            && id.chars().all(|c| c.is_ascii_alphanumeric() || c == '_')
+            && !id.starts_with(|c: char| c.is_ascii_digit());
+        if !valid {
+            failures.push(format!("id `{id}` is not a valid PTX identifier"));
+        }
+        match kernels::find(&id) {
+            Some(found) if found == *spec => {}
+            Some(found) => failures.push(format!(
+                "find({id:?}) returned {found:?}, expected {spec:?}"
+            )),
+            None => failures.push(format!("find({id:?}) returned None")),
+        }
+    }
+    for bogus in ["", "attn_fwd", "no_such_kernel"] {
+        if let Some(s) = kernels::find(bogus) {
+            failures.push(format!("find({bogus:?}) returned {s:?}"));
+        }
+    }
+    assert!(
+        failures.is_empty(),
+        "catalog problems:\n{}",
+        failures.join("\n")
+    );
+}
+
+/// A small hand-made kernel: `cp.async` a 512-byte tile into shared memory, `ldmatrix`
+/// it, run one f16 and one bf16 `mma.sync` m16n8k16, store the accumulators.
+fn harness_module() -> Module {
+    let mut k = Kernel::new("flashcore_harness_mma_cp_async");
+    k.max_threads(32);
+    let src_p = k.param::<U64>("src");
+    let dst_p = k.param::<U64>("dst");
+    let src = k.load_param(src_p);
+    let dst = k.load_param(dst_p);
+    let smem = k.dynamic_shared(128);
+    let lane = k.special(Special::TidX);
+
+    // 32 lanes x 16 bytes: four 8x8 f16 matrices, one row per lane.
+    let lane_off = k.mul_wide_u32(lane, 16u32);
+    let gsrc = k.add(src, lane_off);
+    let row_off = k.mul(lane, 16u32);
+    let srow = k.add(smem, row_off);
+    k.cp_async_16(srow, gsrc, 16u32);
+    k.cp_async_commit();
+    k.cp_async_wait(0);
+    k.sync_threads();
+
+    let a = k.ldmatrix_x4::<F16x2>(srow, false);
+    let lane16 = k.and(lane, 15u32);
+    let b_off = k.mul(lane16, 16u32);
+    let b_row = k.add(smem, b_off);
+    let b = k.ldmatrix_x2::<F16x2>(b_row, true);
+
+    let acc: [_; 4] = std::array::from_fn(|_| k.mov::<F32>(0.0f32));
+    k.mma_m16n8k16(&acc, &a, &b, &acc);
+    let a_bf = a.map(|r| r.cast());
+    let b_bf = b.map(|r| r.cast());
+    k.mma_m16n8k16::<flashcore::ptx::Bf16x2>(&acc, &a_bf, &b_bf, &acc);
+
+    let gdst = k.add(dst, lane_off);
+    k.st_global_v4(gdst, 0, acc);
+
+    let mut m = Module::new(Target::Sm80);
+    m.push(k.finish().expect("the harness kernel builds"))
+        .expect("the harness kernel fits sm_80");
+    m
+}
+
+/// Permanent check of this harness and of the DSL's emission: a hand-made `mma.sync` +
+/// `cp.async` module assembles for sm_80/89/90 with no spills and shows HMMA and LDGSTS.
+#[test]
+fn harness_assembles_a_dsl_module() {
+    // The parser on a known sample (format of ptxas 12.x/13.x).
+    let sample = "ptxas info    : 0 bytes gmem\n\
+        ptxas info    : Compiling entry function 'k' for 'sm_80'\n\
+        ptxas info    : Function properties for k\n    \
+        8 bytes stack frame, 4 bytes spill stores, 12 bytes spill loads\n\
+        ptxas info    : Used 168 registers, used 1 barriers, 32768 bytes smem, 400 bytes cmem[0]\n";
+    assert_eq!(
+        parse_ptxas_verbose(sample),
+        vec![FnStats {
+            name: "k".into(),
+            registers: 168,
+            stack_frame: 8,
+            spill_stores: 4,
+            spill_loads: 12,
+            smem: 32768
+        }]
+    );
+    assert_eq!(archs_for(Target::Sm80), ["sm_80", "sm_89", "sm_90"]);
+    assert_eq!(archs_for(Target::Sm90a), ["sm_90a"]);
+
+    let tools = tools();
+    let m = harness_module();
+    let id = "flashcore_harness_mma_cp_async".to_string();
+    let mut dir = TempDir::new("assembly-harness");
+    let (rows, mut failures) = assemble_all(&tools, &dir.path, &[(id.clone(), m, Some(512))]);
+    let archs: Vec<&str> = rows.iter().map(|r| r.arch.as_str()).collect();
+    if archs != ["sm_80", "sm_89", "sm_90"] {
+        failures.push(format!(
+            "{id}: expected one report per sm_80/89/90, got {archs:?}"
+        ));
+    }
+    if rows.iter().any(|r| r.stats.registers == 0) {
+        failures.push(format!("{id}: a register count did not parse"));
+    }
+    if !failures.is_empty() {
+        fail_with(&mut dir, "harness assembly", &failures);
+    }
+}

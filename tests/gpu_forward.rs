@@ -1,0 +1,229 @@
+//! Forward attention on a GPU against the float64 reference. Run on a GPU machine with
+//! `cargo test --release -- --include-ignored`.
+
+use std::sync::Arc;
+
+use flashcore::check::{CheckResult, FwdCase, Layout, check_forward, tolerance};
+use flashcore::host::attention::Attention;
+use flashcore::host::device::Device;
+use flashcore::host::tensor::{AttentionParams, DType, TensorView};
+use flashcore::kernels::attention::HalfType;
+use flashcore::reference::Rng;
+
+const SEQLENS: [usize; 6] = [1, 17, 113, 128, 1000, 2048];
+
+fn setup() -> (Attention, Arc<cudarc::driver::CudaStream>) {
+    let device = Arc::new(Device::new(0).expect("a CUDA device"));
+    let stream = device.context().default_stream();
+    (Attention::new(device).expect("an sm_80+ GPU"), stream)
+}
+
+/// Runs every case, prints one line each, and fails listing every case over tolerance.
+fn run_cases(cases: &[FwdCase]) {
+    let (attn, stream) = setup();
+    let mut rng = Rng::from_entropy();
+    let mut failures = Vec::new();
+    let mut worst: (f64, String) = (0.0, String::new());
+    for case in cases {
+        let r: CheckResult = check_forward(&attn, &stream, *case, &mut rng)
+            .unwrap_or_else(|e| panic!("{case:?}: {e}"));
+        let line = format!(
+            "{:?} B{} H{}/{} Sq{} Sk{} D{} causal={} {:?}: out {:.2e} lse {:.2e} unwritten {} seed {:#x}",
+            case.dtype,
+            case.batch,
+            case.heads_q,
+            case.heads_kv,
+            case.seqlen_q,
+            case.seqlen_k,
+            case.head_dim,
+            case.causal,
+            case.layout,
+            r.out_err,
+            r.lse_err,
+            r.unwritten,
+            r.seed
+        );
+        println!("{line}");
+        if r.out_err > worst.0 || r.out_err.is_nan() {
+            worst = (r.out_err, line.clone());
+        }
+        if !r.passes(case.dtype) {
+            failures.push(line);
+        }
+    }
+    println!("worst: {}", worst.1);
+    assert!(
+        failures.is_empty(),
+        "{} of {} cases failed:\n{}",
+        failures.len(),
+        cases.len(),
+        failures.join("\n")
+    );
+}
+
+fn case(
+    dtype: HalfType,
+    d: usize,
+    causal: bool,
+    b: usize,
+    hq: usize,
+    hkv: usize,
+    sq: usize,
+    sk: usize,
+) -> FwdCase {
+    FwdCase {
+        batch: b,
+        seqlen_q: sq,
+        seqlen_k: sk,
+        heads_q: hq,
+        heads_kv: hkv,
+        head_dim: d,
+        dtype,
+        causal,
+        layout: Layout::Bshd,
+    }
+}
+
+/// Every (Sq, Sk) pair of the grid, causal and not, one head.
+fn seqlen_grid(dtype: HalfType, d: usize) {
+    let mut cases = Vec::new();
+    for causal in [false, true] {
+        for sq in SEQLENS {
+            for sk in SEQLENS {
+                cases.push(case(dtype, d, causal, 1, 1, 1, sq, sk));
+            }
+        }
+    }
+    run_cases(&cases);
+}
+
+/// Batches and heads: B in {1, 3}, MHA 8:8, GQA 8:2, MQA 8:1, with Sq != Sk.
+fn heads_grid(dtype: HalfType, d: usize) {
+    let mut cases = Vec::new();
+    for causal in [false, true] {
+        for b in [1, 3] {
+            for (hq, hkv) in [(1, 1), (8, 8), (8, 2), (8, 1)] {
+                for (sq, sk) in [(17, 113), (113, 17), (128, 1000), (1000, 128), (1, 2048)] {
+                    cases.push(case(dtype, d, causal, b, hq, hkv, sq, sk));
+                }
+            }
+        }
+    }
+    run_cases(&cases);
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn fp16_d64_seqlens() {
+    seqlen_grid(HalfType::F16, 64);
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn fp16_d128_seqlens() {
+    seqlen_grid(HalfType::F16, 128);
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn bf16_d64_seqlens() {
+    seqlen_grid(HalfType::Bf16, 64);
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn bf16_d128_seqlens() {
+    seqlen_grid(HalfType::Bf16, 128);
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn fp16_heads_and_batches() {
+    heads_grid(HalfType::F16, 64);
+    heads_grid(HalfType::F16, 128);
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn bf16_heads_and_batches() {
+    heads_grid(HalfType::Bf16, 64);
+    heads_grid(HalfType::Bf16, 128);
+}
+
+/// The other head dims the dispatch offers, and the [B, H, S, D] layout.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn other_head_dims_and_bhsd_layout() {
+    let mut cases = Vec::new();
+    for dtype in [HalfType::F16, HalfType::Bf16] {
+        for d in [32, 64, 128, 256] {
+            for causal in [false, true] {
+                for (sq, sk) in [(113, 1000), (1000, 113), (1023, 1023)] {
+                    let mut c = case(dtype, d, causal, 2, 4, 2, sq, sk);
+                    cases.push(c);
+                    c.layout = Layout::Bhsd;
+                    cases.push(c);
+                }
+            }
+        }
+    }
+    run_cases(&cases);
+}
+
+/// Two runs on the same inputs agree bit for bit (a race would make them differ).
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn repeated_runs_are_identical() {
+    let (attn, stream) = setup();
+    let mut rng = Rng::from_entropy();
+    for causal in [false, true] {
+        let c = case(HalfType::F16, 128, causal, 2, 8, 2, 1000, 2048);
+        let dev = flashcore::check::DeviceCase::new(&stream, c, &mut rng).unwrap();
+        let params = AttentionParams {
+            softmax_scale: None,
+            causal,
+        };
+        dev.run(&attn, &params).unwrap();
+        let first = dev.download().unwrap();
+        for _ in 0..5 {
+            dev.run(&attn, &params).unwrap();
+            assert_eq!(
+                dev.download().unwrap(),
+                first,
+                "causal={causal}: runs differ"
+            );
+        }
+    }
+}
+
+/// A rejected call writes nothing: the poisoned output stays poisoned.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn rejected_call_writes_nothing() {
+    let (attn, stream) = setup();
+    let mut rng = Rng::from_entropy();
+    let c = case(HalfType::F16, 64, false, 1, 2, 2, 64, 64);
+    let dev = flashcore::check::DeviceCase::new(&stream, c, &mut rng).unwrap();
+    let ([q, k, v, o], lse) = dev.views();
+    let bad_k = TensorView::bshd(k.ptr, DType::F16, 1, 64, 3, 64);
+    let err = attn
+        .forward(
+            &q,
+            &bad_k,
+            &v,
+            &o,
+            Some(&lse),
+            &AttentionParams::default(),
+            stream.cu_stream(),
+        )
+        .unwrap_err();
+    println!("rejected: {err}");
+    let (o_bits, lse) = dev.download().unwrap();
+    assert!(
+        o_bits
+            .iter()
+            .all(|&b| b == flashcore::reference::POISON_F16)
+    );
+    assert!(lse.iter().all(|x| x.is_nan()));
+    assert!(tolerance(HalfType::F16) < tolerance(HalfType::Bf16));
+}
