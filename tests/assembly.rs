@@ -617,3 +617,30 @@ fn harness_assembles_a_dsl_module() {
         fail_with(&mut dir, "harness assembly", &failures);
     }
 }
+
+/// The checks are not vacuous: a kernel with neither `mma.sync` nor `cp.async` is reported
+/// as missing HMMA and LDGSTS on every architecture.
+#[test]
+fn harness_flags_a_kernel_without_mma() {
+    let tools = tools();
+    let mut k = Kernel::new("flashcore_harness_no_mma");
+    let dst_p = k.param::<U64>("dst");
+    let dst = k.load_param(dst_p);
+    let lane = k.special(Special::TidX);
+    k.st_global(dst, 0, lane);
+    let mut m = Module::new(Target::Sm80);
+    m.push(k.finish().expect("the kernel builds"))
+        .expect("fits sm_80");
+    let dir = TempDir::new("assembly-negative");
+    let (rows, failures) = assemble_all(
+        &tools,
+        &dir.path,
+        &[("flashcore_harness_no_mma".into(), m, None)],
+    );
+    assert_eq!(rows.len(), 3, "one report per architecture: {failures:?}");
+    for op in ["no HMMA", "no LDGSTS"] {
+        let n = failures.iter().filter(|f| f.contains(op)).count();
+        assert_eq!(n, 3, "expected `{op}` for sm_80/89/90, got {failures:?}");
+    }
+    assert_eq!(failures.len(), 6, "unexpected failures: {failures:?}");
+}

@@ -12,7 +12,7 @@ use super::module::LoadedKernel;
 use super::tensor::{AttentionParams, LseView, TensorView};
 use super::validate::{FwdProblem, validate_fwd};
 use crate::error::{Error, Result};
-use crate::kernels::attention::{FwdArgs, FwdConfig, HalfType, Path};
+use crate::kernels::attention::{FWD_HEAD_DIMS, FwdArgs, FwdConfig, HalfType, Path};
 
 /// Which kernel path an architecture gets, or why it gets none.
 pub fn path_for_arch(arch: (i32, i32)) -> Result<Path, String> {
@@ -30,16 +30,15 @@ pub fn dispatch(
     causal: bool,
 ) -> Result<FwdConfig, String> {
     let path = path_for_arch(arch)?;
-    let cfg = FwdConfig {
+    if !FWD_HEAD_DIMS.contains(&head_dim) {
+        return Err(format!("no kernel for head dim {head_dim}"));
+    }
+    Ok(FwdConfig {
         path,
         dtype,
         head_dim,
         causal,
-    };
-    match FwdConfig::from_id(cfg.id_static()) {
-        Some(_) => Ok(cfg),
-        None => Err(format!("no kernel for head dim {head_dim}")),
-    }
+    })
 }
 
 /// Forward attention on one device: owns the loaded kernels for it.

@@ -297,8 +297,10 @@ fn check_strides(name: &'static str, t: &TensorView) -> Result<()> {
 /// span of the smaller ones. Every layout that is a permutation of a (possibly padded)
 /// dense tensor passes; only exotic interleavings that happen not to collide are refused.
 fn check_no_self_overlap(name: &'static str, t: &TensorView) -> Result<()> {
-    let mut dims: Vec<usize> = (0..4).filter(|&i| t.shape[i] > 1).collect();
+    // A fixed array, not a Vec: this runs on every call and the hot path allocates nothing.
+    let mut dims = [0usize, 1, 2, 3];
     dims.sort_by_key(|&i| t.strides[i]);
+    let dims = dims.into_iter().filter(|&i| t.shape[i] > 1);
     // Cannot overflow: byte_range() already succeeded, so every partial span fits.
     let mut span = 1usize;
     for i in dims {

@@ -1,0 +1,109 @@
+//! The hot path allocates nothing: validation and dispatch on the CPU, and (on a GPU) a
+//! whole forward call on an already-loaded configuration, which is what lets it be
+//! captured in a CUDA graph and called from a latency-bound server.
+
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use flashcore::host::attention::dispatch;
+use flashcore::host::tensor::{AttentionParams, DType, LseView, TensorView};
+use flashcore::host::validate::validate_fwd;
+use flashcore::kernels::attention::HalfType;
+
+struct Counting;
+
+static ALLOCATIONS: AtomicUsize = AtomicUsize::new(0);
+
+thread_local! {
+    /// Only the measuring thread counts: the test harness runs other tests beside it.
+    static COUNTING: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+// SAFETY: forwards every call to the system allocator unchanged; only counts.
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        if COUNTING.with(|c| c.get()) {
+            ALLOCATIONS.fetch_add(1, Ordering::Relaxed);
+        }
+        // SAFETY: same contract as the caller's.
+        unsafe { System.alloc(layout) }
+    }
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        // SAFETY: `ptr` came from `alloc` above, i.e. from `System`.
+        unsafe { System.dealloc(ptr, layout) }
+    }
+}
+
+#[global_allocator]
+static GLOBAL: Counting = Counting;
+
+fn allocations_in(f: impl FnOnce()) -> usize {
+    let before = ALLOCATIONS.load(Ordering::SeqCst);
+    COUNTING.with(|c| c.set(true));
+    f();
+    COUNTING.with(|c| c.set(false));
+    ALLOCATIONS.load(Ordering::SeqCst) - before
+}
+
+#[test]
+fn validation_and_dispatch_do_not_allocate() {
+    let q = TensorView::bhsd(0x1000_0000, DType::F16, 2, 512, 8, 64);
+    let k = TensorView::bhsd(0x2000_0000, DType::F16, 2, 512, 8, 64);
+    let v = TensorView::bhsd(0x3000_0000, DType::F16, 2, 512, 8, 64);
+    let o = TensorView::bhsd(0x4000_0000, DType::F16, 2, 512, 8, 64);
+    let lse = LseView { ptr: 0x5000_0000 };
+    let params = AttentionParams {
+        softmax_scale: None,
+        causal: true,
+    };
+    // Warm any lazily built tables first.
+    let cfg = dispatch((9, 0), HalfType::F16, 64, true).unwrap();
+    let _ = cfg.id_static();
+    let n = allocations_in(|| {
+        for _ in 0..100 {
+            let p = validate_fwd(&q, &k, &v, &o, Some(&lse), &params).unwrap();
+            let cfg = dispatch((9, 0), p.dtype, p.head_dim as u32, p.causal).unwrap();
+            std::hint::black_box(cfg.id_static());
+            std::hint::black_box(cfg.tiling());
+        }
+    });
+    assert_eq!(
+        n, 0,
+        "validation + dispatch allocated {n} times in 100 calls"
+    );
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn warm_forward_does_not_allocate() {
+    use flashcore::check::{DeviceCase, FwdCase, Layout as L};
+    use std::sync::Arc;
+    let device = Arc::new(flashcore::host::device::Device::new(0).unwrap());
+    let stream = device.context().default_stream();
+    let attn = flashcore::host::attention::Attention::new(device).unwrap();
+    let case = FwdCase {
+        batch: 2,
+        seqlen_q: 512,
+        seqlen_k: 512,
+        heads_q: 8,
+        heads_kv: 8,
+        head_dim: 64,
+        dtype: HalfType::F16,
+        causal: false,
+        layout: L::Bhsd,
+    };
+    let dev = DeviceCase::new(&stream, case, &mut flashcore::reference::Rng::new(7)).unwrap();
+    let ([q, k, v, o], lse) = dev.views();
+    let params = AttentionParams::default();
+    let cu = stream.cu_stream();
+    attn.forward(&q, &k, &v, &o, Some(&lse), &params, cu)
+        .unwrap();
+    let n = allocations_in(|| {
+        for _ in 0..100 {
+            attn.forward(&q, &k, &v, &o, Some(&lse), &params, cu)
+                .unwrap();
+        }
+    });
+    stream.synchronize().unwrap();
+    assert_eq!(n, 0, "100 warm forward calls allocated {n} times");
+}
