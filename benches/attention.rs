@@ -119,7 +119,8 @@ fn main() {
         .expect("capture");
     for i in 0..per_graph {
         let ([q, k, v, o], lse) = &views[i % views.len()];
-        attn.forward(q, k, v, o, Some(lse), &params, stream.cu_stream())
+        // SAFETY: views of `sets`' live buffers, made on `stream`, which outlive the graph.
+        unsafe { attn.forward(q, k, v, o, Some(lse), &params, stream.cu_stream()) }
             .expect("captured forward");
     }
     let graph = stream
@@ -145,7 +146,8 @@ fn main() {
             for _ in 0..iters {
                 for i in 0..per_graph {
                     let ([q, k, v, o], lse) = &views[i % views.len()];
-                    attn.forward(q, k, v, o, Some(lse), &params, stream.cu_stream())
+                    // SAFETY: as for the captured calls above.
+                    unsafe { attn.forward(q, k, v, o, Some(lse), &params, stream.cu_stream()) }
                         .expect("forward");
                 }
             }

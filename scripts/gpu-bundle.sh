@@ -6,6 +6,10 @@
 #   gpu-bundle/benches/<name>    criterion benchmark binaries
 #   gpu-bundle/bin/flashcore     the command line (target/release/flashcore)
 #   gpu-bundle/sdpa_bench.py     the PyTorch SDPA baseline (scripts/sdpa_bench.py)
+#   gpu-bundle/harness.py        the side-by-side harness over the C ABI (scripts/harness.py)
+#   gpu-bundle/profile.sh        Nsight Compute summary of one configuration (scripts/profile.sh)
+#   gpu-bundle/release/libflashcore.so   the C ABI library
+#   gpu-bundle/c/forward_{dynamic,static} the C example (examples/c/forward.c)
 #   gpu-bundle/manifest.txt      commit, build date, file list
 #   gpu-bundle/run.sh            what the GPU machine runs
 #
@@ -96,6 +100,12 @@ while IFS=$'\t' read -r dest src; do
     chmod +x "$bundle/$dest"
 done <"$tmp/list"
 cp scripts/sdpa_bench.py "$bundle/sdpa_bench.py"
+cp scripts/harness.py "$bundle/harness.py"
+cp scripts/profile.sh "$bundle/profile.sh"
+timed bash scripts/build-c-example.sh --no-run >&2
+mkdir -p "$bundle/release" "$bundle/c"
+cp target/release/libflashcore.so "$bundle/release/"
+cp target/c-example/forward_dynamic target/c-example/forward_static "$bundle/c/"
 
 {
     echo "flashcore gpu-bundle"
@@ -117,15 +127,16 @@ cat >"$bundle/run.sh" <<'RUN_SH'
 # Runs on the GPU machine (no cargo) from the repository root:
 #
 #   bash gpu-bundle/run.sh                 # everything
-#   bash gpu-bundle/run.sh tests bench     # some groups: system tests sanitize bench criterion
+#   bash gpu-bundle/run.sh tests bench     # some groups: system tests sanitize c bench criterion profile
 #
 # Writes under $OUT (default ./out), at most 7 files, no subfolders:
 #   system.log     manifest, nvidia-smi, flashcore info
 #   tests.log      every test binary (--include-ignored --test-threads=1)
 #   sanitizer.log  compute-sanitizer memcheck / racecheck / synccheck on `flashcore run`
-#   bench.log      flashcore bench, PyTorch SDPA bench, comparison (+ criterion if asked)
+#   bench.log      flashcore bench, SDPA bench, comparison, harness, criterion, ncu profile
 #   ours.json      flashcore bench --json
 #   sdpa.json      sdpa_bench.py --json
+#   harness.json   harness.py --json (the C ABI side by side with SDPA, same tensors)
 #   summary.txt    one line per step: status, exit code, seconds, log
 # Each step runs under a timeout; one failing step never stops the others. Steps that
 # would start after the deadline ($RUN_DEADLINE_S seconds after start, default 570) are
@@ -154,7 +165,7 @@ groups=("$@")
 want() {
     local g
     for g in "${groups[@]}"; do
-        [[ $g == "$1" || ($g == all && $1 != criterion) ]] && return 0
+        [[ $g == "$1" || $g == all ]] && return 0
     done
     return 1
 }
@@ -225,7 +236,8 @@ if want tests; then
     for t in "$bundle"/tests/*; do
         [[ -x $t ]] || continue
         extra=()
-        [[ $(basename "$t") == assembly ]] && extra=(--nocapture)
+        # Per-case errors are part of the evidence: show every test's output.
+        extra=(--nocapture)
         step tests.log "test $(basename "$t")" 300 "$t" --include-ignored --test-threads=1 "${extra[@]}"
     done
 fi
@@ -249,6 +261,12 @@ if want sanitize; then
     done
 fi
 
+# ---- the C example ----
+if want c; then
+    step tests.log "c example (dynamic)" 120 "$bundle/c/forward_dynamic"
+    step tests.log "c example (static)" 120 "$bundle/c/forward_static"
+fi
+
 # ---- benchmarks --------------------------------------------------------------------------
 if want bench; then
     rm -f "$OUT/ours.json" "$OUT/sdpa.json"
@@ -256,11 +274,21 @@ if want bench; then
     step bench.log "sdpa_bench" 240 python3 "$bundle/sdpa_bench.py" --json "$OUT/sdpa.json"
     step bench.log "compare" 60 python3 "$bundle/sdpa_bench.py" --compare "$OUT/ours.json" "$OUT/sdpa.json"
 fi
+if want bench; then
+    step bench.log "harness (C ABI vs SDPA)" 240 python3 "$bundle/harness.py" \
+        --lib "$bundle/release/libflashcore.so" --json "$OUT/harness.json"
+fi
 if want criterion; then
     for b in "$bundle"/benches/*; do
         [[ -x $b ]] || continue
         step bench.log "criterion $(basename "$b")" 300 "$b" --bench
     done
+fi
+
+if want profile; then
+    export PROFILE_CSV="$scratch/ncu.csv"
+    step bench.log "ncu profile B4 H16 S4096 D128 causal" 180 \
+        bash "$bundle/profile.sh" --bin "$fc" --batch 4 --heads 16 --seqlen 4096 --head-dim 128 --causal
 fi
 
 # ---- report (the tail is what comes back: summary last) ----------------------------------

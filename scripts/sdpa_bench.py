@@ -49,7 +49,8 @@ backend "flashcore"; unknown extra fields are ignored by --compare):
     }
 
 Records are matched in --compare on (batch, heads, kv_heads, seqlen_q, seqlen_k,
-head_dim, causal, dtype).
+head_dim, causal, dtype). --compare also accepts the spellings heads_q / heads_kv and
+dtype "float16" / "bfloat16" (see ALIASES), so older files still line up.
 """
 
 import argparse
@@ -261,18 +262,41 @@ def load_records(path):
         return []
     if isinstance(data, dict):  # tolerate {"records": [...]} or {"results": [...]}
         data = data.get("records") or data.get("results") or []
-    return [r for r in data if isinstance(r, dict)]
+    return [normalize(r) for r in data if isinstance(r, dict)]
+
+
+# Other spellings --compare accepts for the key fields (first match wins).
+ALIASES = {
+    "heads": ("heads_q", "num_heads", "nheads", "h"),
+    "kv_heads": ("heads_kv", "num_kv_heads", "nheads_kv", "hkv"),
+    "seqlen_q": ("seqlen", "sq"),
+    "seqlen_k": ("seqlen", "sk"),
+    "head_dim": ("headdim", "d"),
+    "batch": ("b", "batch_size"),
+}
+DTYPES = {"fp16": "f16", "float16": "f16", "half": "f16", "bfloat16": "bf16"}
+
+
+def normalize(r):
+    """The record with the canonical key fields filled in from known aliases."""
+    r = dict(r)
+    for field, alts in ALIASES.items():
+        if r.get(field) is None:
+            for a in alts:
+                if r.get(a) is not None:
+                    r[field] = r[a]
+                    break
+    if r.get("kv_heads") is None:
+        r["kv_heads"] = r.get("heads")
+    if r.get("seqlen_k") is None:
+        r["seqlen_k"] = r.get("seqlen_q")
+    r["causal"] = bool(r.get("causal"))
+    r["dtype"] = DTYPES.get(r.get("dtype"), r.get("dtype"))
+    return r
 
 
 def key_of(r):
-    k = dict((f, r.get(f)) for f in KEY_FIELDS)
-    if k["kv_heads"] is None:
-        k["kv_heads"] = k["heads"]
-    if k["seqlen_k"] is None:
-        k["seqlen_k"] = k["seqlen_q"]
-    k["causal"] = bool(k["causal"])
-    k["dtype"] = {"fp16": "f16", "float16": "f16", "bfloat16": "bf16"}.get(k["dtype"], k["dtype"])
-    return tuple(k[f] for f in KEY_FIELDS)
+    return tuple(r.get(f) for f in KEY_FIELDS)
 
 
 def tflops_of(r):

@@ -71,14 +71,14 @@ impl FwdCase {
     }
 
     /// Host `[B, S, H, D]` data in this case's memory order.
-    fn to_layout(&self, data: &[u16], seqlen: usize, heads: usize) -> Vec<u16> {
+    fn in_layout(&self, data: &[u16], seqlen: usize, heads: usize) -> Vec<u16> {
         match self.layout {
             Layout::Bshd => data.to_vec(),
             Layout::Bhsd => permute(data, self.batch, seqlen, heads, self.head_dim, false),
         }
     }
 
-    fn from_layout(&self, data: &[u16], seqlen: usize, heads: usize) -> Vec<u16> {
+    fn back_to_bshd(&self, data: &[u16], seqlen: usize, heads: usize) -> Vec<u16> {
         match self.layout {
             Layout::Bshd => data.to_vec(),
             Layout::Bhsd => permute(data, self.batch, seqlen, heads, self.head_dim, true),
@@ -127,7 +127,7 @@ impl DeviceCase {
         let (v_bits, v) = reference::random_half(rng, n_kv, c.dtype);
         let upload = |bits: &[u16], s, h| {
             stream
-                .clone_htod(&c.to_layout(bits, s, h))
+                .clone_htod(&c.in_layout(bits, s, h))
                 .map_err(driver_err("cuMemcpyHtoD"))
         };
         let dev = DeviceCase {
@@ -169,7 +169,9 @@ impl DeviceCase {
     /// One forward call on this case's stream, LSE included.
     pub fn run(&self, attn: &Attention, params: &AttentionParams) -> Result<()> {
         let ([q, k, v, o], lse) = self.views();
-        attn.forward(&q, &k, &v, &o, Some(&lse), params, self.stream.cu_stream())
+        // SAFETY: the views point into this case's own device buffers, sized for them and
+        // alive as long as `self`, on the stream the buffers were made with.
+        unsafe { attn.forward(&q, &k, &v, &o, Some(&lse), params, self.stream.cu_stream()) }
     }
 
     /// The output as `[B, Sq, Hq, D]` bits and the LSE.
@@ -187,7 +189,7 @@ impl DeviceCase {
             .map_err(driver_err("cuStreamSynchronize"))?;
         Ok((
             self.case
-                .from_layout(&o, self.case.seqlen_q, self.case.heads_q),
+                .back_to_bshd(&o, self.case.seqlen_q, self.case.heads_q),
             lse,
         ))
     }

@@ -9,6 +9,7 @@
 
 pub mod check;
 pub mod error;
+pub mod ffi;
 pub mod host;
 pub mod kernels;
 pub mod ptx;

@@ -321,6 +321,14 @@ fn run(args: &[String]) -> Result<(), Failure> {
         },
     };
     let iters = o.num("--iters", 20)?;
+    if !driver_present() {
+        println!(
+            "no CUDA driver on this machine (libcuda not found): no forward pass can run here."
+        );
+        println!("The kernels flashcore would generate for a GPU:\n");
+        report()?;
+        return Err(Failure::Run("`flashcore run` needs an NVIDIA GPU".into()));
+    }
     let dev = open_gpu()?;
     let stream = dev.context().default_stream();
     let attn = Attention::new(dev.clone())?;
@@ -428,10 +436,10 @@ fn bench(args: &[String]) -> Result<(), Failure> {
             err.out_err
         );
         records.push(format!(
-            "{{\"batch\": {b}, \"heads_q\": {h}, \"heads_kv\": {h}, \"seqlen_q\": {s}, \"seqlen_k\": {s}, \
+            "{{\"batch\": {b}, \"heads\": {h}, \"kv_heads\": {h}, \"seqlen_q\": {s}, \"seqlen_k\": {s}, \
              \"head_dim\": {d}, \"dtype\": \"{}\", \"causal\": {causal}, \"backend\": \"flashcore\", \
              \"median_ms\": {:.6}, \"tflops\": {tflops:.3}, \"rel_err\": {:.3e}}}",
-            if dtype == HalfType::F16 { "float16" } else { "bfloat16" },
+            dtype.name(),
             t.median_ms,
             err.out_err
         ));

@@ -96,12 +96,11 @@ fn warm_forward_does_not_allocate() {
     let ([q, k, v, o], lse) = dev.views();
     let params = AttentionParams::default();
     let cu = stream.cu_stream();
-    attn.forward(&q, &k, &v, &o, Some(&lse), &params, cu)
-        .unwrap();
+    // SAFETY (both calls): the views are the case's own live buffers, on its stream.
+    unsafe { attn.forward(&q, &k, &v, &o, Some(&lse), &params, cu) }.unwrap();
     let n = allocations_in(|| {
         for _ in 0..100 {
-            attn.forward(&q, &k, &v, &o, Some(&lse), &params, cu)
-                .unwrap();
+            unsafe { attn.forward(&q, &k, &v, &o, Some(&lse), &params, cu) }.unwrap();
         }
     });
     stream.synchronize().unwrap();

@@ -96,11 +96,17 @@ impl Attention {
     /// `o = softmax(q kᵀ · scale) v` over views of device memory, on `stream` (null for the
     /// context's default stream). Writes `lse` (natural log, float32 `[B, H, Sq]`) when given.
     /// Every argument is checked first: on error nothing is launched and nothing written.
+    /// The call is asynchronous.
     ///
-    /// The pointers must be device memory of this device's context, valid for the views'
-    /// extents until the kernel has run; the call is asynchronous.
+    /// # Safety
+    ///
+    /// The views' pointers must be device memory of this device's context, valid for the
+    /// extents their shapes and strides describe until the kernel has run, with nothing
+    /// else writing `q`, `k`, `v` or reading/writing `o` and `lse` meanwhile; `stream`
+    /// must be null or a live stream of this context. (Validation checks what can be
+    /// checked from the numbers: null, alignment, extents, overlaps; not liveness.)
     #[allow(clippy::too_many_arguments)]
-    pub fn forward(
+    pub unsafe fn forward(
         &self,
         q: &TensorView,
         k: &TensorView,
@@ -142,10 +148,10 @@ impl Attention {
         };
         let mut params = [&mut args as *mut FwdArgs as *mut c_void];
         // SAFETY: the kernel's one parameter is the by-value `FwdArgs` block, which `args`
-        // is and which outlives the call; validate_fwd checked every pointer is non-null,
-        // aligned, and that the strides and shapes describe the extents the kernel reads
-        // (q, k, v) and writes (o, lse); the caller guarantees they are live device memory
-        // of this context and that `stream` belongs to it.
+        // is and which outlives the call; validate_fwd checked every pointer is non-null and
+        // aligned and that the kernel's accesses stay inside the views' extents; this
+        // function's contract makes those extents live memory of this context and `stream`
+        // a stream of it.
         unsafe { launch(&kernel, &dims, stream, &mut params) }
     }
 }

@@ -1,0 +1,736 @@
+#!/usr/bin/env python3
+"""flashcore next to PyTorch SDPA, through flashcore's C ABI (libflashcore.so via ctypes).
+
+Usage (on a GPU machine with PyTorch; no cargo needed):
+
+    python3 scripts/harness.py --lib target/release/libflashcore.so [--json OUT.json]
+                               [--quick] [--budget-s 0.4] [--no-graph]
+
+For every case it makes torch tensors in [B, H, S, D] layout (torch.randn, cuda), runs
+flashcore_forward on them (the [B, H, S, D] strides passed in flashcore's logical
+[B, S, H, D] order, on torch's current stream), and checks O against
+
+  - a float64 reference computed by torch on the GPU (the whole problem when it is small,
+    else one batch and two heads: the first and the last, so GQA groups are exercised), and
+  - torch.nn.functional.scaled_dot_product_attention (default backend choice; enable_gqa
+    for GQA; causal_lower_right for causal with Sq != Sk, comparing only rows that see at
+    least one key since backends differ on fully masked rows).
+
+Then it times ours, SDPA restricted to CUDNN_ATTENTION and SDPA restricted to
+FLASH_ATTENTION with one method: warm-up; an estimate of the per-call time; then N calls
+(N such that a measurement takes about --budget-s seconds, at least 10), one pair of CUDA
+events around each call, queued in chunks behind a GPU sleep so that host overhead is not
+timed; the median. Calls rotate over enough input copies to exceed twice the L2 cache.
+A backend that cannot run a case is reported as "n/a" with the reason.
+
+FLOPs = 4 * B * Hq * D * (visible query-key pairs); causal masks are aligned bottom-right
+(query i sees key j iff j <= i + Sk - Sq), and the pairs are counted exactly.
+
+Last, a CUDA graph capturing 20 flashcore_forward calls (B2 H8 S512 D64) is replayed and
+its per-call time reported next to the eager per-call time.
+
+Prints progress to stderr and the table to stdout; --json writes everything, including a
+"records" list in the format of scripts/sdpa_bench.py (so `sdpa_bench.py --compare` reads
+it). Exit status: 0 when every flashcore call ran and matched the references, 1 when
+something failed, 2 when the library, torch or the GPU is unusable.
+"""
+
+import argparse
+import ctypes
+import json
+import math
+import statistics
+import struct
+import sys
+import time
+import warnings
+
+# ---- the C ABI (must match include/flashcore.h; tests/c_header.rs checks) ----------------
+
+FLASHCORE_F16 = 1
+FLASHCORE_BF16 = 2
+FLASHCORE_F32 = 3
+FLASHCORE_SUCCESS = 0
+FLASHCORE_ERROR_NO_DRIVER = 1
+FLASHCORE_ERROR_NO_DEVICE = 2
+
+
+class FlashcoreTensor(ctypes.Structure):
+    _fields_ = [
+        ("ptr", ctypes.c_uint64),
+        ("dtype", ctypes.c_int32),
+        ("shape", ctypes.c_int64 * 4),
+        ("strides", ctypes.c_int64 * 4),
+    ]
+
+
+# name: (restype, argtypes), one line each.
+SIGNATURES = {
+    "flashcore_create": (ctypes.c_int32, [ctypes.c_int32, ctypes.POINTER(ctypes.c_void_p)]),
+    "flashcore_destroy": (None, [ctypes.c_void_p]),
+    "flashcore_forward": (ctypes.c_int32, [ctypes.c_void_p, ctypes.POINTER(FlashcoreTensor), ctypes.POINTER(FlashcoreTensor), ctypes.POINTER(FlashcoreTensor), ctypes.POINTER(FlashcoreTensor), ctypes.c_uint64, ctypes.c_float, ctypes.c_int32, ctypes.c_void_p]),
+    "flashcore_last_error": (ctypes.c_char_p, []),
+    "flashcore_error_name": (ctypes.c_char_p, [ctypes.c_int32]),
+    "flashcore_version": (ctypes.c_char_p, []),
+}
+
+
+class FlashcoreError(RuntimeError):
+    def __init__(self, code, name, message):
+        super().__init__(f"{name} ({code}): {message}")
+        self.code = code
+
+
+class Flashcore:
+    """A flashcore context on one device, called through ctypes."""
+
+    def __init__(self, lib_path, device=0):
+        self.lib = ctypes.CDLL(lib_path)
+        for name, (restype, argtypes) in SIGNATURES.items():
+            fn = getattr(self.lib, name)
+            fn.restype = restype
+            fn.argtypes = argtypes
+        self.version = self.lib.flashcore_version().decode()
+        ctx = ctypes.c_void_p()
+        self.check(self.lib.flashcore_create(device, ctypes.byref(ctx)))
+        self.ctx = ctx
+
+    def check(self, rc):
+        if rc != FLASHCORE_SUCCESS:
+            name = self.lib.flashcore_error_name(rc).decode()
+            raise FlashcoreError(rc, name, self.lib.flashcore_last_error().decode())
+
+    def close(self):
+        if getattr(self, "ctx", None):
+            self.lib.flashcore_destroy(self.ctx)
+            self.ctx = None
+
+    @staticmethod
+    def describe(t):
+        """A [B, H, S, D] torch tensor as a FlashcoreTensor (logical [B, S, H, D])."""
+        import torch
+
+        codes = {torch.float16: FLASHCORE_F16, torch.bfloat16: FLASHCORE_BF16, torch.float32: FLASHCORE_F32}
+        if t.dim() != 4:
+            raise ValueError(f"expected a 4-d [B, H, S, D] tensor, got shape {tuple(t.shape)}")
+        d = FlashcoreTensor()
+        d.ptr = t.data_ptr()
+        d.dtype = codes.get(t.dtype, -1)
+        for i, j in enumerate((0, 2, 1, 3)):
+            d.shape[i] = t.size(j)
+            d.strides[i] = t.stride(j)
+        return d
+
+    def prepare(self, q, k, v, o):
+        """Descriptors built once, for calling forward_raw in a loop."""
+        return tuple(ctypes.byref(self.describe(t)) for t in (q, k, v, o))
+
+    def forward_raw(self, descs, lse_ptr, scale, causal, stream):
+        q, k, v, o = descs
+        return self.lib.flashcore_forward(self.ctx, q, k, v, o, lse_ptr, scale, 1 if causal else 0, stream)
+
+    def forward(self, q, k, v, o, lse=None, scale=0.0, causal=False, stream=None):
+        import torch
+
+        if stream is None:
+            stream = torch.cuda.current_stream().cuda_stream
+        lse_ptr = 0 if lse is None else lse.data_ptr()
+        self.check(self.forward_raw(self.prepare(q, k, v, o), lse_ptr, scale, causal, stream))
+
+
+# ---- cases -------------------------------------------------------------------------------
+
+BENCH_SHAPES = [(2, 8, 512, 64), (4, 32, 4096, 64), (8, 16, 2048, 128), (1, 16, 16384, 128)]
+
+
+class Case:
+    def __init__(self, b, hq, hkv, sq, sk, d, causal, dtype):
+        self.b, self.hq, self.hkv, self.sq, self.sk, self.d = b, hq, hkv, sq, sk, d
+        self.causal, self.dtype = causal, dtype
+
+    def name(self):
+        s = f"B{self.b} H{self.hq}"
+        if self.hkv != self.hq:
+            s += f" KV{self.hkv}"
+        s += f" S{self.sq}" if self.sq == self.sk else f" Sq{self.sq} Sk{self.sk}"
+        return s + f" D{self.d}"
+
+    def label(self):
+        return f"{self.name()} {self.dtype}{' causal' if self.causal else ''}"
+
+    def flops(self):
+        return 4 * self.b * self.hq * self.d * visible_pairs(self.sq, self.sk, self.causal)
+
+    def key(self):
+        return {
+            "batch": self.b, "heads": self.hq, "kv_heads": self.hkv, "seqlen_q": self.sq,
+            "seqlen_k": self.sk, "head_dim": self.d, "causal": self.causal, "dtype": self.dtype,
+        }
+
+
+def all_cases(quick):
+    if quick:
+        return [
+            Case(2, 8, 8, 512, 512, 64, True, "f16"),
+            Case(1, 4, 2, 200, 300, 128, True, "bf16"),
+        ]
+    cases = []
+    for b, h, s, d in BENCH_SHAPES:
+        for causal in (False, True):
+            cases.append(Case(b, h, h, s, s, d, causal, "f16"))
+    for causal in (False, True):
+        cases.append(Case(8, 16, 16, 2048, 2048, 128, causal, "bf16"))
+    for causal in (False, True):
+        cases.append(Case(4, 32, 8, 4096, 4096, 128, causal, "f16"))
+    for causal in (False, True):
+        cases.append(Case(2, 16, 16, 1000, 3000, 128, causal, "f16"))
+    cases.append(Case(2, 16, 16, 3000, 1000, 128, True, "f16"))  # rows that see no key
+    return cases
+
+
+def visible_pairs(sq, sk, causal):
+    """(query, key) pairs the mask lets through: row i sees min(Sk, max(0, i + Sk - Sq + 1))."""
+    if not causal:
+        return sq * sk
+    off = sk - sq
+    return sum(min(sk, max(0, i + off + 1)) for i in range(sq))
+
+
+def first_visible_row(case):
+    """The first query row that sees at least one key."""
+    return max(0, case.sq - case.sk) if case.causal else 0
+
+
+def f32(x):
+    return struct.unpack("f", struct.pack("f", x))[0]
+
+
+def default_scale(d):
+    # flashcore's default: the float32 nearest to 1/sqrt(D).
+    return f32(1.0 / math.sqrt(d))
+
+
+def first_line(e):
+    s = f"{type(e).__name__}: {e}".strip()
+    return s.splitlines()[0][:300] if s else type(e).__name__
+
+
+def log(msg):
+    print(msg, file=sys.stderr, flush=True)
+
+
+# ---- references ----------------------------------------------------------------------------
+
+
+def sdpa_kwargs(case):
+    kw = {}
+    if case.hkv != case.hq:
+        kw["enable_gqa"] = True
+    if case.causal and case.sq != case.sk:
+        from torch.nn.attention.bias import causal_lower_right
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "will produce NaNs when seq_len_q > seq_len_kv"
+            kw["attn_mask"] = causal_lower_right(case.sq, case.sk)
+    elif case.causal:
+        kw["is_causal"] = True
+    return kw
+
+
+def reference_f64(torch, case, q, k, v, batches, heads):
+    """Float64 O [len(batches), len(heads), Sq, D] and LSE [.., Sq] on the GPU."""
+    scale = default_scale(case.d)
+    group = case.hq // case.hkv
+    o = torch.empty(len(batches), len(heads), case.sq, case.d, dtype=torch.float64, device=q.device)
+    lse = torch.empty(len(batches), len(heads), case.sq, dtype=torch.float64, device=q.device)
+    rows = max(1, (1 << 26) // case.sk)  # at most 512 MiB of scores at a time
+    cols = torch.arange(case.sk, device=q.device)[None, :]
+    for bi, b in enumerate(batches):
+        for hi, h in enumerate(heads):
+            qh = q[b, h].double()
+            kh = k[b, h // group].double()
+            vh = v[b, h // group].double()
+            for r0 in range(0, case.sq, rows):
+                r1 = min(case.sq, r0 + rows)
+                s = (qh[r0:r1] @ kh.T) * scale
+                if case.causal:
+                    i = torch.arange(r0, r1, device=q.device)[:, None]
+                    s.masked_fill_(cols > i + (case.sk - case.sq), float("-inf"))
+                m = s.amax(dim=1, keepdim=True)
+                m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+                p = torch.exp(s - m)
+                l = p.sum(dim=1, keepdim=True)
+                out = (p @ vh) / torch.where(l > 0, l, torch.ones_like(l))
+                o[bi, hi, r0:r1] = out
+                lse[bi, hi, r0:r1] = (m + torch.log(l)).squeeze(1)
+                del s, p, out
+    return o, lse
+
+
+def rel_l2(a, b):
+    a = a.double()
+    b = b.double()
+    den = b.norm().item()
+    num = (a - b).norm().item()
+    return num / den if den > 0 else num
+
+
+TOLERANCE = {"f16": 5e-3, "bf16": 3e-2}  # rel L2 vs float64
+
+
+def check_case(torch, fc, case, q, k, v):
+    """Runs ours once and compares; returns a dict of error figures."""
+    F = torch.nn.functional
+    res = {}
+    o = torch.full_like(q, float("nan"))
+    lse = torch.full((case.b, case.hq, case.sq), float("nan"), dtype=torch.float32, device=q.device)
+    fc.forward(q, k, v, o, lse=lse, causal=case.causal)
+    torch.cuda.synchronize()
+    r0 = first_visible_row(case)
+    res["nonfinite_outputs"] = int((~torch.isfinite(o)).sum().item())
+    if r0 > 0:
+        res["masked_rows_zero"] = bool((o[:, :, :r0] == 0).all().item())
+        res["masked_rows_lse_neg_inf"] = bool((lse[:, :, :r0] == float("-inf")).all().item())
+
+    # float64 on the GPU: everything when small, else one batch and two heads.
+    if case.b * case.hq * case.sq * case.sk <= (1 << 26):
+        batches, heads = list(range(case.b)), list(range(case.hq))
+        res["checked_slice"] = "all"
+    else:
+        batches, heads = [0], sorted({0, case.hq - 1})
+        res["checked_slice"] = f"batch 0, heads {heads}"
+    o_ref, lse_ref = reference_f64(torch, case, q, k, v, batches, heads)
+    o_sl = o[batches][:, heads]
+    res["rel_l2_vs_f64"] = rel_l2(o_sl, o_ref)
+    vis_lse = lse[batches][:, heads][:, :, r0:].double()
+    res["lse_max_abs_err"] = (vis_lse - lse_ref[:, :, r0:]).abs().max().item()
+
+    # SDPA, default backend choice, rows that see a key.
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            o_sdpa = F.scaled_dot_product_attention(q, k, v, **sdpa_kwargs(case))
+        torch.cuda.synchronize()
+        res["rel_l2_vs_sdpa"] = rel_l2(o[:, :, r0:], o_sdpa[:, :, r0:])
+        res["sdpa_rel_l2_vs_f64"] = rel_l2(o_sdpa[batches][:, heads][:, :, r0:], o_ref[:, :, r0:])
+        del o_sdpa
+    except Exception as e:  # noqa: BLE001
+        res["sdpa_error"] = first_line(e)
+
+    ok = res["nonfinite_outputs"] == 0 and res["rel_l2_vs_f64"] <= TOLERANCE[case.dtype]
+    ok = ok and res.get("masked_rows_zero", True) and res.get("masked_rows_lse_neg_inf", True)
+    ok = ok and res["lse_max_abs_err"] <= 1e-2
+    res["ok"] = bool(ok)
+    del o, lse, o_ref, lse_ref
+    return res
+
+
+# ---- timing ------------------------------------------------------------------------------
+
+
+class Timer:
+    """Per-call CUDA-event timing, queued behind a GPU sleep (same method for everyone)."""
+
+    def __init__(self, torch, budget_s):
+        self.torch = torch
+        self.budget_s = budget_s
+        self.sleep = getattr(torch.cuda, "_sleep", None)
+        self.cycles_per_s = self._calibrate()
+
+    def _calibrate(self):
+        torch = self.torch
+        if self.sleep is None:
+            return None
+        a = torch.cuda.Event(enable_timing=True)
+        b = torch.cuda.Event(enable_timing=True)
+        self.sleep(1000)  # first call may load the kernel
+        a.record()
+        self.sleep(10_000_000)
+        b.record()
+        torch.cuda.synchronize()
+        ms = a.elapsed_time(b)
+        return 10_000_000 / (ms * 1e-3) if ms > 0 else None
+
+    def measure(self, fn, n_sets):
+        """fn(i) enqueues one call on the current stream using input set i % n_sets."""
+        torch = self.torch
+        for i in range(3):
+            fn(i % n_sets)
+        torch.cuda.synchronize()
+        # Estimate GPU time and host time per call.
+        n_est = 5
+        a = torch.cuda.Event(enable_timing=True)
+        b = torch.cuda.Event(enable_timing=True)
+        a.record()
+        t0 = time.perf_counter()
+        for i in range(n_est):
+            fn(i % n_sets)
+        host_s = (time.perf_counter() - t0) / n_est
+        b.record()
+        torch.cuda.synchronize()
+        gpu_s = a.elapsed_time(b) * 1e-3 / n_est
+        per_call = max(gpu_s, host_s, 1e-6)
+        iters = max(10, min(20000, int(self.budget_s / per_call)))
+
+        times = []
+        chunk = 100
+        starts = [torch.cuda.Event(enable_timing=True) for _ in range(chunk)]
+        ends = [torch.cuda.Event(enable_timing=True) for _ in range(chunk)]
+        t_start = time.perf_counter()
+        i = 0
+        while i < iters:
+            n = min(chunk, iters - i)
+            if self.sleep is not None and self.cycles_per_s:
+                # Enough GPU sleep to cover queueing n calls with their events.
+                sleep_s = min(0.2, n * (2 * host_s + 20e-6) + 1e-3)
+                self.sleep(int(sleep_s * self.cycles_per_s))
+            for j in range(n):
+                starts[j].record()
+                fn((i + j) % n_sets)
+                ends[j].record()
+            torch.cuda.synchronize()
+            times.extend(starts[j].elapsed_time(ends[j]) for j in range(n))
+            i += n
+            if time.perf_counter() - t_start > 3 * self.budget_s and len(times) >= 10:
+                break
+        return statistics.median(times), len(times)
+
+
+def input_sets(torch, case, dtype, l2_bytes, gen):
+    elem = torch.tensor([], dtype=dtype).element_size()
+    set_bytes = (2 * case.b * case.hq * case.sq + 2 * case.b * case.hkv * case.sk) * case.d * elem
+    n_sets = max(1, math.ceil(2 * l2_bytes / set_bytes))
+    n_sets = min(n_sets, max(1, int(4e9 // set_bytes)))
+    sets = []
+    for _ in range(n_sets):
+        q = torch.randn(case.b, case.hq, case.sq, case.d, device="cuda", dtype=dtype, generator=gen)
+        k = torch.randn(case.b, case.hkv, case.sk, case.d, device="cuda", dtype=dtype, generator=gen)
+        v = torch.randn(case.b, case.hkv, case.sk, case.d, device="cuda", dtype=dtype, generator=gen)
+        o = torch.empty_like(q)
+        sets.append((q, k, v, o))
+    return sets
+
+
+def time_ours(torch, fc, timer, case, sets):
+    descs = [fc.prepare(q, k, v, o) for q, k, v, o in sets]
+    stream = torch.cuda.current_stream().cuda_stream
+    failures = []
+
+    def call(i):
+        rc = fc.forward_raw(descs[i], 0, 0.0, case.causal, stream)
+        if rc != FLASHCORE_SUCCESS and not failures:
+            failures.append(rc)
+
+    ms, iters = timer.measure(call, len(sets))
+    if failures:
+        fc.check(failures[0])
+    return ms, iters
+
+
+def time_sdpa(torch, timer, case, sets, backend_name):
+    F = torch.nn.functional
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    backend = getattr(SDPBackend, backend_name)
+    kw = sdpa_kwargs(case)
+    with sdpa_kernel(backend):
+        # One trial call: a backend that cannot run the case says why in warnings.
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                F.scaled_dot_product_attention(*sets[0][:3], **kw)
+                torch.cuda.synchronize()
+            except Exception as e:  # noqa: BLE001
+                reasons = [str(w.message).strip().splitlines()[0] for w in caught if str(w.message).strip()]
+                why = first_line(e)
+                if reasons:
+                    why += " | " + " | ".join(dict.fromkeys(reasons))
+                raise NotAvailable(why[:600]) from e
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return timer.measure(lambda i: F.scaled_dot_product_attention(*sets[i][:3], **kw), len(sets))
+
+
+class NotAvailable(Exception):
+    pass
+
+
+# ---- CUDA graph ----------------------------------------------------------------------------
+
+
+def graph_test(torch, fc, timer):
+    case = Case(2, 8, 8, 512, 512, 64, False, "f16")
+    res = {"shape": case.name(), "dtype": case.dtype, "causal": case.causal, "calls_per_graph": 20}
+    gen = torch.Generator(device="cuda")
+    gen.manual_seed(7)
+    q = torch.randn(case.b, case.hq, case.sq, case.d, device="cuda", dtype=torch.float16, generator=gen)
+    k = torch.randn(case.b, case.hkv, case.sk, case.d, device="cuda", dtype=torch.float16, generator=gen)
+    v = torch.randn(case.b, case.hkv, case.sk, case.d, device="cuda", dtype=torch.float16, generator=gen)
+    o = torch.empty_like(q)
+    descs = fc.prepare(q, k, v, o)
+    n_calls = 20
+
+    def eager_burst():
+        stream = torch.cuda.current_stream().cuda_stream
+        for _ in range(n_calls):
+            fc.check(fc.forward_raw(descs, 0, 0.0, case.causal, stream))
+
+    # Eager: the kernel is loaded, then per-call time of back-to-back calls.
+    eager_burst()
+    torch.cuda.synchronize()
+    o_eager = o.clone()
+    reps = 50
+    a = torch.cuda.Event(enable_timing=True)
+    b = torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(reps):
+        eager_burst()
+    b.record()
+    torch.cuda.synchronize()
+    res["eager_us_per_call"] = a.elapsed_time(b) * 1e3 / (reps * n_calls)
+    # The harness's timing method (one pair of events around each queued call).
+    res["eager_event_us_per_call"] = timer.measure(
+        lambda i: fc.check(fc.forward_raw(descs, 0, 0.0, case.causal, torch.cuda.current_stream().cuda_stream)), 1
+    )[0] * 1e3
+
+    try:
+        g = torch.cuda.CUDAGraph()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            eager_burst()  # warm up on the capture stream's kind of stream
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        with torch.cuda.graph(g):
+            eager_burst()  # current_stream() is the capture stream here
+        o.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        res["graph_matches_eager"] = bool(torch.equal(o, o_eager))
+        g.replay()
+        torch.cuda.synchronize()
+        a.record()
+        for _ in range(reps):
+            g.replay()
+        b.record()
+        torch.cuda.synchronize()
+        res["graph_us_per_call"] = a.elapsed_time(b) * 1e3 / (reps * n_calls)
+    except Exception as e:  # noqa: BLE001
+        res["graph_error"] = first_line(e)
+        try:
+            torch.cuda.synchronize()
+        except Exception:  # noqa: BLE001
+            pass
+    return res
+
+
+# ---- main ----------------------------------------------------------------------------------
+
+
+def fmt_tf(r):
+    if r is None:
+        return "-"
+    if "tflops" in r:
+        return f"{r['tflops']:.1f}"
+    return "n/a" if "na" in r else "err"
+
+
+def fmt_ratio(a, b):
+    if a and b and "tflops" in a and "tflops" in b:
+        return f"{a['tflops'] / b['tflops']:.2f}"
+    return "-"
+
+
+def fmt_err(x):
+    return f"{x:.2e}" if isinstance(x, (int, float)) else "-"
+
+
+def print_table(results):
+    head = ["shape", "dtype", "causal", "ours TF/s", "cuDNN TF/s", "flash TF/s", "ours/cuDNN",
+            "ours/flash", "err f64", "err SDPA", "ok"]
+    rows = []
+    for r in results:
+        c = r["case"]
+        rows.append([
+            r["shape"], c["dtype"], "yes" if c["causal"] else "no",
+            fmt_tf(r.get("ours")), fmt_tf(r.get("cudnn")), fmt_tf(r.get("flash")),
+            fmt_ratio(r.get("ours"), r.get("cudnn")), fmt_ratio(r.get("ours"), r.get("flash")),
+            fmt_err(r.get("check", {}).get("rel_l2_vs_f64")), fmt_err(r.get("check", {}).get("rel_l2_vs_sdpa")),
+            "yes" if r.get("ok") else "NO",
+        ])
+    widths = [max(len(x) for x in col) for col in zip(head, *rows)]
+
+    def line(cells):
+        return "  ".join(c.ljust(w) if i < 3 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+
+    print(line(head), flush=True)
+    print("  ".join("-" * w for w in widths), flush=True)
+    for row in rows:
+        print(line(row), flush=True)
+    for r in results:
+        for name in ("ours", "cudnn", "flash"):
+            x = r.get(name) or {}
+            why = x.get("na") or x.get("error")
+            label = f"  {r['shape']} {r['case']['dtype']}{' causal' if r['case']['causal'] else ''} {name}"
+            if why:
+                print(f"{label}: {'n/a' if 'na' in x else 'error'}: {why}"[:300], flush=True)
+            elif x.get("note"):
+                print(f"{label}: note: {x['note']}", flush=True)
+        if r.get("check", {}).get("sdpa_error"):
+            print(f"  {r['shape']}: SDPA reference: {r['check']['sdpa_error']}"[:300], flush=True)
+    geo = []
+    for name, label in (("cudnn", "ours/cuDNN"), ("flash", "ours/flash")):
+        v = [r["ours"]["tflops"] / r[name]["tflops"] for r in results
+             if "tflops" in (r.get("ours") or {}) and "tflops" in (r.get(name) or {})]
+        if v:
+            geo.append(f"{label} geomean {math.exp(sum(map(math.log, v)) / len(v)):.2f} over {len(v)}")
+    if geo:
+        print("; ".join(geo), flush=True)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--lib", required=True, help="path to libflashcore.so")
+    p.add_argument("--json", help="write all results to this file")
+    p.add_argument("--quick", action="store_true", help="two small cases only (smoke test)")
+    p.add_argument("--budget-s", type=float, default=0.4, help="aimed seconds per timing")
+    p.add_argument("--device", type=int, default=0)
+    p.add_argument("--no-graph", action="store_true", help="skip the CUDA graph test")
+    args = p.parse_args()
+
+    try:
+        import torch
+    except Exception as e:  # noqa: BLE001
+        log(f"harness: cannot import torch: {first_line(e)}")
+        return 2
+    if not torch.cuda.is_available():
+        log("harness: torch sees no CUDA device")
+        return 2
+    torch.cuda.set_device(args.device)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.cuda.init()
+    try:
+        fc = Flashcore(args.lib, args.device)
+    except (OSError, FlashcoreError) as e:
+        log(f"harness: cannot use {args.lib}: {first_line(e)}")
+        return 2
+
+    props = torch.cuda.get_device_properties(args.device)
+    l2_bytes = getattr(props, "L2_cache_size", 0) or 60 * 1024 * 1024
+    env = {
+        "device": torch.cuda.get_device_name(args.device),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "cudnn": torch.backends.cudnn.version(),
+        "flashcore": fc.version,
+        "l2_bytes": l2_bytes,
+        "budget_s": args.budget_s,
+    }
+    log(f"harness: {env['device']}, L2 {l2_bytes / 2**20:.0f} MiB, torch {env['torch']}, cuda {env['cuda']}, "
+        f"cudnn {env['cudnn']}, flashcore {env['flashcore']}")
+    timer = Timer(torch, args.budget_s)
+
+    cases = all_cases(args.quick)
+    results = []
+    records = []
+    all_ok = True
+    for n, case in enumerate(cases, 1):
+        log(f"[{n}/{len(cases)}] {case.label()}")
+        dtype = {"f16": torch.float16, "bf16": torch.bfloat16}[case.dtype]
+        flops = case.flops()
+        r = {"shape": case.name(), "case": case.key(), "flops": flops}
+        gen = torch.Generator(device="cuda")
+        gen.manual_seed(1000 + n)
+        sets = q = k = v = None
+        try:
+            sets = input_sets(torch, case, dtype, l2_bytes, gen)
+            r["input_sets"] = len(sets)
+            q, k, v, _ = sets[0]
+            try:
+                r["check"] = check_case(torch, fc, case, q, k, v)
+                r["ok"] = r["check"]["ok"]
+            except Exception as e:  # noqa: BLE001
+                r["check"] = {"error": first_line(e)}
+                r["ok"] = False
+            for name, backend in (("ours", None), ("cudnn", "CUDNN_ATTENTION"), ("flash", "FLASH_ATTENTION")):
+                try:
+                    if backend is None:
+                        ms, iters = time_ours(torch, fc, timer, case, sets)
+                    else:
+                        ms, iters = time_sdpa(torch, timer, case, sets, backend)
+                    r[name] = {"median_ms": ms, "iters": iters, "tflops": flops / (ms * 1e-3) / 1e12}
+                    if name == "cudnn" and case.causal and case.sq != case.sk:
+                        # torch's CausalBias has no cuDNN fast path: it materializes the mask.
+                        r[name]["note"] = "lower-right causal through a materialized boolean mask"
+                except NotAvailable as e:
+                    r[name] = {"na": str(e)}
+                except Exception as e:  # noqa: BLE001
+                    r[name] = {"error": first_line(e)}
+                try:
+                    torch.cuda.synchronize()
+                except Exception as e:  # noqa: BLE001
+                    r[name].setdefault("error", first_line(e))
+        except Exception as e:  # noqa: BLE001
+            r["error"] = first_line(e)
+            r["ok"] = False
+        finally:
+            sets = q = k = v = None
+            torch.cuda.empty_cache()
+        if "tflops" not in (r.get("ours") or {}):
+            r["ok"] = False
+        all_ok = all_ok and r["ok"]
+        for name, backend in (("ours", "flashcore"), ("cudnn", "cudnn"), ("flash", "flash")):
+            x = r.get(name) or {"error": r.get("error", "not run")}
+            rec = dict(case.key(), backend=backend, flops=flops, device=env["device"],
+                       median_ms=x.get("median_ms"), tflops=x.get("tflops"))
+            if "iters" in x:
+                rec["iters"] = x["iters"]
+            if "note" in x:
+                rec["note"] = x["note"]
+            if "na" in x or "error" in x:
+                rec["error"] = x.get("na") or x.get("error")
+            if name == "ours" and isinstance(r.get("check", {}).get("rel_l2_vs_f64"), float):
+                rec["rel_err"] = r["check"]["rel_l2_vs_f64"]
+            records.append(rec)
+        chk = r.get("check", {})
+        log(f"    ours {fmt_tf(r.get('ours'))}  cuDNN {fmt_tf(r.get('cudnn'))}  flash {fmt_tf(r.get('flash'))} "
+            f"TFLOP/s; err f64 {fmt_err(chk.get('rel_l2_vs_f64'))}, SDPA {fmt_err(chk.get('rel_l2_vs_sdpa'))}"
+            f"{'' if r['ok'] else '  <-- FAILED'}")
+        results.append(r)
+
+    graph = None
+    if not args.no_graph:
+        log("[graph] CUDA graph of 20 flashcore_forward calls, B2 H8 S512 D64")
+        try:
+            graph = graph_test(torch, fc, timer)
+        except Exception as e:  # noqa: BLE001
+            graph = {"error": first_line(e)}
+        if "graph_error" in graph or "error" in graph or not graph.get("graph_matches_eager", False):
+            all_ok = False
+
+    print(f"flashcore {env['flashcore']} vs PyTorch SDPA on {env['device']} (torch {env['torch']}, "
+          f"cuDNN {env['cudnn']}); TFLOP/s = 4*B*Hq*D*visible pairs / median time", flush=True)
+    print_table(results)
+    if graph is not None:
+        if "graph_us_per_call" in graph:
+            print(f"CUDA graph, {graph['shape']} f16, 20 calls/graph: {graph['graph_us_per_call']:.2f} us/call "
+                  f"replayed vs {graph['eager_us_per_call']:.2f} us/call eager back-to-back "
+                  f"({graph['eager_event_us_per_call']:.2f} us/call with per-call events); "
+                  f"replay matches eager: {graph.get('graph_matches_eager')}", flush=True)
+        else:
+            print(f"CUDA graph: failed: {graph.get('graph_error') or graph.get('error')}", flush=True)
+
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"env": env, "cases": results, "graph": graph, "records": records}, f, indent=1)
+            f.write("\n")
+        log(f"harness: wrote {args.json}")
+    fc.close()
+    n_ok = sum(1 for r in results if r.get("ok"))
+    log(f"harness: {n_ok}/{len(results)} cases ok" + ("" if graph is None else
+        f"; graph {'ok' if graph.get('graph_matches_eager') else 'FAILED'}"))
+    return 0 if all_ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,492 @@
+//! `include/flashcore.h` against `src/ffi.rs` (and the ctypes bindings of
+//! `scripts/harness.py`): the same constants with the same values, the same functions with
+//! the same parameter types, the same `FlashcoreTensor` fields. Plain text parsing: the
+//! header is kept in a simple, regular style for it.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use flashcore::ffi::FLASHCORE_CONSTANTS;
+
+fn read(rel: &str) -> String {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join(rel);
+    std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+}
+
+/// Removes `/* */` and `//` comments (the header has no string literals containing them).
+fn strip_c_comments(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    let mut rest = text;
+    loop {
+        let block = rest.find("/*");
+        let line = rest.find("//");
+        match (block, line) {
+            (Some(b), l) if l.is_none_or(|l| b < l) => {
+                out.push_str(&rest[..b]);
+                let end = rest[b + 2..].find("*/").expect("unterminated comment") + b + 4;
+                out.push(' ');
+                rest = &rest[end..];
+            }
+            (_, Some(l)) => {
+                out.push_str(&rest[..l]);
+                rest = &rest[l..];
+                rest = &rest[rest.find('\n').unwrap_or(rest.len())..];
+            }
+            _ => {
+                out.push_str(rest);
+                return out;
+            }
+        }
+    }
+}
+
+/// Collapses whitespace and glues `*` to what precedes it: `const char *` -> `const char*`.
+fn norm_c_type(t: &str) -> String {
+    let t = t.split_whitespace().collect::<Vec<_>>().join(" ");
+    let mut t = t.replace(" *", "*").replace("* ", "*");
+    while t.contains(" *") {
+        t = t.replace(" *", "*");
+    }
+    t.trim().to_string()
+}
+
+/// Splits `type name` (name = trailing identifier): `const FlashcoreTensor *q` ->
+/// (`const FlashcoreTensor*`, `q`).
+fn split_c_decl(decl: &str) -> (String, String) {
+    let decl = decl.trim();
+    let start = decl
+        .rfind(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+        .map_or(0, |i| i + 1);
+    (norm_c_type(&decl[..start]), decl[start..].to_string())
+}
+
+/// A function signature: return type and (type, name) of each parameter, in C spelling.
+type Signature = (String, Vec<(String, String)>);
+
+struct Header {
+    defines: BTreeMap<String, Option<i64>>,
+    functions: BTreeMap<String, Signature>,
+    typedefs: Vec<String>,
+    tensor_fields: Vec<(String, String)>,
+}
+
+fn parse_header() -> Header {
+    let raw = read("include/flashcore.h");
+    let text = strip_c_comments(&raw);
+    let mut defines = BTreeMap::new();
+    let mut body = String::new();
+    for line in text.lines() {
+        let l = line.trim();
+        if let Some(def) = l.strip_prefix("#define") {
+            let mut parts = def.split_whitespace();
+            let name = parts.next().expect("#define without a name").to_string();
+            let value = parts.next().map(|v| {
+                v.parse::<i64>()
+                    .unwrap_or_else(|_| panic!("#define {name}: value {v:?} is not an integer"))
+            });
+            assert!(
+                parts.next().is_none(),
+                "#define {name}: more than one token"
+            );
+            assert!(
+                defines.insert(name.clone(), value).is_none(),
+                "{name} defined twice"
+            );
+        } else if l.starts_with('#') || l == "extern \"C\" {" || l == "}" {
+            continue;
+        } else {
+            body.push_str(l);
+            body.push('\n');
+        }
+    }
+
+    let mut functions = BTreeMap::new();
+    let mut typedefs = Vec::new();
+    let mut tensor_fields = Vec::new();
+    let mut rest = body.as_str();
+    while let Some(semi) = rest.find(';') {
+        let mut stmt = rest[..semi].trim().to_string();
+        rest = &rest[semi + 1..];
+        if stmt.is_empty() {
+            continue;
+        }
+        if stmt.starts_with("typedef struct") && stmt.contains('{') {
+            // A struct definition runs to the `}`; its fields are separate statements.
+            assert!(
+                stmt.starts_with("typedef struct FlashcoreTensor {"),
+                "unexpected struct: {stmt}"
+            );
+            let close = rest.find('}').expect("unterminated struct");
+            let inside = format!(
+                "{};{}",
+                &stmt[stmt.find('{').unwrap() + 1..],
+                &rest[..close]
+            );
+            for field in inside.split(';').map(str::trim).filter(|f| !f.is_empty()) {
+                let (decl, array) = match field.find('[') {
+                    Some(i) => (&field[..i], field[i..].replace(' ', "")),
+                    None => (field, String::new()),
+                };
+                let (ty, name) = split_c_decl(decl);
+                tensor_fields.push((format!("{ty}{array}"), name));
+            }
+            let tail_end = rest[close..].find(';').expect("struct without ;") + close;
+            assert_eq!(rest[close + 1..tail_end].trim(), "FlashcoreTensor");
+            typedefs.push("FlashcoreTensor".to_string());
+            rest = &rest[tail_end + 1..];
+            continue;
+        }
+        stmt = stmt.split_whitespace().collect::<Vec<_>>().join(" ");
+        if let Some(td) = stmt.strip_prefix("typedef ") {
+            let (ty, name) = split_c_decl(td);
+            typedefs.push(format!("{ty} {name}"));
+            continue;
+        }
+        let open = stmt
+            .find('(')
+            .unwrap_or_else(|| panic!("not a prototype: {stmt}"));
+        assert!(stmt.ends_with(')'), "not a prototype: {stmt}");
+        let (ret, name) = split_c_decl(&stmt[..open]);
+        let params_text = &stmt[open + 1..stmt.len() - 1];
+        let params = if params_text.trim() == "void" {
+            Vec::new()
+        } else {
+            params_text.split(',').map(split_c_decl).collect()
+        };
+        assert!(
+            functions.insert(name.clone(), (ret, params)).is_none(),
+            "{name} declared twice"
+        );
+    }
+    Header {
+        defines,
+        functions,
+        typedefs,
+        tensor_fields,
+    }
+}
+
+/// Rust FFI types in C spelling.
+fn rust_to_c(t: &str) -> String {
+    let t = t.trim();
+    if let Some(inner) = t.strip_prefix("*const ") {
+        let inner = rust_to_c(inner);
+        return if inner.ends_with('*') {
+            format!("{inner}const*")
+        } else {
+            format!("const {inner}*")
+        };
+    }
+    if let Some(inner) = t.strip_prefix("*mut ") {
+        return format!("{}*", rust_to_c(inner));
+    }
+    if let Some(inner) = t.strip_prefix('[') {
+        let (elem, n) = inner
+            .strip_suffix(']')
+            .and_then(|s| s.split_once(';'))
+            .unwrap_or_else(|| panic!("bad array type {t}"));
+        return format!("{}[{}]", rust_to_c(elem), n.trim());
+    }
+    match t {
+        "" => "void",
+        "i32" => "int32_t",
+        "i64" => "int64_t",
+        "u64" => "uint64_t",
+        "f32" => "float",
+        "c_char" => "char",
+        "CUstream" => "flashcore_stream",
+        "FlashcoreContext" | "FlashcoreTensor" => t,
+        other => panic!("no C spelling for Rust type {other}"),
+    }
+    .to_string()
+}
+
+/// The `fn flashcore_*` items of src/ffi.rs, in C spelling; each must be a
+/// `#[unsafe(no_mangle)]` `extern "C"` function.
+fn parse_rust_functions(src: &str) -> BTreeMap<String, Signature> {
+    let mut out = BTreeMap::new();
+    let mut from = 0;
+    while let Some(pos) = src[from..].find("fn flashcore_") {
+        let at = from + pos;
+        let line_start = src[..at].rfind('\n').map_or(0, |i| i + 1);
+        let line = &src[line_start..at];
+        assert!(
+            line.trim_end().ends_with("extern \"C\""),
+            "fn at byte {at} is not extern \"C\": {line}"
+        );
+        // The attribute sits on one of the preceding lines, before the item.
+        let before = &src[src[..line_start.saturating_sub(1)]
+            .rfind("\n\n")
+            .unwrap_or(0)..line_start];
+        assert!(
+            before.contains("#[unsafe(no_mangle)]"),
+            "missing #[unsafe(no_mangle)] before {}",
+            &src[at..at + 40]
+        );
+        let open = src[at..].find('(').unwrap() + at;
+        let name = src[at + 3..open].trim().to_string();
+        // Matching parenthesis of the parameter list.
+        let mut depth = 0;
+        let mut close = open;
+        for (i, c) in src[open..].char_indices() {
+            match c {
+                '(' => depth += 1,
+                ')' => {
+                    depth -= 1;
+                    if depth == 0 {
+                        close = open + i;
+                        break;
+                    }
+                }
+                _ => {}
+            }
+        }
+        let brace = src[close..].find('{').unwrap() + close;
+        let ret = src[close + 1..brace]
+            .trim()
+            .strip_prefix("->")
+            .unwrap_or("")
+            .trim();
+        let params = src[open + 1..close]
+            .split(',')
+            .map(str::trim)
+            .filter(|p| !p.is_empty())
+            .map(|p| {
+                let (n, t) = p
+                    .split_once(':')
+                    .unwrap_or_else(|| panic!("bad parameter {p}"));
+                (rust_to_c(t), n.trim().to_string())
+            })
+            .collect();
+        assert!(
+            out.insert(name.clone(), (rust_to_c(ret), params)).is_none(),
+            "{name} twice"
+        );
+        from = brace;
+    }
+    out
+}
+
+/// The fields of `pub struct FlashcoreTensor` in src/ffi.rs, in C spelling.
+fn parse_rust_tensor_fields(src: &str) -> Vec<(String, String)> {
+    let start = src
+        .find("pub struct FlashcoreTensor {")
+        .expect("no FlashcoreTensor in src/ffi.rs");
+    let body = &src[start..];
+    let body = &body[body.find('{').unwrap() + 1..body.find('}').unwrap()];
+    body.lines()
+        .map(str::trim)
+        .filter(|l| !l.is_empty() && !l.starts_with("//"))
+        .map(|l| {
+            let l = l.strip_prefix("pub ").unwrap_or(l).trim_end_matches(',');
+            let (n, t) = l.split_once(':').expect("field without type");
+            (rust_to_c(t), n.trim().to_string())
+        })
+        .collect()
+}
+
+#[test]
+fn constants_match() {
+    let header = parse_header();
+    let mut defined: BTreeMap<String, i64> = BTreeMap::new();
+    for (name, value) in &header.defines {
+        assert!(name.starts_with("FLASHCORE_"), "stray #define {name}");
+        match value {
+            Some(v) => {
+                defined.insert(name.clone(), *v);
+            }
+            None => assert_eq!(name, "FLASHCORE_H", "#define {name} without a value"),
+        }
+    }
+    let rust: BTreeMap<String, i64> = FLASHCORE_CONSTANTS
+        .iter()
+        .map(|&(n, v)| (n.to_string(), i64::from(v)))
+        .collect();
+    assert_eq!(defined, rust, "header #defines vs ffi::FLASHCORE_CONSTANTS");
+
+    // The table lists every `pub const FLASHCORE_*` of ffi.rs, and no other name.
+    let src = read("src/ffi.rs");
+    let mut consts: Vec<String> = src
+        .lines()
+        .filter_map(|l| l.trim().strip_prefix("pub const FLASHCORE_"))
+        .filter_map(|l| l.split_once(':'))
+        .filter(|(_, ty)| ty.trim_start().starts_with("i32"))
+        .map(|(n, _)| format!("FLASHCORE_{n}"))
+        .collect();
+    consts.sort();
+    let table: Vec<String> = rust.keys().cloned().collect();
+    assert_eq!(consts, table, "pub consts vs FLASHCORE_CONSTANTS");
+}
+
+#[test]
+fn functions_match() {
+    let header = parse_header();
+    let rust = parse_rust_functions(&read("src/ffi.rs"));
+    assert!(rust.len() >= 6, "found only {:?}", rust.keys());
+    let h_names: Vec<&String> = header.functions.keys().collect();
+    let r_names: Vec<&String> = rust.keys().collect();
+    assert_eq!(h_names, r_names, "functions in the header vs src/ffi.rs");
+    for (name, sig) in &rust {
+        assert_eq!(&header.functions[name], sig, "signature of {name}");
+    }
+}
+
+#[test]
+fn types_match() {
+    let header = parse_header();
+    let rust = parse_rust_tensor_fields(&read("src/ffi.rs"));
+    let expect: Vec<(String, String)> = [
+        ("uint64_t", "ptr"),
+        ("int32_t", "dtype"),
+        ("int64_t[4]", "shape"),
+        ("int64_t[4]", "strides"),
+    ]
+    .iter()
+    .map(|(t, n)| (t.to_string(), n.to_string()))
+    .collect();
+    assert_eq!(rust, expect, "FlashcoreTensor in src/ffi.rs");
+    assert_eq!(
+        header.tensor_fields, expect,
+        "FlashcoreTensor in the header"
+    );
+    assert_eq!(std::mem::size_of::<flashcore::ffi::FlashcoreTensor>(), 80);
+
+    let mut typedefs = header.typedefs.clone();
+    typedefs.sort();
+    assert_eq!(
+        typedefs,
+        [
+            "FlashcoreTensor",
+            "struct CUstream_st* flashcore_stream",
+            "struct FlashcoreContext FlashcoreContext",
+        ]
+    );
+    // The stream crosses as a plain pointer.
+    assert_eq!(
+        std::mem::size_of::<cudarc::driver::sys::CUstream>(),
+        std::mem::size_of::<*mut u8>()
+    );
+}
+
+/// C spelling -> the ctypes spelling scripts/harness.py must use.
+fn c_to_ctypes(t: &str) -> &'static str {
+    match t {
+        "void" => "None",
+        "int32_t" => "ctypes.c_int32",
+        "uint64_t" => "ctypes.c_uint64",
+        "int64_t[4]" => "ctypes.c_int64 * 4",
+        "float" => "ctypes.c_float",
+        "const char*" => "ctypes.c_char_p",
+        "FlashcoreContext*" | "flashcore_stream" => "ctypes.c_void_p",
+        "FlashcoreContext**" => "ctypes.POINTER(ctypes.c_void_p)",
+        "const FlashcoreTensor*" => "ctypes.POINTER(FlashcoreTensor)",
+        other => panic!("no ctypes spelling for {other}"),
+    }
+}
+
+#[test]
+fn harness_ctypes_match() {
+    let header = parse_header();
+    let py = read("scripts/harness.py");
+
+    // Constants: every FLASHCORE_X = N assignment in the script has the header's value.
+    let mut n_consts = 0;
+    for l in py.lines() {
+        if let Some((name, value)) = l.split_once(" = ")
+            && name.starts_with("FLASHCORE_")
+            && !name.contains(' ')
+        {
+            let v: i64 = value.trim().parse().expect("constant value");
+            assert_eq!(
+                header.defines.get(name),
+                Some(&Some(v)),
+                "{name} in harness.py"
+            );
+            n_consts += 1;
+        }
+    }
+    assert!(
+        n_consts >= 3,
+        "harness.py defines only {n_consts} constants"
+    );
+
+    // The structure's _fields_.
+    let start = py
+        .find("class FlashcoreTensor(ctypes.Structure):")
+        .expect("no FlashcoreTensor class in harness.py");
+    let fields_at = py[start..].find("_fields_ = [").unwrap() + start;
+    let end = py[fields_at..].find("\n    ]").unwrap() + fields_at;
+    let fields: Vec<(String, String)> = py[fields_at..end]
+        .lines()
+        .skip(1)
+        .map(str::trim)
+        .filter(|l| !l.is_empty())
+        .map(|l| {
+            let l = l
+                .strip_prefix("(\"")
+                .and_then(|l| l.strip_suffix("),"))
+                .unwrap_or_else(|| panic!("unexpected _fields_ line {l}"));
+            let (n, t) = l.split_once("\", ").unwrap();
+            (n.to_string(), t.trim().to_string())
+        })
+        .collect();
+    let expect: Vec<(String, String)> = header
+        .tensor_fields
+        .iter()
+        .map(|(t, n)| (n.clone(), c_to_ctypes(t).to_string()))
+        .collect();
+    assert_eq!(fields, expect, "FlashcoreTensor._fields_ in harness.py");
+
+    // SIGNATURES: one line per function, `"name": (restype, [argtypes]),`.
+    let mut sigs = BTreeMap::new();
+    for l in py.lines().map(str::trim) {
+        let Some(l) = l.strip_prefix("\"flashcore_") else {
+            continue;
+        };
+        let (name, rest) = l.split_once("\": (").expect("signature line");
+        let rest = rest.strip_suffix("]),").expect("signature line end");
+        let (ret, args) = rest.split_once(", [").expect("signature args");
+        let args: Vec<String> = args
+            .split(", ")
+            .filter(|a| !a.is_empty())
+            .map(str::to_string)
+            .collect();
+        sigs.insert(format!("flashcore_{name}"), (ret.to_string(), args));
+    }
+    let expect: BTreeMap<String, (String, Vec<String>)> = header
+        .functions
+        .iter()
+        .map(|(n, (ret, params))| {
+            (
+                n.clone(),
+                (
+                    c_to_ctypes(ret).to_string(),
+                    params
+                        .iter()
+                        .map(|(t, _)| c_to_ctypes(t).to_string())
+                        .collect(),
+                ),
+            )
+        })
+        .collect();
+    assert_eq!(sigs, expect, "SIGNATURES in harness.py vs the header");
+}
+
+#[test]
+fn parsers_work_on_samples() {
+    assert_eq!(strip_c_comments("a /* x */ b // y\nc"), "a   b \nc");
+    assert_eq!(
+        split_c_decl("const FlashcoreTensor *q"),
+        ("const FlashcoreTensor*".into(), "q".into())
+    );
+    assert_eq!(
+        split_c_decl("FlashcoreContext **out"),
+        ("FlashcoreContext**".into(), "out".into())
+    );
+    assert_eq!(
+        rust_to_c("*mut *mut FlashcoreContext"),
+        "FlashcoreContext**"
+    );
+    assert_eq!(rust_to_c("*const c_char"), "const char*");
+    assert_eq!(rust_to_c("[i64; 4]"), "int64_t[4]");
+}
