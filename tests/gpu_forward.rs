@@ -231,3 +231,23 @@ fn rejected_call_writes_nothing() {
     assert!(lse.iter().all(|x| x.is_nan()));
     assert!(tolerance(HalfType::F16) < tolerance(HalfType::Bf16));
 }
+
+/// A module the JIT refuses surfaces as `Error::ModuleLoad` carrying ptxas' own message.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn jit_failure_returns_the_log() {
+    let device = Device::new(0).unwrap();
+    let bad = ".version 8.4\n.target sm_80\n.address_size 64\n.visible .entry broken()\n{\n    add.f32 %f0, %f1;\n    ret;\n}\n";
+    match flashcore::host::module::load(device.context(), bad, "broken", 0) {
+        Err(flashcore::Error::ModuleLoad { kernel, code, log }) => {
+            println!("{kernel}: {code}\n{log}");
+            assert_eq!(kernel, "broken");
+            assert!(
+                log.contains("line 6"),
+                "the log names the offending line: {log}"
+            );
+        }
+        Err(other) => panic!("expected ModuleLoad, got {other}"),
+        Ok(_) => panic!("broken PTX loaded"),
+    }
+}

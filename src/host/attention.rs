@@ -164,3 +164,32 @@ fn strides(t: &TensorView) -> [u64; 3] {
         t.strides[2] as u64,
     ]
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn gpus_below_sm80_get_no_path() {
+        assert!(path_for_arch((7, 5)).is_err());
+        assert!(dispatch((7, 0), HalfType::F16, 64, false).is_err());
+        for arch in [(8, 0), (8, 6), (8, 9), (9, 0)] {
+            assert_eq!(path_for_arch(arch), Ok(Path::Sm80));
+        }
+    }
+
+    #[test]
+    fn dispatch_covers_exactly_the_catalog() {
+        let catalog: Vec<FwdConfig> = crate::kernels::attention::all_fwd_configs();
+        for dtype in [HalfType::F16, HalfType::Bf16] {
+            for d in 1..=512 {
+                for causal in [false, true] {
+                    match dispatch((9, 0), dtype, d, causal) {
+                        Ok(cfg) => assert!(catalog.contains(&cfg), "{cfg:?} not in the catalog"),
+                        Err(_) => assert!(!FWD_HEAD_DIMS.contains(&d)),
+                    }
+                }
+            }
+        }
+    }
+}
