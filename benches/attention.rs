@@ -12,30 +12,18 @@ use cudarc::driver::CudaStream;
 use cudarc::driver::sys::CUgraphInstantiate_flags;
 use cudarc::driver::sys::CUstreamCaptureMode;
 
-use flashcore::check::{DeviceCase, FwdCase, Layout};
+use flashcore::check::{BENCH_SHAPES, DeviceCase, FwdCase, Layout};
 use flashcore::host::attention::{Attention, path_for_arch};
 use flashcore::host::device::{Device, driver_present};
 use flashcore::host::tensor::AttentionParams;
 use flashcore::host::timing::EventTimer;
 use flashcore::kernels::attention::HalfType;
 use flashcore::reference::Rng;
-
-/// (B, H, S, D) of the project's benchmark shapes.
-const SHAPES: [(usize, usize, usize, usize); 4] = [
-    (2, 8, 512, 64),
-    (4, 32, 4096, 64),
-    (8, 16, 2048, 128),
-    (1, 16, 16384, 128),
-];
+use flashcore::shape::AttnShape;
 
 fn case(b: usize, h: usize, s: usize, d: usize, causal: bool) -> FwdCase {
     FwdCase {
-        batch: b,
-        seqlen_q: s,
-        seqlen_k: s,
-        heads_q: h,
-        heads_kv: h,
-        head_dim: d,
+        shape: AttnShape::square(b, h, s, d),
         dtype: HalfType::F16,
         causal,
         layout: Layout::Bhsd,
@@ -75,7 +63,7 @@ fn main() {
         .configure_from_args();
 
     let mut group = c.benchmark_group(format!("forward/{}/{}", path.name(), device.arch_name()));
-    for (b, h, s, d) in SHAPES {
+    for (b, h, s, d) in BENCH_SHAPES {
         for causal in [false, true] {
             let case = case(b, h, s, d, causal);
             let sets = input_sets(&attn, &stream, case, &mut rng);

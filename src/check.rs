@@ -12,7 +12,8 @@ use crate::host::device::driver_err;
 use crate::host::tensor::{AttentionParams, DType, LseView, TensorView};
 use crate::host::timing::{TimingStats, median_ms};
 use crate::kernels::attention::HalfType;
-use crate::reference::{self, RefShape, Rng};
+use crate::reference::{self, Rng};
+use crate::shape::AttnShape;
 
 /// How a tensor is laid out in memory (the logical shape is always `[B, S, H, D]`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -23,65 +24,64 @@ pub enum Layout {
     Bhsd,
 }
 
-/// One forward problem.
+/// One forward problem, as the checks and benchmarks run it.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct FwdCase {
-    pub batch: usize,
-    pub seqlen_q: usize,
-    pub seqlen_k: usize,
-    pub heads_q: usize,
-    pub heads_kv: usize,
-    pub head_dim: usize,
+    pub shape: AttnShape,
     pub dtype: HalfType,
     pub causal: bool,
     pub layout: Layout,
 }
 
-impl FwdCase {
-    /// Multiply-adds ×2 of QKᵀ and PV over the visible (query, key) pairs.
-    pub fn flops(&self) -> f64 {
-        let pairs: usize = if self.causal {
-            (0..self.seqlen_q)
-                .map(|i| {
-                    (i + 1 + self.seqlen_k)
-                        .saturating_sub(self.seqlen_q)
-                        .min(self.seqlen_k)
-                })
-                .sum()
-        } else {
-            self.seqlen_q * self.seqlen_k
+/// The project's benchmark shapes, (B, H, S, D), self-attention; each is run causal and not.
+pub const BENCH_SHAPES: [(usize, usize, usize, usize); 4] = [
+    (2, 8, 512, 64),
+    (4, 32, 4096, 64),
+    (8, 16, 2048, 128),
+    (1, 16, 16384, 128),
+];
+
+impl std::fmt::Display for FwdCase {
+    /// `B2 H8 S512 D64 f16 causal [B, H, S, D]`.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let mask = if self.causal { "causal" } else { "full" };
+        let layout = match self.layout {
+            Layout::Bshd => "[B, S, H, D]",
+            Layout::Bhsd => "[B, H, S, D]",
         };
-        4.0 * (self.batch * self.heads_q * pairs * self.head_dim) as f64
+        write!(f, "{} {} {mask} {layout}", self.shape, self.dtype.name())
+    }
+}
+
+impl FwdCase {
+    /// FLOPs of the visible (query, key) pairs.
+    pub fn flops(&self) -> f64 {
+        self.shape.flops(self.causal)
     }
 
     /// Bytes of Q, K, V and O.
     pub fn bytes(&self) -> usize {
-        2 * self.head_dim
-            * self.batch
-            * (2 * self.seqlen_q * self.heads_q + 2 * self.seqlen_k * self.heads_kv)
+        self.shape.io_bytes(2)
     }
 
     fn view(&self, ptr: u64, seqlen: usize, heads: usize) -> TensorView {
         let dtype = DType::from(self.dtype);
-        let (b, d) = (self.batch, self.head_dim);
+        let (b, d) = (self.shape.batch, self.shape.head_dim);
         match self.layout {
             Layout::Bshd => TensorView::bshd(ptr, dtype, b, seqlen, heads, d),
             Layout::Bhsd => TensorView::bhsd(ptr, dtype, b, seqlen, heads, d),
         }
     }
 
-    /// Host `[B, S, H, D]` data in this case's memory order.
-    fn in_layout(&self, data: &[u16], seqlen: usize, heads: usize) -> Vec<u16> {
+    /// Host data between logical `[B, S, H, D]` order and this case's memory order
+    /// (`to_memory` chooses the direction).
+    fn relayout(&self, data: &[u16], seqlen: usize, heads: usize, to_memory: bool) -> Vec<u16> {
         match self.layout {
             Layout::Bshd => data.to_vec(),
-            Layout::Bhsd => permute(data, self.batch, seqlen, heads, self.head_dim, false),
-        }
-    }
-
-    fn back_to_bshd(&self, data: &[u16], seqlen: usize, heads: usize) -> Vec<u16> {
-        match self.layout {
-            Layout::Bshd => data.to_vec(),
-            Layout::Bhsd => permute(data, self.batch, seqlen, heads, self.head_dim, true),
+            Layout::Bhsd => {
+                let (b, d) = (self.shape.batch, self.shape.head_dim);
+                permute(data, b, seqlen, heads, d, !to_memory)
+            }
         }
     }
 }
@@ -120,25 +120,28 @@ impl DeviceCase {
     /// Draws fresh N(0, 1) inputs and uploads them; O and LSE are poisoned (NaN).
     pub fn new(stream: &Arc<CudaStream>, case: FwdCase, rng: &mut Rng) -> Result<DeviceCase> {
         let c = &case;
-        let n_q = c.batch * c.seqlen_q * c.heads_q * c.head_dim;
-        let n_kv = c.batch * c.seqlen_k * c.heads_kv * c.head_dim;
+        let n_q = c.shape.batch * c.shape.seqlen_q * c.shape.heads_q * c.shape.head_dim;
+        let n_kv = c.shape.batch * c.shape.seqlen_k * c.shape.heads_kv * c.shape.head_dim;
         let (q_bits, q) = reference::random_half(rng, n_q, c.dtype);
         let (k_bits, k) = reference::random_half(rng, n_kv, c.dtype);
         let (v_bits, v) = reference::random_half(rng, n_kv, c.dtype);
         let upload = |bits: &[u16], s, h| {
             stream
-                .clone_htod(&c.in_layout(bits, s, h))
+                .clone_htod(&c.relayout(bits, s, h, true))
                 .map_err(driver_err("cuMemcpyHtoD"))
         };
         let dev = DeviceCase {
-            q: upload(&q_bits, c.seqlen_q, c.heads_q)?,
-            k: upload(&k_bits, c.seqlen_k, c.heads_kv)?,
-            v: upload(&v_bits, c.seqlen_k, c.heads_kv)?,
+            q: upload(&q_bits, c.shape.seqlen_q, c.shape.heads_q)?,
+            k: upload(&k_bits, c.shape.seqlen_k, c.shape.heads_kv)?,
+            v: upload(&v_bits, c.shape.seqlen_k, c.shape.heads_kv)?,
             o: stream
                 .clone_htod(&vec![reference::poison(c.dtype); n_q])
                 .map_err(driver_err("cuMemcpyHtoD"))?,
             lse: stream
-                .clone_htod(&vec![f32::NAN; c.batch * c.heads_q * c.seqlen_q])
+                .clone_htod(&vec![
+                    f32::NAN;
+                    c.shape.batch * c.shape.heads_q * c.shape.seqlen_q
+                ])
                 .map_err(driver_err("cuMemcpyHtoD"))?,
             stream: stream.clone(),
             host: [q, k, v],
@@ -157,10 +160,10 @@ impl DeviceCase {
         };
         (
             [
-                c.view(ptr(&self.q), c.seqlen_q, c.heads_q),
-                c.view(ptr(&self.k), c.seqlen_k, c.heads_kv),
-                c.view(ptr(&self.v), c.seqlen_k, c.heads_kv),
-                c.view(ptr(&self.o), c.seqlen_q, c.heads_q),
+                c.view(ptr(&self.q), c.shape.seqlen_q, c.shape.heads_q),
+                c.view(ptr(&self.k), c.shape.seqlen_k, c.shape.heads_kv),
+                c.view(ptr(&self.v), c.shape.seqlen_k, c.shape.heads_kv),
+                c.view(ptr(&self.o), c.shape.seqlen_q, c.shape.heads_q),
             ],
             lse,
         )
@@ -189,7 +192,7 @@ impl DeviceCase {
             .map_err(driver_err("cuStreamSynchronize"))?;
         Ok((
             self.case
-                .back_to_bshd(&o, self.case.seqlen_q, self.case.heads_q),
+                .relayout(&o, self.case.shape.seqlen_q, self.case.shape.heads_q, false),
             lse,
         ))
     }
@@ -203,9 +206,9 @@ impl DeviceCase {
 /// The reference, one (batch, head) per task: heads are independent, and GQA only
 /// selects which K/V head a query head reads.
 fn parallel_reference(c: &FwdCase, host: &[Vec<f64>; 3], scale: f64) -> reference::RefOutput {
-    let (sq, sk, d) = (c.seqlen_q, c.seqlen_k, c.head_dim);
-    let group = c.heads_q / c.heads_kv;
-    let one = RefShape {
+    let (sq, sk, d) = (c.shape.seqlen_q, c.shape.seqlen_k, c.shape.head_dim);
+    let group = c.shape.heads_q / c.shape.heads_kv;
+    let one = AttnShape {
         batch: 1,
         seqlen_q: sq,
         seqlen_k: sk,
@@ -218,8 +221,8 @@ fn parallel_reference(c: &FwdCase, host: &[Vec<f64>; 3], scale: f64) -> referenc
             .flat_map(|i| x[((b * s + i) * heads + h) * d..][..d].iter().copied())
             .collect()
     };
-    let pairs: Vec<(usize, usize)> = (0..c.batch)
-        .flat_map(|b| (0..c.heads_q).map(move |h| (b, h)))
+    let pairs: Vec<(usize, usize)> = (0..c.shape.batch)
+        .flat_map(|b| (0..c.shape.heads_q).map(move |h| (b, h)))
         .collect();
     let workers = std::thread::available_parallelism().map_or(4, |n| n.get());
     let results: Vec<((usize, usize), reference::RefOutput)> = std::thread::scope(|scope| {
@@ -233,9 +236,9 @@ fn parallel_reference(c: &FwdCase, host: &[Vec<f64>; 3], scale: f64) -> referenc
                         .skip(w)
                         .step_by(workers)
                         .map(|&(b, h)| {
-                            let q = slice(&host[0], b, sq, c.heads_q, h);
-                            let k = slice(&host[1], b, sk, c.heads_kv, h / group);
-                            let v = slice(&host[2], b, sk, c.heads_kv, h / group);
+                            let q = slice(&host[0], b, sq, c.shape.heads_q, h);
+                            let k = slice(&host[1], b, sk, c.shape.heads_kv, h / group);
+                            let v = slice(&host[2], b, sk, c.shape.heads_kv, h / group);
                             (
                                 (b, h),
                                 reference::attention_f64(one, &q, &k, &v, scale, c.causal),
@@ -250,13 +253,14 @@ fn parallel_reference(c: &FwdCase, host: &[Vec<f64>; 3], scale: f64) -> referenc
             .flat_map(|h| h.join().expect("reference worker panicked"))
             .collect()
     });
-    let mut out = vec![0.0; c.batch * sq * c.heads_q * d];
-    let mut lse = vec![0.0; c.batch * c.heads_q * sq];
+    let mut out = vec![0.0; c.shape.batch * sq * c.shape.heads_q * d];
+    let mut lse = vec![0.0; c.shape.batch * c.shape.heads_q * sq];
     for ((b, h), r) in results {
         for i in 0..sq {
-            out[((b * sq + i) * c.heads_q + h) * d..][..d].copy_from_slice(&r.out[i * d..][..d]);
+            out[((b * sq + i) * c.shape.heads_q + h) * d..][..d]
+                .copy_from_slice(&r.out[i * d..][..d]);
         }
-        lse[(b * c.heads_q + h) * sq..][..sq].copy_from_slice(&r.lse);
+        lse[(b * c.shape.heads_q + h) * sq..][..sq].copy_from_slice(&r.lse);
     }
     reference::RefOutput { out, lse }
 }
@@ -305,7 +309,7 @@ pub fn check_forward(
     let (o_bits, lse) = dev.download()?;
     let poison = reference::poison(case.dtype);
     let unwritten = o_bits.iter().filter(|&&b| b == poison).count();
-    let want = dev.reference(params.scale_for(case.head_dim) as f64);
+    let want = dev.reference(params.scale_for(case.shape.head_dim) as f64);
     let got = reference::half_bits_to_f64(&o_bits, case.dtype);
     let lse: Vec<f64> = lse.iter().map(|&x| x as f64).collect();
     Ok(CheckResult {

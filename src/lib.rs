@@ -14,6 +14,7 @@ pub mod host;
 pub mod kernels;
 pub mod ptx;
 pub mod reference;
+pub mod shape;
 pub mod tma;
 
 pub use error::{Error, Result};

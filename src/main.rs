@@ -12,12 +12,13 @@
 use std::process::ExitCode;
 use std::sync::Arc;
 
-use flashcore::check::{FwdCase, Layout, check_forward, time_forward};
+use flashcore::check::{BENCH_SHAPES, FwdCase, Layout, check_forward, time_forward};
 use flashcore::host::attention::{Attention, dispatch, path_for_arch};
 use flashcore::host::device::{Device, driver_present};
 use flashcore::kernels::attention::{FWD_HEAD_DIMS, FwdConfig, HalfType, all_fwd_configs};
 use flashcore::kernels::catalog;
 use flashcore::reference::Rng;
+use flashcore::shape::AttnShape;
 
 const USAGE: &str = "usage:
   flashcore info
@@ -306,12 +307,14 @@ fn run(args: &[String]) -> Result<(), Failure> {
     let seqlen = o.num("--seqlen", 512)?;
     let heads = o.num("--heads", 8)?;
     let case = FwdCase {
-        batch: o.num("--batch", 2)?,
-        seqlen_q: o.num("--seqlen-q", seqlen)?,
-        seqlen_k: o.num("--seqlen-k", seqlen)?,
-        heads_q: heads,
-        heads_kv: o.num("--kv-heads", heads)?,
-        head_dim: o.num("--head-dim", 64)?,
+        shape: AttnShape {
+            batch: o.num("--batch", 2)?,
+            seqlen_q: o.num("--seqlen-q", seqlen)?,
+            seqlen_k: o.num("--seqlen-k", seqlen)?,
+            heads_q: heads,
+            heads_kv: o.num("--kv-heads", heads)?,
+            head_dim: o.num("--head-dim", 64)?,
+        },
         dtype: parse_dtype(o.value("--dtype").unwrap_or("f16"))?,
         causal: o.flag("--causal"),
         layout: match o.value("--layout").unwrap_or("bshd") {
@@ -334,19 +337,7 @@ fn run(args: &[String]) -> Result<(), Failure> {
     let attn = Attention::new(dev.clone())?;
     let mut rng = Rng::from_entropy();
     let r = check_forward(&attn, &stream, case, &mut rng)?;
-    println!(
-        "{} {} B{} H{}/{} Sq{} Sk{} D{} {} {:?}",
-        dev.name(),
-        case.dtype.name(),
-        case.batch,
-        case.heads_q,
-        case.heads_kv,
-        case.seqlen_q,
-        case.seqlen_k,
-        case.head_dim,
-        if case.causal { "causal" } else { "full" },
-        case.layout
-    );
+    println!("{}: {case}", dev.name());
     println!(
         "relative L2 error vs float64: out {:.3e}, lse {:.3e}, unwritten {} (tolerance {:.1e}; seed {:#x})",
         r.out_err,
@@ -376,14 +367,6 @@ fn run(args: &[String]) -> Result<(), Failure> {
     }
 }
 
-/// The benchmark shapes of the project (B, H, S, D), each causal and not, fp16.
-pub const BENCH_SHAPES: [(usize, usize, usize, usize); 4] = [
-    (2, 8, 512, 64),
-    (4, 32, 4096, 64),
-    (8, 16, 2048, 128),
-    (1, 16, 16384, 128),
-];
-
 fn bench(args: &[String]) -> Result<(), Failure> {
     let o = Opts { args };
     o.check_known(&["--json", "--iters", "--dtype"], &[])?;
@@ -406,12 +389,7 @@ fn bench(args: &[String]) -> Result<(), Failure> {
     for (i, ((b, h, s, d), causal)) in runs.enumerate() {
         eprintln!("[{}/{total}] B{b} H{h} S{s} D{d} causal={causal}", i + 1);
         let case = FwdCase {
-            batch: b,
-            seqlen_q: s,
-            seqlen_k: s,
-            heads_q: h,
-            heads_kv: h,
-            head_dim: d,
+            shape: AttnShape::square(b, h, s, d),
             dtype,
             causal,
             layout: Layout::Bhsd,
@@ -419,9 +397,7 @@ fn bench(args: &[String]) -> Result<(), Failure> {
         // The error check on the largest shapes would cost minutes of float64 on the CPU;
         // check a one-batch, two-head slice of the same kernel instead.
         let checked = FwdCase {
-            batch: 1,
-            heads_q: 2,
-            heads_kv: 2,
+            shape: AttnShape::square(1, 2, s, d),
             ..case
         };
         let err = check_forward(&attn, &stream, checked, &mut rng)?;

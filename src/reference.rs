@@ -8,35 +8,8 @@
 //! LSE −∞. `lse[b, h, i] = ln Σ_j exp(scale · s_ij)` over the visible keys.
 
 use crate::kernels::attention::HalfType;
+use crate::shape::AttnShape;
 use half::{bf16, f16};
-
-/// Problem sizes of a reference computation.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct RefShape {
-    pub batch: usize,
-    pub seqlen_q: usize,
-    pub seqlen_k: usize,
-    pub heads_q: usize,
-    pub heads_kv: usize,
-    pub head_dim: usize,
-}
-
-impl RefShape {
-    /// Elements of Q (and O): `B · Sq · Hq · D`.
-    pub fn q_len(&self) -> usize {
-        self.batch * self.seqlen_q * self.heads_q * self.head_dim
-    }
-
-    /// Elements of K (and V): `B · Sk · Hkv · D`.
-    pub fn kv_len(&self) -> usize {
-        self.batch * self.seqlen_k * self.heads_kv * self.head_dim
-    }
-
-    /// Elements of the LSE: `B · Hq · Sq`.
-    pub fn lse_len(&self) -> usize {
-        self.batch * self.heads_q * self.seqlen_q
-    }
-}
 
 /// Output of [`attention_f64`].
 #[derive(Debug, Clone, PartialEq)]
@@ -47,29 +20,20 @@ pub struct RefOutput {
     pub lse: Vec<f64>,
 }
 
-/// Last key index row `i` may see, plus one (0 when it sees none).
-fn visible_keys(i: usize, seqlen_q: usize, seqlen_k: usize, causal: bool) -> usize {
-    if !causal {
-        return seqlen_k;
-    }
-    // j <= i + Sk - Sq  <=>  j < i + 1 + Sk - Sq, clamped to [0, Sk].
-    (i + 1 + seqlen_k).saturating_sub(seqlen_q).min(seqlen_k)
-}
-
 /// Forward attention in float64. `q` is contiguous `[B, Sq, Hq, D]`, `k` and `v` are
 /// contiguous `[B, Sk, Hkv, D]`.
 ///
 /// # Panics
 /// If a slice length does not match `shape`, or `heads_q` is not a multiple of `heads_kv`.
 pub fn attention_f64(
-    shape: &RefShape,
+    shape: &AttnShape,
     q: &[f64],
     k: &[f64],
     v: &[f64],
     scale: f64,
     causal: bool,
 ) -> RefOutput {
-    let &RefShape {
+    let &AttnShape {
         batch,
         seqlen_q: sq,
         seqlen_k: sk,
@@ -93,7 +57,7 @@ pub fn attention_f64(
         for h in 0..hq {
             let kh = h / group;
             for i in 0..sq {
-                let n = visible_keys(i, sq, sk, causal);
+                let n = shape.visible_keys(i, causal);
                 if n == 0 {
                     continue; // zeros and -inf already in place
                 }
@@ -274,8 +238,8 @@ pub fn contains_nan(bits: &[u16], dtype: HalfType) -> bool {
 mod tests {
     use super::*;
 
-    fn shape(b: usize, sq: usize, sk: usize, hq: usize, hkv: usize, d: usize) -> RefShape {
-        RefShape {
+    fn shape(b: usize, sq: usize, sk: usize, hq: usize, hkv: usize, d: usize) -> AttnShape {
+        AttnShape {
             batch: b,
             seqlen_q: sq,
             seqlen_k: sk,
@@ -290,7 +254,7 @@ mod tests {
     }
 
     /// Inputs for `s`, from a fixed seed.
-    fn inputs(s: &RefShape, seed: u64) -> (Vec<f64>, Vec<f64>, Vec<f64>) {
+    fn inputs(s: &AttnShape, seed: u64) -> (Vec<f64>, Vec<f64>, Vec<f64>) {
         let mut rng = Rng::new(seed);
         (
             normals(&mut rng, s.q_len()),
@@ -311,14 +275,14 @@ mod tests {
     /// matrix per (b, h) with -inf entries, a naive softmax without max subtraction, and
     /// P · V as a matrix product.
     fn brute_force(
-        s: &RefShape,
+        s: &AttnShape,
         q: &[f64],
         k: &[f64],
         v: &[f64],
         scale: f64,
         causal: bool,
     ) -> RefOutput {
-        let RefShape {
+        let AttnShape {
             batch,
             seqlen_q: sq,
             seqlen_k: sk,

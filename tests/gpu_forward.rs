@@ -9,6 +9,7 @@ use flashcore::host::device::Device;
 use flashcore::host::tensor::{AttentionParams, DType, TensorView};
 use flashcore::kernels::attention::HalfType;
 use flashcore::reference::Rng;
+use flashcore::shape::AttnShape;
 
 const SEQLENS: [usize; 6] = [1, 17, 113, 128, 1000, 2048];
 
@@ -26,22 +27,10 @@ fn run_cases(cases: &[FwdCase]) {
     let mut worst: (f64, String) = (0.0, String::new());
     for case in cases {
         let r: CheckResult = check_forward(&attn, &stream, *case, &mut rng)
-            .unwrap_or_else(|e| panic!("{case:?}: {e}"));
+            .unwrap_or_else(|e| panic!("{case}: {e}"));
         let line = format!(
-            "{:?} B{} H{}/{} Sq{} Sk{} D{} causal={} {:?}: out {:.2e} lse {:.2e} unwritten {} seed {:#x}",
-            case.dtype,
-            case.batch,
-            case.heads_q,
-            case.heads_kv,
-            case.seqlen_q,
-            case.seqlen_k,
-            case.head_dim,
-            case.causal,
-            case.layout,
-            r.out_err,
-            r.lse_err,
-            r.unwritten,
-            r.seed
+            "{case}: out {:.2e} lse {:.2e} unwritten {} seed {:#x}",
+            r.out_err, r.lse_err, r.unwritten, r.seed
         );
         println!("{line}");
         if r.out_err > worst.0 || r.out_err.is_nan() {
@@ -73,12 +62,14 @@ fn case(
     sk: usize,
 ) -> FwdCase {
     FwdCase {
-        batch: b,
-        seqlen_q: sq,
-        seqlen_k: sk,
-        heads_q: hq,
-        heads_kv: hkv,
-        head_dim: d,
+        shape: AttnShape {
+            batch: b,
+            seqlen_q: sq,
+            seqlen_k: sk,
+            heads_q: hq,
+            heads_kv: hkv,
+            head_dim: d,
+        },
         dtype,
         causal,
         layout: Layout::Bshd,

@@ -62,7 +62,7 @@ fn validation_and_dispatch_do_not_allocate() {
     let n = allocations_in(|| {
         for _ in 0..100 {
             let p = validate_fwd(&q, &k, &v, &o, Some(&lse), &params).unwrap();
-            let cfg = dispatch((9, 0), p.dtype, p.head_dim as u32, p.causal).unwrap();
+            let cfg = dispatch((9, 0), p.dtype, p.shape.head_dim as u32, p.causal).unwrap();
             std::hint::black_box(cfg.id_static());
             std::hint::black_box(cfg.tiling());
         }
@@ -82,12 +82,7 @@ fn warm_forward_does_not_allocate() {
     let stream = device.context().default_stream();
     let attn = flashcore::host::attention::Attention::new(device).unwrap();
     let case = FwdCase {
-        batch: 2,
-        seqlen_q: 512,
-        seqlen_k: 512,
-        heads_q: 8,
-        heads_kv: 8,
-        head_dim: 64,
+        shape: flashcore::shape::AttnShape::square(2, 8, 512, 64),
         dtype: HalfType::F16,
         causal: false,
         layout: L::Bhsd,

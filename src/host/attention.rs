@@ -73,7 +73,13 @@ impl Attention {
     /// The configuration `problem` runs with on this device.
     pub fn plan(&self, problem: &FwdProblem) -> Result<FwdConfig> {
         let arch = self.device.compute_capability();
-        dispatch(arch, problem.dtype, problem.head_dim as u32, problem.causal).map_err(|why| {
+        dispatch(
+            arch,
+            problem.dtype,
+            problem.shape.head_dim as u32,
+            problem.causal,
+        )
+        .map_err(|why| {
             let (major, minor) = arch;
             Error::UnsupportedGpu {
                 name: format!("{} ({why})", self.device.name()),
@@ -117,6 +123,7 @@ impl Attention {
         stream: CUstream,
     ) -> Result<()> {
         let problem = validate_fwd(q, k, v, o, lse, params)?;
+        let shape = problem.shape;
         let cfg = self.plan(&problem)?;
         let kernel = self.prepare(&cfg)?;
         let tiling = cfg.tiling();
@@ -130,18 +137,18 @@ impl Attention {
             k_stride: strides(k),
             v_stride: strides(v),
             o_stride: strides(o),
-            seqlen_q: problem.seqlen_q as u32,
-            seqlen_k: problem.seqlen_k as u32,
-            heads_q: problem.heads_q as u32,
-            group: problem.group() as u32,
+            seqlen_q: shape.seqlen_q as u32,
+            seqlen_k: shape.seqlen_k as u32,
+            heads_q: shape.heads_q as u32,
+            group: shape.group() as u32,
             scale_log2: problem.scale * std::f32::consts::LOG2_E,
-            causal_offset: problem.seqlen_k as i32 - problem.seqlen_q as i32,
+            causal_offset: shape.seqlen_k as i32 - shape.seqlen_q as i32,
         };
         let dims = LaunchDims {
             grid: (
-                problem.seqlen_q.div_ceil(tiling.block_m as usize) as u32,
-                problem.heads_q as u32,
-                problem.batch as u32,
+                shape.seqlen_q.div_ceil(tiling.block_m as usize) as u32,
+                shape.heads_q as u32,
+                shape.batch as u32,
             ),
             block: (tiling.threads, 1, 1),
             dynamic_smem: tiling.smem_bytes,

@@ -24,6 +24,7 @@
 use crate::error::{Error, Result};
 use crate::host::tensor::{AttentionParams, DIM_HEAD_DIM, DIM_NAMES, LseView, TensorView};
 use crate::kernels::attention::{FWD_HEAD_DIMS, HalfType};
+use crate::shape::AttnShape;
 
 /// [`FWD_HEAD_DIMS`] as the text [`Error::UnsupportedHeadDim`] carries.
 pub const FWD_HEAD_DIMS_TEXT: &str = "32, 64, 128, 256";
@@ -40,23 +41,11 @@ pub const MAX_SEQLEN_EXCLUSIVE: usize = 1 << 31;
 /// A validated forward problem: the sizes and options a launch needs.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct FwdProblem {
-    pub batch: usize,
-    pub seqlen_q: usize,
-    pub seqlen_k: usize,
-    pub heads_q: usize,
-    pub heads_kv: usize,
-    pub head_dim: usize,
+    pub shape: AttnShape,
     pub dtype: HalfType,
     /// The softmax scale actually applied (the default already resolved).
     pub scale: f32,
     pub causal: bool,
-}
-
-impl FwdProblem {
-    /// Query heads per key/value head (Hq / Hkv).
-    pub fn group(&self) -> usize {
-        self.heads_q / self.heads_kv
-    }
 }
 
 /// Checks the arguments of a forward call; see the module docs for the order of checks.
@@ -235,12 +224,14 @@ pub fn validate_fwd(
     }
 
     Ok(FwdProblem {
-        batch,
-        seqlen_q,
-        seqlen_k,
-        heads_q,
-        heads_kv,
-        head_dim,
+        shape: AttnShape {
+            batch,
+            seqlen_q,
+            seqlen_k,
+            heads_q,
+            heads_kv,
+            head_dim,
+        },
         dtype,
         scale: params.scale_for(head_dim),
         causal: params.causal,
@@ -402,18 +393,20 @@ mod tests {
         assert_eq!(
             p,
             FwdProblem {
-                batch: 2,
-                seqlen_q: 128,
-                seqlen_k: 256,
-                heads_q: 8,
-                heads_kv: 2,
-                head_dim: 64,
+                shape: AttnShape {
+                    batch: 2,
+                    seqlen_q: 128,
+                    seqlen_k: 256,
+                    heads_q: 8,
+                    heads_kv: 2,
+                    head_dim: 64,
+                },
                 dtype: HalfType::F16,
                 scale: 0.125,
                 causal: true,
             }
         );
-        assert_eq!(p.group(), 4);
+        assert_eq!(p.shape.group(), 4);
     }
 
     #[test]
@@ -437,7 +430,12 @@ mod tests {
         .unwrap();
         assert_eq!(p.dtype, HalfType::Bf16);
         assert_eq!(
-            (p.seqlen_q, p.seqlen_k, p.heads_q, p.heads_kv),
+            (
+                p.shape.seqlen_q,
+                p.shape.seqlen_k,
+                p.shape.heads_q,
+                p.shape.heads_kv
+            ),
             (77, 50, 4, 1)
         );
         assert_eq!(p.scale, 0.3);
