@@ -249,11 +249,13 @@ if want sanitize; then
         "--batch 1 --heads 2 --kv-heads 2 --seqlen-q 113 --seqlen-k 200 --head-dim 64 --dtype f16 --causal"
         "--batch 1 --heads 2 --kv-heads 1 --seqlen-q 200 --seqlen-k 113 --head-dim 128 --dtype bf16 --causal"
         "--batch 1 --heads 2 --kv-heads 1 --seqlen-q 77 --seqlen-k 77 --head-dim 128 --dtype bf16"
+        "--batch 1 --heads 2 --kv-heads 2 --seqlen-q 300 --seqlen-k 200 --head-dim 128 --dtype f16 --causal --block-m 128"
+        "--batch 1 --heads 2 --kv-heads 1 --seqlen-q 113 --seqlen-k 300 --head-dim 64 --dtype bf16 --block-m 128"
     )
     for tool in memcheck racecheck synccheck; do
         for s in "${shapes[@]}"; do
             read -ra shape_args <<<"$s"
-            short=$(sed -e 's/--batch /B/; s/ --heads /H/; s/ --kv-heads /KV/; s/ --seqlen-q /Sq/; s/ --seqlen-k /Sk/; s/ --head-dim /D/; s/ --dtype / /; s/ --causal/ causal/' <<<"$s")
+            short=$(sed -e 's/--batch /B/; s/ --heads /H/; s/ --kv-heads /KV/; s/ --seqlen-q /Sq/; s/ --seqlen-k /Sk/; s/ --head-dim /D/; s/ --dtype / /; s/ --causal/ causal/; s/ --block-m / m/' <<<"$s")
             step sanitizer.log "$tool $short" 180 \
                 compute-sanitizer --tool "$tool" --error-exitcode 1 \
                 "$fc" run "${shape_args[@]}" --iters 1

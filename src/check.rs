@@ -7,11 +7,11 @@ use std::sync::Arc;
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
 
 use crate::error::{Error, Result};
-use crate::host::attention::Attention;
+use crate::host::attention::{Attention, dispatch};
 use crate::host::device::driver_err;
 use crate::host::tensor::{AttentionParams, DType, LseView, TensorView};
 use crate::host::timing::{TimingStats, median_ms};
-use crate::kernels::attention::HalfType;
+use crate::kernels::attention::{FwdConfig, HalfType};
 use crate::reference::{self, Rng};
 use crate::shape::AttnShape;
 
@@ -31,6 +31,8 @@ pub struct FwdCase {
     pub dtype: HalfType,
     pub causal: bool,
     pub layout: Layout,
+    /// Run this kernel configuration instead of the one the dispatch picks.
+    pub kernel: Option<FwdConfig>,
 }
 
 /// The project's benchmark shapes, (B, H, S, D), self-attention; each is run causal and not.
@@ -49,7 +51,11 @@ impl std::fmt::Display for FwdCase {
             Layout::Bshd => "[B, S, H, D]",
             Layout::Bhsd => "[B, H, S, D]",
         };
-        write!(f, "{} {} {mask} {layout}", self.shape, self.dtype.name())
+        write!(f, "{} {} {mask} {layout}", self.shape, self.dtype.name())?;
+        match &self.kernel {
+            Some(cfg) => write!(f, " {}", cfg.id()),
+            None => Ok(()),
+        }
     }
 }
 
@@ -172,9 +178,17 @@ impl DeviceCase {
     /// One forward call on this case's stream, LSE included.
     pub fn run(&self, attn: &Attention, params: &AttentionParams) -> Result<()> {
         let ([q, k, v, o], lse) = self.views();
+        let stream = self.stream.cu_stream();
         // SAFETY: the views point into this case's own device buffers, sized for them and
         // alive as long as `self`, on the stream the buffers were made with.
-        unsafe { attn.forward(&q, &k, &v, &o, Some(&lse), params, self.stream.cu_stream()) }
+        unsafe {
+            match &self.case.kernel {
+                None => attn.forward(&q, &k, &v, &o, Some(&lse), params, stream),
+                Some(cfg) => {
+                    attn.forward_with_config(cfg, &q, &k, &v, &o, Some(&lse), params, stream)
+                }
+            }
+        }
     }
 
     /// The output as `[B, Sq, Hq, D]` bits and the LSE.
@@ -283,6 +297,19 @@ impl CheckResult {
         let tol = tolerance(dtype);
         self.unwritten == 0 && self.out_err <= tol && self.lse_err <= tol
     }
+}
+
+/// The kernel configuration the dispatch picks for `case` on `attn`'s device.
+pub fn planned_kernel(attn: &Attention, case: &FwdCase) -> Result<FwdConfig> {
+    let dev = attn.device();
+    dispatch(
+        dev.compute_capability(),
+        dev.sm_count(),
+        case.dtype,
+        &case.shape,
+        case.causal,
+    )
+    .map_err(Error::InvalidArgument)
 }
 
 /// Relative L2 bound against float64 for a dtype.

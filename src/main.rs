@@ -12,7 +12,9 @@
 use std::process::ExitCode;
 use std::sync::Arc;
 
-use flashcore::check::{BENCH_SHAPES, FwdCase, Layout, check_forward, time_forward};
+use flashcore::check::{
+    BENCH_SHAPES, FwdCase, Layout, check_forward, planned_kernel, time_forward,
+};
 use flashcore::host::attention::{Attention, dispatch, path_for_arch};
 use flashcore::host::device::{Device, driver_present};
 use flashcore::kernels::attention::{FWD_HEAD_DIMS, FwdConfig, HalfType, all_fwd_configs};
@@ -26,6 +28,7 @@ const USAGE: &str = "usage:
   flashcore report
   flashcore run [--batch B] [--heads H] [--kv-heads HKV] [--seqlen S | --seqlen-q SQ --seqlen-k SK]
                 [--head-dim D] [--dtype f16|bf16] [--causal] [--layout bshd|bhsd] [--iters N]
+                [--block-m 64|128]
   flashcore bench [--json FILE] [--iters N]";
 
 fn main() -> ExitCode {
@@ -107,33 +110,38 @@ fn info() -> Result<(), Failure> {
             Ok(p) => println!("path: {}", p.name()),
             Err(why) => println!("path: none ({why})"),
         }
-        Some((major, minor))
+        Some(((major, minor), dev.sm_count()))
     };
+    let (arch, sms) = arch.unwrap_or(((8, 0), 108));
     println!(
-        "\ndispatch (dtype, head dim, causal -> kernel{}):",
-        if arch.is_some() {
-            ""
-        } else {
-            " on sm_80..sm_90"
-        }
+        "\ndispatch on sm_{}{} with {sms} SMs (dtype, head dim, causal -> kernel; the 64-row \
+         tile when fewer than {} 128-row blocks):",
+        arch.0,
+        arch.1,
+        2 * sms
     );
-    let arch = arch.unwrap_or((8, 0));
     for dtype in [HalfType::F16, HalfType::Bf16] {
         for d in FWD_HEAD_DIMS {
             for causal in [false, true] {
-                let target = match dispatch(arch, dtype, d, causal) {
-                    Ok(cfg) => {
-                        let t = cfg.tiling();
-                        format!(
-                            "{}  (tile {}x{}, {} threads, {} KiB smem)",
-                            cfg.id(),
-                            t.block_m,
-                            t.block_n,
-                            t.threads,
-                            t.smem_bytes / 1024
-                        )
-                    }
-                    Err(why) => format!("unsupported: {why}"),
+                let big = AttnShape::square(8, 32, 4096, d as usize);
+                let small = AttnShape::square(1, 1, 128, d as usize);
+                let describe = |cfg: FwdConfig| {
+                    let t = cfg.tiling();
+                    let kib = t.smem_bytes / 1024;
+                    format!(
+                        "{} ({}x{}, {} threads, {kib} KiB)",
+                        cfg.id(),
+                        t.block_m,
+                        t.block_n,
+                        t.threads
+                    )
+                };
+                let target = match (
+                    dispatch(arch, sms, dtype, &big, causal),
+                    dispatch(arch, sms, dtype, &small, causal),
+                ) {
+                    (Ok(wide), Ok(narrow)) => format!("{} | {}", describe(wide), describe(narrow)),
+                    (Err(why), _) | (_, Err(why)) => format!("unsupported: {why}"),
                 };
                 println!(
                     "  {:<4} d{:<3} {:<6} -> {target}",
@@ -301,6 +309,7 @@ fn run(args: &[String]) -> Result<(), Failure> {
             "--dtype",
             "--layout",
             "--iters",
+            "--block-m",
         ],
         &["--causal"],
     )?;
@@ -322,6 +331,7 @@ fn run(args: &[String]) -> Result<(), Failure> {
             "bhsd" => Layout::Bhsd,
             other => return Err(Failure::Usage(format!("unknown layout `{other}`"))),
         },
+        kernel: None,
     };
     let iters = o.num("--iters", 20)?;
     if !driver_present() {
@@ -335,6 +345,17 @@ fn run(args: &[String]) -> Result<(), Failure> {
     let dev = open_gpu()?;
     let stream = dev.context().default_stream();
     let attn = Attention::new(dev.clone())?;
+    let mut case = case;
+    if let Some(block_m) = o.value("--block-m") {
+        // Force a query tile (to compare tiles); otherwise the dispatch chooses.
+        let block_m = block_m
+            .parse()
+            .map_err(|_| Failure::Usage(format!("--block-m takes 64 or 128, got `{block_m}`")))?;
+        case.kernel = Some(FwdConfig {
+            block_m,
+            ..planned_kernel(&attn, &case)?
+        });
+    }
     let mut rng = Rng::from_entropy();
     let r = check_forward(&attn, &stream, case, &mut rng)?;
     println!("{}: {case}", dev.name());
@@ -379,7 +400,7 @@ fn bench(args: &[String]) -> Result<(), Failure> {
     let mut records = Vec::new();
     println!("{} ({}), {dtype:?}", dev.name(), dev.arch_name());
     println!(
-        "{:<24} {:>7} {:>10} {:>9} {:>10}",
+        "{:<24} {:>7} {:>10} {:>9} {:>10}  kernel",
         "shape", "causal", "ms", "TFLOP/s", "rel err"
     );
     let total = BENCH_SHAPES.len() * 2;
@@ -393,31 +414,36 @@ fn bench(args: &[String]) -> Result<(), Failure> {
             dtype,
             causal,
             layout: Layout::Bhsd,
+            kernel: None,
         };
         // The error check on the largest shapes would cost minutes of float64 on the CPU;
         // check a one-batch, two-head slice of the same kernel instead.
+        let kernel = planned_kernel(&attn, &case)?;
         let checked = FwdCase {
             shape: AttnShape::square(1, 2, s, d),
+            kernel: Some(kernel),
             ..case
         };
         let err = check_forward(&attn, &stream, checked, &mut rng)?;
         let t = time_forward(&attn, &stream, case, iters, &mut rng)?;
         let tflops = case.flops() / (t.median_ms as f64 * 1e9);
         println!(
-            "{:<24} {:>7} {:>10.4} {:>9.1} {:>10.2e}",
+            "{:<24} {:>7} {:>10.4} {:>9.1} {:>10.2e}  {}",
             format!("B{b} H{h} S{s} D{d}"),
             causal,
             t.median_ms,
             tflops,
-            err.out_err
+            err.out_err,
+            kernel.id()
         );
         records.push(format!(
             "{{\"batch\": {b}, \"heads\": {h}, \"kv_heads\": {h}, \"seqlen_q\": {s}, \"seqlen_k\": {s}, \
              \"head_dim\": {d}, \"dtype\": \"{}\", \"causal\": {causal}, \"backend\": \"flashcore\", \
-             \"median_ms\": {:.6}, \"tflops\": {tflops:.3}, \"rel_err\": {:.3e}}}",
+             \"median_ms\": {:.6}, \"tflops\": {tflops:.3}, \"rel_err\": {:.3e}, \"kernel\": \"{}\"}}",
             dtype.name(),
             t.median_ms,
-            err.out_err
+            err.out_err,
+            kernel.id()
         ));
     }
     if let Some(path) = o.value("--json") {

@@ -7,7 +7,7 @@ use flashcore::check::{CheckResult, FwdCase, Layout, check_forward, tolerance};
 use flashcore::host::attention::Attention;
 use flashcore::host::device::Device;
 use flashcore::host::tensor::{AttentionParams, DType, TensorView};
-use flashcore::kernels::attention::HalfType;
+use flashcore::kernels::attention::{BLOCK_M_NARROW, BLOCK_M_WIDE, FwdConfig, HalfType, Path};
 use flashcore::reference::Rng;
 use flashcore::shape::AttnShape;
 
@@ -73,16 +73,32 @@ fn case(
         dtype,
         causal,
         layout: Layout::Bshd,
+        kernel: None,
     }
 }
 
-/// Every (Sq, Sk) pair of the grid, causal and not, one head.
+/// Every (Sq, Sk) pair of the grid, causal and not, one head, with each query tile
+/// (the dispatch would pick the narrow one for all of these).
 fn seqlen_grid(dtype: HalfType, d: usize) {
     let mut cases = Vec::new();
     for causal in [false, true] {
-        for sq in SEQLENS {
-            for sk in SEQLENS {
-                cases.push(case(dtype, d, causal, 1, 1, 1, sq, sk));
+        for block_m in [BLOCK_M_WIDE, BLOCK_M_NARROW] {
+            let head_dim = d as u32;
+            let kernel = FwdConfig {
+                path: Path::Sm80,
+                dtype,
+                head_dim,
+                causal,
+                block_m,
+            };
+            for sq in SEQLENS {
+                for sk in SEQLENS {
+                    let c = case(dtype, d, causal, 1, 1, 1, sq, sk);
+                    cases.push(FwdCase {
+                        kernel: Some(kernel),
+                        ..c
+                    });
+                }
             }
         }
     }
@@ -155,6 +171,19 @@ fn other_head_dims_and_bhsd_layout() {
                     cases.push(c);
                     c.layout = Layout::Bhsd;
                     cases.push(c);
+                    let head_dim = d as u32;
+                    let block_m = BLOCK_M_WIDE;
+                    let wide = FwdConfig {
+                        path: Path::Sm80,
+                        dtype,
+                        head_dim,
+                        causal,
+                        block_m,
+                    };
+                    cases.push(FwdCase {
+                        kernel: Some(wide),
+                        ..c
+                    });
                 }
             }
         }

@@ -57,12 +57,13 @@ fn validation_and_dispatch_do_not_allocate() {
         causal: true,
     };
     // Warm any lazily built tables first.
-    let cfg = dispatch((9, 0), HalfType::F16, 64, true).unwrap();
+    let shape = flashcore::shape::AttnShape::square(2, 8, 512, 64);
+    let cfg = dispatch((9, 0), 132, HalfType::F16, &shape, true).unwrap();
     let _ = cfg.id_static();
     let n = allocations_in(|| {
         for _ in 0..100 {
             let p = validate_fwd(&q, &k, &v, &o, Some(&lse), &params).unwrap();
-            let cfg = dispatch((9, 0), p.dtype, p.shape.head_dim as u32, p.causal).unwrap();
+            let cfg = dispatch((9, 0), 132, p.dtype, &p.shape, p.causal).unwrap();
             std::hint::black_box(cfg.id_static());
             std::hint::black_box(cfg.tiling());
         }
@@ -86,6 +87,7 @@ fn warm_forward_does_not_allocate() {
         dtype: HalfType::F16,
         causal: false,
         layout: L::Bhsd,
+        kernel: None,
     };
     let dev = DeviceCase::new(&stream, case, &mut flashcore::reference::Rng::new(7)).unwrap();
     let ([q, k, v, o], lse) = dev.views();

@@ -12,7 +12,11 @@ use super::module::LoadedKernel;
 use super::tensor::{AttentionParams, LseView, TensorView};
 use super::validate::{FwdProblem, validate_fwd};
 use crate::error::{Error, Result};
-use crate::kernels::attention::{FWD_HEAD_DIMS, FwdArgs, FwdConfig, HalfType, Path};
+use crate::kernels::attention::{
+    BLOCK_M_NARROW, BLOCK_M_WIDE, FWD_HEAD_DIMS, FwdArgs, FwdConfig, HalfType, Path,
+    all_fwd_configs,
+};
+use crate::shape::AttnShape;
 
 /// Which kernel path an architecture gets, or why it gets none.
 pub fn path_for_arch(arch: (i32, i32)) -> Result<Path, String> {
@@ -22,22 +26,35 @@ pub fn path_for_arch(arch: (i32, i32)) -> Result<Path, String> {
     }
 }
 
-/// The kernel configuration a problem dispatches to on `arch`.
+/// The kernel configuration a problem dispatches to on a GPU of architecture `arch` with
+/// `sm_count` SMs.
+///
+/// The query tile is the wide one unless the wide grid would not give every SM two
+/// blocks (the wide kernels fit two per SM): then the narrow tile doubles the blocks.
 pub fn dispatch(
     arch: (i32, i32),
+    sm_count: u32,
     dtype: HalfType,
-    head_dim: u32,
+    shape: &AttnShape,
     causal: bool,
 ) -> Result<FwdConfig, String> {
     let path = path_for_arch(arch)?;
+    let head_dim = shape.head_dim as u32;
     if !FWD_HEAD_DIMS.contains(&head_dim) {
         return Err(format!("no kernel for head dim {head_dim}"));
     }
+    let wide_blocks = shape.seqlen_q.div_ceil(BLOCK_M_WIDE as usize) * shape.heads_q * shape.batch;
+    let block_m = if wide_blocks < 2 * sm_count as usize {
+        BLOCK_M_NARROW
+    } else {
+        BLOCK_M_WIDE
+    };
     Ok(FwdConfig {
         path,
         dtype,
         head_dim,
         causal,
+        block_m,
     })
 }
 
@@ -73,13 +90,8 @@ impl Attention {
     /// The configuration `problem` runs with on this device.
     pub fn plan(&self, problem: &FwdProblem) -> Result<FwdConfig> {
         let arch = self.device.compute_capability();
-        dispatch(
-            arch,
-            problem.dtype,
-            problem.shape.head_dim as u32,
-            problem.causal,
-        )
-        .map_err(|why| {
+        let sms = self.device.sm_count();
+        dispatch(arch, sms, problem.dtype, &problem.shape, problem.causal).map_err(|why| {
             let (major, minor) = arch;
             Error::UnsupportedGpu {
                 name: format!("{} ({why})", self.device.name()),
@@ -123,9 +135,62 @@ impl Attention {
         stream: CUstream,
     ) -> Result<()> {
         let problem = validate_fwd(q, k, v, o, lse, params)?;
-        let shape = problem.shape;
         let cfg = self.plan(&problem)?;
-        let kernel = self.prepare(&cfg)?;
+        // SAFETY: this function's contract, passed on unchanged.
+        unsafe { self.launch_forward(&problem, &cfg, [q, k, v, o], lse, stream) }
+    }
+
+    /// [`Attention::forward`] with the kernel configuration chosen by the caller instead of
+    /// the dispatch (to test or time one configuration). `cfg` must be one of the catalog's,
+    /// for this problem's dtype, head dim and causality, on a path this GPU runs.
+    ///
+    /// # Safety
+    ///
+    /// As for [`Attention::forward`].
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn forward_with_config(
+        &self,
+        cfg: &FwdConfig,
+        q: &TensorView,
+        k: &TensorView,
+        v: &TensorView,
+        o: &TensorView,
+        lse: Option<&LseView>,
+        params: &AttentionParams,
+        stream: CUstream,
+    ) -> Result<()> {
+        let problem = validate_fwd(q, k, v, o, lse, params)?;
+        let planned = self.plan(&problem)?;
+        let fits = FwdConfig {
+            block_m: cfg.block_m,
+            ..planned
+        } == *cfg;
+        if !fits || !all_fwd_configs().contains(cfg) {
+            return Err(Error::InvalidArgument(format!(
+                "kernel {} does not fit this problem (the dispatch would pick {})",
+                cfg.id(),
+                planned.id()
+            )));
+        }
+        // SAFETY: this function's contract, passed on unchanged.
+        unsafe { self.launch_forward(&problem, cfg, [q, k, v, o], lse, stream) }
+    }
+
+    /// Launches `cfg` on a validated problem.
+    ///
+    /// # Safety
+    ///
+    /// As for [`Attention::forward`]; `problem` must come from `validate_fwd` on these views.
+    unsafe fn launch_forward(
+        &self,
+        problem: &FwdProblem,
+        cfg: &FwdConfig,
+        [q, k, v, o]: [&TensorView; 4],
+        lse: Option<&LseView>,
+        stream: CUstream,
+    ) -> Result<()> {
+        let shape = problem.shape;
+        let kernel = self.prepare(cfg)?;
         let tiling = cfg.tiling();
         let mut args = FwdArgs {
             q: q.ptr,
@@ -179,7 +244,8 @@ mod tests {
     #[test]
     fn gpus_below_sm80_get_no_path() {
         assert!(path_for_arch((7, 5)).is_err());
-        assert!(dispatch((7, 0), HalfType::F16, 64, false).is_err());
+        let shape = AttnShape::square(1, 8, 512, 64);
+        assert!(dispatch((7, 0), 40, HalfType::F16, &shape, false).is_err());
         for arch in [(8, 0), (8, 6), (8, 9), (9, 0)] {
             assert_eq!(path_for_arch(arch), Ok(Path::Sm80));
         }
@@ -187,16 +253,45 @@ mod tests {
 
     #[test]
     fn dispatch_covers_exactly_the_catalog() {
-        let catalog: Vec<FwdConfig> = crate::kernels::attention::all_fwd_configs();
+        let catalog: Vec<FwdConfig> = all_fwd_configs();
+        let mut chosen = std::collections::HashSet::new();
         for dtype in [HalfType::F16, HalfType::Bf16] {
             for d in 1..=512 {
                 for causal in [false, true] {
-                    match dispatch((9, 0), dtype, d, causal) {
-                        Ok(cfg) => assert!(catalog.contains(&cfg), "{cfg:?} not in the catalog"),
-                        Err(_) => assert!(!FWD_HEAD_DIMS.contains(&d)),
+                    for seqlen in [1, 4096] {
+                        let shape = AttnShape::square(4, 32, seqlen, d);
+                        match dispatch((9, 0), 132, dtype, &shape, causal) {
+                            Ok(cfg) => {
+                                assert!(catalog.contains(&cfg), "{cfg:?} not in the catalog");
+                                chosen.insert(cfg);
+                            }
+                            Err(_) => assert!(!FWD_HEAD_DIMS.contains(&(d as u32))),
+                        }
                     }
                 }
             }
         }
+        assert_eq!(
+            chosen.len(),
+            catalog.len(),
+            "some catalog kernels are never chosen"
+        );
+    }
+
+    #[test]
+    fn small_grids_get_the_narrow_tile() {
+        let pick = |b, h, s| {
+            dispatch(
+                (9, 0),
+                132,
+                HalfType::F16,
+                &AttnShape::square(b, h, s, 64),
+                false,
+            )
+        };
+        assert_eq!(pick(2, 8, 512).unwrap().block_m, BLOCK_M_NARROW); // 64 wide blocks
+        assert_eq!(pick(4, 32, 4096).unwrap().block_m, BLOCK_M_WIDE); // 4096 wide blocks
+        assert_eq!(pick(1, 16, 2048).unwrap().block_m, BLOCK_M_NARROW); // 256 < 264
+        assert_eq!(pick(1, 16, 4096).unwrap().block_m, BLOCK_M_WIDE); // 512
     }
 }

@@ -46,16 +46,25 @@ pub struct FwdConfig {
     pub dtype: HalfType,
     pub head_dim: u32,
     pub causal: bool,
+    /// Query rows per block: [`BLOCK_M_WIDE`] normally, [`BLOCK_M_NARROW`] when the wide
+    /// tiles would leave SMs idle (few heads, short sequences).
+    pub block_m: u32,
 }
 
+/// The default query tile: more work per K/V tile loaded.
+pub const BLOCK_M_WIDE: u32 = 128;
+/// The small-grid query tile: twice the blocks for the same problem.
+pub const BLOCK_M_NARROW: u32 = 64;
+
 impl FwdConfig {
-    /// The kernel id: also the PTX entry name, e.g. `attn_fwd_sm80_f16_d128_causal`.
+    /// The kernel id: also the PTX entry name, e.g. `attn_fwd_sm80_f16_d128_m128_causal`.
     pub fn id(&self) -> String {
         format!(
-            "attn_fwd_{}_{}_d{}{}",
+            "attn_fwd_{}_{}_d{}_m{}{}",
             self.path.name(),
             self.dtype.name(),
             self.head_dim,
+            self.block_m,
             if self.causal { "_causal" } else { "" }
         )
     }
@@ -113,12 +122,15 @@ pub fn all_fwd_configs() -> Vec<FwdConfig> {
     for dtype in [HalfType::F16, HalfType::Bf16] {
         for head_dim in FWD_HEAD_DIMS {
             for causal in [false, true] {
-                v.push(FwdConfig {
-                    path: Path::Sm80,
-                    dtype,
-                    head_dim,
-                    causal,
-                });
+                for block_m in [BLOCK_M_WIDE, BLOCK_M_NARROW] {
+                    v.push(FwdConfig {
+                        path: Path::Sm80,
+                        dtype,
+                        head_dim,
+                        causal,
+                        block_m,
+                    });
+                }
             }
         }
     }

@@ -22,7 +22,7 @@
 //! (`[1][rows][64 B]` for d = 32), under the 128-byte XOR [`swizzle`], so the 8 row
 //! addresses of an `ldmatrix` land in 8 different bank groups.
 
-use super::{FwdArgs, FwdConfig, HalfType, Tiling};
+use super::{BLOCK_M_NARROW, FwdArgs, FwdConfig, HalfType, Tiling};
 use crate::ptx::{
     Bf16x2, Cmp, F16x2, F32, Half2, Kernel, KernelText, Module, ParamBytes, PtxError, PtxType, Reg,
     S32, Special, Target, U32, U64,
@@ -44,12 +44,15 @@ impl Shape {
     fn of(cfg: &FwdConfig) -> Shape {
         // Register budget per thread (255 at most): O takes m_tiles·d/2, S takes
         // m_tiles·block_n/2. Two MMA tiles per warp halve the shared-memory reads of K and
-        // V per FLOP; d = 256 cannot afford them.
-        let (warps, m_tiles, block_n) = match cfg.head_dim {
-            32 | 64 => (4, 2, 64),
-            128 => (4, 2, 64),
-            _ => (8, 1, 32),
+        // V per FLOP; d = 256 cannot afford them, and narrow blocks (64 query rows) trade
+        // them for twice the blocks on small grids.
+        let block_n = if cfg.head_dim == 256 { 32 } else { 64 };
+        let (warps, m_tiles) = match (cfg.block_m, cfg.head_dim) {
+            (BLOCK_M_NARROW, _) => (4, 1),
+            (_, 256) => (8, 1),
+            _ => (4, 2),
         };
+        debug_assert_eq!(warps * 16 * m_tiles, cfg.block_m);
         Shape {
             head_dim: cfg.head_dim,
             warps,
