@@ -115,10 +115,8 @@ fn info() -> Result<(), Failure> {
     let (arch, sms) = arch.unwrap_or(((8, 0), 108));
     println!(
         "\ndispatch on sm_{}{} with {sms} SMs (dtype, head dim, causal -> kernel; the 64-row \
-         tile when fewer than {} 128-row blocks):",
-        arch.0,
-        arch.1,
-        2 * sms
+         tile when fewer than {sms} 128-row blocks):",
+        arch.0, arch.1,
     );
     for dtype in [HalfType::F16, HalfType::Bf16] {
         for d in FWD_HEAD_DIMS {

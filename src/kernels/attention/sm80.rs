@@ -82,17 +82,19 @@ impl Shape {
     fn smem_bytes(&self) -> u32 {
         self.v_offset() + self.tile_bytes(self.block_n)
     }
-    /// 16-byte chunks per row of a tile.
-    fn chunks_per_row(&self) -> u32 {
-        self.head_dim / 8
+    /// 64-element column blocks per row.
+    fn col_blocks(&self) -> u32 {
+        self.head_dim.div_ceil(64)
     }
     /// 16-byte chunks per row of a column block.
     fn chunks_per_block_row(&self) -> u32 {
         self.row_bytes() / 16
     }
-    /// Rows covered by one pass of all threads over a tile.
+    /// Rows of one column block covered by one pass of all threads. A pass spans
+    /// `threads · 16` bytes, a whole number of 1024-byte swizzle atoms, so every pass of a
+    /// thread lands at the same swizzle phase and its address simply adds.
     fn rows_per_pass(&self) -> u32 {
-        self.threads() / self.chunks_per_row()
+        self.threads() / self.chunks_per_block_row()
     }
     /// k16 steps (32 bytes each) inside one column-block row.
     fn k16_per_block(&self) -> u32 {
@@ -151,13 +153,16 @@ fn floor_div(k: &mut Kernel, x: Reg<S32>, d: u32) -> Reg<S32> {
 }
 
 /// One thread's part in copying `rows`-row tiles of a [seq, d] slice into shared memory.
+///
+/// Thread `t` always copies chunk `t % cpb` of a column-block row (`cpb` 16-byte chunks per
+/// 128-byte row), for rows `t / cpb + i · rows_per_pass` of every column block.
 struct TileLoader {
     rows: u32,
-    /// Global address of this thread's first chunk in row 0 of the slice.
+    /// Global address of this thread's chunk in its first row of the slice (column block 0).
     global: Reg<U64>,
     /// Bytes from one sequence row to the next.
     row_stride: Reg<U64>,
-    /// Shared address of this thread's first chunk.
+    /// Shared address of this thread's chunk in its first row (column block 0).
     shared: Reg<U32>,
     /// `seqlen - (this thread's first row)`: rows this thread may read, from row 0.
     rows_left: Reg<S32>,
@@ -172,15 +177,18 @@ impl TileLoader {
         let offset = k.mul_wide_s32(first_row, 1i32);
         let offset = offset.cast::<U64>();
         let offset = k.mul(offset, self.row_stride);
-        let first = k.add(self.global, offset);
+        let mut src = k.add(self.global, offset);
         let pass_stride = k.mul(self.row_stride, rpp as u64);
-        let mut src = first;
         for pass in 0..self.rows / rpp {
             let valid = k.setp(Cmp::Gt, left, (pass * rpp) as i32);
             let from = k.selp(src, self.global, valid);
             let bytes = k.selp(16u32, 0u32, valid);
-            let dst = k.add(self.shared, pass * rpp * s.row_bytes());
-            k.cp_async_16(dst, from, bytes);
+            for block in 0..s.col_blocks() {
+                let from = k.add(from, (block * s.row_bytes()) as u64);
+                let at = block * self.rows * s.row_bytes() + pass * rpp * s.row_bytes();
+                let dst = k.add(self.shared, at);
+                k.cp_async_16(dst, from, bytes);
+            }
             if pass + 1 < self.rows / rpp {
                 src = k.add(src, pass_stride);
             }
@@ -273,8 +281,8 @@ fn build<H: Half2>(cfg: &FwdConfig) -> Result<KernelText, PtxError> {
     k.bra_if(nothing, true, epilogue);
 
     k.comment("Tile loaders; Q and the last K tile go first.");
-    let chunk = k.and(tid, s.chunks_per_row() - 1);
-    let first_row = k.shr(tid, log2(s.chunks_per_row()));
+    let chunk = k.and(tid, s.chunks_per_block_row() - 1);
+    let first_row = k.shr(tid, log2(s.chunks_per_block_row()));
     let q = f.loader(
         &mut k,
         args,
@@ -431,15 +439,10 @@ impl<H: Half2> Fwd<H> {
         let global = k.add(base, bytes);
         let row_stride = k.shl(seq_stride, 1);
 
-        // Shared: column block chunk / (chunks per block row), then the swizzled line.
-        let cpb = s.chunks_per_block_row();
-        let col_block = k.shr(chunk, log2(cpb));
-        let in_block = k.and(chunk, cpb - 1);
         let line = k.mul(first_row, s.row_bytes());
-        let line = k.mad(in_block, 16u32, line);
+        let line = k.mad(chunk, 16u32, line);
         let line = swizzle_reg(k, line);
-        let blocked = k.mad(col_block, rows * s.row_bytes(), line);
-        let shared = k.add(smem, blocked);
+        let shared = k.add(smem, line);
         let shared = k.add(shared, tile_offset);
         let rows_left = k.sub(seqlen, first_row.cast::<S32>());
         TileLoader {
@@ -709,4 +712,36 @@ fn frag_addresses(
             k.add(smem, at)
         })
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kernels::attention::all_fwd_configs;
+
+    /// The address arithmetic adds pass, 16-row and column-block offsets to a swizzled
+    /// base; that is only right when each of them is a whole number of 1024-byte atoms.
+    #[test]
+    fn every_tiling_keeps_offsets_atom_aligned() {
+        for cfg in all_fwd_configs() {
+            let s = Shape::of(&cfg);
+            let id = cfg.id();
+            assert_eq!(s.block_m(), cfg.block_m, "{id}");
+            let rpp = s.rows_per_pass();
+            for rows in [s.block_m(), s.block_n] {
+                assert_eq!(rows % rpp, 0, "{id}: {rows} rows in passes of {rpp}");
+                assert_eq!(
+                    rows * s.row_bytes() % 1024,
+                    0,
+                    "{id}: column block of {rows} rows"
+                );
+            }
+            assert_eq!(rpp * s.row_bytes() % 1024, 0, "{id}: pass of {rpp} rows");
+            assert_eq!(16 * s.row_bytes() % 1024, 0, "{id}: 16-row MMA tile");
+            assert!(
+                s.smem_bytes() <= 99 * 1024,
+                "{id}: fits the sm_86/sm_89 opt-in limit"
+            );
+        }
+    }
 }
