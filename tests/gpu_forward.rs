@@ -164,7 +164,7 @@ fn bf16_heads_and_batches() {
 fn other_head_dims_and_bhsd_layout() {
     let mut cases = Vec::new();
     for dtype in [HalfType::F16, HalfType::Bf16] {
-        for d in [32, 64, 128, 256] {
+        for d in [32, 64, 96, 128, 192, 256] {
             for causal in [false, true] {
                 for (sq, sk) in [(113, 1000), (1000, 113), (1023, 1023)] {
                     let mut c = case(dtype, d, causal, 2, 4, 2, sq, sk);

@@ -14,7 +14,6 @@ use super::validate::{FwdProblem, validate_fwd};
 use crate::error::{Error, Result};
 use crate::kernels::attention::{
     BLOCK_M_NARROW, BLOCK_M_WIDE, FWD_HEAD_DIMS, FwdArgs, FwdConfig, HalfType, Path,
-    all_fwd_configs,
 };
 use crate::shape::AttnShape;
 
@@ -162,11 +161,12 @@ impl Attention {
     ) -> Result<()> {
         let problem = validate_fwd(q, k, v, o, lse, params)?;
         let planned = self.plan(&problem)?;
+        // Everything but the query tile must be what the dispatch would pick.
         let fits = FwdConfig {
             block_m: cfg.block_m,
             ..planned
         } == *cfg;
-        if !fits || !all_fwd_configs().contains(cfg) {
+        if !fits || ![BLOCK_M_WIDE, BLOCK_M_NARROW].contains(&cfg.block_m) {
             return Err(Error::InvalidArgument(format!(
                 "kernel {} does not fit this problem (the dispatch would pick {})",
                 cfg.id(),
@@ -254,7 +254,7 @@ mod tests {
 
     #[test]
     fn dispatch_covers_exactly_the_catalog() {
-        let catalog: Vec<FwdConfig> = all_fwd_configs();
+        let catalog = crate::kernels::attention::all_fwd_configs();
         let mut chosen = std::collections::HashSet::new();
         for dtype in [HalfType::F16, HalfType::Bf16] {
             for d in 1..=512 {

@@ -27,7 +27,7 @@ use crate::kernels::attention::{FWD_HEAD_DIMS, HalfType};
 use crate::shape::AttnShape;
 
 /// [`FWD_HEAD_DIMS`] as the text [`Error::UnsupportedHeadDim`] carries.
-pub const FWD_HEAD_DIMS_TEXT: &str = "32, 64, 128, 256";
+pub const FWD_HEAD_DIMS_TEXT: &str = "32, 64, 96, 128, 192, 256";
 
 /// Byte alignment the kernels' vector loads and stores need for q, k, v, o.
 pub const TENSOR_ALIGN: u64 = 16;

@@ -37,7 +37,7 @@ impl Path {
 }
 
 /// Head dimensions the forward kernels are generated for.
-pub const FWD_HEAD_DIMS: [u32; 4] = [32, 64, 128, 256];
+pub const FWD_HEAD_DIMS: [u32; 6] = [32, 64, 96, 128, 192, 256];
 
 /// One forward-kernel configuration: everything that changes the generated code.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]

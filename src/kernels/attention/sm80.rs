@@ -18,8 +18,9 @@
 //! O /= l; store O and LSE
 //! ```
 //!
-//! Shared-memory tiles are stored in 64-element column blocks, `[d / 64][rows][128 B]`
-//! (`[1][rows][64 B]` for d = 32), under the 128-byte XOR [`swizzle`], so the 8 row
+//! Shared-memory tiles are stored in column blocks, `[d / 64][rows][128 B]` (or
+//! `[d / 32][rows][64 B]` when d is not a multiple of 64: d = 32, 96), under the 128-byte
+//! XOR [`swizzle`], so the 8 row
 //! addresses of an `ldmatrix` land in 8 different bank groups.
 
 use super::{BLOCK_M_NARROW, FwdArgs, FwdConfig, HalfType, Tiling};
@@ -44,12 +45,13 @@ impl Shape {
     fn of(cfg: &FwdConfig) -> Shape {
         // Register budget per thread (255 at most): O takes m_tiles·d/2, S takes
         // m_tiles·block_n/2. Two MMA tiles per warp halve the shared-memory reads of K and
-        // V per FLOP; d = 256 cannot afford them, and narrow blocks (64 query rows) trade
+        // V per FLOP; d > 128 cannot afford them, and narrow blocks (64 query rows) trade
         // them for twice the blocks on small grids.
-        let block_n = if cfg.head_dim == 256 { 32 } else { 64 };
-        let (warps, m_tiles) = match (cfg.block_m, cfg.head_dim) {
+        let wide_head = cfg.head_dim > 128;
+        let block_n = if wide_head { 32 } else { 64 };
+        let (warps, m_tiles) = match (cfg.block_m, wide_head) {
             (BLOCK_M_NARROW, _) => (4, 1),
-            (_, 256) => (8, 1),
+            (_, true) => (8, 1),
             _ => (4, 2),
         };
         debug_assert_eq!(warps * 16 * m_tiles, cfg.block_m);
@@ -66,9 +68,10 @@ impl Shape {
     fn block_m(&self) -> u32 {
         self.warps * 16 * self.m_tiles
     }
-    /// Bytes of one row of a 64-element column block.
+    /// Bytes of one row of a column block: 64 elements, or 32 when d is not a multiple
+    /// of 64 (d = 32, 96).
     fn row_bytes(&self) -> u32 {
-        self.head_dim.min(64) * 2
+        if self.head_dim % 64 == 0 { 128 } else { 64 }
     }
     fn tile_bytes(&self, rows: u32) -> u32 {
         rows * self.head_dim * 2
@@ -82,9 +85,9 @@ impl Shape {
     fn smem_bytes(&self) -> u32 {
         self.v_offset() + self.tile_bytes(self.block_n)
     }
-    /// 64-element column blocks per row.
+    /// Column blocks per row.
     fn col_blocks(&self) -> u32 {
-        self.head_dim.div_ceil(64)
+        self.head_dim * 2 / self.row_bytes()
     }
     /// 16-byte chunks per row of a column block.
     fn chunks_per_block_row(&self) -> u32 {
