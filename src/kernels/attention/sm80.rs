@@ -71,7 +71,11 @@ impl Shape {
     /// Bytes of one row of a column block: 64 elements, or 32 when d is not a multiple
     /// of 64 (d = 32, 96).
     fn row_bytes(&self) -> u32 {
-        if self.head_dim % 64 == 0 { 128 } else { 64 }
+        if self.head_dim.is_multiple_of(64) {
+            128
+        } else {
+            64
+        }
     }
     fn tile_bytes(&self, rows: u32) -> u32 {
         rows * self.head_dim * 2
