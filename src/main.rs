@@ -10,6 +10,25 @@
 //! ```
 
 use std::process::ExitCode;
+
+/// `println!` that ends the program quietly when stdout is closed (`flashcore ptx --list |
+/// head`) instead of panicking on the broken pipe.
+macro_rules! out {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        if writeln!(std::io::stdout(), $($arg)*).is_err() {
+            std::process::exit(0);
+        }
+    }};
+}
+
+/// Writes text as it is, with the same closed-stdout handling as `out!`.
+fn out_raw(text: &str) {
+    use std::io::Write as _;
+    if std::io::stdout().write_all(text.as_bytes()).is_err() {
+        std::process::exit(0);
+    }
+}
 use std::sync::Arc;
 
 use flashcore::check::{
@@ -41,7 +60,7 @@ fn main() -> ExitCode {
         Some("run") => run(rest),
         Some("bench") => bench(rest),
         Some("help" | "--help" | "-h") => {
-            println!("{USAGE}");
+            out!("{USAGE}");
             Ok(())
         }
         _ => Err(Failure::Usage(String::new())),
@@ -86,19 +105,19 @@ fn open_gpu() -> Result<Arc<Device>, Failure> {
 }
 
 fn info() -> Result<(), Failure> {
-    println!("flashcore {}", env!("CARGO_PKG_VERSION"));
+    out!("flashcore {}", env!("CARGO_PKG_VERSION"));
     let arch = if !driver_present() {
-        println!("driver: none (libcuda not found); no GPU path can run here");
+        out!("driver: none (libcuda not found); no GPU path can run here");
         None
     } else {
         let dev = Device::new(0)?;
         let (major, minor) = dev.compute_capability();
-        println!(
+        out!(
             "driver: CUDA {}.{}",
             dev.driver_version() / 1000,
             dev.driver_version() % 1000 / 10
         );
-        println!(
+        out!(
             "gpu 0: {} ({}), {} SMs, {} KiB shared memory per block (opt-in), {} MiB L2",
             dev.name(),
             dev.arch_name(),
@@ -107,16 +126,17 @@ fn info() -> Result<(), Failure> {
             dev.l2_bytes() >> 20
         );
         match path_for_arch((major, minor)) {
-            Ok(p) => println!("path: {}", p.name()),
-            Err(why) => println!("path: none ({why})"),
+            Ok(p) => out!("path: {}", p.name()),
+            Err(why) => out!("path: none ({why})"),
         }
         Some(((major, minor), dev.sm_count()))
     };
     let (arch, sms) = arch.unwrap_or(((8, 0), 108));
-    println!(
+    out!(
         "\ndispatch on sm_{}{} with {sms} SMs (dtype, head dim, causal -> kernel; the 64-row \
          tile when fewer than {sms} 128-row blocks):",
-        arch.0, arch.1,
+        arch.0,
+        arch.1,
     );
     for dtype in [HalfType::F16, HalfType::Bf16] {
         for d in FWD_HEAD_DIMS {
@@ -141,7 +161,7 @@ fn info() -> Result<(), Failure> {
                     (Ok(wide), Ok(narrow)) => format!("{} | {}", describe(wide), describe(narrow)),
                     (Err(why), _) | (_, Err(why)) => format!("unsupported: {why}"),
                 };
-                println!(
+                out!(
                     "  {:<4} d{:<3} {:<6} -> {target}",
                     dtype.name(),
                     d,
@@ -157,7 +177,7 @@ fn ptx(args: &[String]) -> Result<(), Failure> {
     match args.first().map(String::as_str) {
         Some("--list") => {
             for spec in catalog() {
-                println!("{}", spec.id());
+                out!("{}", spec.id());
             }
             Ok(())
         }
@@ -166,7 +186,7 @@ fn ptx(args: &[String]) -> Result<(), Failure> {
                 Failure::Usage(format!("no kernel `{id}` (see `flashcore ptx --list`)"))
             })?;
             let module = spec.generate().map_err(|e| Failure::Run(e.to_string()))?;
-            print!("{}", module.to_ptx());
+            out_raw(&module.to_ptx());
             Ok(())
         }
         None => Err(Failure::Usage("ptx needs --list or a kernel id".into())),
@@ -176,8 +196,8 @@ fn ptx(args: &[String]) -> Result<(), Failure> {
 /// Each kernel's tiling; with ptxas on PATH, its registers and spills for sm_80.
 fn report() -> Result<(), Failure> {
     let ptxas = which("ptxas");
-    println!(
-        "{:<34} {:>9} {:>7} {:>9} {}",
+    out!(
+        "{:<36} {:>9} {:>7} {:>9} {}",
         "kernel",
         "tile",
         "threads",
@@ -194,8 +214,8 @@ fn report() -> Result<(), Failure> {
             Some(p) => ptxas_usage(p, &cfg).unwrap_or_else(|e| format!("error: {e}")),
             None => String::new(),
         };
-        println!(
-            "{:<34} {:>9} {:>7} {:>9} {usage}",
+        out!(
+            "{:<36} {:>9} {:>7} {:>9} {usage}",
             cfg.id(),
             format!("{}x{}", t.block_m, t.block_n),
             t.threads,
@@ -333,10 +353,8 @@ fn run(args: &[String]) -> Result<(), Failure> {
     };
     let iters = o.num("--iters", 20)?;
     if !driver_present() {
-        println!(
-            "no CUDA driver on this machine (libcuda not found): no forward pass can run here."
-        );
-        println!("The kernels flashcore would generate for a GPU:\n");
+        out!("no CUDA driver on this machine (libcuda not found): no forward pass can run here.");
+        out!("The kernels flashcore would generate for a GPU:\n");
         report()?;
         return Err(Failure::Run("`flashcore run` needs an NVIDIA GPU".into()));
     }
@@ -356,8 +374,8 @@ fn run(args: &[String]) -> Result<(), Failure> {
     }
     let mut rng = Rng::from_entropy();
     let r = check_forward(&attn, &stream, case, &mut rng)?;
-    println!("{}: {case}", dev.name());
-    println!(
+    out!("{}: {case}", dev.name());
+    out!(
         "relative L2 error vs float64: out {:.3e}, lse {:.3e}, unwritten {} (tolerance {:.1e}; seed {:#x})",
         r.out_err,
         r.lse_err,
@@ -367,7 +385,7 @@ fn run(args: &[String]) -> Result<(), Failure> {
     );
     if iters > 0 {
         let t = time_forward(&attn, &stream, case, iters, &mut rng)?;
-        println!(
+        out!(
             "time: median {:.3} ms (min {:.3}, max {:.3}, {} runs) = {:.1} TFLOP/s",
             t.median_ms,
             t.min_ms,
@@ -377,7 +395,7 @@ fn run(args: &[String]) -> Result<(), Failure> {
         );
     }
     for (id, _, regs, local) in attn.loaded_kernels() {
-        println!("kernel {id}: {regs} registers, {local} bytes local memory");
+        out!("kernel {id}: {regs} registers, {local} bytes local memory");
     }
     if r.passes(case.dtype) {
         Ok(())
@@ -396,10 +414,14 @@ fn bench(args: &[String]) -> Result<(), Failure> {
     let attn = Attention::new(dev.clone())?;
     let mut rng = Rng::from_entropy();
     let mut records = Vec::new();
-    println!("{} ({}), {dtype:?}", dev.name(), dev.arch_name());
-    println!(
+    out!("{} ({}), {dtype:?}", dev.name(), dev.arch_name());
+    out!(
         "{:<24} {:>7} {:>10} {:>9} {:>10}  kernel",
-        "shape", "causal", "ms", "TFLOP/s", "rel err"
+        "shape",
+        "causal",
+        "ms",
+        "TFLOP/s",
+        "rel err"
     );
     let total = BENCH_SHAPES.len() * 2;
     let runs = BENCH_SHAPES
@@ -425,7 +447,7 @@ fn bench(args: &[String]) -> Result<(), Failure> {
         let err = check_forward(&attn, &stream, checked, &mut rng)?;
         let t = time_forward(&attn, &stream, case, iters, &mut rng)?;
         let tflops = case.flops() / (t.median_ms as f64 * 1e9);
-        println!(
+        out!(
             "{:<24} {:>7} {:>10.4} {:>9.1} {:>10.2e}  {}",
             format!("B{b} H{h} S{s} D{d}"),
             causal,
