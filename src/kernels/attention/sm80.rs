@@ -20,8 +20,8 @@
 //!
 //! Shared-memory tiles are stored in column blocks, `[d / 64][rows][128 B]` (or
 //! `[d / 32][rows][64 B]` when d is not a multiple of 64: d = 32, 96), under the 128-byte
-//! XOR [`swizzle`], so the 8 row
-//! addresses of an `ldmatrix` land in 8 different bank groups.
+//! XOR [`swizzle`], so the 8 row addresses of an `ldmatrix` land in 8 different bank
+//! groups. K and V each have one buffer: each is refilled while the other is consumed.
 
 use super::{BLOCK_M_NARROW, FwdArgs, FwdConfig, HalfType, Tiling};
 use crate::ptx::{
