@@ -87,7 +87,7 @@ void flashcore_destroy(FlashcoreContext *ctx);
  *   pointers 16-byte aligned, strides[3] == 1 and other strides multiples of 16 bytes.
  *   lse:           0, or a device pointer to float32 [B, Hq, Sq] (contiguous) that receives
  *                  the natural-log log-sum-exp of each row's scaled scores.
- *   softmax_scale: 0 for the default 1/sqrt(D).
+ *   softmax_scale: 0 for the default 1/sqrt(D); otherwise finite and positive.
  *   causal:        non-zero for a causal mask aligned bottom-right: query i sees key j iff
  *                  j <= i + Sk - Sq. A row that sees no key gets zeros (and lse -inf).
  *   stream:        NULL for the default stream.

@@ -180,7 +180,7 @@ pub struct LseView {
 /// Forward-attention options.
 #[derive(Debug, Clone, Copy, PartialEq, Default)]
 pub struct AttentionParams {
-    /// Multiplier of `q · k`; `None` means `1 / sqrt(head_dim)`.
+    /// Multiplier of `q · k` (finite and positive); `None` means `1 / sqrt(head_dim)`.
     pub softmax_scale: Option<f32>,
     /// Causal masking, aligned bottom-right when `seqlen_q != seqlen_k`.
     pub causal: bool,

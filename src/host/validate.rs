@@ -9,7 +9,7 @@
 //! 4. head dim has a kernel ([`Error::UnsupportedHeadDim`]);
 //! 5. Hq a multiple of Hkv ([`Error::HeadRatio`]);
 //! 6. grid limits ([`Error::InvalidArgument`]): seqlens < 2^31, batch and Hq <= 65535;
-//! 7. softmax scale, when given, finite and non-zero ([`Error::InvalidArgument`]);
+//! 7. softmax scale, when given, finite and positive ([`Error::InvalidArgument`]);
 //! 8. pointers of q, k, v, o: non-null ([`Error::NullPointer`]) then 16-byte aligned
 //!    ([`Error::Misaligned`]); then the LSE pointer: non-null, 4-byte aligned;
 //! 9. strides ([`Error::BadStrides`]): head_dim stride 1, every other stride a multiple of
@@ -148,10 +148,12 @@ pub fn validate_fwd(
     // 7. softmax scale
     if let Some(s) = params.softmax_scale {
         // The kernels multiply by log2(e) to use exp2; that product must stay finite too.
+        // They take each row's maximum of the raw scores as its maximum of the scaled ones,
+        // which holds only for a positive scale (as in FlashAttention).
         let s_log2 = s as f64 * std::f64::consts::LOG2_E;
-        if !s.is_finite() || s == 0.0 || s_log2.abs() > f32::MAX as f64 {
+        if !s.is_finite() || s <= 0.0 || s_log2 > f32::MAX as f64 {
             return Err(Error::InvalidArgument(format!(
-                "softmax_scale must be finite and non-zero (and finite times log2(e)), got {s}"
+                "softmax_scale must be finite and positive (and finite times log2(e)), got {s}"
             )));
         }
     }
@@ -597,6 +599,7 @@ mod tests {
             f32::NEG_INFINITY,
             0.0,
             -0.0,
+            -0.5,
             f32::MAX,
         ] {
             let p = AttentionParams {
@@ -607,7 +610,7 @@ mod tests {
             assert!(matches!(e, Error::InvalidArgument(ref m) if m.contains("softmax_scale")));
         }
         let p = AttentionParams {
-            softmax_scale: Some(-0.5),
+            softmax_scale: Some(1e-30),
             causal: false,
         };
         assert!(validate_fwd(&q, &k, &v, &o, None, &p).is_ok());
