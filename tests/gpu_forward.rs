@@ -271,3 +271,30 @@ fn jit_failure_returns_the_log() {
         Ok(_) => panic!("broken PTX loaded"),
     }
 }
+
+/// A caller's softmax scale reaches the kernel (the grids above use the default).
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn custom_softmax_scale() {
+    let (attn, stream) = setup();
+    let mut rng = Rng::from_entropy();
+    for (scale, causal) in [(0.3f32, false), (0.02, true), (1.7, true)] {
+        let c = case(HalfType::F16, 128, causal, 2, 4, 2, 200, 333);
+        let dev = flashcore::check::DeviceCase::new(&stream, c, &mut rng).unwrap();
+        let params = AttentionParams {
+            softmax_scale: Some(scale),
+            causal,
+        };
+        dev.run(&attn, &params).unwrap();
+        let (o, lse) = dev.download().unwrap();
+        let want = dev.reference(scale as f64);
+        let got = flashcore::reference::half_bits_to_f64(&o, HalfType::F16);
+        let lse: Vec<f64> = lse.iter().map(|&x| x as f64).collect();
+        let (out_err, lse_err) = (
+            flashcore::reference::rel_l2(&got, &want.out),
+            flashcore::reference::rel_l2(&lse, &want.lse),
+        );
+        println!("{c} scale {scale}: out {out_err:.2e} lse {lse_err:.2e}");
+        assert!(out_err <= tolerance(HalfType::F16) && lse_err <= tolerance(HalfType::F16));
+    }
+}
