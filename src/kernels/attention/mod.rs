@@ -83,11 +83,6 @@ impl FwdConfig {
         ids.get(self).copied().unwrap_or("attn_fwd_unknown")
     }
 
-    /// Parses an id made by [`FwdConfig::id`].
-    pub fn from_id(id: &str) -> Option<FwdConfig> {
-        all_fwd_configs().into_iter().find(|c| c.id() == id)
-    }
-
     /// Tile shape and launch geometry.
     pub fn tiling(&self) -> Tiling {
         match self.path {
