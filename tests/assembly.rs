@@ -27,7 +27,9 @@ use std::sync::Mutex;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use flashcore::kernels::{self, KernelSpec};
-use flashcore::ptx::{F16x2, F32, Kernel, Module, Special, Target, U64};
+use flashcore::ptx::{
+    F16x2, F32, Kernel, Module, SmemLayout, SmemPlan, Special, Swizzle, Target, U64,
+};
 
 // ---- tool discovery ---------------------------------------------------------------------
 
@@ -541,14 +543,17 @@ fn harness_module() -> Module {
     let dst_p = k.param::<U64>("dst");
     let src = k.load_param(src_p);
     let dst = k.load_param(dst_p);
-    let smem = k.dynamic_shared(128);
+    let mut plan = SmemPlan::new();
+    let slot = plan.tile(SmemLayout::new(32, 8, 2, Swizzle::None), 1);
+    let shared = k.shared_memory(&plan);
+    let smem = shared.tile(&mut k, slot, 0);
     let lane = k.special(Special::TidX);
 
     // 32 lanes x 16 bytes: four 8x8 f16 matrices, one row per lane.
     let lane_off = k.mul_wide_u32(lane, 16u32);
     let gsrc = k.add(src, lane_off);
     let row_off = k.mul(lane, 16u32);
-    let srow = k.add(smem, row_off);
+    let srow = k.smem_offset(smem, row_off);
     k.cp_async_16(srow, gsrc, 16u32);
     k.cp_async_commit();
     k.cp_async_wait(0);
@@ -557,7 +562,7 @@ fn harness_module() -> Module {
     let a = k.ldmatrix_x4::<F16x2>(srow, false);
     let lane16 = k.and(lane, 15u32);
     let b_off = k.mul(lane16, 16u32);
-    let b_row = k.add(smem, b_off);
+    let b_row = k.smem_offset(smem, b_off);
     let b = k.ldmatrix_x2::<F16x2>(b_row, true);
 
     let acc: [_; 4] = std::array::from_fn(|_| k.mov::<F32>(0.0f32));

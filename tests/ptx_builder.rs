@@ -92,7 +92,10 @@ fn arithmetic_golden() {
 #[test]
 fn tensor_core_and_async_copy_golden() {
     let mut k = Kernel::new("mma");
-    let smem = k.dynamic_shared(1024);
+    let mut plan = SmemPlan::new();
+    let slot = plan.tile(SmemLayout::new(16, 64, 2, Swizzle::B128), 1);
+    let shared = k.shared_memory(&plan);
+    let smem = shared.tile(&mut k, slot, 0);
     let src = k.mov::<U64>(0u64);
     k.cp_async_16(smem, src, 16u32);
     k.cp_async_commit();
@@ -253,12 +256,22 @@ fn refuses_instructions_the_target_lacks() {
     let x = k.mov::<F32>(1f32);
     let _ = k.pack_e4m3x2(x, x);
     let text = k.finish().unwrap();
-    assert_eq!(text.needs, Target::Sm89);
+    assert!(text.needs.contains(Feature::Fp8));
     let err = Module::new(Target::Sm80)
         .push(text.clone())
         .map(|_| ())
         .unwrap_err();
-    assert!(matches!(err, PtxError::TargetTooOld { .. }), "{err}");
+    assert!(
+        matches!(
+            err,
+            PtxError::MissingFeature {
+                feature: Feature::Fp8,
+                target: Target::Sm80,
+                ..
+            }
+        ),
+        "{err}"
+    );
     assert!(Module::new(Target::Sm89).push(text).is_ok());
 }
 
@@ -274,19 +287,8 @@ fn refuses_two_entries_with_one_name() {
 }
 
 #[test]
-fn swizzle_is_a_permutation_of_each_1024_byte_atom() {
-    use flashcore::kernels::attention::sm80::swizzle;
-    for atom in 0..4u32 {
-        let mut seen = [false; 64];
-        for chunk in 0..64u32 {
-            let off = atom * 1024 + chunk * 16;
-            let s = swizzle(off);
-            assert_eq!(s / 1024, atom, "stays in its atom");
-            assert_eq!(s / 128, off / 128, "stays in its 128-byte line");
-            seen[((s % 1024) / 16) as usize] = true;
-        }
-        assert!(seen.iter().all(|&x| x));
-    }
+fn swizzled_rows_hit_distinct_bank_groups() {
+    let swizzle = |off: u32| Swizzle::B128.apply(off);
     // The 8 rows an ldmatrix reads at one logical column land in 8 distinct bank groups.
     for col in 0..8u32 {
         let groups: std::collections::BTreeSet<u32> = (0..8u32)
@@ -294,4 +296,348 @@ fn swizzle_is_a_permutation_of_each_1024_byte_atom() {
             .collect();
         assert_eq!(groups.len(), 8);
     }
+}
+
+// ---- Hopper building blocks ------------------------------------------------------------
+
+/// The lines of a kernel body for an sm_90a module.
+fn body_90a(k: Kernel) -> Vec<String> {
+    let mut m = Module::new(Target::Sm90a);
+    m.push(k.finish().expect("a valid kernel")).unwrap();
+    m.to_ptx()
+        .lines()
+        .skip_while(|l| *l != "{")
+        .skip(1)
+        .map(str::trim)
+        .filter(|l| {
+            !l.is_empty()
+                && !l.starts_with(".reg")
+                && !l.starts_with("//")
+                && *l != "ret;"
+                && *l != "}"
+        })
+        .map(String::from)
+        .collect()
+}
+
+/// A kernel with one 64x64 bf16 tile and a 2-stage ring, barriers initialised and fenced.
+fn hopper_kernel(name: &str) -> (Kernel, Smem, TileSlot, RingBarriers) {
+    let mut k = Kernel::new(name);
+    k.max_threads(384).min_blocks_per_sm(1);
+    let mut plan = SmemPlan::new();
+    let tile = plan.tile(SmemLayout::new(64, 64, 2, Swizzle::B128), 2);
+    let ring = RingBarriers::plan(&mut plan, 2);
+    let smem = k.shared_memory(&plan);
+    ring.init(&mut k, &smem, 1, 256);
+    k.sync_threads();
+    (k, smem, tile, ring)
+}
+
+#[test]
+fn mbarrier_and_stage_ring_golden() {
+    let (mut k, smem, tile, ring) = hopper_kernel("ring");
+    let mut producer = ring.producer(&mut k, smem);
+    producer.acquire(&mut k);
+    producer.arrive_expect_tx(&mut k, 16384);
+    let _ = producer.slot(&mut k, tile);
+    producer.advance(&mut k);
+    let consumer = ring.consumer(&mut k, smem);
+    consumer.wait_full(&mut k);
+    consumer.release(&mut k);
+    let lines = body_90a(k);
+    let text = lines.join("\n");
+    for want in [
+        "mbarrier.init.shared::cta.b64 [%r1], 1;",
+        "mbarrier.init.shared::cta.b64 [%r2], 256;",
+        "fence.mbarrier_init.release.cluster;",
+        "bar.sync 0;",
+        "mbarrier.try_wait.parity.shared::cta.b64 %p0, [%r",
+        "mbarrier.arrive.expect_tx.shared::cta.b64 _, [%r",
+        "], 16384;",
+        "mbarrier.arrive.shared::cta.b64 _, [%r",
+    ] {
+        assert!(text.contains(want), "missing `{want}` in:\n{text}");
+    }
+    // The producer's phase starts at 1, the consumer's at 0; both waits use it.
+    assert!(lines.contains(&"mov.u32 %r6, 1;".to_string()), "{text}");
+    let waits: Vec<&String> = lines.iter().filter(|l| l.contains("try_wait")).collect();
+    assert_eq!(waits.len(), 2);
+    assert!(waits[0].ends_with(", %r6;"), "{}", waits[0]);
+    // advance: the index wraps at 2 and the phase flips only then.
+    assert!(text.contains("setp.eq.u32"), "{text}");
+    assert!(text.contains("xor.b32"), "{text}");
+}
+
+#[test]
+fn tma_golden() {
+    let (mut k, smem, tile, ring) = hopper_kernel("tma");
+    let map = k.tensor_map_param("tmap_a");
+    let ring_p = ring.producer(&mut k, smem);
+    let bar = ring_p.full_barrier(&mut k);
+    let dst = smem.tile(&mut k, tile, 1);
+    let x = k.mov::<S32>(64i32);
+    let y = k.mov::<S32>(0i32);
+    k.tma_load(dst, map, [x, y], bar);
+    k.tma_load_hint(dst, map, [x, y], bar, CachePolicy::EvictLast);
+    k.fence_proxy_async();
+    k.tma_store(map, [x, y], dst);
+    k.bulk_commit_group();
+    k.bulk_wait_group_read(0);
+    k.tma_prefetch_desc(map);
+    let mut m = Module::new(Target::Sm90a);
+    m.push(k.finish().unwrap()).unwrap();
+    let ptx = m.to_ptx();
+    for want in [
+        ".param .align 64 .b8 tmap_a[128]",
+        "mov.b64 %rd0, tmap_a;",
+        "cvta.param.u64 %rd0, %rd0;",
+        "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%r",
+        "], [%rd0, {%r",
+        "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%r",
+        "mov.b64 %rd1, 0x14f0000000000000;",
+        "fence.proxy.async.shared::cta;",
+        "cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%rd0, {%r",
+        "cp.async.bulk.commit_group;",
+        "cp.async.bulk.wait_group.read 0;",
+        "prefetch.tensormap [%rd0];",
+    ] {
+        assert!(ptx.contains(want), "missing `{want}` in:\n{ptx}");
+    }
+}
+
+#[test]
+fn wgmma_golden() {
+    let (mut k, smem, tile, _) = hopper_kernel("mma90");
+    let layout = tile.layout;
+    let a_at = smem.tile(&mut k, tile, 0);
+    let b_at = smem.tile(&mut k, tile, 1);
+    let a = k.smem_desc::<KMajor>(a_at, &layout);
+    let b = k.smem_desc::<MnMajor>(b_at, &layout);
+    let acc = k.acc::<N64>();
+    let f = k.wgmma_ss::<Bf16x2, N64, KMajor, MnMajor>(acc, a, b, ScaleD::Zero);
+    let a2 = k.desc_advance(a, 32);
+    let f = k.wgmma_ss::<Bf16x2, N64, KMajor, MnMajor>(f, a2, b, ScaleD::Accumulate);
+    k.wgmma_commit();
+    k.wgmma_wait(0);
+    let acc = k.wgmma_retire(f);
+    assert_eq!(acc.regs().len(), 32);
+    assert_eq!(acc.tiles().len(), 8);
+    let p: [Reg<Bf16x2>; 4] = std::array::from_fn(|i| {
+        let t = acc.tiles()[i];
+        k.pack_half2(t[0], t[1])
+    });
+    let f = k.wgmma_rs::<Bf16x2, N64, MnMajor>(acc, &p, b, ScaleD::Accumulate);
+    k.wgmma_commit();
+    k.wgmma_wait(0);
+    let _ = k.wgmma_retire(f);
+    let lines = body_90a(k);
+    let text = lines.join("\n");
+    // Descriptor: start address >> 4 in 14 bits, OR'ed with LBO/SBO/swizzle.
+    // K-major SW128: LBO 16 (1), SBO 1024 (64), layout 1.
+    assert!(
+        text.contains("or.b64 %rd1, %rd0, 0x4000004000010000;"),
+        "{text}"
+    );
+    // MN-major: LBO = one column block (64 rows x 128 B = 8192 -> 512), SBO 1024.
+    assert!(text.contains("0x4000004002000000;"), "{text}");
+    let fences = lines
+        .iter()
+        .filter(|l| *l == "wgmma.fence.sync.aligned;")
+        .count();
+    assert_eq!(
+        fences, 2,
+        "a fence before each group that starts from a readable Acc"
+    );
+    let ss: Vec<&String> = lines
+        .iter()
+        .filter(|l| l.starts_with("wgmma.mma_async"))
+        .collect();
+    assert_eq!(ss.len(), 3);
+    assert!(ss[0].starts_with("wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%f0, %f1,"));
+    assert!(ss[0].ends_with(", %rd1, %rd3, 0, 1, 1, 0, 1;"), "{}", ss[0]);
+    assert!(ss[1].ends_with(", 1, 1, 1, 0, 1;"), "{}", ss[1]);
+    assert!(ss[2].contains("f31}, {%r"), "{}", ss[2]);
+    assert!(ss[2].ends_with(", %rd3, 1, 1, 1, 1;"), "{}", ss[2]);
+    assert!(
+        text.contains("add.u64 %rd4, %rd1, 2;"),
+        "advancing 32 bytes adds 2: {text}"
+    );
+    assert!(lines.contains(&"wgmma.commit_group.sync.aligned;".to_string()));
+    assert!(lines.contains(&"wgmma.wait_group.sync.aligned 0;".to_string()));
+}
+
+#[test]
+fn fp8_wgmma_has_no_transpose_bits() {
+    let mut k = Kernel::new("fp8mma");
+    let mut plan = SmemPlan::new();
+    let layout = SmemLayout::new(64, 128, 1, Swizzle::B128);
+    let slot = plan.tile(layout, 1);
+    let smem = k.shared_memory(&plan);
+    let at = smem.tile(&mut k, slot, 0);
+    let d = k.smem_desc::<KMajor>(at, &layout);
+    let acc = k.acc::<N128>();
+    let f = k.wgmma_ss::<E4m3x4, N128, KMajor, KMajor>(acc, d, d, ScaleD::Zero);
+    k.wgmma_commit();
+    k.wgmma_wait(0);
+    let acc = k.wgmma_retire(f);
+    let a: [Reg<E4m3x4>; 4] = std::array::from_fn(|_| k.mov::<B32>(0u32).cast());
+    let f = k.wgmma_rs::<E4m3x4, N128, KMajor>(acc, &a, d, ScaleD::Accumulate);
+    k.wgmma_commit();
+    k.wgmma_wait(0);
+    let _ = k.wgmma_retire(f);
+    let text = body_90a(k).join("\n");
+    assert!(text.contains("wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3"));
+    assert!(text.contains(", %rd1, %rd1, 0, 1, 1;"), "{text}");
+    assert!(
+        text.contains(", %rd1, 1, 1, 1;") || text.contains("}, %rd1, 1, 1;"),
+        "{text}"
+    );
+}
+
+#[test]
+fn warp_specialization_golden() {
+    let mut k = Kernel::new("roles");
+    k.max_threads(384).min_blocks_per_sm(1);
+    let consumers = k.named_barrier(256);
+    let other = k.named_barrier(256);
+    assert_eq!(
+        (consumers.id(), other.id(), consumers.threads()),
+        (1, 2, 256)
+    );
+    k.setmaxnreg_dec(40);
+    k.setmaxnreg_inc(232);
+    k.bar_arrive(consumers);
+    k.bar_wait(other);
+    let leader = k.elect_one();
+    let a = k.mov::<B32>(0x0403_0201u32);
+    let b = k.mov::<B32>(0x0807_0605u32);
+    let _ = k.prmt(a, b, 0x6420);
+    let mut plan = SmemPlan::new();
+    let slot = plan.tile(SmemLayout::new(16, 64, 2, Swizzle::B128), 1);
+    let smem = k.shared_memory(&plan);
+    let at = smem.tile(&mut k, slot, 0);
+    let v: [Reg<F16x2>; 4] = std::array::from_fn(|_| k.mov::<B32>(0u32).cast());
+    k.guarded(leader, true, |k| k.stmatrix_x4(at, v, false));
+    k.stmatrix_x4(at, v, true);
+    let lines = body_90a(k);
+    for want in [
+        "setmaxnreg.dec.sync.aligned.u32 40;",
+        "setmaxnreg.inc.sync.aligned.u32 232;",
+        "bar.arrive 1, 256;",
+        "bar.sync 2, 256;",
+        "elect.sync _|%p0, 0xffffffff;",
+        "prmt.b32 %r2, %r0, %r1, 0x6420;",
+        "@%p0 stmatrix.sync.aligned.x4.m8n8.shared.b16 [%r3], {%r4, %r5, %r6, %r7};",
+        "stmatrix.sync.aligned.x4.trans.m8n8.shared.b16 [%r3], {%r4, %r5, %r6, %r7};",
+    ] {
+        assert!(
+            lines.contains(&want.to_string()),
+            "missing `{want}` in {lines:#?}"
+        );
+    }
+}
+
+#[test]
+fn refuses_setmaxnreg_without_launch_bounds() {
+    let mut k = Kernel::new("regs");
+    k.max_threads(384);
+    k.setmaxnreg_inc(240);
+    assert!(matches!(rejected(k), PtxError::BadSync(_)));
+    let mut k = Kernel::new("regs_range");
+    k.max_threads(384).min_blocks_per_sm(1);
+    k.setmaxnreg_inc(250);
+    assert!(matches!(rejected(k), PtxError::BadOperand(_)));
+}
+
+#[test]
+fn refuses_barriers_used_before_their_init_is_fenced() {
+    let mut k = Kernel::new("early");
+    let mut plan = SmemPlan::new();
+    let bars = plan.mbarriers(1);
+    let smem = k.shared_memory(&plan);
+    let bar = smem.barrier(&mut k, bars, 0);
+    k.mbarrier_init(bar, 1);
+    k.mbarrier_arrive(bar);
+    assert!(matches!(rejected(k), PtxError::BadSync(_)));
+
+    let mut k = Kernel::new("unfenced");
+    let mut plan = SmemPlan::new();
+    let bars = plan.mbarriers(1);
+    let smem = k.shared_memory(&plan);
+    let bar = smem.barrier(&mut k, bars, 0);
+    k.mbarrier_init(bar, 1);
+    assert!(matches!(rejected(k), PtxError::BadSync(_)));
+}
+
+#[test]
+fn refuses_accumulators_read_in_flight() {
+    let (mut k, smem, tile, _) = hopper_kernel("inflight");
+    let at = smem.tile(&mut k, tile, 0);
+    let d = k.smem_desc::<KMajor>(at, &tile.layout);
+    let acc = k.acc::<N64>();
+    let f = k.wgmma_ss::<F16x2, N64, KMajor, KMajor>(acc, d, d, ScaleD::Zero);
+    k.wgmma_commit();
+    let _ = k.wgmma_retire(f); // no wait
+    assert!(matches!(rejected(k), PtxError::BadSync(_)));
+
+    // A wait that leaves the newest group in flight does not retire it either.
+    let (mut k, smem, tile, _) = hopper_kernel("inflight2");
+    let at = smem.tile(&mut k, tile, 0);
+    let d = k.smem_desc::<KMajor>(at, &tile.layout);
+    let acc = k.acc::<N64>();
+    let f = k.wgmma_ss::<F16x2, N64, KMajor, KMajor>(acc, d, d, ScaleD::Zero);
+    k.wgmma_commit();
+    k.wgmma_wait(1);
+    let _ = k.wgmma_retire(f);
+    assert!(matches!(rejected(k), PtxError::BadSync(_)));
+}
+
+#[test]
+fn refuses_wgmma_on_targets_without_it() {
+    let (mut k, smem, tile, _) = hopper_kernel("no_wgmma");
+    let at = smem.tile(&mut k, tile, 0);
+    let d = k.smem_desc::<KMajor>(at, &tile.layout);
+    let acc = k.acc::<N64>();
+    let f = k.wgmma_ss::<F16x2, N64, KMajor, KMajor>(acc, d, d, ScaleD::Zero);
+    k.wgmma_commit();
+    k.wgmma_wait(0);
+    let _ = k.wgmma_retire(f);
+    let text = k.finish().unwrap();
+    for target in [Target::Sm100a, Target::Sm90, Target::Sm80] {
+        let err = Module::new(target)
+            .push(text.clone())
+            .map(|_| ())
+            .unwrap_err();
+        assert!(
+            matches!(err, PtxError::MissingFeature { .. }),
+            "{target}: {err}"
+        );
+    }
+    assert!(Module::new(Target::Sm90a).push(text).is_ok());
+}
+
+#[test]
+fn refuses_named_barrier_exhaustion_and_bad_ring_slots() {
+    let mut k = Kernel::new("bars");
+    for _ in 0..15 {
+        let _ = k.named_barrier(128);
+    }
+    let _ = k.named_barrier(128);
+    assert!(matches!(rejected(k), PtxError::BadOperand(_)));
+
+    let (mut k, smem, _, ring) = hopper_kernel("slots");
+    let mut plan = SmemPlan::new();
+    let three = plan.tile(SmemLayout::new(64, 64, 2, Swizzle::B128), 3);
+    let p = ring.producer(&mut k, smem);
+    let _ = p.slot(&mut k, three);
+    assert!(matches!(rejected(k), PtxError::BadShared(_)));
+
+    let (mut k, smem, tile, ring) = hopper_kernel("rank");
+    let map = k.tensor_map_param("m");
+    let p = ring.producer(&mut k, smem);
+    let bar = p.full_barrier(&mut k);
+    let dst = smem.tile(&mut k, tile, 0);
+    let c = k.mov::<S32>(0i32);
+    k.tma_load(dst, map, [c; 6], bar);
+    assert!(matches!(rejected(k), PtxError::BadOperand(_)));
 }

@@ -209,6 +209,8 @@ impl Attention {
             group: shape.group() as u32,
             scale_log2: problem.scale * std::f32::consts::LOG2_E,
             causal_offset: shape.seqlen_k as i32 - shape.seqlen_q as i32,
+            scale: problem.scale,
+            _pad: 0,
         };
         let dims = LaunchDims {
             grid: (

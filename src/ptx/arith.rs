@@ -6,32 +6,23 @@
 use super::kernel::{Cmp, Kernel, Reg, Src};
 use super::types::*;
 
-/// Types with `add`, `sub`, `mul`, `mad`, `min`, `max`.
+/// Types with `add`, `sub`, `mul`, `mad`, `min`, `max`, `div`.
 pub trait Arith: Comparable {
     /// The multiply that keeps the type (`mul.lo` for integers, `mul.rn` for floats).
-    const MUL: &'static str;
+    const MUL: &'static str = "mul.lo";
     /// The multiply-add (`mad.lo` for integers, `fma.rn` for floats).
-    const MAD: &'static str;
-}
-impl Arith for U32 {
-    const MUL: &'static str = "mul.lo";
     const MAD: &'static str = "mad.lo";
+    /// The division (`div` truncating for integers, `div.rn` for floats).
+    const DIV: &'static str = "div";
 }
-impl Arith for S32 {
-    const MUL: &'static str = "mul.lo";
-    const MAD: &'static str = "mad.lo";
-}
-impl Arith for U64 {
-    const MUL: &'static str = "mul.lo";
-    const MAD: &'static str = "mad.lo";
-}
-impl Arith for S64 {
-    const MUL: &'static str = "mul.lo";
-    const MAD: &'static str = "mad.lo";
-}
+impl Arith for U32 {}
+impl Arith for S32 {}
+impl Arith for U64 {}
+impl Arith for S64 {}
 impl Arith for F32 {
     const MUL: &'static str = "mul.rn";
     const MAD: &'static str = "fma.rn";
+    const DIV: &'static str = "div.rn";
 }
 
 macro_rules! binary {
@@ -80,7 +71,7 @@ impl Kernel {
     binary!(/// `d = max(a, b)`.
         max, max_to, Arith, |t| format!("max.{t}"));
     binary!(/// `d = a / b`, truncating (integers) or round-to-nearest (floats).
-        div, div_to, Arith, |t| if t == "f32" { "div.rn.f32".to_string() } else { format!("div.{t}") });
+        div, div_to, Arith, |t| format!("{}.{t}", T::DIV));
     binary!(/// `d = a % b` (integers only).
         rem, rem_to, Int, |t| format!("rem.{t}"));
     binary!(/// Bitwise and.
@@ -89,6 +80,15 @@ impl Kernel {
         or, or_to, Bits, |_t| format!("or.{}", T::BITS_NAME));
     binary!(/// Bitwise exclusive or.
         xor, xor_to, Bits, |_t| format!("xor.{}", T::BITS_NAME));
+
+    /// `d = a + b` clamped to the `s32` range instead of wrapping (`add.sat.s32`).
+    pub fn add_sat(&mut self, a: impl Src<S32>, b: impl Src<S32>) -> Reg<S32> {
+        let d = self.reg::<S32>();
+        self.check_owner(&[a.owner(), b.owner()]);
+        let (a, b) = (a.operand(), b.operand());
+        self.emit(format!("add.sat.s32 {}, {a}, {b};", d.name()));
+        d
+    }
 
     /// `d = a * b + c` (`mad.lo` for integers, `fma.rn` for floats).
     pub fn mad<T: Arith>(&mut self, a: impl Src<T>, b: impl Src<T>, c: impl Src<T>) -> Reg<T> {
@@ -208,11 +208,7 @@ impl Kernel {
     /// `d = p ? a : b` into an existing register.
     pub fn selp_to<T: PtxType>(&mut self, d: Reg<T>, a: impl Src<T>, b: impl Src<T>, p: Reg<Pred>) {
         self.check_owner(&[Src::<T>::owner(&d), a.owner(), b.owner(), p.owner()]);
-        let t = match T::CLASS {
-            RegClass::B32 => "b32",
-            RegClass::B64 => "b64",
-            _ => T::NAME,
-        };
+        let t = T::CLASS.selp();
         let (a, b) = (a.operand(), b.operand());
         self.emit(format!("selp.{t} {}, {a}, {b}, {};", d.name(), p.name()));
     }

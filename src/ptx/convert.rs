@@ -1,7 +1,7 @@
 //! `cvt`: widening, int/float, and packing two f32 into one 16-bit pair.
 
 use super::kernel::{Kernel, Reg, Src};
-use super::module::Target;
+use super::target::Feature;
 use super::types::*;
 
 impl Kernel {
@@ -48,7 +48,7 @@ impl Kernel {
     /// Packs two f32 into two e4m3 bytes, round to nearest, saturating to ±448 (`lo` in
     /// byte 0). Needs sm_89.
     pub fn pack_e4m3x2(&mut self, lo: impl Src<F32>, hi: impl Src<F32>) -> Reg<B16> {
-        self.requires(Target::Sm89);
+        self.requires(Feature::Fp8);
         let d = self.reg::<B16>();
         self.check_owner(&[lo.owner(), hi.owner()]);
         let (hi, lo) = (hi.operand(), lo.operand());
@@ -69,6 +69,36 @@ impl Kernel {
             lo.name(),
             hi.name()
         ));
+        d
+    }
+
+    /// Byte permute (`prmt.b32`): byte i of the result is byte `sel` nibble i of the
+    /// eight bytes {b, a} (a = bytes 0..3, b = bytes 4..7).
+    pub fn prmt(&mut self, a: impl Src<B32>, b: impl Src<B32>, sel: u32) -> Reg<B32> {
+        let d = self.reg::<B32>();
+        self.check_owner(&[a.owner(), b.owner()]);
+        self.emit(format!(
+            "prmt.b32 {}, {}, {}, {sel:#x};",
+            d.name(),
+            a.operand(),
+            b.operand()
+        ));
+        d
+    }
+
+    /// Truncates a `u64` to its low 32 bits.
+    pub fn cvt_u32_u64(&mut self, a: impl Src<U64>) -> Reg<U32> {
+        let d = self.reg::<U32>();
+        self.check_owner(&[a.owner()]);
+        self.emit(format!("cvt.u32.u64 {}, {};", d.name(), a.operand()));
+        d
+    }
+
+    /// The low 32 bits of an `s64` as an `s32` (the caller knows the value fits).
+    pub fn cvt_s32_s64(&mut self, a: impl Src<S64>) -> Reg<S32> {
+        let d = self.reg::<S32>();
+        self.check_owner(&[a.owner()]);
+        self.emit(format!("cvt.s32.s64 {}, {};", d.name(), a.operand()));
         d
     }
 }

@@ -4,8 +4,8 @@ use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::marker::PhantomData;
 
-use super::PtxError;
-use super::module::Target;
+use super::error::PtxError;
+use super::target::{Feature, Features};
 use super::types::*;
 
 /// A virtual register of PTX type `T`. Copy it freely: it is a name, not a value.
@@ -142,6 +142,7 @@ pub enum Special {
     CtaidY,
     CtaidZ,
     NctaidX,
+    NctaidY,
     LaneId,
 }
 
@@ -155,6 +156,7 @@ impl Special {
             Special::CtaidY => "%ctaid.y",
             Special::CtaidZ => "%ctaid.z",
             Special::NctaidX => "%nctaid.x",
+            Special::NctaidY => "%nctaid.y",
             Special::LaneId => "%laneid",
         }
     }
@@ -201,7 +203,6 @@ pub struct Kernel {
     params: Vec<ParamDecl>,
     counts: BTreeMap<RegClass, u32>,
     body: Vec<String>,
-    shared_decls: Vec<String>,
     dynamic_smem: Option<(String, u32)>,
     max_ntid: Option<u32>,
     min_ctas_per_sm: Option<u32>,
@@ -210,16 +211,36 @@ pub struct Kernel {
     labels_used: Vec<bool>,
     guard: Option<String>,
     depth: usize,
-    needs: Target,
+    needs: Features,
     error: Option<PtxError>,
+    /// What `finish` and the Hopper instruction methods check (see [`SyncState`]).
+    pub(super) sync: SyncState,
+}
+
+/// Ordering rules the builder tracks in emission order, which is execution order for
+/// the straight-line and loop-balanced code the generators write.
+#[derive(Debug, Default)]
+pub(super) struct SyncState {
+    /// `mbarrier.init` emitted since the last `fence.mbarrier_init`.
+    pub(super) unfenced_inits: bool,
+    /// At least one `mbarrier.init` has been fenced.
+    pub(super) fenced_any: bool,
+    /// `setmaxnreg` used: `finish` requires `.maxntid` and `.minnctapersm`.
+    pub(super) setmaxnreg: bool,
+    /// wgmma commit groups closed so far.
+    pub(super) wgmma_committed: u32,
+    /// wgmma groups known complete (by a `wgmma.wait_group`).
+    pub(super) wgmma_retired: u32,
+    /// Named-barrier ids handed out (bit i = id i).
+    pub(super) named_barriers: u16,
 }
 
 /// A finished kernel: the text of its `.entry` plus what the module needs around it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct KernelText {
     pub name: String,
-    /// The oldest target that has every instruction the kernel uses.
-    pub needs: Target,
+    /// The instruction families the kernel uses; a module's target must have them all.
+    pub needs: Features,
     pub(crate) module_decls: Vec<String>,
     pub(crate) entry: String,
 }
@@ -233,7 +254,6 @@ impl Kernel {
             params: Vec::new(),
             counts: BTreeMap::new(),
             body: Vec::new(),
-            shared_decls: Vec::new(),
             dynamic_smem: None,
             max_ntid: None,
             min_ctas_per_sm: None,
@@ -242,8 +262,9 @@ impl Kernel {
             labels_used: Vec::new(),
             guard: None,
             depth: 1,
-            needs: Target::Sm80,
+            needs: Features::NONE,
             error: None,
+            sync: SyncState::default(),
         };
         let valid = !name.is_empty()
             && name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_')
@@ -261,19 +282,19 @@ impl Kernel {
 
     /// Records the first error; later instructions still build so the caller's code
     /// reads straight, and [`Kernel::finish`] reports it.
-    pub(crate) fn fail(&mut self, e: PtxError) {
+    pub(super) fn fail(&mut self, e: PtxError) {
         if self.error.is_none() {
             self.error = Some(e);
         }
     }
 
-    /// Notes that an instruction needs at least `target`; [`super::Module::push`] checks it.
-    pub(crate) fn requires(&mut self, target: Target) {
-        self.needs = self.needs.max(target);
+    /// Notes that an instruction needs `feature`; [`super::Module::push`] checks it.
+    pub(super) fn requires(&mut self, feature: Feature) {
+        self.needs = self.needs.with(feature);
     }
 
     /// Checks that every register operand was made by this kernel.
-    pub(crate) fn check_owner(&mut self, owners: &[Option<u32>]) {
+    pub(super) fn check_owner(&mut self, owners: &[Option<u32>]) {
         if owners.iter().flatten().any(|&o| o != self.id) {
             self.fail(PtxError::ForeignRegister(self.name.clone()));
         }
@@ -320,12 +341,7 @@ impl Kernel {
     /// `mov` into an existing register.
     pub fn mov_to<T: PtxType>(&mut self, dst: Reg<T>, src: impl Src<T>) {
         self.check_owner(&[dst.owner(), src.owner()]);
-        let ty = if T::CLASS == RegClass::B32 && !matches!(T::NAME, "u32" | "s32") {
-            "b32"
-        } else {
-            T::NAME
-        };
-        self.emit(format!("mov.{ty} {}, {};", dst.name(), src.operand()));
+        self.emit(format!("mov.{} {}, {};", T::MOV, dst.name(), src.operand()));
     }
 
     /// Reads a special register (`%tid.x`, `%ctaid.y`, ...).
@@ -344,13 +360,9 @@ impl Kernel {
                 "{name}: predicates cannot be parameters"
             )));
         }
-        let ty = match T::NAME {
-            "f16x2" | "bf16x2" => "b32",
-            t => t,
-        };
         self.params.push(ParamDecl {
             name: name.to_string(),
-            decl: format!(".param .{ty} {name}"),
+            decl: format!(".param .{} {name}", T::MOV),
         });
         Param {
             index: self.params.len() - 1,
@@ -362,11 +374,7 @@ impl Kernel {
     pub fn load_param<T: PtxType>(&mut self, p: Param<T>) -> Reg<T> {
         let d = self.reg::<T>();
         let name = self.params[p.index].name.clone();
-        let ty = match T::NAME {
-            "f16x2" | "bf16x2" => "b32",
-            t => t,
-        };
-        self.emit(format!("ld.param.{ty} {}, [{name}];", d.name()));
+        self.emit(format!("ld.param.{} {}, [{name}];", T::MOV, d.name()));
         d
     }
 
@@ -401,19 +409,35 @@ impl Kernel {
         }
         let d = self.reg::<T>();
         let name = self.params[p.index].name.clone();
-        let ty = match T::NAME {
-            "f16x2" | "bf16x2" => "b32",
-            t => t,
-        };
-        self.emit(format!("ld.param.{ty} {}, [{name}+{offset}];", d.name()));
+        self.emit(format!(
+            "ld.param.{} {}, [{name}+{offset}];",
+            T::MOV,
+            d.name()
+        ));
+        d
+    }
+
+    // ---- parameters in place -------------------------------------------------------
+
+    /// Declares a by-value parameter of `size` bytes aligned `align` that the kernel never
+    /// copies to registers, and returns its generic address (`mov` + `cvta.param`): how a
+    /// `CUtensorMap` passed by value (a `__grid_constant__` parameter) is handed to TMA.
+    pub(super) fn param_in_place(&mut self, name: &str, size: usize, align: usize) -> Reg<U64> {
+        let p = self.param_bytes(name, size, align);
+        let pname = self.params[p.index].name.clone();
+        let d = self.reg::<U64>();
+        self.emit(format!("mov.b64 {}, {pname};", d.name()));
+        self.emit(format!("cvta.param.u64 {0}, {0};", d.name()));
         d
     }
 
     // ---- shared memory --------------------------------------------------------------
 
     /// Declares the dynamic shared-memory buffer (size set at launch) and returns its
-    /// 32-bit shared-window address. Call once.
-    pub fn dynamic_shared(&mut self, align: u32) -> Reg<U32> {
+    /// 32-bit shared-window address. Called once, by [`super::smem::SmemPlan`]'s
+    /// `Kernel::shared_memory`; kernels declare no static `.shared`, so the buffer starts
+    /// at the window's (1024-byte aligned) base.
+    pub(super) fn declare_dynamic_smem(&mut self, align: u32) -> Reg<U32> {
         if self.dynamic_smem.is_some() {
             self.fail(PtxError::BadShared(
                 "dynamic shared memory declared twice".into(),
@@ -431,24 +455,11 @@ impl Kernel {
         d
     }
 
-    /// Declares a static shared array of `bytes` bytes and returns its address.
-    pub fn static_shared(&mut self, name: &str, bytes: u32, align: u32) -> Reg<U32> {
-        if bytes == 0 || !align.is_power_of_two() {
-            self.fail(PtxError::BadShared(format!(
-                "{name}: {bytes} bytes aligned {align}"
-            )));
-        }
-        self.shared_decls
-            .push(format!(".shared .align {align} .b8 {name}[{bytes}];"));
-        let d = self.reg::<U32>();
-        self.emit(format!("mov.u32 {}, {name};", d.name()));
-        d
-    }
-
     // ---- emission -------------------------------------------------------------------
 
-    /// Appends one instruction line (with the active guard, if any).
-    pub(crate) fn emit(&mut self, line: String) {
+    /// Appends one instruction line (with the active guard, if any). Private to the
+    /// builder: generators reach every instruction through a typed, checked method.
+    pub(super) fn emit(&mut self, line: String) {
         let pad = "    ".repeat(self.depth);
         match &self.guard {
             Some(g) => self.body.push(format!("{pad}{g} {line}")),
@@ -584,6 +595,52 @@ impl Kernel {
         self.place(exit);
     }
 
+    /// `for (i = start; i < end; i += stride) body(i)` with a run-time stride (a persistent
+    /// kernel's grid size, say), which must be positive.
+    pub fn for_stride(
+        &mut self,
+        start: impl Src<S32>,
+        end: impl Src<S32>,
+        stride: Reg<S32>,
+        body: impl FnOnce(&mut Self, Reg<S32>),
+    ) {
+        let end_op = end.operand();
+        self.check_owner(&[end.owner(), Src::<S32>::owner(&stride)]);
+        let i = self.mov::<S32>(start);
+        let (top, exit) = (self.label(), self.label());
+        let done = self.reg::<Pred>();
+        self.place(top);
+        self.emit(format!(
+            "setp.ge.s32 {}, {}, {end_op};",
+            done.name(),
+            i.name()
+        ));
+        self.bra_if(done, true, exit);
+        self.depth += 1;
+        body(self, i);
+        self.emit(format!("add.s32 {0}, {0}, {1};", i.name(), stride.name()));
+        self.bra(top);
+        self.depth -= 1;
+        self.place(exit);
+    }
+
+    /// Runs `body` while `cond` (emitted at the top of each turn) gives true.
+    pub fn while_(
+        &mut self,
+        cond: impl FnOnce(&mut Self) -> Reg<Pred>,
+        body: impl FnOnce(&mut Self),
+    ) {
+        let (top, exit) = (self.label(), self.label());
+        self.place(top);
+        let go = cond(self);
+        self.bra_if(go, false, exit);
+        self.depth += 1;
+        body(self);
+        self.bra(top);
+        self.depth -= 1;
+        self.place(exit);
+    }
+
     /// Predicates every instruction `body` emits with `@p` (or `@!p` when `when` is false).
     /// No branches or labels inside; no nesting.
     pub fn guarded(&mut self, p: Reg<Pred>, when: bool, body: impl FnOnce(&mut Self)) {
@@ -608,6 +665,19 @@ impl Kernel {
     pub fn finish(mut self) -> Result<KernelText, PtxError> {
         if let Some(e) = self.error.take() {
             return Err(e);
+        }
+        if self.sync.setmaxnreg && (self.max_ntid.is_none() || self.min_ctas_per_sm.is_none()) {
+            // Without a register count at entry ptxas ignores setmaxnreg (warning C7508),
+            // and the warpgroups' register budgets silently do not happen.
+            return Err(PtxError::BadSync(
+                "setmaxnreg needs .maxntid and .minnctapersm (max_threads, min_blocks_per_sm)"
+                    .into(),
+            ));
+        }
+        if self.sync.unfenced_inits {
+            return Err(PtxError::BadSync(
+                "mbarrier.init never followed by fence.mbarrier_init".into(),
+            ));
         }
         for (i, (&placed, &used)) in self.labels_placed.iter().zip(&self.labels_used).enumerate() {
             if used && !placed {
@@ -640,9 +710,6 @@ impl Kernel {
             if let Some(&n) = self.counts.get(&class).filter(|&&n| n > 0) {
                 let _ = writeln!(s, "    .reg {} {}<{n}>;", class.decl(), class.prefix());
             }
-        }
-        for d in &self.shared_decls {
-            let _ = writeln!(s, "    {d}");
         }
         let _ = writeln!(s);
         for line in &self.body {

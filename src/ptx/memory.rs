@@ -1,15 +1,13 @@
 //! Loads and stores (global and shared, scalar and vector) and `cp.async`.
 //!
-//! Global addresses are `Reg<U64>` (generic 64-bit), shared addresses `Reg<U32>`
+//! Global addresses are `Reg<U64>` (generic 64-bit), shared addresses [`SmemAddr`]
 //! (the 32-bit shared window). Offsets are byte immediates.
 
-use super::PtxError;
+use super::error::PtxError;
 use super::kernel::{Kernel, Reg, Src};
+use super::smem::SmemAddr;
+use super::target::Feature;
 use super::types::*;
-
-fn word_name<T: Word32>() -> &'static str {
-    if T::NAME == "f32" { "f32" } else { "b32" }
-}
 
 fn addr(base: String, offset: i32) -> String {
     match offset {
@@ -24,7 +22,7 @@ impl Kernel {
         let d = self.reg::<T>();
         self.check_owner(&[Src::<U64>::owner(&base)]);
         let a = addr(base.name(), offset);
-        self.emit(format!("ld.global.{} {}, {a};", word_name::<T>(), d.name()));
+        self.emit(format!("ld.global.{} {}, {a};", T::MEM, d.name()));
         d
     }
 
@@ -36,7 +34,7 @@ impl Kernel {
         let [x, y, z, w] = d.map(|r| r.name());
         self.emit(format!(
             "ld.global.v4.{} {{{x}, {y}, {z}, {w}}}, {a};",
-            word_name::<T>()
+            T::MEM
         ));
         d
     }
@@ -45,11 +43,7 @@ impl Kernel {
     pub fn st_global<T: Word32>(&mut self, base: Reg<U64>, offset: i32, v: impl Src<T>) {
         self.check_owner(&[Src::<U64>::owner(&base), v.owner()]);
         let a = addr(base.name(), offset);
-        self.emit(format!(
-            "st.global.{} {a}, {};",
-            word_name::<T>(),
-            v.operand()
-        ));
+        self.emit(format!("st.global.{} {a}, {};", T::MEM, v.operand()));
     }
 
     /// `st.global.v4` of four 32-bit words (16-byte aligned).
@@ -60,64 +54,57 @@ impl Kernel {
         let [x, y, z, w] = v.map(|r| r.name());
         self.emit(format!(
             "st.global.v4.{} {a}, {{{x}, {y}, {z}, {w}}};",
-            word_name::<T>()
+            T::MEM
         ));
     }
 
     /// `ld.shared` of one 32-bit word.
-    pub fn ld_shared<T: Word32>(&mut self, base: Reg<U32>, offset: i32) -> Reg<T> {
+    pub fn ld_shared<T: Word32>(&mut self, base: SmemAddr, offset: i32) -> Reg<T> {
         let d = self.reg::<T>();
-        self.check_owner(&[Src::<U32>::owner(&base)]);
+        self.check_owner(&[base.owner()]);
         let a = addr(base.name(), offset);
-        self.emit(format!("ld.shared.{} {}, {a};", word_name::<T>(), d.name()));
+        self.emit(format!("ld.shared.{} {}, {a};", T::MEM, d.name()));
         d
     }
 
     /// `ld.shared.v4` of four 32-bit words (16-byte aligned).
-    pub fn ld_shared_v4<T: Word32>(&mut self, base: Reg<U32>, offset: i32) -> [Reg<T>; 4] {
+    pub fn ld_shared_v4<T: Word32>(&mut self, base: SmemAddr, offset: i32) -> [Reg<T>; 4] {
         let d = self.regs::<T, 4>();
-        self.check_owner(&[Src::<U32>::owner(&base)]);
+        self.check_owner(&[base.owner()]);
         let a = addr(base.name(), offset);
         let [x, y, z, w] = d.map(|r| r.name());
         self.emit(format!(
             "ld.shared.v4.{} {{{x}, {y}, {z}, {w}}}, {a};",
-            word_name::<T>()
+            T::MEM
         ));
         d
     }
 
     /// `st.shared` of one 32-bit word.
-    pub fn st_shared<T: Word32>(&mut self, base: Reg<U32>, offset: i32, v: impl Src<T>) {
-        self.check_owner(&[Src::<U32>::owner(&base), v.owner()]);
+    pub fn st_shared<T: Word32>(&mut self, base: SmemAddr, offset: i32, v: impl Src<T>) {
+        self.check_owner(&[base.owner(), v.owner()]);
         let a = addr(base.name(), offset);
-        self.emit(format!(
-            "st.shared.{} {a}, {};",
-            word_name::<T>(),
-            v.operand()
-        ));
+        self.emit(format!("st.shared.{} {a}, {};", T::MEM, v.operand()));
     }
 
     /// `st.shared.v4` of four 32-bit words (16-byte aligned).
-    pub fn st_shared_v4<T: Word32>(&mut self, base: Reg<U32>, offset: i32, v: [Reg<T>; 4]) {
-        self.check_owner(&[Src::<U32>::owner(&base)]);
+    pub fn st_shared_v4<T: Word32>(&mut self, base: SmemAddr, offset: i32, v: [Reg<T>; 4]) {
+        self.check_owner(&[base.owner()]);
         self.check_owner(&v.map(|r| Src::<T>::owner(&r)));
         let a = addr(base.name(), offset);
         let [x, y, z, w] = v.map(|r| r.name());
         self.emit(format!(
             "st.shared.v4.{} {a}, {{{x}, {y}, {z}, {w}}};",
-            word_name::<T>()
+            T::MEM
         ));
     }
 
     /// `cp.async.cg.shared.global` of 16 bytes, bypassing L1. Only `src_bytes` bytes are
     /// read (0 or 16 in practice); the rest of the 16 is zero-filled, which is how tiles
     /// past the end of a sequence become zeros without a branch.
-    pub fn cp_async_16(&mut self, dst: Reg<U32>, src: Reg<U64>, src_bytes: impl Src<U32>) {
-        self.check_owner(&[
-            Src::<U32>::owner(&dst),
-            Src::<U64>::owner(&src),
-            src_bytes.owner(),
-        ]);
+    pub fn cp_async_16(&mut self, dst: SmemAddr, src: Reg<U64>, src_bytes: impl Src<U32>) {
+        self.requires(Feature::Ampere);
+        self.check_owner(&[dst.owner(), Src::<U64>::owner(&src), src_bytes.owner()]);
         let n = src_bytes.operand();
         self.emit(format!(
             "cp.async.cg.shared.global [{}], [{}], 16, {n};",
@@ -128,12 +115,14 @@ impl Kernel {
 
     /// Closes the current group of `cp.async` copies.
     pub fn cp_async_commit(&mut self) {
+        self.requires(Feature::Ampere);
         self.emit("cp.async.commit_group;".to_string());
     }
 
     /// Waits until at most `pending` committed groups are still in flight (this thread's
     /// copies only: a `bar.sync` must follow before other threads read the data).
     pub fn cp_async_wait(&mut self, pending: u32) {
+        self.requires(Feature::Ampere);
         if pending > 7 {
             self.fail(PtxError::BadOperand(format!(
                 "cp.async.wait_group {pending}: at most 7"

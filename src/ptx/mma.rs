@@ -10,7 +10,8 @@
 //! C/D `[c0..c3]` = (g, 2c), (g, 2c+1), (g+8, 2c), (g+8, 2c+1).
 
 use super::kernel::{Kernel, Reg, Src};
-use super::module::Target;
+use super::smem::SmemAddr;
+use super::target::Feature;
 use super::types::*;
 
 fn list<T: PtxType, const N: usize>(r: &[Reg<T>; N]) -> String {
@@ -22,9 +23,10 @@ impl Kernel {
     /// `ldmatrix...x4`: four 8x8 matrices of 16-bit elements; lanes 8j..8j+7 give the row
     /// addresses of matrix j (16-byte aligned), register j receives matrix j. With `trans`,
     /// each matrix arrives transposed.
-    pub fn ldmatrix_x4<H: Half2>(&mut self, row_addr: Reg<U32>, trans: bool) -> [Reg<H>; 4] {
+    pub fn ldmatrix_x4<H: Half2>(&mut self, row_addr: SmemAddr, trans: bool) -> [Reg<H>; 4] {
+        self.requires(Feature::Ampere);
         let d = self.regs::<H, 4>();
-        self.check_owner(&[Src::<U32>::owner(&row_addr)]);
+        self.check_owner(&[row_addr.owner()]);
         let t = if trans { ".trans" } else { "" };
         self.emit(format!(
             "ldmatrix.sync.aligned.m8n8.x4{t}.shared.b16 {}, [{}];",
@@ -35,9 +37,10 @@ impl Kernel {
     }
 
     /// `ldmatrix...x2`: two 8x8 matrices; lanes 0..15 give the row addresses.
-    pub fn ldmatrix_x2<H: Half2>(&mut self, row_addr: Reg<U32>, trans: bool) -> [Reg<H>; 2] {
+    pub fn ldmatrix_x2<H: Half2>(&mut self, row_addr: SmemAddr, trans: bool) -> [Reg<H>; 2] {
+        self.requires(Feature::Ampere);
         let d = self.regs::<H, 2>();
-        self.check_owner(&[Src::<U32>::owner(&row_addr)]);
+        self.check_owner(&[row_addr.owner()]);
         let t = if trans { ".trans" } else { "" };
         self.emit(format!(
             "ldmatrix.sync.aligned.m8n8.x2{t}.shared.b16 {}, [{}];",
@@ -45,6 +48,21 @@ impl Kernel {
             row_addr.name()
         ));
         d
+    }
+
+    /// `stmatrix...x4`: the inverse of [`Kernel::ldmatrix_x4`]; register j of each thread
+    /// holds (row lane/4, columns 2·(lane%4)..+1) of 8x8 matrix j, and lanes 8j..8j+7
+    /// give matrix j's row addresses (16-byte aligned). With `trans`, transposed. sm_90.
+    pub fn stmatrix_x4<H: Half2>(&mut self, row_addr: SmemAddr, v: [Reg<H>; 4], trans: bool) {
+        self.requires(Feature::Hopper);
+        self.check_owner(&[row_addr.owner()]);
+        self.check_owner(&v.map(|r| Src::<H>::owner(&r)));
+        let t = if trans { ".trans" } else { "" };
+        self.emit(format!(
+            "stmatrix.sync.aligned.x4{t}.m8n8.shared.b16 [{}], {};",
+            row_addr.name(),
+            list(&v)
+        ));
     }
 
     /// `d = a * b + c` on one m16n8k16 tile, f16 or bf16 inputs, f32 accumulators
@@ -56,6 +74,7 @@ impl Kernel {
         b: &[Reg<H>; 2],
         c: &[Reg<F32>; 4],
     ) {
+        self.requires(Feature::Ampere);
         self.check_fragments(d, c);
         self.check_owner(&a.map(|r| Src::<H>::owner(&r)));
         self.check_owner(&b.map(|r| Src::<H>::owner(&r)));
@@ -77,7 +96,7 @@ impl Kernel {
         b: &[Reg<E4m3x4>; 2],
         c: &[Reg<F32>; 4],
     ) {
-        self.requires(Target::Sm89);
+        self.requires(Feature::Fp8);
         self.check_fragments(d, c);
         self.check_owner(&a.map(|r| Src::<E4m3x4>::owner(&r)));
         self.check_owner(&b.map(|r| Src::<E4m3x4>::owner(&r)));

@@ -7,9 +7,16 @@
 //! kernel is never emitted.
 //!
 //! Instruction families live one per file and are methods on [`Kernel`]:
-//! [`arith`] (integer and float arithmetic, comparisons), [`convert`] (`cvt`, packing),
-//! [`memory`] (`ld`/`st`, `cp.async`), [`mma`] (`ldmatrix`, `mma.sync`),
-//! [`warp`] (`shfl.sync`), [`sync`] (`bar.sync`).
+//! [`arith`] (integer and float arithmetic, comparisons), [`convert`] (`cvt`, packing,
+//! `prmt`), [`memory`] (`ld`/`st`, `cp.async`), [`mma`] (`ldmatrix`, `stmatrix`,
+//! `mma.sync`), [`warp`] (`shfl.sync`, `elect.sync`), [`sync`] (`bar.sync`, named
+//! barriers, fences, `setmaxnreg`), [`mbarrier`] (mbarriers and the [`StageRing`]),
+//! [`tma`] (bulk tensor copies), [`wgmma`] (warpgroup MMA with typed accumulators).
+//!
+//! Above single instructions: [`smem`] plans a kernel's dynamic shared memory (typed
+//! [`SmemAddr`] and [`Mbarrier`] handles), [`layout`] describes a tile's swizzled layout
+//! once for TMA, wgmma descriptors and address math, and [`target`] says which
+//! instruction families a `.target` has.
 //!
 //! ```
 //! use flashcore::ptx::*;
@@ -25,6 +32,46 @@
 //! # Ok::<(), PtxError>(())
 //! ```
 //!
+//! An FP8 operand read MN-major (transposed) does not compile: wgmma has no transpose
+//! for e4m3.
+//! ```compile_fail
+//! use flashcore::ptx::*;
+//! let mut k = Kernel::new("bad");
+//! let mut plan = SmemPlan::new();
+//! let layout = SmemLayout::new(64, 128, 1, Swizzle::B128);
+//! let slot = plan.tile(layout, 1);
+//! let smem = k.shared_memory(&plan);
+//! let at = smem.tile(&mut k, slot, 0);
+//! let a = k.smem_desc::<KMajor>(at, &layout);
+//! let b = k.smem_desc::<MnMajor>(at, &layout);
+//! let acc = k.acc::<N64>();
+//! let _ = k.wgmma_ss::<E4m3x4, N64, KMajor, MnMajor>(acc, a, b, ScaleD::Zero);
+//! ```
+//! Nor reading an accumulator while its wgmma is in flight: an [`InFlight`] has no
+//! registers to hand out.
+//! ```compile_fail
+//! use flashcore::ptx::*;
+//! let mut k = Kernel::new("bad");
+//! let mut plan = SmemPlan::new();
+//! let layout = SmemLayout::new(64, 64, 2, Swizzle::B128);
+//! let slot = plan.tile(layout, 1);
+//! let smem = k.shared_memory(&plan);
+//! let at = smem.tile(&mut k, slot, 0);
+//! let a = k.smem_desc::<KMajor>(at, &layout);
+//! let acc = k.acc::<N64>();
+//! let flying = k.wgmma_ss::<Bf16x2, N64, KMajor, KMajor>(acc, a, a, ScaleD::Zero);
+//! let _ = flying.regs();
+//! ```
+//! Nor a shared address where a global one is expected:
+//! ```compile_fail
+//! use flashcore::ptx::*;
+//! let mut k = Kernel::new("bad");
+//! let mut plan = SmemPlan::new();
+//! let slot = plan.tile(SmemLayout::new(8, 64, 2, Swizzle::B128), 1);
+//! let smem = k.shared_memory(&plan);
+//! let at = smem.tile(&mut k, slot, 0);
+//! let _ = k.ld_global::<F32>(at, 0);
+//! ```
 //! An `f32` register where a 64-bit address is needed does not compile:
 //! ```compile_fail
 //! use flashcore::ptx::*;
@@ -67,37 +114,33 @@
 
 pub mod arith;
 pub mod convert;
+pub mod error;
 pub mod kernel;
+pub mod layout;
+pub mod mbarrier;
 pub mod memory;
 pub mod mma;
 pub mod module;
+pub mod smem;
 pub mod sync;
+pub mod target;
+pub mod tma;
 pub mod types;
 pub mod warp;
+pub mod wgmma;
 
+pub use error::PtxError;
 pub use kernel::{Cmp, Kernel, KernelText, Label, Param, ParamBytes, Reg, Special, Src};
-pub use module::{Module, Target};
+pub use layout::{SmemLayout, Swizzle};
+pub use mbarrier::{Parity, RingBarriers, StageRing};
+pub use module::Module;
+pub use smem::{BarrierSlot, Mbarrier, RawSlot, Smem, SmemAddr, SmemPlan, TileSlot};
+pub use sync::NamedBarrier;
+pub use target::{Feature, Features, Target};
+pub use tma::{CachePolicy, TmaDesc};
 pub use types::*;
-
-/// A kernel the builder refused to emit.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum PtxError {
-    #[error("`{0}` is not a valid PTX identifier")]
-    BadName(String),
-    #[error("bad parameter: {0}")]
-    BadParam(String),
-    #[error("bad shared-memory declaration: {0}")]
-    BadShared(String),
-    #[error("bad control flow: {0}")]
-    BadControlFlow(String),
-    #[error("kernel `{0}` used a register made by another kernel")]
-    ForeignRegister(String),
-    #[error("bad operand: {0}")]
-    BadOperand(String),
-    #[error("kernel `{kernel}` needs {needs} but the module targets {target}")]
-    TargetTooOld {
-        kernel: String,
-        needs: &'static str,
-        target: &'static str,
-    },
-}
+pub use wgmma::shapes::*;
+pub use wgmma::{
+    Acc, DescOffsets, InFlight, KMajor, Major, MajorFor, MnMajor, ScaleD, SmemDesc, WgmmaD,
+    WgmmaInput, WgmmaN,
+};

@@ -1,7 +1,26 @@
-//! Block-level barriers.
+//! Block-level barriers, named barriers, fences and register reallocation.
 
-use super::PtxError;
+use super::error::PtxError;
 use super::kernel::Kernel;
+use super::target::Feature;
+
+/// A named barrier (`bar.sync id, threads`) that carries its thread count, so every use
+/// agrees on it. Ids 1..=15 are handed out once each by [`Kernel::named_barrier`]; id 0
+/// is the whole block's [`Kernel::sync_threads`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct NamedBarrier {
+    id: u32,
+    threads: u32,
+}
+
+impl NamedBarrier {
+    pub fn id(&self) -> u32 {
+        self.id
+    }
+    pub fn threads(&self) -> u32 {
+        self.threads
+    }
+}
 
 impl Kernel {
     /// `bar.sync id` for the whole block, or `bar.sync id, threads` for the first
@@ -24,5 +43,75 @@ impl Kernel {
     /// `bar.sync 0`: every thread of the block.
     pub fn sync_threads(&mut self) {
         self.bar_sync(0, None);
+    }
+
+    /// A fresh named barrier for `threads` threads (a multiple of 32): the next free id in
+    /// 1..=15. Running out of ids is an error at `finish`.
+    pub fn named_barrier(&mut self, threads: u32) -> NamedBarrier {
+        if threads == 0 || !threads.is_multiple_of(32) {
+            self.fail(PtxError::BadOperand(format!(
+                "named barrier for {threads} threads (a multiple of 32 needed)"
+            )));
+        }
+        let used = self.sync.named_barriers;
+        let id = (1..16).find(|i| used & (1 << i) == 0).unwrap_or_else(|| {
+            self.fail(PtxError::BadOperand(
+                "more than 15 named barriers".to_string(),
+            ));
+            15
+        });
+        self.sync.named_barriers |= 1 << id;
+        NamedBarrier { id, threads }
+    }
+
+    /// Waits at `b` until its thread count has arrived (`bar.sync id, n`).
+    pub fn bar_wait(&mut self, b: NamedBarrier) {
+        self.emit(format!("bar.sync {}, {};", b.id, b.threads));
+    }
+
+    /// Arrives at `b` without waiting (`bar.arrive id, n`): the producer side of a
+    /// named-barrier handshake.
+    pub fn bar_arrive(&mut self, b: NamedBarrier) {
+        self.emit(format!("bar.arrive {}, {};", b.id, b.threads));
+    }
+
+    /// `fence.proxy.async.shared::cta`: orders this thread's ordinary shared-memory
+    /// accesses before later async-proxy (TMA, wgmma) accesses to the same memory.
+    pub fn fence_proxy_async(&mut self) {
+        self.requires(Feature::Hopper);
+        self.emit("fence.proxy.async.shared::cta;".to_string());
+    }
+
+    /// `fence.mbarrier_init.release.cluster`: makes preceding `mbarrier.init`s visible to
+    /// the async proxy and other threads (follow it with a block barrier).
+    pub fn fence_mbarrier_init(&mut self) {
+        self.requires(Feature::Hopper);
+        if self.sync.unfenced_inits {
+            self.sync.fenced_any = true;
+        }
+        self.sync.unfenced_inits = false;
+        self.emit("fence.mbarrier_init.release.cluster;".to_string());
+    }
+
+    /// `setmaxnreg.inc`: this warpgroup's registers per thread grow to `regs` (24..=256, a
+    /// multiple of 8). Needs `.maxntid` and `.minnctapersm` (checked at `finish`).
+    pub fn setmaxnreg_inc(&mut self, regs: u32) {
+        self.setmaxnreg("inc", regs);
+    }
+
+    /// `setmaxnreg.dec`: this warpgroup gives registers back, down to `regs` per thread.
+    pub fn setmaxnreg_dec(&mut self, regs: u32) {
+        self.setmaxnreg("dec", regs);
+    }
+
+    fn setmaxnreg(&mut self, dir: &str, regs: u32) {
+        self.requires(Feature::Setmaxnreg);
+        if !(24..=256).contains(&regs) || !regs.is_multiple_of(8) {
+            self.fail(PtxError::BadOperand(format!(
+                "setmaxnreg {regs}: must be a multiple of 8 in 24..=256"
+            )));
+        }
+        self.sync.setmaxnreg = true;
+        self.emit(format!("setmaxnreg.{dir}.sync.aligned.u32 {regs};"));
     }
 }

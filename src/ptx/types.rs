@@ -39,6 +39,16 @@ impl RegClass {
             RegClass::F32 => "%f",
         }
     }
+    /// The spelling in `selp`, which selects whole registers: the class's own type.
+    pub(crate) fn selp(self) -> &'static str {
+        match self {
+            RegClass::Pred => "pred",
+            RegClass::B16 => "b16",
+            RegClass::B32 => "b32",
+            RegClass::B64 => "b64",
+            RegClass::F32 => "f32",
+        }
+    }
     pub(crate) fn decl(self) -> &'static str {
         match self {
             RegClass::Pred => ".pred",
@@ -56,44 +66,49 @@ pub trait PtxType: Copy + fmt::Debug + 'static {
     const NAME: &'static str;
     /// The register class that holds it.
     const CLASS: RegClass;
+    /// The spelling where a value is moved without being interpreted: `mov`, a
+    /// parameter's declaration and `ld.param`. Packed types move as the bit type of
+    /// their width (`b32`), since PTX has no `mov.f16x2`.
+    const MOV: &'static str;
 }
 
 macro_rules! ptx_type {
-    ($(#[$doc:meta])* $name:ident, $ptx:literal, $class:ident) => {
+    ($(#[$doc:meta])* $name:ident, $ptx:literal, $class:ident, $mov:literal) => {
         $(#[$doc])*
         #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
         pub struct $name;
         impl PtxType for $name {
             const NAME: &'static str = $ptx;
             const CLASS: RegClass = RegClass::$class;
+            const MOV: &'static str = $mov;
         }
     };
 }
 
 ptx_type!(/// Predicate (one bit).
-    Pred, "pred", Pred);
+    Pred, "pred", Pred, "pred");
 ptx_type!(/// Untyped 16 bits (one packed pair of e4m3 bytes, say).
-    B16, "b16", B16);
+    B16, "b16", B16, "b16");
 ptx_type!(/// Untyped 32 bits.
-    B32, "b32", B32);
-ptx_type!(/// Unsigned 32-bit integer; also shared-memory addresses.
-    U32, "u32", B32);
+    B32, "b32", B32, "b32");
+ptx_type!(/// Unsigned 32-bit integer.
+    U32, "u32", B32, "u32");
 ptx_type!(/// Signed 32-bit integer.
-    S32, "s32", B32);
+    S32, "s32", B32, "s32");
 ptx_type!(/// Untyped 64 bits.
-    B64, "b64", B64);
+    B64, "b64", B64, "b64");
 ptx_type!(/// Unsigned 64-bit integer; also global addresses.
-    U64, "u64", B64);
+    U64, "u64", B64, "u64");
 ptx_type!(/// Signed 64-bit integer.
-    S64, "s64", B64);
+    S64, "s64", B64, "s64");
 ptx_type!(/// IEEE single precision.
-    F32, "f32", F32);
+    F32, "f32", F32, "f32");
 ptx_type!(/// Two f16 values in one 32-bit register (low half = first element).
-    F16x2, "f16x2", B32);
+    F16x2, "f16x2", B32, "b32");
 ptx_type!(/// Two bf16 values in one 32-bit register (low half = first element).
-    Bf16x2, "bf16x2", B32);
+    Bf16x2, "bf16x2", B32, "b32");
 ptx_type!(/// Four e4m3 values in one 32-bit register (byte 0 = first element).
-    E4m3x4, "b32", B32);
+    E4m3x4, "b32", B32, "b32");
 
 /// Integer types: `add`, `sub`, `mul.lo`, `mad.lo`, `min`, `max`, shifts.
 pub trait Int: PtxType {}
@@ -127,11 +142,16 @@ impl Bits for S64 {
 }
 
 /// Types that fit in one 32-bit register: what `shfl`, `ld/st .b32` and `mov.b32` move.
-pub trait Word32: PtxType {}
+pub trait Word32: PtxType {
+    /// The spelling in `ld`/`st`: `f32` for floats, `b32` for everything else.
+    const MEM: &'static str = "b32";
+}
 impl Word32 for B32 {}
 impl Word32 for U32 {}
 impl Word32 for S32 {}
-impl Word32 for F32 {}
+impl Word32 for F32 {
+    const MEM: &'static str = "f32";
+}
 impl Word32 for F16x2 {}
 impl Word32 for Bf16x2 {}
 impl Word32 for E4m3x4 {}

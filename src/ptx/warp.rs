@@ -1,7 +1,8 @@
-//! Warp shuffles.
+//! Warp-level operations: shuffles and leader election.
 
-use super::PtxError;
+use super::error::PtxError;
 use super::kernel::{Kernel, Reg, Src};
+use super::target::Feature;
 use super::types::*;
 
 impl Kernel {
@@ -21,5 +22,14 @@ impl Kernel {
             v.name()
         ));
         d
+    }
+
+    /// `elect.sync`: true in exactly one lane of the (fully active) warp, the same lane
+    /// in every call. The lane that issues a warp's TMA copies and barrier arrivals.
+    pub fn elect_one(&mut self) -> Reg<Pred> {
+        self.requires(Feature::Hopper);
+        let p = self.reg::<Pred>();
+        self.emit(format!("elect.sync _|{}, 0xffffffff;", p.name()));
+        p
     }
 }

@@ -1,7 +1,11 @@
 //! Attention forward kernels: configurations, the argument block shared with the host,
 //! and the generators.
 
+pub mod epilogue;
+pub mod mask;
+pub mod rows;
 pub mod sm80;
+pub mod softmax;
 
 use crate::ptx::{Module, PtxError};
 
@@ -156,6 +160,9 @@ pub struct FwdArgs {
     pub scale_log2: f32,
     /// Sk − Sq: query row i sees keys j <= i + causal_offset (bottom-right alignment).
     pub causal_offset: i32,
+    /// softmax_scale itself (for the log-sum-exp).
+    pub scale: f32,
+    pub _pad: u32,
 }
 
 impl FwdArgs {

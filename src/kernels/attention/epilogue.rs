@@ -1,0 +1,99 @@
+//! The end of a forward block: O divided by the row sums, written to global memory as
+//! 16-bit pairs, and the log-sum-exp.
+//!
+//! `LSE = ln(l) + m·scale`, computed as `ln2·log2(l) + m·scale` so that it overflows only
+//! when the true value does. A row that saw no key (l = 0) gets O = 0 and LSE = −∞.
+//! Row indices are unsigned and the LSE index is 64-bit: rows past `Sq` (the padding of
+//! the last block) are compared, never wrapped, and `(b·Hq + h)·Sq + row` may exceed 2^32.
+
+use std::mem::offset_of;
+
+use super::FwdArgs;
+use super::rows::{Rows, Slab, half_of};
+use super::softmax::OnlineSoftmax;
+use crate::ptx::{Cmp, F32, Half2, Kernel, ParamBytes, Reg, S32, U32, U64};
+
+/// The per-block inputs of [`store_output`].
+#[derive(Debug, Clone, Copy)]
+pub struct OutputBlock {
+    pub batch: Reg<U32>,
+    pub head: Reg<U32>,
+    /// The block's first query row.
+    pub m_start: Reg<S32>,
+    pub seqlen_q: Reg<S32>,
+}
+
+/// Normalises `o` by the row sums, stores the rows that exist (`row < Sq`) and, when the
+/// caller passed an LSE pointer, the log-sum-exp of each row.
+pub fn store_output<H: Half2>(
+    k: &mut Kernel,
+    args: ParamBytes,
+    rows: &Rows,
+    o: &[Slab],
+    softmax: &OnlineSoftmax,
+    at: OutputBlock,
+) {
+    k.comment("Epilogue: O / l to global memory, and the log-sum-exp.");
+    let field = |k: &mut Kernel, off: usize| k.load_param_at::<U64>(args, off);
+    let o_ptr = field(k, offset_of!(FwdArgs, o));
+    let o_batch = field(k, offset_of!(FwdArgs, o_stride));
+    let o_seq = field(k, offset_of!(FwdArgs, o_stride) + 8);
+    let o_head = field(k, offset_of!(FwdArgs, o_stride) + 16);
+    let lse_ptr = field(k, offset_of!(FwdArgs, lse));
+    let heads_q = k.load_param_at::<U32>(args, offset_of!(FwdArgs, heads_q));
+    let scale = k.load_param_at::<F32>(args, offset_of!(FwdArgs, scale));
+    let b = k.cvt_u64_u32(at.batch);
+    let h = k.cvt_u64_u32(at.head);
+    let elems = k.mul(b, o_batch);
+    let elems = k.mad(h, o_head, elems);
+    let col = k.cvt_u64_u32(rows.col.cast::<U32>());
+    let elems = k.add(elems, col);
+    let bytes = k.shl(elems, 1);
+    let o_base = k.add(o_ptr, bytes);
+    // lse[(batch·Hq + head)·Sq + row], in 64 bits.
+    let bh = k.mad(at.batch, heads_q, at.head);
+    let lse_row0 = k.mul_wide_u32(bh, at.seqlen_q.cast::<U32>());
+    let want_lse = k.setp(Cmp::Ne, lse_ptr, 0u64);
+    let lse_lane = k.setp(Cmp::Eq, rows.col, 0i32);
+    let want_lse = k.and_pred(want_lse, lse_lane);
+    let m_start = at.m_start.cast::<U32>();
+
+    for (slab, tiles) in o.iter().enumerate() {
+        for half in 0..2 {
+            let sum = softmax.row_sum(k, slab, half);
+            let empty = k.setp(Cmp::Eq, sum, 0f32);
+            let inv = k.rcp(sum);
+            let inv = k.selp(0f32, inv, empty);
+            let row = k.add(m_start, rows.row0.cast::<U32>());
+            let row = k.add(row, Rows::offset(slab, half));
+            let inside = k.setp(Cmp::Lt, row, at.seqlen_q.cast::<U32>());
+            let row64 = k.cvt_u64_u32(row);
+            let offset = k.mul(row64, o_seq);
+            let offset = k.shl(offset, 1);
+            let addr = k.add(o_base, offset);
+            let words: Vec<Reg<H>> = tiles
+                .iter()
+                .map(|acc| {
+                    let [lo, hi] = half_of(acc, half);
+                    let lo = k.mul(lo, inv);
+                    let hi = k.mul(hi, inv);
+                    k.pack_half2::<H>(lo, hi)
+                })
+                .collect();
+            k.guarded(inside, true, |k| {
+                for (nt, w) in words.iter().enumerate() {
+                    k.st_global(addr, (nt * 16) as i32, *w);
+                }
+            });
+            let log_sum = k.lg2(sum);
+            let log_sum = k.mul(log_sum, std::f32::consts::LN_2);
+            let lse = k.mad(softmax.max[slab][half], scale, log_sum);
+            let lse = k.selp(f32::NEG_INFINITY, lse, empty);
+            let store = k.and_pred(want_lse, inside);
+            let index = k.add(lse_row0, row64);
+            let offset = k.shl(index, 2);
+            let lse_addr = k.add(lse_ptr, offset);
+            k.guarded(store, true, |k| k.st_global(lse_addr, 0, lse));
+        }
+    }
+}

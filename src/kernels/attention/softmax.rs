@@ -1,0 +1,178 @@
+//! The online softmax over accumulator rows, with `exp2` and the log2(e)-folded scale.
+//!
+//! Per row: the running maximum `m` of the raw scores and the running sum `l` of
+//! `exp2((s − m)·c)`, `c = scale·log2(e)`. A new tile raises `m` to `m'`, rescales `l` and
+//! the output row by `exp2((m − m')·c)`, and turns its scores into `exp2((s − m')·c)`.
+//!
+//! The difference is taken before the scale is applied: `(s − m)·c` stays finite for
+//! every finite score and positive scale, where the fused `s·c − m·c` overflows once
+//! `m·c` exceeds the float range (a scale of 1e37, say) and would turn every
+//! probability into 0. A row that has only seen masked keys keeps `m = −∞`; 0 stands in
+//! for it so that `exp2` gives 0 rather than NaN.
+
+use super::rows::{Slab, half_of};
+use crate::ptx::{Cmp, F32, Half2, Kernel, Reg};
+
+/// Running maximum and (per-thread partial) sum of every row half a thread holds.
+#[derive(Debug, Clone)]
+pub struct OnlineSoftmax {
+    /// `max[slab][half]`: the row's maximum raw score so far (−∞ before any key).
+    pub max: Vec<[Reg<F32>; 2]>,
+    /// `sum[slab][half]`: this thread's share of the row's sum; the 4 threads of a quad
+    /// hold a row together ([`OnlineSoftmax::row_sum`] adds them).
+    pub sum: Vec<[Reg<F32>; 2]>,
+}
+
+/// The maximum of a row half over its quad (the 4 lanes that hold one row).
+fn quad_max(k: &mut Kernel, mut v: Reg<F32>) -> Reg<F32> {
+    for lanes in [1, 2] {
+        let other = k.shfl_bfly(v, lanes);
+        v = k.max(v, other);
+    }
+    v
+}
+
+impl OnlineSoftmax {
+    pub fn new(k: &mut Kernel, slabs: usize) -> OnlineSoftmax {
+        let ninf = f32::NEG_INFINITY;
+        OnlineSoftmax {
+            max: (0..slabs).map(|_| [k.mov(ninf), k.mov(ninf)]).collect(),
+            sum: (0..slabs).map(|_| [k.mov(0f32), k.mov(0f32)]).collect(),
+        }
+    }
+
+    /// Raises the running maxima to cover `scores`, rescales the sums and the output
+    /// rows `o` by `exp2((m − m')·c)`, and returns, per slab and half, the value to
+    /// subtract from the scores before scaling (the new maximum, 0 for rows that saw no
+    /// key yet).
+    fn rescale(
+        &self,
+        k: &mut Kernel,
+        scores: &[Slab],
+        o: &[Slab],
+        scale_log2: Reg<F32>,
+    ) -> Vec<[Reg<F32>; 2]> {
+        scores
+            .iter()
+            .enumerate()
+            .map(|(slab, tiles)| {
+                std::array::from_fn(|half| {
+                    let mut tile_max = {
+                        let [a, b] = half_of(&tiles[0], half);
+                        k.max(a, b)
+                    };
+                    for tile in &tiles[1..] {
+                        for v in half_of(tile, half) {
+                            tile_max = k.max(tile_max, v);
+                        }
+                    }
+                    let tile_max = quad_max(k, tile_max);
+                    let old_max = self.max[slab][half];
+                    let new_max = k.max(old_max, tile_max);
+                    let none = k.setp(Cmp::Eq, new_max, f32::NEG_INFINITY);
+                    let usable = k.selp(0f32, new_max, none);
+                    let drop = k.sub(old_max, usable);
+                    let drop = k.mul(drop, scale_log2);
+                    let rescale = k.ex2(drop);
+                    k.mov_to(old_max, new_max);
+                    let sum = self.sum[slab][half];
+                    k.mul_to(sum, sum, rescale);
+                    for acc in &o[slab] {
+                        for v in half_of(acc, half) {
+                            k.mul_to(v, v, rescale);
+                        }
+                    }
+                    usable
+                })
+            })
+            .collect()
+    }
+
+    /// `v ← exp2((v − m)·c)`, added to the row's sum.
+    fn exp_into(&self, k: &mut Kernel, v: Reg<F32>, m: Reg<F32>, sum: Reg<F32>, c: Reg<F32>) {
+        let d = k.sub(v, m);
+        let d = k.mul(d, c);
+        k.ex2_to(v, d);
+        k.add_to(sum, sum, v);
+    }
+
+    /// Folds one tile of `scores` into the running state: raises the maxima, rescales
+    /// the sums and the output rows `o`, and overwrites the scores with their
+    /// unnormalised probabilities.
+    pub fn step(&self, k: &mut Kernel, scores: &[Slab], o: &[Slab], scale_log2: Reg<F32>) {
+        let maxes = self.rescale(k, scores, o, scale_log2);
+        for ((tiles, maxes), sums) in scores.iter().zip(&maxes).zip(&self.sum) {
+            for tile in tiles {
+                for ((half, &m), &sum) in maxes.iter().enumerate().zip(sums) {
+                    for v in half_of(tile, half) {
+                        self.exp_into(k, v, m, sum, scale_log2);
+                    }
+                }
+            }
+        }
+    }
+
+    /// [`OnlineSoftmax::step`] that hands the probabilities over packed as 16-bit A
+    /// fragments of the next MMA ([`pack_probs`]), each pair of tiles packed as soon as
+    /// it is exponentiated so the f32 scores die early.
+    pub fn step_packed<H: Half2>(
+        &self,
+        k: &mut Kernel,
+        scores: &[Slab],
+        o: &[Slab],
+        scale_log2: Reg<F32>,
+    ) -> Vec<Vec<[Reg<H>; 4]>> {
+        let maxes = self.rescale(k, scores, o, scale_log2);
+        scores
+            .iter()
+            .enumerate()
+            .map(|(slab, tiles)| {
+                tiles
+                    .chunks(2)
+                    .map(|pair| {
+                        for tile in pair {
+                            let rows = maxes[slab].iter().zip(&self.sum[slab]);
+                            for (half, (&m, &sum)) in rows.enumerate() {
+                                for v in half_of(tile, half) {
+                                    self.exp_into(k, v, m, sum, scale_log2);
+                                }
+                            }
+                        }
+                        pack_pair::<H>(k, &pair[0], &pair[1])
+                    })
+                    .collect()
+            })
+            .collect()
+    }
+
+    /// The whole row's sum (the quad's partial sums added), for slab `slab`, half `half`.
+    pub fn row_sum(&self, k: &mut Kernel, slab: usize, half: usize) -> Reg<F32> {
+        let mut sum = self.sum[slab][half];
+        for lanes in [1, 2] {
+            let other = k.shfl_bfly(sum, lanes);
+            sum = k.add(sum, other);
+        }
+        sum
+    }
+}
+
+/// A slab of probabilities packed as 16-bit A fragments of the next MMA: `p[t]` covers
+/// columns (keys) `16t..16t + 16`. Accumulator tiles 2t and 2t + 1 are exactly that
+/// fragment, for `mma.sync` m16n8k16 and for wgmma's register A alike.
+pub fn pack_probs<H: Half2>(k: &mut Kernel, scores: &Slab) -> Vec<[Reg<H>; 4]> {
+    scores
+        .chunks(2)
+        .map(|pair| pack_pair::<H>(k, &pair[0], &pair[1]))
+        .collect()
+}
+
+/// The A fragment of keys `16t..16t + 16` from accumulator tiles `2t` (`a`) and `2t + 1`
+/// (`b`): rows g and g + 8 of each, two keys per register.
+fn pack_pair<H: Half2>(k: &mut Kernel, a: &[Reg<F32>; 4], b: &[Reg<F32>; 4]) -> [Reg<H>; 4] {
+    [
+        k.pack_half2::<H>(a[0], a[1]),
+        k.pack_half2::<H>(a[2], a[3]),
+        k.pack_half2::<H>(b[0], b[1]),
+        k.pack_half2::<H>(b[2], b[3]),
+    ]
+}
