@@ -31,8 +31,9 @@ extern "C" {
 #define FLASHCORE_F32 3  /* float32: describable, but no kernel takes it */
 
 /* ---- return codes -------------------------------------------------------------------- */
+/* (src/error.rs holds the table these lines are checked against: values, names, comments) */
 
-#define FLASHCORE_SUCCESS 0
+#define FLASHCORE_SUCCESS 0                    /* the call succeeded */
 #define FLASHCORE_ERROR_NO_DRIVER 1            /* libcuda could not be loaded */
 #define FLASHCORE_ERROR_NO_DEVICE 2            /* no device with that ordinal */
 #define FLASHCORE_ERROR_UNSUPPORTED_GPU 3      /* below sm_80: no kernel path */

@@ -6,6 +6,7 @@
 use std::collections::BTreeMap;
 use std::path::Path;
 
+use flashcore::error::RETURN_CODES;
 use flashcore::ffi::FLASHCORE_CONSTANTS;
 
 fn read(rel: &str) -> String {
@@ -304,7 +305,8 @@ fn constants_match() {
         .collect();
     assert_eq!(defined, rust, "header #defines vs ffi::FLASHCORE_CONSTANTS");
 
-    // The table lists every `pub const FLASHCORE_*` of ffi.rs, and no other name.
+    // The table lists every `pub const FLASHCORE_*` of ffi.rs (the dtypes) and every
+    // return code of the one table in src/error.rs, and no other name.
     let src = read("src/ffi.rs");
     let mut consts: Vec<String> = src
         .lines()
@@ -312,10 +314,57 @@ fn constants_match() {
         .filter_map(|l| l.split_once(':'))
         .filter(|(_, ty)| ty.trim_start().starts_with("i32"))
         .map(|(n, _)| format!("FLASHCORE_{n}"))
+        .chain(RETURN_CODES.iter().map(|r| r.name.to_string()))
         .collect();
     consts.sort();
     let table: Vec<String> = rust.keys().cloned().collect();
     assert_eq!(consts, table, "pub consts vs FLASHCORE_CONSTANTS");
+}
+
+/// The header's return-code `#define`s, one per line as `#define NAME VALUE /* summary */`,
+/// are exactly `flashcore::error::RETURN_CODES`, in its order: values, names and comments.
+#[test]
+fn return_codes_match_the_table() {
+    let got = return_code_lines(&read("include/flashcore.h"));
+    let want: Vec<(String, i64, String)> = RETURN_CODES
+        .iter()
+        .map(|r| (r.name.to_string(), i64::from(r.code), r.summary.to_string()))
+        .collect();
+    if got != want {
+        let width = RETURN_CODES.iter().map(|r| r.name.len()).max().unwrap_or(0);
+        let block: Vec<String> = RETURN_CODES
+            .iter()
+            .map(|r| {
+                let head = format!("#define {} {}", r.name, r.code);
+                format!("{head:<w$} /* {} */", r.summary, w = width + 10)
+            })
+            .collect();
+        panic!(
+            "include/flashcore.h's return codes differ from src/error.rs's RETURN_CODES.\n\
+             header: {got:?}\ntable:  {want:?}\nThe header's block should read:\n{}",
+            block.join("\n")
+        );
+    }
+}
+
+/// `(name, value, comment)` of every `#define FLASHCORE_SUCCESS` / `FLASHCORE_ERROR_*` line.
+fn return_code_lines(header: &str) -> Vec<(String, i64, String)> {
+    header
+        .lines()
+        .filter_map(|l| l.trim().strip_prefix("#define "))
+        .filter(|l| l.starts_with("FLASHCORE_SUCCESS ") || l.starts_with("FLASHCORE_ERROR_"))
+        .map(|l| {
+            let (def, comment) = l.split_once("/*").unwrap_or((l, ""));
+            let mut parts = def.split_whitespace();
+            let name = parts.next().unwrap_or_default().to_string();
+            let value = parts
+                .next()
+                .and_then(|v| v.parse().ok())
+                .unwrap_or_else(|| panic!("#define {name}: no integer value"));
+            let comment = comment.trim().trim_end_matches("*/").trim().to_string();
+            (name, value, comment)
+        })
+        .collect()
 }
 
 #[test]
@@ -489,4 +538,14 @@ fn parsers_work_on_samples() {
     );
     assert_eq!(rust_to_c("*const c_char"), "const char*");
     assert_eq!(rust_to_c("[i64; 4]"), "int64_t[4]");
+    assert_eq!(
+        return_code_lines(
+            "#define FLASHCORE_F16 1 /* x */\n  #define FLASHCORE_ERROR_X 12  /* a, b */\n\
+             #define FLASHCORE_SUCCESS 0\n#define FLASHCORE_H\n"
+        ),
+        [
+            ("FLASHCORE_ERROR_X".to_string(), 12, "a, b".to_string()),
+            ("FLASHCORE_SUCCESS".to_string(), 0, String::new()),
+        ]
+    );
 }
