@@ -13,7 +13,11 @@
  *     ELEMENTS (not bytes). A PyTorch [B, H, S, D] tensor t is passed with
  *     strides = {t.stride(0), t.stride(2), t.stride(1), t.stride(3)}.
  *   - All memory belongs to the device's primary context (the one the CUDA runtime and
- *     PyTorch use); flashcore makes that context current on the calling thread.
+ *     PyTorch use). flashcore makes that context current only while one of its calls
+ *     runs: every function returns with the calling thread's current CUDA context as it
+ *     found it (the caller's own context, another device's, or none), on success and on
+ *     every error. A caller that works in a context of its own need not save and restore
+ *     it around flashcore calls.
  */
 #ifndef FLASHCORE_H
 #define FLASHCORE_H

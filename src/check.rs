@@ -1,6 +1,10 @@
 //! End-to-end checks and timing of the forward kernel on a GPU: random inputs, poisoned
 //! outputs, a run, and the comparison with the float64 [`reference`](crate::reference).
 //! Used by the GPU tests, the `flashcore run` / `bench` commands and the benches.
+//!
+//! Test and benchmark tooling, not the library's API: the uploads and downloads here go
+//! through cudarc's safe API, which leaves the device's primary context current on the
+//! calling thread.
 
 use std::sync::Arc;
 

@@ -11,6 +11,8 @@
 //! - On failure it stores a message in a thread-local buffer that
 //!   [`flashcore_last_error`] returns; a successful call leaves the buffer alone.
 //! - Arguments are fully checked before anything is launched; on error nothing is written.
+//! - It returns with the calling thread's current CUDA context as it found it (see
+//!   [`ContextScope`](crate::host::device::ContextScope)).
 
 use std::cell::RefCell;
 use std::ffi::{CStr, CString, c_char};

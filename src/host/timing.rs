@@ -1,47 +1,47 @@
 //! CUDA-event timing on a raw stream.
 //!
 //! Events measure GPU time between two points of a stream, so host-side launch overhead
-//! only counts where it leaves the GPU idle.
+//! only counts where it leaves the GPU idle. Every call leaves the calling thread's current
+//! CUDA context as it found it (see [`ContextScope`]).
 
+use std::mem::ManuallyDrop;
 use std::ptr;
 use std::sync::Arc;
 
 use cudarc::driver::CudaContext;
 use cudarc::driver::sys::{self, CUevent, CUevent_flags, CUstream};
 
-use super::device::{check, driver_err};
+use super::device::{ContextScope, check, release_context};
 use crate::error::{Error, Result};
 
 /// One timing-capable CUDA event (`CU_EVENT_DEFAULT`; cudarc's `new_event(None)` would
 /// disable timing), destroyed on drop.
 #[derive(Debug)]
 struct Event {
-    ctx: Arc<CudaContext>,
+    /// Released through `release_context` in `Drop`.
+    ctx: ManuallyDrop<Arc<CudaContext>>,
     raw: CUevent,
 }
 
 impl Event {
     fn new(ctx: &Arc<CudaContext>) -> Result<Self> {
-        ctx.bind_to_thread()
-            .map_err(driver_err("cuCtxSetCurrent"))?;
+        let _scope = ContextScope::enter(ctx)?;
         let mut raw: CUevent = ptr::null_mut();
-        // SAFETY: the context is bound to this thread; `raw` is a valid out-pointer; the
+        // SAFETY: the context is current on this thread; `raw` is a valid out-pointer; the
         // flags are a valid CUevent_flags value.
         check("cuEventCreate", unsafe {
             sys::cuEventCreate(&mut raw, CUevent_flags::CU_EVENT_DEFAULT as u32)
         })?;
         Ok(Self {
-            ctx: Arc::clone(ctx),
+            ctx: ManuallyDrop::new(Arc::clone(ctx)),
             raw,
         })
     }
 
     /// Enqueues the event on `stream` (null = legacy default stream).
     fn record(&self, stream: CUstream) -> Result<()> {
-        self.ctx
-            .bind_to_thread()
-            .map_err(driver_err("cuCtxSetCurrent"))?;
-        // SAFETY: `self.raw` is a live event of the bound context. `stream` is, by the
+        let _scope = ContextScope::enter(&self.ctx)?;
+        // SAFETY: `self.raw` is a live event of the current context. `stream` is, by the
         // documented contract of the public callers, null or a live stream of that context.
         check("cuEventRecord", unsafe {
             sys::cuEventRecord(self.raw, stream)
@@ -50,15 +50,13 @@ impl Event {
 
     /// Milliseconds from `self` to `end`, waiting for `end` to complete first.
     fn elapsed_to(&self, end: &Event) -> Result<f32> {
-        self.ctx
-            .bind_to_thread()
-            .map_err(driver_err("cuCtxSetCurrent"))?;
-        // SAFETY: `end.raw` is a live event of the bound context.
+        let _scope = ContextScope::enter(&self.ctx)?;
+        // SAFETY: `end.raw` is a live event of the current context.
         check("cuEventSynchronize", unsafe {
             sys::cuEventSynchronize(end.raw)
         })?;
         let mut ms = 0f32;
-        // SAFETY: both events are live, timing-enabled events of the bound context; `ms` is
+        // SAFETY: both events are live, timing-enabled events of the current context; `ms` is
         // a valid out-pointer. (The cuda-12080 bindings name the v1 entry point, which every
         // 12.x and 13.x driver exports.)
         check("cuEventElapsedTime", unsafe {
@@ -70,17 +68,23 @@ impl Event {
 
 impl Drop for Event {
     fn drop(&mut self) {
-        // Nothing can be reported from Drop: a failed bind or destroy is ignored.
-        let _ = self.ctx.bind_to_thread();
-        // SAFETY: `self.raw` was created by cuEventCreate and is destroyed exactly once, here.
-        // Destroying an event that is still pending is allowed: the driver releases it once
-        // the event completes.
-        let _ = unsafe { sys::cuEventDestroy_v2(self.raw) };
+        {
+            // Nothing can be reported from Drop: a failure to make the context current, or
+            // to destroy the event, is ignored.
+            let _scope = ContextScope::enter(&self.ctx).ok();
+            // SAFETY: `self.raw` was created by cuEventCreate and is destroyed exactly once,
+            // here. Destroying an event that is still pending is allowed: the driver
+            // releases it once the event completes.
+            let _ = unsafe { sys::cuEventDestroy_v2(self.raw) };
+        }
+        // SAFETY: `self.ctx` is taken exactly once, here, and not used afterwards.
+        let ctx = unsafe { ManuallyDrop::take(&mut self.ctx) };
+        release_context(ctx);
     }
 }
 
 // SAFETY: a CUevent is an opaque driver handle and the driver API is thread-safe; every use
-// binds the owning context to the calling thread first.
+// makes the owning context current on the calling thread first.
 unsafe impl Send for Event {}
 // SAFETY: as above; shared access only records, synchronizes on or reads the event.
 unsafe impl Sync for Event {}
@@ -172,6 +176,8 @@ pub fn median_ms(
             "median_ms needs at least one timed iteration".into(),
         ));
     }
+    // One scope for the whole run: the calls inside find the context current already.
+    let _scope = ContextScope::enter(ctx)?;
     let marks = (0..=iters)
         .map(|_| Event::new(ctx))
         .collect::<Result<Vec<_>>>()?;
