@@ -370,16 +370,20 @@ pub fn time_forward(
         causal: case.causal,
     };
     let mut next = 0;
-    let stats = median_ms(
-        attn.device().context(),
-        stream.cu_stream(),
-        3,
-        iters,
-        || {
-            next = (next + 1) % cases.len();
-            cases[next].run(attn, &params)
-        },
-    )?;
+    // SAFETY: `stream` is a live cudarc stream of the device's context (the one every
+    // case's buffers were made with), alive for the whole call; `run` enqueues on it.
+    let stats = unsafe {
+        median_ms(
+            attn.device().context(),
+            stream.cu_stream(),
+            3,
+            iters,
+            || {
+                next = (next + 1) % cases.len();
+                cases[next].run(attn, &params)
+            },
+        )
+    }?;
     if !stats.median_ms.is_finite() {
         return Err(Error::InvalidArgument(
             "timing produced no finite sample".into(),

@@ -149,19 +149,23 @@ fn every_entry_point_keeps(expect: CUcontext, what: &str) {
     // Timing.
     let timer = EventTimer::new(device.context()).expect("events");
     check("EventTimer::new");
-    timer.record_start(ptr::null_mut()).expect("record");
+    // SAFETY: a null stream is the legacy default stream of the timer's (primary) context.
+    unsafe { timer.record_start(ptr::null_mut()) }.expect("record");
     check("EventTimer::record_start");
-    timer.record_stop(ptr::null_mut()).expect("record");
+    // SAFETY: as above.
+    unsafe { timer.record_stop(ptr::null_mut()) }.expect("record");
     check("EventTimer::record_stop");
     timer.elapsed_ms().expect("elapsed");
     check("EventTimer::elapsed_ms");
     drop(timer);
     check("dropping an EventTimer");
-    let stats = median_ms(device.context(), cu_stream, 1, 2, || {
+    let run = || {
         // SAFETY: as for the forward calls above.
         unsafe { attn.forward(&q, &k, &v, &o, Some(&lse), &params, cu_stream) }
-    })
-    .expect("median_ms");
+    };
+    // SAFETY: `cu_stream` is the case's stream, of the device's context, alive throughout;
+    // `run` enqueues on it.
+    let stats = unsafe { median_ms(device.context(), cu_stream, 1, 2, run) }.expect("median_ms");
     assert!(stats.median_ms >= 0.0);
     check("median_ms");
 

@@ -93,10 +93,11 @@ fn warm_forward_does_not_allocate() {
     let ([q, k, v, o], lse) = dev.views();
     let params = AttentionParams::default();
     let cu = stream.cu_stream();
-    // SAFETY (both calls): the views are the case's own live buffers, on its stream.
+    // SAFETY: the views are the case's own live buffers, on its stream.
     unsafe { attn.forward(&q, &k, &v, &o, Some(&lse), &params, cu) }.unwrap();
     let n = allocations_in(|| {
         for _ in 0..100 {
+            // SAFETY: as above.
             unsafe { attn.forward(&q, &k, &v, &o, Some(&lse), &params, cu) }.unwrap();
         }
     });

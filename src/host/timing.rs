@@ -39,10 +39,14 @@ impl Event {
     }
 
     /// Enqueues the event on `stream` (null = legacy default stream).
-    fn record(&self, stream: CUstream) -> Result<()> {
+    ///
+    /// # Safety
+    ///
+    /// `stream` must be null or a live stream of the event's context.
+    unsafe fn record(&self, stream: CUstream) -> Result<()> {
         let _scope = ContextScope::enter(&self.ctx)?;
-        // SAFETY: `self.raw` is a live event of the current context. `stream` is, by the
-        // documented contract of the public callers, null or a live stream of that context.
+        // SAFETY: `self.raw` is a live event of the current context; `stream` is null or a
+        // live stream of that context (this function's contract).
         check("cuEventRecord", unsafe {
             sys::cuEventRecord(self.raw, stream)
         })
@@ -91,8 +95,9 @@ unsafe impl Sync for Event {}
 
 /// A start/stop pair of events for timing one span of a stream.
 ///
-/// The raw `stream` passed to the `record_*` methods must be null (the legacy default
-/// stream) or a live stream of the timer's context.
+/// The `record_*` methods take a raw `CUstream`, which the driver would use unchecked, so
+/// they are `unsafe`: the stream must be null (the legacy default stream) or a live stream
+/// of the timer's context.
 #[derive(Debug)]
 pub struct EventTimer {
     start: Event,
@@ -109,13 +114,24 @@ impl EventTimer {
     }
 
     /// Marks the start of the timed span on `stream`.
-    pub fn record_start(&self, stream: CUstream) -> Result<()> {
-        self.start.record(stream)
+    ///
+    /// # Safety
+    ///
+    /// `stream` must be null (the legacy default stream) or a live stream of the context
+    /// the timer was created in.
+    pub unsafe fn record_start(&self, stream: CUstream) -> Result<()> {
+        // SAFETY: this function's contract, passed on unchanged.
+        unsafe { self.start.record(stream) }
     }
 
     /// Marks the end of the timed span on `stream`.
-    pub fn record_stop(&self, stream: CUstream) -> Result<()> {
-        self.stop.record(stream)
+    ///
+    /// # Safety
+    ///
+    /// As for [`EventTimer::record_start`].
+    pub unsafe fn record_stop(&self, stream: CUstream) -> Result<()> {
+        // SAFETY: this function's contract, passed on unchanged.
+        unsafe { self.stop.record(stream) }
     }
 
     /// Milliseconds between the two marks. Blocks until the stop mark has been reached.
@@ -162,9 +178,13 @@ fn summarize(samples: &mut [f32]) -> Option<TimingStats> {
 /// does not idle between iterations while the host launches the next one. (With
 /// `warmup == 0`, the first span may include the first launch's host overhead.)
 ///
-/// `stream` must be null (the legacy default stream) or a live stream of `ctx`, and `f`
-/// must enqueue its work on it. Errors from `f` are returned as they are.
-pub fn median_ms(
+/// `f` must enqueue its work on `stream`. Errors from `f` are returned as they are.
+///
+/// # Safety
+///
+/// `stream` must be null (the legacy default stream) or a live stream of `ctx`, and stay
+/// live until this function returns.
+pub unsafe fn median_ms(
     ctx: &Arc<CudaContext>,
     stream: CUstream,
     warmup: usize,
@@ -184,10 +204,13 @@ pub fn median_ms(
     for _ in 0..warmup {
         f()?;
     }
-    marks[0].record(stream)?;
+    // SAFETY: `stream` is null or a live stream of `ctx`, in which every mark was created
+    // (this function's contract).
+    unsafe { marks[0].record(stream) }?;
     for mark in &marks[1..] {
         f()?;
-        mark.record(stream)?;
+        // SAFETY: as above.
+        unsafe { mark.record(stream) }?;
     }
     let mut samples = marks
         .windows(2)
