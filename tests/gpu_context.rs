@@ -9,14 +9,14 @@ use std::sync::Arc;
 
 use cudarc::driver::sys::{self, CUcontext, CUdevice, CUresult};
 
-use flashcore::check::{DeviceCase, FwdCase, Layout, tolerance};
+use flashcore::check::{DeviceCase, FwdCase, Layout, TestSeeds, tolerance};
 use flashcore::ffi::{self, FLASHCORE_SUCCESS, FlashcoreContext, FlashcoreTensor};
 use flashcore::host::attention::Attention;
 use flashcore::host::device::{Device, device_count};
 use flashcore::host::tensor::{AttentionParams, TensorView};
 use flashcore::host::timing::{EventTimer, median_ms};
 use flashcore::kernels::attention::HalfType;
-use flashcore::reference::{self, Rng};
+use flashcore::reference;
 use flashcore::shape::AttnShape;
 
 fn current() -> CUcontext {
@@ -113,7 +113,10 @@ fn every_entry_point_keeps(expect: CUcontext, what: &str) {
     // Buffers in the primary context, through cudarc (which makes it current).
     let stream = device.context().default_stream();
     let case = small_case();
-    let dev = DeviceCase::new(&stream, case, &mut Rng::new(0x5eed)).expect("upload");
+    let mut seeds = TestSeeds::from_env().unwrap_or_else(|e| panic!("{e}"));
+    let mut rng = seeds.next_case();
+    let replay = seeds.replay(&rng);
+    let dev = DeviceCase::new(&stream, case, &mut rng).expect("upload");
     let ([q, k, v, o], lse) = dev.views();
     let params = AttentionParams {
         softmax_scale: None,
@@ -201,7 +204,10 @@ fn every_entry_point_keeps(expect: CUcontext, what: &str) {
     let want = dev.reference(params.scale_for(64) as f64);
     let got = reference::half_bits_to_f64(&o_bits, HalfType::F16);
     let err = reference::rel_l2(&got, &want.out);
-    assert!(err <= tolerance(HalfType::F16), "{what}: error {err:.2e}");
+    assert!(
+        err <= tolerance(HalfType::F16),
+        "{what}: error {err:.2e} ({replay})"
+    );
     set_current(expect);
 
     drop(attn);

@@ -89,7 +89,10 @@ fn warm_forward_does_not_allocate() {
         layout: L::Bhsd,
         kernel: None,
     };
-    let dev = DeviceCase::new(&stream, case, &mut flashcore::reference::Rng::new(7)).unwrap();
+    let mut seeds = flashcore::check::TestSeeds::from_env().unwrap_or_else(|e| panic!("{e}"));
+    let mut rng = seeds.next_case();
+    let replay = seeds.replay(&rng);
+    let dev = DeviceCase::new(&stream, case, &mut rng).unwrap();
     let ([q, k, v, o], lse) = dev.views();
     let params = AttentionParams::default();
     let cu = stream.cu_stream();
@@ -102,5 +105,8 @@ fn warm_forward_does_not_allocate() {
         }
     });
     stream.synchronize().unwrap();
-    assert_eq!(n, 0, "100 warm forward calls allocated {n} times");
+    assert_eq!(
+        n, 0,
+        "100 warm forward calls allocated {n} times ({replay})"
+    );
 }
