@@ -1,17 +1,29 @@
 //! `include/flashcore.h` against `src/ffi.rs` (and the ctypes bindings of
 //! `scripts/harness.py`): the same constants with the same values, the same functions with
 //! the same parameter types, the same `FlashcoreTensor` fields. Plain text parsing: the
-//! header is kept in a simple, regular style for it.
+//! header is kept in a simple, regular style for it. The three files are embedded in the
+//! test binary, which therefore runs anywhere.
 
 use std::collections::BTreeMap;
-use std::path::Path;
 
 use flashcore::error::RETURN_CODES;
 use flashcore::ffi::FLASHCORE_CONSTANTS;
 
+/// The files the checks read, embedded at compile time: the test binary needs no source
+/// tree at run time (the GPU bundle runs it on another machine), and cargo rebuilds it
+/// when one of them changes.
+const HEADER: &str = include_str!("../include/flashcore.h");
+const FFI_RS: &str = include_str!("../src/ffi.rs");
+const HARNESS_PY: &str = include_str!("../scripts/harness.py");
+
 fn read(rel: &str) -> String {
-    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join(rel);
-    std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+    match rel {
+        "include/flashcore.h" => HEADER,
+        "src/ffi.rs" => FFI_RS,
+        "scripts/harness.py" => HARNESS_PY,
+        other => panic!("{other} is not embedded in this test; add an include_str! for it"),
+    }
+    .to_string()
 }
 
 /// Removes `/* */` and `//` comments (the header has no string literals containing them).
