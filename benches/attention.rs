@@ -80,11 +80,13 @@ fn main() {
             let id = format!("B{b}_H{h}_S{s}_D{d}{}", if causal { "_causal" } else { "" });
             group.bench_function(BenchmarkId::from_parameter(id), |bench| {
                 bench.iter_custom(|iters| {
-                    timer.record_start(stream.cu_stream()).expect("event");
+                    // SAFETY: `stream` is a live stream of the device's context, as is the timer.
+                    unsafe { timer.record_start(stream.cu_stream()) }.expect("event");
                     for i in 0..iters as usize {
                         sets[i % sets.len()].run(&attn, &params).expect("forward");
                     }
-                    timer.record_stop(stream.cu_stream()).expect("event");
+                    // SAFETY: as for record_start.
+                    unsafe { timer.record_stop(stream.cu_stream()) }.expect("event");
                     Duration::from_secs_f64(timer.elapsed_ms().expect("elapsed") as f64 / 1e3)
                 })
             });
@@ -121,17 +123,20 @@ fn main() {
     ));
     group.bench_function("B2_H8_S512_D64_x20_graph", |bench| {
         bench.iter_custom(|iters| {
-            timer.record_start(stream.cu_stream()).expect("event");
+            // SAFETY: `stream` is a live stream of the device's context, as is the timer.
+            unsafe { timer.record_start(stream.cu_stream()) }.expect("event");
             for _ in 0..iters {
                 graph.launch().expect("graph launch");
             }
-            timer.record_stop(stream.cu_stream()).expect("event");
+            // SAFETY: as for record_start.
+            unsafe { timer.record_stop(stream.cu_stream()) }.expect("event");
             Duration::from_secs_f64(timer.elapsed_ms().expect("elapsed") as f64 / 1e3)
         })
     });
     group.bench_function("B2_H8_S512_D64_x20_eager", |bench| {
         bench.iter_custom(|iters| {
-            timer.record_start(stream.cu_stream()).expect("event");
+            // SAFETY: `stream` is a live stream of the device's context, as is the timer.
+            unsafe { timer.record_start(stream.cu_stream()) }.expect("event");
             for _ in 0..iters {
                 for i in 0..per_graph {
                     let ([q, k, v, o], lse) = &views[i % views.len()];
@@ -140,7 +145,8 @@ fn main() {
                         .expect("forward");
                 }
             }
-            timer.record_stop(stream.cu_stream()).expect("event");
+            // SAFETY: as for record_start.
+            unsafe { timer.record_stop(stream.cu_stream()) }.expect("event");
             Duration::from_secs_f64(timer.elapsed_ms().expect("elapsed") as f64 / 1e3)
         })
     });

@@ -13,7 +13,11 @@
  *     ELEMENTS (not bytes). A PyTorch [B, H, S, D] tensor t is passed with
  *     strides = {t.stride(0), t.stride(2), t.stride(1), t.stride(3)}.
  *   - All memory belongs to the device's primary context (the one the CUDA runtime and
- *     PyTorch use); flashcore makes that context current on the calling thread.
+ *     PyTorch use). flashcore makes that context current only while one of its calls
+ *     runs: every function returns with the calling thread's current CUDA context as it
+ *     found it (the caller's own context, another device's, or none), on success and on
+ *     every error. A caller that works in a context of its own need not save and restore
+ *     it around flashcore calls.
  */
 #ifndef FLASHCORE_H
 #define FLASHCORE_H
@@ -31,8 +35,9 @@ extern "C" {
 #define FLASHCORE_F32 3  /* float32: describable, but no kernel takes it */
 
 /* ---- return codes -------------------------------------------------------------------- */
+/* (src/error.rs holds the table these lines are checked against: values, names, comments) */
 
-#define FLASHCORE_SUCCESS 0
+#define FLASHCORE_SUCCESS 0                    /* the call succeeded */
 #define FLASHCORE_ERROR_NO_DRIVER 1            /* libcuda could not be loaded */
 #define FLASHCORE_ERROR_NO_DEVICE 2            /* no device with that ordinal */
 #define FLASHCORE_ERROR_UNSUPPORTED_GPU 3      /* below sm_80: no kernel path */
@@ -91,6 +96,11 @@ void flashcore_destroy(FlashcoreContext *ctx);
  *   causal:        non-zero for a causal mask aligned bottom-right: query i sees key j iff
  *                  j <= i + Sk - Sq. A row that sees no key gets zeros (and lse -inf).
  *   stream:        NULL for the default stream.
+ *
+ * Size limits: Sq and Sk each below 2^31, B <= 65535 and Hq <= 65535 (they become launch
+ * grid dimensions); a larger value is FLASHCORE_ERROR_INVALID_ARGUMENT. Within these
+ * limits every index and offset the kernels compute is exact, however large the tensors
+ * (offsets are 64-bit), as long as each tensor's byte range fits the 64-bit address space.
  *
  * All arguments are checked before anything runs; on error nothing is launched or
  * written. The first call for a (dtype, head_dim, causal) configuration generates and

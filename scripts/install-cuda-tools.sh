@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs the offline CUDA assembler tools (ptxas, cuobjdump, nvdisasm) from PyPI wheels
-# into DIR, with no CUDA toolkit, no GPU and no root. Used by .ci/run and by
-# tests/assembly.rs (which needs ptxas and cuobjdump on PATH or in $FLASHCORE_CUDA_BIN).
+# into DIR, with no CUDA toolkit, no GPU and no root. Used by scripts/test.sh (the test
+# suite's one command, which .ci/run calls) for tests/assembly.rs, which needs ptxas and
+# cuobjdump on PATH or in $FLASHCORE_CUDA_BIN.
 #
 #   scripts/install-cuda-tools.sh DIR
 #
@@ -46,6 +47,10 @@ else
     fi
     if [[ -z "$py" ]]; then
         echo "install-cuda-tools: python3 with pip is needed" >&2
+        exit 1
+    fi
+    if ! "$py" -m pip --version >/dev/null 2>&1; then
+        echo "install-cuda-tools: $py has no pip module; install pip (e.g. apt-get install python3-pip) or set PYTHON" >&2
         exit 1
     fi
     mkdir -p "$dir"

@@ -1,6 +1,10 @@
 //! End-to-end checks and timing of the forward kernel on a GPU: random inputs, poisoned
 //! outputs, a run, and the comparison with the float64 [`reference`](crate::reference).
 //! Used by the GPU tests, the `flashcore run` / `bench` commands and the benches.
+//!
+//! Test and benchmark tooling, not the library's API: the uploads and downloads here go
+//! through cudarc's safe API, which leaves the device's primary context current on the
+//! calling thread.
 
 use std::sync::Arc;
 
@@ -42,6 +46,95 @@ pub const BENCH_SHAPES: [(usize, usize, usize, usize); 4] = [
     (8, 16, 2048, 128),
     (1, 16, 16384, 128),
 ];
+
+/// The environment variable that sets the seed of the GPU tests' random inputs: decimal or
+/// `0x` hexadecimal.
+pub const SEED_VAR: &str = "FLASHCORE_SEED";
+
+/// The GPU tests' seed when [`SEED_VAR`] is unset: fixed, so every run draws the same
+/// inputs and a failure is reproducible.
+pub const DEFAULT_SEED: u64 = 0xF1A5_C0DE;
+
+/// A seed as [`SEED_VAR`] takes it: decimal, or hexadecimal after `0x`/`0X`; surrounding
+/// whitespace is ignored. `None` for anything else (empty, negative, too large).
+pub fn parse_seed(text: &str) -> Option<u64> {
+    let t = text.trim();
+    match t.strip_prefix("0x").or_else(|| t.strip_prefix("0X")) {
+        Some(hex) if !hex.is_empty() && hex.bytes().all(|b| b.is_ascii_hexdigit()) => {
+            u64::from_str_radix(hex, 16).ok()
+        }
+        Some(_) => None,
+        None if !t.is_empty() && t.bytes().all(|b| b.is_ascii_digit()) => t.parse().ok(),
+        None => None,
+    }
+}
+
+/// The random inputs of one GPU test run: the run's seed ([`SEED_VAR`], else
+/// [`DEFAULT_SEED`]) and, drawn from it in order, one seed per case.
+///
+/// Every failure message should carry [`TestSeeds::replay`]: running the same test again
+/// with `FLASHCORE_SEED` set to the run's seed draws the same inputs for every case.
+///
+/// ```
+/// let mut seeds = flashcore::check::TestSeeds::new(7);
+/// let mut rng = seeds.next_case(); // pass to DeviceCase::new / check_forward
+/// let line = format!("case failed ({})", seeds.replay(&rng));
+/// # let _ = (&mut rng, line);
+/// ```
+#[derive(Debug, Clone)]
+pub struct TestSeeds {
+    run: u64,
+    cases: Rng,
+}
+
+impl TestSeeds {
+    /// The seeds of a run starting from `run`.
+    pub fn new(run: u64) -> TestSeeds {
+        TestSeeds {
+            run,
+            cases: Rng::new(run),
+        }
+    }
+
+    /// The run's seed from [`SEED_VAR`], or [`DEFAULT_SEED`] when it is unset or empty.
+    ///
+    /// Errors: [`Error::InvalidArgument`] when the variable is set to something that is not
+    /// a seed (rather than silently running with another one).
+    pub fn from_env() -> Result<TestSeeds> {
+        Self::from_var(std::env::var(SEED_VAR).ok().as_deref())
+    }
+
+    fn from_var(value: Option<&str>) -> Result<TestSeeds> {
+        match value.map(str::trim) {
+            None | Some("") => Ok(Self::new(DEFAULT_SEED)),
+            Some(v) => parse_seed(v).map(Self::new).ok_or_else(|| {
+                Error::InvalidArgument(format!(
+                    "{SEED_VAR}={v:?} is not a seed (decimal, or hexadecimal after 0x)"
+                ))
+            }),
+        }
+    }
+
+    /// The run's seed: what [`SEED_VAR`] must be set to for a replay.
+    pub fn run_seed(&self) -> u64 {
+        self.run
+    }
+
+    /// The generator of the next case, seeded from the run's sequence.
+    pub fn next_case(&mut self) -> Rng {
+        Rng::new(self.cases.next_u64())
+    }
+
+    /// `case seed 0x..; replay: FLASHCORE_SEED=0x..`, for the failure message of the case
+    /// drawn with `case`.
+    pub fn replay(&self, case: &Rng) -> String {
+        format!(
+            "case seed {:#x}; replay: {SEED_VAR}={:#x}",
+            case.seed(),
+            self.run
+        )
+    }
+}
 
 impl std::fmt::Display for FwdCase {
     /// `B2 H8 S512 D64 f16 causal [B, H, S, D]`.
@@ -366,20 +459,84 @@ pub fn time_forward(
         causal: case.causal,
     };
     let mut next = 0;
-    let stats = median_ms(
-        attn.device().context(),
-        stream.cu_stream(),
-        3,
-        iters,
-        || {
-            next = (next + 1) % cases.len();
-            cases[next].run(attn, &params)
-        },
-    )?;
+    // SAFETY: `stream` is a live cudarc stream of the device's context (the one every
+    // case's buffers were made with), alive for the whole call; `run` enqueues on it.
+    let stats = unsafe {
+        median_ms(
+            attn.device().context(),
+            stream.cu_stream(),
+            3,
+            iters,
+            || {
+                next = (next + 1) % cases.len();
+                cases[next].run(attn, &params)
+            },
+        )
+    }?;
     if !stats.median_ms.is_finite() {
         return Err(Error::InvalidArgument(
             "timing produced no finite sample".into(),
         ));
     }
     Ok(stats)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn seeds_parse_as_decimal_or_hex() {
+        assert_eq!(parse_seed("0"), Some(0));
+        assert_eq!(parse_seed("123"), Some(123));
+        assert_eq!(parse_seed(" 42\n"), Some(42));
+        assert_eq!(parse_seed("0x1F"), Some(31));
+        assert_eq!(parse_seed("0XfF"), Some(255));
+        assert_eq!(parse_seed("0xffffffffffffffff"), Some(u64::MAX));
+        assert_eq!(parse_seed("18446744073709551615"), Some(u64::MAX));
+        for bad in [
+            "",
+            "0x",
+            "-1",
+            "+1",
+            "1e3",
+            "0x1g",
+            "seed",
+            "18446744073709551616",
+            "0x10000000000000000",
+        ] {
+            assert_eq!(parse_seed(bad), None, "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn the_run_seed_decides_every_case() {
+        let run = |seed| {
+            let mut s = TestSeeds::new(seed);
+            (0..4).map(|_| s.next_case().next_u64()).collect::<Vec<_>>()
+        };
+        assert_eq!(run(7), run(7));
+        assert_ne!(run(7), run(8));
+        let cases = run(7);
+        assert!(
+            cases.windows(2).all(|w| w[0] != w[1]),
+            "cases repeat inputs"
+        );
+
+        assert_eq!(TestSeeds::from_var(None).unwrap().run_seed(), DEFAULT_SEED);
+        assert_eq!(
+            TestSeeds::from_var(Some(" ")).unwrap().run_seed(),
+            DEFAULT_SEED
+        );
+        assert_eq!(TestSeeds::from_var(Some("0x10")).unwrap().run_seed(), 16);
+        let e = TestSeeds::from_var(Some("abc")).unwrap_err();
+        assert!(e.to_string().contains("FLASHCORE_SEED=\"abc\""), "{e}");
+
+        let mut s = TestSeeds::new(0xab);
+        let case = s.next_case();
+        assert_eq!(
+            s.replay(&case),
+            format!("case seed {:#x}; replay: FLASHCORE_SEED=0xab", case.seed())
+        );
+    }
 }

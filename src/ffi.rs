@@ -11,6 +11,8 @@
 //! - On failure it stores a message in a thread-local buffer that
 //!   [`flashcore_last_error`] returns; a successful call leaves the buffer alone.
 //! - Arguments are fully checked before anything is launched; on error nothing is written.
+//! - It returns with the calling thread's current CUDA context as it found it (see
+//!   [`ContextScope`](crate::host::device::ContextScope)).
 
 use std::cell::RefCell;
 use std::ffi::{CStr, CString, c_char};
@@ -19,12 +21,15 @@ use std::sync::Arc;
 
 use cudarc::driver::sys::CUstream;
 
-use crate::error::Error;
+use crate::error::{Error, RETURN_CODES, return_code};
 use crate::host::attention::Attention;
 use crate::host::device::Device;
 use crate::host::tensor::{AttentionParams, DIM_NAMES, DType, LseView, TensorView};
 
 // ---- constants (mirrored by the #defines of include/flashcore.h) --------------------------
+//
+// The return codes (`FLASHCORE_SUCCESS`, `FLASHCORE_ERROR_*`) come from the one table in
+// `crate::error` ([`RETURN_CODES`]); only the dtype codes are defined here.
 
 /// `FlashcoreTensor::dtype` of IEEE half precision.
 pub const FLASHCORE_F16: i32 = 1;
@@ -33,88 +38,36 @@ pub const FLASHCORE_BF16: i32 = 2;
 /// `FlashcoreTensor::dtype` of float32 (describable, but no kernel takes it).
 pub const FLASHCORE_F32: i32 = 3;
 
-/// The call succeeded.
-pub const FLASHCORE_SUCCESS: i32 = 0;
-/// [`Error::NoDriver`].
-pub const FLASHCORE_ERROR_NO_DRIVER: i32 = 1;
-/// [`Error::NoDevice`].
-pub const FLASHCORE_ERROR_NO_DEVICE: i32 = 2;
-/// [`Error::UnsupportedGpu`].
-pub const FLASHCORE_ERROR_UNSUPPORTED_GPU: i32 = 3;
-/// [`Error::ShapeMismatch`].
-pub const FLASHCORE_ERROR_SHAPE_MISMATCH: i32 = 4;
-/// [`Error::BadStrides`] (also a negative stride in a `FlashcoreTensor`).
-pub const FLASHCORE_ERROR_BAD_STRIDES: i32 = 5;
-/// [`Error::EmptyDimension`].
-pub const FLASHCORE_ERROR_EMPTY_DIMENSION: i32 = 6;
-/// [`Error::UnsupportedHeadDim`].
-pub const FLASHCORE_ERROR_UNSUPPORTED_HEAD_DIM: i32 = 7;
-/// [`Error::UnsupportedDType`] (also an unknown dtype code).
-pub const FLASHCORE_ERROR_UNSUPPORTED_DTYPE: i32 = 8;
-/// [`Error::HeadRatio`].
-pub const FLASHCORE_ERROR_HEAD_RATIO: i32 = 9;
-/// [`Error::NullPointer`]: a null *device* pointer inside a tensor.
-pub const FLASHCORE_ERROR_NULL_POINTER: i32 = 10;
-/// [`Error::Misaligned`].
-pub const FLASHCORE_ERROR_MISALIGNED: i32 = 11;
-/// [`Error::InvalidArgument`] (also a negative shape or device ordinal).
-pub const FLASHCORE_ERROR_INVALID_ARGUMENT: i32 = 12;
-/// [`Error::Ptx`].
-pub const FLASHCORE_ERROR_PTX: i32 = 13;
-/// [`Error::ModuleLoad`].
-pub const FLASHCORE_ERROR_MODULE_LOAD: i32 = 14;
-/// [`Error::Driver`].
-pub const FLASHCORE_ERROR_DRIVER: i32 = 15;
-/// A null host pointer where a struct or handle was required (`ctx`, `q`, `out`, ...).
-pub const FLASHCORE_ERROR_NULL_ARGUMENT: i32 = 100;
-/// flashcore panicked internally (a bug); the message says where.
-pub const FLASHCORE_ERROR_PANIC: i32 = 101;
+pub use crate::error::codes::*;
 
-/// Every `FLASHCORE_*` constant by name, for the header test and for bindings.
-pub const FLASHCORE_CONSTANTS: &[(&str, i32)] = &[
+/// The element types, by name: the constants above.
+const DTYPES: [(&str, i32); 3] = [
     ("FLASHCORE_F16", FLASHCORE_F16),
     ("FLASHCORE_BF16", FLASHCORE_BF16),
     ("FLASHCORE_F32", FLASHCORE_F32),
-    ("FLASHCORE_SUCCESS", FLASHCORE_SUCCESS),
-    ("FLASHCORE_ERROR_NO_DRIVER", FLASHCORE_ERROR_NO_DRIVER),
-    ("FLASHCORE_ERROR_NO_DEVICE", FLASHCORE_ERROR_NO_DEVICE),
-    (
-        "FLASHCORE_ERROR_UNSUPPORTED_GPU",
-        FLASHCORE_ERROR_UNSUPPORTED_GPU,
-    ),
-    (
-        "FLASHCORE_ERROR_SHAPE_MISMATCH",
-        FLASHCORE_ERROR_SHAPE_MISMATCH,
-    ),
-    ("FLASHCORE_ERROR_BAD_STRIDES", FLASHCORE_ERROR_BAD_STRIDES),
-    (
-        "FLASHCORE_ERROR_EMPTY_DIMENSION",
-        FLASHCORE_ERROR_EMPTY_DIMENSION,
-    ),
-    (
-        "FLASHCORE_ERROR_UNSUPPORTED_HEAD_DIM",
-        FLASHCORE_ERROR_UNSUPPORTED_HEAD_DIM,
-    ),
-    (
-        "FLASHCORE_ERROR_UNSUPPORTED_DTYPE",
-        FLASHCORE_ERROR_UNSUPPORTED_DTYPE,
-    ),
-    ("FLASHCORE_ERROR_HEAD_RATIO", FLASHCORE_ERROR_HEAD_RATIO),
-    ("FLASHCORE_ERROR_NULL_POINTER", FLASHCORE_ERROR_NULL_POINTER),
-    ("FLASHCORE_ERROR_MISALIGNED", FLASHCORE_ERROR_MISALIGNED),
-    (
-        "FLASHCORE_ERROR_INVALID_ARGUMENT",
-        FLASHCORE_ERROR_INVALID_ARGUMENT,
-    ),
-    ("FLASHCORE_ERROR_PTX", FLASHCORE_ERROR_PTX),
-    ("FLASHCORE_ERROR_MODULE_LOAD", FLASHCORE_ERROR_MODULE_LOAD),
-    ("FLASHCORE_ERROR_DRIVER", FLASHCORE_ERROR_DRIVER),
-    (
-        "FLASHCORE_ERROR_NULL_ARGUMENT",
-        FLASHCORE_ERROR_NULL_ARGUMENT,
-    ),
-    ("FLASHCORE_ERROR_PANIC", FLASHCORE_ERROR_PANIC),
 ];
+
+const N_CONSTANTS: usize = DTYPES.len() + RETURN_CODES.len();
+
+/// [`DTYPES`] followed by [`RETURN_CODES`], built at compile time.
+const CONSTANTS: [(&str, i32); N_CONSTANTS] = {
+    let mut out = [("", 0); N_CONSTANTS];
+    let mut i = 0;
+    while i < DTYPES.len() {
+        out[i] = DTYPES[i];
+        i += 1;
+    }
+    let mut j = 0;
+    while j < RETURN_CODES.len() {
+        out[i + j] = (RETURN_CODES[j].name, RETURN_CODES[j].code);
+        j += 1;
+    }
+    out
+};
+
+/// Every `FLASHCORE_*` constant by name, for the header test and for bindings: the dtypes,
+/// then the return codes of [`RETURN_CODES`].
+pub const FLASHCORE_CONSTANTS: &[(&str, i32)] = &CONSTANTS;
 
 // ---- types -------------------------------------------------------------------------------
 
@@ -392,27 +345,7 @@ pub extern "C" fn flashcore_error_name(code: i32) -> *const c_char {
 }
 
 fn error_name(code: i32) -> &'static CStr {
-    match code {
-        FLASHCORE_SUCCESS => c"FLASHCORE_SUCCESS",
-        FLASHCORE_ERROR_NO_DRIVER => c"FLASHCORE_ERROR_NO_DRIVER",
-        FLASHCORE_ERROR_NO_DEVICE => c"FLASHCORE_ERROR_NO_DEVICE",
-        FLASHCORE_ERROR_UNSUPPORTED_GPU => c"FLASHCORE_ERROR_UNSUPPORTED_GPU",
-        FLASHCORE_ERROR_SHAPE_MISMATCH => c"FLASHCORE_ERROR_SHAPE_MISMATCH",
-        FLASHCORE_ERROR_BAD_STRIDES => c"FLASHCORE_ERROR_BAD_STRIDES",
-        FLASHCORE_ERROR_EMPTY_DIMENSION => c"FLASHCORE_ERROR_EMPTY_DIMENSION",
-        FLASHCORE_ERROR_UNSUPPORTED_HEAD_DIM => c"FLASHCORE_ERROR_UNSUPPORTED_HEAD_DIM",
-        FLASHCORE_ERROR_UNSUPPORTED_DTYPE => c"FLASHCORE_ERROR_UNSUPPORTED_DTYPE",
-        FLASHCORE_ERROR_HEAD_RATIO => c"FLASHCORE_ERROR_HEAD_RATIO",
-        FLASHCORE_ERROR_NULL_POINTER => c"FLASHCORE_ERROR_NULL_POINTER",
-        FLASHCORE_ERROR_MISALIGNED => c"FLASHCORE_ERROR_MISALIGNED",
-        FLASHCORE_ERROR_INVALID_ARGUMENT => c"FLASHCORE_ERROR_INVALID_ARGUMENT",
-        FLASHCORE_ERROR_PTX => c"FLASHCORE_ERROR_PTX",
-        FLASHCORE_ERROR_MODULE_LOAD => c"FLASHCORE_ERROR_MODULE_LOAD",
-        FLASHCORE_ERROR_DRIVER => c"FLASHCORE_ERROR_DRIVER",
-        FLASHCORE_ERROR_NULL_ARGUMENT => c"FLASHCORE_ERROR_NULL_ARGUMENT",
-        FLASHCORE_ERROR_PANIC => c"FLASHCORE_ERROR_PANIC",
-        _ => c"FLASHCORE_ERROR_UNKNOWN",
-    }
+    return_code(code).map_or(c"FLASHCORE_ERROR_UNKNOWN", |r| r.c_name)
 }
 
 const VERSION: &CStr =

@@ -33,9 +33,8 @@ use flashcore::ptx::{
 
 // ---- tool discovery ---------------------------------------------------------------------
 
-const INSTALL_HINT: &str = "install them with `scripts/install-cuda-tools.sh DIR` (pip wheels, \
-no GPU or CUDA toolkit needed), then put DIR/nvidia/cu13/bin on PATH or set \
-FLASHCORE_CUDA_BIN=DIR/nvidia/cu13/bin. `.ci/run` does this automatically.";
+const INSTALL_HINT: &str = "run the tests with `scripts/test.sh`, which installs the pinned \
+CUDA tools (pip wheels, no GPU or CUDA toolkit needed) and puts them on PATH";
 
 /// Where ptxas and cuobjdump were found.
 struct Tools {

@@ -1,16 +1,29 @@
 //! `include/flashcore.h` against `src/ffi.rs` (and the ctypes bindings of
 //! `scripts/harness.py`): the same constants with the same values, the same functions with
 //! the same parameter types, the same `FlashcoreTensor` fields. Plain text parsing: the
-//! header is kept in a simple, regular style for it.
+//! header is kept in a simple, regular style for it. The three files are embedded in the
+//! test binary, which therefore runs anywhere.
 
 use std::collections::BTreeMap;
-use std::path::Path;
 
+use flashcore::error::RETURN_CODES;
 use flashcore::ffi::FLASHCORE_CONSTANTS;
 
+/// The files the checks read, embedded at compile time: the test binary needs no source
+/// tree at run time (the GPU bundle runs it on another machine), and cargo rebuilds it
+/// when one of them changes.
+const HEADER: &str = include_str!("../include/flashcore.h");
+const FFI_RS: &str = include_str!("../src/ffi.rs");
+const HARNESS_PY: &str = include_str!("../scripts/harness.py");
+
 fn read(rel: &str) -> String {
-    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join(rel);
-    std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+    match rel {
+        "include/flashcore.h" => HEADER,
+        "src/ffi.rs" => FFI_RS,
+        "scripts/harness.py" => HARNESS_PY,
+        other => panic!("{other} is not embedded in this test; add an include_str! for it"),
+    }
+    .to_string()
 }
 
 /// Removes `/* */` and `//` comments (the header has no string literals containing them).
@@ -304,7 +317,8 @@ fn constants_match() {
         .collect();
     assert_eq!(defined, rust, "header #defines vs ffi::FLASHCORE_CONSTANTS");
 
-    // The table lists every `pub const FLASHCORE_*` of ffi.rs, and no other name.
+    // The table lists every `pub const FLASHCORE_*` of ffi.rs (the dtypes) and every
+    // return code of the one table in src/error.rs, and no other name.
     let src = read("src/ffi.rs");
     let mut consts: Vec<String> = src
         .lines()
@@ -312,10 +326,57 @@ fn constants_match() {
         .filter_map(|l| l.split_once(':'))
         .filter(|(_, ty)| ty.trim_start().starts_with("i32"))
         .map(|(n, _)| format!("FLASHCORE_{n}"))
+        .chain(RETURN_CODES.iter().map(|r| r.name.to_string()))
         .collect();
     consts.sort();
     let table: Vec<String> = rust.keys().cloned().collect();
     assert_eq!(consts, table, "pub consts vs FLASHCORE_CONSTANTS");
+}
+
+/// The header's return-code `#define`s, one per line as `#define NAME VALUE /* summary */`,
+/// are exactly `flashcore::error::RETURN_CODES`, in its order: values, names and comments.
+#[test]
+fn return_codes_match_the_table() {
+    let got = return_code_lines(&read("include/flashcore.h"));
+    let want: Vec<(String, i64, String)> = RETURN_CODES
+        .iter()
+        .map(|r| (r.name.to_string(), i64::from(r.code), r.summary.to_string()))
+        .collect();
+    if got != want {
+        let width = RETURN_CODES.iter().map(|r| r.name.len()).max().unwrap_or(0);
+        let block: Vec<String> = RETURN_CODES
+            .iter()
+            .map(|r| {
+                let head = format!("#define {} {}", r.name, r.code);
+                format!("{head:<w$} /* {} */", r.summary, w = width + 10)
+            })
+            .collect();
+        panic!(
+            "include/flashcore.h's return codes differ from src/error.rs's RETURN_CODES.\n\
+             header: {got:?}\ntable:  {want:?}\nThe header's block should read:\n{}",
+            block.join("\n")
+        );
+    }
+}
+
+/// `(name, value, comment)` of every `#define FLASHCORE_SUCCESS` / `FLASHCORE_ERROR_*` line.
+fn return_code_lines(header: &str) -> Vec<(String, i64, String)> {
+    header
+        .lines()
+        .filter_map(|l| l.trim().strip_prefix("#define "))
+        .filter(|l| l.starts_with("FLASHCORE_SUCCESS ") || l.starts_with("FLASHCORE_ERROR_"))
+        .map(|l| {
+            let (def, comment) = l.split_once("/*").unwrap_or((l, ""));
+            let mut parts = def.split_whitespace();
+            let name = parts.next().unwrap_or_default().to_string();
+            let value = parts
+                .next()
+                .and_then(|v| v.parse().ok())
+                .unwrap_or_else(|| panic!("#define {name}: no integer value"));
+            let comment = comment.trim().trim_end_matches("*/").trim().to_string();
+            (name, value, comment)
+        })
+        .collect()
 }
 
 #[test]
@@ -489,4 +550,14 @@ fn parsers_work_on_samples() {
     );
     assert_eq!(rust_to_c("*const c_char"), "const char*");
     assert_eq!(rust_to_c("[i64; 4]"), "int64_t[4]");
+    assert_eq!(
+        return_code_lines(
+            "#define FLASHCORE_F16 1 /* x */\n  #define FLASHCORE_ERROR_X 12  /* a, b */\n\
+             #define FLASHCORE_SUCCESS 0\n#define FLASHCORE_H\n"
+        ),
+        [
+            ("FLASHCORE_ERROR_X".to_string(), 12, "a, b".to_string()),
+            ("FLASHCORE_SUCCESS".to_string(), 0, String::new()),
+        ]
+    );
 }

@@ -1,14 +1,17 @@
 //! Forward attention on a GPU against the float64 reference. Run on a GPU machine with
 //! `cargo test --release -- --include-ignored`.
+//!
+//! The random inputs come from a fixed seed, or from `FLASHCORE_SEED` (decimal or 0x-hex)
+//! when it is set; every failure names the run's seed to set there to replay it, and the
+//! failing case's own seed.
 
 use std::sync::Arc;
 
-use flashcore::check::{CheckResult, FwdCase, Layout, check_forward, tolerance};
+use flashcore::check::{CheckResult, FwdCase, Layout, TestSeeds, check_forward, tolerance};
 use flashcore::host::attention::Attention;
 use flashcore::host::device::Device;
 use flashcore::host::tensor::{AttentionParams, DType, TensorView};
 use flashcore::kernels::attention::{BLOCK_M_NARROW, BLOCK_M_WIDE, FwdConfig, HalfType, Path};
-use flashcore::reference::Rng;
 use flashcore::shape::AttnShape;
 
 const SEQLENS: [usize; 6] = [1, 17, 113, 128, 1000, 2048];
@@ -22,15 +25,17 @@ fn setup() -> (Attention, Arc<cudarc::driver::CudaStream>) {
 /// Runs every case, prints one line each, and fails listing every case over tolerance.
 fn run_cases(cases: &[FwdCase]) {
     let (attn, stream) = setup();
-    let mut rng = Rng::from_entropy();
+    let mut seeds = seeds();
     let mut failures = Vec::new();
     let mut worst: (f64, String) = (0.0, String::new());
     for case in cases {
+        let mut rng = seeds.next_case();
+        let replay = seeds.replay(&rng);
         let r: CheckResult = check_forward(&attn, &stream, *case, &mut rng)
-            .unwrap_or_else(|e| panic!("{case}: {e}"));
+            .unwrap_or_else(|e| panic!("{case} ({replay}): {e}"));
         let line = format!(
-            "{case}: out {:.2e} lse {:.2e} unwritten {} seed {:#x}",
-            r.out_err, r.lse_err, r.unwritten, r.seed
+            "{case}: out {:.2e} lse {:.2e} unwritten {} ({replay})",
+            r.out_err, r.lse_err, r.unwritten
         );
         println!("{line}");
         if r.out_err > worst.0 || r.out_err.is_nan() {
@@ -43,11 +48,19 @@ fn run_cases(cases: &[FwdCase]) {
     println!("worst: {}", worst.1);
     assert!(
         failures.is_empty(),
-        "{} of {} cases failed:\n{}",
+        "{} of {} cases failed (replay all: FLASHCORE_SEED={:#x}):\n{}",
         failures.len(),
         cases.len(),
+        seeds.run_seed(),
         failures.join("\n")
     );
+}
+
+/// The run's seeds (FLASHCORE_SEED or the fixed default), announced once.
+fn seeds() -> TestSeeds {
+    let seeds = TestSeeds::from_env().unwrap_or_else(|e| panic!("{e}"));
+    println!("random inputs: FLASHCORE_SEED={:#x}", seeds.run_seed());
+    seeds
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -196,9 +209,11 @@ fn other_head_dims_and_bhsd_layout() {
 #[ignore = "needs a CUDA GPU"]
 fn repeated_runs_are_identical() {
     let (attn, stream) = setup();
-    let mut rng = Rng::from_entropy();
+    let mut seeds = seeds();
     for causal in [false, true] {
         let c = case(HalfType::F16, 128, causal, 2, 8, 2, 1000, 2048);
+        let mut rng = seeds.next_case();
+        let replay = seeds.replay(&rng);
         let dev = flashcore::check::DeviceCase::new(&stream, c, &mut rng).unwrap();
         let params = AttentionParams {
             softmax_scale: None,
@@ -211,7 +226,7 @@ fn repeated_runs_are_identical() {
             assert_eq!(
                 dev.download().unwrap(),
                 first,
-                "causal={causal}: runs differ"
+                "causal={causal}: runs differ ({replay})"
             );
         }
     }
@@ -222,8 +237,10 @@ fn repeated_runs_are_identical() {
 #[ignore = "needs a CUDA GPU"]
 fn rejected_call_writes_nothing() {
     let (attn, stream) = setup();
-    let mut rng = Rng::from_entropy();
+    let mut seeds = seeds();
     let c = case(HalfType::F16, 64, false, 1, 2, 2, 64, 64);
+    let mut rng = seeds.next_case();
+    let replay = seeds.replay(&rng);
     let dev = flashcore::check::DeviceCase::new(&stream, c, &mut rng).unwrap();
     let ([q, k, v, o], lse) = dev.views();
     let bad_k = TensorView::bshd(k.ptr, DType::F16, 1, 64, 3, 64);
@@ -246,9 +263,13 @@ fn rejected_call_writes_nothing() {
     assert!(
         o_bits
             .iter()
-            .all(|&b| b == flashcore::reference::POISON_F16)
+            .all(|&b| b == flashcore::reference::POISON_F16),
+        "a rejected call wrote o ({replay})"
     );
-    assert!(lse.iter().all(|x| x.is_nan()));
+    assert!(
+        lse.iter().all(|x| x.is_nan()),
+        "a rejected call wrote lse ({replay})"
+    );
     assert!(tolerance(HalfType::F16) < tolerance(HalfType::Bf16));
 }
 
@@ -277,9 +298,11 @@ fn jit_failure_returns_the_log() {
 #[ignore = "needs a CUDA GPU"]
 fn custom_softmax_scale() {
     let (attn, stream) = setup();
-    let mut rng = Rng::from_entropy();
+    let mut seeds = seeds();
     for (scale, causal) in [(0.3f32, false), (0.02, true), (1.7, true)] {
         let c = case(HalfType::F16, 128, causal, 2, 4, 2, 200, 333);
+        let mut rng = seeds.next_case();
+        let replay = seeds.replay(&rng);
         let dev = flashcore::check::DeviceCase::new(&stream, c, &mut rng).unwrap();
         let params = AttentionParams {
             softmax_scale: Some(scale),
@@ -294,7 +317,11 @@ fn custom_softmax_scale() {
             flashcore::reference::rel_l2(&got, &want.out),
             flashcore::reference::rel_l2(&lse, &want.lse),
         );
-        println!("{c} scale {scale}: out {out_err:.2e} lse {lse_err:.2e}");
-        assert!(out_err <= tolerance(HalfType::F16) && lse_err <= tolerance(HalfType::F16));
+        let line = format!("{c} scale {scale}: out {out_err:.2e} lse {lse_err:.2e} ({replay})");
+        println!("{line}");
+        assert!(
+            out_err <= tolerance(HalfType::F16) && lse_err <= tolerance(HalfType::F16),
+            "{line}"
+        );
     }
 }

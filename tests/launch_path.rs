@@ -89,17 +89,24 @@ fn warm_forward_does_not_allocate() {
         layout: L::Bhsd,
         kernel: None,
     };
-    let dev = DeviceCase::new(&stream, case, &mut flashcore::reference::Rng::new(7)).unwrap();
+    let mut seeds = flashcore::check::TestSeeds::from_env().unwrap_or_else(|e| panic!("{e}"));
+    let mut rng = seeds.next_case();
+    let replay = seeds.replay(&rng);
+    let dev = DeviceCase::new(&stream, case, &mut rng).unwrap();
     let ([q, k, v, o], lse) = dev.views();
     let params = AttentionParams::default();
     let cu = stream.cu_stream();
-    // SAFETY (both calls): the views are the case's own live buffers, on its stream.
+    // SAFETY: the views are the case's own live buffers, on its stream.
     unsafe { attn.forward(&q, &k, &v, &o, Some(&lse), &params, cu) }.unwrap();
     let n = allocations_in(|| {
         for _ in 0..100 {
+            // SAFETY: as above.
             unsafe { attn.forward(&q, &k, &v, &o, Some(&lse), &params, cu) }.unwrap();
         }
     });
     stream.synchronize().unwrap();
-    assert_eq!(n, 0, "100 warm forward calls allocated {n} times");
+    assert_eq!(
+        n, 0,
+        "100 warm forward calls allocated {n} times ({replay})"
+    );
 }

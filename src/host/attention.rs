@@ -62,7 +62,9 @@ pub fn dispatch(
 ///
 /// The first call for a configuration generates its PTX and loads it (milliseconds);
 /// later calls validate, look the kernel up and launch, with no allocation, so they can
-/// be captured in a CUDA graph.
+/// be captured in a CUDA graph. Every call (and dropping it) leaves the calling thread's
+/// current CUDA context as it found it: the device's primary context is current only
+/// inside the driver calls (see [`ContextScope`](super::device::ContextScope)).
 pub struct Attention {
     device: Arc<Device>,
     cache: ModuleCache,

@@ -2,12 +2,13 @@
 //!
 //! Generating PTX and JIT-compiling it costs milliseconds to seconds, so each kernel is
 //! built the first time it is asked for and shared afterwards as an `Arc<LoadedKernel>`.
-//! A hit is one hash lookup under a mutex and allocates nothing.
+//! A hit is one hash lookup under a mutex and allocates nothing. A build runs outside
+//! that mutex, so it never holds up calls for kernels already loaded.
 
 use std::borrow::Borrow;
 use std::collections::HashMap;
 use std::hash::{Hash, Hasher};
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock, PoisonError};
 
 use cudarc::driver::CudaContext;
 
@@ -87,9 +88,22 @@ impl Eq for CacheKey {}
 
 /// A map whose values are created at most once per key. Generic over the value so the
 /// once-only logic is testable without a GPU.
+///
+/// The map lock is held only to find or insert a key's slot, never while a value is
+/// built: each slot has its own build lock. So a slow first build (generating and
+/// JIT-loading a kernel) blocks the callers of that key only, not hits on other keys nor
+/// builds of other keys.
 #[derive(Debug)]
 struct OnceMap<V> {
-    map: Mutex<HashMap<CacheKey, Arc<V>>>,
+    map: Mutex<HashMap<CacheKey, Arc<Slot<V>>>>,
+}
+
+/// One key's value, set once by whichever caller builds it first.
+#[derive(Debug)]
+struct Slot<V> {
+    value: OnceLock<Arc<V>>,
+    /// Held while the value is built, so it is built once; never taken on a hit.
+    build: Mutex<()>,
 }
 
 impl<V> Default for OnceMap<V> {
@@ -101,42 +115,69 @@ impl<V> Default for OnceMap<V> {
 }
 
 impl<V> OnceMap<V> {
-    fn lock(&self) -> MutexGuard<'_, HashMap<CacheKey, Arc<V>>> {
-        // A panic inside `make` poisons the mutex, but the map only ever receives fully
-        // built values, so its contents are still valid: carry on with them.
+    fn lock(&self) -> MutexGuard<'_, HashMap<CacheKey, Arc<Slot<V>>>> {
+        // Builds run outside this lock and a slot only ever receives a fully built value,
+        // so a poisoned map is still consistent: carry on with it.
         self.map.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// The value for `(kernel_id, arch)`, created by `make` if absent. The lock is held while
-    /// `make` runs, so concurrent callers never create the same value twice (they wait). A
-    /// failed `make` caches nothing; the next call tries again.
+    /// The value for `(kernel_id, arch)`, created by `make` if absent.
+    ///
+    /// Concurrent callers of one key never create its value twice: the first runs `make`
+    /// under the key's own lock and the others wait for it. Callers of other keys do not
+    /// wait. A failed (or panicking) `make` caches nothing; the next call tries again.
     fn get_or_insert_with<F>(&self, kernel_id: &str, arch: (i32, i32), make: F) -> Result<Arc<V>>
     where
         F: FnOnce() -> Result<V>,
     {
-        let mut map = self.lock();
-        if let Some(v) = map.get(&(kernel_id, arch) as &dyn KeyView) {
+        let slot = {
+            let mut map = self.lock();
+            match map.get(&(kernel_id, arch) as &dyn KeyView) {
+                // The hit: one lookup, no allocation.
+                Some(slot) => match slot.value.get() {
+                    Some(v) => return Ok(Arc::clone(v)),
+                    None => Arc::clone(slot),
+                },
+                None => {
+                    let slot = Arc::new(Slot {
+                        value: OnceLock::new(),
+                        build: Mutex::new(()),
+                    });
+                    let key = CacheKey {
+                        kernel_id: kernel_id.to_owned(),
+                        arch,
+                    };
+                    map.insert(key, Arc::clone(&slot));
+                    slot
+                }
+            }
+        };
+        // The map is unlocked: build (or wait for the build of) this key only. A panic in
+        // an earlier `make` poisons the lock but set no value: build again.
+        let _building = slot.build.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(v) = slot.value.get() {
             return Ok(Arc::clone(v));
         }
         let v = Arc::new(make()?);
-        let key = CacheKey {
-            kernel_id: kernel_id.to_owned(),
-            arch,
-        };
-        map.insert(key, Arc::clone(&v));
+        // Only the holder of `build` sets the value, and it was empty: this cannot fail.
+        let _ = slot.value.set(Arc::clone(&v));
         Ok(v)
     }
 
+    /// Number of values built.
     fn len(&self) -> usize {
-        self.lock().len()
+        self.lock()
+            .values()
+            .filter(|s| s.value.get().is_some())
+            .count()
     }
 
-    /// Every entry, sorted by kernel id then architecture for stable reports.
+    /// Every built entry, sorted by kernel id then architecture for stable reports.
     fn entries(&self) -> Vec<(CacheKey, Arc<V>)> {
         let mut out: Vec<_> = self
             .lock()
             .iter()
-            .map(|(k, v)| (k.clone(), Arc::clone(v)))
+            .filter_map(|(k, s)| s.value.get().map(|v| (k.clone(), Arc::clone(v))))
             .collect();
         out.sort_by(|a, b| (&a.0.kernel_id, a.0.arch).cmp(&(&b.0.kernel_id, b.0.arch)));
         out
@@ -161,9 +202,10 @@ impl ModuleCache {
     /// The kernel `kernel_id` for `arch`, loaded into `ctx` on first use.
     ///
     /// On a miss, `make` returns the PTX and the dynamic shared memory the kernel needs; the
-    /// PTX must define an `.entry` named `kernel_id`. `make` runs at most once per key (while
-    /// the cache is locked); if it or the load fails, nothing is cached and the error is
-    /// returned.
+    /// PTX must define an `.entry` named `kernel_id`. `make` and the load run at most once
+    /// per key, under that key's own lock: other callers of the same key wait for them,
+    /// callers of other keys do not. If either fails, nothing is cached, the error is
+    /// returned, and the next call tries again.
     pub fn get_or_load(
         &self,
         ctx: &Arc<CudaContext>,
@@ -283,6 +325,112 @@ mod tests {
             }
         });
         assert_eq!(calls.load(Ordering::SeqCst), 1);
+    }
+
+    #[test]
+    fn a_build_does_not_block_other_keys() {
+        use std::sync::mpsc::channel;
+        use std::time::Duration;
+        // Long enough for any machine, short enough that a regression fails promptly.
+        const PATIENCE: Duration = Duration::from_secs(10);
+
+        let owned = OnceMap::<&'static str>::default();
+        let cache = &owned;
+        cache
+            .get_or_insert_with("warm", (9, 0), || Ok("w"))
+            .unwrap();
+        let (entered_tx, entered_rx) = channel::<()>();
+        let (release_tx, release_rx) = channel::<()>();
+        let (hit_tx, hit_rx) = channel();
+        let (other_tx, other_rx) = channel();
+        std::thread::scope(|s| {
+            // A: a slow build of "cold", blocked until released.
+            let a = s.spawn(move || {
+                cache.get_or_insert_with("cold", (9, 0), || {
+                    entered_tx.send(()).unwrap();
+                    release_rx.recv().unwrap();
+                    Ok("c")
+                })
+            });
+            entered_rx
+                .recv_timeout(PATIENCE)
+                .expect("the build of \"cold\" never started");
+            // B: a hit on a built key. C: the build of another key.
+            s.spawn(|| {
+                let r = cache.get_or_insert_with("warm", (9, 0), || Ok("rebuilt"));
+                hit_tx.send(r.map(|v| *v).ok()).unwrap();
+            });
+            s.spawn(|| {
+                let r = cache.get_or_insert_with("other", (9, 0), || Ok("o"));
+                other_tx.send(r.map(|v| *v).ok()).unwrap();
+            });
+            let hit = hit_rx.recv_timeout(PATIENCE);
+            let other = other_rx.recv_timeout(PATIENCE);
+            // Release A whatever happened, so a failure cannot hang the test.
+            release_tx.send(()).unwrap();
+            assert_eq!(
+                hit,
+                Ok(Some("w")),
+                "a hit on a built key waited for another key's build (Err = timed out)"
+            );
+            assert_eq!(
+                other,
+                Ok(Some("o")),
+                "a build waited for another key's build (Err = timed out)"
+            );
+            assert_eq!(*a.join().unwrap().unwrap(), "c");
+        });
+        assert_eq!(owned.len(), 3);
+    }
+
+    #[test]
+    fn same_key_callers_wait_for_the_one_build() {
+        use std::sync::mpsc::channel;
+        use std::time::Duration;
+        let owned = OnceMap::<usize>::default();
+        let cache = &owned;
+        let calls = &AtomicUsize::new(0);
+        let (entered_tx, entered_rx) = channel::<()>();
+        let (release_tx, release_rx) = channel::<()>();
+        std::thread::scope(|s| {
+            let a = s.spawn(move || {
+                cache.get_or_insert_with("k", (9, 0), || {
+                    calls.fetch_add(1, Ordering::SeqCst);
+                    entered_tx.send(()).unwrap();
+                    release_rx.recv().unwrap();
+                    Ok(1)
+                })
+            });
+            entered_rx
+                .recv_timeout(Duration::from_secs(10))
+                .expect("the build never started");
+            let b = s.spawn(|| {
+                cache.get_or_insert_with("k", (9, 0), || {
+                    calls.fetch_add(1, Ordering::SeqCst);
+                    Ok(2)
+                })
+            });
+            // B cannot have built: the key's build is still in progress.
+            std::thread::sleep(Duration::from_millis(50));
+            release_tx.send(()).unwrap();
+            let (va, vb) = (a.join().unwrap().unwrap(), b.join().unwrap().unwrap());
+            assert!(Arc::ptr_eq(&va, &vb));
+            assert_eq!(*vb, 1);
+        });
+        assert_eq!(calls.load(Ordering::SeqCst), 1);
+    }
+
+    #[test]
+    fn a_panicking_build_caches_nothing() {
+        let cache = OnceMap::<u32>::default();
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            cache.get_or_insert_with("k", (9, 0), || panic!("generator bug"))
+        }));
+        assert!(r.is_err());
+        assert_eq!(cache.len(), 0);
+        assert!(cache.entries().is_empty());
+        assert_eq!(*cache.get_or_insert_with("k", (9, 0), || Ok(3)).unwrap(), 3);
+        assert_eq!(cache.len(), 1);
     }
 
     #[test]

@@ -3,11 +3,19 @@
 //! cudarc loads libcuda lazily and **panics** when it cannot be found, so every path into
 //! the driver starts with [`driver_present`], which turns a missing driver into
 //! [`Error::NoDriver`] instead.
+//!
+//! flashcore works in the device's primary context, but leaves the calling thread's
+//! current context as it found it: every driver call made on a caller's behalf runs inside
+//! a [`ContextScope`], which makes the primary context current and puts the caller's back
+//! (or none, if none was current) when it ends, on success and on every error path.
 
 use std::ffi::c_int;
+use std::marker::PhantomData;
+use std::mem::ManuallyDrop;
+use std::ptr;
 use std::sync::{Arc, OnceLock};
 
-use cudarc::driver::sys::{self, CUdevice_attribute, CUresult};
+use cudarc::driver::sys::{self, CUcontext, CUdevice_attribute, CUresult};
 use cudarc::driver::{CudaContext, DriverError};
 
 use crate::error::{Error, Result};
@@ -85,10 +93,115 @@ fn driver_version_raw() -> Result<i32> {
     Ok(v)
 }
 
+/// The calling thread's current CUDA context, put back when the scope ends.
+///
+/// The driver API acts on the thread's *current* context, and a caller may have its own
+/// current (a context of its own, another device's, or none at all). Every path in
+/// flashcore that calls the driver on a caller's behalf holds one of these for as long as
+/// it needs its context current:
+///
+/// ```no_run
+/// # use flashcore::host::device::{ContextScope, Device};
+/// # fn f(device: &Device) -> flashcore::Result<()> {
+/// let _scope = ContextScope::enter(device.context())?;
+/// // ... driver calls: the device's primary context is current here ...
+/// # Ok(()) }
+/// // `_scope` dropped: the caller's context (or none) is current again, also after an
+/// // early `?` return or a panic.
+/// ```
+///
+/// [`ContextScope::save`] only remembers the current context, for calls that change it
+/// themselves (cudarc's `CudaContext::new`, and its `Drop`, which makes the context
+/// current before releasing it). Scopes nest; one that enters the context already current
+/// costs a single `cuCtxGetCurrent`. A scope is neither `Send` nor `Sync`: contexts are
+/// current per thread, so it must end on the thread it began on. Restoring never panics
+/// and ignores driver errors (there is no one to report them to in `Drop`).
+#[must_use = "the caller's context is put back when the scope is dropped"]
+#[derive(Debug)]
+pub struct ContextScope {
+    saved: CUcontext,
+    _thread_bound: PhantomData<*mut ()>,
+}
+
+impl ContextScope {
+    /// Remembers the calling thread's current context (possibly none); dropping the scope
+    /// makes it current again.
+    ///
+    /// Errors: [`Error::NoDriver`] without libcuda, [`Error::Driver`] if the driver cannot
+    /// say which context is current.
+    pub fn save() -> Result<ContextScope> {
+        if !driver_present() {
+            return Err(Error::NoDriver);
+        }
+        Self::current()
+    }
+
+    /// Remembers the calling thread's current context and makes `ctx` current; dropping
+    /// the scope puts the remembered one back. When `ctx` is already current nothing is
+    /// changed.
+    ///
+    /// Errors: [`Error::Driver`] when the driver refuses either call; then the thread's
+    /// current context is unchanged.
+    pub fn enter(ctx: &CudaContext) -> Result<ContextScope> {
+        // A CudaContext exists, so libcuda is loaded and initialised.
+        let scope = Self::current()?;
+        if scope.saved != ctx.cu_ctx() {
+            // SAFETY: `ctx.cu_ctx()` is a live context: `ctx` owns a reference to it for at
+            // least as long as this call. Making a context current has no other
+            // precondition; the scope puts the previous one back when dropped.
+            check("cuCtxSetCurrent", unsafe {
+                sys::cuCtxSetCurrent(ctx.cu_ctx())
+            })?;
+        }
+        Ok(scope)
+    }
+
+    /// A scope remembering the current context. libcuda must be loaded.
+    fn current() -> Result<ContextScope> {
+        let mut saved: CUcontext = ptr::null_mut();
+        // SAFETY: callers ensure libcuda is loaded; `saved` is a valid out-pointer.
+        let r = unsafe { sys::cuCtxGetCurrent(&mut saved) };
+        // Before cuInit no context can be current: remember none.
+        if r != CUresult::CUDA_ERROR_NOT_INITIALIZED {
+            check("cuCtxGetCurrent", r)?;
+        }
+        Ok(ContextScope {
+            saved,
+            _thread_bound: PhantomData,
+        })
+    }
+}
+
+impl Drop for ContextScope {
+    fn drop(&mut self) {
+        let mut now: CUcontext = ptr::null_mut();
+        // SAFETY: a scope only exists once libcuda is loaded; `now` is a valid out-pointer.
+        let r = unsafe { sys::cuCtxGetCurrent(&mut now) };
+        if r != CUresult::CUDA_SUCCESS || now != self.saved {
+            // SAFETY: `self.saved` was current on this thread (scopes are not Send) when the
+            // scope began, or is null, which unbinds; flashcore destroys no context the
+            // caller made current. A failure cannot be reported from Drop and leaves the
+            // thread as it is.
+            let _ = unsafe { sys::cuCtxSetCurrent(self.saved) };
+        }
+    }
+}
+
+/// Drops one reference to a context without changing the calling thread's current
+/// context: when it is the last, cudarc's `Drop` makes the context current to release it.
+pub(crate) fn release_context(ctx: Arc<CudaContext>) {
+    let _scope = ContextScope::save().ok();
+    drop(ctx);
+}
+
 /// One GPU: its (primary) CUDA context and the properties the kernels are chosen by.
+///
+/// Opening one and dropping it leave the calling thread's current context as they found
+/// it (see [`ContextScope`]).
 #[derive(Debug, Clone)]
 pub struct Device {
-    ctx: Arc<CudaContext>,
+    /// Released through [`release_context`] in `Drop`.
+    ctx: ManuallyDrop<Arc<CudaContext>>,
     ordinal: usize,
     name: String,
     cc: (i32, i32),
@@ -98,9 +211,18 @@ pub struct Device {
     driver_version: i32,
 }
 
+impl Drop for Device {
+    fn drop(&mut self) {
+        // SAFETY: `self.ctx` is taken exactly once, here, and not used afterwards.
+        let ctx = unsafe { ManuallyDrop::take(&mut self.ctx) };
+        release_context(ctx);
+    }
+}
+
 impl Device {
     /// Opens device `ordinal`: checks for the driver, initialises it, retains the device's
-    /// primary context (bound to the calling thread) and reads its properties.
+    /// primary context and reads its properties. The calling thread's current context is
+    /// left as it was (cudarc binds the primary context; a scope puts the caller's back).
     ///
     /// Errors: [`Error::NoDriver`] without libcuda, [`Error::NoDevice`] when `ordinal` is
     /// out of range, [`Error::Driver`] when a driver call fails.
@@ -109,6 +231,9 @@ impl Device {
         if ordinal >= count {
             return Err(Error::NoDevice { ordinal, count });
         }
+        // Declared before `ctx`, so it is dropped after it: on an error below, the context's
+        // own Drop (which binds it) runs first and the caller's context is still put back.
+        let _scope = ContextScope::save()?;
         let ctx = CudaContext::new(ordinal).map_err(driver_err("cuDevicePrimaryCtxRetain"))?;
         let name = ctx.name().map_err(driver_err("cuDeviceGetName"))?;
         let attr = |a: CUdevice_attribute| -> Result<i32> {
@@ -128,7 +253,7 @@ impl Device {
         let driver_version = driver_version_raw()?;
 
         Ok(Device {
-            ctx,
+            ctx: ManuallyDrop::new(ctx),
             ordinal,
             name,
             cc,
@@ -139,7 +264,9 @@ impl Device {
         })
     }
 
-    /// The device's primary context (shared; cloning the `Arc` is cheap).
+    /// The device's primary context (shared; cloning the `Arc` is cheap). cudarc's own
+    /// calls through it make it current on the calling thread and leave it there; wrap
+    /// them in a [`ContextScope`] where that matters.
     pub fn context(&self) -> &Arc<CudaContext> {
         &self.ctx
     }
@@ -222,7 +349,9 @@ mod tests {
         if !driver_present() {
             assert!(matches!(Device::new(0), Err(Error::NoDriver)));
             assert!(matches!(device_count(), Err(Error::NoDriver)));
+            assert!(matches!(ContextScope::save(), Err(Error::NoDriver)));
         } else {
+            drop(ContextScope::save().expect("cuCtxGetCurrent"));
             let count = device_count().expect("driver present but cuDeviceGetCount failed");
             match Device::new(count) {
                 Err(Error::NoDevice { ordinal, count: c }) => {

@@ -5,7 +5,7 @@ use std::ptr;
 
 use cudarc::driver::sys::{self, CUstream};
 
-use super::device::{check, driver_err};
+use super::device::{ContextScope, check};
 use super::module::{DEFAULT_DYNAMIC_SMEM, LoadedKernel};
 use crate::error::{Error, Result};
 
@@ -74,8 +74,9 @@ impl LaunchDims {
 }
 
 /// Launches `kernel` with `dims` on `stream` (null = the context's legacy default stream).
-/// The shape is validated first ([`LaunchDims::validate`]); the kernel's context is bound to
-/// the calling thread. The launch is asynchronous: errors raised while the kernel runs
+/// The shape is validated first ([`LaunchDims::validate`]); the kernel's context is current
+/// during the call only (the calling thread's current context is put back before it
+/// returns, see [`ContextScope`]). The launch is asynchronous: errors raised while the kernel runs
 /// surface at the next synchronizing call.
 ///
 /// # Safety
@@ -95,10 +96,7 @@ pub unsafe fn launch(
     params: &mut [*mut c_void],
 ) -> Result<()> {
     dims.validate(kernel)?;
-    kernel
-        .context()
-        .bind_to_thread()
-        .map_err(driver_err("cuCtxSetCurrent"))?;
+    let _scope = ContextScope::enter(kernel.context())?;
     // A kernel without parameters gets a null list rather than a dangling pointer.
     let param_ptr = if params.is_empty() {
         ptr::null_mut()
@@ -107,7 +105,7 @@ pub unsafe fn launch(
     };
     let (gx, gy, gz) = dims.grid;
     let (bx, by, bz) = dims.block;
-    // SAFETY: the function handle is live (owned by `kernel`) and its context is bound; the
+    // SAFETY: the function handle is live (owned by `kernel`) and its context current; the
     // shape was validated above; `param_ptr` and `stream` satisfy this function's contract,
     // which the caller upholds; `extra` is null because parameters go through `param_ptr`.
     check("cuLaunchKernel", unsafe {

@@ -6,13 +6,14 @@
 //! "Used N registers ..." lines) is kept on the loaded kernel.
 
 use std::ffi::{CString, c_int, c_uint, c_void};
+use std::mem::ManuallyDrop;
 use std::ptr;
 use std::sync::Arc;
 
 use cudarc::driver::CudaContext;
 use cudarc::driver::sys::{self, CUfunction, CUfunction_attribute, CUjit_option, CUmodule};
 
-use super::device::{check, driver_err};
+use super::device::{ContextScope, check, release_context};
 use crate::error::{Error, Result};
 
 /// Size of each JIT log buffer. ptxas' verbose output for one kernel is a few hundred
@@ -29,7 +30,8 @@ pub(crate) const DEFAULT_DYNAMIC_SMEM: u32 = 48 * 1024;
 /// the last reference.
 #[derive(Debug)]
 pub struct LoadedKernel {
-    ctx: Arc<CudaContext>,
+    /// Released through `release_context` in `Drop`.
+    ctx: ManuallyDrop<Arc<CudaContext>>,
     module: CUmodule,
     function: CUfunction,
     /// The `.entry` name the function was looked up by.
@@ -49,8 +51,8 @@ pub struct LoadedKernel {
 
 // SAFETY: CUmodule and CUfunction are opaque driver handles, not pointers into Rust memory.
 // The driver API is thread-safe, and a function handle may be used from any thread once its
-// context is current there; every use in this crate binds `ctx` first. The handles are only
-// freed in Drop, which needs exclusive ownership.
+// context is current there; every use in this crate makes `ctx` current first (through a
+// ContextScope). The handles are only freed in Drop, which needs exclusive ownership.
 unsafe impl Send for LoadedKernel {}
 // SAFETY: as above; `&LoadedKernel` only hands out copies of the handles and immutable data.
 unsafe impl Sync for LoadedKernel {}
@@ -78,7 +80,7 @@ impl LoadedKernel {
     fn attribute(&self, attr: CUfunction_attribute) -> Result<i32> {
         let mut v: c_int = 0;
         // SAFETY: `self.function` is a live function of `self.module`, whose context the
-        // caller has bound; `v` is a valid, writable c_int.
+        // caller has made current; `v` is a valid, writable c_int.
         check("cuFuncGetAttribute", unsafe {
             sys::cuFuncGetAttribute(&mut v, attr, self.function)
         })?;
@@ -88,16 +90,18 @@ impl LoadedKernel {
 
 impl Drop for LoadedKernel {
     fn drop(&mut self) {
-        if self.module.is_null() {
-            return;
+        if !self.module.is_null() {
+            // cuModuleUnload acts on the current context. A failure to make it current
+            // cannot be reported from Drop, so it is ignored like the unload's own status.
+            let _scope = ContextScope::enter(&self.ctx).ok();
+            // SAFETY: `self.module` was returned by cuModuleLoadDataEx, is unloaded exactly
+            // once (here), and the context it lives in is kept alive by `self.ctx`.
+            let _ = unsafe { sys::cuModuleUnload(self.module) };
+            self.module = ptr::null_mut();
         }
-        // cuModuleUnload acts on the current context; a failure to bind cannot be reported
-        // from Drop, so it is ignored like the unload's own status.
-        let _ = self.ctx.bind_to_thread();
-        // SAFETY: `self.module` was returned by cuModuleLoadDataEx, is unloaded exactly once
-        // (here), and the context it lives in is kept alive by `self.ctx`.
-        let _ = unsafe { sys::cuModuleUnload(self.module) };
-        self.module = ptr::null_mut();
+        // SAFETY: `self.ctx` is taken exactly once, here, and not used afterwards.
+        let ctx = unsafe { ManuallyDrop::take(&mut self.ctx) };
+        release_context(ctx);
     }
 }
 
@@ -119,6 +123,8 @@ fn combine_logs(error_log: &str, info_log: &str) -> String {
 
 /// JIT-compiles `ptx` in `ctx`, looks up `entry`, opts it in to `dynamic_smem` bytes of
 /// dynamic shared memory when that exceeds 48 KiB, and reads its resource attributes.
+/// `ctx` is current only during the call: the calling thread's current context is put back
+/// before it returns (see [`ContextScope`]).
 ///
 /// Errors: [`Error::ModuleLoad`] (with the JIT's error and info logs) when the driver
 /// rejects the PTX; [`Error::InvalidArgument`] when `ptx` or `entry` contains a NUL byte;
@@ -139,8 +145,7 @@ pub fn load(
         ))
     })?;
 
-    ctx.bind_to_thread()
-        .map_err(driver_err("cuCtxSetCurrent"))?;
+    let _scope = ContextScope::enter(ctx)?;
 
     let mut info_buf = vec![0u8; LOG_BYTES];
     let mut error_buf = vec![0u8; LOG_BYTES];
@@ -163,7 +168,7 @@ pub fn load(
     ];
 
     let mut module: CUmodule = ptr::null_mut();
-    // SAFETY: the context is bound to this thread; `image` is a NUL-terminated PTX string
+    // SAFETY: the context is current on this thread; `image` is a NUL-terminated PTX string
     // that outlives the call; `options` and `values` both hold 5 entries; each buffer
     // pointer refers to LOG_BYTES writable bytes (the size passed next to it) that outlive
     // the call; `module` is a valid out-pointer.
@@ -187,7 +192,7 @@ pub fn load(
 
     // From here on Drop unloads the module, whatever fails next.
     let mut kernel = LoadedKernel {
-        ctx: Arc::clone(ctx),
+        ctx: ManuallyDrop::new(Arc::clone(ctx)),
         module,
         function: ptr::null_mut(),
         entry: entry.to_owned(),
@@ -198,14 +203,14 @@ pub fn load(
         dynamic_smem,
     };
 
-    // SAFETY: `module` is the live module just loaded in the bound context; `entry_c` is
+    // SAFETY: `module` is the live module just loaded in the current context; `entry_c` is
     // NUL-terminated and outlives the call; `kernel.function` is a valid out-pointer.
     check("cuModuleGetFunction", unsafe {
         sys::cuModuleGetFunction(&mut kernel.function, module, entry_c.as_ptr())
     })?;
 
     if dynamic_smem > DEFAULT_DYNAMIC_SMEM {
-        // SAFETY: `kernel.function` is a live function in the bound context; the attribute
+        // SAFETY: `kernel.function` is a live function in the current context; the attribute
         // takes a plain integer byte count.
         check("cuFuncSetAttribute", unsafe {
             sys::cuFuncSetAttribute(

@@ -1,48 +1,52 @@
 //! CUDA-event timing on a raw stream.
 //!
 //! Events measure GPU time between two points of a stream, so host-side launch overhead
-//! only counts where it leaves the GPU idle.
+//! only counts where it leaves the GPU idle. Every call leaves the calling thread's current
+//! CUDA context as it found it (see [`ContextScope`]).
 
+use std::mem::ManuallyDrop;
 use std::ptr;
 use std::sync::Arc;
 
 use cudarc::driver::CudaContext;
 use cudarc::driver::sys::{self, CUevent, CUevent_flags, CUstream};
 
-use super::device::{check, driver_err};
+use super::device::{ContextScope, check, release_context};
 use crate::error::{Error, Result};
 
 /// One timing-capable CUDA event (`CU_EVENT_DEFAULT`; cudarc's `new_event(None)` would
 /// disable timing), destroyed on drop.
 #[derive(Debug)]
 struct Event {
-    ctx: Arc<CudaContext>,
+    /// Released through `release_context` in `Drop`.
+    ctx: ManuallyDrop<Arc<CudaContext>>,
     raw: CUevent,
 }
 
 impl Event {
     fn new(ctx: &Arc<CudaContext>) -> Result<Self> {
-        ctx.bind_to_thread()
-            .map_err(driver_err("cuCtxSetCurrent"))?;
+        let _scope = ContextScope::enter(ctx)?;
         let mut raw: CUevent = ptr::null_mut();
-        // SAFETY: the context is bound to this thread; `raw` is a valid out-pointer; the
+        // SAFETY: the context is current on this thread; `raw` is a valid out-pointer; the
         // flags are a valid CUevent_flags value.
         check("cuEventCreate", unsafe {
             sys::cuEventCreate(&mut raw, CUevent_flags::CU_EVENT_DEFAULT as u32)
         })?;
         Ok(Self {
-            ctx: Arc::clone(ctx),
+            ctx: ManuallyDrop::new(Arc::clone(ctx)),
             raw,
         })
     }
 
     /// Enqueues the event on `stream` (null = legacy default stream).
-    fn record(&self, stream: CUstream) -> Result<()> {
-        self.ctx
-            .bind_to_thread()
-            .map_err(driver_err("cuCtxSetCurrent"))?;
-        // SAFETY: `self.raw` is a live event of the bound context. `stream` is, by the
-        // documented contract of the public callers, null or a live stream of that context.
+    ///
+    /// # Safety
+    ///
+    /// `stream` must be null or a live stream of the event's context.
+    unsafe fn record(&self, stream: CUstream) -> Result<()> {
+        let _scope = ContextScope::enter(&self.ctx)?;
+        // SAFETY: `self.raw` is a live event of the current context; `stream` is null or a
+        // live stream of that context (this function's contract).
         check("cuEventRecord", unsafe {
             sys::cuEventRecord(self.raw, stream)
         })
@@ -50,15 +54,13 @@ impl Event {
 
     /// Milliseconds from `self` to `end`, waiting for `end` to complete first.
     fn elapsed_to(&self, end: &Event) -> Result<f32> {
-        self.ctx
-            .bind_to_thread()
-            .map_err(driver_err("cuCtxSetCurrent"))?;
-        // SAFETY: `end.raw` is a live event of the bound context.
+        let _scope = ContextScope::enter(&self.ctx)?;
+        // SAFETY: `end.raw` is a live event of the current context.
         check("cuEventSynchronize", unsafe {
             sys::cuEventSynchronize(end.raw)
         })?;
         let mut ms = 0f32;
-        // SAFETY: both events are live, timing-enabled events of the bound context; `ms` is
+        // SAFETY: both events are live, timing-enabled events of the current context; `ms` is
         // a valid out-pointer. (The cuda-12080 bindings name the v1 entry point, which every
         // 12.x and 13.x driver exports.)
         check("cuEventElapsedTime", unsafe {
@@ -70,25 +72,32 @@ impl Event {
 
 impl Drop for Event {
     fn drop(&mut self) {
-        // Nothing can be reported from Drop: a failed bind or destroy is ignored.
-        let _ = self.ctx.bind_to_thread();
-        // SAFETY: `self.raw` was created by cuEventCreate and is destroyed exactly once, here.
-        // Destroying an event that is still pending is allowed: the driver releases it once
-        // the event completes.
-        let _ = unsafe { sys::cuEventDestroy_v2(self.raw) };
+        {
+            // Nothing can be reported from Drop: a failure to make the context current, or
+            // to destroy the event, is ignored.
+            let _scope = ContextScope::enter(&self.ctx).ok();
+            // SAFETY: `self.raw` was created by cuEventCreate and is destroyed exactly once,
+            // here. Destroying an event that is still pending is allowed: the driver
+            // releases it once the event completes.
+            let _ = unsafe { sys::cuEventDestroy_v2(self.raw) };
+        }
+        // SAFETY: `self.ctx` is taken exactly once, here, and not used afterwards.
+        let ctx = unsafe { ManuallyDrop::take(&mut self.ctx) };
+        release_context(ctx);
     }
 }
 
 // SAFETY: a CUevent is an opaque driver handle and the driver API is thread-safe; every use
-// binds the owning context to the calling thread first.
+// makes the owning context current on the calling thread first.
 unsafe impl Send for Event {}
 // SAFETY: as above; shared access only records, synchronizes on or reads the event.
 unsafe impl Sync for Event {}
 
 /// A start/stop pair of events for timing one span of a stream.
 ///
-/// The raw `stream` passed to the `record_*` methods must be null (the legacy default
-/// stream) or a live stream of the timer's context.
+/// The `record_*` methods take a raw `CUstream`, which the driver would use unchecked, so
+/// they are `unsafe`: the stream must be null (the legacy default stream) or a live stream
+/// of the timer's context.
 #[derive(Debug)]
 pub struct EventTimer {
     start: Event,
@@ -105,13 +114,24 @@ impl EventTimer {
     }
 
     /// Marks the start of the timed span on `stream`.
-    pub fn record_start(&self, stream: CUstream) -> Result<()> {
-        self.start.record(stream)
+    ///
+    /// # Safety
+    ///
+    /// `stream` must be null (the legacy default stream) or a live stream of the context
+    /// the timer was created in.
+    pub unsafe fn record_start(&self, stream: CUstream) -> Result<()> {
+        // SAFETY: this function's contract, passed on unchanged.
+        unsafe { self.start.record(stream) }
     }
 
     /// Marks the end of the timed span on `stream`.
-    pub fn record_stop(&self, stream: CUstream) -> Result<()> {
-        self.stop.record(stream)
+    ///
+    /// # Safety
+    ///
+    /// As for [`EventTimer::record_start`].
+    pub unsafe fn record_stop(&self, stream: CUstream) -> Result<()> {
+        // SAFETY: this function's contract, passed on unchanged.
+        unsafe { self.stop.record(stream) }
     }
 
     /// Milliseconds between the two marks. Blocks until the stop mark has been reached.
@@ -158,9 +178,13 @@ fn summarize(samples: &mut [f32]) -> Option<TimingStats> {
 /// does not idle between iterations while the host launches the next one. (With
 /// `warmup == 0`, the first span may include the first launch's host overhead.)
 ///
-/// `stream` must be null (the legacy default stream) or a live stream of `ctx`, and `f`
-/// must enqueue its work on it. Errors from `f` are returned as they are.
-pub fn median_ms(
+/// `f` must enqueue its work on `stream`. Errors from `f` are returned as they are.
+///
+/// # Safety
+///
+/// `stream` must be null (the legacy default stream) or a live stream of `ctx`, and stay
+/// live until this function returns.
+pub unsafe fn median_ms(
     ctx: &Arc<CudaContext>,
     stream: CUstream,
     warmup: usize,
@@ -172,16 +196,21 @@ pub fn median_ms(
             "median_ms needs at least one timed iteration".into(),
         ));
     }
+    // One scope for the whole run: the calls inside find the context current already.
+    let _scope = ContextScope::enter(ctx)?;
     let marks = (0..=iters)
         .map(|_| Event::new(ctx))
         .collect::<Result<Vec<_>>>()?;
     for _ in 0..warmup {
         f()?;
     }
-    marks[0].record(stream)?;
+    // SAFETY: `stream` is null or a live stream of `ctx`, in which every mark was created
+    // (this function's contract).
+    unsafe { marks[0].record(stream) }?;
     for mark in &marks[1..] {
         f()?;
-        mark.record(stream)?;
+        // SAFETY: as above.
+        unsafe { mark.record(stream) }?;
     }
     let mut samples = marks
         .windows(2)

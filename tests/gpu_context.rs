@@ -1,0 +1,252 @@
+//! flashcore leaves the calling thread's current CUDA context as it found it: every entry
+//! point (opening a device, forward calls that succeed or fail, kernel loading, timing,
+//! dropping, the C ABI) is called with a context of the caller's own current, and again
+//! with none current, and after each the current context must be the one from before.
+//! Run on a GPU machine with `cargo test --release --test gpu_context -- --include-ignored`.
+
+use std::ptr;
+use std::sync::Arc;
+
+use cudarc::driver::sys::{self, CUcontext, CUdevice, CUresult};
+
+use flashcore::check::{DeviceCase, FwdCase, Layout, TestSeeds, tolerance};
+use flashcore::ffi::{self, FLASHCORE_SUCCESS, FlashcoreContext, FlashcoreTensor};
+use flashcore::host::attention::Attention;
+use flashcore::host::device::{Device, device_count};
+use flashcore::host::tensor::{AttentionParams, TensorView};
+use flashcore::host::timing::{EventTimer, median_ms};
+use flashcore::kernels::attention::HalfType;
+use flashcore::reference;
+use flashcore::shape::AttnShape;
+
+fn current() -> CUcontext {
+    let mut c: CUcontext = ptr::null_mut();
+    // SAFETY: the driver is loaded and initialised (device_count ran first); `c` is a valid
+    // out-pointer.
+    let r = unsafe { sys::cuCtxGetCurrent(&mut c) };
+    assert_eq!(r, CUresult::CUDA_SUCCESS, "cuCtxGetCurrent");
+    c
+}
+
+fn set_current(c: CUcontext) {
+    // SAFETY: `c` is null or a live context (the test's own, or a primary context that a
+    // live Device retains).
+    let r = unsafe { sys::cuCtxSetCurrent(c) };
+    assert_eq!(r, CUresult::CUDA_SUCCESS, "cuCtxSetCurrent");
+}
+
+/// A non-primary context of device 0, destroyed on drop.
+struct OwnContext(CUcontext);
+
+impl OwnContext {
+    /// Creates the context; the driver makes it current on this thread.
+    fn new() -> OwnContext {
+        let mut dev: CUdevice = 0;
+        // SAFETY: the driver is initialised; `dev` is a valid out-pointer.
+        let r = unsafe { sys::cuDeviceGet(&mut dev, 0) };
+        assert_eq!(r, CUresult::CUDA_SUCCESS, "cuDeviceGet");
+        let mut ctx: CUcontext = ptr::null_mut();
+        // SAFETY: `ctx` is a valid out-pointer; null creation parameters and flags 0 ask
+        // for a plain context with the default scheduling.
+        let r = unsafe { sys::cuCtxCreate_v4(&mut ctx, ptr::null_mut(), 0, dev) };
+        assert_eq!(r, CUresult::CUDA_SUCCESS, "cuCtxCreate");
+        assert!(!ctx.is_null());
+        OwnContext(ctx)
+    }
+}
+
+impl Drop for OwnContext {
+    fn drop(&mut self) {
+        // SAFETY: the context was created by cuCtxCreate and is destroyed once, here;
+        // nothing of it is in use any more.
+        let _ = unsafe { sys::cuCtxDestroy_v2(self.0) };
+    }
+}
+
+fn small_case() -> FwdCase {
+    FwdCase {
+        shape: AttnShape {
+            batch: 1,
+            seqlen_q: 100,
+            seqlen_k: 130,
+            heads_q: 2,
+            heads_kv: 1,
+            head_dim: 64,
+        },
+        dtype: HalfType::F16,
+        causal: true,
+        layout: Layout::Bshd,
+        kernel: None,
+    }
+}
+
+fn c_tensor(t: &TensorView) -> FlashcoreTensor {
+    FlashcoreTensor {
+        ptr: t.ptr,
+        dtype: ffi::FLASHCORE_F16,
+        shape: t.shape.map(|n| n as i64),
+        strides: t.strides.map(|n| n as i64),
+    }
+}
+
+/// Calls every entry point with `expect` current on this thread (re-establishing it where
+/// the test itself uses cudarc, which binds the primary context) and asserts after each
+/// that `expect` is still current.
+fn every_entry_point_keeps(expect: CUcontext, what: &str) {
+    let check = |step: &str| {
+        assert_eq!(
+            current(),
+            expect,
+            "{what}: after {step} the current context changed"
+        );
+    };
+
+    set_current(expect);
+    let device = Arc::new(Device::new(0).expect("device 0"));
+    check("Device::new");
+    assert_ne!(
+        device.context().cu_ctx(),
+        expect,
+        "the test needs a context other than the primary one"
+    );
+
+    // Buffers in the primary context, through cudarc (which makes it current).
+    let stream = device.context().default_stream();
+    let case = small_case();
+    let mut seeds = TestSeeds::from_env().unwrap_or_else(|e| panic!("{e}"));
+    let mut rng = seeds.next_case();
+    let replay = seeds.replay(&rng);
+    let dev = DeviceCase::new(&stream, case, &mut rng).expect("upload");
+    let ([q, k, v, o], lse) = dev.views();
+    let params = AttentionParams {
+        softmax_scale: None,
+        causal: true,
+    };
+    let cu_stream = stream.cu_stream();
+    set_current(expect);
+
+    let attn = Attention::new(device.clone()).expect("an sm_80+ GPU");
+    // First call: generates and loads the kernel, then launches.
+    // SAFETY: the views are the case's own live buffers, on its stream.
+    unsafe { attn.forward(&q, &k, &v, &o, Some(&lse), &params, cu_stream) }
+        .expect("forward (cold)");
+    check("a forward call that loads its kernel");
+    // SAFETY: as above.
+    unsafe { attn.forward(&q, &k, &v, &o, Some(&lse), &params, cu_stream) }
+        .expect("forward (warm)");
+    check("a warm forward call");
+
+    // A rejected call: k with heads that do not divide q's.
+    let bad_k = TensorView::bshd(k.ptr, k.dtype, 1, 130, 3, 64);
+    // SAFETY: as above; validation rejects the call before anything runs.
+    let err = unsafe { attn.forward(&q, &bad_k, &v, &o, Some(&lse), &params, cu_stream) };
+    assert!(err.is_err(), "a bad head ratio was accepted");
+    check("a rejected forward call");
+
+    // A driver failure after the context switch: the JIT refuses this module.
+    let broken = ".version 8.4\n.target sm_80\n.address_size 64\n.visible .entry broken()\n{\n    add.f32 %f0, %f1;\n    ret;\n}\n";
+    let r = flashcore::host::module::load(device.context(), broken, "broken", 0);
+    assert!(r.is_err(), "broken PTX loaded");
+    check("a failed kernel load");
+
+    // Timing.
+    let timer = EventTimer::new(device.context()).expect("events");
+    check("EventTimer::new");
+    // SAFETY: a null stream is the legacy default stream of the timer's (primary) context.
+    unsafe { timer.record_start(ptr::null_mut()) }.expect("record");
+    check("EventTimer::record_start");
+    // SAFETY: as above.
+    unsafe { timer.record_stop(ptr::null_mut()) }.expect("record");
+    check("EventTimer::record_stop");
+    timer.elapsed_ms().expect("elapsed");
+    check("EventTimer::elapsed_ms");
+    drop(timer);
+    check("dropping an EventTimer");
+    let run = || {
+        // SAFETY: as for the forward calls above.
+        unsafe { attn.forward(&q, &k, &v, &o, Some(&lse), &params, cu_stream) }
+    };
+    // SAFETY: `cu_stream` is the case's stream, of the device's context, alive throughout;
+    // `run` enqueues on it.
+    let stats = unsafe { median_ms(device.context(), cu_stream, 1, 2, run) }.expect("median_ms");
+    assert!(stats.median_ms >= 0.0);
+    check("median_ms");
+
+    // The C ABI: create, forward, a refused forward, destroy.
+    let mut handle: *mut FlashcoreContext = ptr::null_mut();
+    // SAFETY: `handle` is a valid place for one pointer.
+    let rc = unsafe { ffi::flashcore_create(0, &mut handle) };
+    assert_eq!(rc, FLASHCORE_SUCCESS);
+    check("flashcore_create");
+    let [cq, ck, cv, co] = [&q, &k, &v, &o].map(c_tensor);
+    // SAFETY: `handle` is live; the tensors describe the case's live buffers; the stream
+    // is the primary context's.
+    let rc =
+        unsafe { ffi::flashcore_forward(handle, &cq, &ck, &cv, &co, lse.ptr, 0.0, 1, cu_stream) };
+    assert_eq!(rc, FLASHCORE_SUCCESS);
+    check("flashcore_forward");
+    let mut bad = ck;
+    bad.dtype = 9;
+    // SAFETY: as above; the dtype check refuses the call first.
+    let rc =
+        unsafe { ffi::flashcore_forward(handle, &cq, &bad, &cv, &co, lse.ptr, 0.0, 1, cu_stream) };
+    assert_ne!(rc, FLASHCORE_SUCCESS);
+    check("a refused flashcore_forward");
+    // The header: work queued with a context must have finished before it is destroyed.
+    stream.synchronize().expect("synchronize");
+    set_current(expect);
+    // SAFETY: `handle` came from flashcore_create, is destroyed once, and its work is done.
+    unsafe { ffi::flashcore_destroy(handle) };
+    check("flashcore_destroy");
+
+    // The kernel ran in the primary context, on the caller's buffers: its output is right.
+    let (o_bits, _) = dev.download().expect("download");
+    let want = dev.reference(params.scale_for(64) as f64);
+    let got = reference::half_bits_to_f64(&o_bits, HalfType::F16);
+    let err = reference::rel_l2(&got, &want.out);
+    assert!(
+        err <= tolerance(HalfType::F16),
+        "{what}: error {err:.2e} ({replay})"
+    );
+    set_current(expect);
+
+    drop(attn);
+    check("dropping the Attention (unloads its kernels)");
+    drop(device);
+    check("dropping the Device");
+    // The case's buffers and stream are released through cudarc, after the checks.
+    set_current(ptr::null_mut());
+    drop(dev);
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn a_context_of_the_callers_own_stays_current() {
+    assert!(device_count().expect("a CUDA driver") > 0, "no CUDA device");
+    // A fresh thread: nothing else has touched its context stack.
+    std::thread::spawn(|| {
+        let own = OwnContext::new();
+        assert_eq!(
+            current(),
+            own.0,
+            "cuCtxCreate makes the new context current"
+        );
+        every_entry_point_keeps(own.0, "own context");
+        set_current(own.0);
+        drop(own);
+    })
+    .join()
+    .expect("the test thread panicked");
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn no_current_context_stays_none() {
+    assert!(device_count().expect("a CUDA driver") > 0, "no CUDA device");
+    std::thread::spawn(|| {
+        assert!(current().is_null(), "a fresh thread has no current context");
+        every_entry_point_keeps(ptr::null_mut(), "no context");
+    })
+    .join()
+    .expect("the test thread panicked");
+}
