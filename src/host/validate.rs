@@ -8,7 +8,7 @@
 //! 3. shapes: o == q, v == k, batch and head_dim equal across all ([`Error::ShapeMismatch`]);
 //! 4. head dim has a kernel ([`Error::UnsupportedHeadDim`]);
 //! 5. Hq a multiple of Hkv ([`Error::HeadRatio`]);
-//! 6. grid limits ([`Error::InvalidArgument`]): seqlens < 2^31, batch and Hq <= 65535;
+//! 6. size limits ([`Error::InvalidArgument`]): seqlens <= 2^27, batch and Hq <= 65535;
 //! 7. softmax scale, when given, finite and positive ([`Error::InvalidArgument`]);
 //! 8. pointers of q, k, v, o: non-null ([`Error::NullPointer`]) then 16-byte aligned
 //!    ([`Error::Misaligned`]); then the LSE pointer: non-null, 4-byte aligned;
@@ -35,8 +35,13 @@ pub const TENSOR_ALIGN: u64 = 16;
 pub const LSE_ALIGN: u64 = 4;
 /// Largest batch and largest Hq: they become grid dimensions limited to 65535.
 pub const MAX_GRID_YZ: usize = 65535;
-/// Sequence lengths must stay below this so they (and their difference) fit in `i32`.
-pub const MAX_SEQLEN_EXCLUSIVE: usize = 1 << 31;
+/// The longest sequence (queries or keys) a forward call accepts: 2^27 = 134,217,728.
+///
+/// Far above any real context, and the range over which every kernel is exact: its
+/// indices are 64-bit or saturating, and each thread's share of a row's softmax sum (at
+/// most a quarter of the keys) stays below 2^26, where f32 still counts the per-tile
+/// partial sums it adds without rounding. (A flat row of 2^31 keys would not be.)
+pub const MAX_SEQLEN: usize = 1 << 27;
 
 /// A validated forward problem: the sizes and options a launch needs.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -128,9 +133,9 @@ pub fn validate_fwd(
 
     // 6. launch-grid and 32-bit index limits
     for (what, n) in [("seqlen_q", seqlen_q), ("seqlen_k", seqlen_k)] {
-        if n >= MAX_SEQLEN_EXCLUSIVE {
+        if n > MAX_SEQLEN {
             return Err(Error::InvalidArgument(format!(
-                "{what} {n} must be below 2^31"
+                "{what} {n} exceeds the limit of {MAX_SEQLEN} (2^27)"
             )));
         }
     }
@@ -560,10 +565,23 @@ mod tests {
     #[test]
     fn seqlen_limit() {
         let (q, _, _, o) = views(1, 16, 16, 2, 2, 64);
-        let (_, k, v, _) = views(1, 16, 1 << 31, 2, 2, 64);
+        for sk in [MAX_SEQLEN + 1, (1 << 31) - 1, 1 << 31] {
+            let (_, k, v, _) = views(1, 16, sk, 2, 2, 64);
+            let e = run(&q, &k, &v, &o, None).unwrap_err();
+            assert!(
+                matches!(e, Error::InvalidArgument(ref m) if m.contains("seqlen_k")),
+                "{e}"
+            );
+        }
+        // At the limit (K and V 32 GiB apiece, placed apart).
+        let k = TensorView::bshd(64 * GB, DType::F16, 1, MAX_SEQLEN, 2, 64);
+        let v = TensorView::bshd(128 * GB, DType::F16, 1, MAX_SEQLEN, 2, 64);
+        assert!(run(&q, &k, &v, &o, None).is_ok());
+        let (q, _, _, o) = views(1, MAX_SEQLEN + 1, 16, 2, 2, 64);
+        let (_, k, v, _) = views(1, 16, 16, 2, 2, 64);
         let e = run(&q, &k, &v, &o, None).unwrap_err();
         assert!(
-            matches!(e, Error::InvalidArgument(ref m) if m.contains("seqlen_k")),
+            matches!(e, Error::InvalidArgument(ref m) if m.contains("seqlen_q")),
             "{e}"
         );
     }

@@ -88,12 +88,28 @@ impl OnlineSoftmax {
             .collect()
     }
 
-    /// `v ← exp2((v − m)·c)`, added to the row's sum.
-    fn exp_into(&self, k: &mut Kernel, v: Reg<F32>, m: Reg<F32>, sum: Reg<F32>, c: Reg<F32>) {
+    /// `v ← exp2((v − m)·c)`, added to `tile_sum`.
+    fn exp_into(k: &mut Kernel, v: Reg<F32>, m: Reg<F32>, tile_sum: Reg<F32>, c: Reg<F32>) {
         let d = k.sub(v, m);
         let d = k.mul(d, c);
         k.ex2_to(v, d);
-        k.add_to(sum, sum, v);
+        k.add_to(tile_sum, tile_sum, v);
+    }
+
+    /// One zeroed partial sum per row half of `slabs` slabs.
+    fn tile_sums(k: &mut Kernel, slabs: usize) -> Vec<[Reg<F32>; 2]> {
+        (0..slabs).map(|_| [k.mov(0f32), k.mov(0f32)]).collect()
+    }
+
+    /// Adds a tile's partial sums to the running sums. Summing each tile on its own
+    /// first keeps the running sum exact far longer: probabilities of 1.0 added one by
+    /// one stop counting at 2^24 in f32, which a flat row of 2^27 keys would reach.
+    fn fold(&self, k: &mut Kernel, tile_sums: &[[Reg<F32>; 2]]) {
+        for (sums, tile) in self.sum.iter().zip(tile_sums) {
+            for (&sum, &t) in sums.iter().zip(tile) {
+                k.add_to(sum, sum, t);
+            }
+        }
     }
 
     /// Folds one tile of `scores` into the running state: raises the maxima, rescales
@@ -101,15 +117,17 @@ impl OnlineSoftmax {
     /// unnormalised probabilities.
     pub fn step(&self, k: &mut Kernel, scores: &[Slab], o: &[Slab], scale_log2: Reg<F32>) {
         let maxes = self.rescale(k, scores, o, scale_log2);
-        for ((tiles, maxes), sums) in scores.iter().zip(&maxes).zip(&self.sum) {
+        let tile_sums = Self::tile_sums(k, scores.len());
+        for ((tiles, maxes), sums) in scores.iter().zip(&maxes).zip(&tile_sums) {
             for tile in tiles {
                 for ((half, &m), &sum) in maxes.iter().enumerate().zip(sums) {
                     for v in half_of(tile, half) {
-                        self.exp_into(k, v, m, sum, scale_log2);
+                        Self::exp_into(k, v, m, sum, scale_log2);
                     }
                 }
             }
         }
+        self.fold(k, &tile_sums);
     }
 
     /// [`OnlineSoftmax::step`] that hands the probabilities over packed as 16-bit A
@@ -123,7 +141,8 @@ impl OnlineSoftmax {
         scale_log2: Reg<F32>,
     ) -> Vec<Vec<[Reg<H>; 4]>> {
         let maxes = self.rescale(k, scores, o, scale_log2);
-        scores
+        let tile_sums = Self::tile_sums(k, scores.len());
+        let p = scores
             .iter()
             .enumerate()
             .map(|(slab, tiles)| {
@@ -131,10 +150,10 @@ impl OnlineSoftmax {
                     .chunks(2)
                     .map(|pair| {
                         for tile in pair {
-                            let rows = maxes[slab].iter().zip(&self.sum[slab]);
+                            let rows = maxes[slab].iter().zip(&tile_sums[slab]);
                             for (half, (&m, &sum)) in rows.enumerate() {
                                 for v in half_of(tile, half) {
-                                    self.exp_into(k, v, m, sum, scale_log2);
+                                    Self::exp_into(k, v, m, sum, scale_log2);
                                 }
                             }
                         }
@@ -142,7 +161,9 @@ impl OnlineSoftmax {
                     })
                     .collect()
             })
-            .collect()
+            .collect();
+        self.fold(k, &tile_sums);
+        p
     }
 
     /// The whole row's sum (the quad's partial sums added), for slab `slab`, half `half`.

@@ -1,0 +1,282 @@
+//! Forward attention at the edges of what validation accepts: sequences at the length
+//! limit (2^27 keys, broadcast through a zero sequence stride so a few bytes of memory
+//! suffice), lengths just past it (a typed error, nothing written), and softmax scales so
+//! large that `max · scale` leaves the float range. Run on a GPU machine with
+//! `cargo test --release --test gpu_limits -- --include-ignored`.
+
+use std::sync::Arc;
+
+use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
+
+use flashcore::Error;
+use flashcore::check::TestSeeds;
+use flashcore::host::attention::Attention;
+use flashcore::host::device::Device;
+use flashcore::host::tensor::{AttentionParams, DType, LseView, TensorView};
+use flashcore::host::validate::MAX_SEQLEN;
+use flashcore::kernels::attention::{BLOCK_M_WIDE, FwdConfig, HalfType, Path};
+use flashcore::reference::{self, Rng};
+use flashcore::shape::AttnShape;
+
+fn setup() -> (Attention, Arc<CudaStream>) {
+    let device = Arc::new(Device::new(0).expect("a CUDA device"));
+    let stream = device.context().default_stream();
+    (Attention::new(device).expect("an sm_80+ GPU"), stream)
+}
+
+fn seeds() -> TestSeeds {
+    TestSeeds::from_env().unwrap_or_else(|e| panic!("{e}"))
+}
+
+/// Device buffers of one case: Q `[1, Sq, 1, D]`, one K row and one V row (broadcast to
+/// any Sk by a zero sequence stride), O and LSE poisoned with NaN.
+struct Buffers {
+    stream: Arc<CudaStream>,
+    q: CudaSlice<u16>,
+    k: CudaSlice<u16>,
+    v: CudaSlice<u16>,
+    o: CudaSlice<u16>,
+    lse: CudaSlice<f32>,
+    sq: usize,
+    d: usize,
+}
+
+impl Buffers {
+    fn new(
+        stream: &Arc<CudaStream>,
+        q: &[u16],
+        k: &[u16],
+        v: &[u16],
+        sq: usize,
+        d: usize,
+    ) -> Buffers {
+        let up = |x: &[u16]| stream.clone_htod(x).expect("upload");
+        Buffers {
+            q: up(q),
+            k: up(k),
+            v: up(v),
+            o: up(&vec![reference::POISON_F16; sq * d]),
+            lse: stream.clone_htod(&vec![f32::NAN; sq]).expect("upload"),
+            stream: stream.clone(),
+            sq,
+            d,
+        }
+    }
+
+    fn ptr<T>(&self, s: &CudaSlice<T>) -> u64 {
+        s.device_ptr(&self.stream).0
+    }
+
+    /// Runs with `sk` keys: K and V are `[1, sk, 1, D]` views with sequence stride
+    /// `kv_stride` (0: every key is the buffer's one row; `D`: `sk` real rows).
+    fn run(
+        &self,
+        attn: &Attention,
+        sk: usize,
+        kv_stride: usize,
+        params: &AttentionParams,
+        cfg: Option<&FwdConfig>,
+    ) -> Result<(), Error> {
+        let (sq, d) = (self.sq, self.d);
+        let q = TensorView::bshd(self.ptr(&self.q), DType::F16, 1, sq, 1, d);
+        let o = TensorView::bshd(self.ptr(&self.o), DType::F16, 1, sq, 1, d);
+        let kv = |p| TensorView::strided(p, DType::F16, [1, sk, 1, d], [0, kv_stride, d, 1]);
+        let (k, v) = (kv(self.ptr(&self.k)), kv(self.ptr(&self.v)));
+        let lse = LseView {
+            ptr: self.ptr(&self.lse),
+        };
+        let s = self.stream.cu_stream();
+        // SAFETY: every view lies inside its own buffer (K and V repeat row 0 when their
+        // stride is 0), all allocated on `stream`'s device and alive for this call.
+        unsafe {
+            match cfg {
+                None => attn.forward(&q, &k, &v, &o, Some(&lse), params, s),
+                Some(c) => attn.forward_with_config(c, &q, &k, &v, &o, Some(&lse), params, s),
+            }
+        }
+    }
+
+    fn download(&self) -> (Vec<f64>, Vec<f32>) {
+        let o = self.stream.clone_dtoh(&self.o).expect("download");
+        let lse = self.stream.clone_dtoh(&self.lse).expect("download");
+        self.stream.synchronize().expect("sync");
+        (reference::half_bits_to_f64(&o, HalfType::F16), lse)
+    }
+}
+
+/// Sk at the limit and just below it, with every key equal: each row's output is V's one
+/// row, and its LSE is `ln(visible keys) + scale · q·k`.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn longest_sequences_are_exact() {
+    let (attn, stream) = setup();
+    let mut seeds = seeds();
+    let wide = |d: u32| FwdConfig {
+        path: Path::Sm80,
+        dtype: HalfType::F16,
+        head_dim: d,
+        causal: false,
+        block_m: BLOCK_M_WIDE,
+    };
+    // (head dim, Sk, Sq, causal, forced kernel)
+    let cases = [
+        (64, MAX_SEQLEN, 1, false, None),
+        (64, MAX_SEQLEN - 63, 1, false, None),
+        (256, MAX_SEQLEN - 1, 1, false, None),
+        (64, MAX_SEQLEN - 126, 5, true, None),
+        (128, MAX_SEQLEN, 3, false, Some(wide(128))),
+    ];
+    let mut failures = Vec::new();
+    for (d, sk, sq, causal, cfg) in cases {
+        let mut rng = seeds.next_case();
+        let replay = seeds.replay(&rng);
+        let (q_bits, q) = reference::random_half(&mut rng, sq * d, HalfType::F16);
+        let (k_bits, k) = reference::random_half(&mut rng, d, HalfType::F16);
+        let (v_bits, v) = reference::random_half(&mut rng, d, HalfType::F16);
+        let buf = Buffers::new(&stream, &q_bits, &k_bits, &v_bits, sq, d);
+        let params = AttentionParams {
+            softmax_scale: None,
+            causal,
+        };
+        let t = std::time::Instant::now();
+        buf.run(&attn, sk, 0, &params, cfg.as_ref())
+            .unwrap_or_else(|e| panic!("d{d} Sk {sk}: {e}"));
+        let (o, lse) = buf.download();
+        let secs = t.elapsed().as_secs_f64();
+        let scale = params.scale_for(d) as f64;
+        let shape = AttnShape {
+            seqlen_q: sq,
+            seqlen_k: sk,
+            ..AttnShape::square(1, 1, 1, d)
+        };
+        let mut worst_o = 0f64;
+        let mut worst_lse = 0f64;
+        for i in 0..sq {
+            let seen = shape.visible_keys(i, causal);
+            let row = &o[i * d..][..d];
+            let (want_o, want_lse) = if seen == 0 {
+                (vec![0.0; d], f64::NEG_INFINITY)
+            } else {
+                let s: f64 = q[i * d..][..d].iter().zip(&k).map(|(a, b)| a * b).sum();
+                (v.clone(), (seen as f64).ln() + scale * s)
+            };
+            worst_o = worst_o.max(reference::rel_l2(row, &want_o));
+            let got = lse[i] as f64;
+            let err = if want_lse.is_finite() {
+                (got - want_lse).abs() / want_lse.abs().max(1.0)
+            } else if got == want_lse {
+                0.0
+            } else {
+                f64::INFINITY
+            };
+            worst_lse = worst_lse.max(err);
+        }
+        let line = format!(
+            "d{d} Sk {sk} Sq {sq} causal {causal}: out {worst_o:.2e} lse {worst_lse:.2e} in \
+             {secs:.2} s ({replay})"
+        );
+        println!("{line}");
+        if !(worst_o <= 2e-3 && worst_lse <= 1e-5) {
+            failures.push(line);
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+/// One key past the limit, and the lengths near 2^31 that once wrapped, are typed errors
+/// that write nothing.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn lengths_past_the_limit_are_refused() {
+    let (attn, stream) = setup();
+    let mut rng = Rng::new(1);
+    let d = 64;
+    let (bits, _) = reference::random_half(&mut rng, d, HalfType::F16);
+    let buf = Buffers::new(&stream, &bits, &bits, &bits, 1, d);
+    for sk in [MAX_SEQLEN + 1, (1 << 31) - 63, (1 << 31) - 1] {
+        for causal in [false, true] {
+            let params = AttentionParams {
+                softmax_scale: None,
+                causal,
+            };
+            match buf.run(&attn, sk, 0, &params, None) {
+                Err(Error::InvalidArgument(m)) => println!("Sk {sk}: {m}"),
+                other => panic!("Sk {sk}: expected InvalidArgument, got {other:?}"),
+            }
+        }
+    }
+    let (o, lse) = buf.download();
+    assert!(o.iter().all(|x| x.is_nan()), "a refused call wrote O");
+    assert!(
+        lse.iter().all(|x| x.is_nan()),
+        "a refused call wrote the LSE"
+    );
+}
+
+/// Scales large enough that `max · scale` overflows f32: softmax at such a temperature is
+/// the average of V over the keys with the top score. Here q = 1 and key j is `c_j · 1`,
+/// so scores are exact (q·k = 64 for the top key at D = 64).
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn huge_scales_pick_the_top_keys() {
+    let (attn, stream) = setup();
+    let mut seeds = seeds();
+    let (d, sq, sk) = (64usize, 4usize, 100usize);
+    let q_bits = reference::f64_to_half_bits(&vec![1.0; sq * d], HalfType::F16);
+    for (scale, causal, tie) in [
+        (1e37f32, false, false),
+        (1e37, true, false),
+        (1e30, false, true),
+        (2e38, false, false),
+        (1e37, true, true),
+    ] {
+        let mut rng = seeds.next_case();
+        let replay = seeds.replay(&rng);
+        // Key j scores 64·c_j: c = 1 at key 97 (and 41 with a tie), below 1 elsewhere.
+        let c: Vec<f64> = (0..sk)
+            .map(|j| match j {
+                97 => 1.0,
+                41 if tie => 1.0,
+                _ => (j % 7) as f64 / 8.0 - 0.5,
+            })
+            .collect();
+        let k: Vec<f64> = c
+            .iter()
+            .flat_map(|&cj| std::iter::repeat_n(cj, d))
+            .collect();
+        let k_bits = reference::f64_to_half_bits(&k, HalfType::F16);
+        let (v_bits, v) = reference::random_half(&mut rng, sk * d, HalfType::F16);
+        let buf = Buffers::new(&stream, &q_bits, &k_bits, &v_bits, sq, d);
+        let params = AttentionParams {
+            softmax_scale: Some(scale),
+            causal,
+        };
+        buf.run(&attn, sk, d, &params, None)
+            .unwrap_or_else(|e| panic!("scale {scale}: {e}"));
+        let (o, lse) = buf.download();
+        let shape = AttnShape {
+            seqlen_q: sq,
+            seqlen_k: sk,
+            ..AttnShape::square(1, 1, 1, d)
+        };
+        let q = vec![1.0; sq * d];
+        let want = reference::attention_f64(&shape, &q, &k, &v, scale as f64, causal);
+        let out_err = reference::rel_l2(&o, &want.out);
+        // The true LSE may exceed the f32 range: then +inf is the right answer.
+        let lse_ok = lse.iter().zip(&want.lse).all(|(&g, &w)| {
+            let w32 = w as f32;
+            if w32.is_infinite() {
+                g == w32
+            } else {
+                ((g as f64) - w).abs() <= 1e-6 * w.abs().max(1.0)
+            }
+        });
+        let line = format!(
+            "scale {scale:e} causal {causal} tie {tie}: out {out_err:.2e} lse {lse:?} want \
+             {:?} ({replay})",
+            want.lse
+        );
+        println!("{line}");
+        assert!(out_err <= 1e-3 && lse_ok, "{line}");
+    }
+}
