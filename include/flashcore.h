@@ -53,6 +53,7 @@ extern "C" {
 #define FLASHCORE_ERROR_PTX 13                 /* kernel generation failed (a flashcore bug) */
 #define FLASHCORE_ERROR_MODULE_LOAD 14         /* the driver's JIT refused the kernel */
 #define FLASHCORE_ERROR_DRIVER 15              /* another CUDA driver call failed */
+#define FLASHCORE_ERROR_TENSOR_MAP 16          /* a tensor cannot be described to TMA */
 #define FLASHCORE_ERROR_NULL_ARGUMENT 100      /* a null host pointer (ctx, tensor struct, out) */
 #define FLASHCORE_ERROR_PANIC 101              /* internal panic caught (a flashcore bug) */
 

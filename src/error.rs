@@ -72,6 +72,10 @@ pub enum Error {
     /// Any other driver call failed.
     #[error("CUDA driver call {call} failed: {code}")]
     Driver { call: &'static str, code: String },
+    /// A tensor cannot be described to the tensor memory accelerator (a rule of
+    /// `cuTensorMapEncodeTiled` it breaks).
+    #[error("tensor map: {0}")]
+    TensorMap(#[from] crate::tma::TensorMapError),
 }
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;
@@ -166,6 +170,8 @@ return_codes! {
     FLASHCORE_ERROR_MODULE_LOAD = 14 for Error::ModuleLoad { .. },
         "the driver's JIT refused the kernel";
     FLASHCORE_ERROR_DRIVER = 15 for Error::Driver { .. }, "another CUDA driver call failed";
+    FLASHCORE_ERROR_TENSOR_MAP = 16 for Error::TensorMap(_),
+        "a tensor cannot be described to TMA";
     FLASHCORE_ERROR_NULL_ARGUMENT = 100, "a null host pointer (ctx, tensor struct, out)";
     FLASHCORE_ERROR_PANIC = 101, "internal panic caught (a flashcore bug)";
 }
@@ -201,7 +207,7 @@ mod tests {
         assert_eq!(RETURN_CODES[0].name, "FLASHCORE_SUCCESS");
         assert_eq!(RETURN_CODES[0].code, 0);
         assert_eq!(return_code(-1), None);
-        assert_eq!(return_code(16), None);
+        assert_eq!(return_code(17), None);
         // The values are the C ABI: they never change.
         assert_eq!(codes::FLASHCORE_ERROR_NO_DRIVER, 1);
         assert_eq!(codes::FLASHCORE_ERROR_DRIVER, 15);

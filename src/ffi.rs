@@ -605,6 +605,10 @@ mod tests {
                 },
                 "FLASHCORE_ERROR_DRIVER",
             ),
+            (
+                Error::TensorMap(crate::tma::TensorMapError::Rank { rank: 6 }),
+                "FLASHCORE_ERROR_TENSOR_MAP",
+            ),
         ];
         let value = |name: &str| {
             FLASHCORE_CONSTANTS
