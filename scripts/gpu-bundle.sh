@@ -100,6 +100,7 @@ while IFS=$'\t' read -r dest src; do
     chmod +x "$bundle/$dest"
 done <"$tmp/list"
 cp scripts/sdpa_bench.py "$bundle/sdpa_bench.py"
+cp scripts/gemm_bench.py "$bundle/gemm_bench.py"
 cp scripts/harness.py "$bundle/harness.py"
 cp scripts/profile.sh "$bundle/profile.sh"
 timed bash scripts/build-c-example.sh --no-run >&2
@@ -127,16 +128,17 @@ cat >"$bundle/run.sh" <<'RUN_SH'
 # Runs on the GPU machine (no cargo) from the repository root:
 #
 #   bash gpu-bundle/run.sh                 # everything
-#   bash gpu-bundle/run.sh tests bench     # some groups: system tests sanitize c bench criterion profile
+#   bash gpu-bundle/run.sh tests bench     # some groups: system hopper tests sanitize c bench criterion profile
 #
-# Writes under $OUT (default ./out), at most 7 files, no subfolders:
+# Writes under $OUT (default ./out), at most 8 files, no subfolders:
 #   system.log     manifest, nvidia-smi, flashcore info
 #   tests.log      every test binary (--include-ignored --test-threads=1)
 #   sanitizer.log  compute-sanitizer memcheck / racecheck / synccheck on `flashcore run`
+#   hopper.log     sm_90a proof kernels: TMA round trip + GEMM tests, GEMM vs cuBLAS, sanitizers
 #   bench.log      flashcore bench, SDPA bench, comparison, harness, criterion, ncu profile
 #   ours.json      flashcore bench --json
 #   sdpa.json      sdpa_bench.py --json
-#   harness.json   harness.py --json (the C ABI side by side with SDPA, same tensors)
+#   (harness.py and the GEMM benches print their tables into the logs; their JSON stays in scratch)
 #   summary.txt    one line per step: status, exit code, seconds, log
 # Each step runs under a timeout; one failing step never stops the others. Steps that
 # would start after the deadline ($RUN_DEADLINE_S seconds after start, default 570) are
@@ -231,14 +233,37 @@ if want system; then
     step system.log "flashcore info" 60 "$fc" info
 fi
 
+# ---- Hopper building blocks: TMA round trip and GEMM, first and with short limits -------
+if want hopper; then
+    t="$bundle/tests/gpu_hopper"
+    failed_before=$n_fail
+    [[ -x $t ]] && step hopper.log "test gpu_hopper" 120 "$t" --include-ignored --test-threads=1 --nocapture
+    if ((n_fail > failed_before)); then
+        echo "gpu_hopper failed: skipping the Hopper benches and sanitizers (a hang would eat their limits)"
+    else
+        rm -f "$scratch/gemm_ours.json" "$scratch/gemm_cublas.json"
+        step hopper.log "flashcore gemm (8192^3)" 90 "$fc" gemm --json "$scratch/gemm_ours.json"
+        step hopper.log "cublas gemm (8192^3)" 90 python3 "$bundle/gemm_bench.py" --json "$scratch/gemm_cublas.json"
+        step hopper.log "gemm compare" 30 python3 "$bundle/gemm_bench.py" --compare "$scratch/gemm_ours.json" "$scratch/gemm_cublas.json"
+        for tool in memcheck racecheck synccheck; do
+            step hopper.log "$tool gemm 300x520x4112" 120 \
+                compute-sanitizer --tool "$tool" --error-exitcode 1 \
+                "$fc" gemm --m 300 --n 520 --k 4112 --iters 1
+            [[ -x $t ]] && step hopper.log "$tool tma round trips" 120 \
+                compute-sanitizer --tool "$tool" --error-exitcode 1 \
+                "$t" --include-ignored --test-threads=1 tma_round_trips
+        done
+    fi
+fi
+
 # ---- tests -------------------------------------------------------------------------------
 if want tests; then
     for t in "$bundle"/tests/*; do
         [[ -x $t ]] || continue
-        extra=()
+        # gpu_hopper runs in its own group, first.
+        [[ $(basename "$t") == gpu_hopper ]] && want hopper && continue
         # Per-case errors are part of the evidence: show every test's output.
-        extra=(--nocapture)
-        step tests.log "test $(basename "$t")" 300 "$t" --include-ignored --test-threads=1 "${extra[@]}"
+        step tests.log "test $(basename "$t")" 300 "$t" --include-ignored --test-threads=1 --nocapture
     done
 fi
 
@@ -278,7 +303,7 @@ if want bench; then
 fi
 if want bench; then
     step bench.log "harness (C ABI vs SDPA)" 240 python3 "$bundle/harness.py" \
-        --lib "$bundle/release/libflashcore.so" --json "$OUT/harness.json"
+        --lib "$bundle/release/libflashcore.so" --json "$scratch/harness.json"
 fi
 if want criterion; then
     for b in "$bundle"/benches/*; do

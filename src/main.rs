@@ -48,7 +48,8 @@ const USAGE: &str = "usage:
   flashcore run [--batch B] [--heads H] [--kv-heads HKV] [--seqlen S | --seqlen-q SQ --seqlen-k SK]
                 [--head-dim D] [--dtype f16|bf16] [--causal] [--layout bshd|bhsd] [--iters N]
                 [--block-m 64|128]
-  flashcore bench [--json FILE] [--iters N]";
+  flashcore bench [--json FILE] [--iters N]
+  flashcore gemm [--m M] [--n N] [--k K] [--dtype bf16|f16|e4m3|all] [--iters N] [--json FILE]";
 
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -59,6 +60,7 @@ fn main() -> ExitCode {
         Some("report") => report(),
         Some("run") => run(rest),
         Some("bench") => bench(rest),
+        Some("gemm") => gemm(rest),
         Some("help" | "--help" | "-h") => {
             out!("{USAGE}");
             Ok(())
@@ -464,6 +466,92 @@ fn bench(args: &[String]) -> Result<(), Failure> {
             t.median_ms,
             err.out_err,
             kernel.id()
+        ));
+    }
+    if let Some(path) = o.value("--json") {
+        std::fs::write(path, format!("[\n  {}\n]\n", records.join(",\n  ")))
+            .map_err(|e| Failure::Run(format!("writing {path}: {e}")))?;
+    }
+    Ok(())
+}
+
+/// Times the sm_90a warp-specialized GEMM (the Hopper building blocks' proof kernel):
+/// median of CUDA-event timings of `C = A·Bᵀ` on random inputs, 8192³ by default.
+fn gemm(args: &[String]) -> Result<(), Failure> {
+    use flashcore::host::gemm::HopperProofs;
+    use flashcore::kernels::gemm::{GemmConfig, GemmType};
+    let o = Opts { args };
+    o.check_known(&["--m", "--n", "--k", "--dtype", "--iters", "--json"], &[])?;
+    let (m, n, k) = (
+        o.num("--m", 8192)?,
+        o.num("--n", 8192)?,
+        o.num("--k", 8192)?,
+    );
+    let iters = o.num("--iters", 30)?;
+    let types = match o.value("--dtype").unwrap_or("all") {
+        "all" => vec![GemmType::Bf16, GemmType::F16, GemmType::E4m3],
+        "bf16" => vec![GemmType::Bf16],
+        "f16" | "fp16" => vec![GemmType::F16],
+        "e4m3" | "fp8" => vec![GemmType::E4m3],
+        other => return Err(Failure::Usage(format!("unknown dtype `{other}`"))),
+    };
+    let dev = open_gpu()?;
+    let hp = HopperProofs::new(dev.clone())?;
+    let stream = dev.context().default_stream();
+    let drv = |e: cudarc::driver::DriverError| Failure::Run(format!("{e:?}"));
+    // A pool of random values tiled over the inputs: real magnitudes (never zeros) without
+    // drawing 10^8 normals on the host.
+    let mut rng = Rng::from_entropy();
+    let pool: Vec<f64> = (0..(1 << 20)).map(|_| rng.normal()).collect();
+    let mut records = Vec::new();
+    out!(
+        "{} ({}), C[{m}x{n}] = A[{m}x{k}] B[{n}x{k}]^T",
+        dev.name(),
+        dev.arch_name()
+    );
+    out!("{:<8} {:>10} {:>9}  kernel", "dtype", "ms", "TFLOP/s");
+    for dtype in types {
+        let cfg = GemmConfig { dtype };
+        let fill = |len: usize| -> Vec<u8> {
+            match dtype {
+                GemmType::E4m3 => (0..len)
+                    .map(|i| float8::F8E4M3::from_f64(pool[i % pool.len()]).to_bits())
+                    .collect(),
+                GemmType::F16 => (0..len)
+                    .flat_map(|i| half::f16::from_f64(pool[i % pool.len()]).to_le_bytes())
+                    .collect(),
+                GemmType::Bf16 => (0..len)
+                    .flat_map(|i| half::bf16::from_f64(pool[i % pool.len()]).to_le_bytes())
+                    .collect(),
+            }
+        };
+        let a = stream.clone_htod(&fill(m * k)).map_err(drv)?;
+        let b = stream.clone_htod(&fill(n * k)).map_err(drv)?;
+        let c = stream.alloc_zeros::<u16>(m * n).map_err(drv)?;
+        use cudarc::driver::DevicePtr;
+        let ptrs = [
+            a.device_ptr(&stream).0,
+            b.device_ptr(&stream).0,
+            c.device_ptr(&stream).0,
+        ];
+        let cu = stream.cu_stream();
+        // SAFETY: A, B and C are live buffers of the sizes passed, on `cu`.
+        let run = || unsafe { hp.gemm(&cfg, ptrs, [m, n, k], 1.0, cu) };
+        // SAFETY: `cu` is the device's default stream, which `run` enqueues on.
+        let t = unsafe { flashcore::host::timing::median_ms(dev.context(), cu, 3, iters, run) }?;
+        let tflops = 2.0 * (m * n * k) as f64 / (t.median_ms as f64 * 1e9);
+        out!(
+            "{:<8} {:>10.4} {:>9.1}  {}",
+            dtype.name(),
+            t.median_ms,
+            tflops,
+            cfg.id()
+        );
+        records.push(format!(
+            "{{\"op\": \"gemm\", \"m\": {m}, \"n\": {n}, \"k\": {k}, \"dtype\": \"{}\", \
+             \"backend\": \"flashcore\", \"median_ms\": {:.6}, \"tflops\": {tflops:.3}}}",
+            dtype.name(),
+            t.median_ms
         ));
     }
     if let Some(path) = o.value("--json") {

@@ -26,7 +26,7 @@ use std::process::Command;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use flashcore::kernels::{self, KernelSpec};
+use flashcore::kernels;
 use flashcore::ptx::{
     F16x2, F32, Kernel, Module, SmemLayout, SmemPlan, Special, Swizzle, Target, U64,
 };
@@ -219,6 +219,8 @@ struct Assembled {
     arch: String,
     fns: Vec<FnStats>,
     sass: String,
+    /// ptxas' own output (`-v` resource lines and any warnings).
+    log: String,
 }
 
 fn run(cmd: &mut Command, what: &str) -> Result<String, String> {
@@ -268,11 +270,17 @@ fn assemble(tools: &Tools, ptx_file: &Path, arch: &str) -> Result<Assembled, Str
         arch: arch.to_string(),
         fns,
         sass,
+        log: verbose,
     })
 }
 
+/// ptxas performance warnings that mean a Hopper kernel silently lost what it exists for:
+/// C7508, `setmaxnreg` ignored (no register count at entry), and C7515, wgmma serialized
+/// (accumulators touched while in flight, or wgmma in a non-warpgroup-uniform branch).
+const FORBIDDEN_WARNINGS: [&str; 2] = ["C7508", "C7515"];
+
 /// Checks one assembly; returns every problem found.
-fn check(id: &str, a: &Assembled, entries: &[String]) -> Vec<String> {
+fn check(id: &str, a: &Assembled, entries: &[String], expected_sass: &[&str]) -> Vec<String> {
     let mut errs = Vec::new();
     for f in &a.fns {
         if f.spill_stores != 0 || f.spill_loads != 0 {
@@ -290,12 +298,19 @@ fn check(id: &str, a: &Assembled, entries: &[String]) -> Vec<String> {
             ));
         }
     }
-    for (op, ptx) in [("HMMA", "mma.sync"), ("LDGSTS", "cp.async")] {
+    for op in expected_sass {
         if !a.sass.contains(op) {
             errs.push(format!(
-                "{id} [{}]: SASS has no {op} ({ptx} missing or optimized away)",
+                "{id} [{}]: SASS has no {op} (its instruction is missing or was lowered to \
+                 something else)",
                 a.arch
             ));
+        }
+    }
+    for w in FORBIDDEN_WARNINGS {
+        if a.log.contains(w) {
+            let line = a.log.lines().find(|l| l.contains(w)).unwrap_or(w);
+            errs.push(format!("{id} [{}]: ptxas warned: {line}", a.arch));
         }
     }
     errs
@@ -341,13 +356,13 @@ fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
     }
 }
 
-/// Dynamic shared memory the launch asks for (not visible to ptxas).
-#[allow(unreachable_patterns)]
-fn launch_smem(spec: &KernelSpec) -> Option<u32> {
-    match spec {
-        KernelSpec::Fwd(c) => catch_unwind(|| c.tiling().smem_bytes).ok(),
-        _ => None,
-    }
+/// One module to assemble: its id, the dynamic shared memory its launch asks for (not
+/// visible to ptxas) and the SASS instruction classes it must show.
+struct Job {
+    id: String,
+    module: Module,
+    dyn_smem: Option<u32>,
+    expect: &'static [&'static str],
 }
 
 struct Row {
@@ -388,14 +403,10 @@ fn print_table(rows: &[Row]) {
 
 /// Assembles `modules` (id, module) for every architecture each is meant for; prints the
 /// table and returns every failure.
-fn assemble_all(
-    tools: &Tools,
-    dir: &Path,
-    modules: &[(String, Module, Option<u32>)],
-) -> (Vec<Row>, Vec<String>) {
+fn assemble_all(tools: &Tools, dir: &Path, modules: &[Job]) -> (Vec<Row>, Vec<String>) {
     let mut jobs: Vec<(usize, String, PathBuf)> = Vec::new();
     let mut failures = Vec::new();
-    for (i, (id, m, _)) in modules.iter().enumerate() {
+    for (i, Job { id, module: m, .. }) in modules.iter().enumerate() {
         let ptx_file = dir.join(format!("{id}.ptx"));
         if let Err(e) = std::fs::write(&ptx_file, m.to_ptx()) {
             failures.push(format!("{id}: cannot write {}: {e}", ptx_file.display()));
@@ -406,11 +417,12 @@ fn assemble_all(
         }
     }
     let results = par_map(&jobs, |(i, arch, ptx_file)| {
-        let (id, m, _) = &modules[*i];
-        let entries: Vec<String> = m.entry_names().map(str::to_string).collect();
+        let job = &modules[*i];
+        let entries: Vec<String> = job.module.entry_names().map(str::to_string).collect();
+        let id = &job.id;
         match assemble(tools, ptx_file, arch) {
             Ok(a) => {
-                let errs = check(id, &a, &entries);
+                let errs = check(id, &a, &entries, job.expect);
                 (Some(a), errs)
             }
             Err(e) => (None, vec![format!("{id} [{arch}]: {e}")]),
@@ -418,14 +430,14 @@ fn assemble_all(
     });
     let mut rows = Vec::new();
     for ((i, _, _), (a, errs)) in jobs.iter().zip(results) {
-        let (id, _, dyn_smem) = &modules[*i];
+        let job = &modules[*i];
         if let Some(a) = a {
             for f in a.fns {
                 rows.push(Row {
-                    id: id.clone(),
+                    id: job.id.clone(),
                     arch: a.arch.clone(),
                     stats: f,
-                    dyn_smem: *dyn_smem,
+                    dyn_smem: job.dyn_smem,
                 });
             }
         }
@@ -446,8 +458,10 @@ fn fail_with(dir: &mut TempDir, what: &str, failures: &[String]) -> ! {
 
 // ---- tests ------------------------------------------------------------------------------
 
-/// Every catalog kernel assembles for every architecture it targets, without spills, and
-/// its SASS uses the tensor cores (HMMA) and async copies (LDGSTS).
+/// Every catalog kernel assembles for every architecture it targets, without spills and
+/// without ptxas' C7508/C7515 warnings, and its SASS shows the instruction classes the
+/// kernel declares (`KernelSpec::expected_sass`: HMMA + LDGSTS for the sm80 path, HGMMA
+/// or QGMMA + UTMALDG + SYNCS for sm_90a kernels).
 #[test]
 fn catalog_kernels_assemble_without_spills() {
     let tools = tools();
@@ -457,15 +471,17 @@ fn catalog_kernels_assemble_without_spills() {
     let generated = par_map(&specs, |spec| {
         let id = spec.id();
         let r = catch_unwind(AssertUnwindSafe(|| spec.generate()));
+        let smem = catch_unwind(AssertUnwindSafe(|| spec.smem_bytes())).ok();
         (
             id,
             r.map_err(|p| panic_message(p.as_ref())),
-            launch_smem(spec),
+            smem,
+            spec.expected_sass(),
         )
     });
     let mut failures = Vec::new();
     let mut modules = Vec::new();
-    for (id, r, dyn_smem) in generated {
+    for (id, r, dyn_smem, expect) in generated {
         match r {
             Ok(Ok(m)) => {
                 if !m.entry_names().any(|e| e == id) {
@@ -474,7 +490,12 @@ fn catalog_kernels_assemble_without_spills() {
                         "{id}: the module has no entry named after the id (entries: {names:?})"
                     ));
                 }
-                modules.push((id, m, dyn_smem));
+                modules.push(Job {
+                    id,
+                    module: m,
+                    dyn_smem,
+                    expect,
+                });
             }
             Ok(Err(e)) => failures.push(format!("{id}: generate() returned an error: {e}")),
             Err(msg) => failures.push(format!("{id}: generate() panicked: {msg}")),
@@ -607,7 +628,13 @@ fn harness_assembles_a_dsl_module() {
     let m = harness_module();
     let id = "flashcore_harness_mma_cp_async".to_string();
     let mut dir = TempDir::new("assembly-harness");
-    let (rows, mut failures) = assemble_all(&tools, &dir.path, &[(id.clone(), m, Some(512))]);
+    let job = Job {
+        id: id.clone(),
+        module: m,
+        dyn_smem: Some(512),
+        expect: &["HMMA", "LDGSTS"],
+    };
+    let (rows, mut failures) = assemble_all(&tools, &dir.path, &[job]);
     let archs: Vec<&str> = rows.iter().map(|r| r.arch.as_str()).collect();
     if archs != ["sm_80", "sm_89", "sm_90"] {
         failures.push(format!(
@@ -636,15 +663,167 @@ fn harness_flags_a_kernel_without_mma() {
     m.push(k.finish().expect("the kernel builds"))
         .expect("fits sm_80");
     let dir = TempDir::new("assembly-negative");
-    let (rows, failures) = assemble_all(
-        &tools,
-        &dir.path,
-        &[("flashcore_harness_no_mma".into(), m, None)],
-    );
+    let job = Job {
+        id: "flashcore_harness_no_mma".into(),
+        module: m,
+        dyn_smem: None,
+        expect: &["HMMA", "LDGSTS"],
+    };
+    let (rows, failures) = assemble_all(&tools, &dir.path, &[job]);
     assert_eq!(rows.len(), 3, "one report per architecture: {failures:?}");
     for op in ["no HMMA", "no LDGSTS"] {
         let n = failures.iter().filter(|f| f.contains(op)).count();
         assert_eq!(n, 3, "expected `{op}` for sm_80/89/90, got {failures:?}");
     }
     assert_eq!(failures.len(), 6, "unexpected failures: {failures:?}");
+}
+
+/// A kernel that uses every Hopper instruction method of the DSL once: mbarriers and the
+/// stage ring, TMA loads (plain and with an L2 hint), stores, bulk groups and the
+/// descriptor prefetch, wgmma SS and RS for f16, bf16 and e4m3 with fences, commits and
+/// waits, named barriers, elect.sync, setmaxnreg, stmatrix, prmt and the proxy fence.
+fn hopper_harness_module() -> Module {
+    use flashcore::ptx::*;
+    let mut k = Kernel::new("flashcore_harness_hopper");
+    k.max_threads(384).min_blocks_per_sm(1);
+    let map = k.tensor_map_param("tmap");
+    let out_p = k.param::<U64>("out");
+    let out = k.load_param(out_p);
+    let mut plan = SmemPlan::new();
+    let l16 = SmemLayout::new(64, 64, 2, Swizzle::B128);
+    let l8 = SmemLayout::new(64, 128, 1, Swizzle::B128);
+    let t16 = plan.tile(l16, 2);
+    let t8 = plan.tile(l8, 2);
+    let ring = RingBarriers::plan(&mut plan, 2);
+    let smem = k.shared_memory(&plan);
+    let tid = k.special(Special::TidX);
+    let first = k.setp(Cmp::Eq, tid, 0u32);
+    k.if_(first, |k| ring.init(k, &smem, 1, 4));
+    k.sync_threads();
+    let wg = k.shr(tid, 7);
+    let producer = k.setp(Cmp::Eq, wg, 0u32);
+    let done = k.named_barrier(256);
+    k.if_else(
+        producer,
+        |k| {
+            k.setmaxnreg_dec(40);
+            let leader = k.elect_one();
+            let mut p = ring.producer(k, smem);
+            k.if_(leader, |k| {
+                k.tma_prefetch_desc(map);
+                p.acquire(k);
+                p.arrive_expect_tx(k, 2 * l16.bytes());
+                let bar = p.full_barrier(k);
+                let a = p.slot(k, t16);
+                let (x, y) = (k.mov::<S32>(0i32), k.mov::<S32>(0i32));
+                k.tma_load(a, map, [x, y], bar);
+                let a64 = k.smem_offset(a, l16.bytes());
+                k.tma_load_hint(a64, map, [x, y], bar, CachePolicy::EvictFirst);
+            });
+            p.advance(k);
+        },
+        |k| {
+            k.setmaxnreg_inc(232);
+            let c = ring.consumer(k, smem);
+            c.wait_full(k);
+            let a = c.slot(k, t16);
+            let d = k.smem_desc::<KMajor>(a, &l16);
+            let dt = k.smem_desc::<MnMajor>(a, &l16);
+            let acc = k.acc::<N64>();
+            let f = k.wgmma_ss::<F16x2, N64, KMajor, MnMajor>(acc, d, dt, ScaleD::Zero);
+            k.wgmma_commit();
+            k.wgmma_wait(0);
+            let acc = k.wgmma_retire(f);
+            let tiles = acc.tiles();
+            let p: [Reg<Bf16x2>; 4] = std::array::from_fn(|i| {
+                let t = tiles[i];
+                k.pack_half2(t[0], t[1])
+            });
+            let f = k.wgmma_rs::<Bf16x2, N64, KMajor>(acc, &p, d, ScaleD::Accumulate);
+            k.wgmma_commit();
+            let a8 = smem.tile(k, t8, 0);
+            let d8 = k.smem_desc::<KMajor>(a8, &l8);
+            let acc8 = k.acc::<N32>();
+            let f8 = k.wgmma_ss::<E4m3x4, N32, KMajor, KMajor>(acc8, d8, d8, ScaleD::Zero);
+            k.wgmma_commit();
+            k.wgmma_wait(0);
+            let acc = k.wgmma_retire(f);
+            let acc8 = k.wgmma_retire(f8);
+            let q: [Reg<E4m3x4>; 4] = std::array::from_fn(|i| {
+                let lo = k.pack_e4m3x2(acc8.regs()[i], acc8.regs()[i + 4]);
+                let hi = k.pack_e4m3x2(acc8.regs()[i + 8], acc8.regs()[i + 12]);
+                k.join_b16x2(lo, hi).cast()
+            });
+            let f8 = k.wgmma_rs::<E4m3x4, N32, KMajor>(acc8, &q, d8, ScaleD::Accumulate);
+            k.wgmma_commit();
+            k.wgmma_wait(0);
+            let acc8 = k.wgmma_retire(f8);
+            let lane_leader = k.elect_one();
+            k.guarded(lane_leader, true, |k| c.release(k));
+            let words: [Reg<F16x2>; 4] = std::array::from_fn(|i| {
+                let t = acc.tiles()[i];
+                k.pack_half2(t[0], t[1])
+            });
+            k.stmatrix_x4(a, words, false);
+            k.stmatrix_x4(a, words, true);
+            k.fence_proxy_async();
+            k.bar_arrive(done);
+            k.bar_wait(done);
+            let (x, y) = (k.mov::<S32>(0i32), k.mov::<S32>(0i32));
+            k.guarded(first, false, |k| k.tma_store(map, [x, y], a));
+            k.bulk_commit_group();
+            k.bulk_wait_group_read(0);
+            k.bulk_wait_group(0);
+            let mix = k.prmt(words[0].cast(), words[1].cast(), 0x5140);
+            let sum = k.add(acc8.regs()[0], acc.regs()[1]);
+            k.st_global(out, 0, mix);
+            k.st_global(out, 4, sum);
+        },
+    );
+    let mut m = Module::new(Target::Sm90a);
+    m.push(k.finish().expect("the Hopper harness builds"))
+        .expect("fits sm_90a");
+    m
+}
+
+/// Every Hopper instruction the DSL emits is accepted by ptxas for sm_90a and lands in
+/// the SASS as the hardware's own instructions (HGMMA, QGMMA, UTMALDG, UTMASTG, SYNCS,
+/// STSM), without C7508/C7515.
+#[test]
+fn hopper_harness_assembles() {
+    let tools = tools();
+    let dir = TempDir::new("assembly-hopper");
+    let job = Job {
+        id: "flashcore_harness_hopper".into(),
+        module: hopper_harness_module(),
+        dyn_smem: None,
+        expect: &[
+            "HGMMA", "QGMMA", "UTMALDG", "UTMASTG", "SYNCS", "STSM", "ELECT",
+        ],
+    };
+    let (rows, failures) = assemble_all(&tools, &dir.path, &[job]);
+    assert_eq!(rows.len(), 1, "{failures:?}");
+    assert!(failures.is_empty(), "{failures:#?}");
+}
+
+/// The Hopper checks are not vacuous: ptxas' C7508 (setmaxnreg ignored without launch
+/// bounds; the DSL refuses such a kernel, so it is written by hand here) is reported.
+#[test]
+fn harness_flags_ignored_setmaxnreg() {
+    let tools = tools();
+    let dir = TempDir::new("assembly-c7508");
+    let ptx = ".version 8.4\n.target sm_90a\n.address_size 64\n\n\
+        .visible .entry flashcore_harness_c7508(.param .u64 out)\n{\n\
+        .reg .b32 %r<2>;\n.reg .b64 %rd<1>;\n\
+        ld.param.u64 %rd0, [out];\nsetmaxnreg.inc.sync.aligned.u32 240;\n\
+        mov.u32 %r0, %tid.x;\nst.global.u32 [%rd0], %r0;\nret;\n}\n";
+    let file = dir.path.join("c7508.ptx");
+    std::fs::write(&file, ptx).unwrap();
+    let a = assemble(&tools, &file, "sm_90a").expect("ptxas accepts it, with a warning");
+    let errs = check("c7508", &a, &["flashcore_harness_c7508".into()], &[]);
+    assert!(
+        errs.iter().any(|e| e.contains("C7508")),
+        "C7508 not reported: {errs:?}\n{}",
+        a.log
+    );
 }

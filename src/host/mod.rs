@@ -8,10 +8,12 @@
 //! - [`tensor`]: tensor views (pointer, shape, strides, dtype).
 //! - [`validate`]: argument checks that return typed errors before anything runs.
 //! - [`attention`]: the forward-attention entry point and dispatch.
+//! - [`gemm`]: the Hopper proof kernels (warp-specialized GEMM, TMA round trip).
 
 pub mod attention;
 pub mod cache;
 pub mod device;
+pub mod gemm;
 pub mod launch;
 pub mod module;
 pub mod tensor;

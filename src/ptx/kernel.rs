@@ -595,6 +595,27 @@ impl Kernel {
         self.place(exit);
     }
 
+    /// [`Kernel::for_range`] whose body threads a value from one turn to the next: the
+    /// type state of registers that live across the loop, an in-flight wgmma
+    /// accumulator say. The body receives the value and returns it (the same registers)
+    /// for the next turn; what the last turn returns comes back.
+    pub fn for_range_carry<T>(
+        &mut self,
+        start: impl Src<S32>,
+        end: impl Src<S32>,
+        step: i32,
+        carried: T,
+        body: impl FnOnce(&mut Self, Reg<S32>, T) -> T,
+    ) -> T {
+        let mut slot = Some(carried);
+        let mut out = None;
+        self.for_range(start, end, step, |k, i| {
+            let v = slot.take().expect("the loop body is emitted once");
+            out = Some(body(k, i, v));
+        });
+        out.expect("the loop body is emitted once")
+    }
+
     /// `for (i = start; i < end; i += stride) body(i)` with a run-time stride (a persistent
     /// kernel's grid size, say), which must be positive.
     pub fn for_stride(
