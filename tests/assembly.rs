@@ -7,7 +7,8 @@
 //! - ptxas accepts it,
 //! - `ptxas -v` reports 0 bytes of spill stores and spill loads,
 //! - the SASS (`cuobjdump --dump-sass`) contains `HMMA` (`mma.sync`) and `LDGSTS`
-//!   (`cp.async`), i.e. the tensor-core and async-copy paths survived assembly.
+//!   (`cp.async`), i.e. the tensor-core and async-copy paths survived assembly,
+//! - a warp-MMA kernel has few register moves per `HMMA` (see [`MAX_MOVES_PER_4_HMMA`]).
 //!
 //! Tools: `ptxas` and `cuobjdump` (which runs `nvdisasm`) are looked up in the directory
 //! `$FLASHCORE_CUDA_BIN` when it is set, else on `PATH`. Without them the tests FAIL (they
@@ -279,6 +280,31 @@ fn assemble(tools: &Tools, ptx_file: &Path, arch: &str) -> Result<Assembled, Str
 /// (accumulators touched while in flight, or wgmma in a non-warpgroup-uniform branch).
 const FORBIDDEN_WARNINGS: [&str; 2] = ["C7508", "C7515"];
 
+/// A warp-MMA kernel may have at most one register move per four `HMMA`s, plus
+/// [`MOVE_ALLOWANCE`] for setup and epilogue. `mma.sync` takes each operand fragment in
+/// aligned, consecutive registers; when `ldmatrix` delivers them in another order, ptxas
+/// re-pairs them with a `MOV` per register per tile, which cost the sm80 forward ~10% at
+/// one point (one `MOV` per `HMMA`) while every other check stayed green.
+const MAX_MOVES_PER_4_HMMA: usize = 1;
+const MOVE_ALLOWANCE: usize = 64;
+
+/// `(register moves, HMMA)` instruction counts of a SASS listing.
+fn moves_and_hmma(sass: &str) -> (usize, usize) {
+    let ops = sass.lines().filter_map(|l| {
+        // `        /*0690*/                   MOV R4, R36 ;`: the opcode follows the address.
+        let rest = l.trim_start().strip_prefix("/*")?;
+        let (_, inst) = rest.split_once("*/")?;
+        inst.split_whitespace().find(|w| !w.starts_with('@'))
+    });
+    ops.fold((0, 0), |(m, h), op| {
+        let is_move = op == "MOV" || op.starts_with("MOV.") || op == "IMAD.MOV.U32";
+        (
+            m + usize::from(is_move),
+            h + usize::from(op.starts_with("HMMA")),
+        )
+    })
+}
+
 /// Checks one assembly; returns every problem found.
 fn check(id: &str, a: &Assembled, entries: &[String], expected_sass: &[&str]) -> Vec<String> {
     let mut errs = Vec::new();
@@ -303,6 +329,16 @@ fn check(id: &str, a: &Assembled, entries: &[String], expected_sass: &[&str]) ->
             errs.push(format!(
                 "{id} [{}]: SASS has no {op} (its instruction is missing or was lowered to \
                  something else)",
+                a.arch
+            ));
+        }
+    }
+    if expected_sass.contains(&"HMMA") {
+        let (moves, hmma) = moves_and_hmma(&a.sass);
+        if moves > hmma * MAX_MOVES_PER_4_HMMA / 4 + MOVE_ALLOWANCE {
+            errs.push(format!(
+                "{id} [{}]: {moves} register moves for {hmma} HMMA: fragments are \
+                 re-paired in the loop (check the ldmatrix lane roles)",
                 a.arch
             ));
         }
@@ -826,4 +862,47 @@ fn harness_flags_ignored_setmaxnreg() {
         "C7508 not reported: {errs:?}\n{}",
         a.log
     );
+}
+
+/// The move budget reads opcodes (not operands, not predicates) and fires on a loop that
+/// re-pairs every fragment, as the sm80 forward once did.
+#[test]
+fn move_budget_counts_opcodes_and_flags_re_pairing() {
+    let line = |op: &str| format!("        /*0690*/                   {op} ;\n");
+    let sass = [
+        "MOV R4, R36",
+        "IMAD.MOV.U32 R6, RZ, RZ, R37",
+        "@!P0 MOV R5, R38",
+        "HMMA.16816.F32 R152, R80, R4, RZ",
+        "LDSM.16.M88.4 R104, [R229+UR4+0x9800]",
+        "FMUL R1, R2, R3",
+        "UMOV UR4, 0x400",
+    ]
+    .map(line)
+    .concat();
+    assert_eq!(moves_and_hmma(&sass), (3, 1));
+
+    let assembled = |moves: usize, hmma: usize| Assembled {
+        arch: "sm_90".into(),
+        fns: Vec::new(),
+        sass: [
+            line("MOV R4, R36").repeat(moves),
+            line("HMMA.16816.F32 R1, R2, R4, RZ").repeat(hmma),
+        ]
+        .concat(),
+        log: String::new(),
+    };
+    let flags = |a: &Assembled, expect: &[&str]| {
+        check("k", a, &[], expect)
+            .iter()
+            .any(|e| e.contains("register moves"))
+    };
+    assert!(
+        !flags(&assembled(64 + 128, 512), &["HMMA"]),
+        "within budget"
+    );
+    assert!(flags(&assembled(64 + 129, 512), &["HMMA"]), "one move over");
+    assert!(flags(&assembled(512, 512), &["HMMA"]), "one move per HMMA");
+    // Only warp-MMA kernels have the budget (a wgmma kernel moves accumulators freely).
+    assert!(!flags(&assembled(512, 512), &["HGMMA"]));
 }

@@ -213,13 +213,11 @@ struct Fwd<H: Half2> {
     /// Output accumulators: one slab per 16-row MMA tile of the warp.
     o: Vec<Slab>,
     softmax: OnlineSoftmax,
-    /// ldmatrix row addresses, one per 32-byte step inside a 128-byte line. K and V are
-    /// read with the same lane roles, so they share one set (the K tile is a constant
-    /// offset away).
+    /// ldmatrix row addresses, one per 32-byte step inside a 128-byte line, for each
+    /// operand's lane roles.
     q_frag: Vec<SmemAddr>,
-    kv_frag: Vec<SmemAddr>,
-    /// Bytes from the V tile to the K tile.
-    k_from_v: u32,
+    k_frag: Vec<SmemAddr>,
+    v_frag: Vec<SmemAddr>,
     _h: PhantomData<H>,
 }
 
@@ -424,24 +422,31 @@ impl<H: Half2> Fwd<H> {
         let (warp_rows, _) = thread_rows(k, s.m_tiles);
         let lane = k.and(tid, 31u32);
 
-        // ldmatrix lane roles (lane L feeds row L%8 of matrix L/8): row L%16, column half
-        // L/16 of the operand's 16x16 block, for all three. For Q (A operand) that is the
-        // A fragment; for V (B operand of O, transposed) the two B fragments; for K (B
-        // operand of S, not transposed) the matrices arrive as [b0 of keys 0-7, b0 of
-        // keys 8-15, b1 of keys 0-7, b1 of keys 8-15].
+        // ldmatrix lane roles (lane L feeds row L%8 of matrix L/8), chosen so that each
+        // mma's fragment pair comes back in consecutive registers: mma.sync takes its
+        // B operand as an aligned register pair, and any other order costs a MOV per
+        // register per tile (ptxas re-pairs them).
+        //   Q (A operand):                    row L%16,              column half L/16
+        //   K (B operand of S, K-major):      row L%8 + 8·(L/16),    column half (L/8)%2
+        //   V (B operand of O, transposed):   row L%16,              column half L/16
+        let l8 = k.and(lane, 7u32);
         let l16 = k.and(lane, 15u32);
         let hi16 = k.shr(lane, 4);
+        let mid = k.shr(lane, 3);
+        let mid = k.and(mid, 1u32);
         let q_row = k.add(warp_rows, l16);
+        let k_row = k.mad(hi16, 8u32, l8);
         let q_frag = frag_addresses(k, &s, smem, t.q, q_row, hi16);
-        let kv_frag = frag_addresses(k, &s, smem, t.v, l16, hi16);
+        let k_frag = frag_addresses(k, &s, smem, t.k, k_row, mid);
+        let v_frag = frag_addresses(k, &s, smem, t.v, l16, hi16);
         Fwd {
             s,
             causal,
             o,
             softmax,
             q_frag,
-            kv_frag,
-            k_from_v: t.k.offset.wrapping_sub(t.v.offset),
+            k_frag,
+            v_frag,
             _h: PhantomData,
         }
     }
@@ -501,9 +506,8 @@ impl<H: Half2> Fwd<H> {
                 .collect();
             for np in 0..s.block_n / 16 {
                 let at = block * s.block_n * s.row_bytes() + np * 16 * s.row_bytes();
-                let at = at.wrapping_add(self.k_from_v);
-                let addr = k.smem_offset(self.kv_frag[step], at);
-                let [b0, b2, b1, b3] = k.ldmatrix_x4::<H>(addr, false);
+                let addr = k.smem_offset(self.k_frag[step], at);
+                let [b0, b1, b2, b3] = k.ldmatrix_x4::<H>(addr, false);
                 for (mt, a) in q.iter().enumerate() {
                     let (lo, hi) = (&acc[mt][2 * np as usize], &acc[mt][2 * np as usize + 1]);
                     k.mma_m16n8k16(lo, a, &[b0, b1], lo);
@@ -522,7 +526,7 @@ impl<H: Half2> Fwd<H> {
             for np in 0..s.head_dim / 16 {
                 let (step, block) = ((np % kpb) as usize, np / kpb);
                 let at = block * s.block_n * s.row_bytes() + t * 16 * s.row_bytes();
-                let addr = k.smem_offset(self.kv_frag[step], at);
+                let addr = k.smem_offset(self.v_frag[step], at);
                 let [b0, b1, b2, b3] = k.ldmatrix_x4::<H>(addr, true);
                 for (mt, probs) in p.iter().enumerate() {
                     let a = &probs[t as usize];
