@@ -41,7 +41,7 @@ fn input_sets(
     let l2 = attn.device().l2_bytes() as usize;
     let sets = (2 * l2).div_ceil(case.bytes()).clamp(1, 64);
     (0..sets)
-        .map(|_| DeviceCase::new(stream, case, rng).expect("upload"))
+        .map(|_| DeviceCase::for_timing(stream, case, rng).expect("upload"))
         .collect()
 }
 

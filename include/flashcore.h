@@ -98,12 +98,12 @@ void flashcore_destroy(FlashcoreContext *ctx);
  *                  j <= i + Sk - Sq. A row that sees no key gets zeros (and lse -inf).
  *   stream:        NULL for the default stream.
  *
- * Size limits: Sq and Sk each at most 2^27 (134217728); B <= 65535 and Hq <= 65535 (they
+ * Size limits: Sq and Sk each at most 2^25 (33554432); B <= 65535 and Hq <= 65535 (they
  * become launch grid dimensions); a larger value is FLASHCORE_ERROR_INVALID_ARGUMENT.
  * Within these limits every index and offset the kernels compute is exact, however large
  * the tensors (offsets are 64-bit), as long as each tensor's byte range fits the 64-bit
  * address space, and the softmax sums keep f32's integer precision even for a row of
- * 2^27 equal scores.
+ * 2^25 equal scores.
  *
  * All arguments are checked before anything runs; on error nothing is launched or
  * written. The first call for a (dtype, head_dim, causal) configuration generates and

@@ -274,13 +274,17 @@ if want sanitize; then
         "--batch 1 --heads 2 --kv-heads 2 --seqlen-q 113 --seqlen-k 200 --head-dim 64 --dtype f16 --causal"
         "--batch 1 --heads 2 --kv-heads 1 --seqlen-q 200 --seqlen-k 113 --head-dim 128 --dtype bf16 --causal"
         "--batch 1 --heads 2 --kv-heads 1 --seqlen-q 77 --seqlen-k 77 --head-dim 128 --dtype bf16"
-        "--batch 1 --heads 2 --kv-heads 2 --seqlen-q 300 --seqlen-k 200 --head-dim 128 --dtype f16 --causal --block-m 128"
-        "--batch 1 --heads 2 --kv-heads 1 --seqlen-q 113 --seqlen-k 300 --head-dim 64 --dtype bf16 --block-m 128"
+        "--batch 1 --heads 2 --kv-heads 2 --seqlen-q 300 --seqlen-k 200 --head-dim 128 --dtype f16 --causal --block-m 128 --path sm80"
+        "--batch 1 --heads 2 --kv-heads 1 --seqlen-q 113 --seqlen-k 300 --head-dim 64 --dtype bf16 --block-m 64 --path sm80"
+        "--batch 1 --heads 2 --kv-heads 2 --seqlen-q 113 --seqlen-k 200 --head-dim 64 --dtype f16 --path sm80"
+        "--batch 1 --heads 4 --kv-heads 1 --seqlen-q 300 --seqlen-k 200 --head-dim 128 --dtype bf16 --causal"
+        "--batch 2 --heads 2 --kv-heads 2 --seqlen-q 77 --seqlen-k 333 --head-dim 256 --dtype f16"
+        "--batch 1 --heads 2 --kv-heads 1 --seqlen-q 200 --seqlen-k 513 --head-dim 64 --dtype f16 --causal"
     )
     for tool in memcheck racecheck synccheck; do
         for s in "${shapes[@]}"; do
             read -ra shape_args <<<"$s"
-            short=$(sed -e 's/--batch /B/; s/ --heads /H/; s/ --kv-heads /KV/; s/ --seqlen-q /Sq/; s/ --seqlen-k /Sk/; s/ --head-dim /D/; s/ --dtype / /; s/ --causal/ causal/; s/ --block-m / m/' <<<"$s")
+            short=$(sed -e 's/--batch /B/; s/ --heads /H/; s/ --kv-heads /KV/; s/ --seqlen-q /Sq/; s/ --seqlen-k /Sk/; s/ --head-dim /D/; s/ --dtype / /; s/ --causal/ causal/; s/ --block-m / m/; s/ --path / /' <<<"$s")
             step sanitizer.log "$tool $short" 180 \
                 compute-sanitizer --tool "$tool" --error-exitcode 1 \
                 "$fc" run "${shape_args[@]}" --iters 1
@@ -296,26 +300,31 @@ fi
 
 # ---- benchmarks --------------------------------------------------------------------------
 if want bench; then
+    # The Hopper grid (D 64/128/256, S 512..16384, GQA, the reference shape; it contains
+    # the default shapes) on the best path, then the sm80 path on the default shapes.
     rm -f "$OUT/ours.json" "$OUT/sdpa.json"
-    step bench.log "flashcore bench" 240 "$fc" bench --json "$OUT/ours.json"
-    step bench.log "sdpa_bench" 240 python3 "$bundle/sdpa_bench.py" --json "$OUT/sdpa.json"
+    step bench.log "flashcore bench" 300 "$fc" bench --shapes hopper --dtype f16,bf16 --json "$OUT/ours.json"
+    step bench.log "sdpa_bench" 300 python3 "$bundle/sdpa_bench.py" --shapes hopper --dtype f16,bf16 --json "$OUT/sdpa.json"
     step bench.log "compare" 60 python3 "$bundle/sdpa_bench.py" --compare "$OUT/ours.json" "$OUT/sdpa.json"
-fi
-if want bench; then
+    step bench.log "flashcore bench --path sm80" 120 "$fc" bench --path sm80 --json "$scratch/sm80.json"
+    step bench.log "compare sm80 path" 60 python3 "$bundle/sdpa_bench.py" --compare "$scratch/sm80.json" "$OUT/sdpa.json"
     step bench.log "harness (C ABI vs SDPA)" 240 python3 "$bundle/harness.py" \
         --lib "$bundle/release/libflashcore.so" --json "$scratch/harness.json"
 fi
+
+if want profile; then
+    export PROFILE_CSV="$scratch/ncu.csv"
+    for mask in "" --causal; do
+        step bench.log "ncu profile B4 H16 S4096 D128 ${mask:-full}" 120 \
+            bash "$bundle/profile.sh" --bin "$fc" --batch 4 --heads 16 --seqlen 4096 --head-dim 128 $mask
+    done
+fi
+
 if want criterion; then
     for b in "$bundle"/benches/*; do
         [[ -x $b ]] || continue
         step bench.log "criterion $(basename "$b")" 300 "$b" --bench
     done
-fi
-
-if want profile; then
-    export PROFILE_CSV="$scratch/ncu.csv"
-    step bench.log "ncu profile B4 H16 S4096 D128 causal" 180 \
-        bash "$bundle/profile.sh" --bin "$fc" --batch 4 --heads 16 --seqlen 4096 --head-dim 128 --causal
 fi
 
 # ---- report (the tail is what comes back: summary last) ----------------------------------

@@ -2,8 +2,8 @@
 """PyTorch SDPA baseline for flashcore, and the comparison table.
 
 Usage:
-    python3 sdpa_bench.py [--json OUT.json] [--dtype f16|bf16] [--backends flash,cudnn]
-                          [--iters 50] [--budget-s 0.5] [--shapes small|all]
+    python3 sdpa_bench.py [--json OUT.json] [--dtype f16,bf16] [--backends flash,cudnn]
+                          [--iters 50] [--budget-s 0.5] [--shapes small|all|hopper]
     python3 sdpa_bench.py --compare ours.json sdpa.json
 
 Measures torch.nn.functional.scaled_dot_product_attention restricted to one backend at a
@@ -60,13 +60,24 @@ import statistics
 import sys
 import time
 
-# (batch, heads, seqlen, head_dim, causal variants)
+# (batch, heads, kv_heads, seqlen, head_dim, causal variants)
 SHAPES = [
-    (2, 8, 512, 64, (False,)),
-    (4, 32, 4096, 64, (False, True)),
-    (8, 16, 2048, 128, (False, True)),
-    (1, 16, 16384, 128, (False, True)),
+    (2, 8, 8, 512, 64, (False,)),
+    (4, 32, 32, 4096, 64, (False, True)),
+    (8, 16, 16, 2048, 128, (False, True)),
+    (1, 16, 16, 16384, 128, (False, True)),
 ]
+
+
+def hopper_shapes():
+    """The Hopper forward's benchmark grid: D in {64, 128, 256} with H = 2048 / D and
+    B * S = 16384 for S from 512 to 16384, causal and not; GQA B4 Hq32 Hkv8 S4096 D128;
+    the reference shape B2 H8 S512 D64. `flashcore bench --shapes hopper` runs the same."""
+    shapes = [(2, 8, 8, 512, 64, (False, True)), (4, 32, 8, 4096, 128, (False, True))]
+    for d in (64, 128, 256):
+        for s in (512, 1024, 2048, 4096, 8192, 16384):
+            shapes.append((16384 // s, 2048 // d, 2048 // d, s, d, (False, True)))
+    return shapes
 
 BACKENDS = {"flash": "FLASH_ATTENTION", "cudnn": "CUDNN_ATTENTION"}
 KEY_FIELDS = ("batch", "heads", "kv_heads", "seqlen_q", "seqlen_k", "head_dim", "causal", "dtype")
@@ -168,7 +179,7 @@ def run_bench(args):
         print("sdpa_bench: torch sees no CUDA device", file=sys.stderr)
         return 1
 
-    dtype = {"f16": torch.float16, "bf16": torch.bfloat16}[args.dtype]
+    dtypes = [x.strip() for x in args.dtype.split(",") if x.strip()]
     props = torch.cuda.get_device_properties(0)
     l2_bytes = getattr(props, "L2_cache_size", 0) or 60 * 1024 * 1024
     device = torch.cuda.get_device_name(0)
@@ -179,21 +190,27 @@ def run_bench(args):
     )
     torch.backends.cuda.matmul.allow_tf32 = False
 
-    shapes = SHAPES[:1] if args.shapes == "small" else SHAPES
+    shapes = {"small": SHAPES[:1], "all": SHAPES, "hopper": hopper_shapes()}[args.shapes]
     backends = [x.strip() for x in args.backends.split(",") if x.strip()]
     records = []
-    for b, h, s, d, causals in shapes:
-        for causal in causals:
+    for dname, b, h, hkv, s, d, causal in (
+        (dn, b, h, hkv, s, d, c)
+        for dn in dtypes
+        for b, h, hkv, s, d, causals in shapes
+        for c in causals
+    ):
+        dtype = {"f16": torch.float16, "bf16": torch.bfloat16}[dname]
+        if True:
             for name in backends:
                 rec = {
                     "batch": b,
                     "heads": h,
-                    "kv_heads": h,
+                    "kv_heads": hkv,
                     "seqlen_q": s,
                     "seqlen_k": s,
                     "head_dim": d,
                     "causal": causal,
-                    "dtype": args.dtype,
+                    "dtype": dname,
                     "backend": name,
                     "median_ms": None,
                     "tflops": None,
@@ -205,7 +222,7 @@ def run_bench(args):
                         raise ValueError(f"unknown backend {name!r} (known: {', '.join(BACKENDS)})")
                     enum = getattr(SDPBackend, BACKENDS[name])
                     ms, iters = measure(
-                        torch, F.scaled_dot_product_attention, enum, b, h, h, s, s, d, causal,
+                        torch, F.scaled_dot_product_attention, enum, b, h, hkv, s, s, d, causal,
                         dtype, args, l2_bytes,
                     )
                     rec["median_ms"] = ms
@@ -342,7 +359,9 @@ def compare(ours_path, sdpa_path):
     errors = []
     for k in order:
         by = table[k]
-        o, fl, cu = by.get("flashcore"), by.get("flash"), by.get("cudnn")
+        # Ours: "flashcore" (the best path) or a named one such as "flashcore-sm80".
+        o = next((r for b, r in by.items() if b.startswith("flashcore")), None)
+        fl, cu = by.get("flash"), by.get("cudnn")
         to, tf, tc = tflops_of(o), tflops_of(fl), tflops_of(cu)
         if to and tf:
             ratios["flash"].append(to / tf)
@@ -355,7 +374,7 @@ def compare(ours_path, sdpa_path):
             e = o.get("rel_err") if o else None
             row.append(f"{e:.2e}" if isinstance(e, (int, float)) else "-")
         rows.append(row)
-        for name, r in (("flashcore", o), ("flash", fl), ("cudnn", cu)):
+        for name, r in (("ours", o), ("flash", fl), ("cudnn", cu)):
             if r is not None and r.get("error"):
                 errors.append(f"{shape_name(rec)}{' causal' if rec['causal'] else ''} {name}: {r['error']}")
 
@@ -381,11 +400,11 @@ def compare(ours_path, sdpa_path):
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--json", help="write the records to this file")
-    p.add_argument("--dtype", choices=["f16", "bf16"], default="f16")
+    p.add_argument("--dtype", default="f16", help="comma list of: f16, bf16")
     p.add_argument("--backends", default="flash,cudnn", help="comma list of: flash, cudnn")
     p.add_argument("--iters", type=int, default=50, help="most timed calls per measurement")
     p.add_argument("--budget-s", type=float, default=0.5, help="aimed seconds per measurement")
-    p.add_argument("--shapes", choices=["all", "small"], default="all")
+    p.add_argument("--shapes", choices=["all", "small", "hopper"], default="all")
     p.add_argument("--compare", nargs=2, metavar=("OURS_JSON", "SDPA_JSON"),
                    help="print the comparison table of two record files and exit")
     args = p.parse_args()

@@ -11,7 +11,7 @@ use std::sync::Arc;
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
 
 use crate::error::{Error, Result};
-use crate::host::attention::{Attention, dispatch};
+use crate::host::attention::Attention;
 use crate::host::device::driver_err;
 use crate::host::tensor::{AttentionParams, DType, LseView, TensorView};
 use crate::host::timing::{TimingStats, median_ms};
@@ -136,6 +136,20 @@ impl TestSeeds {
     }
 }
 
+/// The Hopper forward's benchmark grid, `(B, Hq, Hkv, S, D)`: D in {64, 128, 256} with
+/// H = 2048 / D and B · S = 16384 for S from 512 to 16384; GQA B4 Hq32 Hkv8 S4096 D128;
+/// the reference shape B2 H8 S512 D64 first. (`scripts/sdpa_bench.py --shapes hopper`
+/// measures the same list.)
+pub fn hopper_bench_shapes() -> Vec<(usize, usize, usize, usize, usize)> {
+    let mut v = vec![(2, 8, 8, 512, 64), (4, 32, 8, 4096, 128)];
+    for d in [64, 128, 256] {
+        for s in [512, 1024, 2048, 4096, 8192, 16384] {
+            v.push((16384 / s, 2048 / d, 2048 / d, s, d));
+        }
+    }
+    v
+}
+
 impl std::fmt::Display for FwdCase {
     /// `B2 H8 S512 D64 f16 causal [B, H, S, D]`.
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -248,6 +262,41 @@ impl DeviceCase {
             case,
         };
         Ok(dev)
+    }
+
+    /// Inputs for timing only: N(0, 1) values (never zeros) tiled from a small random
+    /// pool at random offsets, so large cases upload in milliseconds instead of drawing
+    /// 10^8 normals on the host. There is no float64 copy: [`DeviceCase::reference`]
+    /// must not be called on such a case.
+    pub fn for_timing(
+        stream: &Arc<CudaStream>,
+        case: FwdCase,
+        rng: &mut Rng,
+    ) -> Result<DeviceCase> {
+        const POOL: usize = 1 << 16;
+        let (pool, _) = reference::random_half(rng, POOL, case.dtype);
+        let mut fill = |n: usize| -> Vec<u16> {
+            let at = (rng.next_u64() % POOL as u64) as usize;
+            (0..n).map(|i| pool[(at + i) % POOL]).collect()
+        };
+        let c = &case.shape;
+        let n_q = c.batch * c.seqlen_q * c.heads_q * c.head_dim;
+        let n_kv = c.batch * c.seqlen_k * c.heads_kv * c.head_dim;
+        let (q, k, v) = (fill(n_q), fill(n_kv), fill(n_kv));
+        let up = |x: &[u16]| stream.clone_htod(x).map_err(driver_err("cuMemcpyHtoD"));
+        Ok(DeviceCase {
+            q: up(&q)?,
+            k: up(&k)?,
+            v: up(&v)?,
+            o: up(&vec![reference::poison(case.dtype); n_q])?,
+            lse: stream
+                .clone_htod(&vec![f32::NAN; c.batch * c.heads_q * c.seqlen_q])
+                .map_err(driver_err("cuMemcpyHtoD"))?,
+            stream: stream.clone(),
+            host: [Vec::new(), Vec::new(), Vec::new()],
+            seed: rng.seed(),
+            case,
+        })
     }
 
     /// The views of Q, K, V, O and LSE.
@@ -392,17 +441,16 @@ impl CheckResult {
     }
 }
 
-/// The kernel configuration the dispatch picks for `case` on `attn`'s device.
+/// The kernel configuration the dispatch picks for `case` on `attn`'s device (with its
+/// path choice).
 pub fn planned_kernel(attn: &Attention, case: &FwdCase) -> Result<FwdConfig> {
-    let dev = attn.device();
-    dispatch(
-        dev.compute_capability(),
-        dev.sm_count(),
-        case.dtype,
-        &case.shape,
-        case.causal,
-    )
-    .map_err(Error::InvalidArgument)
+    let problem = crate::host::validate::FwdProblem {
+        shape: case.shape,
+        dtype: case.dtype,
+        scale: 1.0,
+        causal: case.causal,
+    };
+    attn.plan(&problem)
 }
 
 /// Relative L2 bound against float64 for a dtype.
@@ -452,7 +500,7 @@ pub fn time_forward(
     let l2 = attn.device().l2_bytes() as usize;
     let sets = (2 * l2).div_ceil(case.bytes().max(1)).clamp(1, 64);
     let cases = (0..sets)
-        .map(|_| DeviceCase::new(stream, case, rng))
+        .map(|_| DeviceCase::for_timing(stream, case, rng))
         .collect::<Result<Vec<_>>>()?;
     let params = AttentionParams {
         softmax_scale: None,

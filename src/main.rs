@@ -34,7 +34,7 @@ use std::sync::Arc;
 use flashcore::check::{
     BENCH_SHAPES, FwdCase, Layout, check_forward, planned_kernel, time_forward,
 };
-use flashcore::host::attention::{Attention, dispatch, path_for_arch};
+use flashcore::host::attention::{Attention, PathChoice, dispatch, path_for_arch};
 use flashcore::host::device::{Device, driver_present};
 use flashcore::kernels::attention::{FWD_HEAD_DIMS, FwdConfig, HalfType, all_fwd_configs};
 use flashcore::kernels::catalog;
@@ -47,8 +47,9 @@ const USAGE: &str = "usage:
   flashcore report
   flashcore run [--batch B] [--heads H] [--kv-heads HKV] [--seqlen S | --seqlen-q SQ --seqlen-k SK]
                 [--head-dim D] [--dtype f16|bf16] [--causal] [--layout bshd|bhsd] [--iters N]
-                [--block-m 64|128]
-  flashcore bench [--json FILE] [--iters N]
+                [--block-m 64|128] [--path best|sm80]
+  flashcore bench [--json FILE] [--iters N] [--dtype f16,bf16] [--path best|sm80]
+                  [--shapes default|hopper]
   flashcore gemm [--m M] [--n N] [--k K] [--dtype bf16|f16|e4m3|all] [--iters N] [--json FILE]";
 
 fn main() -> ExitCode {
@@ -205,7 +206,7 @@ fn report() -> Result<(), Failure> {
         "threads",
         "smem KiB",
         if ptxas.is_some() {
-            "ptxas sm_80 (registers, spills)"
+            "ptxas for its target (registers, spills)"
         } else {
             "(ptxas not on PATH: no register report)"
         }
@@ -239,10 +240,11 @@ fn ptxas_usage(ptxas: &std::path::Path, cfg: &FwdConfig) -> Result<String, Strin
     let dir = std::env::temp_dir().join(format!("flashcore-report-{}", std::process::id()));
     std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
     let src = dir.join(format!("{}.ptx", cfg.id()));
-    let ptx = cfg.generate().map_err(|e| e.to_string())?.to_ptx();
-    std::fs::write(&src, ptx).map_err(|e| e.to_string())?;
+    let module = cfg.generate().map_err(|e| e.to_string())?;
+    std::fs::write(&src, module.to_ptx()).map_err(|e| e.to_string())?;
     let out = std::process::Command::new(ptxas)
-        .args(["-arch=sm_80", "-v", "-o"])
+        .arg(format!("-arch={}", module.target().name()))
+        .args(["-v", "-o"])
         .arg(dir.join("k.cubin"))
         .arg(&src)
         .output()
@@ -305,6 +307,17 @@ impl<'a> Opts<'a> {
     }
 }
 
+/// `--path best|sm80`: which kernel paths the dispatch may choose.
+fn parse_path(s: Option<&str>) -> Result<PathChoice, Failure> {
+    match s.unwrap_or("best") {
+        "best" => Ok(PathChoice::Best),
+        "sm80" => Ok(PathChoice::Sm80),
+        other => Err(Failure::Usage(format!(
+            "unknown path `{other}` (best or sm80)"
+        ))),
+    }
+}
+
 fn parse_dtype(s: &str) -> Result<HalfType, Failure> {
     match s {
         "f16" | "fp16" => Ok(HalfType::F16),
@@ -330,6 +343,7 @@ fn run(args: &[String]) -> Result<(), Failure> {
             "--layout",
             "--iters",
             "--block-m",
+            "--path",
         ],
         &["--causal"],
     )?;
@@ -362,7 +376,7 @@ fn run(args: &[String]) -> Result<(), Failure> {
     }
     let dev = open_gpu()?;
     let stream = dev.context().default_stream();
-    let attn = Attention::new(dev.clone())?;
+    let attn = Attention::new(dev.clone())?.with_path(parse_path(o.value("--path"))?);
     let mut case = case;
     if let Some(block_m) = o.value("--block-m") {
         // Force a query tile (to compare tiles); otherwise the dispatch chooses.
@@ -408,41 +422,78 @@ fn run(args: &[String]) -> Result<(), Failure> {
 
 fn bench(args: &[String]) -> Result<(), Failure> {
     let o = Opts { args };
-    o.check_known(&["--json", "--iters", "--dtype"], &[])?;
+    o.check_known(&["--json", "--iters", "--dtype", "--path", "--shapes"], &[])?;
     let iters = o.num("--iters", 30)?;
-    let dtype = parse_dtype(o.value("--dtype").unwrap_or("f16"))?;
+    let dtypes = o
+        .value("--dtype")
+        .unwrap_or("f16")
+        .split(',')
+        .map(parse_dtype)
+        .collect::<Result<Vec<_>, _>>()?;
+    let shapes: Vec<(usize, usize, usize, usize, usize)> = match o.value("--shapes") {
+        None | Some("default") => BENCH_SHAPES
+            .iter()
+            .map(|&(b, h, s, d)| (b, h, h, s, d))
+            .collect(),
+        Some("hopper") => flashcore::check::hopper_bench_shapes(),
+        Some(other) => return Err(Failure::Usage(format!("unknown shapes `{other}`"))),
+    };
+    let choice = parse_path(o.value("--path"))?;
+    let backend = match choice {
+        PathChoice::Best => "flashcore",
+        PathChoice::Sm80 => "flashcore-sm80",
+    };
     let dev = open_gpu()?;
     let stream = dev.context().default_stream();
-    let attn = Attention::new(dev.clone())?;
+    let attn = Attention::new(dev.clone())?.with_path(choice);
     let mut rng = Rng::from_entropy();
     let mut records = Vec::new();
-    out!("{} ({}), {dtype:?}", dev.name(), dev.arch_name());
+    out!("{} ({}), {backend}", dev.name(), dev.arch_name());
     out!(
-        "{:<24} {:>7} {:>10} {:>9} {:>10}  kernel",
+        "{:<28} {:<5} {:>7} {:>10} {:>9} {:>10}  kernel",
         "shape",
+        "dtype",
         "causal",
         "ms",
         "TFLOP/s",
         "rel err"
     );
-    let total = BENCH_SHAPES.len() * 2;
-    let runs = BENCH_SHAPES
+    let runs: Vec<_> = dtypes
         .iter()
-        .flat_map(|&shape| [(shape, false), (shape, true)]);
-    for (i, ((b, h, s, d), causal)) in runs.enumerate() {
-        eprintln!("[{}/{total}] B{b} H{h} S{s} D{d} causal={causal}", i + 1);
+        .flat_map(|&dt| {
+            shapes
+                .iter()
+                .flat_map(move |&sh| [(dt, sh, false), (dt, sh, true)])
+        })
+        .collect();
+    let total = runs.len();
+    for (i, (dtype, (b, h, hkv, s, d), causal)) in runs.into_iter().enumerate() {
+        eprintln!(
+            "[{}/{total}] B{b} H{h}/{hkv} S{s} D{d} causal={causal}",
+            i + 1
+        );
+        let shape = AttnShape {
+            heads_kv: hkv,
+            ..AttnShape::square(b, h, s, d)
+        };
         let case = FwdCase {
-            shape: AttnShape::square(b, h, s, d),
+            shape,
             dtype,
             causal,
             layout: Layout::Bhsd,
             kernel: None,
         };
-        // The error check on the largest shapes would cost minutes of float64 on the CPU;
-        // check a one-batch, two-head slice of the same kernel instead.
+        // The float64 check of the largest shapes would take minutes on the CPU: check
+        // the same kernel on one batch, one K/V head's group, and at most 1024 rows.
         let kernel = planned_kernel(&attn, &case)?;
+        let g = h / hkv;
         let checked = FwdCase {
-            shape: AttnShape::square(1, 2, s, d),
+            shape: AttnShape {
+                batch: 1,
+                heads_q: g.min(4),
+                heads_kv: 1,
+                ..AttnShape::square(1, 1, s.min(1024), d)
+            },
             kernel: Some(kernel),
             ..case
         };
@@ -450,8 +501,9 @@ fn bench(args: &[String]) -> Result<(), Failure> {
         let t = time_forward(&attn, &stream, case, iters, &mut rng)?;
         let tflops = case.flops() / (t.median_ms as f64 * 1e9);
         out!(
-            "{:<24} {:>7} {:>10.4} {:>9.1} {:>10.2e}  {}",
-            format!("B{b} H{h} S{s} D{d}"),
+            "{:<28} {:<5} {:>7} {:>10.4} {:>9.1} {:>10.2e}  {}",
+            shape.to_string(),
+            dtype.name(),
             causal,
             t.median_ms,
             tflops,
@@ -459,9 +511,10 @@ fn bench(args: &[String]) -> Result<(), Failure> {
             kernel.id()
         );
         records.push(format!(
-            "{{\"batch\": {b}, \"heads\": {h}, \"kv_heads\": {h}, \"seqlen_q\": {s}, \"seqlen_k\": {s}, \
-             \"head_dim\": {d}, \"dtype\": \"{}\", \"causal\": {causal}, \"backend\": \"flashcore\", \
-             \"median_ms\": {:.6}, \"tflops\": {tflops:.3}, \"rel_err\": {:.3e}, \"kernel\": \"{}\"}}",
+            "{{\"batch\": {b}, \"heads\": {h}, \"kv_heads\": {hkv}, \"seqlen_q\": {s}, \
+             \"seqlen_k\": {s}, \"head_dim\": {d}, \"dtype\": \"{}\", \"causal\": {causal}, \
+             \"backend\": \"{backend}\", \"median_ms\": {:.6}, \"tflops\": {tflops:.3}, \
+             \"rel_err\": {:.3e}, \"kernel\": \"{}\"}}",
             dtype.name(),
             t.median_ms,
             err.out_err,

@@ -118,6 +118,52 @@ fn seqlen_grid(dtype: HalfType, d: usize) {
     run_cases(&cases);
 }
 
+/// The seqlen grid on the sm90 path (warp-specialized wgmma + TMA), when the GPU is a
+/// Hopper; elsewhere it says so and checks nothing.
+fn sm90_seqlen_grid(dtype: HalfType, d: usize) {
+    let cc = Device::new(0).expect("a CUDA device").compute_capability();
+    if cc != (9, 0) {
+        println!("skipped: the sm90 path needs sm_90, this GPU is {cc:?}");
+        return;
+    }
+    let mut cases = Vec::new();
+    for causal in [false, true] {
+        let kernel = FwdConfig {
+            path: Path::Sm90,
+            dtype,
+            head_dim: d as u32,
+            causal,
+            block_m: flashcore::kernels::attention::sm90::BLOCK_M,
+        };
+        for sq in SEQLENS {
+            for sk in SEQLENS {
+                let c = case(dtype, d, causal, 1, 1, 1, sq, sk);
+                cases.push(FwdCase {
+                    kernel: Some(kernel),
+                    ..c
+                });
+            }
+        }
+    }
+    run_cases(&cases);
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn sm90_fp16_seqlens() {
+    for d in [64, 128, 256] {
+        sm90_seqlen_grid(HalfType::F16, d);
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn sm90_bf16_seqlens() {
+    for d in [64, 128, 256] {
+        sm90_seqlen_grid(HalfType::Bf16, d);
+    }
+}
+
 /// Batches and heads: B in {1, 3}, MHA 8:8, GQA 8:2, MQA 8:1, with Sq != Sk.
 fn heads_grid(dtype: HalfType, d: usize) {
     let mut cases = Vec::new();
@@ -162,6 +208,7 @@ fn bf16_d128_seqlens() {
 fn fp16_heads_and_batches() {
     heads_grid(HalfType::F16, 64);
     heads_grid(HalfType::F16, 128);
+    heads_grid(HalfType::F16, 256);
 }
 
 #[test]
@@ -169,6 +216,7 @@ fn fp16_heads_and_batches() {
 fn bf16_heads_and_batches() {
     heads_grid(HalfType::Bf16, 64);
     heads_grid(HalfType::Bf16, 128);
+    heads_grid(HalfType::Bf16, 256);
 }
 
 /// The other head dims the dispatch offers, and the [B, H, S, D] layout.

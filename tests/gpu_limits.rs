@@ -1,5 +1,5 @@
 //! Forward attention at the edges of what validation accepts: sequences at the length
-//! limit (2^27 keys, broadcast through a zero sequence stride so a few bytes of memory
+//! limit (2^25 keys, broadcast through a zero sequence stride so a few bytes of memory
 //! suffice), lengths just past it (a typed error, nothing written), and softmax scales so
 //! large that `max · scale` leaves the float range. Run on a GPU machine with
 //! `cargo test --release --test gpu_limits -- --include-ignored`.
@@ -106,10 +106,11 @@ impl Buffers {
 
 /// Sk at the limit and just below it, with every key equal: each row's output is V's one
 /// row, and its LSE is `ln(visible keys) + scale · q·k`. V's entries are signed powers
-/// of two (1/8 to 1): a sum of 2^27 copies of such a value is exact in f32, so any
-/// error is a key visited twice or missed (what this test is about), not rounding. (With
-/// arbitrary values, adding the same number 2^27 times in f32, as any f32-accumulating
-/// kernel does for a perfectly flat row, drifts.)
+/// of two (1/8 to 1): a sum of 2^25 copies of such a value is exact, in f32 and in the
+/// tensor cores' narrower accumulators, so any error is a key visited twice or missed
+/// (what this test is about), not rounding. (With arbitrary values, adding the same
+/// number 2^25 times drifts; and at 2^27 keys the tensor cores' sum stops growing, which
+/// is why validation stops at 2^25.)
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn longest_sequences_are_exact() {

@@ -13,24 +13,35 @@ use super::tensor::{AttentionParams, LseView, TensorView};
 use super::validate::{FwdProblem, validate_fwd};
 use crate::error::{Error, Result};
 use crate::kernels::attention::{
-    BLOCK_M_NARROW, BLOCK_M_WIDE, FWD_HEAD_DIMS, FwdArgs, FwdConfig, HalfType, Path,
+    BLOCK_M_NARROW, BLOCK_M_WIDE, FWD_HEAD_DIMS, FwdArgs, FwdConfig, HalfType, Path, sm90,
 };
 use crate::shape::AttnShape;
+use crate::tma::{TensorMap, TiledMap, TmaType};
 
-/// Which kernel path an architecture gets, or why it gets none.
+/// The best kernel path an architecture has, or why it has none: the warp-specialized
+/// wgmma/TMA path on Hopper (sm_90, whose `sm_90a` kernels run nowhere else), the
+/// `mma.sync` path on every other GPU from sm_80.
 pub fn path_for_arch(arch: (i32, i32)) -> Result<Path, String> {
     match arch {
+        (9, 0) => Ok(Path::Sm90),
         (major, _) if major >= 8 => Ok(Path::Sm80),
         (major, minor) => Err(format!("sm_{major}{minor} is below sm_80: no kernel path")),
     }
 }
 
+/// Which kernel paths the dispatch may choose.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum PathChoice {
+    /// The best path of the GPU ([`path_for_arch`]), the sm80 path where it has no kernel.
+    #[default]
+    Best,
+    /// The sm80 path, even on Hopper (to compare the two on one GPU).
+    Sm80,
+}
+
 /// The kernel configuration a problem dispatches to on a GPU of architecture `arch` with
-/// `sm_count` SMs.
-///
-/// The query tile is the wide one unless the wide grid would leave SMs without a block:
-/// then the narrow tile doubles the blocks. (Measured on the H200: with 64 wide blocks the
-/// narrow tile is 12% faster, with 128 they tie, from 256 the wide tile is 4-37% faster.)
+/// `sm_count` SMs: the sm90 path on Hopper for head dims 64, 128 and 256, the sm80 path
+/// otherwise ([`dispatch_sm80`]).
 pub fn dispatch(
     arch: (i32, i32),
     sm_count: u32,
@@ -39,6 +50,34 @@ pub fn dispatch(
     causal: bool,
 ) -> Result<FwdConfig, String> {
     let path = path_for_arch(arch)?;
+    let head_dim = shape.head_dim as u32;
+    // The persistent sm90 kernel numbers its work items in 31 bits.
+    let items = shape.seqlen_q.div_ceil(sm90::BLOCK_M as usize) * shape.heads_q * shape.batch;
+    if path == Path::Sm90 && sm90::HEAD_DIMS.contains(&head_dim) && items < 1 << 31 {
+        return Ok(FwdConfig {
+            path,
+            dtype,
+            head_dim,
+            causal,
+            block_m: sm90::BLOCK_M,
+        });
+    }
+    dispatch_sm80(arch, sm_count, dtype, shape, causal)
+}
+
+/// The sm80 path's configuration for a problem.
+///
+/// The query tile is the wide one unless the wide grid would leave SMs without a block:
+/// then the narrow tile doubles the blocks. (Measured on the H200: with 64 wide blocks the
+/// narrow tile is 12% faster, with 128 they tie, from 256 the wide tile is 4-37% faster.)
+pub fn dispatch_sm80(
+    arch: (i32, i32),
+    sm_count: u32,
+    dtype: HalfType,
+    shape: &AttnShape,
+    causal: bool,
+) -> Result<FwdConfig, String> {
+    path_for_arch(arch)?;
     let head_dim = shape.head_dim as u32;
     if !FWD_HEAD_DIMS.contains(&head_dim) {
         return Err(format!("no kernel for head dim {head_dim}"));
@@ -50,12 +89,42 @@ pub fn dispatch(
         BLOCK_M_WIDE
     };
     Ok(FwdConfig {
-        path,
+        path: Path::Sm80,
         dtype,
         head_dim,
         causal,
         block_m,
     })
+}
+
+/// The sm90 kernels' tensor map of a `[B, S, H, D]` view: the 5-D view
+/// `{64, seq, d/64, heads, batch}` (innermost first) whose box `{64, rows, d/64, 1, 1}`
+/// lands as the kernel's `[d/64][rows][128 B]` tile. A dimension of extent 1 is never
+/// stepped, so its stride (which validation leaves unchecked) is replaced by one TMA
+/// accepts.
+fn sm90_map(t: &TensorView, rows: u32) -> Result<TensorMap> {
+    let dtype = match t.dtype {
+        super::tensor::DType::Bf16 => TmaType::Bf16,
+        _ => TmaType::F16,
+    };
+    let d = t.shape[3] as u64;
+    let bytes = |dim: usize| {
+        if t.shape[dim] == 1 {
+            16
+        } else {
+            t.strides[dim] as u64 * 2
+        }
+    };
+    let dims = [
+        64,
+        t.shape[1] as u64,
+        d / 64,
+        t.shape[2] as u64,
+        t.shape[0] as u64,
+    ];
+    let strides = [bytes(1), 128, bytes(2), bytes(0)];
+    let boxes = [64, rows, (d / 64) as u32, 1, 1];
+    TiledMap::new(dtype, &dims, &strides, &boxes, crate::ptx::Swizzle::B128).encode(t.ptr)
 }
 
 /// Forward attention on one device: owns the loaded kernels for it.
@@ -68,6 +137,7 @@ pub fn dispatch(
 pub struct Attention {
     device: Arc<Device>,
     cache: ModuleCache,
+    choice: PathChoice,
 }
 
 impl Attention {
@@ -77,7 +147,18 @@ impl Attention {
         Ok(Attention {
             device,
             cache: ModuleCache::new(),
+            choice: PathChoice::Best,
         })
+    }
+
+    /// The same, restricted to the paths `choice` allows.
+    pub fn with_path(mut self, choice: PathChoice) -> Attention {
+        self.choice = choice;
+        self
+    }
+
+    pub fn path_choice(&self) -> PathChoice {
+        self.choice
     }
 
     pub fn device(&self) -> &Arc<Device> {
@@ -89,11 +170,16 @@ impl Attention {
         self.cache.loaded()
     }
 
-    /// The configuration `problem` runs with on this device.
+    /// The configuration `problem` runs with on this device (before the sm90 path's
+    /// fallback for views TMA cannot describe, see [`Attention::forward`]).
     pub fn plan(&self, problem: &FwdProblem) -> Result<FwdConfig> {
         let arch = self.device.compute_capability();
         let sms = self.device.sm_count();
-        dispatch(arch, sms, problem.dtype, &problem.shape, problem.causal).map_err(|why| {
+        let pick = match self.choice {
+            PathChoice::Best => dispatch,
+            PathChoice::Sm80 => dispatch_sm80,
+        };
+        pick(arch, sms, problem.dtype, &problem.shape, problem.causal).map_err(|why| {
             let (major, minor) = arch;
             Error::UnsupportedGpu {
                 name: format!("{} ({why})", self.device.name()),
@@ -118,6 +204,10 @@ impl Attention {
     /// Every argument is checked first: on error nothing is launched and nothing written.
     /// The call is asynchronous.
     ///
+    /// On Hopper the sm90 path runs when the views can be described to TMA (strides
+    /// below 2^40 bytes, which validation's 16-byte rule leaves as the only limit); a
+    /// view that cannot be runs on the sm80 path instead.
+    ///
     /// # Safety
     ///
     /// The views' pointers must be device memory of this device's context, valid for the
@@ -138,6 +228,21 @@ impl Attention {
     ) -> Result<()> {
         let problem = validate_fwd(q, k, v, o, lse, params)?;
         let cfg = self.plan(&problem)?;
+        let cfg = match cfg.path {
+            Path::Sm90 => match sm90_maps(&cfg, [q, k, v]) {
+                Ok(maps) => {
+                    // SAFETY: this function's contract, passed on unchanged.
+                    return unsafe { self.launch_sm90(&problem, &cfg, maps, o, lse, stream) };
+                }
+                Err(Error::TensorMap(_) | Error::Driver { .. }) => {
+                    let (arch, sms) = (self.device.compute_capability(), self.device.sm_count());
+                    dispatch_sm80(arch, sms, problem.dtype, &problem.shape, problem.causal)
+                        .map_err(Error::InvalidArgument)?
+                }
+                Err(e) => return Err(e),
+            },
+            Path::Sm80 => cfg,
+        };
         // SAFETY: this function's contract, passed on unchanged.
         unsafe { self.launch_forward(&problem, &cfg, [q, k, v, o], lse, stream) }
     }
@@ -163,17 +268,34 @@ impl Attention {
     ) -> Result<()> {
         let problem = validate_fwd(q, k, v, o, lse, params)?;
         let planned = self.plan(&problem)?;
-        // Everything but the query tile must be what the dispatch would pick.
-        let fits = FwdConfig {
-            block_m: cfg.block_m,
-            ..planned
-        } == *cfg;
-        if !fits || ![BLOCK_M_WIDE, BLOCK_M_NARROW].contains(&cfg.block_m) {
+        let arch = self.device.compute_capability();
+        let head_dim = problem.shape.head_dim as u32;
+        // The problem's dtype, head dim and masking, on a path and tile this GPU runs.
+        let same =
+            (cfg.dtype, cfg.head_dim, cfg.causal) == (planned.dtype, head_dim, planned.causal);
+        let runs = match cfg.path {
+            Path::Sm80 => [BLOCK_M_WIDE, BLOCK_M_NARROW].contains(&cfg.block_m),
+            Path::Sm90 => {
+                let items = problem.shape.seqlen_q.div_ceil(sm90::BLOCK_M as usize)
+                    * problem.shape.heads_q
+                    * problem.shape.batch;
+                path_for_arch(arch) == Ok(Path::Sm90)
+                    && sm90::HEAD_DIMS.contains(&head_dim)
+                    && cfg.block_m == sm90::BLOCK_M
+                    && items < 1 << 31
+            }
+        };
+        if !same || !runs {
             return Err(Error::InvalidArgument(format!(
-                "kernel {} does not fit this problem (the dispatch would pick {})",
+                "kernel {} does not fit this problem on this GPU (the dispatch would pick {})",
                 cfg.id(),
                 planned.id()
             )));
+        }
+        if cfg.path == Path::Sm90 {
+            let maps = sm90_maps(cfg, [q, k, v])?;
+            // SAFETY: this function's contract, passed on unchanged.
+            return unsafe { self.launch_sm90(&problem, cfg, maps, o, lse, stream) };
         }
         // SAFETY: this function's contract, passed on unchanged.
         unsafe { self.launch_forward(&problem, cfg, [q, k, v, o], lse, stream) }
@@ -192,37 +314,9 @@ impl Attention {
         lse: Option<&LseView>,
         stream: CUstream,
     ) -> Result<()> {
-        let shape = problem.shape;
         let kernel = self.prepare(cfg)?;
-        let tiling = cfg.tiling();
-        let mut args = FwdArgs {
-            q: q.ptr,
-            k: k.ptr,
-            v: v.ptr,
-            o: o.ptr,
-            lse: lse.map_or(0, |l| l.ptr),
-            q_stride: strides(q),
-            k_stride: strides(k),
-            v_stride: strides(v),
-            o_stride: strides(o),
-            seqlen_q: shape.seqlen_q as u32,
-            seqlen_k: shape.seqlen_k as u32,
-            heads_q: shape.heads_q as u32,
-            group: shape.group() as u32,
-            scale_log2: problem.scale * std::f32::consts::LOG2_E,
-            causal_offset: shape.seqlen_k as i32 - shape.seqlen_q as i32,
-            scale: problem.scale,
-            _pad: 0,
-        };
-        let dims = LaunchDims {
-            grid: (
-                shape.seqlen_q.div_ceil(tiling.block_m as usize) as u32,
-                shape.heads_q as u32,
-                shape.batch as u32,
-            ),
-            block: (tiling.threads, 1, 1),
-            dynamic_smem: tiling.smem_bytes,
-        };
+        let mut args = fwd_args(problem, cfg, [q, k, v, o], lse);
+        let dims = grid(problem, cfg, self.device.sm_count());
         let mut params = [&mut args as *mut FwdArgs as *mut c_void];
         // SAFETY: the kernel's one parameter is the by-value `FwdArgs` block, which `args`
         // is and which outlives the call; validate_fwd checked every pointer is non-null and
@@ -230,6 +324,113 @@ impl Attention {
         // function's contract makes those extents live memory of this context and `stream`
         // a stream of it.
         unsafe { launch(&kernel, &dims, stream, &mut params) }
+    }
+
+    /// Launches an sm90 configuration with its tensor maps of Q, K and V.
+    ///
+    /// # Safety
+    ///
+    /// As for [`Attention::launch_forward`]; `maps` must describe this problem's Q, K, V.
+    unsafe fn launch_sm90(
+        &self,
+        problem: &FwdProblem,
+        cfg: &FwdConfig,
+        maps: [TensorMap; 3],
+        o: &TensorView,
+        lse: Option<&LseView>,
+        stream: CUstream,
+    ) -> Result<()> {
+        let kernel = self.prepare(cfg)?;
+        // Q, K and V reach the kernel through the maps; the block carries O and sizes.
+        let none = TensorView { ptr: 0, ..*o };
+        let mut args = fwd_args(problem, cfg, [&none, &none, &none, o], lse);
+        let dims = grid(problem, cfg, self.device.sm_count());
+        let [mut mq, mut mk, mut mv] = maps;
+        let mut params: [*mut c_void; 4] = [
+            (&mut args as *mut FwdArgs).cast(),
+            (&mut mq as *mut TensorMap).cast(),
+            (&mut mk as *mut TensorMap).cast(),
+            (&mut mv as *mut TensorMap).cast(),
+        ];
+        // SAFETY: the kernel's parameters are the by-value `FwdArgs` block and three
+        // by-value 128-byte tensor maps, which these point at and which outlive the call;
+        // the maps cover exactly the validated extents of Q, K and V (their boxes'
+        // out-of-bounds parts are zero-filled by the hardware, never read), and the kernel
+        // writes only O's and the LSE's validated extents; this function's contract makes
+        // them live memory of this context and `stream` a stream of it.
+        unsafe { launch(&kernel, &dims, stream, &mut params) }
+    }
+}
+
+/// The tensor maps of Q, K and V for an sm90 configuration.
+fn sm90_maps(cfg: &FwdConfig, [q, k, v]: [&TensorView; 3]) -> Result<[TensorMap; 3]> {
+    let rows_kv = cfg.tiling().block_n;
+    Ok([
+        sm90_map(q, sm90::BLOCK_M)?,
+        sm90_map(k, rows_kv)?,
+        sm90_map(v, rows_kv)?,
+    ])
+}
+
+/// The argument block of a validated problem.
+fn fwd_args(
+    problem: &FwdProblem,
+    cfg: &FwdConfig,
+    [q, k, v, o]: [&TensorView; 4],
+    lse: Option<&LseView>,
+) -> FwdArgs {
+    let shape = problem.shape;
+    FwdArgs {
+        q: q.ptr,
+        k: k.ptr,
+        v: v.ptr,
+        o: o.ptr,
+        lse: lse.map_or(0, |l| l.ptr),
+        q_stride: strides(q),
+        k_stride: strides(k),
+        v_stride: strides(v),
+        o_stride: strides(o),
+        seqlen_q: shape.seqlen_q as u32,
+        seqlen_k: shape.seqlen_k as u32,
+        heads_q: shape.heads_q as u32,
+        group: shape.group() as u32,
+        scale_log2: problem.scale * std::f32::consts::LOG2_E,
+        causal_offset: shape.seqlen_k as i32 - shape.seqlen_q as i32,
+        scale: problem.scale,
+        q_blocks: shape.seqlen_q.div_ceil(cfg.tiling().block_m as usize) as u32,
+        batch: shape.batch as u32,
+        _pad: 0,
+    }
+}
+
+/// The launch shape: on the sm80 path one block per (query tile, head, batch); on the
+/// sm90 path, without causal masking, one block per SM (or per work item, when there are
+/// fewer), each looping over work items; with it, one block per work item.
+fn grid(problem: &FwdProblem, cfg: &FwdConfig, sm_count: u32) -> LaunchDims {
+    let shape = problem.shape;
+    let tiling = cfg.tiling();
+    let q_blocks = shape.seqlen_q.div_ceil(tiling.block_m as usize);
+    let grid = match cfg.path {
+        Path::Sm80 => (q_blocks as u32, shape.heads_q as u32, shape.batch as u32),
+        Path::Sm90 => {
+            let items = q_blocks * shape.heads_q * shape.batch;
+            // Causal work items differ in cost (a query tile sees keys up to its
+            // diagonal); one block per item lets the hardware hand the next item to
+            // whichever SM frees up first, which balances them better than a fixed
+            // stride (B1 H16 S16384 D128 causal: 684 vs 452 TFLOP/s). Equal items run
+            // persistently, the next item's Q load overlapping this one's epilogue.
+            let blocks = if cfg.causal {
+                items
+            } else {
+                items.min(sm_count as usize)
+            };
+            (blocks as u32, 1, 1)
+        }
+    };
+    LaunchDims {
+        grid,
+        block: (tiling.threads, 1, 1),
+        dynamic_smem: tiling.smem_bytes,
     }
 }
 
@@ -251,9 +452,49 @@ mod tests {
         assert!(path_for_arch((7, 5)).is_err());
         let shape = AttnShape::square(1, 8, 512, 64);
         assert!(dispatch((7, 0), 40, HalfType::F16, &shape, false).is_err());
-        for arch in [(8, 0), (8, 6), (8, 9), (9, 0)] {
-            assert_eq!(path_for_arch(arch), Ok(Path::Sm80));
+        assert!(dispatch_sm80((7, 0), 40, HalfType::F16, &shape, false).is_err());
+        for arch in [(8, 0), (8, 6), (8, 9), (10, 0), (12, 0)] {
+            assert_eq!(path_for_arch(arch), Ok(Path::Sm80), "{arch:?}");
         }
+        // sm_90a kernels run on sm_90 only.
+        assert_eq!(path_for_arch((9, 0)), Ok(Path::Sm90));
+    }
+
+    #[test]
+    fn hopper_takes_the_sm90_path_where_it_has_kernels() {
+        for d in [32, 64, 96, 128, 192, 256] {
+            let shape = AttnShape::square(2, 16, 4096, d);
+            let cfg = dispatch((9, 0), 132, HalfType::Bf16, &shape, true).unwrap();
+            let want = if sm90::HEAD_DIMS.contains(&(d as u32)) {
+                Path::Sm90
+            } else {
+                Path::Sm80
+            };
+            assert_eq!(cfg.path, want, "d{d}");
+            let forced = dispatch_sm80((9, 0), 132, HalfType::Bf16, &shape, true).unwrap();
+            assert_eq!(
+                forced.path,
+                Path::Sm80,
+                "d{d}: the sm80 path stays selectable"
+            );
+            assert_eq!(
+                dispatch((8, 9), 58, HalfType::Bf16, &shape, true)
+                    .unwrap()
+                    .path,
+                Path::Sm80
+            );
+        }
+    }
+
+    #[test]
+    fn work_items_beyond_31_bits_take_the_sm80_path() {
+        // 256 query tiles x 65535 heads x 65535 batches.
+        let shape = AttnShape::square(65535, 65535, 256 * 128, 128);
+        let cfg = dispatch((9, 0), 132, HalfType::F16, &shape, false).unwrap();
+        assert_eq!(cfg.path, Path::Sm80);
+        let small = AttnShape::square(4, 16, 4096, 128);
+        let cfg = dispatch((9, 0), 132, HalfType::F16, &small, false).unwrap();
+        assert_eq!(cfg.path, Path::Sm90);
     }
 
     #[test]
@@ -265,12 +506,18 @@ mod tests {
                 for causal in [false, true] {
                     for seqlen in [1, 4096] {
                         let shape = AttnShape::square(4, 32, seqlen, d);
-                        match dispatch((9, 0), 132, dtype, &shape, causal) {
-                            Ok(cfg) => {
-                                assert!(catalog.contains(&cfg), "{cfg:?} not in the catalog");
-                                chosen.insert(cfg);
+                        let picks = [
+                            dispatch((9, 0), 132, dtype, &shape, causal),
+                            dispatch_sm80((9, 0), 132, dtype, &shape, causal),
+                        ];
+                        for pick in picks {
+                            match pick {
+                                Ok(cfg) => {
+                                    assert!(catalog.contains(&cfg), "{cfg:?} not in the catalog");
+                                    chosen.insert(cfg);
+                                }
+                                Err(_) => assert!(!FWD_HEAD_DIMS.contains(&(d as u32))),
                             }
-                            Err(_) => assert!(!FWD_HEAD_DIMS.contains(&(d as u32))),
                         }
                     }
                 }
@@ -286,7 +533,7 @@ mod tests {
     #[test]
     fn small_grids_get_the_narrow_tile() {
         let pick = |b, h, s| {
-            dispatch(
+            dispatch_sm80(
                 (9, 0),
                 132,
                 HalfType::F16,
@@ -298,5 +545,27 @@ mod tests {
         assert_eq!(pick(4, 32, 4096).unwrap().block_m, BLOCK_M_WIDE); // 4096 wide blocks
         assert_eq!(pick(1, 8, 1024).unwrap().block_m, BLOCK_M_NARROW); // 64 < 132
         assert_eq!(pick(1, 16, 2048).unwrap().block_m, BLOCK_M_WIDE); // 256
+    }
+
+    #[test]
+    fn sm90_grids_are_persistent_only_without_causal_masking() {
+        let blocks = |b, h, s, causal| {
+            let shape = AttnShape::square(b, h, s, 128);
+            let cfg = dispatch((9, 0), 132, HalfType::F16, &shape, causal).unwrap();
+            assert_eq!(cfg.path, Path::Sm90);
+            let problem = FwdProblem {
+                shape,
+                dtype: HalfType::F16,
+                scale: 0.1,
+                causal,
+            };
+            grid(&problem, &cfg, 132).grid
+        };
+        // 16 query tiles of 128 rows x 16 heads x 8 batches = 2048 work items.
+        assert_eq!(blocks(8, 16, 2048, false), (132, 1, 1));
+        assert_eq!(blocks(8, 16, 2048, true), (2048, 1, 1));
+        // Fewer items than SMs: one block each either way.
+        assert_eq!(blocks(1, 2, 300, false), (6, 1, 1));
+        assert_eq!(blocks(1, 2, 300, true), (6, 1, 1));
     }
 }

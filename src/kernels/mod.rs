@@ -49,8 +49,11 @@ impl KernelSpec {
     /// copies to a silent fallback fails it).
     pub fn expected_sass(&self) -> &'static [&'static str] {
         match self {
-            // mma.sync and cp.async.
-            KernelSpec::Fwd(_) => &["HMMA", "LDGSTS"],
+            // mma.sync and cp.async; or wgmma, TMA loads and mbarrier transactions.
+            KernelSpec::Fwd(c) => match c.path {
+                attention::Path::Sm80 => &["HMMA", "LDGSTS"],
+                attention::Path::Sm90 => &["HGMMA", "UTMALDG", "SYNCS"],
+            },
             // wgmma (QGMMA for fp8), TMA loads, mbarrier transactions.
             KernelSpec::Gemm(c) => match c.dtype {
                 gemm::GemmType::E4m3 => &["QGMMA", "UTMALDG", "SYNCS"],

@@ -34,7 +34,13 @@ impl Kernel {
     /// the high source first; this method takes them in memory order.
     pub fn pack_half2<H: Half2>(&mut self, lo: impl Src<F32>, hi: impl Src<F32>) -> Reg<H> {
         let d = self.reg::<H>();
-        self.check_owner(&[lo.owner(), hi.owner()]);
+        self.pack_half2_to(d, lo, hi);
+        d
+    }
+
+    /// [`Kernel::pack_half2`] into an existing register.
+    pub fn pack_half2_to<H: Half2>(&mut self, d: Reg<H>, lo: impl Src<F32>, hi: impl Src<F32>) {
+        self.check_owner(&[Src::<H>::owner(&d), lo.owner(), hi.owner()]);
         let e = H::ELEM;
         self.emit(format!(
             "cvt.rn.{e}x2.f32 {}, {}, {};",
@@ -42,7 +48,6 @@ impl Kernel {
             hi.operand(),
             lo.operand()
         ));
-        d
     }
 
     /// Packs two f32 into two e4m3 bytes, round to nearest, saturating to ±448 (`lo` in

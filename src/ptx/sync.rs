@@ -1,8 +1,9 @@
 //! Block-level barriers, named barriers, fences and register reallocation.
 
 use super::error::PtxError;
-use super::kernel::Kernel;
+use super::kernel::{Kernel, Reg};
 use super::target::Feature;
+use super::types::U32;
 
 /// A named barrier (`bar.sync id, threads`) that carries its thread count, so every use
 /// agrees on it. Ids 1..=15 are handed out once each by [`Kernel::named_barrier`]; id 0
@@ -62,6 +63,33 @@ impl Kernel {
         });
         self.sync.named_barriers |= 1 << id;
         NamedBarrier { id, threads }
+    }
+
+    /// Two named barriers with consecutive ids, for a pair of warpgroups taking turns
+    /// (ping-pong scheduling): member `i` is reached through a register holding `i`
+    /// ([`Kernel::bar_wait_member`], [`Kernel::bar_arrive_member`]).
+    pub fn named_barrier_pair(&mut self, threads: u32) -> [NamedBarrier; 2] {
+        let a = self.named_barrier(threads);
+        let b = self.named_barrier(threads);
+        if b.id != a.id + 1 {
+            self.fail(PtxError::BadOperand(format!(
+                "named barrier pair got ids {} and {}, not consecutive",
+                a.id, b.id
+            )));
+        }
+        [a, b]
+    }
+
+    /// Waits at member `which` (a register holding 0 or 1) of a barrier pair.
+    pub fn bar_wait_member(&mut self, pair: [NamedBarrier; 2], which: Reg<U32>) {
+        let id = self.add(which, pair[0].id);
+        self.emit(format!("bar.sync {}, {};", id.name(), pair[0].threads));
+    }
+
+    /// Arrives (without waiting) at member `which` of a barrier pair.
+    pub fn bar_arrive_member(&mut self, pair: [NamedBarrier; 2], which: Reg<U32>) {
+        let id = self.add(which, pair[0].id);
+        self.emit(format!("bar.arrive {}, {};", id.name(), pair[0].threads));
     }
 
     /// Waits at `b` until its thread count has arrived (`bar.sync id, n`).

@@ -139,18 +139,25 @@ pub enum TensorMapError {
     InterleaveSwizzle(Swizzle),
 }
 
-/// A tiled view of a global tensor, as `cuTensorMapEncodeTiled` takes it.
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// The most dimensions a tensor map has.
+pub const MAX_RANK: usize = 5;
+
+/// A tiled view of a global tensor, as `cuTensorMapEncodeTiled` takes it. Fixed-size
+/// arrays (the first `rank` entries used), so describing a map on the hot path of a
+/// launch allocates nothing.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct TiledMap {
     pub dtype: TmaType,
-    /// Extents in elements, innermost first (1 to 5 of them).
-    pub dims: Vec<u64>,
-    /// Byte strides of dimensions 1.. (one fewer than `dims`).
-    pub strides: Vec<u64>,
+    /// Dimensions used (1 to 5; at least 3 when interleaved).
+    pub rank: usize,
+    /// Extents in elements, innermost first.
+    pub dims: [u64; MAX_RANK],
+    /// Byte strides of dimensions 1..rank.
+    pub strides: [u64; MAX_RANK - 1],
     /// The box one copy moves, in elements, innermost first.
-    pub box_dims: Vec<u32>,
+    pub box_dims: [u32; MAX_RANK],
     /// Element strides (1 = every element), innermost first.
-    pub elem_strides: Vec<u32>,
+    pub elem_strides: [u32; MAX_RANK],
     pub interleave: Interleave,
     pub swizzle: Swizzle,
     pub l2: L2Promotion,
@@ -160,6 +167,9 @@ pub struct TiledMap {
 impl TiledMap {
     /// A map of `dims` with `strides` (see the fields) moving `box_dims`, element strides
     /// 1, no interleave, 128-byte L2 promotion and zero fill.
+    ///
+    /// `dims` decides the rank; a `strides` or `box_dims` of the wrong length (or a rank
+    /// above 5) makes a map that [`TiledMap::validate`] refuses.
     pub fn new(
         dtype: TmaType,
         dims: &[u64],
@@ -167,17 +177,28 @@ impl TiledMap {
         box_dims: &[u32],
         swizzle: Swizzle,
     ) -> TiledMap {
-        TiledMap {
+        let consistent = dims.len() <= MAX_RANK
+            && strides.len() + 1 == dims.len().max(1)
+            && box_dims.len() == dims.len();
+        let mut m = TiledMap {
             dtype,
-            dims: dims.to_vec(),
-            strides: strides.to_vec(),
-            box_dims: box_dims.to_vec(),
-            elem_strides: vec![1; dims.len()],
+            // An inconsistent description gets a rank validate() refuses.
+            rank: if consistent { dims.len() } else { MAX_RANK + 1 },
+            dims: [1; MAX_RANK],
+            strides: [0; MAX_RANK - 1],
+            box_dims: [1; MAX_RANK],
+            elem_strides: [1; MAX_RANK],
             interleave: Interleave::None,
             swizzle,
             l2: L2Promotion::B128,
             oob: OobFill::Zero,
+        };
+        if consistent {
+            m.dims[..dims.len()].copy_from_slice(dims);
+            m.strides[..strides.len()].copy_from_slice(strides);
+            m.box_dims[..box_dims.len()].copy_from_slice(box_dims);
         }
+        m
     }
 
     /// The map of a row-major `[rows][cols]` matrix (rows `row_pitch` bytes apart) whose
@@ -217,19 +238,16 @@ impl TiledMap {
     /// Bytes one full box moves (out-of-bounds fill included): what the copy's mbarrier
     /// must expect.
     pub fn box_bytes(&self) -> u64 {
-        self.box_dims.iter().map(|&b| u64::from(b)).product::<u64>() * self.dtype.bytes()
+        let boxes = &self.box_dims[..self.rank.min(MAX_RANK)];
+        boxes.iter().map(|&b| u64::from(b)).product::<u64>() * self.dtype.bytes()
     }
 
     /// Checks every rule the driver imposes, for a tensor at `base`.
     pub fn validate(&self, base: u64) -> Result<(), TensorMapError> {
-        let rank = self.dims.len();
+        let rank = self.rank;
         let interleaved = self.interleave != Interleave::None;
         let min_rank = if interleaved { 3 } else { 1 };
-        if !(min_rank..=5).contains(&rank)
-            || self.strides.len() + 1 != rank
-            || self.box_dims.len() != rank
-            || self.elem_strides.len() != rank
-        {
+        if !(min_rank..=MAX_RANK).contains(&rank) {
             return Err(TensorMapError::Rank { rank });
         }
         let align = if self.interleave == Interleave::B32 {
@@ -240,12 +258,12 @@ impl TiledMap {
         if !base.is_multiple_of(align) {
             return Err(TensorMapError::BaseMisaligned { base, align });
         }
-        for (dim, &extent) in self.dims.iter().enumerate() {
+        for (dim, &extent) in self.dims[..rank].iter().enumerate() {
             if extent == 0 || extent > 1 << 32 {
                 return Err(TensorMapError::Extent { dim, extent });
             }
         }
-        for (i, &stride) in self.strides.iter().enumerate() {
+        for (i, &stride) in self.strides[..rank - 1].iter().enumerate() {
             let dim = i + 1;
             if !stride.is_multiple_of(align) {
                 return Err(TensorMapError::StrideMisaligned {
@@ -258,7 +276,7 @@ impl TiledMap {
                 return Err(TensorMapError::StrideTooLarge { dim, stride });
             }
         }
-        for (dim, &size) in self.box_dims.iter().enumerate() {
+        for (dim, &size) in self.box_dims[..rank].iter().enumerate() {
             if size == 0 || size > 256 {
                 return Err(TensorMapError::BoxDim { dim, size });
             }
@@ -271,7 +289,7 @@ impl TiledMap {
         if !interleaved && self.swizzle != Swizzle::None && inner > span {
             return Err(TensorMapError::InnerBoxWiderThanSwizzle { bytes: inner, span });
         }
-        for (dim, &stride) in self.elem_strides.iter().enumerate() {
+        for (dim, &stride) in self.elem_strides[..rank].iter().enumerate() {
             if !(1..=8).contains(&stride) {
                 return Err(TensorMapError::ElementStride { dim, stride });
             }
@@ -296,7 +314,7 @@ impl TiledMap {
         if !driver_present() {
             return Err(Error::NoDriver);
         }
-        let rank = self.dims.len();
+        let rank = self.rank;
         let mut map = TensorMap(sys::CUtensorMap { opaque: [0; 16] });
         let interleave = match self.interleave {
             Interleave::None => CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
@@ -322,8 +340,8 @@ impl TiledMap {
             }
         };
         // SAFETY: libcuda is loaded (checked above); `map` is a writable, 64-byte aligned
-        // CUtensorMap; the dimension, stride, box and element-stride arrays hold `rank`,
-        // `rank - 1`, `rank` and `rank` entries (validate checked), live across the call;
+        // CUtensorMap; the dimension, stride, box and element-stride arrays hold at least
+        // `rank`, `rank - 1`, `rank` and `rank` entries (rank <= 5, validate checked);
         // the base address is only encoded, never dereferenced here.
         let r = unsafe {
             sys::cuTensorMapEncodeTiled(
@@ -373,10 +391,11 @@ mod tests {
     fn rank_out_of_range() {
         let m = TiledMap::new(TmaType::F16, &[8; 6], &[16; 5], &[8; 6], Swizzle::None);
         assert_eq!(m.validate(0), Err(TensorMapError::Rank { rank: 6 }));
+        let m = TiledMap::new(TmaType::F16, &[8; 5], &[16; 4], &[8; 5], Swizzle::None);
+        assert_eq!(m.validate(0), Ok(()));
         let m = TiledMap::new(TmaType::F16, &[], &[], &[], Swizzle::None);
         assert_eq!(m.validate(0), Err(TensorMapError::Rank { rank: 0 }));
-        let mut m = good();
-        m.strides.push(16);
+        let m = TiledMap::new(TmaType::F16, &[8, 8], &[16, 16], &[8, 8], Swizzle::None);
         assert!(matches!(m.validate(0), Err(TensorMapError::Rank { .. })));
         let mut m = good();
         m.interleave = Interleave::B16;
@@ -524,18 +543,16 @@ mod tests {
         // One 128-byte column block: a 2-D box.
         let l = SmemLayout::new(128, 64, 2, Swizzle::B128);
         let m = TiledMap::for_layout(TmaType::Bf16, 1000, 4096, 8192, &l);
-        assert_eq!(
-            (m.dims.clone(), m.box_dims.clone()),
-            (vec![4096, 1000], vec![64, 128])
-        );
+        assert_eq!(&m.dims[..m.rank], &[4096, 1000]);
+        assert_eq!(&m.box_dims[..m.rank], &[64, 128]);
         assert_eq!(m.validate(0), Ok(()));
         assert_eq!(m.box_bytes(), u64::from(l.bytes()));
         // d = 128 bf16: two blocks, one 3-D box writing [2][rows][128 B].
         let l = SmemLayout::new(64, 128, 2, Swizzle::B128);
         let m = TiledMap::for_layout(TmaType::Bf16, 777, 128, 3 * 256, &l);
-        assert_eq!(m.dims, vec![64, 777, 2]);
-        assert_eq!(m.strides, vec![768, 128]);
-        assert_eq!(m.box_dims, vec![64, 64, 2]);
+        assert_eq!(&m.dims[..m.rank], &[64, 777, 2]);
+        assert_eq!(&m.strides[..m.rank - 1], &[768, 128]);
+        assert_eq!(&m.box_dims[..m.rank], &[64, 64, 2]);
         assert_eq!(m.validate(0), Ok(()));
         assert_eq!(m.box_bytes(), u64::from(l.bytes()));
     }

@@ -7,14 +7,10 @@
 //!
 //! Index arithmetic is exact for every length validation accepts: tile counts are
 //! computed in 64 bits, row limits with saturating adds, so nothing wraps near 2^31.
+//! Tiles need not be a power of two keys wide (the sm90 path's d256 tile has 80).
 
 use super::rows::{Rows, Slab};
 use crate::ptx::{Cmp, Kernel, Reg, S32, S64, U32};
-
-fn log2(x: u32) -> u32 {
-    debug_assert!(x.is_power_of_two());
-    x.trailing_zeros()
-}
 
 /// The key tiles a query block visits, `0..end`, of which `mask_from..end` need a mask.
 #[derive(Debug, Clone, Copy)]
@@ -23,15 +19,23 @@ pub struct KeyTiles {
     pub mask_from: Reg<S32>,
 }
 
-/// `floor(x / d)` for a power-of-two `d` in 64 bits (arithmetic shift: exact for x < 0).
+/// `floor(max(x, 0) / d)` in 64 bits: a shift for a power-of-two `d`, a division
+/// otherwise. (Every caller clamps its result at 0, and a clamped negative numerator gives
+/// the same answer, so only non-negative numerators need dividing.)
 fn floor_div64(k: &mut Kernel, x: Reg<S64>, d: u32) -> Reg<S64> {
-    k.shr(x, log2(d))
+    let x = k.max(x, 0i64);
+    if d.is_power_of_two() {
+        k.shr(x, d.trailing_zeros())
+    } else {
+        k.div(x, i64::from(d))
+    }
 }
 
-/// `ceil(x / d)` for a power-of-two `d` in 64 bits.
+/// `ceil(max(x, 0) / d)` in 64 bits.
 fn ceil_div64(k: &mut Kernel, x: Reg<S64>, d: u32) -> Reg<S64> {
+    let x = k.max(x, 0i64);
     let t = k.add(x, i64::from(d) - 1);
-    k.shr(t, log2(d))
+    floor_div64(k, t, d)
 }
 
 /// `clamp(x, lo, hi)` as an `s32` (the bounds are `s32` values, so the result fits).

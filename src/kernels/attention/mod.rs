@@ -5,6 +5,7 @@ pub mod epilogue;
 pub mod mask;
 pub mod rows;
 pub mod sm80;
+pub mod sm90;
 pub mod softmax;
 
 use crate::ptx::{Module, PtxError};
@@ -30,12 +31,15 @@ impl HalfType {
 pub enum Path {
     /// FlashAttention-2 style: `mma.sync` + `cp.async`, `.target sm_80`; runs on sm_80..sm_90.
     Sm80,
+    /// FlashAttention-3 style: warp-specialized TMA + wgmma, `.target sm_90a`; Hopper only.
+    Sm90,
 }
 
 impl Path {
     pub fn name(self) -> &'static str {
         match self {
             Path::Sm80 => "sm80",
+            Path::Sm90 => "sm90a",
         }
     }
 }
@@ -91,6 +95,7 @@ impl FwdConfig {
     pub fn tiling(&self) -> Tiling {
         match self.path {
             Path::Sm80 => sm80::tiling(self),
+            Path::Sm90 => sm90::tiling(self),
         }
     }
 
@@ -98,6 +103,7 @@ impl FwdConfig {
     pub fn generate(&self) -> Result<Module, PtxError> {
         match self.path {
             Path::Sm80 => sm80::generate(self),
+            Path::Sm90 => sm90::generate(self),
         }
     }
 }
@@ -115,7 +121,8 @@ pub struct Tiling {
     pub smem_bytes: u32,
 }
 
-/// Every forward configuration the dispatch can choose.
+/// Every forward configuration the dispatch can choose: the sm80 path's for every head
+/// dimension and both query tiles, then the sm90 path's.
 pub fn all_fwd_configs() -> Vec<FwdConfig> {
     let mut v = Vec::new();
     for dtype in [HalfType::F16, HalfType::Bf16] {
@@ -130,6 +137,19 @@ pub fn all_fwd_configs() -> Vec<FwdConfig> {
                         block_m,
                     });
                 }
+            }
+        }
+    }
+    for dtype in [HalfType::F16, HalfType::Bf16] {
+        for head_dim in sm90::HEAD_DIMS {
+            for causal in [false, true] {
+                v.push(FwdConfig {
+                    path: Path::Sm90,
+                    dtype,
+                    head_dim,
+                    causal,
+                    block_m: sm90::BLOCK_M,
+                });
             }
         }
     }
@@ -162,6 +182,10 @@ pub struct FwdArgs {
     pub causal_offset: i32,
     /// softmax_scale itself (for the log-sum-exp).
     pub scale: f32,
+    /// Query tiles per (batch, head) and the batch size: the persistent sm90 kernel's
+    /// work items are `q_blocks · heads_q · batch`.
+    pub q_blocks: u32,
+    pub batch: u32,
     pub _pad: u32,
 }
 

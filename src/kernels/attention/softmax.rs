@@ -57,26 +57,7 @@ impl OnlineSoftmax {
             .enumerate()
             .map(|(slab, tiles)| {
                 std::array::from_fn(|half| {
-                    let mut tile_max = {
-                        let [a, b] = half_of(&tiles[0], half);
-                        k.max(a, b)
-                    };
-                    for tile in &tiles[1..] {
-                        for v in half_of(tile, half) {
-                            tile_max = k.max(tile_max, v);
-                        }
-                    }
-                    let tile_max = quad_max(k, tile_max);
-                    let old_max = self.max[slab][half];
-                    let new_max = k.max(old_max, tile_max);
-                    let none = k.setp(Cmp::Eq, new_max, f32::NEG_INFINITY);
-                    let usable = k.selp(0f32, new_max, none);
-                    let drop = k.sub(old_max, usable);
-                    let drop = k.mul(drop, scale_log2);
-                    let rescale = k.ex2(drop);
-                    k.mov_to(old_max, new_max);
-                    let sum = self.sum[slab][half];
-                    k.mul_to(sum, sum, rescale);
+                    let (usable, rescale) = self.raise_row(k, tiles, slab, half, scale_log2);
                     for acc in &o[slab] {
                         for v in half_of(acc, half) {
                             k.mul_to(v, v, rescale);
@@ -86,6 +67,40 @@ impl OnlineSoftmax {
                 })
             })
             .collect()
+    }
+
+    /// One row half: the tile's maximum over the quad, the new running maximum, the sum
+    /// rescaled. Returns the value to subtract from the scores (the new maximum, 0 for a
+    /// row that has seen no key) and the output's rescale factor `exp2((m − m')·c)`.
+    fn raise_row(
+        &self,
+        k: &mut Kernel,
+        tiles: &Slab,
+        slab: usize,
+        half: usize,
+        scale_log2: Reg<F32>,
+    ) -> (Reg<F32>, Reg<F32>) {
+        let mut tile_max = {
+            let [a, b] = half_of(&tiles[0], half);
+            k.max(a, b)
+        };
+        for tile in &tiles[1..] {
+            for v in half_of(tile, half) {
+                tile_max = k.max(tile_max, v);
+            }
+        }
+        let tile_max = quad_max(k, tile_max);
+        let old_max = self.max[slab][half];
+        let new_max = k.max(old_max, tile_max);
+        let none = k.setp(Cmp::Eq, new_max, f32::NEG_INFINITY);
+        let usable = k.selp(0f32, new_max, none);
+        let drop = k.sub(old_max, usable);
+        let drop = k.mul(drop, scale_log2);
+        let rescale = k.ex2(drop);
+        k.mov_to(old_max, new_max);
+        let sum = self.sum[slab][half];
+        k.mul_to(sum, sum, rescale);
+        (usable, rescale)
     }
 
     /// `v ← exp2((v − m)·c)`, added to `tile_sum`.
@@ -103,7 +118,7 @@ impl OnlineSoftmax {
 
     /// Adds a tile's partial sums to the running sums. Summing each tile on its own
     /// first keeps the running sum exact far longer: probabilities of 1.0 added one by
-    /// one stop counting at 2^24 in f32, which a flat row of 2^27 keys would reach.
+    /// one stop counting at 2^24 in f32, which a flat row of 2^25 keys would pass.
     fn fold(&self, k: &mut Kernel, tile_sums: &[[Reg<F32>; 2]]) {
         for (sums, tile) in self.sum.iter().zip(tile_sums) {
             for (&sum, &t) in sums.iter().zip(tile) {
@@ -166,6 +181,41 @@ impl OnlineSoftmax {
         p
     }
 
+    /// The first half of a step for kernels that overlap the softmax with the previous
+    /// tile's `P·V`: raises the maxima, rescales the sums, turns the scores into
+    /// unnormalised probabilities, and writes into `factors` the factor by which the
+    /// output rows must be rescaled ([`rescale_rows`]) before the next `P·V` adds to them.
+    pub fn update(
+        &self,
+        k: &mut Kernel,
+        scores: &[Slab],
+        scale_log2: Reg<F32>,
+        factors: &[[Reg<F32>; 2]],
+    ) {
+        let maxes: Vec<[Reg<F32>; 2]> = scores
+            .iter()
+            .enumerate()
+            .map(|(slab, tiles)| {
+                std::array::from_fn(|half| {
+                    let (usable, rescale) = self.raise_row(k, tiles, slab, half, scale_log2);
+                    k.mov_to(factors[slab][half], rescale);
+                    usable
+                })
+            })
+            .collect();
+        let tile_sums = Self::tile_sums(k, scores.len());
+        for ((tiles, maxes), sums) in scores.iter().zip(&maxes).zip(&tile_sums) {
+            for tile in tiles {
+                for ((half, &m), &sum) in maxes.iter().enumerate().zip(sums) {
+                    for v in half_of(tile, half) {
+                        Self::exp_into(k, v, m, sum, scale_log2);
+                    }
+                }
+            }
+        }
+        self.fold(k, &tile_sums);
+    }
+
     /// The whole row's sum (the quad's partial sums added), for slab `slab`, half `half`.
     pub fn row_sum(&self, k: &mut Kernel, slab: usize, half: usize) -> Reg<F32> {
         let mut sum = self.sum[slab][half];
@@ -174,6 +224,31 @@ impl OnlineSoftmax {
             sum = k.add(sum, other);
         }
         sum
+    }
+}
+
+/// Multiplies each output row by its factor (from [`OnlineSoftmax::update`]).
+pub fn rescale_rows(k: &mut Kernel, o: &[Slab], factors: &[[Reg<F32>; 2]]) {
+    for (tiles, f) in o.iter().zip(factors) {
+        for tile in tiles {
+            for (half, &factor) in f.iter().enumerate() {
+                for v in half_of(tile, half) {
+                    k.mul_to(v, v, factor);
+                }
+            }
+        }
+    }
+}
+
+/// [`pack_probs`] into registers that already exist (probabilities carried from one
+/// loop turn to the next).
+pub fn pack_probs_into<H: Half2>(k: &mut Kernel, scores: &Slab, p: &[[Reg<H>; 4]]) {
+    for (pair, dst) in scores.chunks(2).zip(p) {
+        let (a, b) = (&pair[0], &pair[1]);
+        k.pack_half2_to(dst[0], a[0], a[1]);
+        k.pack_half2_to(dst[1], a[2], a[3]);
+        k.pack_half2_to(dst[2], b[0], b[1]);
+        k.pack_half2_to(dst[3], b[2], b[3]);
     }
 }
 

@@ -1,0 +1,561 @@
+//! FlashAttention-3 style forward for Hopper (`.target sm_90a`): a TMA producer
+//! warpgroup and two consumer warpgroups of 64 query rows each, taking turns at the
+//! tensor cores.
+//!
+//! ```text
+//! producer (warpgroup 0)                 consumer c (warpgroups 1, 2; rows 64c..64c+64)
+//! load Q once                            wait Q
+//! for n in (0..end).rev():               S = Q K[last]^T; mask; softmax -> P
+//!     K ring: acquire, TMA K[n]          for n in (0..last).rev():  [masked, then unmasked]
+//!     V ring: acquire, TMA V[n]              my turn:  S = Q K[n]^T             (wgmma SS)
+//!                                                      O *= rescale; O += P V[n+1] (wgmma RS)
+//!                                            other's turn (named barriers, ping-pong)
+//!                                            wait S; release K[n]; [mask]; softmax(S)
+//!                                                -> rescale, running sums    (overlaps P V)
+//!                                            wait P V; release V[n+1]; P = S as f16/bf16
+//!                                        O *= rescale; O += P V[0]; O /= l; store O, LSE
+//! ```
+//!
+//! The softmax of tile n runs while the tensor cores multiply P·V of tile n+1 (the
+//! intra-warpgroup overlap), and while one consumer warpgroup does its softmax the other
+//! issues its products (ping-pong). Q, K and V arrive through 5-D tensor maps over
+//! `[d/64 column blocks][seq][128 B]` boxes of the caller's strided tensors; sequence
+//! tails arrive zero-filled and are masked. Keys are visited last to first, so the
+//! tiles that need a mask (the sequence end, the causal diagonal) form a loop of their
+//! own ahead of the unmasked ones.
+
+use std::mem::offset_of;
+
+use super::epilogue::{OutputBlock, store_output};
+use super::mask::{KeyTiles, apply_mask, key_tiles, query_block};
+use super::rows::Rows;
+use super::softmax::{OnlineSoftmax, pack_probs_into, rescale_rows};
+use super::{FwdArgs, FwdConfig, HalfType, Tiling};
+use crate::ptx::{
+    Acc, Bf16x2, Cmp, F16x2, F32, Half2, InFlight, KMajor, Kernel, KernelText, MnMajor, Module,
+    N64, N80, N128, N176, N256, NamedBarrier, PtxError, Reg, RingBarriers, S32, ScaleD, Smem,
+    SmemDesc, SmemLayout, SmemPlan, Special, StageRing, Swizzle, Target, TileSlot, TmaDesc, U32,
+    WgmmaD, WgmmaInput, WgmmaN,
+};
+
+/// Query rows per block: two consumer warpgroups of 64.
+pub const BLOCK_M: u32 = 128;
+/// Threads: a producer warpgroup and two consumer warpgroups.
+pub const THREADS: u32 = 384;
+/// Registers per thread after reallocation: 128·40 + 256·232 = 64512 <= 65536.
+pub const PRODUCER_REGS: u32 = 40;
+pub const CONSUMER_REGS: u32 = 232;
+/// K and V stages in flight.
+pub const STAGES: u32 = 2;
+/// Head dimensions this path has kernels for (others run on the sm80 path).
+pub const HEAD_DIMS: [u32; 3] = [64, 128, 256];
+
+/// The compile-time shape of one configuration.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Shape {
+    pub head_dim: u32,
+    /// Keys per tile: the N of `S = Q Kᵀ` (and the K of `P V`).
+    pub block_n: u32,
+}
+
+/// Where everything lives in shared memory.
+#[derive(Debug, Clone, Copy)]
+pub struct Slots {
+    pub q: TileSlot,
+    pub k: TileSlot,
+    pub v: TileSlot,
+    /// Q is a one-stage ring: the producer loads the next work item's Q as soon as the
+    /// consumers have issued their last `Q Kᵀ` of the current one.
+    pub q_ring: RingBarriers,
+    pub k_ring: RingBarriers,
+    pub v_ring: RingBarriers,
+}
+
+impl Shape {
+    /// Keys per tile by head dimension: as many as the registers (S takes `block_n / 2`
+    /// per thread beside O's `d / 2`) and shared memory (2 stages of K and V beside Q)
+    /// allow.
+    pub fn of(cfg: &FwdConfig) -> Shape {
+        // (176-key tiles for d128, FlashAttention-3's choice, measured 6% slower here at
+        // B8 H16 S2048: 579.7 against 614.2 TFLOP/s, 2026-11-22.)
+        let block_n = match cfg.head_dim {
+            64 | 128 => 128,
+            _ => 80,
+        };
+        Shape {
+            head_dim: cfg.head_dim,
+            block_n,
+        }
+    }
+
+    pub fn q_layout(&self) -> SmemLayout {
+        SmemLayout::new(BLOCK_M, self.head_dim, 2, Swizzle::B128)
+    }
+
+    pub fn kv_layout(&self) -> SmemLayout {
+        SmemLayout::new(self.block_n, self.head_dim, 2, Swizzle::B128)
+    }
+
+    pub fn plan(&self) -> (SmemPlan, Slots) {
+        let mut plan = SmemPlan::new();
+        let slots = Slots {
+            q: plan.tile(self.q_layout(), 1),
+            k: plan.tile(self.kv_layout(), STAGES),
+            v: plan.tile(self.kv_layout(), STAGES),
+            q_ring: RingBarriers::plan(&mut plan, 1),
+            k_ring: RingBarriers::plan(&mut plan, STAGES),
+            v_ring: RingBarriers::plan(&mut plan, STAGES),
+        };
+        (plan, slots)
+    }
+}
+
+pub(crate) fn tiling(cfg: &FwdConfig) -> Tiling {
+    let s = Shape::of(cfg);
+    Tiling {
+        block_m: BLOCK_M,
+        block_n: s.block_n,
+        threads: THREADS,
+        smem_bytes: s.plan().0.bytes(),
+    }
+}
+
+pub(crate) fn generate(cfg: &FwdConfig) -> Result<Module, PtxError> {
+    let s = Shape::of(cfg);
+    let kernel = match (cfg.dtype, s.head_dim, s.block_n) {
+        (HalfType::F16, 64, 128) => build::<F16x2, N128, N64>(cfg),
+        (HalfType::Bf16, 64, 128) => build::<Bf16x2, N128, N64>(cfg),
+        (HalfType::F16, 128, 128) => build::<F16x2, N128, N128>(cfg),
+        (HalfType::Bf16, 128, 128) => build::<Bf16x2, N128, N128>(cfg),
+        (HalfType::F16, 128, 176) => build::<F16x2, N176, N128>(cfg),
+        (HalfType::Bf16, 128, 176) => build::<Bf16x2, N176, N128>(cfg),
+        (HalfType::F16, 256, 80) => build::<F16x2, N80, N256>(cfg),
+        (HalfType::Bf16, 256, 80) => build::<Bf16x2, N80, N256>(cfg),
+        (_, d, n) => Err(PtxError::BadOperand(format!(
+            "no sm90 forward for head dim {d} with {n}-key tiles"
+        ))),
+    }?;
+    let mut m = Module::new(Target::Sm90a);
+    m.push(kernel)?;
+    Ok(m)
+}
+
+/// The block's coordinates and the parameters every role reads.
+struct Block {
+    batch: Reg<U32>,
+    head: Reg<U32>,
+    m_start: Reg<S32>,
+    seqlen_k: Reg<S32>,
+    causal_offset: Reg<S32>,
+    tiles: KeyTiles,
+}
+
+/// What the roles share: parameters, shared memory, the kernel's shape.
+struct Fwd {
+    s: Shape,
+    causal: bool,
+    args: crate::ptx::ParamBytes,
+    maps: [TmaDesc; 3],
+    smem: Smem,
+    slots: Slots,
+}
+
+fn build<H, NS, NO>(cfg: &FwdConfig) -> Result<KernelText, PtxError>
+where
+    H: Half2 + WgmmaInput,
+    NS: WgmmaN,
+    NO: WgmmaN,
+{
+    let s = Shape::of(cfg);
+    debug_assert_eq!((NS::N, NO::N), (s.block_n, s.head_dim));
+    let mut k = Kernel::new(&cfg.id());
+    k.max_threads(THREADS).min_blocks_per_sm(1);
+    let args = k.param_bytes("args", FwdArgs::SIZE, 8);
+    let maps = [
+        k.tensor_map_param("tmap_q"),
+        k.tensor_map_param("tmap_k"),
+        k.tensor_map_param("tmap_v"),
+    ];
+    let (plan, slots) = s.plan();
+    let smem = k.shared_memory(&plan);
+    let tid = k.special(Special::TidX);
+
+    k.comment("One thread initialises the barriers; everyone waits for it.");
+    let first = k.setp(Cmp::Eq, tid, 0u32);
+    k.if_(first, |k| {
+        // FULL: the producer's arrival plus the bytes; EMPTY: one arrival per consumer warp.
+        slots.q_ring.init(k, &smem, 1, 8);
+        slots.k_ring.init(k, &smem, 1, 8);
+        slots.v_ring.init(k, &smem, 1, 8);
+    });
+    k.sync_threads();
+
+    let f = Fwd {
+        s,
+        causal: cfg.causal,
+        args,
+        maps,
+        smem,
+        slots,
+    };
+    let warpgroup = k.shr(tid, 7);
+    let producer = k.setp(Cmp::Eq, warpgroup, 0u32);
+    k.if_else(
+        producer,
+        |k| produce(k, &f, tid),
+        |k| consume::<H, NS, NO>(k, &f, tid),
+    );
+    k.finish()
+}
+
+impl Fwd {
+    /// The persistent loop: this block takes work items `blockIdx.x, + gridDim.x, ...` of
+    /// `q_blocks · heads · batch`, each a (query tile, head, batch), head by head. With
+    /// causal masking each head's heaviest query tiles (the last ones, which see the most
+    /// keys) come first, so the light ones fill in at the end.
+    fn for_each_item(&self, k: &mut Kernel, body: impl FnOnce(&mut Kernel, &Block)) {
+        let arg = |k: &mut Kernel, off| k.load_param_at::<U32>(self.args, off);
+        let q_blocks = arg(k, offset_of!(FwdArgs, q_blocks));
+        let heads = arg(k, offset_of!(FwdArgs, heads_q));
+        let batch = arg(k, offset_of!(FwdArgs, batch));
+        let head_batches = k.mul(heads, batch);
+        let items = k.mul(head_batches, q_blocks);
+        let first = k.special(Special::CtaidX);
+        let stride = k.special(Special::NctaidX);
+        let (s, causal, args) = (self.s, self.causal, self.args);
+        k.for_stride(
+            first.cast::<S32>(),
+            items.cast::<S32>(),
+            stride.cast(),
+            |k, item| {
+                let item = item.cast::<U32>();
+                // Item = head-batch · q_blocks + m-index: the blocks running at once share
+                // a few heads, so each head's K and V come from HBM once and then from L2
+                // (taking one query tile of many heads instead re-reads every head's K and
+                // V once per query tile: B8 H16 S2048 D128 ran 20% slower).
+                let m_index = k.rem(item, q_blocks);
+                let hb = k.div(item, q_blocks);
+                let head = k.rem(hb, heads);
+                let b = k.div(hb, heads);
+                let m_block = query_block(k, m_index, q_blocks, causal);
+                let m_start = k.mul(m_block.cast::<S32>(), BLOCK_M as i32);
+                let seqlen_k = k.load_param_at::<S32>(args, offset_of!(FwdArgs, seqlen_k));
+                let causal_offset =
+                    k.load_param_at::<S32>(args, offset_of!(FwdArgs, causal_offset));
+                let mask = causal.then_some(causal_offset);
+                let tiles = key_tiles(k, seqlen_k, m_start, BLOCK_M, s.block_n, mask);
+                let blk = Block {
+                    batch: b,
+                    head,
+                    m_start,
+                    seqlen_k,
+                    causal_offset,
+                    tiles,
+                };
+                body(k, &blk);
+            },
+        );
+    }
+}
+
+/// Warpgroup 0: one elected thread loads each work item's Q and streams its K and V,
+/// last tile first; the other producer warps only hand their registers back.
+fn produce(k: &mut Kernel, f: &Fwd, tid: Reg<U32>) {
+    k.comment("Producer: TMA loads of Q, then K and V tiles, into their rings.");
+    k.setmaxnreg_dec(PRODUCER_REGS);
+    let warp = k.shr(tid, 5);
+    let first_warp = k.setp(Cmp::Eq, warp, 0u32);
+    k.if_(first_warp, |k| {
+        let leader = k.elect_one();
+        k.if_(leader, |k| {
+            let group = k.load_param_at::<U32>(f.args, offset_of!(FwdArgs, group));
+            let zero = k.mov::<S32>(0i32);
+            let mut qr = f.slots.q_ring.producer(k, f.smem);
+            let mut kr = f.slots.k_ring.producer(k, f.smem);
+            let mut vr = f.slots.v_ring.producer(k, f.smem);
+            f.for_each_item(k, |k, b| {
+                let any = k.setp(Cmp::Gt, b.tiles.end, 0i32);
+                k.if_(any, |k| {
+                    let kv_head = k.div(b.head, group).cast::<S32>();
+                    let batch = b.batch.cast::<S32>();
+                    let head = b.head.cast::<S32>();
+                    qr.acquire(k);
+                    qr.arrive_expect_tx(k, f.s.q_layout().bytes());
+                    let full = qr.full_barrier(k);
+                    let q_at = qr.slot(k, f.slots.q);
+                    k.tma_load(q_at, f.maps[0], [zero, b.m_start, zero, head, batch], full);
+                    qr.advance(k);
+
+                    let kv_bytes = f.s.kv_layout().bytes();
+                    let last = k.sub(b.tiles.end, 1i32);
+                    k.for_range(last, -1i32, -1, |k, n| {
+                        let row = k.mul(n, f.s.block_n as i32);
+                        let rings = [
+                            (&mut kr, f.slots.k, f.maps[1]),
+                            (&mut vr, f.slots.v, f.maps[2]),
+                        ];
+                        for (ring, slot, map) in rings {
+                            ring.acquire(k);
+                            ring.arrive_expect_tx(k, kv_bytes);
+                            let full = ring.full_barrier(k);
+                            let at = ring.slot(k, slot);
+                            k.tma_load(at, map, [zero, row, zero, kv_head, batch], full);
+                            ring.advance(k);
+                        }
+                    });
+                });
+            });
+        });
+    });
+}
+
+/// A consumer warpgroup's registers and roles for one work item.
+struct Consumer<'a, H: Half2> {
+    f: &'a Fwd,
+    b: &'a Block,
+    /// 0 or 1: which of the two consumer warpgroups.
+    which: Reg<U32>,
+    other: Reg<U32>,
+    turns: [NamedBarrier; 2],
+    /// Lane 0 of each warp: it arrives on EMPTY barriers for its warp.
+    leader: Reg<crate::ptx::Pred>,
+    rows: Rows,
+    /// This warpgroup's 64 rows of the Q tile (the Q ring has one stage).
+    q: SmemDesc<KMajor>,
+    scale_log2: Reg<F32>,
+    softmax: OnlineSoftmax,
+    /// Each row's pending rescale of O, from the last softmax.
+    factors: [Reg<F32>; 2],
+    /// P of the last softmax, as the A fragments of the next `P V`.
+    p: Vec<[Reg<H>; 4]>,
+}
+
+/// The rings a consumer walks through, kept across work items.
+struct Rings {
+    q: StageRing,
+    k: StageRing,
+    v: StageRing,
+}
+
+/// Warpgroups 1 and 2: the attention itself, for 64 query rows each of every work item.
+fn consume<H, NS, NO>(k: &mut Kernel, f: &Fwd, tid: Reg<U32>)
+where
+    H: Half2 + WgmmaInput,
+    NS: WgmmaN,
+    NO: WgmmaN,
+{
+    k.comment("Consumers: S = Q K^T, online softmax, O += P V, in ping-pong turns.");
+    k.setmaxnreg_inc(CONSUMER_REGS);
+    let ct = k.sub(tid, 128u32);
+    let which = k.shr(ct, 7);
+    let other = k.xor(which, 1u32);
+    let in_wg = k.and(ct, 127u32);
+    let warp = k.shr(in_wg, 5);
+    let lane = k.and(ct, 31u32);
+    let leader = k.setp(Cmp::Eq, lane, 0u32);
+    let warp_row0 = k.mul(which, 64u32);
+    let warp_row0 = k.mad(warp, 16u32, warp_row0);
+    let rows = Rows::new(k, lane, warp_row0);
+    let turns = k.named_barrier_pair(256);
+    // The second warpgroup lets the first go first.
+    let second = k.setp(Cmp::Ne, which, 0u32);
+    k.if_(second, |k| k.bar_arrive(turns[0]));
+
+    let q_at = f.smem.tile(k, f.slots.q, 0);
+    let q_rows = k.mul(which, f.s.q_layout().logical_offset(64, 0));
+    let q_at = k.smem_offset(q_at, q_rows);
+    let q = k.smem_desc::<KMajor>(q_at, &f.s.q_layout());
+    let scale_log2 = k.load_param_at::<F32>(f.args, offset_of!(FwdArgs, scale_log2));
+    let mut rings = Rings {
+        q: f.slots.q_ring.consumer(k, f.smem),
+        k: f.slots.k_ring.consumer(k, f.smem),
+        v: f.slots.v_ring.consumer(k, f.smem),
+    };
+    f.for_each_item(k, |k, b| {
+        let c = Consumer {
+            f,
+            b,
+            which,
+            other,
+            turns,
+            leader,
+            rows,
+            q,
+            scale_log2,
+            softmax: OnlineSoftmax::new(k, 1),
+            factors: [k.mov(1f32), k.mov(1f32)],
+            p: (0..f.s.block_n / 16).map(|_| k.regs::<H, 4>()).collect(),
+        };
+        let mut o = Some(k.acc_zeroed::<NO>());
+        let any = k.setp(Cmp::Gt, b.tiles.end, 0i32);
+        k.if_(any, |k| {
+            let acc = o.take().expect("taken once");
+            o = Some(c.attend::<NS, NO>(k, acc, &mut rings));
+        });
+        let o = o.expect("given back");
+        let seqlen_q = k.load_param_at::<S32>(f.args, offset_of!(FwdArgs, seqlen_q));
+        let at = OutputBlock {
+            batch: b.batch,
+            head: b.head,
+            m_start: b.m_start,
+            seqlen_q,
+        };
+        store_output::<H>(k, f.args, &c.rows, &[o.tiles()], &c.softmax, at);
+    });
+}
+
+impl<H: Half2 + WgmmaInput> Consumer<'_, H> {
+    /// The key loop for a block with at least one key tile; returns O (unnormalised).
+    fn attend<NS: WgmmaN, NO: WgmmaN>(
+        &self,
+        k: &mut Kernel,
+        o: Acc<NO>,
+        rings: &mut Rings,
+    ) -> Acc<NO> {
+        k.comment("Wait for Q; the last key tile (always masked) starts the pipeline.");
+        rings.q.wait_full(k);
+        let Rings {
+            q: qr,
+            k: kr,
+            v: vr,
+        } = rings;
+        let end = self.b.tiles.end;
+        let last = k.sub(end, 1i32);
+
+        k.bar_wait_member(self.turns, self.which);
+        kr.wait_full(k);
+        let s = self.scores::<NS>(k, kr);
+        k.wgmma_commit();
+        k.bar_arrive_member(self.turns, self.other);
+        k.wgmma_wait(0);
+        let s = k.wgmma_retire(s);
+        self.release(k, kr);
+        self.mask(k, &s, last);
+        self.softmax
+            .update(k, &[s.tiles()], self.scale_log2, &[self.factors]);
+        pack_probs_into(k, &s.tiles(), &self.p);
+
+        k.comment("Tiles that cross the sequence end or the diagonal, last to first.");
+        let last_masked_end = k.sub(self.b.tiles.mask_from, 1i32);
+        let second_last = k.sub(end, 2i32);
+        let o = k.for_range_carry(second_last, last_masked_end, -1, o, |k, n, o| {
+            self.step::<NS, NO>(k, n, true, o, kr, vr)
+        });
+        k.comment("The remaining tiles need no mask.");
+        let unmasked = k.min(self.b.tiles.mask_from, last);
+        let first_unmasked = k.sub(unmasked, 1i32);
+        let o = k.for_range_carry(first_unmasked, -1i32, -1, o, |k, n, o| {
+            self.step::<NS, NO>(k, n, false, o, kr, vr)
+        });
+        // Every Q K^T of this work item is done: the producer may load the next Q while
+        // the last P V and the epilogue run.
+        self.release(k, qr);
+
+        k.comment("The last P V.");
+        k.bar_wait_member(self.turns, self.which);
+        rescale_rows(k, &[o.tiles()], &[self.factors]);
+        vr.wait_full(k);
+        let pv = self.pv::<NO>(k, o, vr);
+        k.wgmma_commit();
+        k.bar_arrive_member(self.turns, self.other);
+        k.wgmma_wait(0);
+        let o = k.wgmma_retire(pv);
+        self.release(k, vr);
+        o
+    }
+
+    /// One key tile `n` with P V of tile `n + 1` overlapping its softmax.
+    fn step<NS: WgmmaN, NO: WgmmaN>(
+        &self,
+        k: &mut Kernel,
+        n: Reg<S32>,
+        masked: bool,
+        o: Acc<NO>,
+        kr: &mut StageRing,
+        vr: &mut StageRing,
+    ) -> Acc<NO> {
+        k.bar_wait_member(self.turns, self.which);
+        kr.wait_full(k);
+        let s = self.scores::<NS>(k, kr);
+        k.wgmma_commit();
+        rescale_rows(k, &[o.tiles()], &[self.factors]);
+        vr.wait_full(k);
+        let pv = self.pv::<NO>(k, o, vr);
+        k.wgmma_commit();
+        k.bar_arrive_member(self.turns, self.other);
+        k.wgmma_wait(1);
+        let s = k.wgmma_retire(s);
+        self.release(k, kr);
+        if masked {
+            self.mask(k, &s, n);
+        }
+        self.softmax
+            .update(k, &[s.tiles()], self.scale_log2, &[self.factors]);
+        k.wgmma_wait(0);
+        let o = k.wgmma_retire(pv);
+        self.release(k, vr);
+        pack_probs_into(k, &s.tiles(), &self.p);
+        o
+    }
+
+    /// `S = Q Kᵀ` on the K ring's current stage (d/16 k-steps, SS).
+    fn scores<NS: WgmmaN>(&self, k: &mut Kernel, kr: &StageRing) -> InFlight<NS> {
+        let f = self.f;
+        let (ql, kl) = (f.s.q_layout(), f.s.kv_layout());
+        let k_at = kr.slot(k, f.slots.k);
+        let kd = k.smem_desc::<KMajor>(k_at, &kl);
+        let acc = k.acc::<NS>();
+        let mut flying = k.wgmma_ss::<H, NS, KMajor, KMajor>(acc, self.q, kd, ScaleD::Zero);
+        for step in 1..f.s.head_dim / 16 {
+            let q = advance(k, self.q, ql.logical_offset(0, 16 * step));
+            let kk = advance(k, kd, kl.logical_offset(0, 16 * step));
+            flying = k.wgmma_ss::<H, NS, KMajor, KMajor>(flying, q, kk, ScaleD::Accumulate);
+        }
+        flying
+    }
+
+    /// `O += P V` on the V ring's current stage (block_n/16 k-steps, RS, V MN-major).
+    fn pv<NO: WgmmaN>(&self, k: &mut Kernel, o: impl WgmmaD<NO>, vr: &StageRing) -> InFlight<NO> {
+        let f = self.f;
+        let vl = f.s.kv_layout();
+        let v_at = vr.slot(k, f.slots.v);
+        let vd = k.smem_desc::<MnMajor>(v_at, &vl);
+        let mut flying = k.wgmma_rs::<H, NO, MnMajor>(o, &self.p[0], vd, ScaleD::Accumulate);
+        for (t, p) in self.p.iter().enumerate().skip(1) {
+            let v = advance(k, vd, vl.logical_offset(16 * t as u32, 0));
+            flying = k.wgmma_rs::<H, NO, MnMajor>(flying, p, v, ScaleD::Accumulate);
+        }
+        flying
+    }
+
+    /// The mask of key tile `n` on this warpgroup's scores.
+    fn mask<NS: WgmmaN>(&self, k: &mut Kernel, s: &Acc<NS>, n: Reg<S32>) {
+        let first_key = k.mul(n, self.f.s.block_n as i32);
+        let causal = self.f.causal.then_some(self.b.causal_offset);
+        let scores = [s.tiles()];
+        apply_mask(
+            k,
+            &self.rows,
+            &scores,
+            first_key,
+            self.b.m_start,
+            self.b.seqlen_k,
+            causal,
+        );
+    }
+
+    /// Lane 0 of each warp releases the ring's current stage; all move on.
+    fn release(&self, k: &mut Kernel, ring: &mut StageRing) {
+        k.guarded(self.leader, true, |k| ring.release(k));
+        ring.advance(k);
+    }
+}
+
+/// A descriptor moved by `bytes` (nothing emitted for 0).
+fn advance<M: crate::ptx::Major>(k: &mut Kernel, d: SmemDesc<M>, bytes: u32) -> SmemDesc<M> {
+    if bytes == 0 {
+        d
+    } else {
+        k.desc_advance(d, bytes)
+    }
+}
