@@ -96,23 +96,14 @@ fn seqlen_grid(dtype: HalfType, d: usize) {
     let mut cases = Vec::new();
     for causal in [false, true] {
         for block_m in [BLOCK_M_WIDE, BLOCK_M_NARROW] {
-            let head_dim = d as u32;
             let kernel = FwdConfig {
                 path: Path::Sm80,
                 dtype,
-                head_dim,
+                head_dim: d as u32,
                 causal,
                 block_m,
             };
-            for sq in SEQLENS {
-                for sk in SEQLENS {
-                    let c = case(dtype, d, causal, 1, 1, 1, sq, sk);
-                    cases.push(FwdCase {
-                        kernel: Some(kernel),
-                        ..c
-                    });
-                }
-            }
+            cases.extend(all_seqlen_pairs(kernel));
         }
     }
     run_cases(&cases);
@@ -135,17 +126,21 @@ fn sm90_seqlen_grid(dtype: HalfType, d: usize) {
             causal,
             block_m: flashcore::kernels::attention::sm90::BLOCK_M,
         };
-        for sq in SEQLENS {
-            for sk in SEQLENS {
-                let c = case(dtype, d, causal, 1, 1, 1, sq, sk);
-                cases.push(FwdCase {
-                    kernel: Some(kernel),
-                    ..c
-                });
-            }
-        }
+        cases.extend(all_seqlen_pairs(kernel));
     }
     run_cases(&cases);
+}
+
+/// One head, every (Sq, Sk) pair of [`SEQLENS`], on `kernel`.
+fn all_seqlen_pairs(kernel: FwdConfig) -> Vec<FwdCase> {
+    let (dtype, d) = (kernel.dtype, kernel.head_dim as usize);
+    let pairs = SEQLENS.iter().flat_map(|&sq| SEQLENS.map(|sk| (sq, sk)));
+    pairs
+        .map(|(sq, sk)| FwdCase {
+            kernel: Some(kernel),
+            ..case(dtype, d, kernel.causal, 1, 1, 1, sq, sk)
+        })
+        .collect()
 }
 
 #[test]

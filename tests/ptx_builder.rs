@@ -7,7 +7,16 @@ use flashcore::ptx::*;
 
 /// The lines of a kernel body between the register declarations and the final `ret`.
 fn body(k: Kernel) -> Vec<String> {
-    let mut m = Module::new(Target::Sm80);
+    body_for(Target::Sm80, k)
+}
+
+/// [`body`] for an sm_90a module.
+fn body_90a(k: Kernel) -> Vec<String> {
+    body_for(Target::Sm90a, k)
+}
+
+fn body_for(target: Target, k: Kernel) -> Vec<String> {
+    let mut m = Module::new(target);
     m.push(k.finish().expect("a valid kernel")).unwrap();
     m.to_ptx()
         .lines()
@@ -299,26 +308,6 @@ fn swizzled_rows_hit_distinct_bank_groups() {
 }
 
 // ---- Hopper building blocks ------------------------------------------------------------
-
-/// The lines of a kernel body for an sm_90a module.
-fn body_90a(k: Kernel) -> Vec<String> {
-    let mut m = Module::new(Target::Sm90a);
-    m.push(k.finish().expect("a valid kernel")).unwrap();
-    m.to_ptx()
-        .lines()
-        .skip_while(|l| *l != "{")
-        .skip(1)
-        .map(str::trim)
-        .filter(|l| {
-            !l.is_empty()
-                && !l.starts_with(".reg")
-                && !l.starts_with("//")
-                && *l != "ret;"
-                && *l != "}"
-        })
-        .map(String::from)
-        .collect()
-}
 
 /// A kernel with one 64x64 bf16 tile and a 2-stage ring, barriers initialised and fenced.
 fn hopper_kernel(name: &str) -> (Kernel, Smem, TileSlot, RingBarriers) {
@@ -640,4 +629,29 @@ fn refuses_named_barrier_exhaustion_and_bad_ring_slots() {
     let c = k.mov::<S32>(0i32);
     k.tma_load(dst, map, [c; 6], bar);
     assert!(matches!(rejected(k), PtxError::BadOperand(_)));
+}
+
+/// The producer's issuing thread: warp 0 by `tid >> 5`, then the lane `elect.sync` picks.
+#[test]
+fn elected_thread_of_warp_0_nests_warp_test_and_election() {
+    let mut k = Kernel::new("golden_elected");
+    let out_p = k.param::<U64>("out");
+    let out = k.load_param(out_p);
+    let tid = k.special(Special::TidX);
+    k.elected_thread_of_warp_0(tid, |k| k.st_global(out, 0, tid));
+    assert_eq!(
+        body_90a(k),
+        [
+            "ld.param.u64 %rd0, [out];",
+            "mov.u32 %r0, %tid.x;",
+            "shr.u32 %r1, %r0, 5;",
+            "setp.eq.u32 %p0, %r1, 0;",
+            "@!%p0 bra $L_0;",
+            "elect.sync _|%p1, 0xffffffff;",
+            "@!%p1 bra $L_1;",
+            "st.global.b32 [%rd0], %r0;",
+            "$L_1:",
+            "$L_0:",
+        ]
+    );
 }

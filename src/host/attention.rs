@@ -50,19 +50,28 @@ pub fn dispatch(
     causal: bool,
 ) -> Result<FwdConfig, String> {
     let path = path_for_arch(arch)?;
-    let head_dim = shape.head_dim as u32;
-    // The persistent sm90 kernel numbers its work items in 31 bits.
-    let items = shape.seqlen_q.div_ceil(sm90::BLOCK_M as usize) * shape.heads_q * shape.batch;
-    if path == Path::Sm90 && sm90::HEAD_DIMS.contains(&head_dim) && items < 1 << 31 {
+    if path == Path::Sm90 && sm90_has_kernel(shape) {
         return Ok(FwdConfig {
             path,
             dtype,
-            head_dim,
+            head_dim: shape.head_dim as u32,
             causal,
             block_m: sm90::BLOCK_M,
         });
     }
     dispatch_sm80(arch, sm_count, dtype, shape, causal)
+}
+
+/// (query tile, head, batch) triples: the sm80 grid's blocks, the sm90 kernel's work
+/// items.
+fn work_items(shape: &AttnShape, block_m: u32) -> usize {
+    shape.seqlen_q.div_ceil(block_m as usize) * shape.heads_q * shape.batch
+}
+
+/// Whether the sm90 path has a kernel for `shape`: its head dim, and work items that fit
+/// the 31 bits the persistent kernel numbers them in.
+fn sm90_has_kernel(shape: &AttnShape) -> bool {
+    sm90::HEAD_DIMS.contains(&(shape.head_dim as u32)) && work_items(shape, sm90::BLOCK_M) < 1 << 31
 }
 
 /// The sm80 path's configuration for a problem.
@@ -82,8 +91,7 @@ pub fn dispatch_sm80(
     if !FWD_HEAD_DIMS.contains(&head_dim) {
         return Err(format!("no kernel for head dim {head_dim}"));
     }
-    let wide_blocks = shape.seqlen_q.div_ceil(BLOCK_M_WIDE as usize) * shape.heads_q * shape.batch;
-    let block_m = if wide_blocks < sm_count as usize {
+    let block_m = if work_items(shape, BLOCK_M_WIDE) < sm_count as usize {
         BLOCK_M_NARROW
     } else {
         BLOCK_M_WIDE
@@ -276,13 +284,9 @@ impl Attention {
         let runs = match cfg.path {
             Path::Sm80 => [BLOCK_M_WIDE, BLOCK_M_NARROW].contains(&cfg.block_m),
             Path::Sm90 => {
-                let items = problem.shape.seqlen_q.div_ceil(sm90::BLOCK_M as usize)
-                    * problem.shape.heads_q
-                    * problem.shape.batch;
                 path_for_arch(arch) == Ok(Path::Sm90)
-                    && sm90::HEAD_DIMS.contains(&head_dim)
+                    && sm90_has_kernel(&problem.shape)
                     && cfg.block_m == sm90::BLOCK_M
-                    && items < 1 << 31
             }
         };
         if !same || !runs {
@@ -413,7 +417,7 @@ fn grid(problem: &FwdProblem, cfg: &FwdConfig, sm_count: u32) -> LaunchDims {
     let grid = match cfg.path {
         Path::Sm80 => (q_blocks as u32, shape.heads_q as u32, shape.batch as u32),
         Path::Sm90 => {
-            let items = q_blocks * shape.heads_q * shape.batch;
+            let items = work_items(&shape, tiling.block_m);
             // Causal work items differ in cost (a query tile sees keys up to its
             // diagonal); one block per item lets the hardware hand the next item to
             // whichever SM frees up first, which balances them better than a fixed

@@ -272,28 +272,23 @@ fn build<E: WgmmaInput, O: Half2>(cfg: &GemmConfig) -> Result<KernelText, PtxErr
 fn produce(k: &mut Kernel, cfg: &GemmConfig, g: &Gemm, tid: Reg<U32>) {
     k.comment("Producer: TMA loads of A and B into the stage ring.");
     k.setmaxnreg_dec(PRODUCER_REGS);
-    let warp = k.shr(tid, 5);
-    let first_warp = k.setp(Cmp::Eq, warp, 0u32);
-    k.if_(first_warp, |k| {
-        let leader = k.elect_one();
-        k.if_(leader, |k| {
-            let mut ring = g.slots.ring.producer(k, g.smem);
-            let k_elems = cfg.k_elems() as i32;
-            g.for_each_tile(k, |k, tm, tn| {
-                let row_a = k.mul(tm, BLOCK_M).cast::<S32>();
-                let row_b = k.mul(tn, BLOCK_N).cast::<S32>();
-                k.for_range(0i32, g.k_tiles, 1, |k, kt| {
-                    ring.acquire(k);
-                    ring.arrive_expect_tx(k, cfg.stage_bytes());
-                    let full = ring.full_barrier(k);
-                    let a = ring.slot(k, g.slots.a);
-                    let b = ring.slot(k, g.slots.b);
-                    let col = k.mul(kt, k_elems);
-                    k.tma_load(a, g.tmap_a, [col, row_a], full);
-                    // B is re-read by every tile-row of the group: keep it in L2.
-                    k.tma_load_hint(b, g.tmap_b, [col, row_b], full, CachePolicy::EvictLast);
-                    ring.advance(k);
-                });
+    k.elected_thread_of_warp_0(tid, |k| {
+        let mut ring = g.slots.ring.producer(k, g.smem);
+        let k_elems = cfg.k_elems() as i32;
+        g.for_each_tile(k, |k, tm, tn| {
+            let row_a = k.mul(tm, BLOCK_M).cast::<S32>();
+            let row_b = k.mul(tn, BLOCK_N).cast::<S32>();
+            k.for_range(0i32, g.k_tiles, 1, |k, kt| {
+                ring.acquire(k);
+                ring.arrive_expect_tx(k, cfg.stage_bytes());
+                let full = ring.full_barrier(k);
+                let a = ring.slot(k, g.slots.a);
+                let b = ring.slot(k, g.slots.b);
+                let col = k.mul(kt, k_elems);
+                k.tma_load(a, g.tmap_a, [col, row_a], full);
+                // B is re-read by every tile-row of the group: keep it in L2.
+                k.tma_load_hint(b, g.tmap_b, [col, row_b], full, CachePolicy::EvictLast);
+                ring.advance(k);
             });
         });
     });

@@ -1,7 +1,7 @@
 //! Warp-level operations: shuffles and leader election.
 
 use super::error::PtxError;
-use super::kernel::{Kernel, Reg, Src};
+use super::kernel::{Cmp, Kernel, Reg, Src};
 use super::target::Feature;
 use super::types::*;
 
@@ -31,5 +31,16 @@ impl Kernel {
         let p = self.reg::<Pred>();
         self.emit(format!("elect.sync _|{}, 0xffffffff;", p.name()));
         p
+    }
+
+    /// Runs `body` in one thread of the block's first warp, the lane `elect.sync` picks
+    /// (`tid` is `%tid.x`): the thread that issues a producer warpgroup's TMA copies.
+    pub fn elected_thread_of_warp_0(&mut self, tid: Reg<U32>, body: impl FnOnce(&mut Self)) {
+        let warp = self.shr(tid, 5);
+        let first_warp = self.setp(Cmp::Eq, warp, 0u32);
+        self.if_(first_warp, |k| {
+            let leader = k.elect_one();
+            k.if_(leader, body);
+        });
     }
 }

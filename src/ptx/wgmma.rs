@@ -378,25 +378,10 @@ impl Kernel {
         MA: MajorFor<E>,
         MB: MajorFor<E>,
     {
-        let shape = self.wgmma_shape::<E, N>();
         let regs = d.open(self);
         self.check_owner(&[Src::<U64>::owner(&a.value), Src::<U64>::owner(&b.value)]);
-        let trans = if E::TRANSPOSABLE {
-            format!(", {}, {}", MA::TRANS, MB::TRANS)
-        } else {
-            String::new()
-        };
-        self.emit(format!(
-            "wgmma.mma_async.sync.aligned.{shape} {}, {}, {}, {}, 1, 1{trans};",
-            reg_list(regs.as_ref()),
-            a.value.name(),
-            b.value.name(),
-            scale_d.operand()
-        ));
-        InFlight {
-            regs,
-            group: self.sync.wgmma_committed,
-        }
+        let a = a.value.name().to_string();
+        self.emit_wgmma::<E, N>(regs, &a, b.value, scale_d, &[MA::TRANS, MB::TRANS])
     }
 
     /// `D (+)= A·B` with A from registers (the K-major A fragment of the module docs:
@@ -413,20 +398,33 @@ impl Kernel {
         N: WgmmaN,
         MB: MajorFor<E>,
     {
-        let shape = self.wgmma_shape::<E, N>();
         let regs = d.open(self);
         self.check_owner(&a.map(|r| Src::<E>::owner(&r)));
         self.check_owner(&[Src::<U64>::owner(&b.value)]);
-        let trans = if E::TRANSPOSABLE {
-            format!(", {}", MB::TRANS)
+        self.emit_wgmma::<E, N>(regs, &reg_list(a), b.value, scale_d, &[MB::TRANS])
+    }
+
+    /// Emits one `wgmma.mma_async` with its A operand already spelled (a descriptor or a
+    /// register list); `trans` holds the transpose flags, written only for the 16-bit
+    /// inputs that take them.
+    fn emit_wgmma<E: WgmmaInput, N: WgmmaN>(
+        &mut self,
+        regs: N::Regs,
+        a: &str,
+        b: Reg<U64>,
+        scale_d: ScaleD,
+        trans: &[u32],
+    ) -> InFlight<N> {
+        let shape = self.wgmma_shape::<E, N>();
+        let trans: String = if E::TRANSPOSABLE {
+            trans.iter().map(|t| format!(", {t}")).collect()
         } else {
             String::new()
         };
         self.emit(format!(
-            "wgmma.mma_async.sync.aligned.{shape} {}, {}, {}, {}, 1, 1{trans};",
+            "wgmma.mma_async.sync.aligned.{shape} {}, {a}, {}, {}, 1, 1{trans};",
             reg_list(regs.as_ref()),
-            reg_list(a),
-            b.value.name(),
+            b.name(),
             scale_d.operand()
         ));
         InFlight {

@@ -263,46 +263,41 @@ impl Fwd {
 fn produce(k: &mut Kernel, f: &Fwd, tid: Reg<U32>) {
     k.comment("Producer: TMA loads of Q, then K and V tiles, into their rings.");
     k.setmaxnreg_dec(PRODUCER_REGS);
-    let warp = k.shr(tid, 5);
-    let first_warp = k.setp(Cmp::Eq, warp, 0u32);
-    k.if_(first_warp, |k| {
-        let leader = k.elect_one();
-        k.if_(leader, |k| {
-            let group = k.load_param_at::<U32>(f.args, offset_of!(FwdArgs, group));
-            let zero = k.mov::<S32>(0i32);
-            let mut qr = f.slots.q_ring.producer(k, f.smem);
-            let mut kr = f.slots.k_ring.producer(k, f.smem);
-            let mut vr = f.slots.v_ring.producer(k, f.smem);
-            f.for_each_item(k, |k, b| {
-                let any = k.setp(Cmp::Gt, b.tiles.end, 0i32);
-                k.if_(any, |k| {
-                    let kv_head = k.div(b.head, group).cast::<S32>();
-                    let batch = b.batch.cast::<S32>();
-                    let head = b.head.cast::<S32>();
-                    qr.acquire(k);
-                    qr.arrive_expect_tx(k, f.s.q_layout().bytes());
-                    let full = qr.full_barrier(k);
-                    let q_at = qr.slot(k, f.slots.q);
-                    k.tma_load(q_at, f.maps[0], [zero, b.m_start, zero, head, batch], full);
-                    qr.advance(k);
+    k.elected_thread_of_warp_0(tid, |k| {
+        let group = k.load_param_at::<U32>(f.args, offset_of!(FwdArgs, group));
+        let zero = k.mov::<S32>(0i32);
+        let mut qr = f.slots.q_ring.producer(k, f.smem);
+        let mut kr = f.slots.k_ring.producer(k, f.smem);
+        let mut vr = f.slots.v_ring.producer(k, f.smem);
+        f.for_each_item(k, |k, b| {
+            let any = k.setp(Cmp::Gt, b.tiles.end, 0i32);
+            k.if_(any, |k| {
+                let kv_head = k.div(b.head, group).cast::<S32>();
+                let batch = b.batch.cast::<S32>();
+                let head = b.head.cast::<S32>();
+                qr.acquire(k);
+                qr.arrive_expect_tx(k, f.s.q_layout().bytes());
+                let full = qr.full_barrier(k);
+                let q_at = qr.slot(k, f.slots.q);
+                k.tma_load(q_at, f.maps[0], [zero, b.m_start, zero, head, batch], full);
+                qr.advance(k);
 
-                    let kv_bytes = f.s.kv_layout().bytes();
-                    let last = k.sub(b.tiles.end, 1i32);
-                    k.for_range(last, -1i32, -1, |k, n| {
-                        let row = k.mul(n, f.s.block_n as i32);
-                        let rings = [
-                            (&mut kr, f.slots.k, f.maps[1]),
-                            (&mut vr, f.slots.v, f.maps[2]),
-                        ];
-                        for (ring, slot, map) in rings {
-                            ring.acquire(k);
-                            ring.arrive_expect_tx(k, kv_bytes);
-                            let full = ring.full_barrier(k);
-                            let at = ring.slot(k, slot);
-                            k.tma_load(at, map, [zero, row, zero, kv_head, batch], full);
-                            ring.advance(k);
-                        }
-                    });
+                let kv_bytes = f.s.kv_layout().bytes();
+                let last = k.sub(b.tiles.end, 1i32);
+                k.for_range(last, -1i32, -1, |k, n| {
+                    let row = k.mul(n, f.s.block_n as i32);
+                    let rings = [
+                        (&mut kr, f.slots.k, f.maps[1]),
+                        (&mut vr, f.slots.v, f.maps[2]),
+                    ];
+                    for (ring, slot, map) in rings {
+                        ring.acquire(k);
+                        ring.arrive_expect_tx(k, kv_bytes);
+                        let full = ring.full_barrier(k);
+                        let at = ring.slot(k, slot);
+                        k.tma_load(at, map, [zero, row, zero, kv_head, batch], full);
+                        ring.advance(k);
+                    }
                 });
             });
         });
@@ -453,10 +448,7 @@ impl<H: Half2 + WgmmaInput> Consumer<'_, H> {
 
         k.comment("The last P V.");
         k.bar_wait_member(self.turns, self.which);
-        rescale_rows(k, &[o.tiles()], &[self.factors]);
-        vr.wait_full(k);
-        let pv = self.pv::<NO>(k, o, vr);
-        k.wgmma_commit();
+        let pv = self.rescale_and_pv::<NO>(k, o, vr);
         k.bar_arrive_member(self.turns, self.other);
         k.wgmma_wait(0);
         let o = k.wgmma_retire(pv);
@@ -478,10 +470,7 @@ impl<H: Half2 + WgmmaInput> Consumer<'_, H> {
         kr.wait_full(k);
         let s = self.scores::<NS>(k, kr);
         k.wgmma_commit();
-        rescale_rows(k, &[o.tiles()], &[self.factors]);
-        vr.wait_full(k);
-        let pv = self.pv::<NO>(k, o, vr);
-        k.wgmma_commit();
+        let pv = self.rescale_and_pv::<NO>(k, o, vr);
         k.bar_arrive_member(self.turns, self.other);
         k.wgmma_wait(1);
         let s = k.wgmma_retire(s);
@@ -512,6 +501,21 @@ impl<H: Half2 + WgmmaInput> Consumer<'_, H> {
             flying = k.wgmma_ss::<H, NS, KMajor, KMajor>(flying, q, kk, ScaleD::Accumulate);
         }
         flying
+    }
+
+    /// Applies the last softmax's rescale to O, then issues and commits `O += P V` once
+    /// the V ring's current stage has landed.
+    fn rescale_and_pv<NO: WgmmaN>(
+        &self,
+        k: &mut Kernel,
+        o: Acc<NO>,
+        vr: &StageRing,
+    ) -> InFlight<NO> {
+        rescale_rows(k, &[o.tiles()], &[self.factors]);
+        vr.wait_full(k);
+        let pv = self.pv::<NO>(k, o, vr);
+        k.wgmma_commit();
+        pv
     }
 
     /// `O += P V` on the V ring's current stage (block_n/16 k-steps, RS, V MN-major).

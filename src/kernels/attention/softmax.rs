@@ -127,22 +127,28 @@ impl OnlineSoftmax {
         }
     }
 
-    /// Folds one tile of `scores` into the running state: raises the maxima, rescales
-    /// the sums and the output rows `o`, and overwrites the scores with their
-    /// unnormalised probabilities.
-    pub fn step(&self, k: &mut Kernel, scores: &[Slab], o: &[Slab], scale_log2: Reg<F32>) {
-        let maxes = self.rescale(k, scores, o, scale_log2);
+    /// Overwrites every score with `exp2((s − m)·c)`, `m` its row's entry of `maxes`, and
+    /// adds the tile's sums to the running sums.
+    fn exponentiate(&self, k: &mut Kernel, scores: &[Slab], maxes: &[[Reg<F32>; 2]], c: Reg<F32>) {
         let tile_sums = Self::tile_sums(k, scores.len());
-        for ((tiles, maxes), sums) in scores.iter().zip(&maxes).zip(&tile_sums) {
+        for ((tiles, maxes), sums) in scores.iter().zip(maxes).zip(&tile_sums) {
             for tile in tiles {
                 for ((half, &m), &sum) in maxes.iter().enumerate().zip(sums) {
                     for v in half_of(tile, half) {
-                        Self::exp_into(k, v, m, sum, scale_log2);
+                        Self::exp_into(k, v, m, sum, c);
                     }
                 }
             }
         }
         self.fold(k, &tile_sums);
+    }
+
+    /// Folds one tile of `scores` into the running state: raises the maxima, rescales
+    /// the sums and the output rows `o`, and overwrites the scores with their
+    /// unnormalised probabilities.
+    pub fn step(&self, k: &mut Kernel, scores: &[Slab], o: &[Slab], scale_log2: Reg<F32>) {
+        let maxes = self.rescale(k, scores, o, scale_log2);
+        self.exponentiate(k, scores, &maxes, scale_log2);
     }
 
     /// [`OnlineSoftmax::step`] that hands the probabilities over packed as 16-bit A
@@ -203,17 +209,7 @@ impl OnlineSoftmax {
                 })
             })
             .collect();
-        let tile_sums = Self::tile_sums(k, scores.len());
-        for ((tiles, maxes), sums) in scores.iter().zip(&maxes).zip(&tile_sums) {
-            for tile in tiles {
-                for ((half, &m), &sum) in maxes.iter().enumerate().zip(sums) {
-                    for v in half_of(tile, half) {
-                        Self::exp_into(k, v, m, sum, scale_log2);
-                    }
-                }
-            }
-        }
-        self.fold(k, &tile_sums);
+        self.exponentiate(k, scores, &maxes, scale_log2);
     }
 
     /// The whole row's sum (the quad's partial sums added), for slab `slab`, half `half`.
