@@ -113,6 +113,14 @@ int32_t flashcore_forward(FlashcoreContext *ctx, const FlashcoreTensor *q, const
                           const FlashcoreTensor *v, const FlashcoreTensor *o, uint64_t lse,
                           float softmax_scale, int32_t causal, flashcore_stream stream);
 
+/* Checks the arguments of a flashcore_forward call (same meaning) against every rule
+ * flashcore_forward applies before launching, without a context, a GPU or a driver: the
+ * pointers are only checked as numbers (non-null, aligned, not overlapping), never read.
+ * Returns FLASHCORE_SUCCESS or the code flashcore_forward would return for them. */
+int32_t flashcore_check_forward(const FlashcoreTensor *q, const FlashcoreTensor *k,
+                                const FlashcoreTensor *v, const FlashcoreTensor *o, uint64_t lse,
+                                float softmax_scale, int32_t causal);
+
 /* The message of the last failing flashcore call on this thread, "" if none failed.
  * Valid until the next flashcore call on this thread. Never NULL. */
 const char *flashcore_last_error(void);

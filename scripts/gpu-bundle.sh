@@ -10,6 +10,8 @@
 #   gpu-bundle/profile.sh        Nsight Compute summary of one configuration (scripts/profile.sh)
 #   gpu-bundle/release/libflashcore.so   the C ABI library
 #   gpu-bundle/c/forward_{dynamic,static} the C example (examples/c/forward.c)
+#   gpu-bundle/wheels/flashcore-*.whl    the Python package (python/), over that library
+#   gpu-bundle/llama_bench.py    per-token time of a random Llama, SDPA vs the package's backend
 #   gpu-bundle/manifest.txt      commit, build date, file list
 #   gpu-bundle/run.sh            what the GPU machine runs
 #
@@ -103,10 +105,13 @@ cp scripts/sdpa_bench.py "$bundle/sdpa_bench.py"
 cp scripts/gemm_bench.py "$bundle/gemm_bench.py"
 cp scripts/harness.py "$bundle/harness.py"
 cp scripts/profile.sh "$bundle/profile.sh"
+cp scripts/llama_bench.py "$bundle/llama_bench.py"
 timed bash scripts/build-c-example.sh --no-run >&2
 mkdir -p "$bundle/release" "$bundle/c"
 cp target/release/libflashcore.so "$bundle/release/"
 cp target/c-example/forward_dynamic target/c-example/forward_static "$bundle/c/"
+FLASHCORE_PREBUILT_LIB="$root/target/release/libflashcore.so" \
+    timed python3 -m pip wheel ./python --no-deps --quiet -w "$bundle/wheels" >&2
 
 {
     echo "flashcore gpu-bundle"
@@ -128,11 +133,13 @@ cat >"$bundle/run.sh" <<'RUN_SH'
 # Runs on the GPU machine (no cargo) from the repository root:
 #
 #   bash gpu-bundle/run.sh                 # everything
-#   bash gpu-bundle/run.sh tests bench     # some groups: system hopper tests sanitize c bench criterion profile
+#   bash gpu-bundle/run.sh tests bench     # some groups: system hopper tests sanitize c python bench criterion profile
 #
-# Writes under $OUT (default ./out), at most 8 files, no subfolders:
+# Writes under $OUT (default ./out), at most 9 files, no subfolders:
 #   system.log     manifest, nvidia-smi, flashcore info
 #   tests.log      every test binary (--include-ignored --test-threads=1)
+#   python.log     the wheel installed (pip --target, on PYTHONPATH): pytest, the harness
+#                  through the package, the Llama per-token benchmark
 #   sanitizer.log  compute-sanitizer memcheck / racecheck / synccheck on `flashcore run`
 #   hopper.log     sm_90a proof kernels: TMA round trip + GEMM tests, GEMM vs cuBLAS, sanitizers
 #   bench.log      flashcore bench, SDPA bench, comparison, harness, criterion, ncu profile
@@ -296,6 +303,21 @@ fi
 if want c; then
     step tests.log "c example (dynamic)" 120 "$bundle/c/forward_dynamic"
     step tests.log "c example (static)" 120 "$bundle/c/forward_static"
+fi
+
+# ---- the Python package ------------------------------------------------------------------
+if want python; then
+    # A private site directory on PYTHONPATH, over the system's torch and transformers (a
+    # venv would not see Debian's dist-packages, where they are).
+    site="$scratch/site"
+    export PYTHONPATH="$site"
+    step python.log "install the wheel" 120 bash -c "python3 -m pip install --no-index --no-deps --quiet --target '$site' '$bundle'/wheels/flashcore-*.whl && cd / && python3 -c 'import flashcore; print(flashcore.__file__, flashcore.library_version())'"
+    # From / so that `import flashcore` can only find the installed wheel.
+    step python.log "pytest python/tests" 420 bash -c "cd / && python3 -m pytest -q -rfEs -p no:cacheprovider '$PWD/python/tests'"
+    step python.log "harness through the package" 240 python3 "$bundle/harness.py" --package \
+        --lib "$bundle/release/libflashcore.so" --json "$scratch/harness_pkg.json"
+    step python.log "llama per-token time" 240 python3 "$bundle/llama_bench.py" --json "$scratch/llama.json"
+    unset PYTHONPATH
 fi
 
 # ---- benchmarks --------------------------------------------------------------------------

@@ -4,7 +4,12 @@
 Usage (on a GPU machine with PyTorch; no cargo needed):
 
     python3 scripts/harness.py --lib target/release/libflashcore.so [--json OUT.json]
-                               [--quick] [--budget-s 0.4] [--no-graph]
+                               [--quick] [--budget-s 0.4] [--no-graph] [--package]
+
+The ctypes spelling of the C ABI comes from the Python package (python/flashcore/_capi.py,
+installed or from this repository). With --package every flashcore call goes through
+flashcore.attention, the torch op a PyTorch user calls (output allocation included), and
+the library is the installed wheel's when there is one.
 
 For every case it makes torch tensors in [B, H, S, D] layout (torch.randn, cuda), runs
 flashcore_forward on them (the [B, H, S, D] strides passed in flashcore's logical
@@ -39,70 +44,37 @@ import argparse
 import ctypes
 import json
 import math
+import os
 import statistics
 import struct
 import sys
 import time
 import warnings
 
-# ---- the C ABI (must match include/flashcore.h; tests/c_header.rs checks) ----------------
+# ---- the C ABI: spelled once, in the package (python/flashcore/_capi.py) -----------------
 
-FLASHCORE_F16 = 1
-FLASHCORE_BF16 = 2
-FLASHCORE_F32 = 3
-FLASHCORE_SUCCESS = 0
-FLASHCORE_ERROR_NO_DRIVER = 1
-FLASHCORE_ERROR_NO_DEVICE = 2
-
-
-class FlashcoreTensor(ctypes.Structure):
-    _fields_ = [
-        ("ptr", ctypes.c_uint64),
-        ("dtype", ctypes.c_int32),
-        ("shape", ctypes.c_int64 * 4),
-        ("strides", ctypes.c_int64 * 4),
-    ]
-
-
-# name: (restype, argtypes), one line each.
-SIGNATURES = {
-    "flashcore_create": (ctypes.c_int32, [ctypes.c_int32, ctypes.POINTER(ctypes.c_void_p)]),
-    "flashcore_destroy": (None, [ctypes.c_void_p]),
-    "flashcore_forward": (ctypes.c_int32, [ctypes.c_void_p, ctypes.POINTER(FlashcoreTensor), ctypes.POINTER(FlashcoreTensor), ctypes.POINTER(FlashcoreTensor), ctypes.POINTER(FlashcoreTensor), ctypes.c_uint64, ctypes.c_float, ctypes.c_int32, ctypes.c_void_p]),
-    "flashcore_last_error": (ctypes.c_char_p, []),
-    "flashcore_error_name": (ctypes.c_char_p, [ctypes.c_int32]),
-    "flashcore_version": (ctypes.c_char_p, []),
-}
-
-
-class FlashcoreError(RuntimeError):
-    def __init__(self, code, name, message):
-        super().__init__(f"{name} ({code}): {message}")
-        self.code = code
+try:  # the installed package, else the one in this repository
+    from flashcore._capi import FLASHCORE_SUCCESS, FlashcoreError, Library, describe
+except ImportError:
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
+    from flashcore._capi import FLASHCORE_SUCCESS, FlashcoreError, Library, describe
 
 
 class Flashcore:
-    """A flashcore context on one device, called through ctypes."""
+    """A flashcore context on one device, called through the C ABI (ctypes)."""
 
     def __init__(self, lib_path, device=0):
-        self.lib = ctypes.CDLL(lib_path)
-        for name, (restype, argtypes) in SIGNATURES.items():
-            fn = getattr(self.lib, name)
-            fn.restype = restype
-            fn.argtypes = argtypes
-        self.version = self.lib.flashcore_version().decode()
-        ctx = ctypes.c_void_p()
-        self.check(self.lib.flashcore_create(device, ctypes.byref(ctx)))
-        self.ctx = ctx
+        self.capi = Library(lib_path)
+        self.lib = self.capi.lib
+        self.version = self.capi.version
+        self.ctx = self.capi.create(device)
 
     def check(self, rc):
-        if rc != FLASHCORE_SUCCESS:
-            name = self.lib.flashcore_error_name(rc).decode()
-            raise FlashcoreError(rc, name, self.lib.flashcore_last_error().decode())
+        self.capi.check(rc)
 
     def close(self):
         if getattr(self, "ctx", None):
-            self.lib.flashcore_destroy(self.ctx)
+            self.capi.destroy(self.ctx)
             self.ctx = None
 
     @staticmethod
@@ -110,16 +82,11 @@ class Flashcore:
         """A [B, H, S, D] torch tensor as a FlashcoreTensor (logical [B, S, H, D])."""
         import torch
 
-        codes = {torch.float16: FLASHCORE_F16, torch.bfloat16: FLASHCORE_BF16, torch.float32: FLASHCORE_F32}
+        codes = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3}
         if t.dim() != 4:
             raise ValueError(f"expected a 4-d [B, H, S, D] tensor, got shape {tuple(t.shape)}")
-        d = FlashcoreTensor()
-        d.ptr = t.data_ptr()
-        d.dtype = codes.get(t.dtype, -1)
-        for i, j in enumerate((0, 2, 1, 3)):
-            d.shape[i] = t.size(j)
-            d.strides[i] = t.stride(j)
-        return d
+        order = (0, 2, 1, 3)
+        return describe(t.data_ptr(), codes.get(t.dtype, -1), [t.size(j) for j in order], [t.stride(j) for j in order])
 
     def prepare(self, q, k, v, o):
         """Descriptors built once, for calling forward_raw in a loop."""
@@ -136,6 +103,37 @@ class Flashcore:
             stream = torch.cuda.current_stream().cuda_stream
         lse_ptr = 0 if lse is None else lse.data_ptr()
         self.check(self.forward_raw(self.prepare(q, k, v, o), lse_ptr, scale, causal, stream))
+
+
+class FlashcorePackage(Flashcore):
+    """The same calls made the way a PyTorch user makes them: flashcore.attention (the
+    torch.library op, which allocates its output) from the Python package."""
+
+    def __init__(self, lib_path, device=0):
+        import flashcore
+        from flashcore import _capi
+
+        if not os.path.isfile(_capi.default_lib_path()):
+            os.environ[_capi.LIB_ENV] = lib_path  # a source tree, not an installed wheel
+        self.attention = flashcore.attention
+        self.version = flashcore.library_version()
+        self.lib_path = _capi.library().path
+        log(f"harness: flashcore package {os.path.dirname(flashcore.__file__)}, library {self.lib_path}")
+        self.ctx = None
+
+    def prepare(self, q, k, v, o):
+        return (q, k, v)
+
+    def forward_raw(self, descs, lse_ptr, scale, causal, stream):
+        q, k, v = descs
+        self.attention(q, k, v, causal=causal, scale=scale or None)
+        return FLASHCORE_SUCCESS
+
+    def forward(self, q, k, v, o, lse=None, scale=0.0, causal=False, stream=None):
+        out, l = self.attention(q, k, v, causal=causal, scale=scale or None, return_lse=True)
+        o.copy_(out)
+        if lse is not None:
+            lse.copy_(l)
 
 
 # ---- cases -------------------------------------------------------------------------------
@@ -596,6 +594,9 @@ def main():
     p.add_argument("--budget-s", type=float, default=0.4, help="aimed seconds per timing")
     p.add_argument("--device", type=int, default=0)
     p.add_argument("--no-graph", action="store_true", help="skip the CUDA graph test")
+    p.add_argument("--package", action="store_true",
+                   help="call flashcore through the Python package's flashcore.attention (the torch op) "
+                        "instead of the C ABI directly; no CUDA graph test")
     args = p.parse_args()
 
     try:
@@ -610,7 +611,7 @@ def main():
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.cuda.init()
     try:
-        fc = Flashcore(args.lib, args.device)
+        fc = (FlashcorePackage if args.package else Flashcore)(args.lib, args.device)
     except (OSError, FlashcoreError) as e:
         log(f"harness: cannot use {args.lib}: {first_line(e)}")
         return 2
@@ -699,7 +700,7 @@ def main():
         results.append(r)
 
     graph = None
-    if not args.no_graph:
+    if not args.no_graph and not args.package:
         log("[graph] CUDA graph of 20 flashcore_forward calls, B2 H8 S512 D64")
         try:
             graph = graph_test(torch, fc, timer)
@@ -708,7 +709,8 @@ def main():
         if "graph_error" in graph or "error" in graph or not graph.get("graph_matches_eager", False):
             all_ok = False
 
-    print(f"flashcore {env['flashcore']} vs PyTorch SDPA on {env['device']} (torch {env['torch']}, "
+    via = "flashcore.attention (Python package)" if args.package else "flashcore (C ABI)"
+    print(f"{via} {env['flashcore']} vs PyTorch SDPA on {env['device']} (torch {env['torch']}, "
           f"cuDNN {env['cudnn']}); TFLOP/s = 4*B*Hq*D*visible pairs / median time", flush=True)
     print_table(results)
     if graph is not None:

@@ -25,6 +25,7 @@ use crate::error::{Error, RETURN_CODES, return_code};
 use crate::host::attention::Attention;
 use crate::host::device::Device;
 use crate::host::tensor::{AttentionParams, DIM_NAMES, DType, LseView, TensorView};
+use crate::host::validate::validate_fwd;
 
 // ---- constants (mirrored by the #defines of include/flashcore.h) --------------------------
 //
@@ -218,6 +219,41 @@ unsafe fn read_tensor(
     Ok(tensor_view(t, tensor)?)
 }
 
+/// The tensors of a forward call, read from C.
+struct ForwardArgs {
+    q: TensorView,
+    k: TensorView,
+    v: TensorView,
+    o: TensorView,
+    lse: Option<LseView>,
+}
+
+impl ForwardArgs {
+    /// Reads the four C tensors; an LSE address of 0 means none.
+    ///
+    /// # Safety
+    ///
+    /// Each tensor pointer must be null or point to a readable `FlashcoreTensor`.
+    unsafe fn read(
+        q: *const FlashcoreTensor,
+        k: *const FlashcoreTensor,
+        v: *const FlashcoreTensor,
+        o: *const FlashcoreTensor,
+        lse: u64,
+    ) -> Result<ForwardArgs, Failure> {
+        // SAFETY: forwarded from the caller's guarantee.
+        unsafe {
+            Ok(ForwardArgs {
+                q: read_tensor(q, "q")?,
+                k: read_tensor(k, "k")?,
+                v: read_tensor(v, "v")?,
+                o: read_tensor(o, "o")?,
+                lse: (lse != 0).then_some(LseView { ptr: lse }),
+            })
+        }
+    }
+}
+
 /// The forward options: scale 0 (either sign) means the default `1/sqrt(head_dim)`, any
 /// other value (NaN and infinities included, which validation rejects) is used as given.
 fn params(softmax_scale: f32, causal: i32) -> AttentionParams {
@@ -304,15 +340,7 @@ pub unsafe extern "C" fn flashcore_forward(
         // is needed (Attention::forward takes &self).
         let ctx = unsafe { ctx.as_ref() }.ok_or_else(|| null_argument("ctx"))?;
         // SAFETY: the caller guarantees each tensor pointer is null or readable.
-        let (q, k, v, o) = unsafe {
-            (
-                read_tensor(q, "q")?,
-                read_tensor(k, "k")?,
-                read_tensor(v, "v")?,
-                read_tensor(o, "o")?,
-            )
-        };
-        let lse = (lse != 0).then_some(LseView { ptr: lse });
+        let ForwardArgs { q, k, v, o, lse } = unsafe { ForwardArgs::read(q, k, v, o, lse)? };
         let params = params(softmax_scale, causal);
         // SAFETY: the C contract of flashcore_forward (header): the pointers are device
         // memory of the context's device valid for the described extents, and `stream` is
@@ -321,6 +349,32 @@ pub unsafe extern "C" fn flashcore_forward(
             ctx.attn
                 .forward(&q, &k, &v, &o, lse.as_ref(), &params, stream)?;
         }
+        Ok(())
+    })
+}
+
+/// Checks the arguments of a [`flashcore_forward`] call without a context, a device or a
+/// driver: every rule `flashcore_forward` applies before it launches. Nothing is read
+/// through the pointers; they are only checked as numbers (non-null, aligned, ranges
+/// not overlapping).
+///
+/// # Safety
+///
+/// `q`, `k`, `v`, `o` must each be null or point to a readable `FlashcoreTensor`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn flashcore_check_forward(
+    q: *const FlashcoreTensor,
+    k: *const FlashcoreTensor,
+    v: *const FlashcoreTensor,
+    o: *const FlashcoreTensor,
+    lse: u64,
+    softmax_scale: f32,
+    causal: i32,
+) -> i32 {
+    guard("flashcore_check_forward", || {
+        // SAFETY: the caller guarantees each tensor pointer is null or readable.
+        let ForwardArgs { q, k, v, o, lse } = unsafe { ForwardArgs::read(q, k, v, o, lse)? };
+        validate_fwd(&q, &k, &v, &o, lse.as_ref(), &params(softmax_scale, causal))?;
         Ok(())
     })
 }
@@ -425,6 +479,40 @@ mod tests {
         // Messages are per thread.
         let other = std::thread::spawn(last_error).join().unwrap();
         assert_eq!(other, "");
+    }
+
+    #[test]
+    fn check_forward_applies_the_forward_rules_without_a_device() {
+        let (q, k, v) = (
+            tensor(FLASHCORE_F16),
+            tensor(FLASHCORE_F16),
+            tensor(FLASHCORE_F16),
+        );
+        let mut o = tensor(FLASHCORE_F16);
+        o.ptr = 0x10_0000; // past q, k and v, which share [0x1000, 0x11000)
+        // SAFETY: every tensor pointer points at a live local.
+        let check = |o: &FlashcoreTensor, lse: u64, scale: f32| unsafe {
+            flashcore_check_forward(&q, &k, &v, o, lse, scale, 1)
+        };
+        assert_eq!(check(&o, 0, 0.0), FLASHCORE_SUCCESS, "{}", last_error());
+        assert_eq!(check(&o, 0x20_0000, 0.125), FLASHCORE_SUCCESS);
+
+        assert_eq!(check(&o, 0, f32::NAN), FLASHCORE_ERROR_INVALID_ARGUMENT);
+        assert!(last_error().starts_with("flashcore_check_forward: "));
+        assert_eq!(check(&o, 0x20_0002, 0.0), FLASHCORE_ERROR_MISALIGNED);
+        let mut bad = o;
+        bad.shape[3] = 48;
+        assert_eq!(check(&bad, 0, 0.0), FLASHCORE_ERROR_SHAPE_MISMATCH);
+        let mut overlapping = o;
+        overlapping.ptr = 0x2000;
+        assert_eq!(
+            check(&overlapping, 0, 0.0),
+            FLASHCORE_ERROR_INVALID_ARGUMENT
+        );
+        assert!(last_error().contains("overlaps"), "{}", last_error());
+        // SAFETY: a null tensor pointer is allowed and reported.
+        let rc = unsafe { flashcore_check_forward(&q, ptr::null(), &v, &o, 0, 0.0, 0) };
+        assert_eq!(rc, FLASHCORE_ERROR_NULL_ARGUMENT);
     }
 
     #[test]

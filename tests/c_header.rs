@@ -1,5 +1,5 @@
-//! `include/flashcore.h` against `src/ffi.rs` (and the ctypes bindings of
-//! `scripts/harness.py`): the same constants with the same values, the same functions with
+//! `include/flashcore.h` against `src/ffi.rs` (and the ctypes bindings of the Python
+//! package, `python/flashcore/_capi.py`): the same constants with the same values, the same functions with
 //! the same parameter types, the same `FlashcoreTensor` fields. Plain text parsing: the
 //! header is kept in a simple, regular style for it. The three files are embedded in the
 //! test binary, which therefore runs anywhere.
@@ -14,13 +14,13 @@ use flashcore::ffi::FLASHCORE_CONSTANTS;
 /// when one of them changes.
 const HEADER: &str = include_str!("../include/flashcore.h");
 const FFI_RS: &str = include_str!("../src/ffi.rs");
-const HARNESS_PY: &str = include_str!("../scripts/harness.py");
+const CAPI_PY: &str = include_str!("../python/flashcore/_capi.py");
 
 fn read(rel: &str) -> String {
     match rel {
         "include/flashcore.h" => HEADER,
         "src/ffi.rs" => FFI_RS,
-        "scripts/harness.py" => HARNESS_PY,
+        "python/flashcore/_capi.py" => CAPI_PY,
         other => panic!("{other} is not embedded in this test; add an include_str! for it"),
     }
     .to_string()
@@ -429,7 +429,7 @@ fn types_match() {
     );
 }
 
-/// C spelling -> the ctypes spelling scripts/harness.py must use.
+/// C spelling -> the ctypes spelling python/flashcore/_capi.py must use.
 fn c_to_ctypes(t: &str) -> &'static str {
     match t {
         "void" => "None",
@@ -446,9 +446,9 @@ fn c_to_ctypes(t: &str) -> &'static str {
 }
 
 #[test]
-fn harness_ctypes_match() {
+fn python_ctypes_match() {
     let header = parse_header();
-    let py = read("scripts/harness.py");
+    let py = read("python/flashcore/_capi.py");
 
     // Constants: every FLASHCORE_X = N assignment in the script has the header's value.
     let mut n_consts = 0;
@@ -461,20 +461,17 @@ fn harness_ctypes_match() {
             assert_eq!(
                 header.defines.get(name),
                 Some(&Some(v)),
-                "{name} in harness.py"
+                "{name} in _capi.py"
             );
             n_consts += 1;
         }
     }
-    assert!(
-        n_consts >= 3,
-        "harness.py defines only {n_consts} constants"
-    );
+    assert!(n_consts >= 3, "_capi.py defines only {n_consts} constants");
 
     // The structure's _fields_.
     let start = py
         .find("class FlashcoreTensor(ctypes.Structure):")
-        .expect("no FlashcoreTensor class in harness.py");
+        .expect("no FlashcoreTensor class in _capi.py");
     let fields_at = py[start..].find("_fields_ = [").unwrap() + start;
     let end = py[fields_at..].find("\n    ]").unwrap() + fields_at;
     let fields: Vec<(String, String)> = py[fields_at..end]
@@ -496,7 +493,7 @@ fn harness_ctypes_match() {
         .iter()
         .map(|(t, n)| (n.clone(), c_to_ctypes(t).to_string()))
         .collect();
-    assert_eq!(fields, expect, "FlashcoreTensor._fields_ in harness.py");
+    assert_eq!(fields, expect, "FlashcoreTensor._fields_ in _capi.py");
 
     // SIGNATURES: one line per function, `"name": (restype, [argtypes]),`.
     let mut sigs = BTreeMap::new();
@@ -530,7 +527,7 @@ fn harness_ctypes_match() {
             )
         })
         .collect();
-    assert_eq!(sigs, expect, "SIGNATURES in harness.py vs the header");
+    assert_eq!(sigs, expect, "SIGNATURES in _capi.py vs the header");
 }
 
 #[test]

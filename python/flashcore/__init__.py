@@ -1,0 +1,33 @@
+"""flashcore: FlashAttention-class forward attention kernels for NVIDIA GPUs, for PyTorch.
+
+    import flashcore
+    o = flashcore.attention(q, k, v, causal=True)             # [B, H, S, D], like SDPA
+    o, lse = flashcore.attention(q, k, v, return_lse=True, layout="bshd")
+    name = flashcore.register_transformers()                  # attn_implementation=name
+
+The kernels are generated at run time and loaded through the CUDA driver; the wheel
+carries libflashcore.so (the C ABI, include/flashcore.h) and this package calls it through
+ctypes. No CUDA toolkit is needed, only the NVIDIA driver and a GPU of sm_80 or newer.
+"""
+
+from ._capi import FlashcoreError
+from .ops import HEAD_DIMS, LAYOUTS, attention
+
+__version__ = "0.1.0"
+
+__all__ = ["FlashcoreError", "HEAD_DIMS", "LAYOUTS", "attention", "library_version", "register_transformers"]
+
+
+def library_version():
+    """The version libflashcore.so reports (equal to __version__ in a consistent install)."""
+    from . import _capi
+
+    return _capi.library().version
+
+
+def register_transformers(name="fcore"):
+    """Makes flashcore an attention implementation of transformers under `name` (returned).
+    See flashcore.transformers_backend for what runs where."""
+    from . import transformers_backend
+
+    return transformers_backend.register(name)

@@ -1,0 +1,251 @@
+"""flashcore's forward attention as a PyTorch operator.
+
+`attention()` is the public function. Underneath it is one `torch.library` custom op,
+`torch.ops.flashcore.attention`, with a fake (meta) implementation, so the call is one
+opaque node under `torch.compile` and replays inside captured CUDA graphs.
+
+The op launches flashcore_forward on the tensors' own memory (no copies of kernel-ready
+views), on torch's current stream of the tensors' device, in that device's primary
+context (the one PyTorch uses).
+"""
+
+import math
+import threading
+
+import torch
+
+from . import _capi
+
+LAYOUTS = ("bhsd", "bshd")
+
+# The head dims the forward kernels take (FWD_HEAD_DIMS in src/kernels/attention).
+HEAD_DIMS = (32, 64, 96, 128, 192, 256)
+
+_DTYPE_CODES = {
+    torch.float16: _capi.FLASHCORE_F16,
+    torch.bfloat16: _capi.FLASHCORE_BF16,
+    torch.float32: _capi.FLASHCORE_F32,
+}
+
+# Byte alignment of pointers and strides the kernels' 16-byte vector accesses need.
+_ALIGN = 16
+
+
+# ---- contexts, one per device ---------------------------------------------------------------
+
+_contexts = {}
+_contexts_lock = threading.Lock()
+
+
+def _context(index):
+    """The flashcore context of CUDA device `index` (made on first use, kept)."""
+    ctx = _contexts.get(index)
+    if ctx is None:
+        with _contexts_lock:
+            ctx = _contexts.get(index)
+            if ctx is None:
+                ctx = _capi.library().create(index)
+                _contexts[index] = ctx
+    return ctx
+
+
+def _current_stream(index):
+    """The raw CUstream of torch's current stream on device `index`."""
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # a few times cheaper
+    return raw(index) if raw is not None else torch.cuda.current_stream(index).cuda_stream
+
+
+# ---- describing torch tensors to the C ABI -------------------------------------------------
+
+
+def _bshd_sizes_strides(t, layout):
+    """Logical [B, S, H, D] sizes and element strides of a 4-d tensor in `layout`."""
+    n, st = t.shape, t.stride()
+    if layout == "bshd":
+        return tuple(n), st
+    return (n[0], n[2], n[1], n[3]), (st[0], st[2], st[1], st[3])
+
+
+def _describe(t, layout, ptr):
+    sizes, strides = _bshd_sizes_strides(t, layout)
+    return _capi.FlashcoreTensor(ptr, _DTYPE_CODES.get(t.dtype, -1), sizes, strides)
+
+
+def kernel_ready(t):
+    """True when the kernels can read `t` in place as far as its layout goes: last dim
+    contiguous, every other stride (of a dimension longer than 1) a multiple of 16 bytes.
+    Strides only, so that torch.compile traces it; the start address is the op's concern
+    (`_aligned`)."""
+    if t.dim() != 4:
+        return True  # rejected later, with the shape in the message
+    n, st, size = t.shape, t.stride(), t.element_size()
+    if n[3] > 1 and st[3] != 1:
+        return False
+    return all(n[i] <= 1 or (st[i] * size) % _ALIGN == 0 for i in range(3))
+
+
+def _aligned(t):
+    """`t`, or a contiguous copy when its first element is not 16-byte aligned (a view that
+    starts mid-row; PyTorch's allocator aligns storages far beyond that)."""
+    return t if t.data_ptr() % _ALIGN == 0 else t.clone(memory_format=torch.contiguous_format)
+
+
+def _empty_outputs(q, layout, out_layout, return_lse):
+    (b, s, h, d), _ = _bshd_sizes_strides(q, layout)
+    o = q.new_empty((b, s, h, d) if out_layout == "bshd" else (b, h, s, d))
+    lse = q.new_empty((b, h, s) if return_lse else (0,), dtype=torch.float32)
+    return o, lse
+
+
+def _check_descriptors(q, k, v, o, lse, layout, out_layout, scale, causal):
+    """flashcore's own argument checks on the tensors' sizes and strides, with stand-in
+    addresses (fake tensors have none): far apart, so only real overlaps could collide."""
+    sizes = [x for t in (q, k, v, o) for x in t.shape]
+    if not all(isinstance(x, int) for x in sizes):
+        return  # symbolic sizes: the real call checks
+    lib = _capi.library()
+    # Every check but "not empty" must run: describe empty dimensions as 1.
+    descs = []
+    for i, (t, lay) in enumerate(((q, layout), (k, layout), (v, layout), (o, out_layout))):
+        d = _describe(t, lay, (i + 1) << 44)
+        for j in range(4):
+            d.shape[j] = max(d.shape[j], 1)
+        descs.append(d)
+    lib.check_forward(*descs, (5 << 44) if lse.numel() else 0, scale, causal)
+
+
+# ---- the operator -------------------------------------------------------------------------
+
+
+@torch.library.custom_op("flashcore::attention", mutates_args=(), device_types="cuda")
+def _attention_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool,
+    scale: float,
+    layout: str,
+    out_layout: str,
+    return_lse: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """softmax(q kᵀ · scale) v with flashcore (scale 0: 1/sqrt(D)). Returns (o, lse); lse is
+    float32 [B, H, S] when return_lse, else empty. o is contiguous in out_layout."""
+    return _forward(q, k, v, causal, scale, layout, out_layout, return_lse)
+
+
+def _forward(q, k, v, causal, scale, layout, out_layout, return_lse):
+    """The op's CUDA implementation (also called directly by `launch` in eager mode)."""
+    o, lse = _empty_outputs(q, layout, out_layout, return_lse)
+    n, nk = q.shape, k.shape
+    b, sq, hq, sk = (n[0], n[1], n[2], nk[1]) if layout == "bshd" else (n[0], n[2], n[1], nk[2])
+    if b == 0 or sq == 0 or hq == 0 or sk == 0:
+        # Nothing to launch; flashcore's rules still apply to what was passed.
+        _check_descriptors(q, k, v, o, lse, layout, out_layout, scale, causal)
+        if o.numel():
+            o.zero_()  # no keys: each row's output is zero and its LSE is -inf
+        if lse.numel():
+            lse.fill_(-math.inf)
+        return o, lse
+    q, k, v = _aligned(q), _aligned(k), _aligned(v)
+    index = q.get_device()
+    _capi.library().forward(
+        _context(index),
+        _describe(q, layout, q.data_ptr()),
+        _describe(k, layout, k.data_ptr()),
+        _describe(v, layout, v.data_ptr()),
+        _describe(o, out_layout, o.data_ptr()),
+        lse.data_ptr() if return_lse else 0,
+        scale,
+        causal,
+        _current_stream(index),
+    )
+    return o, lse
+
+
+@_attention_op.register_fake
+def _attention_fake(q, k, v, causal, scale, layout, out_layout, return_lse):
+    o, lse = _empty_outputs(q, layout, out_layout, return_lse)
+    _check_descriptors(q, k, v, o, lse, layout, out_layout, scale, causal)
+    return o, lse
+
+
+# ---- the public function ----------------------------------------------------------------
+
+
+def attention(q, k, v, *, causal=False, scale=None, return_lse=False, layout="bhsd"):
+    """Scaled dot-product attention, forward, with flashcore's kernels.
+
+    q: [B, Hq, Sq, D] and k, v: [B, Hkv, Sk, D] for layout="bhsd" (SDPA's order), or
+    [B, S, H, D] for layout="bshd" (FlashAttention's). float16 or bfloat16 on one CUDA
+    device; D in 32, 64, 96, 128, 192, 256; Hq a multiple of Hkv (GQA/MQA by head count).
+
+    causal: query i sees key j iff j <= i + Sk - Sq (aligned bottom-right, as
+        FlashAttention and SDPA's `causal_lower_right`; for Sq == Sk the usual mask).
+        A row that sees no key gives zeros (and LSE -inf).
+    scale: the softmax scale; None for 1/sqrt(D). Must be finite and positive.
+    return_lse: also return the float32 [B, Hq, Sq] natural-log log-sum-exp of each row.
+
+    Returns o in q's layout (contiguous), or (o, lse). Views whose strides the kernels can
+    read (last dim contiguous, other strides and the start multiples of 16 bytes: slices of
+    a packed QKV tensor, transposes) are read in place; other tensors are copied first.
+    Runs on the current stream; works under torch.compile and in CUDA graphs (call it
+    once before capturing: the first call for a configuration compiles its kernel).
+    Inference only: there is no backward. Raises FlashcoreError with flashcore's message
+    for anything the kernels refuse, ValueError/TypeError for misuse of this function.
+    """
+    if layout not in LAYOUTS:
+        raise ValueError(f"flashcore.attention: layout must be one of {LAYOUTS}, got {layout!r}")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"flashcore.attention: {name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"flashcore.attention: {name} must be 4-d ({layout}), got shape {tuple(t.shape)}")
+    device = q.device
+    if device.type not in ("cuda", "meta") or k.device != device or v.device != device:
+        raise ValueError(
+            "flashcore.attention: q, k and v must be on one CUDA device, got "
+            f"{device}, {k.device} and {v.device}"
+        )
+    if (q.requires_grad or k.requires_grad or v.requires_grad) and torch.is_grad_enabled():
+        raise NotImplementedError(
+            "flashcore.attention has no backward pass: call it under torch.no_grad() "
+            "(or torch.inference_mode()), or on tensors that do not require grad"
+        )
+    if scale is None:
+        scale = 0.0  # flashcore's default, 1/sqrt(D), computed as the Rust API does
+    else:
+        scale = float(scale)
+        if not (math.isfinite(scale) and scale > 0.0):
+            raise ValueError(f"flashcore.attention: scale must be finite and positive, got {scale}")
+    o, lse = launch(q, k, v, bool(causal), scale, layout, layout, bool(return_lse))
+    return (o, lse) if return_lse else o
+
+
+def launch(q, k, v, causal, scale, layout, out_layout, return_lse):
+    """The op on kernel-ready copies of whichever inputs are not (see `kernel_ready`).
+
+    In plain eager mode (CUDA tensors, nothing tracing or intercepting) the implementation
+    is called directly: going through the dispatcher costs a custom op tens of
+    microseconds of host time per call, as much as the kernel itself at small sizes.
+    Under torch.compile, fake tensors or a dispatch mode, the call is the registered op."""
+    q, k, v = (t if kernel_ready(t) else t.clone(memory_format=torch.contiguous_format) for t in (q, k, v))
+    if _plain_eager(q, k, v):
+        return _forward(q, k, v, causal, scale, layout, out_layout, return_lse)
+    return torch.ops.flashcore.attention(q, k, v, causal, scale, layout, out_layout, return_lse)
+
+
+_Tensor = torch.Tensor
+
+
+def _plain_eager(q, k, v):
+    if torch.compiler.is_compiling() or _dispatch_mode_active():
+        return False
+    return type(q) is _Tensor and type(k) is _Tensor and type(v) is _Tensor and q.is_cuda
+
+
+def _dispatch_mode_active():
+    """A TorchDispatchMode (FakeTensorMode, FlopCounterMode, ...) is intercepting ops."""
+    try:
+        return torch._C._len_torch_dispatch_stack() > 0
+    except AttributeError:  # an older torch: take the dispatcher, which is always right
+        return True

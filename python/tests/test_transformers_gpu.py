@@ -1,0 +1,117 @@
+"""flashcore as transformers' attention implementation in a small random Llama (built from
+a config: no download): logits and greedy generation against SDPA."""
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import flashcore
+from flashcore import transformers_backend
+
+from conftest import requires_gpu
+
+pytestmark = requires_gpu
+
+
+def small_llama(dtype):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=1000,
+        hidden_size=512,
+        intermediate_size=1024,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=2,  # GQA 4:1, head dim 64
+        max_position_embeddings=2048,
+        initializer_range=0.05,  # spread-out logits: greedy ties would make the test flaky
+        pad_token_id=0,
+        eos_token_id=None,  # generate exactly max_new_tokens
+    )
+    return LlamaForCausalLM(config).to(device="cuda", dtype=dtype).eval()
+
+
+def rel_l2(a, b):
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm()).item()
+
+
+def reset_stats():
+    transformers_backend.stats["flashcore"] = 0
+    transformers_backend.stats["sdpa"].clear()
+    transformers_backend._warned.clear()
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["f16", "bf16"])
+def test_logits_and_greedy_tokens_match_sdpa(dtype, seed):
+    name = flashcore.register_transformers()
+    model = small_llama(dtype)
+    ids = torch.randint(1, 1000, (2, 100), device="cuda")
+
+    with torch.no_grad():
+        model.set_attn_implementation("sdpa")
+        logits_sdpa = model(ids).logits
+        tokens_sdpa = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=64, do_sample=False)
+        model.set_attn_implementation(name)
+        reset_stats()
+        logits_ours = model(ids).logits
+        tokens_ours = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=64, do_sample=False)
+
+    err = rel_l2(logits_ours, logits_sdpa)
+    print(f"{dtype}: logits rel L2 vs SDPA {err:.2e}; stats {transformers_backend.stats}")
+    assert err <= (5e-3 if dtype == torch.float16 else 2e-2)
+    # Prefill and every decode step (2 layers each) went to flashcore, nothing to SDPA.
+    assert transformers_backend.stats["sdpa"] == {}
+    assert transformers_backend.stats["flashcore"] >= 2 * (1 + 1 + 63)
+
+    # Greedy decoding, step by step along SDPA's tokens (teacher-forced, KV cache): both
+    # backends must pick the same token at every step except where SDPA's own top two
+    # are tied within the noise the two backends show (random weights leave near-ties that
+    # any change of summation order flips; SDPA's math backend flips them too).
+    steps = {}
+    with torch.no_grad():
+        for backend in ("sdpa", name):
+            model.set_attn_implementation(backend)
+            out = model(ids, use_cache=True, logits_to_keep=1)  # as generate's prefill
+            logits = [out.logits[:, -1].float()]
+            cache = out.past_key_values
+            for t in range(63):
+                nxt = tokens_sdpa[:, ids.shape[1] + t : ids.shape[1] + t + 1]
+                out = model(nxt, past_key_values=cache, use_cache=True)
+                cache = out.past_key_values
+                logits.append(out.logits[:, -1].float())
+            steps[backend] = torch.stack(logits, dim=1)  # [B, 64, vocab]
+    ref, ours = steps["sdpa"], steps[name]
+    assert torch.equal(ref.argmax(-1), tokens_sdpa[:, ids.shape[1]:])  # the teacher-forced path is SDPA's
+    assert rel_l2(ours, ref) <= (5e-3 if dtype == torch.float16 else 2e-2)
+    noise = (ours - ref).abs().max().item()
+    top2 = ref.topk(2, dim=-1).values
+    tie = (top2[..., 0] - top2[..., 1]) <= 4 * noise
+    agree = ours.argmax(-1) == ref.argmax(-1)
+    print(f"{dtype}: decode steps agreeing with SDPA {int(agree.sum())}/{agree.numel()}, "
+          f"near-ties {int(tie.sum())}, max |logit difference| {noise:.2e}")
+    assert bool((agree | tie).all()), "flashcore picked another token where SDPA's choice was clear"
+
+    differ = (tokens_ours != tokens_sdpa).any(dim=0).nonzero()
+    same = 64 if len(differ) == 0 else int(differ[0]) - ids.shape[1]
+    print(f"{dtype}: free-running greedy tokens identical to SDPA's for {same} of 64 steps")
+    if same < 64:
+        assert bool(tie[:, same].any()), "free-running generation left SDPA's path at a step without a tie"
+
+
+def test_padded_batches_stay_right_through_the_fallback(seed):
+    name = flashcore.register_transformers()
+    model = small_llama(torch.float16)
+    ids = torch.randint(1, 1000, (2, 40), device="cuda")
+    mask = torch.ones_like(ids)
+    mask[0, :7] = 0  # left padding in the first sequence
+    with torch.no_grad():
+        model.set_attn_implementation("sdpa")
+        ref = model(ids, attention_mask=mask).logits
+        model.set_attn_implementation(name)
+        reset_stats()
+        with pytest.warns(UserWarning, match="explicit attention mask"):
+            ours = model(ids, attention_mask=mask).logits
+    assert transformers_backend.stats["sdpa"].get("an explicit attention mask", 0) == 2
+    assert rel_l2(ours[:, 7:], ref[:, 7:]) <= 1e-3
