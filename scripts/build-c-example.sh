@@ -51,9 +51,13 @@ echo "==> $out/forward_static (libflashcore.a)" >&2
     "$lib/libflashcore.a" -lpthread -ldl -lm
 
 if command -v ldd >/dev/null; then
-    ldd "$out/forward_dynamic" | grep -q 'libflashcore\.so' \
-        || { echo "forward_dynamic does not load libflashcore.so" >&2; exit 1; }
-    if ldd "$out/forward_static" | grep -q 'libflashcore\.so'; then
+    # Read ldd's whole output before matching: `ldd | grep -q` under pipefail fails at
+    # random when grep exits on the first match and ldd dies of SIGPIPE.
+    deps_dynamic=$(ldd "$out/forward_dynamic")
+    deps_static=$(ldd "$out/forward_static")
+    grep -q 'libflashcore\.so' <<<"$deps_dynamic" \
+        || { echo "forward_dynamic does not load libflashcore.so:" >&2; echo "$deps_dynamic" >&2; exit 1; }
+    if grep -q 'libflashcore\.so' <<<"$deps_static"; then
         echo "forward_static depends on libflashcore.so" >&2
         exit 1
     fi
