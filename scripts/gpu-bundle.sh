@@ -106,6 +106,7 @@ cp scripts/gemm_bench.py "$bundle/gemm_bench.py"
 cp scripts/harness.py "$bundle/harness.py"
 cp scripts/profile.sh "$bundle/profile.sh"
 cp scripts/llama_bench.py "$bundle/llama_bench.py"
+cp scripts/decode_sdpa_bench.py "$bundle/decode_sdpa_bench.py"
 timed bash scripts/build-c-example.sh --no-run >&2
 mkdir -p "$bundle/release" "$bundle/c"
 cp target/release/libflashcore.so "$bundle/release/"
@@ -133,15 +134,17 @@ cat >"$bundle/run.sh" <<'RUN_SH'
 # Runs on the GPU machine (no cargo) from the repository root:
 #
 #   bash gpu-bundle/run.sh                 # everything
-#   bash gpu-bundle/run.sh tests bench     # some groups: system hopper tests sanitize c python bench criterion profile
+#   bash gpu-bundle/run.sh tests bench     # some groups: system hopper tests sanitize decode c python bench criterion profile
 #
-# Writes under $OUT (default ./out), at most 9 files, no subfolders:
+# Writes under $OUT (default ./out), at most 12 files, no subfolders:
 #   system.log     manifest, nvidia-smi, flashcore info
 #   tests.log      every test binary (--include-ignored --test-threads=1)
 #   python.log     the wheel installed (pip --target, on PYTHONPATH): pytest, the harness
 #                  through the package, the Llama per-token benchmark
 #   sanitizer.log  compute-sanitizer memcheck / racecheck / synccheck on `flashcore run`
 #   hopper.log     sm_90a proof kernels: TMA round trip + GEMM tests, GEMM vs cuBLAS, sanitizers
+#   decode.log     serving: gpu_decode under the sanitizers, decode GB/s against SDPA
+#                  (decode_ours.json, decode_sdpa.json)
 #   bench.log      flashcore bench, SDPA bench, comparison, harness, criterion, ncu profile
 #   ours.json      flashcore bench --json
 #   sdpa.json      sdpa_bench.py --json
@@ -297,6 +300,23 @@ if want sanitize; then
                 "$fc" run "${shape_args[@]}" --iters 1
         done
     done
+fi
+
+# ---- serving: decode, append, merge ------------------------------------------------------
+if want decode; then
+    t="$bundle/tests/gpu_decode"
+    [[ -x $t ]] && ! want tests && step decode.log "test gpu_decode" 300 "$t" --include-ignored --test-threads=1 --nocapture
+    for tool in memcheck racecheck synccheck; do
+        [[ -x $t ]] && step decode.log "$tool decode/append/merge" 240 \
+            compute-sanitizer --tool "$tool" --error-exitcode 1 \
+            "$t" --include-ignored --test-threads=1 \
+            decode_small_for_sanitizers device_metadata_never_leaves_the_cache \
+            append_writes_the_new_rows_where_they_belong merge_of_shards_matches_one_shot_attention
+    done
+    rm -f "$OUT/decode_ours.json" "$OUT/decode_sdpa.json"
+    step decode.log "flashcore decode" 240 "$fc" decode --json "$OUT/decode_ours.json"
+    step decode.log "decode_sdpa_bench" 240 python3 "$bundle/decode_sdpa_bench.py" --json "$OUT/decode_sdpa.json"
+    step decode.log "decode compare" 30 python3 "$bundle/decode_sdpa_bench.py" --compare "$OUT/decode_ours.json" "$OUT/decode_sdpa.json"
 fi
 
 # ---- the C example ----

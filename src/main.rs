@@ -7,6 +7,7 @@
 //! flashcore report               each kernel's tiling, and registers/spills if ptxas is on PATH
 //! flashcore run [options]        one forward pass: error against float64 and time (GPU)
 //! flashcore bench [--json FILE]  the benchmark shapes, TFLOP/s (GPU)
+//! flashcore decode [options]     split-KV decode over contiguous and paged caches, GB/s (GPU)
 //! ```
 
 use std::process::ExitCode;
@@ -50,7 +51,10 @@ const USAGE: &str = "usage:
                 [--block-m 64|128] [--path best|sm80]
   flashcore bench [--json FILE] [--iters N] [--dtype f16,bf16] [--path best|sm80]
                   [--shapes default|hopper]
-  flashcore gemm [--m M] [--n N] [--k K] [--dtype bf16|f16|e4m3|all] [--iters N] [--json FILE]";
+  flashcore gemm [--m M] [--n N] [--k K] [--dtype bf16|f16|e4m3|all] [--iters N] [--json FILE]
+  flashcore decode [--shapes BxSKV,...] [--pages 0,16,64] [--heads 32] [--kv-heads 8]
+                   [--head-dim 128] [--seqlen-q 1] [--causal] [--dtype f16|bf16] [--iters N]
+                   [--json FILE]";
 
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -62,6 +66,7 @@ fn main() -> ExitCode {
         Some("run") => run(rest),
         Some("bench") => bench(rest),
         Some("gemm") => gemm(rest),
+        Some("decode") => decode(rest),
         Some("help" | "--help" | "-h") => {
             out!("{USAGE}");
             Ok(())
@@ -606,6 +611,282 @@ fn gemm(args: &[String]) -> Result<(), Failure> {
             dtype.name(),
             t.median_ms
         ));
+    }
+    if let Some(path) = o.value("--json") {
+        std::fs::write(path, format!("[\n  {}\n]\n", records.join(",\n  ")))
+            .map_err(|e| Failure::Run(format!("writing {path}: {e}")))?;
+    }
+    Ok(())
+}
+
+/// The decode benchmark shapes: (batch, Skv), each with Hq 32, Hkv 8, D 128.
+const DECODE_SHAPES: [(usize, usize); 4] = [(1, 8192), (1, 32768), (16, 8192), (64, 4096)];
+
+/// Times split-KV decode (CUDA events, median; caches rotated past L2), contiguous and
+/// paged; then one decode step with its merge captured in a CUDA graph. (Correctness is
+/// `tests/gpu_decode.rs`'s.)
+fn decode(args: &[String]) -> Result<(), Failure> {
+    use flashcore::host::decode::Workspace;
+    use flashcore::host::kv_cache::{CacheLayout, KvCache};
+    use flashcore::host::tensor::{AttentionParams, LseView, TensorView};
+
+    let o = Opts { args };
+    o.check_known(
+        &[
+            "--json",
+            "--iters",
+            "--dtype",
+            "--heads",
+            "--kv-heads",
+            "--head-dim",
+            "--seqlen-q",
+            "--shapes",
+            "--pages",
+        ],
+        &["--causal"],
+    )?;
+    let iters = o.num("--iters", 100)?;
+    let dtype = parse_dtype(o.value("--dtype").unwrap_or("f16"))?;
+    let (hq, hkv, d) = (
+        o.num("--heads", 32)?,
+        o.num("--kv-heads", 8)?,
+        o.num("--head-dim", 128)?,
+    );
+    let sq = o.num("--seqlen-q", 1)?;
+    let causal = o.flag("--causal");
+    let shapes: Vec<(usize, usize)> = match o.value("--shapes") {
+        None => DECODE_SHAPES.to_vec(),
+        Some(list) => list
+            .split(',')
+            .map(|s| {
+                let (b, k) = s.split_once('x').unwrap_or(("", ""));
+                match (b.parse(), k.parse()) {
+                    (Ok(b), Ok(k)) => Ok((b, k)),
+                    _ => Err(Failure::Usage(format!(
+                        "--shapes takes BxSKV,..., got `{s}`"
+                    ))),
+                }
+            })
+            .collect::<Result<_, _>>()?,
+    };
+    let pages: Vec<usize> = o
+        .value("--pages")
+        .unwrap_or("0,16,64")
+        .split(',')
+        .map(|p| {
+            p.parse()
+                .map_err(|_| Failure::Usage(format!("bad page size `{p}`")))
+        })
+        .collect::<Result<_, _>>()?;
+    let dev = open_gpu()?;
+    let stream = dev.context().default_stream();
+    let attn = Attention::new(dev.clone())?;
+    let mut rng = Rng::from_entropy();
+    let dt = flashcore::host::tensor::DType::from(dtype);
+    let elem = 2usize;
+    let err = |e: cudarc::driver::DriverError| Failure::Run(format!("CUDA: {e}"));
+    let params = AttentionParams {
+        softmax_scale: None,
+        causal,
+    };
+    out!("{} ({}), flashcore decode", dev.name(), dev.arch_name());
+    out!(
+        "{:<34} {:>6} {:>10} {:>9}  kernel",
+        "shape",
+        "splits",
+        "us",
+        "GB/s"
+    );
+    let mut records = Vec::new();
+    let mut busy = stream.alloc_zeros::<u8>(1 << 30).map_err(err)?;
+    for &(b, skv) in &shapes {
+        for &page in &pages {
+            let kv_elems = b * skv * hkv * d;
+            let kv_bytes = 2 * kv_elems * elem;
+            // Enough copies of the cache that one call's K/V is never in L2.
+            let copies = (3 * dev.l2_bytes() as usize).div_ceil(kv_bytes).max(1) + 1;
+            let (pool_pages, max_pages) = if page == 0 {
+                (0, 0)
+            } else {
+                (b * skv.div_ceil(page), skv.div_ceil(page))
+            };
+            let n = if page == 0 {
+                kv_elems
+            } else {
+                pool_pages * page * hkv * d
+            };
+            let (pool, _) = flashcore::reference::random_half(&mut rng, 1 << 16, dtype);
+            let fill: Vec<u16> = (0..n).map(|i| pool[(i * 7 + 13) % pool.len()]).collect();
+            let mut caches = Vec::new();
+            for _ in 0..copies {
+                let k = stream.clone_htod(&fill).map_err(err)?;
+                let v = stream.clone_htod(&fill).map_err(err)?;
+                // Pages in random order over the pool.
+                let mut order: Vec<i32> = (0..pool_pages as i32).collect();
+                for i in (1..order.len()).rev() {
+                    order.swap(i, (rng.next_u64() % (i as u64 + 1)) as usize);
+                }
+                let order = if order.is_empty() { vec![0] } else { order };
+                let table = stream.clone_htod(&order).map_err(err)?;
+                caches.push((k, v, table));
+            }
+            let lens = stream.clone_htod(&vec![skv as i32; b]).map_err(err)?;
+            let nq = b * sq * hq * d;
+            let q = stream
+                .clone_htod(
+                    &pool[..nq.min(pool.len())].repeat(nq.div_ceil(pool.len()))[..nq].to_vec(),
+                )
+                .map_err(err)?;
+            let out = stream.alloc_zeros::<u16>(nq).map_err(err)?;
+            let lse = stream.alloc_zeros::<f32>(b * hq * sq).map_err(err)?;
+            use cudarc::driver::DevicePtr;
+            let views: Vec<KvCache> = caches
+                .iter()
+                .map(|(k, v, t)| {
+                    let (k, v) = (k.device_ptr(&stream).0, v.device_ptr(&stream).0);
+                    match page {
+                        0 => KvCache {
+                            k: TensorView::bshd(k, dt, b, skv, hkv, d),
+                            v: TensorView::bshd(v, dt, b, skv, hkv, d),
+                            seqlens: lens.device_ptr(&stream).0,
+                            layout: CacheLayout::Contiguous,
+                        },
+                        p => KvCache {
+                            k: TensorView::bshd(k, dt, pool_pages, p, hkv, d),
+                            v: TensorView::bshd(v, dt, pool_pages, p, hkv, d),
+                            seqlens: lens.device_ptr(&stream).0,
+                            layout: CacheLayout::Paged {
+                                block_table: t.device_ptr(&stream).0,
+                                max_pages,
+                                table_stride: max_pages,
+                            },
+                        },
+                    }
+                })
+                .collect();
+            let qv = TensorView::bshd(q.device_ptr(&stream).0, dt, b, sq, hq, d);
+            let ov = TensorView::bshd(out.device_ptr(&stream).0, dt, b, sq, hq, d);
+            let lv = LseView {
+                ptr: lse.device_ptr(&stream).0,
+            };
+            let ws_bytes = attn.decode_workspace_bytes(&qv, &views[0])?;
+            let ws = stream
+                .alloc_zeros::<u8>(ws_bytes.max(1) + 256)
+                .map_err(err)?;
+            let workspace = (ws_bytes > 0).then(|| Workspace {
+                ptr: ws.device_ptr(&stream).0.next_multiple_of(256),
+                bytes: ws_bytes,
+            });
+            let problem = flashcore::host::decode::decode_problem(&qv, &views[0], &params)?;
+            let plan = attn.decode_plan(&problem)?;
+            let mut turn = 0;
+            // SAFETY: every view points into the buffers above, alive until the end of
+            // this iteration, on their own stream.
+            let t = unsafe {
+                flashcore::host::timing::median_ms(
+                    dev.context(),
+                    stream.cu_stream(),
+                    5,
+                    iters,
+                    || {
+                        turn += 1;
+                        if turn == 5 {
+                            // Milliseconds of GPU work ahead of the timed calls, so the
+                            // host queues them faster than they run and each span is GPU
+                            // time, not launch overhead (as the SDPA bench's sleep does).
+                            for _ in 0..8 {
+                                stream.memset_zeros(&mut busy).map_err(|e| {
+                                    flashcore::Error::Driver {
+                                        call: "cuMemsetD8Async",
+                                        code: e.to_string(),
+                                    }
+                                })?;
+                            }
+                        }
+                        attn.decode(
+                            &qv,
+                            &views[turn % views.len()],
+                            None,
+                            &ov,
+                            Some(&lv),
+                            &params,
+                            workspace,
+                            stream.cu_stream(),
+                        )
+                    },
+                )
+            }?;
+            let us = t.median_ms as f64 * 1e3;
+            let gbps = kv_bytes as f64 / (us * 1e3);
+            let layout = if page == 0 {
+                "contiguous".to_string()
+            } else {
+                format!("page{page}")
+            };
+            let name = format!("B{b} Hq{hq} Hkv{hkv} Sq{sq} Skv{skv} D{d} {layout}");
+            out!(
+                "{name:<34} {:>6} {us:>10.1} {gbps:>9.0}  {}",
+                plan.splits,
+                plan.config.id()
+            );
+            records.push(format!(
+                "{{\"batch\": {b}, \"heads_q\": {hq}, \"heads_kv\": {hkv}, \"seqlen_q\": {sq}, \
+                 \"seqlen_k\": {skv}, \"head_dim\": {d}, \"dtype\": \"{}\", \"page\": {page}, \
+                 \"causal\": {causal}, \"splits\": {}, \"us\": {us:.3}, \"gbps\": {gbps:.1}, \
+                 \"kv_bytes\": {kv_bytes}, \"kernel\": \"{}\"}}",
+                dtype.name(),
+                plan.splits,
+                plan.config.id()
+            ));
+            // One decode step (and its merge) captured in a CUDA graph, replayed.
+            if (b, skv, page) == (1, 8192, 0) {
+                let side = dev.context().new_stream().map_err(err)?;
+                side.begin_capture(
+                    cudarc::driver::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
+                )
+                .map_err(err)?;
+                // SAFETY: as above; the graph replays on `side`, which the buffers outlive.
+                let captured = unsafe {
+                    attn.decode(
+                        &qv,
+                        &views[0],
+                        None,
+                        &ov,
+                        Some(&lv),
+                        &params,
+                        workspace,
+                        side.cu_stream(),
+                    )
+                };
+                let graph = side
+                    .end_capture(
+                        cudarc::driver::sys::CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH,
+                    )
+                    .map_err(err)?;
+                captured?;
+                let graph = graph.ok_or_else(|| Failure::Run("empty graph".into()))?;
+                // SAFETY: `side` is a live stream of this context.
+                let g = unsafe {
+                    flashcore::host::timing::median_ms(
+                        dev.context(),
+                        side.cu_stream(),
+                        5,
+                        iters,
+                        || {
+                            graph.launch().map_err(|e| flashcore::Error::Driver {
+                                call: "cuGraphLaunch",
+                                code: e.to_string(),
+                            })
+                        },
+                    )
+                }?;
+                let gus = g.median_ms as f64 * 1e3;
+                out!("  CUDA graph (decode + merge), B1 Skv8192: {gus:.1} us");
+                records.push(format!(
+                    "{{\"graph\": true, \"batch\": 1, \"seqlen_k\": 8192, \"us\": {gus:.3}}}"
+                ));
+            }
+        }
     }
     if let Some(path) = o.value("--json") {
         std::fs::write(path, format!("[\n  {}\n]\n", records.join(",\n  ")))

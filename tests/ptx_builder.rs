@@ -227,6 +227,16 @@ fn refuses_bad_identifiers() {
 }
 
 #[test]
+fn refuses_comments_ptxas_cannot_read() {
+    let mut k = Kernel::new("commented");
+    k.comment("scores scaled by log2(e)");
+    assert!(k.finish().is_ok());
+    let mut k = Kernel::new("commented");
+    k.comment("O = \u{3a3} w_i O_i");
+    assert!(matches!(rejected(k), PtxError::BadOperand(_)));
+}
+
+#[test]
 fn refuses_out_of_range_immediates() {
     let mut k = Kernel::new("lanes");
     let v = k.mov::<F32>(1f32);

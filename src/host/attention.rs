@@ -207,6 +207,20 @@ impl Attention {
             })
     }
 
+    /// Generates and loads the kernel `id` (made by `generate`, launched with
+    /// `dynamic_smem` bytes) once per device; later calls look it up.
+    pub(crate) fn load(
+        &self,
+        id: &str,
+        dynamic_smem: u32,
+        generate: impl FnOnce() -> std::result::Result<crate::ptx::Module, crate::ptx::PtxError>,
+    ) -> Result<Arc<LoadedKernel>> {
+        let arch = self.device.compute_capability();
+        self.cache.get_or_load(self.device.context(), id, arch, || {
+            Ok((generate()?.to_ptx(), dynamic_smem))
+        })
+    }
+
     /// `o = softmax(q kᵀ · scale) v` over views of device memory, on `stream` (null for the
     /// context's default stream). Writes `lse` (natural log, float32 `[B, H, Sq]`) when given.
     /// Every argument is checked first: on error nothing is launched and nothing written.

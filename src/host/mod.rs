@@ -8,12 +8,17 @@
 //! - [`tensor`]: tensor views (pointer, shape, strides, dtype).
 //! - [`validate`]: argument checks that return typed errors before anything runs.
 //! - [`attention`]: the forward-attention entry point and dispatch.
+//! - [`kv_cache`]: KV caches (contiguous or paged) and their checks.
+//! - [`decode`]: serving calls: split-KV decode, appending to a cache, merging partial
+//!   results by their log-sum-exp.
 //! - [`gemm`]: the Hopper proof kernels (warp-specialized GEMM, TMA round trip).
 
 pub mod attention;
 pub mod cache;
+pub mod decode;
 pub mod device;
 pub mod gemm;
+pub mod kv_cache;
 pub mod launch;
 pub mod module;
 pub mod tensor;

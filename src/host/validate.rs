@@ -153,17 +153,7 @@ pub fn validate_fwd(
     }
 
     // 7. softmax scale
-    if let Some(s) = params.softmax_scale {
-        // The kernels multiply by log2(e) to use exp2; that product must stay finite too.
-        // They take each row's maximum of the raw scores as its maximum of the scaled ones,
-        // which holds only for a positive scale (as in FlashAttention).
-        let s_log2 = s as f64 * std::f64::consts::LOG2_E;
-        if !s.is_finite() || s <= 0.0 || s_log2 > f32::MAX as f64 {
-            return Err(Error::InvalidArgument(format!(
-                "softmax_scale must be finite and positive (and finite times log2(e)), got {s}"
-            )));
-        }
-    }
+    check_scale(params)?;
 
     // 8. pointers
     for (name, t) in all {
@@ -247,8 +237,24 @@ pub fn validate_fwd(
     })
 }
 
+/// The softmax scale, when given, is finite and positive, and so is its product with
+/// log2(e): the kernels multiply by log2(e) to use exp2, and take each row's maximum of
+/// the raw scores as its maximum of the scaled ones, which holds only for a positive
+/// scale (as in FlashAttention).
+pub(crate) fn check_scale(params: &AttentionParams) -> Result<()> {
+    if let Some(s) = params.softmax_scale {
+        let s_log2 = s as f64 * std::f64::consts::LOG2_E;
+        if !s.is_finite() || s <= 0.0 || s_log2 > f32::MAX as f64 {
+            return Err(Error::InvalidArgument(format!(
+                "softmax_scale must be finite and positive (and finite times log2(e)), got {s}"
+            )));
+        }
+    }
+    Ok(())
+}
+
 /// Head dimension contiguous; other strides keep 16-byte vectors aligned.
-fn check_strides(name: &'static str, t: &TensorView) -> Result<()> {
+pub(crate) fn check_strides(name: &'static str, t: &TensorView) -> Result<()> {
     if t.strides[DIM_HEAD_DIM] != 1 {
         return Err(Error::BadStrides {
             tensor: name,
@@ -296,7 +302,7 @@ fn check_strides(name: &'static str, t: &TensorView) -> Result<()> {
 /// Sufficient, not necessary: sorted by stride, each dimension must step past the whole
 /// span of the smaller ones. Every layout that is a permutation of a (possibly padded)
 /// dense tensor passes; only exotic interleavings that happen not to collide are refused.
-fn check_no_self_overlap(name: &'static str, t: &TensorView) -> Result<()> {
+pub(crate) fn check_no_self_overlap(name: &'static str, t: &TensorView) -> Result<()> {
     // A fixed array, not a Vec: this runs on every call and the hot path allocates nothing.
     let mut dims = [0usize, 1, 2, 3];
     dims.sort_by_key(|&i| t.strides[i]);
@@ -319,7 +325,7 @@ fn check_no_self_overlap(name: &'static str, t: &TensorView) -> Result<()> {
     Ok(())
 }
 
-fn lse_byte_range(l: &LseView, b: usize, h: usize, s: usize) -> Result<(u64, u64)> {
+pub(crate) fn lse_byte_range(l: &LseView, b: usize, h: usize, s: usize) -> Result<(u64, u64)> {
     let bytes = b
         .checked_mul(h)
         .and_then(|n| n.checked_mul(s))
@@ -338,7 +344,7 @@ fn lse_byte_range(l: &LseView, b: usize, h: usize, s: usize) -> Result<(u64, u64
 }
 
 /// Half-open ranges `[a0, a1)` and `[b0, b1)` intersect.
-fn overlaps(a: (u64, u64), b: (u64, u64)) -> bool {
+pub(crate) fn overlaps(a: (u64, u64), b: (u64, u64)) -> bool {
     a.0 < b.1 && b.0 < a.1
 }
 

@@ -10,6 +10,12 @@ use crate::ptx::{Module, PtxError};
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum KernelSpec {
     Fwd(attention::FwdConfig),
+    /// Split-KV decode against a contiguous or paged cache.
+    Decode(attention::decode::DecodeConfig),
+    /// Merging partial results by their log-sum-exp (decode's combine, KV shards).
+    Merge(attention::merge::MergeConfig),
+    /// Appending new tokens' K and V to a cache.
+    Append(attention::append::AppendConfig),
     /// The warp-specialized GEMM that proves the Hopper building blocks (test/bench).
     Gemm(gemm::GemmConfig),
     /// The TMA load/store round trip (test).
@@ -21,6 +27,9 @@ impl KernelSpec {
     pub fn id(&self) -> String {
         match self {
             KernelSpec::Fwd(c) => c.id(),
+            KernelSpec::Decode(c) => c.id(),
+            KernelSpec::Merge(c) => c.id(),
+            KernelSpec::Append(c) => c.id(),
             KernelSpec::Gemm(c) => c.id(),
             KernelSpec::TmaCopy(c) => c.id(),
         }
@@ -30,6 +39,9 @@ impl KernelSpec {
     pub fn generate(&self) -> Result<Module, PtxError> {
         match self {
             KernelSpec::Fwd(c) => c.generate(),
+            KernelSpec::Decode(c) => c.generate(),
+            KernelSpec::Merge(c) => c.generate(),
+            KernelSpec::Append(c) => c.generate(),
             KernelSpec::Gemm(c) => c.generate(),
             KernelSpec::TmaCopy(c) => c.generate(),
         }
@@ -39,6 +51,8 @@ impl KernelSpec {
     pub fn smem_bytes(&self) -> u32 {
         match self {
             KernelSpec::Fwd(c) => c.tiling().smem_bytes,
+            KernelSpec::Decode(c) => c.smem_bytes(),
+            KernelSpec::Merge(_) | KernelSpec::Append(_) => 0,
             KernelSpec::Gemm(c) => c.smem().0.bytes(),
             KernelSpec::TmaCopy(c) => c.smem().0.bytes(),
         }
@@ -60,6 +74,11 @@ impl KernelSpec {
                 _ => &["HGMMA", "UTMALDG", "SYNCS"],
             },
             KernelSpec::TmaCopy(_) => &["UTMALDG", "UTMASTG", "SYNCS"],
+            // Decode: mma.sync on cp.async tiles. Merge and append are plain loads and
+            // stores: 128-bit where the rows allow.
+            KernelSpec::Decode(_) => &["HMMA", "LDGSTS"],
+            KernelSpec::Merge(_) => &[],
+            KernelSpec::Append(_) => &["LDG.E.128", "STG.E.128"],
         }
     }
 }
@@ -70,9 +89,23 @@ pub fn catalog() -> Vec<KernelSpec> {
     let fwd = attention::all_fwd_configs()
         .into_iter()
         .map(KernelSpec::Fwd);
+    let decode = attention::decode::all_decode_configs()
+        .into_iter()
+        .map(KernelSpec::Decode);
+    let merge = attention::merge::all_merge_configs()
+        .into_iter()
+        .map(KernelSpec::Merge);
+    let append = attention::append::all_append_configs()
+        .into_iter()
+        .map(KernelSpec::Append);
     let gemm = gemm::all_gemm_configs().into_iter().map(KernelSpec::Gemm);
     let copy = tma_copy::all_configs().into_iter().map(KernelSpec::TmaCopy);
-    fwd.chain(gemm).chain(copy).collect()
+    fwd.chain(decode)
+        .chain(merge)
+        .chain(append)
+        .chain(gemm)
+        .chain(copy)
+        .collect()
 }
 
 /// Looks a kernel up by id.

@@ -163,6 +163,35 @@ impl Kernel {
         d
     }
 
+    /// `d = a << n` by a run-time count (PTX clamps counts above the width).
+    pub fn shl_by<T: Bits>(&mut self, a: impl Src<T>, n: Reg<U32>) -> Reg<T> {
+        let d = self.reg();
+        self.check_owner(&[a.owner(), Src::<U32>::owner(&n)]);
+        self.emit(format!(
+            "shl.{} {}, {}, {};",
+            T::BITS_NAME,
+            d.name(),
+            a.operand(),
+            n.name()
+        ));
+        d
+    }
+
+    /// `d = a >> n` by a run-time count: logical for unsigned types, arithmetic for
+    /// signed.
+    pub fn shr_by<T: Bits>(&mut self, a: impl Src<T>, n: Reg<U32>) -> Reg<T> {
+        let d = self.reg();
+        self.check_owner(&[a.owner(), Src::<U32>::owner(&n)]);
+        self.emit(format!(
+            "shr.{} {}, {}, {};",
+            T::NAME,
+            d.name(),
+            a.operand(),
+            n.name()
+        ));
+        d
+    }
+
     /// `p = a <cmp> b`.
     pub fn setp<T: Comparable>(&mut self, cmp: Cmp, a: impl Src<T>, b: impl Src<T>) -> Reg<Pred> {
         let p = self.reg::<Pred>();

@@ -50,6 +50,32 @@ impl Kernel {
         ));
     }
 
+    /// Widens a 16-bit float pair to two f32 (`[low half, high half]`), exactly. bf16 is
+    /// the top half of an f32, so it widens by a shift and a mask (`cvt.f32.bf16` needs
+    /// sm_90); f16 goes through `cvt.f32.f16`.
+    pub fn unpack_half2<H: Half2>(&mut self, w: Reg<H>) -> [Reg<F32>; 2] {
+        self.check_owner(&[Src::<H>::owner(&w)]);
+        let [lo, hi] = self.regs::<F32, 2>();
+        if H::ELEM == "bf16" {
+            let [a, b] = self.regs::<B32, 2>();
+            self.emit(format!("shl.b32 {}, {}, 16;", a.name(), w.name()));
+            self.emit(format!("and.b32 {}, {}, 0xffff0000;", b.name(), w.name()));
+            self.emit(format!("mov.b32 {}, {};", lo.name(), a.name()));
+            self.emit(format!("mov.b32 {}, {};", hi.name(), b.name()));
+        } else {
+            let [a, b] = self.regs::<B16, 2>();
+            self.emit(format!(
+                "mov.b32 {{{}, {}}}, {};",
+                a.name(),
+                b.name(),
+                w.name()
+            ));
+            self.emit(format!("cvt.f32.f16 {}, {};", lo.name(), a.name()));
+            self.emit(format!("cvt.f32.f16 {}, {};", hi.name(), b.name()));
+        }
+        [lo, hi]
+    }
+
     /// Packs two f32 into two e4m3 bytes, round to nearest, saturating to ±448 (`lo` in
     /// byte 0). Needs sm_89.
     pub fn pack_e4m3x2(&mut self, lo: impl Src<F32>, hi: impl Src<F32>) -> Reg<B16> {

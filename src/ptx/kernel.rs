@@ -467,8 +467,14 @@ impl Kernel {
         }
     }
 
-    /// A comment line in the output (for readers of `flashcore ptx <id>`).
+    /// A comment line in the output (for readers of `flashcore ptx <id>`). ASCII only:
+    /// ptxas refuses a module with any other character, comments included.
     pub fn comment(&mut self, text: &str) {
+        if !text.is_ascii() {
+            self.fail(PtxError::BadOperand(format!(
+                "comment {text:?} is not ASCII (ptxas refuses the module)"
+            )));
+        }
         let pad = "    ".repeat(self.depth);
         for line in text.lines() {
             self.body.push(format!("{pad}// {line}"));

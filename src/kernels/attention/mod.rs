@@ -1,8 +1,11 @@
 //! Attention forward kernels: configurations, the argument block shared with the host,
 //! and the generators.
 
+pub mod append;
+pub mod decode;
 pub mod epilogue;
 pub mod mask;
+pub mod merge;
 pub mod rows;
 pub mod sm80;
 pub mod sm90;

@@ -436,9 +436,9 @@ impl<H: Half2> Fwd<H> {
         let mid = k.and(mid, 1u32);
         let q_row = k.add(warp_rows, l16);
         let k_row = k.mad(hi16, 8u32, l8);
-        let q_frag = frag_addresses(k, &s, smem, t.q, q_row, hi16);
-        let k_frag = frag_addresses(k, &s, smem, t.k, k_row, mid);
-        let v_frag = frag_addresses(k, &s, smem, t.v, l16, hi16);
+        let q_frag = frag_addresses(k, smem, t.q, q_row, hi16);
+        let k_frag = frag_addresses(k, smem, t.k, k_row, mid);
+        let v_frag = frag_addresses(k, smem, t.v, l16, hi16);
         Fwd {
             s,
             causal,
@@ -547,18 +547,18 @@ impl<H: Half2> Fwd<H> {
 /// 32 bytes flips bits 5..6, which the swizzle leaves alone, so each step's address is
 /// the swizzled base XOR `i << 5`; other offsets (16-row groups, column blocks) are
 /// multiples of 1024 bytes and simply add.
-fn frag_addresses(
+pub(super) fn frag_addresses(
     k: &mut Kernel,
-    s: &Shape,
     smem: &Smem,
     slot: TileSlot,
     row: Reg<U32>,
     half: Reg<U32>,
 ) -> Vec<SmemAddr> {
-    let line = k.mul(row, s.row_bytes());
+    let row_bytes = slot.layout.block_bytes;
+    let line = k.mul(row, row_bytes);
     let line = k.mad(half, 16u32, line);
     let base = Swizzle::B128.apply_in(k, line);
-    (0..s.k16_per_block())
+    (0..row_bytes / 32)
         .map(|i| {
             let stepped = k.xor(base, i << 5);
             smem.tile_byte(k, slot, stepped)

@@ -1,0 +1,1167 @@
+//! Serving calls on an [`Attention`]: decode against a KV cache (split-KV, GQA packed,
+//! contiguous or paged), appending to a cache, and merging partial results by their
+//! log-sum-exp.
+//!
+//! Decode chooses its number of splits from the capacities (batch, heads, the cache's
+//! positions per sequence) and the GPU, never from the lengths, so a captured CUDA graph
+//! of a decode step stays right as the sequences grow. With more than one split, the
+//! partial results go to a float32 workspace and the merge kernel combines them; the
+//! caller passes the workspace ([`Attention::decode_plan`] says how large) or flashcore
+//! takes it from the stream-ordered allocator for the call.
+
+use std::ffi::c_void;
+
+use cudarc::driver::sys::{self, CUstream};
+
+use super::attention::Attention;
+use super::device::{ContextScope, check};
+use super::kv_cache::{CacheShape, HostMetadata, KvCache};
+use super::launch::{LaunchDims, launch};
+use super::tensor::{AttentionParams, DIM_NAMES, DType, LseView, TensorView};
+use super::validate::{
+    LSE_ALIGN, MAX_GRID_YZ, TENSOR_ALIGN, check_no_self_overlap, check_scale, check_strides,
+    lse_byte_range, overlaps,
+};
+use crate::error::{Error, Result};
+use crate::kernels::attention::HalfType;
+use crate::kernels::attention::append::{AppendArgs, AppendConfig, THREADS as APPEND_THREADS};
+use crate::kernels::attention::decode::{self, DecodeArgs, DecodeConfig, MAX_QUERIES, ROWS};
+use crate::kernels::attention::merge::{MergeArgs, MergeConfig, MergeType};
+
+/// The head dims of the serving kernels, as error text.
+const HEAD_DIMS_TEXT: &str = "32, 64, 96, 128, 192, 256";
+/// The fewest keys a split is given: below this the merge costs more than it saves.
+const MIN_SPLIT_KEYS: usize = 256;
+/// The most splits of one sequence.
+const MAX_SPLITS: usize = 128;
+
+/// A validated decode call.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct DecodeProblem {
+    pub cache: CacheShape,
+    pub dtype: HalfType,
+    pub seqlen_q: usize,
+    pub heads_q: usize,
+    pub scale: f32,
+    pub causal: bool,
+}
+
+impl DecodeProblem {
+    pub fn group(&self) -> usize {
+        self.heads_q / self.cache.heads_kv
+    }
+
+    /// 16-row chunks of the `Sq · group` query rows that share a KV head.
+    pub fn row_chunks(&self) -> usize {
+        (self.seqlen_q * self.group()).div_ceil(ROWS as usize)
+    }
+}
+
+/// How a decode call runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DecodePlan {
+    pub config: DecodeConfig,
+    /// Key runs per sequence, each its own block; 1 writes the output directly.
+    pub splits: usize,
+    /// Bytes of workspace the call needs (0 with one split).
+    pub workspace_bytes: usize,
+}
+
+/// Device memory a decode call may use for its partial results.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Workspace {
+    pub ptr: u64,
+    pub bytes: usize,
+}
+
+/// Shards of attention over disjoint key sets, to merge: shard `i`'s output is `o` moved
+/// `i · shard_stride` elements, its LSE float32 `[B, H, S]` at `lse + 4·i·B·H·S`
+/// (contiguous `[count, B, H, S]`), as the forward writes them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MergeParts {
+    /// Shard 0's output, `[B, S, H, D]`, f16, bf16 or f32.
+    pub o: TensorView,
+    pub count: usize,
+    /// Elements from one shard's output to the next.
+    pub shard_stride: usize,
+    pub lse: u64,
+}
+
+fn dtype_text(t: DType) -> &'static str {
+    t.name()
+}
+
+/// Checks a decode call; see [`Attention::decode`] for the rules.
+pub fn validate_decode(
+    q: &TensorView,
+    cache: &KvCache,
+    o: &TensorView,
+    lse: Option<&LseView>,
+    params: &AttentionParams,
+) -> Result<DecodeProblem> {
+    if o.dtype != q.dtype {
+        return Err(Error::UnsupportedDType(format!(
+            "q and o must share one dtype, got q {}, o {}",
+            dtype_text(q.dtype),
+            dtype_text(o.dtype)
+        )));
+    }
+    if let Some(i) = o.shape.iter().position(|&n| n == 0) {
+        return Err(Error::EmptyDimension {
+            tensor: "o",
+            dim: DIM_NAMES[i],
+        });
+    }
+    let problem = decode_problem(q, cache, params)?;
+    if o.shape != q.shape {
+        return Err(Error::ShapeMismatch(format!(
+            "o has shape {:?} but q has {:?}; they must be equal",
+            o.shape, q.shape
+        )));
+    }
+    let [batch, seqlen_q, heads_q, _] = q.shape;
+    for (name, t) in [("q", q), ("o", o)] {
+        if t.ptr == 0 {
+            return Err(Error::NullPointer(name));
+        }
+        if !t.ptr.is_multiple_of(TENSOR_ALIGN) {
+            return Err(Error::Misaligned {
+                tensor: name,
+                ptr: t.ptr,
+                align: TENSOR_ALIGN,
+            });
+        }
+    }
+    check_lse_pointer(lse)?;
+    for (name, t) in [("q", q), ("o", o)] {
+        check_strides(name, t)?;
+    }
+    let range = |name, t: &TensorView| {
+        t.byte_range().ok_or_else(|| Error::BadStrides {
+            tensor: name,
+            reason: format!(
+                "shape {:?} with strides {:?} overflows 64-bit addressing",
+                t.shape, t.strides
+            ),
+        })
+    };
+    let o_range = range("o", o)?;
+    let mut inputs = cache.byte_ranges(batch);
+    inputs.push(("q", range("q", q)?));
+    check_no_self_overlap("o", o)?;
+    let lse_range = match lse {
+        Some(l) => Some(lse_byte_range(l, batch, heads_q, seqlen_q)?),
+        None => None,
+    };
+    check_outputs(&inputs, ("o", o_range), lse_range)?;
+    Ok(problem)
+}
+
+/// The rules on q and the cache alone (shapes, dtypes, limits, the cache's own checks):
+/// what the plan of a decode call depends on.
+pub fn decode_problem(
+    q: &TensorView,
+    cache: &KvCache,
+    params: &AttentionParams,
+) -> Result<DecodeProblem> {
+    if q.dtype != cache.k.dtype {
+        return Err(Error::UnsupportedDType(format!(
+            "q and the cache must share one dtype, got q {}, cache {}",
+            dtype_text(q.dtype),
+            dtype_text(cache.k.dtype)
+        )));
+    }
+    let dtype = q.dtype.half_type().ok_or_else(|| {
+        Error::UnsupportedDType(format!("q is {}; decode takes f16 or bf16", q.dtype))
+    })?;
+    if let Some(i) = q.shape.iter().position(|&n| n == 0) {
+        return Err(Error::EmptyDimension {
+            tensor: "q",
+            dim: DIM_NAMES[i],
+        });
+    }
+    let [batch, seqlen_q, heads_q, head_dim] = q.shape;
+    let shape = cache.validate(batch)?;
+    if shape.head_dim != head_dim {
+        return Err(Error::ShapeMismatch(format!(
+            "the cache's head_dim {} differs from q's {head_dim}",
+            shape.head_dim
+        )));
+    }
+    if !decode::HEAD_DIMS.contains(&(head_dim as u32)) {
+        return Err(Error::UnsupportedHeadDim(head_dim, HEAD_DIMS_TEXT));
+    }
+    if !heads_q.is_multiple_of(shape.heads_kv) {
+        return Err(Error::HeadRatio {
+            hq: heads_q,
+            hkv: shape.heads_kv,
+        });
+    }
+    if seqlen_q > MAX_QUERIES {
+        return Err(Error::InvalidArgument(format!(
+            "decode takes 1 to {MAX_QUERIES} query tokens per sequence, got {seqlen_q} \
+             (use the forward for prefill)"
+        )));
+    }
+    let problem = DecodeProblem {
+        cache: shape,
+        dtype,
+        seqlen_q,
+        heads_q,
+        scale: params.scale_for(head_dim),
+        causal: params.causal,
+    };
+    if batch > MAX_GRID_YZ || shape.heads_kv * problem.row_chunks() > MAX_GRID_YZ {
+        return Err(Error::InvalidArgument(format!(
+            "batch {batch} or KV heads x query chunks {} exceed the grid limit {MAX_GRID_YZ}",
+            shape.heads_kv * problem.row_chunks()
+        )));
+    }
+    check_scale(params)?;
+    Ok(problem)
+}
+
+fn check_lse_pointer(lse: Option<&LseView>) -> Result<()> {
+    if let Some(l) = lse {
+        if l.ptr == 0 {
+            return Err(Error::NullPointer("lse"));
+        }
+        if !l.ptr.is_multiple_of(LSE_ALIGN) {
+            return Err(Error::Misaligned {
+                tensor: "lse",
+                ptr: l.ptr,
+                align: LSE_ALIGN,
+            });
+        }
+    }
+    Ok(())
+}
+
+/// The output (and the LSE) overlap none of the inputs, nor each other.
+fn check_outputs(
+    inputs: &[(&'static str, (u64, u64))],
+    (out_name, out): (&'static str, (u64, u64)),
+    lse: Option<(u64, u64)>,
+) -> Result<()> {
+    let outputs = std::iter::once((out_name, out)).chain(lse.map(|r| ("lse", r)));
+    for (name, r) in outputs {
+        let others = inputs
+            .iter()
+            .copied()
+            .chain((name == "lse").then_some((out_name, out)));
+        for (other, o) in others {
+            if overlaps(r, o) {
+                return Err(Error::InvalidArgument(format!(
+                    "{name}'s memory [{:#x}, {:#x}) overlaps {other}'s [{:#x}, {:#x})",
+                    r.0, r.1, o.0, o.1
+                )));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The split count and kernel for a decode problem on a GPU with `sm_count` SMs whose
+/// blocks may use `smem_optin` bytes of shared memory.
+///
+/// The splits fill the GPU: the smallest count whose blocks (`batch · kv_heads ·
+/// row_chunks · splits`) fill at least 85% of the last wave of resident blocks, with at
+/// least [`MIN_SPLIT_KEYS`] positions of capacity per split.
+pub fn plan_decode(p: &DecodeProblem, sm_count: u32, smem_optin: u32) -> Result<DecodePlan> {
+    let cfg = DecodeConfig::candidates(p.dtype, p.cache.head_dim as u32, p.cache.page_size > 0)
+        .into_iter()
+        .find(|c| c.smem_bytes() <= smem_optin)
+        .ok_or_else(|| {
+            Error::InvalidArgument(format!(
+                "no decode kernel for head dim {} fits the GPU's {smem_optin} bytes of shared \
+                 memory per block",
+                p.cache.head_dim
+            ))
+        })?;
+    // Blocks resident per SM: shared memory (1 KiB of it reserved per block) and threads.
+    let per_sm = ((smem_optin as usize + 1024) / (cfg.smem_bytes() as usize + 1024))
+        .clamp(1, 2048 / cfg.threads() as usize);
+    let resident = sm_count.max(1) as usize * per_sm;
+    let base = p.cache.batch * p.cache.heads_kv * p.row_chunks();
+    let most = p
+        .cache
+        .capacity
+        .div_ceil(MIN_SPLIT_KEYS)
+        .clamp(1, MAX_SPLITS);
+    let fill = |s: usize| {
+        let blocks = base * s;
+        blocks as f64 / (blocks.div_ceil(resident) * resident) as f64
+    };
+    let mut splits = 1;
+    for s in 1..=most {
+        if fill(s) > fill(splits) + 1e-9 {
+            splits = s;
+        }
+        if fill(s) >= 0.85 {
+            splits = s;
+            break;
+        }
+    }
+    let workspace_bytes = if splits == 1 {
+        0
+    } else {
+        let rows = splits * p.cache.batch * p.seqlen_q * p.heads_q;
+        (rows * p.cache.head_dim * 4).next_multiple_of(256) + rows * 4
+    };
+    Ok(DecodePlan {
+        config: cfg,
+        splits,
+        workspace_bytes,
+    })
+}
+
+/// A validated append.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AppendProblem {
+    pub cache: CacheShape,
+    pub new_tokens: usize,
+}
+
+/// Checks an append of `k_new`, `v_new` (`[B, Snew, Hkv, D]`) to `cache`.
+pub fn validate_append(
+    cache: &KvCache,
+    k_new: &TensorView,
+    v_new: &TensorView,
+) -> Result<AppendProblem> {
+    if k_new.dtype != cache.k.dtype || v_new.dtype != cache.k.dtype {
+        return Err(Error::UnsupportedDType(format!(
+            "k_new and v_new must have the cache's dtype {}, got {} and {}",
+            cache.k.dtype, k_new.dtype, v_new.dtype
+        )));
+    }
+    for (name, t) in [("k_new", k_new), ("v_new", v_new)] {
+        if let Some(i) = t.shape.iter().position(|&n| n == 0) {
+            return Err(Error::EmptyDimension {
+                tensor: name,
+                dim: DIM_NAMES[i],
+            });
+        }
+    }
+    if v_new.shape != k_new.shape {
+        return Err(Error::ShapeMismatch(format!(
+            "v_new has shape {:?} but k_new has {:?}",
+            v_new.shape, k_new.shape
+        )));
+    }
+    let [batch, new_tokens, heads_kv, head_dim] = k_new.shape;
+    let shape = cache.validate(batch)?;
+    if (heads_kv, head_dim) != (shape.heads_kv, shape.head_dim) {
+        return Err(Error::ShapeMismatch(format!(
+            "new tokens have {heads_kv} heads of {head_dim}, the cache {} of {}",
+            shape.heads_kv, shape.head_dim
+        )));
+    }
+    if !head_dim.is_multiple_of(8) {
+        return Err(Error::UnsupportedHeadDim(head_dim, "multiples of 8"));
+    }
+    let total = batch
+        .checked_mul(new_tokens)
+        .and_then(|n| n.checked_mul(heads_kv * head_dim / 8));
+    if total.is_none_or(|t| t >= 1 << 31) || new_tokens > shape.capacity {
+        return Err(Error::InvalidArgument(format!(
+            "{new_tokens} new tokens of {batch} sequences are too many for one append \
+             (capacity {})",
+            shape.capacity
+        )));
+    }
+    for (name, t) in [("k_new", k_new), ("v_new", v_new)] {
+        if t.ptr == 0 {
+            return Err(Error::NullPointer(name));
+        }
+        if !t.ptr.is_multiple_of(TENSOR_ALIGN) {
+            return Err(Error::Misaligned {
+                tensor: name,
+                ptr: t.ptr,
+                align: TENSOR_ALIGN,
+            });
+        }
+        check_strides(name, t)?;
+        let r = t.byte_range().ok_or_else(|| Error::BadStrides {
+            tensor: name,
+            reason: "overflows 64-bit addressing".into(),
+        })?;
+        for (other, o) in cache.byte_ranges(batch) {
+            if overlaps(r, o) {
+                return Err(Error::InvalidArgument(format!(
+                    "{name} overlaps the cache's {other}"
+                )));
+            }
+        }
+    }
+    Ok(AppendProblem {
+        cache: shape,
+        new_tokens,
+    })
+}
+
+fn merge_type(t: DType) -> MergeType {
+    match t {
+        DType::F16 => MergeType::F16,
+        DType::Bf16 => MergeType::Bf16,
+        DType::F32 => MergeType::F32,
+    }
+}
+
+/// Checks a merge of `parts` into `out` (and `out_lse`).
+pub fn validate_merge(
+    parts: &MergeParts,
+    out: &TensorView,
+    out_lse: Option<&LseView>,
+) -> Result<MergeConfig> {
+    let o = &parts.o;
+    if let Some(i) = o.shape.iter().position(|&n| n == 0) {
+        return Err(Error::EmptyDimension {
+            tensor: "parts",
+            dim: DIM_NAMES[i],
+        });
+    }
+    if parts.count == 0 {
+        return Err(Error::EmptyDimension {
+            tensor: "parts",
+            dim: "count",
+        });
+    }
+    if out.shape != o.shape {
+        return Err(Error::ShapeMismatch(format!(
+            "out has shape {:?} but each part has {:?}",
+            out.shape, o.shape
+        )));
+    }
+    let [batch, seqlen, heads, head_dim] = o.shape;
+    if !decode::HEAD_DIMS.contains(&(head_dim as u32)) {
+        return Err(Error::UnsupportedHeadDim(head_dim, HEAD_DIMS_TEXT));
+    }
+    let rows = batch.checked_mul(seqlen).and_then(|n| n.checked_mul(heads));
+    if rows.is_none_or(|r| r >= 1 << 31) || parts.count >= 1 << 31 {
+        return Err(Error::InvalidArgument(format!(
+            "{} parts of {batch} x {seqlen} x {heads} rows are too many to merge",
+            parts.count
+        )));
+    }
+    for (name, p) in [("parts", o.ptr), ("out", out.ptr), ("lse_parts", parts.lse)] {
+        if p == 0 {
+            return Err(Error::NullPointer(name));
+        }
+    }
+    for (name, t) in [("parts", o), ("out", out)] {
+        if !t.ptr.is_multiple_of(TENSOR_ALIGN) {
+            return Err(Error::Misaligned {
+                tensor: name,
+                ptr: t.ptr,
+                align: TENSOR_ALIGN,
+            });
+        }
+    }
+    if !parts.lse.is_multiple_of(LSE_ALIGN) {
+        return Err(Error::Misaligned {
+            tensor: "lse_parts",
+            ptr: parts.lse,
+            align: LSE_ALIGN,
+        });
+    }
+    check_lse_pointer(out_lse)?;
+    check_strides("parts", o)?;
+    check_strides("out", out)?;
+    let elem = o.dtype.size_bytes();
+    let shard_bytes = parts.shard_stride.checked_mul(elem);
+    if parts.count > 1 && shard_bytes.is_none_or(|b| !(b as u64).is_multiple_of(TENSOR_ALIGN)) {
+        return Err(Error::BadStrides {
+            tensor: "parts",
+            reason: format!(
+                "shard stride {} elements is not a multiple of {TENSOR_ALIGN} bytes",
+                parts.shard_stride
+            ),
+        });
+    }
+    let overflow = |tensor| Error::BadStrides {
+        tensor,
+        reason: "overflows 64-bit addressing".into(),
+    };
+    let first = o.byte_range().ok_or_else(|| overflow("parts"))?;
+    let span = (parts.count as u64 - 1)
+        .checked_mul(shard_bytes.unwrap_or(0) as u64)
+        .and_then(|s| first.1.checked_add(s))
+        .ok_or_else(|| overflow("parts"))?;
+    let parts_range = (first.0, span);
+    let lse_bytes = (rows.unwrap_or(0) as u64)
+        .checked_mul(4 * parts.count as u64)
+        .and_then(|n| parts.lse.checked_add(n))
+        .ok_or_else(|| overflow("lse_parts"))?;
+    let out_range = out.byte_range().ok_or_else(|| overflow("out"))?;
+    check_no_self_overlap("out", out)?;
+    let lse_range = match out_lse {
+        Some(l) => Some(lse_byte_range(l, batch, heads, seqlen)?),
+        None => None,
+    };
+    check_outputs(
+        &[
+            ("parts", parts_range),
+            ("lse_parts", (parts.lse, lse_bytes)),
+        ],
+        ("out", out_range),
+        lse_range,
+    )?;
+    Ok(MergeConfig {
+        input: merge_type(o.dtype),
+        output: merge_type(out.dtype),
+        head_dim: head_dim as u32,
+    })
+}
+
+/// The merge kernel's arguments and grid.
+fn merge_launch(
+    parts: &MergeParts,
+    out: &TensorView,
+    out_lse: Option<&LseView>,
+    cfg: &MergeConfig,
+) -> (MergeArgs, LaunchDims) {
+    let [batch, seqlen, heads, _] = parts.o.shape;
+    let rows = (batch * seqlen * heads) as u32;
+    let s = |t: &TensorView| {
+        [
+            t.strides[0] as u64,
+            t.strides[1] as u64,
+            t.strides[2] as u64,
+        ]
+    };
+    let ps = s(&parts.o);
+    let args = MergeArgs {
+        parts: parts.o.ptr,
+        part_stride: [parts.shard_stride as u64, ps[0], ps[1], ps[2]],
+        lse_parts: parts.lse,
+        lse_shard_stride: (batch * heads * seqlen) as u64,
+        out: out.ptr,
+        out_stride: s(out),
+        out_lse: out_lse.map_or(0, |l| l.ptr),
+        n_parts: parts.count as u32,
+        seqlen: seqlen as u32,
+        heads: heads as u32,
+        rows,
+    };
+    let dims = LaunchDims {
+        grid: (rows.div_ceil(cfg.rows_per_block()), 1, 1),
+        block: (cfg.threads(), 1, 1),
+        dynamic_smem: 0,
+    };
+    (args, dims)
+}
+
+/// (batch, position, head) strides of a view, in elements.
+fn strides3(t: &TensorView) -> [u64; 3] {
+    [
+        t.strides[0] as u64,
+        t.strides[1] as u64,
+        t.strides[2] as u64,
+    ]
+}
+
+impl Attention {
+    /// How a decode call of this problem runs on this device: its kernel, its splits
+    /// and the workspace it needs.
+    pub fn decode_plan(&self, problem: &DecodeProblem) -> Result<DecodePlan> {
+        plan_decode(
+            problem,
+            self.device().sm_count(),
+            self.device().smem_optin(),
+        )
+    }
+
+    /// The workspace a decode call with these `q` and `cache` needs, in bytes (0 when
+    /// its plan has one split).
+    pub fn decode_workspace_bytes(&self, q: &TensorView, cache: &KvCache) -> Result<usize> {
+        let problem = decode_problem(q, cache, &AttentionParams::default())?;
+        Ok(self.decode_plan(&problem)?.workspace_bytes)
+    }
+
+    /// Decode: `o = softmax(q kᵀ · scale) v` for `Sq` (1 to 16) new query tokens per
+    /// sequence against `cache`, whose lengths count the new tokens (query `i` of `Sq` is
+    /// position `len − Sq + i`; with `params.causal` it sees keys up to there). `q`, `o`:
+    /// `[B, Sq, Hq, D]`; `lse`: float32 `[B, Hq, Sq]`. A row that sees no key (a length of
+    /// 0, say) gets zeros and LSE −∞.
+    ///
+    /// `host`, when given, holds copies of the cache's lengths (and block table) that are
+    /// checked first. `workspace` holds the partial results when the plan has more than
+    /// one split; without it, memory comes from the stream-ordered allocator for the call.
+    ///
+    /// # Safety
+    ///
+    /// As for [`Attention::forward`]: every view and the cache's metadata must be live
+    /// device memory of this device for the extents they describe until the kernels have
+    /// run, `stream` null or a live stream of this context, and nothing else writing the
+    /// inputs or touching the outputs (and the workspace) meanwhile.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn decode(
+        &self,
+        q: &TensorView,
+        cache: &KvCache,
+        host: Option<&HostMetadata>,
+        o: &TensorView,
+        lse: Option<&LseView>,
+        params: &AttentionParams,
+        workspace: Option<Workspace>,
+        stream: CUstream,
+    ) -> Result<()> {
+        let problem = validate_decode(q, cache, o, lse, params)?;
+        if let Some(h) = host {
+            h.check(cache, &problem.cache, 0)?;
+        }
+        let plan = self.decode_plan(&problem)?;
+        if let Some(w) = workspace
+            && plan.workspace_bytes > 0
+        {
+            check_workspace(&w, plan.workspace_bytes, cache, q, o, lse, &problem)?;
+        }
+        let kernel = self.load(&plan.config.id(), plan.config.smem_bytes(), || {
+            plan.config.generate()
+        })?;
+        let merge_cfg = MergeConfig {
+            input: MergeType::F32,
+            output: merge_type(o.dtype),
+            head_dim: problem.cache.head_dim as u32,
+        };
+        let merge = if plan.splits > 1 {
+            Some(self.load(&merge_cfg.id(), 0, || merge_cfg.generate())?)
+        } else {
+            None
+        };
+        let (ws, owned) = match (plan.workspace_bytes, workspace) {
+            (0, _) => (0, false),
+            (_, Some(w)) => (w.ptr, false),
+            (bytes, None) => (self.alloc_async(bytes, stream)?, true),
+        };
+        let rows = plan.splits * problem.cache.batch * problem.seqlen_q * problem.heads_q;
+        let lse_part = ws + (rows * problem.cache.head_dim * 4).next_multiple_of(256) as u64;
+        let c = &problem.cache;
+        let (block_table, table_stride) = match cache.layout {
+            super::kv_cache::CacheLayout::Paged {
+                block_table,
+                table_stride,
+                ..
+            } => (block_table, table_stride as u64),
+            super::kv_cache::CacheLayout::Contiguous => (0, 0),
+        };
+        let mut args = DecodeArgs {
+            q: q.ptr,
+            k: cache.k.ptr,
+            v: cache.v.ptr,
+            o: o.ptr,
+            lse: lse.map_or(0, |l| l.ptr),
+            o_part: ws,
+            lse_part,
+            seqlens: cache.seqlens,
+            block_table,
+            q_stride: strides3(q),
+            k_stride: strides3(&cache.k),
+            v_stride: strides3(&cache.v),
+            o_stride: strides3(o),
+            block_table_stride: table_stride,
+            seqlen_q: problem.seqlen_q as u32,
+            group: problem.group() as u32,
+            heads_q: problem.heads_q as u32,
+            batch: c.batch as u32,
+            capacity: c.capacity as u32,
+            pool_pages: c.pool_pages as u32,
+            page_shift: c.page_shift(),
+            splits: plan.splits as u32,
+            scale_log2: problem.scale * std::f32::consts::LOG2_E,
+            scale: problem.scale,
+            causal: u32::from(problem.causal),
+            row_chunks: problem.row_chunks() as u32,
+        };
+        let dims = LaunchDims {
+            grid: (
+                plan.splits as u32,
+                (c.heads_kv * problem.row_chunks()) as u32,
+                c.batch as u32,
+            ),
+            block: (plan.config.threads(), 1, 1),
+            dynamic_smem: plan.config.smem_bytes(),
+        };
+        let mut params = [(&mut args as *mut DecodeArgs).cast::<c_void>()];
+        // SAFETY: the kernel's one parameter is the by-value `DecodeArgs`, which `args` is;
+        // validation checked every pointer the block carries (non-null, aligned, extents
+        // that fit, outputs apart from inputs); the kernel clamps the device lengths to the
+        // capacity and follows no block-table entry outside the pool, so it reads only the
+        // cache's extents; the workspace holds `workspace_bytes` (checked, or allocated
+        // above); this function's contract makes the memory live and `stream` valid.
+        let launched = unsafe { launch(&kernel, &dims, stream, &mut params) };
+        let merged = match (launched, merge) {
+            (Ok(()), Some(merge)) => {
+                let parts = MergeParts {
+                    o: TensorView::strided(
+                        ws,
+                        DType::F32,
+                        [c.batch, problem.seqlen_q, problem.heads_q, c.head_dim],
+                        [
+                            problem.seqlen_q * problem.heads_q * c.head_dim,
+                            problem.heads_q * c.head_dim,
+                            c.head_dim,
+                            1,
+                        ],
+                    ),
+                    count: plan.splits,
+                    shard_stride: c.batch * problem.seqlen_q * problem.heads_q * c.head_dim,
+                    lse: lse_part,
+                };
+                let (mut margs, mdims) = merge_launch(&parts, o, lse, &merge_cfg);
+                let mut mparams = [(&mut margs as *mut MergeArgs).cast::<c_void>()];
+                // SAFETY: the merge kernel's one parameter is the by-value `MergeArgs`; it
+                // reads the partial results the decode kernel wrote to the workspace
+                // (its layout is `parts`) and writes `o` and `lse`, validated above.
+                unsafe { launch(&merge, &mdims, stream, &mut mparams) }
+            }
+            (r, _) => r,
+        };
+        if owned {
+            self.free_async(ws, stream)?;
+        }
+        merged
+    }
+
+    /// Writes `k_new`, `v_new` (`[B, Snew, Hkv, D]`) into `cache` at each sequence's
+    /// positions `len .. len + Snew` (the lengths as the device holds them before the
+    /// call; the caller advances them). Positions past the capacity and pages outside the
+    /// pool are not written; `host` turns them into errors before anything runs.
+    ///
+    /// # Safety
+    ///
+    /// As for [`Attention::decode`].
+    pub unsafe fn append_kv(
+        &self,
+        cache: &KvCache,
+        k_new: &TensorView,
+        v_new: &TensorView,
+        host: Option<&HostMetadata>,
+        stream: CUstream,
+    ) -> Result<()> {
+        let problem = validate_append(cache, k_new, v_new)?;
+        if let Some(h) = host {
+            h.check(cache, &problem.cache, problem.new_tokens)?;
+        }
+        let cfg = AppendConfig {
+            paged: problem.cache.page_size > 0,
+        };
+        let kernel = self.load(&cfg.id(), 0, || cfg.generate())?;
+        let c = &problem.cache;
+        let (block_table, table_stride) = match cache.layout {
+            super::kv_cache::CacheLayout::Paged {
+                block_table,
+                table_stride,
+                ..
+            } => (block_table, table_stride as u64),
+            super::kv_cache::CacheLayout::Contiguous => (0, 0),
+        };
+        let total = c.batch * problem.new_tokens * c.heads_kv * c.head_dim / 8;
+        let mut args = AppendArgs {
+            k_new: k_new.ptr,
+            v_new: v_new.ptr,
+            k_cache: cache.k.ptr,
+            v_cache: cache.v.ptr,
+            seqlens: cache.seqlens,
+            block_table,
+            k_new_stride: strides3(k_new),
+            v_new_stride: strides3(v_new),
+            k_cache_stride: strides3(&cache.k),
+            v_cache_stride: strides3(&cache.v),
+            block_table_stride: table_stride,
+            new_tokens: problem.new_tokens as u32,
+            heads: c.heads_kv as u32,
+            chunks: (c.head_dim / 8) as u32,
+            capacity: c.capacity as u32,
+            pool_pages: c.pool_pages as u32,
+            page_shift: c.page_shift(),
+            total: total as u32,
+            _pad: 0,
+        };
+        let blocks = total
+            .div_ceil(APPEND_THREADS as usize)
+            .min(self.device().sm_count() as usize * 8);
+        let dims = LaunchDims {
+            grid: (blocks as u32, 1, 1),
+            block: (APPEND_THREADS, 1, 1),
+            dynamic_smem: 0,
+        };
+        let mut params = [(&mut args as *mut AppendArgs).cast::<c_void>()];
+        // SAFETY: the one parameter is the by-value `AppendArgs`; the kernel reads the
+        // validated extents of k_new/v_new and writes only cache rows at positions below
+        // the capacity through block-table entries inside the pool; this function's
+        // contract makes the memory live and `stream` valid.
+        unsafe { launch(&kernel, &dims, stream, &mut params) }
+    }
+
+    /// Merges attention results over disjoint key shards into `out` (and `out_lse`): what
+    /// attention over all their keys gives. Shards of LSE −∞ (every key masked) count
+    /// for nothing.
+    ///
+    /// # Safety
+    ///
+    /// As for [`Attention::forward`].
+    pub unsafe fn merge(
+        &self,
+        parts: &MergeParts,
+        out: &TensorView,
+        out_lse: Option<&LseView>,
+        stream: CUstream,
+    ) -> Result<()> {
+        let cfg = validate_merge(parts, out, out_lse)?;
+        let kernel = self.load(&cfg.id(), 0, || cfg.generate())?;
+        let (mut args, dims) = merge_launch(parts, out, out_lse, &cfg);
+        let mut params = [(&mut args as *mut MergeArgs).cast::<c_void>()];
+        // SAFETY: the one parameter is the by-value `MergeArgs`; the kernel reads the
+        // shards' validated extents (only those of positive weight) and writes `out` and
+        // `out_lse`'s; this function's contract makes the memory live.
+        unsafe { launch(&kernel, &dims, stream, &mut params) }
+    }
+
+    /// `bytes` of device memory from the stream-ordered allocator, ordered on `stream`.
+    fn alloc_async(&self, bytes: usize, stream: CUstream) -> Result<u64> {
+        let _scope = ContextScope::enter(self.device().context())?;
+        let mut ptr = 0;
+        // SAFETY: `ptr` is a valid out-pointer; the context is current; `stream` is the
+        // caller's (null or live, by the calling function's contract).
+        check("cuMemAllocAsync", unsafe {
+            sys::cuMemAllocAsync(&mut ptr, bytes, stream)
+        })?;
+        Ok(ptr)
+    }
+
+    /// Returns memory from [`Attention::alloc_async`] once `stream` has run past this point.
+    fn free_async(&self, ptr: u64, stream: CUstream) -> Result<()> {
+        let _scope = ContextScope::enter(self.device().context())?;
+        // SAFETY: `ptr` came from cuMemAllocAsync in this context and is freed once.
+        check("cuMemFreeAsync", unsafe {
+            sys::cuMemFreeAsync(ptr, stream)
+        })
+    }
+}
+
+/// The caller's workspace is large enough, aligned and apart from every other buffer.
+fn check_workspace(
+    w: &Workspace,
+    needed: usize,
+    cache: &KvCache,
+    q: &TensorView,
+    o: &TensorView,
+    lse: Option<&LseView>,
+    p: &DecodeProblem,
+) -> Result<()> {
+    if w.ptr == 0 {
+        return Err(Error::NullPointer("workspace"));
+    }
+    if !w.ptr.is_multiple_of(256) {
+        return Err(Error::Misaligned {
+            tensor: "workspace",
+            ptr: w.ptr,
+            align: 256,
+        });
+    }
+    if w.bytes < needed {
+        return Err(Error::InvalidArgument(format!(
+            "the workspace has {} bytes, this call needs {needed}",
+            w.bytes
+        )));
+    }
+    let range = (w.ptr, w.ptr.saturating_add(needed as u64));
+    let mut others = cache.byte_ranges(p.cache.batch);
+    others.extend(q.byte_range().map(|r| ("q", r)));
+    others.extend(o.byte_range().map(|r| ("o", r)));
+    if let Some(l) = lse {
+        others.push((
+            "lse",
+            lse_byte_range(l, p.cache.batch, p.heads_q, p.seqlen_q)?,
+        ));
+    }
+    for (name, r) in others {
+        if overlaps(range, r) {
+            return Err(Error::InvalidArgument(format!(
+                "the workspace overlaps {name}"
+            )));
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::host::kv_cache::CacheLayout;
+
+    const GB: u64 = 1 << 30;
+
+    fn cache(b: usize, cap: usize, hkv: usize, d: usize, paged: Option<usize>) -> KvCache {
+        let (k, v, layout) = match paged {
+            None => (
+                TensorView::bshd(GB, DType::F16, b, cap, hkv, d),
+                TensorView::bshd(2 * GB, DType::F16, b, cap, hkv, d),
+                CacheLayout::Contiguous,
+            ),
+            Some(page) => {
+                let pages = cap / page;
+                (
+                    TensorView::bshd(GB, DType::F16, b * pages, page, hkv, d),
+                    TensorView::bshd(2 * GB, DType::F16, b * pages, page, hkv, d),
+                    CacheLayout::Paged {
+                        block_table: 3 * GB,
+                        max_pages: pages,
+                        table_stride: pages,
+                    },
+                )
+            }
+        };
+        KvCache {
+            k,
+            v,
+            seqlens: 3 * GB + (1 << 20),
+            layout,
+        }
+    }
+
+    fn q(b: usize, sq: usize, hq: usize, d: usize, at: u64) -> TensorView {
+        TensorView::bshd(at, DType::F16, b, sq, hq, d)
+    }
+
+    fn check(qv: &TensorView, c: &KvCache) -> Result<DecodeProblem> {
+        let o = TensorView { ptr: 5 * GB, ..*qv };
+        validate_decode(qv, c, &o, None, &AttentionParams::default())
+    }
+
+    #[test]
+    fn decode_accepts_contiguous_and_paged_caches() {
+        let p = check(&q(4, 1, 32, 128, 4 * GB), &cache(4, 4096, 8, 128, None)).unwrap();
+        assert_eq!((p.group(), p.row_chunks(), p.cache.capacity), (4, 1, 4096));
+        let p = check(&q(2, 16, 16, 64, 4 * GB), &cache(2, 1024, 2, 64, Some(16))).unwrap();
+        assert_eq!((p.cache.page_size, p.cache.pool_pages), (16, 128));
+        assert_eq!(p.row_chunks(), 8);
+        assert_eq!(p.cache.page_shift(), 4);
+    }
+
+    #[test]
+    fn decode_refuses_bad_input_with_typed_errors() {
+        let c = cache(2, 1024, 2, 64, Some(16));
+        let q0 = q(2, 1, 4, 64, 4 * GB);
+        assert!(matches!(
+            check(&q(2, 17, 4, 64, 4 * GB), &c),
+            Err(Error::InvalidArgument(_))
+        ));
+        assert!(matches!(
+            check(&q(2, 1, 3, 64, 4 * GB), &c),
+            Err(Error::HeadRatio { .. })
+        ));
+        assert!(matches!(
+            check(&q(3, 1, 4, 64, 4 * GB), &cache(2, 64, 2, 64, None)),
+            Err(Error::ShapeMismatch(_))
+        ));
+        assert!(matches!(
+            check(&q(2, 1, 4, 80, 4 * GB), &cache(2, 64, 2, 80, None)),
+            Err(Error::UnsupportedHeadDim(80, _))
+        ));
+        assert!(matches!(
+            check(&q(2, 1, 4, 64, 4 * GB + 8), &c),
+            Err(Error::Misaligned { .. })
+        ));
+        let mut odd = c;
+        odd.k.shape[1] = 48;
+        odd.v.shape[1] = 48;
+        assert!(
+            matches!(check(&q0, &odd), Err(Error::InvalidArgument(ref m)) if m.contains("power of two"))
+        );
+        let mut no_table = c;
+        no_table.layout = CacheLayout::Paged {
+            block_table: 0,
+            max_pages: 64,
+            table_stride: 64,
+        };
+        assert!(matches!(
+            check(&q0, &no_table),
+            Err(Error::NullPointer("block_table"))
+        ));
+        let mut short = c;
+        short.layout = CacheLayout::Paged {
+            block_table: 3 * GB,
+            max_pages: 64,
+            table_stride: 63,
+        };
+        assert!(matches!(check(&q0, &short), Err(Error::BadStrides { .. })));
+        let mut bf = c;
+        bf.v.dtype = DType::Bf16;
+        assert!(matches!(check(&q0, &bf), Err(Error::UnsupportedDType(_))));
+        let mut nolen = c;
+        nolen.seqlens = 0;
+        assert!(matches!(
+            check(&q0, &nolen),
+            Err(Error::NullPointer("seqlens"))
+        ));
+        // The output may not overlap the cache or q, nor the LSE the output.
+        let o = TensorView { ptr: GB, ..q0 };
+        let e = validate_decode(&q0, &c, &o, None, &AttentionParams::default());
+        assert!(matches!(e, Err(Error::InvalidArgument(ref m)) if m.contains("overlaps")));
+        let o = TensorView { ptr: 5 * GB, ..q0 };
+        let lse = LseView { ptr: 5 * GB };
+        let e = validate_decode(&q0, &c, &o, Some(&lse), &AttentionParams::default());
+        assert!(matches!(e, Err(Error::InvalidArgument(_))));
+        let bad_scale = AttentionParams {
+            softmax_scale: Some(-1.0),
+            causal: false,
+        };
+        assert!(validate_decode(&q0, &c, &o, None, &bad_scale).is_err());
+    }
+
+    #[test]
+    fn host_metadata_is_checked_against_capacity_and_pool() {
+        let c = cache(2, 64, 2, 64, Some(16));
+        let shape = c.validate(2).unwrap();
+        let table: Vec<i32> = (0..8).collect();
+        let ok = HostMetadata {
+            seqlens: &[64, 3],
+            block_table: Some(&table),
+        };
+        ok.check(&c, &shape, 0).unwrap();
+        assert!(
+            ok.check(&c, &shape, 1).is_err(),
+            "an append past the capacity"
+        );
+        let long = HostMetadata {
+            seqlens: &[65, 3],
+            block_table: Some(&table),
+        };
+        assert!(
+            matches!(long.check(&c, &shape, 0), Err(Error::InvalidArgument(ref m)) if m.contains("capacity"))
+        );
+        let negative = HostMetadata {
+            seqlens: &[-1, 3],
+            block_table: Some(&table),
+        };
+        assert!(negative.check(&c, &shape, 0).is_err());
+        let mut bad = table.clone();
+        bad[4] = 8;
+        let outside = HostMetadata {
+            seqlens: &[64, 3],
+            block_table: Some(&bad),
+        };
+        assert!(
+            matches!(outside.check(&c, &shape, 0), Err(Error::InvalidArgument(ref m)) if m.contains("outside the pool"))
+        );
+        // Entries past a sequence's last page are not looked at.
+        bad[4] = 0;
+        bad[7] = -9;
+        HostMetadata {
+            seqlens: &[64, 3],
+            block_table: Some(&bad),
+        }
+        .check(&c, &shape, 0)
+        .unwrap();
+        let missing = HostMetadata {
+            seqlens: &[1, 1],
+            block_table: None,
+        };
+        assert!(missing.check(&c, &shape, 0).is_err());
+        let count = HostMetadata {
+            seqlens: &[1],
+            block_table: Some(&table),
+        };
+        assert!(matches!(
+            count.check(&c, &shape, 0),
+            Err(Error::ShapeMismatch(_))
+        ));
+    }
+
+    #[test]
+    fn splits_fill_the_gpu_and_depend_only_on_capacities() {
+        let plan = |b, cap| {
+            let p = decode_problem(
+                &q(b, 1, 32, 128, 4 * GB),
+                &cache(b, cap, 8, 128, None),
+                &AttentionParams::default(),
+            )
+            .unwrap();
+            plan_decode(&p, 132, 227 * 1024).unwrap()
+        };
+        let one = plan(1, 32768);
+        assert!(
+            one.splits >= 16,
+            "one long sequence is split: {}",
+            one.splits
+        );
+        assert!(one.workspace_bytes >= one.splits * 32 * 128 * 4);
+        assert_eq!(plan(64, 4096).splits, 1, "a full batch needs no split");
+        assert_eq!(plan(64, 4096).workspace_bytes, 0);
+        // Short capacities are split no finer than MIN_SPLIT_KEYS.
+        assert!(plan(1, 512).splits <= 2);
+        // A GPU with 99 KiB per block gets a ring that fits it.
+        let p = decode_problem(
+            &q(1, 1, 8, 256, 4 * GB),
+            &cache(1, 4096, 1, 256, Some(64)),
+            &AttentionParams::default(),
+        )
+        .unwrap();
+        let small = plan_decode(&p, 58, 99 * 1024).unwrap();
+        assert!(small.config.smem_bytes() <= 99 * 1024);
+        assert!(plan_decode(&p, 58, 32 * 1024).is_err());
+    }
+
+    #[test]
+    fn merge_and_append_validation() {
+        let parts = MergeParts {
+            o: TensorView::bshd(GB, DType::F16, 2, 5, 4, 128),
+            count: 3,
+            shard_stride: 2 * 5 * 4 * 128,
+            lse: 2 * GB,
+        };
+        let out = TensorView::bshd(3 * GB, DType::F32, 2, 5, 4, 128);
+        let cfg = validate_merge(&parts, &out, None).unwrap();
+        assert_eq!((cfg.input, cfg.output), (MergeType::F16, MergeType::F32));
+        let into_parts = TensorView {
+            ptr: GB + 4096,
+            ..out
+        };
+        assert!(matches!(
+            validate_merge(&parts, &into_parts, None),
+            Err(Error::InvalidArgument(_))
+        ));
+        let none = MergeParts { count: 0, ..parts };
+        assert!(matches!(
+            validate_merge(&none, &out, None),
+            Err(Error::EmptyDimension { .. })
+        ));
+        let odd = MergeParts {
+            shard_stride: 3,
+            ..parts
+        };
+        assert!(matches!(
+            validate_merge(&odd, &out, None),
+            Err(Error::BadStrides { .. })
+        ));
+        let shape = TensorView::bshd(3 * GB, DType::F32, 2, 6, 4, 128);
+        assert!(matches!(
+            validate_merge(&parts, &shape, None),
+            Err(Error::ShapeMismatch(_))
+        ));
+
+        let c = cache(2, 64, 2, 64, Some(16));
+        let new = TensorView::bshd(4 * GB, DType::F16, 2, 3, 2, 64);
+        let vnew = TensorView { ptr: 5 * GB, ..new };
+        assert_eq!(validate_append(&c, &new, &vnew).unwrap().new_tokens, 3);
+        let wrong = TensorView::bshd(4 * GB, DType::F16, 2, 3, 4, 64);
+        assert!(matches!(
+            validate_append(
+                &c,
+                &wrong,
+                &TensorView {
+                    ptr: 5 * GB,
+                    ..wrong
+                }
+            ),
+            Err(Error::ShapeMismatch(_))
+        ));
+        let overlapping = TensorView { ptr: GB, ..new };
+        assert!(matches!(
+            validate_append(&c, &overlapping, &vnew),
+            Err(Error::InvalidArgument(_))
+        ));
+    }
+}

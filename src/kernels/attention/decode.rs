@@ -1,0 +1,946 @@
+//! Split-KV decode: a few query tokens per sequence against a long KV cache
+//! (`.target sm_80`, so the same module runs on Ampere, Ada and Hopper).
+//!
+//! Decode reads every cached key and value once per step and does little arithmetic on
+//! them, so the kernel is built to keep the memory system busy:
+//!
+//! - **GQA packing**: the `Sq · group` query rows that share one KV head form one 16-row
+//!   MMA tile (row `qi · group + g` is query `qi` of head `kv_head · group + g`), so each
+//!   K/V byte is read once per step, not once per query head.
+//! - **Split-KV**: the grid is `(splits, kv_heads · row_chunks, batch)`; block `split`
+//!   takes the `split`-th of `splits` equal runs of the sequence's keys (runs rounded to
+//!   whole tiles). `splits` comes from the capacities and the SM count, never from the
+//!   lengths, so one captured CUDA graph stays valid as the caches grow.
+//! - **A ring of `stages` K/V tiles** filled by `cp.async`, `stages − 1` in flight while
+//!   the warps work on the oldest.
+//! - **Warps split the keys**: the 4 warps take 16 keys each of every 64-key tile, each
+//!   keeping its own online softmax over the same 16 rows; the block merges the four by
+//!   their maxima at the end.
+//!
+//! ```text
+//! issue Q; issue tiles 0 .. stages−2
+//! for t in 0..tiles:
+//!     wait tile t; issue tile t + stages − 1 (into the slot tile t − 1 used)
+//!     S = Q K[t, warp]^T; mask; online softmax; O += P V[t, warp]
+//! merge the warps' (m, l, O); write O and the LSE (one split) or the split's partial
+//! result (several; the merge kernel combines them)
+//! ```
+//!
+//! The cache is contiguous `[B, capacity, Hkv, D]` or paged: a pool `[pages, page_size,
+//! Hkv, D]` and a block table `[B, max_pages]` of page indices. Keys a block table entry
+//! outside the pool would name are never read (zero-filled instead); lengths are clamped
+//! to the capacity. Queries sit at the end of their sequence: query `qi` of `Sq` is
+//! position `len − Sq + qi`, and with causal masking sees keys up to that position.
+
+use std::marker::PhantomData;
+use std::mem::offset_of;
+
+use super::rows::{Rows, Slab, half_of, zeroed_slabs};
+use super::sm80::frag_addresses;
+use super::softmax::OnlineSoftmax;
+use super::{FWD_HEAD_DIMS, HalfType};
+use crate::ptx::{
+    Bf16x2, Cmp, F16x2, F32, Half2, Kernel, KernelText, Module, ParamBytes, Pred, PtxError,
+    PtxType, Reg, S32, Smem, SmemAddr, SmemLayout, SmemPlan, Special, Swizzle, Target, TileSlot,
+    U32, U64,
+};
+
+/// Packed query rows per block (one MMA tile).
+pub const ROWS: u32 = 16;
+/// The most query tokens per sequence a decode call takes.
+pub const MAX_QUERIES: usize = 16;
+/// Keys each warp takes per stage: a stage holds `16 · warps` keys.
+const WARP_KEYS: u32 = 16;
+
+/// Head dimensions the decode kernels are generated for: those of the forward.
+pub const HEAD_DIMS: [u32; 6] = FWD_HEAD_DIMS;
+
+/// One decode-kernel configuration: everything that changes the generated code.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct DecodeConfig {
+    pub dtype: HalfType,
+    pub head_dim: u32,
+    /// Paged cache (block table) rather than contiguous.
+    pub paged: bool,
+    /// K/V tiles in the ring (2 to 4).
+    pub stages: u32,
+    /// Warps per block (4, or 2 where shared memory is short): each takes 16 keys of
+    /// every stage.
+    pub warps: u32,
+}
+
+impl DecodeConfig {
+    /// The ring depth a head dim gets when shared memory allows: about 96 KiB of K/V
+    /// tiles, so two blocks fit an sm_90 SM and each keeps 64 KiB of reads in flight.
+    pub fn preferred_stages(head_dim: u32) -> u32 {
+        match head_dim {
+            0..=64 => 4,
+            65..=128 => 3,
+            _ => 2,
+        }
+    }
+
+    /// The ring shapes to try, best first, on a GPU whose blocks may use `smem_optin`
+    /// bytes: the preferred ring, two stages, two stages of half the keys.
+    pub fn candidates(dtype: HalfType, head_dim: u32, paged: bool) -> [DecodeConfig; 3] {
+        let cfg = |stages, warps| DecodeConfig {
+            dtype,
+            head_dim,
+            paged,
+            stages,
+            warps,
+        };
+        [
+            cfg(Self::preferred_stages(head_dim), 4),
+            cfg(2, 4),
+            cfg(2, 2),
+        ]
+    }
+
+    /// The kernel id, also its PTX entry name: `attn_decode_f16_d128_s3w4_paged`.
+    pub fn id(&self) -> String {
+        format!(
+            "attn_decode_{}_d{}_s{}w{}{}",
+            self.dtype.name(),
+            self.head_dim,
+            self.stages,
+            self.warps,
+            if self.paged { "_paged" } else { "" }
+        )
+    }
+
+    pub fn threads(&self) -> u32 {
+        self.warps * 32
+    }
+
+    /// Keys per ring stage.
+    pub fn block_n(&self) -> u32 {
+        self.warps * WARP_KEYS
+    }
+
+    /// Bytes of the cross-warp statistics (max and sum of each warp's 16 rows).
+    fn stats_bytes(&self) -> u32 {
+        self.warps * ROWS * 8
+    }
+
+    fn q_layout(&self) -> SmemLayout {
+        SmemLayout::new(ROWS, self.head_dim, 2, Swizzle::B128)
+    }
+
+    fn kv_layout(&self) -> SmemLayout {
+        SmemLayout::new(self.block_n(), self.head_dim, 2, Swizzle::B128)
+    }
+
+    fn plan(&self) -> (SmemPlan, [TileSlot; 3]) {
+        let mut plan = SmemPlan::new();
+        let q = plan.tile(self.q_layout(), 1);
+        let k = plan.tile(self.kv_layout(), self.stages);
+        let v = plan.tile(self.kv_layout(), self.stages);
+        (plan, [q, k, v])
+    }
+
+    /// Dynamic shared memory per block, bytes.
+    pub fn smem_bytes(&self) -> u32 {
+        self.plan().0.bytes()
+    }
+
+    pub fn generate(&self) -> Result<Module, PtxError> {
+        let kernel = match self.dtype {
+            HalfType::F16 => build::<F16x2>(self)?,
+            HalfType::Bf16 => build::<Bf16x2>(self)?,
+        };
+        let mut module = Module::new(Target::Sm80);
+        module.push(kernel)?;
+        Ok(module)
+    }
+}
+
+/// Every decode configuration the dispatch can choose: each head dim's
+/// [`DecodeConfig::candidates`].
+pub fn all_decode_configs() -> Vec<DecodeConfig> {
+    let mut v = Vec::new();
+    for dtype in [HalfType::F16, HalfType::Bf16] {
+        for head_dim in HEAD_DIMS {
+            for paged in [false, true] {
+                for cfg in DecodeConfig::candidates(dtype, head_dim, paged) {
+                    if !v.contains(&cfg) {
+                        v.push(cfg);
+                    }
+                }
+            }
+        }
+    }
+    v
+}
+
+/// The by-value argument block of the decode kernels. Strides are in elements: for Q and
+/// O (batch, query, head); for a contiguous cache (batch, position, head); for a paged
+/// pool (page, position in page, head).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, bytemuck::Pod, bytemuck::Zeroable)]
+pub struct DecodeArgs {
+    pub q: u64,
+    pub k: u64,
+    pub v: u64,
+    pub o: u64,
+    /// float32 `[B, Hq, Sq]`, or 0.
+    pub lse: u64,
+    /// Partial outputs, float32 `[splits, B, Sq, Hq, D]` (unused with one split).
+    pub o_part: u64,
+    /// Partial log-sum-exps, float32 `[splits, B, Hq, Sq]`.
+    pub lse_part: u64,
+    /// int32 `[B]`: each sequence's length (the new tokens included).
+    pub seqlens: u64,
+    /// int32 `[B, block_table_stride]` page indices (paged only).
+    pub block_table: u64,
+    pub q_stride: [u64; 3],
+    pub k_stride: [u64; 3],
+    pub v_stride: [u64; 3],
+    pub o_stride: [u64; 3],
+    pub block_table_stride: u64,
+    pub seqlen_q: u32,
+    pub group: u32,
+    pub heads_q: u32,
+    pub batch: u32,
+    /// Positions each sequence can hold: lengths are clamped to it.
+    pub capacity: u32,
+    /// Pages in the pool: entries at or past it are never followed.
+    pub pool_pages: u32,
+    /// log2 of the page size.
+    pub page_shift: u32,
+    pub splits: u32,
+    pub scale_log2: f32,
+    pub scale: f32,
+    pub causal: u32,
+    /// 16-row chunks of the packed `Sq · group` rows.
+    pub row_chunks: u32,
+}
+
+impl DecodeArgs {
+    pub const SIZE: usize = std::mem::size_of::<DecodeArgs>();
+}
+
+fn arg<T: PtxType>(k: &mut Kernel, args: ParamBytes, offset: usize) -> Reg<T> {
+    k.load_param_at::<T>(args, offset)
+}
+
+/// `(batch, position, head)` strides of one tensor, read from the argument block.
+fn strides(k: &mut Kernel, args: ParamBytes, at: usize) -> [Reg<U64>; 3] {
+    std::array::from_fn(|i| arg::<U64>(k, args, at + 8 * i))
+}
+
+/// The block's coordinates and the key run it owns.
+struct Work {
+    batch: Reg<U32>,
+    kv_head: Reg<U32>,
+    chunk: Reg<U32>,
+    split: Reg<U32>,
+    /// The sequence's length, clamped to `[0, capacity]`.
+    seqlen: Reg<S32>,
+    /// The block's keys: `start..end`, in `tiles` tiles.
+    start: Reg<S32>,
+    end: Reg<S32>,
+    tiles: Reg<S32>,
+}
+
+fn work(k: &mut Kernel, args: ParamBytes, block_n: u32) -> Work {
+    let split = k.special(Special::CtaidX);
+    let y = k.special(Special::CtaidY);
+    let batch = k.special(Special::CtaidZ);
+    let row_chunks = arg::<U32>(k, args, offset_of!(DecodeArgs, row_chunks));
+    let kv_head = k.div(y, row_chunks);
+    let chunk = k.mad(kv_head, row_chunks, 0u32);
+    let chunk = k.sub(y, chunk);
+
+    let seqlens = arg::<U64>(k, args, offset_of!(DecodeArgs, seqlens));
+    let at = k.mul_wide_u32(batch, 4u32);
+    let at = k.add(seqlens, at);
+    let seqlen = k.ld_global::<S32>(at, 0);
+    let capacity = arg::<S32>(k, args, offset_of!(DecodeArgs, capacity));
+    let seqlen = k.max(seqlen, 0i32);
+    let seqlen = k.min(seqlen, capacity);
+
+    // Each split takes ceil(len / splits) keys rounded up to whole tiles.
+    let splits = arg::<S32>(k, args, offset_of!(DecodeArgs, splits));
+    let per = k.add(seqlen, splits);
+    let per = k.sub(per, 1i32);
+    let per = k.div(per, splits);
+    let per = k.add(per, (block_n - 1) as i32);
+    let per = k.and(per.cast::<U32>(), !(block_n - 1)).cast::<S32>();
+    let start = k.mul(split.cast::<S32>(), per);
+    let start = k.min(start, seqlen);
+    let end = k.add(start, per);
+    let end = k.min(end, seqlen);
+    let keys = k.sub(end, start);
+    let tiles = k.add(keys, (block_n - 1) as i32);
+    let tiles = k.shr(tiles, block_n.trailing_zeros());
+    Work {
+        batch,
+        kv_head,
+        chunk,
+        split,
+        seqlen,
+        start,
+        end,
+        tiles,
+    }
+}
+
+/// One thread's part in filling the Q tile and the K/V ring with `cp.async`: thread `t`
+/// copies 16-byte chunk `t % cpb` of rows `t / cpb + i · rows_per_pass` of every column
+/// block (`cpb` chunks per column-block row).
+struct Loader {
+    cfg: DecodeConfig,
+    chunk: Reg<U32>,
+    thread_row: Reg<U32>,
+    /// Swizzled shared offset of this thread's chunk in its first row (column block 0).
+    line: Reg<U32>,
+}
+
+impl Loader {
+    fn new(k: &mut Kernel, cfg: DecodeConfig, tid: Reg<U32>) -> Loader {
+        let row_bytes = cfg.kv_layout().block_bytes;
+        let cpb = row_bytes / 16;
+        let chunk = k.and(tid, cpb - 1);
+        let thread_row = k.shr(tid, cpb.trailing_zeros());
+        let line = k.mul(thread_row, row_bytes);
+        let line = k.mad(chunk, 16u32, line);
+        let line = Swizzle::B128.apply_in(k, line);
+        Loader {
+            cfg,
+            chunk,
+            thread_row,
+            line,
+        }
+    }
+
+    fn row_bytes(&self) -> u32 {
+        self.cfg.kv_layout().block_bytes
+    }
+
+    fn rows_per_pass(&self) -> u32 {
+        self.cfg.threads() / (self.row_bytes() / 16)
+    }
+
+    fn col_blocks(&self) -> u32 {
+        self.cfg.head_dim * 2 / self.row_bytes()
+    }
+
+    /// Copies one row (this thread's chunk of each column block) from `src` to the
+    /// tile row at shared address `dst`, or zero-fills it when `bytes` is 0.
+    fn copy_row(&self, k: &mut Kernel, dst: SmemAddr, rows: u32, src: Reg<U64>, bytes: Reg<U32>) {
+        for block in 0..self.col_blocks() {
+            let from = k.add(src, (block * self.row_bytes()) as u64);
+            let to = k.smem_offset(dst, block * rows * self.row_bytes());
+            k.cp_async_16(to, from, bytes);
+        }
+    }
+}
+
+/// Global memory of the K and V caches as this block sees it.
+struct Cache {
+    paged: bool,
+    k: Reg<U64>,
+    v: Reg<U64>,
+    k_stride: [Reg<U64>; 3],
+    v_stride: [Reg<U64>; 3],
+    /// Element offsets of this thread's chunk of head `kv_head` (plus, contiguous, the
+    /// batch) in K and V.
+    k_fixed: Reg<U64>,
+    v_fixed: Reg<U64>,
+    /// This sequence's row of the block table (paged).
+    table_row: Reg<U64>,
+    pool_pages: Reg<U32>,
+    page_shift: Reg<U32>,
+    page_mask: Reg<S32>,
+}
+
+impl Cache {
+    fn new(
+        k: &mut Kernel,
+        args: ParamBytes,
+        cfg: &DecodeConfig,
+        w: &Work,
+        chunk: Reg<U32>,
+    ) -> Cache {
+        let kp = arg::<U64>(k, args, offset_of!(DecodeArgs, k));
+        let vp = arg::<U64>(k, args, offset_of!(DecodeArgs, v));
+        let k_stride = strides(k, args, offset_of!(DecodeArgs, k_stride));
+        let v_stride = strides(k, args, offset_of!(DecodeArgs, v_stride));
+        let h = k.cvt_u64_u32(w.kv_head);
+        let c = k.cvt_u64_u32(chunk);
+        let c = k.shl(c, 3);
+        let fixed = |k: &mut Kernel, s: [Reg<U64>; 3]| {
+            let e = k.mad(h, s[2], c);
+            if cfg.paged {
+                e
+            } else {
+                let b = k.cvt_u64_u32(w.batch);
+                k.mad(b, s[0], e)
+            }
+        };
+        let k_fixed = fixed(k, k_stride);
+        let v_fixed = fixed(k, v_stride);
+        let table = arg::<U64>(k, args, offset_of!(DecodeArgs, block_table));
+        let table_stride = arg::<U64>(k, args, offset_of!(DecodeArgs, block_table_stride));
+        let b = k.cvt_u64_u32(w.batch);
+        let row = k.mul(b, table_stride);
+        let row = k.shl(row, 2);
+        let table_row = k.add(table, row);
+        let pool_pages = arg::<U32>(k, args, offset_of!(DecodeArgs, pool_pages));
+        let page_shift = arg::<U32>(k, args, offset_of!(DecodeArgs, page_shift));
+        let one = k.mov(1i32);
+        let page_mask = k.shl_by(one, page_shift);
+        let page_mask = k.sub(page_mask, 1i32);
+        Cache {
+            paged: cfg.paged,
+            k: kp,
+            v: vp,
+            k_stride,
+            v_stride,
+            k_fixed,
+            v_fixed,
+            table_row,
+            pool_pages,
+            page_shift,
+            page_mask,
+        }
+    }
+
+    /// The global addresses of key `key`'s rows (this thread's chunk) in K and V, and
+    /// whether they may be read: `key < end` and, paged, its page inside the pool.
+    /// `end > start` (only tiles that exist are issued), so `min(key, end − 1)` is a
+    /// position of the sequence and its block table entry exists.
+    fn rows(
+        &self,
+        k: &mut Kernel,
+        key: Reg<S32>,
+        end: Reg<S32>,
+    ) -> (Reg<U64>, Reg<U64>, Reg<Pred>) {
+        let mut valid = k.setp(Cmp::Lt, key, end);
+        let last = k.sub(end, 1i32);
+        let key = k.min(key, last);
+        let (page, pos) = if self.paged {
+            let index = k.shr_by(key.cast::<U32>(), self.page_shift);
+            let at = k.mul_wide_u32(index, 4u32);
+            let at = k.add(self.table_row, at);
+            let page = k.ld_global::<U32>(at, 0);
+            let inside = k.setp(Cmp::Lt, page, self.pool_pages);
+            valid = k.and_pred(valid, inside);
+            let page = k.selp(page, 0u32, inside);
+            let pos = k.and(key, self.page_mask);
+            (Some(k.cvt_u64_u32(page)), pos)
+        } else {
+            (None, key)
+        };
+        let pos = k.cvt_u64_u32(pos.cast::<U32>());
+        let addr = |k: &mut Kernel, base: Reg<U64>, s: &[Reg<U64>; 3], fixed: Reg<U64>| {
+            let e = k.mad(pos, s[1], fixed);
+            let e = match page {
+                Some(p) => k.mad(p, s[0], e),
+                None => e,
+            };
+            let bytes = k.shl(e, 1);
+            let a = k.add(base, bytes);
+            k.selp(a, base, valid)
+        };
+        let ka = addr(k, self.k, &self.k_stride, self.k_fixed);
+        let va = addr(k, self.v, &self.v_stride, self.v_fixed);
+        (ka, va, valid)
+    }
+}
+
+fn build<H: Half2>(cfg: &DecodeConfig) -> Result<KernelText, PtxError> {
+    let (plan, [q_slot, k_slot, v_slot]) = cfg.plan();
+    let kv_rows = k_slot.layout.rows;
+    let mut k = Kernel::new(&cfg.id());
+    // Two blocks per SM where shared memory allows; the register budget is set by O
+    // (d/2 per thread) and must not make ptxas spill.
+    k.max_threads(cfg.threads()).min_blocks_per_sm(1);
+    let args = k.param_bytes("args", DecodeArgs::SIZE, 8);
+    let smem = k.shared_memory(&plan);
+    let tid = k.special(Special::TidX);
+    let lane = k.and(tid, 31u32);
+    let warp = k.shr(tid, 5);
+
+    k.comment("Which (batch, kv head, row chunk, split) this block owns, and its keys.");
+    let w = work(&mut k, args, cfg.block_n());
+    let seqlen_q = arg::<U32>(&mut k, args, offset_of!(DecodeArgs, seqlen_q));
+    let group = arg::<U32>(&mut k, args, offset_of!(DecodeArgs, group));
+    let packed_rows = k.mul(seqlen_q, group);
+    let row_base = k.mul(w.chunk, ROWS);
+
+    let loader = Loader::new(&mut k, *cfg, tid);
+    let cache = Cache::new(&mut k, args, cfg, &w, loader.chunk);
+
+    k.comment("Q: the 16 packed rows (query qi of head kv_head*group + g at row qi*group + g).");
+    let rpp = loader.rows_per_pass();
+    for pass in 0..ROWS.div_ceil(rpp) {
+        let tile_row = k.add(loader.thread_row, pass * rpp);
+        let q_rows_ok = k.setp(Cmp::Lt, tile_row, ROWS);
+        let r = k.add(row_base, tile_row);
+        let in_range = k.setp(Cmp::Lt, r, packed_rows);
+        let valid = k.and_pred(q_rows_ok, in_range);
+        let last = k.sub(packed_rows, 1u32);
+        let r = k.min(r, last);
+        let qi = k.div(r, group);
+        let g = k.mad(qi, group, 0u32);
+        let g = k.sub(r, g);
+        let head = k.mad(w.kv_head, group, g);
+        let q = arg::<U64>(&mut k, args, offset_of!(DecodeArgs, q));
+        let s = strides(&mut k, args, offset_of!(DecodeArgs, q_stride));
+        let b = k.cvt_u64_u32(w.batch);
+        let e = k.mul(b, s[0]);
+        let qi = k.cvt_u64_u32(qi);
+        let e = k.mad(qi, s[1], e);
+        let head = k.cvt_u64_u32(head);
+        let e = k.mad(head, s[2], e);
+        let c = k.cvt_u64_u32(loader.chunk);
+        let c = k.shl(c, 3);
+        let e = k.add(e, c);
+        let e = k.shl(e, 1);
+        let src = k.add(q, e);
+        let src = k.selp(src, q, valid);
+        let bytes = k.selp(16u32, 0u32, valid);
+        let dst = smem.tile_byte(&mut k, q_slot, loader.line);
+        let dst = k.smem_offset(dst, pass * rpp * loader.row_bytes());
+        k.if_(q_rows_ok, |k| loader.copy_row(k, dst, ROWS, src, bytes));
+    }
+    k.cp_async_commit();
+
+    let issue = |k: &mut Kernel, tile: Reg<S32>, slot: Reg<U32>| {
+        let key0 = k.mul(tile, cfg.block_n() as i32);
+        let key0 = k.add(key0, w.start);
+        let slot_bytes = k.mul(slot, k_slot.stride);
+        let line = k.add(loader.line, slot_bytes);
+        let k_dst = smem.tile_byte(k, k_slot, line);
+        let v_dst = smem.tile_byte(k, v_slot, line);
+        for pass in 0..kv_rows / rpp {
+            let key = k.add(key0, loader.thread_row.cast::<S32>());
+            let key = k.add(key, (pass * rpp) as i32);
+            let (ka, va, valid) = cache.rows(k, key, w.end);
+            let bytes = k.selp(16u32, 0u32, valid);
+            let at = pass * rpp * loader.row_bytes();
+            let kd = k.smem_offset(k_dst, at);
+            let vd = k.smem_offset(v_dst, at);
+            loader.copy_row(k, kd, kv_rows, ka, bytes);
+            loader.copy_row(k, vd, kv_rows, va, bytes);
+        }
+    };
+
+    k.comment("Fill the ring: tiles 0 .. stages-2, one commit group each.");
+    for s in 0..cfg.stages - 1 {
+        let exists = k.setp(Cmp::Gt, w.tiles, s as i32);
+        k.if_(exists, |k| {
+            let t = k.mov(s as i32);
+            let slot = k.mov(s);
+            issue(k, t, slot)
+        });
+        k.cp_async_commit();
+    }
+
+    let f = WarpState::<H>::new(&mut k, cfg, &smem, [q_slot, k_slot, v_slot], lane, warp);
+    let scale_log2 = arg::<F32>(&mut k, args, offset_of!(DecodeArgs, scale_log2));
+    let limits = row_limits(&mut k, args, &w, lane, row_base, group, seqlen_q);
+    let g4 = k.and(lane, 3u32);
+    let col = k.shl(g4, 1);
+    let warp_keys = k.mad(warp, WARP_KEYS, col).cast::<S32>();
+
+    k.comment("The key loop: tile t from the ring, tile t + stages - 1 issued behind it.");
+    k.for_range(0i32, w.tiles, 1, |k, t| {
+        k.cp_async_wait(cfg.stages - 2);
+        k.sync_threads();
+        let ahead = k.add(t, (cfg.stages - 1) as i32);
+        let more = k.setp(Cmp::Lt, ahead, w.tiles);
+        k.if_(more, |k| {
+            let slot = k.rem(ahead.cast::<U32>(), cfg.stages);
+            issue(k, ahead, slot)
+        });
+        k.cp_async_commit();
+
+        let slot = k.rem(t.cast::<U32>(), cfg.stages);
+        let slot_bytes = k.mul(slot, k_slot.stride);
+        let scores = f.scores(k, slot_bytes);
+        let key0 = k.mul(t, cfg.block_n() as i32);
+        let key0 = k.add(key0, w.start);
+        let key0 = k.add(key0, warp_keys);
+        mask_scores(k, &scores, limits, key0);
+        let p = f
+            .softmax
+            .step_packed::<H>(k, std::slice::from_ref(&scores), &f.o, scale_log2);
+        f.accumulate_pv(k, &p[0][0], slot_bytes);
+    });
+    k.cp_async_wait(0);
+    k.sync_threads();
+
+    merge_warps_and_store::<H>(
+        &mut k,
+        cfg,
+        args,
+        &smem,
+        k_slot,
+        &f,
+        &w,
+        tid,
+        warp,
+        lane,
+        row_base,
+        packed_rows,
+    );
+    k.finish()
+}
+
+/// Per row half of this thread (rows `g` and `g + 8` of the tile): the first key the row
+/// must not see. Without causal masking that is the block's end; with it, query `qi`
+/// (position `len − Sq + qi`) sees keys up to its own position.
+fn row_limits(
+    k: &mut Kernel,
+    args: ParamBytes,
+    w: &Work,
+    lane: Reg<U32>,
+    row_base: Reg<U32>,
+    group: Reg<U32>,
+    seqlen_q: Reg<U32>,
+) -> [Reg<S32>; 2] {
+    let causal = arg::<U32>(k, args, offset_of!(DecodeArgs, causal));
+    let causal = k.setp(Cmp::Ne, causal, 0u32);
+    let g = k.shr(lane, 2);
+    std::array::from_fn(|half| {
+        let r = k.add(row_base, g);
+        let r = k.add(r, 8 * half as u32);
+        let qi = k.div(r, group);
+        // len − Sq + qi + 1, in s32: len <= capacity < 2^30 and Sq <= 16.
+        let lim = k.sub(w.seqlen, seqlen_q.cast::<S32>());
+        let lim = k.add(lim, qi.cast::<S32>());
+        let lim = k.add(lim, 1i32);
+        let lim = k.selp(lim, w.end, causal);
+        k.min(lim, w.end)
+    })
+}
+
+/// Sets to −∞ the scores of keys at or past their row's limit; `key0` is the key of the
+/// thread's column 0 in tile 0.
+fn mask_scores(k: &mut Kernel, scores: &Slab, limits: [Reg<S32>; 2], key0: Reg<S32>) {
+    for (half, &limit) in limits.iter().enumerate() {
+        let left = k.sub(limit, key0);
+        for (nt, tile) in scores.iter().enumerate() {
+            for (j, v) in half_of(tile, half).into_iter().enumerate() {
+                let sees = k.setp(Cmp::Gt, left, (8 * nt + j) as i32);
+                k.selp_to(v, v, f32::NEG_INFINITY, sees);
+            }
+        }
+    }
+}
+
+/// One warp's accumulators and fragment addresses.
+struct WarpState<H: Half2> {
+    cfg: DecodeConfig,
+    o: Vec<Slab>,
+    softmax: OnlineSoftmax,
+    q_frag: Vec<SmemAddr>,
+    k_frag: Vec<SmemAddr>,
+    v_frag: Vec<SmemAddr>,
+    _h: PhantomData<H>,
+}
+
+impl<H: Half2> WarpState<H> {
+    fn new(
+        k: &mut Kernel,
+        cfg: &DecodeConfig,
+        smem: &Smem,
+        [q, kt, vt]: [TileSlot; 3],
+        lane: Reg<U32>,
+        warp: Reg<U32>,
+    ) -> Self {
+        let o = zeroed_slabs(k, 1, (cfg.head_dim / 8) as usize);
+        let softmax = OnlineSoftmax::new(k, 1);
+        // ldmatrix lane roles as in the sm80 forward; each warp reads its own 16 keys.
+        let l8 = k.and(lane, 7u32);
+        let l16 = k.and(lane, 15u32);
+        let hi16 = k.shr(lane, 4);
+        let mid = k.shr(lane, 3);
+        let mid = k.and(mid, 1u32);
+        let first = k.mul(warp, WARP_KEYS);
+        let k_row = k.mad(hi16, 8u32, l8);
+        let k_row = k.add(k_row, first);
+        let v_row = k.add(l16, first);
+        Self {
+            cfg: *cfg,
+            o,
+            softmax,
+            q_frag: frag_addresses(k, smem, q, l16, hi16),
+            k_frag: frag_addresses(k, smem, kt, k_row, mid),
+            v_frag: frag_addresses(k, smem, vt, v_row, hi16),
+            _h: PhantomData,
+        }
+    }
+
+    fn row_bytes(&self) -> u32 {
+        self.cfg.kv_layout().block_bytes
+    }
+
+    /// `S = Q K^T` for this warp's 16 keys of the tile in the slot at `slot_bytes`.
+    fn scores(&self, k: &mut Kernel, slot_bytes: Reg<U32>) -> Slab {
+        let rb = self.row_bytes();
+        let kpb = rb / 32;
+        let k_base: Vec<SmemAddr> = self
+            .k_frag
+            .iter()
+            .map(|&a| k.smem_offset(a, slot_bytes))
+            .collect();
+        let acc = zeroed_slabs(k, 1, 2).remove(0);
+        for kk in 0..self.cfg.head_dim / 16 {
+            let (step, block) = ((kk % kpb) as usize, kk / kpb);
+            let qa = k.smem_offset(self.q_frag[step], block * ROWS * rb);
+            let a = k.ldmatrix_x4::<H>(qa, false);
+            let ka = k.smem_offset(k_base[step], block * self.cfg.block_n() * rb);
+            let [b0, b1, b2, b3] = k.ldmatrix_x4::<H>(ka, false);
+            k.mma_m16n8k16(&acc[0], &a, &[b0, b1], &acc[0]);
+            k.mma_m16n8k16(&acc[1], &a, &[b2, b3], &acc[1]);
+        }
+        acc
+    }
+
+    /// `O += P V` for this warp's 16 keys.
+    fn accumulate_pv(&self, k: &mut Kernel, p: &[Reg<H>; 4], slot_bytes: Reg<U32>) {
+        let rb = self.row_bytes();
+        let kpb = rb / 32;
+        let v_base: Vec<SmemAddr> = self
+            .v_frag
+            .iter()
+            .map(|&a| k.smem_offset(a, slot_bytes))
+            .collect();
+        for np in 0..self.cfg.head_dim / 16 {
+            let (step, block) = ((np % kpb) as usize, np / kpb);
+            let va = k.smem_offset(v_base[step], block * self.cfg.block_n() * rb);
+            let [b0, b1, b2, b3] = k.ldmatrix_x4::<H>(va, true);
+            let (lo, hi) = (&self.o[0][2 * np as usize], &self.o[0][2 * np as usize + 1]);
+            k.mma_m16n8k16(lo, p, &[b0, b1], lo);
+            k.mma_m16n8k16(hi, p, &[b2, b3], hi);
+        }
+    }
+}
+
+/// The end of the block: the four warps' softmax states merged through shared memory
+/// (which the ring no longer needs), then the rows written, as the final O and LSE when
+/// there is one split, as float32 partial results otherwise.
+///
+/// Thread `t` merges row `t % 16`'s part `t / 16` (`d / parts` columns, `parts` =
+/// threads / 16): for each warp `w`,
+/// `f_w = exp2((m_w − M)·c)` with `M` the largest `m_w`, `L = Σ l_w f_w`,
+/// `O = Σ O_w f_w / L`, `LSE = M·scale + ln L`. A row no key reached has `M = −∞` and
+/// every `l_w = 0`: it gets O = 0 and LSE = −∞.
+#[allow(clippy::too_many_arguments)]
+fn merge_warps_and_store<H: Half2>(
+    k: &mut Kernel,
+    cfg: &DecodeConfig,
+    args: ParamBytes,
+    smem: &Smem,
+    scratch: TileSlot,
+    f: &WarpState<H>,
+    w: &Work,
+    tid: Reg<U32>,
+    warp: Reg<U32>,
+    lane: Reg<U32>,
+    row_base: Reg<U32>,
+    packed_rows: Reg<U32>,
+) {
+    let d = cfg.head_dim;
+    k.comment("Merge the warps: (m, l) and O of each through shared memory.");
+    let base = smem.tile(k, scratch, 0);
+    let zero = k.mov(0u32);
+    let rows = Rows::new(k, lane, zero);
+    let stats_bytes = cfg.stats_bytes();
+    let is_col0 = k.setp(Cmp::Eq, rows.col, 0i32);
+    for half in 0..2 {
+        let sum = f.softmax.row_sum(k, 0, half);
+        let row = k.add(rows.row0.cast::<U32>(), Rows::offset(0, half));
+        let wrow = k.mad(warp, ROWS, row);
+        let stat = k.mul(wrow, 8u32);
+        let stat = k.smem_offset(base, stat);
+        let m = f.softmax.max[0][half];
+        k.guarded(is_col0, true, |k| {
+            k.st_shared(stat, 0, m);
+            k.st_shared(stat, 4, sum);
+        });
+        let at = k.mul(wrow, d * 4);
+        let c4 = k.shl(rows.col.cast::<U32>(), 2);
+        let at = k.add(at, c4);
+        let at = k.add(at, stats_bytes);
+        let at = k.smem_offset(base, at);
+        for (nt, acc) in f.o[0].iter().enumerate() {
+            let [lo, hi] = half_of(acc, half);
+            k.st_shared(at, (nt * 32) as i32, lo);
+            k.st_shared(at, (nt * 32 + 4) as i32, hi);
+        }
+    }
+    k.sync_threads();
+
+    let cols = d / (cfg.threads() / ROWS);
+    let row = k.and(tid, ROWS - 1);
+    let part = k.shr(tid, ROWS.trailing_zeros());
+    let scale_log2 = arg::<F32>(k, args, offset_of!(DecodeArgs, scale_log2));
+    let scale = arg::<F32>(k, args, offset_of!(DecodeArgs, scale));
+    let stats: Vec<[Reg<F32>; 2]> = (0..cfg.warps)
+        .map(|wi| {
+            let at = k.add(row, wi * ROWS);
+            let at = k.mul(at, 8u32);
+            let at = k.smem_offset(base, at);
+            [k.ld_shared::<F32>(at, 0), k.ld_shared::<F32>(at, 4)]
+        })
+        .collect();
+    let mut max = stats[0][0];
+    for s in &stats[1..] {
+        max = k.max(max, s[0]);
+    }
+    let none = k.setp(Cmp::Eq, max, f32::NEG_INFINITY);
+    let max = k.selp(0f32, max, none);
+    let total = k.mov(0f32);
+    let acc: Vec<Reg<F32>> = (0..cols).map(|_| k.mov(0f32)).collect();
+    let col0 = k.mul(part, cols);
+    for (wi, s) in stats.iter().enumerate() {
+        let drop = k.sub(s[0], max);
+        let drop = k.mul(drop, scale_log2);
+        let factor = k.ex2(drop);
+        k.mad_to(total, s[1], factor, total);
+        let at = k.add(row, wi as u32 * ROWS);
+        let at = k.mul(at, d);
+        let at = k.add(at, col0);
+        let at = k.shl(at, 2);
+        let at = k.add(at, stats_bytes);
+        let at = k.smem_offset(base, at);
+        for c4 in 0..cols / 4 {
+            let v = k.ld_shared_v4::<F32>(at, (c4 * 16) as i32);
+            for (j, x) in v.into_iter().enumerate() {
+                let a = acc[(4 * c4 + j as u32) as usize];
+                k.mad_to(a, x, factor, a);
+            }
+        }
+    }
+    let empty = k.setp(Cmp::Eq, total, 0f32);
+    let inv = k.rcp(total);
+    let inv = k.selp(0f32, inv, empty);
+    for &a in &acc {
+        k.mul_to(a, a, inv);
+    }
+    let log_sum = k.lg2(total);
+    let log_sum = k.mul(log_sum, std::f32::consts::LN_2);
+    let lse = k.mad(max, scale, log_sum);
+    let lse = k.selp(f32::NEG_INFINITY, lse, empty);
+
+    k.comment("Store the row: O and LSE with one split, partial results otherwise.");
+    let r = k.add(row_base, row);
+    let inside = k.setp(Cmp::Lt, r, packed_rows);
+    let group = arg::<U32>(k, args, offset_of!(DecodeArgs, group));
+    let qi = k.div(r, group);
+    let g = k.mad(qi, group, 0u32);
+    let g = k.sub(r, g);
+    let head = k.mad(w.kv_head, group, g);
+    let heads_q = arg::<U32>(k, args, offset_of!(DecodeArgs, heads_q));
+    let seqlen_q = arg::<U32>(k, args, offset_of!(DecodeArgs, seqlen_q));
+    let batch = arg::<U32>(k, args, offset_of!(DecodeArgs, batch));
+    let splits = arg::<U32>(k, args, offset_of!(DecodeArgs, splits));
+    let first_part = k.setp(Cmp::Eq, part, 0u32);
+    let single = k.setp(Cmp::Eq, splits, 1u32);
+    let bh = k.mad(w.batch, heads_q, head);
+    k.if_(inside, |k| {
+        k.if_else(
+            single,
+            |k| {
+                let o = arg::<U64>(k, args, offset_of!(DecodeArgs, o));
+                let s = strides(k, args, offset_of!(DecodeArgs, o_stride));
+                let b = k.cvt_u64_u32(w.batch);
+                let e = k.mul(b, s[0]);
+                let q64 = k.cvt_u64_u32(qi);
+                let e = k.mad(q64, s[1], e);
+                let h64 = k.cvt_u64_u32(head);
+                let e = k.mad(h64, s[2], e);
+                let c = k.cvt_u64_u32(col0);
+                let e = k.add(e, c);
+                let e = k.shl(e, 1);
+                let addr = k.add(o, e);
+                for (i, pair) in acc.chunks(2).enumerate() {
+                    let word = k.pack_half2::<H>(pair[0], pair[1]);
+                    k.st_global(addr, (4 * i) as i32, word);
+                }
+                let lse_ptr = arg::<U64>(k, args, offset_of!(DecodeArgs, lse));
+                let wanted = k.setp(Cmp::Ne, lse_ptr, 0u64);
+                let wanted = k.and_pred(wanted, first_part);
+                let index = k.mul_wide_u32(bh, seqlen_q);
+                let q64 = k.cvt_u64_u32(qi);
+                let index = k.add(index, q64);
+                let index = k.shl(index, 2);
+                let at = k.add(lse_ptr, index);
+                k.guarded(wanted, true, |k| k.st_global(at, 0, lse));
+            },
+            |k| {
+                // o_part[split][b][qi][head][:], lse_part[split][b][head][qi].
+                let sb = k.mad(w.split, batch, w.batch);
+                let sbq = k.mul_wide_u32(sb, seqlen_q);
+                let q64 = k.cvt_u64_u32(qi);
+                let sbq = k.add(sbq, q64);
+                let hq = k.cvt_u64_u32(heads_q);
+                let h64 = k.cvt_u64_u32(head);
+                let rowi = k.mad(sbq, hq, h64);
+                let e = k.mul(rowi, d as u64);
+                let c = k.cvt_u64_u32(col0);
+                let e = k.add(e, c);
+                let e = k.shl(e, 2);
+                let o_part = arg::<U64>(k, args, offset_of!(DecodeArgs, o_part));
+                let addr = k.add(o_part, e);
+                for (i, quad) in acc.chunks(4).enumerate() {
+                    k.st_global_v4::<F32>(
+                        addr,
+                        (16 * i) as i32,
+                        [quad[0], quad[1], quad[2], quad[3]],
+                    );
+                }
+                let sbh = k.mul_wide_u32(sb, heads_q);
+                let sbh = k.add(sbh, h64);
+                let sq = k.cvt_u64_u32(seqlen_q);
+                let index = k.mad(sbh, sq, q64);
+                let index = k.shl(index, 2);
+                let lse_part = arg::<U64>(k, args, offset_of!(DecodeArgs, lse_part));
+                let at = k.add(lse_part, index);
+                k.guarded(first_part, true, |k| k.st_global(at, 0, lse));
+            },
+        );
+    });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_config_fits_and_keeps_its_tiles_atom_aligned() {
+        for cfg in all_decode_configs() {
+            let id = cfg.id();
+            let (plan, [q, kt, vt]) = cfg.plan();
+            let rb = kt.layout.block_bytes;
+            assert!(q.layout.is_valid() && kt.layout.is_valid(), "{id}");
+            // The warps' 16-key slices, the Q tile's column blocks and a pass of the
+            // loader are whole 1024-byte swizzle atoms, so their offsets simply add.
+            let rpp = cfg.threads() / (rb / 16);
+            assert_eq!(WARP_KEYS * rb % 1024, 0, "{id}");
+            assert_eq!(ROWS * rb % 1024, 0, "{id}");
+            assert_eq!(rpp * rb % 1024, 0, "{id}");
+            assert_eq!(kt.layout.rows % rpp, 0, "{id}: whole passes per stage");
+            // The merge scratch fits in the ring, and each thread merges whole float4s.
+            let scratch = cfg.stats_bytes() + cfg.warps * ROWS * cfg.head_dim * 4;
+            assert!(scratch <= (kt.stride + vt.stride) * cfg.stages, "{id}");
+            assert_eq!(vt.offset, kt.offset + kt.stride * cfg.stages, "{id}");
+            assert_eq!((cfg.head_dim / (cfg.threads() / ROWS)) % 4, 0, "{id}");
+            assert!(plan.bytes() <= 227 * 1024, "{id}");
+        }
+        // Every head dim has a ring that fits the 99 KiB of sm_86/sm_89.
+        for d in HEAD_DIMS {
+            let [.., last] = DecodeConfig::candidates(HalfType::F16, d, true);
+            assert!(
+                last.smem_bytes() <= 99 * 1024,
+                "d{d}: {}",
+                last.smem_bytes()
+            );
+        }
+    }
+}

@@ -1,0 +1,350 @@
+//! Merging partial attention results by their log-sum-exp (`.target sm_80`).
+//!
+//! Attention over keys split into shards (the splits of a decode step, the KV shards of
+//! ring or context-parallel attention) gives per shard `O_i` (normalised over its own
+//! keys) and `LSE_i`. Over all keys:
+//!
+//! ```text
+//! M = max_i LSE_i,   w_i = exp(LSE_i − M),   O = Σ w_i O_i / Σ w_i,   LSE = M + ln Σ w_i
+//! ```
+//!
+//! A shard whose keys were all masked has `LSE_i = −∞` and weight 0: it merges as
+//! nothing, whatever its `O_i` holds (it is never read). A row every shard masked gets
+//! O = 0 and LSE = −∞, as the forward gives such a row.
+//!
+//! One warp merges one row `(b, s, h)`; lane `l` owns columns `l·cpl ..` (`cpl` columns
+//! per lane, even, so 16-bit values move in pairs).
+
+use std::mem::offset_of;
+
+use crate::ptx::{
+    Bf16x2, Cmp, F16x2, F32, Half2, Kernel, KernelText, Module, ParamBytes, PtxError, PtxType, Reg,
+    Special, Target, U32, U64,
+};
+
+use super::FWD_HEAD_DIMS;
+
+/// Element type of the shards or of the output.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum MergeType {
+    F16,
+    Bf16,
+    F32,
+}
+
+impl MergeType {
+    pub fn name(self) -> &'static str {
+        match self {
+            MergeType::F16 => "f16",
+            MergeType::Bf16 => "bf16",
+            MergeType::F32 => "f32",
+        }
+    }
+
+    pub fn bytes(self) -> u32 {
+        match self {
+            MergeType::F32 => 4,
+            _ => 2,
+        }
+    }
+}
+
+/// Rows (warps) per block.
+const WARPS: u32 = 4;
+
+/// One merge-kernel configuration.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct MergeConfig {
+    pub input: MergeType,
+    pub output: MergeType,
+    pub head_dim: u32,
+}
+
+/// The by-value argument block of the merge kernel. Strides in elements. The shards'
+/// LSEs are float32 `[B, H, S]` per shard, `lse_shard_stride` apart; the output LSE
+/// (optional, 0) is float32 `[B, H, S]`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, bytemuck::Pod, bytemuck::Zeroable)]
+pub struct MergeArgs {
+    pub parts: u64,
+    /// (shard, batch, seq, head) strides of the shards' outputs.
+    pub part_stride: [u64; 4],
+    pub lse_parts: u64,
+    pub lse_shard_stride: u64,
+    pub out: u64,
+    /// (batch, seq, head) strides of the output.
+    pub out_stride: [u64; 3],
+    pub out_lse: u64,
+    pub n_parts: u32,
+    pub seqlen: u32,
+    pub heads: u32,
+    /// `B · S · H`.
+    pub rows: u32,
+}
+
+impl MergeArgs {
+    pub const SIZE: usize = std::mem::size_of::<MergeArgs>();
+}
+
+impl MergeConfig {
+    pub fn id(&self) -> String {
+        format!(
+            "attn_merge_{}_to_{}_d{}",
+            self.input.name(),
+            self.output.name(),
+            self.head_dim
+        )
+    }
+
+    pub fn threads(&self) -> u32 {
+        WARPS * 32
+    }
+
+    /// Rows one block merges.
+    pub fn rows_per_block(&self) -> u32 {
+        WARPS
+    }
+
+    /// Columns per lane: the smallest even count that splits the row over at most 32
+    /// lanes exactly.
+    pub fn cols_per_lane(&self) -> u32 {
+        let d = self.head_dim;
+        let mut c = d.div_ceil(32).max(2);
+        while !c.is_multiple_of(2) || !d.is_multiple_of(c) {
+            c += 1;
+        }
+        c
+    }
+
+    pub fn generate(&self) -> Result<Module, PtxError> {
+        let mut module = Module::new(Target::Sm80);
+        module.push(build(self)?)?;
+        Ok(module)
+    }
+}
+
+/// Every merge configuration: any of the three element types in and out, every head dim.
+pub fn all_merge_configs() -> Vec<MergeConfig> {
+    let types = [MergeType::F16, MergeType::Bf16, MergeType::F32];
+    let mut v = Vec::new();
+    for input in types {
+        for output in types {
+            for head_dim in FWD_HEAD_DIMS {
+                v.push(MergeConfig {
+                    input,
+                    output,
+                    head_dim,
+                });
+            }
+        }
+    }
+    v
+}
+
+fn arg<T: PtxType>(k: &mut Kernel, args: ParamBytes, offset: usize) -> Reg<T> {
+    k.load_param_at::<T>(args, offset)
+}
+
+/// Loads `n` consecutive values of type `t` at `addr`, widened to f32.
+fn load_row(k: &mut Kernel, t: MergeType, addr: Reg<U64>, n: u32) -> Vec<Reg<F32>> {
+    match t {
+        MergeType::F32 => load_words::<F32>(k, addr, n),
+        MergeType::F16 => unpack::<F16x2>(k, addr, n),
+        MergeType::Bf16 => unpack::<Bf16x2>(k, addr, n),
+    }
+}
+
+fn unpack<H: Half2>(k: &mut Kernel, addr: Reg<U64>, n: u32) -> Vec<Reg<F32>> {
+    load_words::<H>(k, addr, n / 2)
+        .into_iter()
+        .flat_map(|w| k.unpack_half2::<H>(w))
+        .collect()
+}
+
+/// `n` 32-bit words, 16-byte vectors where `n` allows.
+fn load_words<T: crate::ptx::Word32>(k: &mut Kernel, addr: Reg<U64>, n: u32) -> Vec<Reg<T>> {
+    if n.is_multiple_of(4) {
+        (0..n / 4)
+            .flat_map(|i| k.ld_global_v4::<T>(addr, (16 * i) as i32))
+            .collect()
+    } else {
+        (0..n)
+            .map(|i| k.ld_global::<T>(addr, (4 * i) as i32))
+            .collect()
+    }
+}
+
+/// Stores `values` as type `t` at `addr`.
+fn store_row(k: &mut Kernel, t: MergeType, addr: Reg<U64>, values: &[Reg<F32>]) {
+    match t {
+        MergeType::F32 => store_words::<F32>(k, addr, values.to_vec()),
+        MergeType::F16 => pack::<F16x2>(k, addr, values),
+        MergeType::Bf16 => pack::<Bf16x2>(k, addr, values),
+    }
+}
+
+fn pack<H: Half2>(k: &mut Kernel, addr: Reg<U64>, values: &[Reg<F32>]) {
+    let words = values
+        .chunks(2)
+        .map(|p| k.pack_half2::<H>(p[0], p[1]))
+        .collect();
+    store_words::<H>(k, addr, words);
+}
+
+fn store_words<T: crate::ptx::Word32>(k: &mut Kernel, addr: Reg<U64>, words: Vec<Reg<T>>) {
+    if words.len().is_multiple_of(4) {
+        for (i, q) in words.chunks(4).enumerate() {
+            k.st_global_v4::<T>(addr, (16 * i) as i32, [q[0], q[1], q[2], q[3]]);
+        }
+    } else {
+        for (i, w) in words.into_iter().enumerate() {
+            k.st_global::<T>(addr, (4 * i) as i32, w);
+        }
+    }
+}
+
+fn build(cfg: &MergeConfig) -> Result<KernelText, PtxError> {
+    let mut k = Kernel::new(&cfg.id());
+    k.max_threads(cfg.threads());
+    let args = k.param_bytes("args", MergeArgs::SIZE, 8);
+    let tid = k.special(Special::TidX);
+    let block = k.special(Special::CtaidX);
+    let lane = k.and(tid, 31u32);
+    let warp = k.shr(tid, 5);
+    let row = k.mad(block, WARPS, warp);
+    let rows = arg::<U32>(&mut k, args, offset_of!(MergeArgs, rows));
+    let inside = k.setp(Cmp::Lt, row, rows);
+    k.if_(inside, |k| merge_row(k, cfg, args, row, lane));
+    k.finish()
+}
+
+fn merge_row(k: &mut Kernel, cfg: &MergeConfig, args: ParamBytes, row: Reg<U32>, lane: Reg<U32>) {
+    let heads = arg::<U32>(k, args, offset_of!(MergeArgs, heads));
+    let seqlen = arg::<U32>(k, args, offset_of!(MergeArgs, seqlen));
+    let n_parts = arg::<U32>(k, args, offset_of!(MergeArgs, n_parts));
+    let bs = k.div(row, heads);
+    let h = k.mad(bs, heads, 0u32);
+    let h = k.sub(row, h);
+    let b = k.div(bs, seqlen);
+    let s = k.mad(b, seqlen, 0u32);
+    let s = k.sub(bs, s);
+    // The row's LSE index inside a shard: (b·H + h)·S + s.
+    let bh = k.mad(b, heads, h);
+    let lse_index = k.mul_wide_u32(bh, seqlen);
+    let s64 = k.cvt_u64_u32(s);
+    let lse_index = k.add(lse_index, s64);
+    let lse_parts = arg::<U64>(k, args, offset_of!(MergeArgs, lse_parts));
+    let lse_shard = arg::<U64>(k, args, offset_of!(MergeArgs, lse_shard_stride));
+    let lse_row = k.shl(lse_index, 2);
+    let lse_row = k.add(lse_parts, lse_row);
+    let lse_step = k.shl(lse_shard, 2);
+
+    k.comment("M: the largest shard LSE of the row (lanes stride over the shards).");
+    let max = k.mov(f32::NEG_INFINITY);
+    let stride = k.mov(32i32);
+    k.for_stride(lane.cast(), n_parts.cast(), stride, |k, p| {
+        let off = k.cvt_u64_u32(p.cast::<U32>());
+        let off = k.mul(off, lse_step);
+        let at = k.add(lse_row, off);
+        let l = k.ld_global::<F32>(at, 0);
+        k.max_to(max, max, l);
+    });
+    let mut m = max;
+    for lanes in [16, 8, 4, 2, 1] {
+        let other = k.shfl_bfly(m, lanes);
+        m = k.max(m, other);
+    }
+    let none = k.setp(Cmp::Eq, m, f32::NEG_INFINITY);
+    let m = k.selp(0f32, m, none);
+
+    k.comment("O = sum w_i O_i / sum w_i, w_i = exp(LSE_i - M); shards of weight 0 are not read.");
+    let cpl = cfg.cols_per_lane();
+    let active = k.setp(Cmp::Lt, lane, cfg.head_dim / cpl);
+    let st: [Reg<U64>; 4] =
+        std::array::from_fn(|i| arg::<U64>(k, args, offset_of!(MergeArgs, part_stride) + 8 * i));
+    let parts = arg::<U64>(k, args, offset_of!(MergeArgs, parts));
+    let b64 = k.cvt_u64_u32(b);
+    let h64 = k.cvt_u64_u32(h);
+    let e = k.mul(b64, st[1]);
+    let e = k.mad(s64, st[2], e);
+    let e = k.mad(h64, st[3], e);
+    let c = k.mul_wide_u32(lane, cpl);
+    let e = k.add(e, c);
+    let e = k.mul(e, u64::from(cfg.input.bytes()));
+    let part_row = k.add(parts, e);
+    let part_step = k.mul(st[0], u64::from(cfg.input.bytes()));
+    let acc: Vec<Reg<F32>> = (0..cpl).map(|_| k.mov(0f32)).collect();
+    let total = k.mov(0f32);
+    let (lse_at, row_at) = (k.mov(lse_row), k.mov(part_row));
+    k.for_range(0i32, n_parts.cast(), 1, |k, _| {
+        let l = k.ld_global::<F32>(lse_at, 0);
+        let x = k.sub(l, m);
+        let x = k.mul(x, std::f32::consts::LOG2_E);
+        let w = k.ex2(x);
+        k.add_to(total, total, w);
+        let weighs = k.setp(Cmp::Gt, w, 0f32);
+        let read = k.and_pred(weighs, active);
+        k.if_(read, |k| {
+            let vals = load_row(k, cfg.input, row_at, cpl);
+            for (&a, &v) in acc.iter().zip(&vals) {
+                k.mad_to(a, v, w, a);
+            }
+        });
+        k.add_to(lse_at, lse_at, lse_step);
+        k.add_to(row_at, row_at, part_step);
+    });
+
+    k.comment("Normalise and store O; LSE = M + ln sum w_i (-inf for a row no shard saw).");
+    let empty = k.setp(Cmp::Eq, total, 0f32);
+    let inv = k.rcp(total);
+    let inv = k.selp(0f32, inv, empty);
+    for &a in &acc {
+        k.mul_to(a, a, inv);
+    }
+    let out = arg::<U64>(k, args, offset_of!(MergeArgs, out));
+    let os: [Reg<U64>; 3] =
+        std::array::from_fn(|i| arg::<U64>(k, args, offset_of!(MergeArgs, out_stride) + 8 * i));
+    let e = k.mul(b64, os[0]);
+    let e = k.mad(s64, os[1], e);
+    let e = k.mad(h64, os[2], e);
+    let e = k.add(e, c);
+    let e = k.mul(e, u64::from(cfg.output.bytes()));
+    let out_row = k.add(out, e);
+    k.if_(active, |k| store_row(k, cfg.output, out_row, &acc));
+
+    let out_lse = arg::<U64>(k, args, offset_of!(MergeArgs, out_lse));
+    let ln_sum = k.lg2(total);
+    let ln_sum = k.mul(ln_sum, std::f32::consts::LN_2);
+    let lse = k.add(m, ln_sum);
+    let lse = k.selp(f32::NEG_INFINITY, lse, empty);
+    let wanted = k.setp(Cmp::Ne, out_lse, 0u64);
+    let lane0 = k.setp(Cmp::Eq, lane, 0u32);
+    let wanted = k.and_pred(wanted, lane0);
+    let at = k.shl(lse_index, 2);
+    let at = k.add(out_lse, at);
+    k.guarded(wanted, true, |k| k.st_global(at, 0, lse));
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lanes_cover_each_row_exactly() {
+        for cfg in all_merge_configs() {
+            let cpl = cfg.cols_per_lane();
+            assert_eq!(cpl % 2, 0, "{}", cfg.id());
+            assert_eq!(cfg.head_dim % cpl, 0, "{}", cfg.id());
+            assert!(cfg.head_dim / cpl <= 32, "{}", cfg.id());
+        }
+        let d = |head_dim| MergeConfig {
+            input: MergeType::F32,
+            output: MergeType::F16,
+            head_dim,
+        };
+        assert_eq!(d(128).cols_per_lane(), 4);
+        assert_eq!(d(96).cols_per_lane(), 4);
+        assert_eq!(d(32).cols_per_lane(), 2);
+        assert_eq!(d(192).cols_per_lane(), 6);
+    }
+}

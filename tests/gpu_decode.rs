@@ -1,0 +1,808 @@
+//! Serving kernels on a GPU against the float64 reference: split-KV decode over
+//! contiguous and paged caches with ragged lengths, appending to caches, and merging
+//! partial results by their LSE. Run on a GPU machine with
+//! `cargo test --release --test gpu_decode -- --include-ignored`.
+//!
+//! Cache positions past a sequence's length, and pool pages no sequence uses, hold large
+//! values (±200): a kernel that reads them where it should not fails by far. Outputs are
+//! poisoned (NaN) before each call, so an unwritten element fails too.
+
+use std::sync::Arc;
+
+use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
+use flashcore::Error;
+use flashcore::check::{TestSeeds, tolerance};
+use flashcore::host::attention::Attention;
+use flashcore::host::decode::{MergeParts, Workspace};
+use flashcore::host::device::Device;
+use flashcore::host::kv_cache::{CacheLayout, HostMetadata, KvCache};
+use flashcore::host::tensor::{AttentionParams, DType, LseView, TensorView};
+use flashcore::kernels::attention::HalfType;
+use flashcore::reference::{self, Rng, attention_f64, half_bits_to_f64, rel_l2};
+use flashcore::shape::AttnShape;
+
+fn setup() -> (Attention, Arc<CudaStream>) {
+    let device = Arc::new(Device::new(0).expect("a CUDA device"));
+    let stream = device.context().default_stream();
+    (Attention::new(device).expect("an sm_80+ GPU"), stream)
+}
+
+fn seeds() -> TestSeeds {
+    let seeds = TestSeeds::from_env().unwrap_or_else(|e| panic!("{e}"));
+    println!("random inputs: FLASHCORE_SEED={:#x}", seeds.run_seed());
+    seeds
+}
+
+fn up<T: cudarc::driver::DeviceRepr>(s: &Arc<CudaStream>, x: &[T]) -> CudaSlice<T> {
+    s.clone_htod(x).expect("upload")
+}
+
+fn ptr<T>(s: &Arc<CudaStream>, x: &CudaSlice<T>) -> u64 {
+    x.device_ptr(s).0
+}
+
+fn down<T: cudarc::driver::DeviceRepr + Default + Clone>(
+    s: &Arc<CudaStream>,
+    x: &CudaSlice<T>,
+) -> Vec<T> {
+    let v = s.clone_dtoh(x).expect("download");
+    s.synchronize().expect("sync");
+    v
+}
+
+fn dtype_of(h: HalfType) -> DType {
+    DType::from(h)
+}
+
+/// Large values, in `dtype`, for cache slots no call may read.
+fn garbage(rng: &mut Rng, n: usize, dtype: HalfType) -> Vec<u16> {
+    let v: Vec<f64> = (0..n)
+        .map(|_| if rng.uniform() < 0.5 { 200.0 } else { -200.0 })
+        .collect();
+    reference::f64_to_half_bits(&v, dtype)
+}
+
+/// One decode case.
+#[derive(Debug, Clone)]
+struct Case {
+    dtype: HalfType,
+    heads_q: usize,
+    heads_kv: usize,
+    head_dim: usize,
+    seqlen_q: usize,
+    lens: Vec<usize>,
+    /// 0: contiguous; otherwise the page size.
+    page: usize,
+    causal: bool,
+    /// Give the call host copies of the metadata.
+    host_check: bool,
+    /// Pass a workspace instead of letting the call allocate.
+    workspace: bool,
+}
+
+impl std::fmt::Display for Case {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{} Hq{} Hkv{} D{} Sq{} lens {:?} {}{}",
+            self.dtype.name(),
+            self.heads_q,
+            self.heads_kv,
+            self.head_dim,
+            self.seqlen_q,
+            self.lens,
+            if self.page == 0 {
+                "contiguous".to_string()
+            } else {
+                format!("page {}", self.page)
+            },
+            if self.causal { " causal" } else { "" }
+        )
+    }
+}
+
+/// A cache on the device with the exact values of what each sequence holds.
+struct DeviceCache {
+    k: CudaSlice<u16>,
+    v: CudaSlice<u16>,
+    seqlens: CudaSlice<i32>,
+    table: Option<CudaSlice<i32>>,
+    host_table: Vec<i32>,
+    host_lens: Vec<i32>,
+    /// `keys[b]`, `values[b]`: `[capacity, Hkv, D]` exact values, position-major.
+    keys: Vec<Vec<f64>>,
+    values: Vec<Vec<f64>>,
+    capacity: usize,
+    pool_pages: usize,
+    max_pages: usize,
+}
+
+impl DeviceCache {
+    /// Random N(0, 1) keys and values for every sequence up to `capacity` positions.
+    fn new(
+        s: &Arc<CudaStream>,
+        rng: &mut Rng,
+        c: &Case,
+        capacity: usize,
+        lens: &[usize],
+    ) -> DeviceCache {
+        let (hkv, d, b) = (c.heads_kv, c.head_dim, lens.len());
+        let row = hkv * d;
+        let mut keys = Vec::new();
+        let mut values = Vec::new();
+        let mut kb = Vec::new();
+        let mut vb = Vec::new();
+        for &len in lens {
+            let (kbits, kv) = reference::random_half(rng, len * row, c.dtype);
+            let (vbits, vv) = reference::random_half(rng, len * row, c.dtype);
+            let mut kbits = kbits;
+            let mut vbits = vbits;
+            kbits.extend(garbage(rng, (capacity - len) * row, c.dtype));
+            vbits.extend(garbage(rng, (capacity - len) * row, c.dtype));
+            keys.push(kv);
+            values.push(vv);
+            kb.push(kbits);
+            vb.push(vbits);
+        }
+        let host_lens: Vec<i32> = lens.iter().map(|&l| l as i32).collect();
+        if c.page == 0 {
+            return DeviceCache {
+                k: up(s, &kb.concat()),
+                v: up(s, &vb.concat()),
+                seqlens: up(s, &host_lens),
+                table: None,
+                host_table: Vec::new(),
+                host_lens,
+                keys,
+                values,
+                capacity,
+                pool_pages: 0,
+                max_pages: 0,
+            };
+        }
+        // Pages in a shuffled pool with spare pages of garbage between them.
+        let max_pages = capacity.div_ceil(c.page);
+        let used = b * max_pages;
+        let pool_pages = used + used / 2 + 1;
+        let mut order: Vec<usize> = (0..pool_pages).collect();
+        for i in (1..order.len()).rev() {
+            let j = (rng.next_u64() % (i as u64 + 1)) as usize;
+            order.swap(i, j);
+        }
+        let page_elems = c.page * row;
+        let mut kpool = garbage(rng, pool_pages * page_elems, c.dtype);
+        let mut vpool = garbage(rng, pool_pages * page_elems, c.dtype);
+        let mut table = vec![-1i32; b * max_pages];
+        for seq in 0..b {
+            for p in 0..max_pages {
+                let page = order[seq * max_pages + p];
+                table[seq * max_pages + p] = page as i32;
+                for r in 0..c.page {
+                    let pos = p * c.page + r;
+                    if pos >= capacity {
+                        break;
+                    }
+                    let src = pos * row;
+                    let dst = page * page_elems + r * row;
+                    kpool[dst..dst + row].copy_from_slice(&kb[seq][src..src + row]);
+                    vpool[dst..dst + row].copy_from_slice(&vb[seq][src..src + row]);
+                }
+            }
+        }
+        DeviceCache {
+            k: up(s, &kpool),
+            v: up(s, &vpool),
+            seqlens: up(s, &host_lens),
+            table: Some(up(s, &table)),
+            host_table: table,
+            host_lens,
+            keys,
+            values,
+            capacity,
+            pool_pages,
+            max_pages,
+        }
+    }
+
+    fn view(&self, s: &Arc<CudaStream>, c: &Case) -> KvCache {
+        let dt = dtype_of(c.dtype);
+        let (k, v, layout) = match &self.table {
+            None => {
+                let b = self.keys.len();
+                (
+                    TensorView::bshd(
+                        ptr(s, &self.k),
+                        dt,
+                        b,
+                        self.capacity,
+                        c.heads_kv,
+                        c.head_dim,
+                    ),
+                    TensorView::bshd(
+                        ptr(s, &self.v),
+                        dt,
+                        b,
+                        self.capacity,
+                        c.heads_kv,
+                        c.head_dim,
+                    ),
+                    CacheLayout::Contiguous,
+                )
+            }
+            Some(t) => (
+                TensorView::bshd(
+                    ptr(s, &self.k),
+                    dt,
+                    self.pool_pages,
+                    c.page,
+                    c.heads_kv,
+                    c.head_dim,
+                ),
+                TensorView::bshd(
+                    ptr(s, &self.v),
+                    dt,
+                    self.pool_pages,
+                    c.page,
+                    c.heads_kv,
+                    c.head_dim,
+                ),
+                CacheLayout::Paged {
+                    block_table: ptr(s, t),
+                    max_pages: self.max_pages,
+                    table_stride: self.max_pages,
+                },
+            ),
+        };
+        KvCache {
+            k,
+            v,
+            seqlens: ptr(s, &self.seqlens),
+            layout,
+        }
+    }
+
+    fn host(&self) -> HostMetadata<'_> {
+        HostMetadata {
+            seqlens: &self.host_lens,
+            block_table: self.table.as_ref().map(|_| self.host_table.as_slice()),
+        }
+    }
+}
+
+/// The float64 reference of a decode case, `[B, Sq, Hq, D]` and `[B, Hq, Sq]`.
+fn reference_decode(c: &Case, q: &[f64], cache: &DeviceCache, scale: f64) -> (Vec<f64>, Vec<f64>) {
+    let (sq, hq, hkv, d) = (c.seqlen_q, c.heads_q, c.heads_kv, c.head_dim);
+    let mut out = Vec::new();
+    let mut lse = Vec::new();
+    for (b, &len) in c.lens.iter().enumerate() {
+        let qb = &q[b * sq * hq * d..(b + 1) * sq * hq * d];
+        if len == 0 {
+            out.extend(std::iter::repeat_n(0.0, sq * hq * d));
+            lse.extend(std::iter::repeat_n(f64::NEG_INFINITY, hq * sq));
+            continue;
+        }
+        let shape = AttnShape {
+            batch: 1,
+            seqlen_q: sq,
+            seqlen_k: len,
+            heads_q: hq,
+            heads_kv: hkv,
+            head_dim: d,
+        };
+        let n = len * hkv * d;
+        let r = attention_f64(
+            &shape,
+            qb,
+            &cache.keys[b][..n],
+            &cache.values[b][..n],
+            scale,
+            c.causal,
+        );
+        out.extend(r.out);
+        lse.extend(r.lse);
+    }
+    (out, lse)
+}
+
+/// Runs one case; returns (output error, LSE error) or panics with the case.
+fn run_case(attn: &Attention, s: &Arc<CudaStream>, rng: &mut Rng, c: &Case) -> (f64, f64) {
+    let b = c.lens.len();
+    let capacity = c
+        .lens
+        .iter()
+        .copied()
+        .max()
+        .unwrap_or(1)
+        .max(1)
+        .next_multiple_of(c.page.max(1));
+    let cache = DeviceCache::new(s, rng, c, capacity, &c.lens);
+    let nq = b * c.seqlen_q * c.heads_q * c.head_dim;
+    let (q_bits, q) = reference::random_half(rng, nq, c.dtype);
+    let dq = up(s, &q_bits);
+    let o = up(s, &vec![reference::poison(c.dtype); nq]);
+    let lse = up(s, &vec![f32::NAN; b * c.heads_q * c.seqlen_q]);
+    let dt = dtype_of(c.dtype);
+    let qv = TensorView::bshd(ptr(s, &dq), dt, b, c.seqlen_q, c.heads_q, c.head_dim);
+    let ov = TensorView::bshd(ptr(s, &o), dt, b, c.seqlen_q, c.heads_q, c.head_dim);
+    let kv = cache.view(s, c);
+    let params = AttentionParams {
+        softmax_scale: None,
+        causal: c.causal,
+    };
+    let ws_bytes = attn.decode_workspace_bytes(&qv, &kv).expect("plan");
+    let ws: Option<CudaSlice<u8>> =
+        (c.workspace && ws_bytes > 0).then(|| s.alloc_zeros(ws_bytes + 256).unwrap());
+    let workspace = ws.as_ref().map(|w| Workspace {
+        ptr: ptr(s, w).next_multiple_of(256),
+        bytes: ws_bytes,
+    });
+    let host = cache.host();
+    // SAFETY: every view points into this function's live device buffers, sized for it.
+    unsafe {
+        attn.decode(
+            &qv,
+            &kv,
+            c.host_check.then_some(&host),
+            &ov,
+            Some(&LseView { ptr: ptr(s, &lse) }),
+            &params,
+            workspace,
+            s.cu_stream(),
+        )
+    }
+    .unwrap_or_else(|e| panic!("{c}: {e}"));
+    let got = half_bits_to_f64(&down(s, &o), c.dtype);
+    let got_lse: Vec<f64> = down(s, &lse).into_iter().map(f64::from).collect();
+    let scale = 1.0 / (c.head_dim as f64).sqrt();
+    let (want, want_lse) = reference_decode(c, &q, &cache, scale as f32 as f64);
+    let lse_err = got_lse
+        .iter()
+        .zip(&want_lse)
+        .map(|(g, w)| {
+            if w.is_finite() {
+                (g - w).abs()
+            } else if g == w {
+                0.0
+            } else {
+                f64::INFINITY
+            }
+        })
+        .fold(0.0, f64::max);
+    (rel_l2(&got, &want), lse_err)
+}
+
+fn run_all(cases: &[Case]) {
+    let (attn, s) = setup();
+    let mut seeds = seeds();
+    let mut failures = Vec::new();
+    for c in cases {
+        let mut rng = seeds.next_case();
+        let replay = seeds.replay(&rng);
+        let (err, lse_err) = run_case(&attn, &s, &mut rng, c);
+        let line = format!("{c}: out {err:.2e} lse {lse_err:.2e} ({replay})");
+        println!("{line}");
+        if err.is_nan() || err > tolerance(c.dtype) || lse_err.is_nan() || lse_err > 1e-2 {
+            failures.push(line);
+        }
+    }
+    assert!(
+        failures.is_empty(),
+        "{} of {} cases failed:\n{}",
+        failures.len(),
+        cases.len(),
+        failures.join("\n")
+    );
+}
+
+#[allow(clippy::too_many_arguments)]
+fn case(
+    dtype: HalfType,
+    (heads_q, heads_kv): (usize, usize),
+    head_dim: usize,
+    seqlen_q: usize,
+    lens: &[usize],
+    page: usize,
+    causal: bool,
+) -> Case {
+    Case {
+        dtype,
+        heads_q,
+        heads_kv,
+        head_dim,
+        seqlen_q,
+        lens: lens.to_vec(),
+        page,
+        causal,
+        host_check: true,
+        workspace: false,
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn decode_contiguous_ragged_batches() {
+    let mut cases = Vec::new();
+    for dtype in [HalfType::F16, HalfType::Bf16] {
+        for (heads, sq) in [
+            ((8, 8), 1),
+            ((32, 8), 1),
+            ((16, 2), 4),
+            ((8, 1), 16),
+            ((4, 4), 16),
+        ] {
+            cases.push(case(dtype, heads, 128, sq, &[1, 7, 4097, 300], 0, true));
+            cases.push(case(dtype, heads, 64, sq, &[1000, 16, 0], 0, false));
+        }
+    }
+    run_all(&cases);
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn decode_paged_page_sizes() {
+    let mut cases = Vec::new();
+    for dtype in [HalfType::F16, HalfType::Bf16] {
+        for page in [1, 16, 64, 256] {
+            cases.push(case(
+                dtype,
+                (32, 8),
+                128,
+                1,
+                &[1, 7, 4097, 513],
+                page,
+                false,
+            ));
+            cases.push(case(dtype, (8, 2), 128, 5, &[5, 1000, 64], page, true));
+        }
+    }
+    run_all(&cases);
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn decode_head_dims_and_long_caches() {
+    let mut cases = Vec::new();
+    for d in [32, 64, 96, 128, 192, 256] {
+        cases.push(case(HalfType::F16, (8, 2), d, 2, &[777, 3, 2048], 16, true));
+        cases.push(case(HalfType::Bf16, (4, 4), d, 1, &[1500], 0, false));
+    }
+    // One long sequence: many splits, GQA 8:1, with a workspace from the caller.
+    let mut long = case(HalfType::F16, (8, 1), 128, 1, &[32768], 64, false);
+    long.workspace = true;
+    cases.push(long);
+    let mut long = case(HalfType::Bf16, (16, 2), 128, 16, &[32768, 9], 0, true);
+    long.host_check = false;
+    cases.push(long);
+    run_all(&cases);
+}
+
+/// Bad metadata is refused before anything runs: the output keeps its poison.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn bad_metadata_is_refused_and_nothing_written() {
+    let (attn, s) = setup();
+    let mut rng = Rng::new(7);
+    let c = case(HalfType::F16, (8, 2), 64, 1, &[100, 50], 16, false);
+    let cache = DeviceCache::new(&s, &mut rng, &c, 128, &c.lens);
+    let nq = 2 * 8 * 64;
+    let dq = up(&s, &vec![0x3C00u16; nq]);
+    let o = up(&s, &vec![reference::poison(c.dtype); nq]);
+    let qv = TensorView::bshd(ptr(&s, &dq), DType::F16, 2, 1, 8, 64);
+    let ov = TensorView::bshd(ptr(&s, &o), DType::F16, 2, 1, 8, 64);
+    let kv = cache.view(&s, &c);
+    let p = AttentionParams::default();
+    let run = |kv: &KvCache, host: &HostMetadata| {
+        // SAFETY: the views point into live buffers of this test.
+        unsafe { attn.decode(&qv, kv, Some(host), &ov, None, &p, None, s.cu_stream()) }
+    };
+    let too_long = [100, 129];
+    let e = run(
+        &kv,
+        &HostMetadata {
+            seqlens: &too_long,
+            block_table: Some(&cache.host_table),
+        },
+    );
+    assert!(
+        matches!(e, Err(Error::InvalidArgument(ref m)) if m.contains("capacity")),
+        "{e:?}"
+    );
+    let mut table = cache.host_table.clone();
+    table[1] = cache.pool_pages as i32;
+    let e = run(
+        &kv,
+        &HostMetadata {
+            seqlens: &cache.host_lens,
+            block_table: Some(&table),
+        },
+    );
+    assert!(
+        matches!(e, Err(Error::InvalidArgument(ref m)) if m.contains("outside the pool")),
+        "{e:?}"
+    );
+    table[1] = -3;
+    let e = run(
+        &kv,
+        &HostMetadata {
+            seqlens: &cache.host_lens,
+            block_table: Some(&table),
+        },
+    );
+    assert!(matches!(e, Err(Error::InvalidArgument(_))), "{e:?}");
+    let mut odd = kv;
+    odd.k.shape[1] = 48;
+    odd.v.shape[1] = 48;
+    let e = run(&odd, &cache.host());
+    assert!(
+        matches!(e, Err(Error::InvalidArgument(ref m)) if m.contains("power of two")),
+        "{e:?}"
+    );
+    let mut unaligned = kv;
+    unaligned.seqlens += 2;
+    assert!(matches!(
+        run(&unaligned, &cache.host()),
+        Err(Error::Misaligned { .. })
+    ));
+    assert!(
+        down(&s, &o)
+            .iter()
+            .all(|&b| b == reference::poison(c.dtype)),
+        "a refused call wrote the output"
+    );
+}
+
+/// Metadata the host never saw is not followed out of the cache: lengths past the
+/// capacity are clamped, entries outside the pool are not read (compute-sanitizer
+/// memcheck runs this test clean).
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn device_metadata_never_leaves_the_cache() {
+    let (attn, s) = setup();
+    let mut rng = Rng::new(11);
+    let c = case(HalfType::Bf16, (4, 4), 128, 1, &[60, 60], 16, false);
+    let cache = DeviceCache::new(&s, &mut rng, &c, 64, &c.lens);
+    let mut kv = cache.view(&s, &c);
+    let bad_lens = up(&s, &[1 << 28, -5]);
+    let mut table = cache.host_table.clone();
+    table[0] = i32::MAX;
+    table[2] = -1;
+    let bad_table = up(&s, &table);
+    kv.seqlens = ptr(&s, &bad_lens);
+    if let CacheLayout::Paged { block_table, .. } = &mut kv.layout {
+        *block_table = ptr(&s, &bad_table);
+    }
+    let nq = 2 * 4 * 128;
+    let dq = up(&s, &vec![0x3F80u16; nq]);
+    let o = up(&s, &vec![0u16; nq]);
+    let qv = TensorView::bshd(ptr(&s, &dq), DType::Bf16, 2, 1, 4, 128);
+    let ov = TensorView::bshd(ptr(&s, &o), DType::Bf16, 2, 1, 4, 128);
+    // SAFETY: the views point into live buffers of this test.
+    unsafe {
+        attn.decode(
+            &qv,
+            &kv,
+            None,
+            &ov,
+            None,
+            &AttentionParams::default(),
+            None,
+            s.cu_stream(),
+        )
+    }
+    .expect("launch");
+    let out = down(&s, &o);
+    // Sequence 1 (length clamped to 0) sees no key: zeros.
+    let seq1 = half_bits_to_f64(&out[nq / 2..], HalfType::Bf16);
+    assert!(
+        seq1.iter().all(|&x| x == 0.0),
+        "a sequence of length <= 0 gives zeros"
+    );
+}
+
+/// Appending writes exactly the new rows at each sequence's length, contiguous and paged.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn append_writes_the_new_rows_where_they_belong() {
+    let (attn, s) = setup();
+    let mut rng = Rng::new(3);
+    for page in [0, 16, 1] {
+        let c = case(HalfType::F16, (4, 2), 64, 3, &[5, 0, 30], page, false);
+        let capacity = 48;
+        let cache = DeviceCache::new(&s, &mut rng, &c, capacity, &c.lens);
+        let kv = cache.view(&s, &c);
+        let n = 3 * 3 * 2 * 64;
+        let (kb, _) = reference::random_half(&mut rng, n, c.dtype);
+        let (vb, _) = reference::random_half(&mut rng, n, c.dtype);
+        let (dk, dv) = (up(&s, &kb), up(&s, &vb));
+        let kn = TensorView::bshd(ptr(&s, &dk), DType::F16, 3, 3, 2, 64);
+        let vn = TensorView::bshd(ptr(&s, &dv), DType::F16, 3, 3, 2, 64);
+        let before_k = down(&s, &cache.k);
+        // SAFETY: the views point into live buffers of this test.
+        unsafe { attn.append_kv(&kv, &kn, &vn, Some(&cache.host()), s.cu_stream()) }
+            .unwrap_or_else(|e| panic!("page {page}: {e}"));
+        let after_k = down(&s, &cache.k);
+        let after_v = down(&s, &cache.v);
+        let row = 2 * 64;
+        let mut expect_k = before_k.clone();
+        for b in 0..3 {
+            for j in 0..3 {
+                let pos = c.lens[b] + j;
+                let at = match (pos.checked_div(page), pos.checked_rem(page)) {
+                    (Some(p), Some(r)) => {
+                        let pg = cache.host_table[b * cache.max_pages + p] as usize;
+                        (pg * page + r) * row
+                    }
+                    _ => (b * capacity + pos) * row,
+                };
+                let src = (b * 3 + j) * row;
+                expect_k[at..at + row].copy_from_slice(&kb[src..src + row]);
+                assert_eq!(
+                    &after_v[at..at + row],
+                    &vb[src..src + row],
+                    "page {page} b{b} j{j}"
+                );
+            }
+        }
+        assert!(
+            after_k == expect_k,
+            "page {page}: K rows other than the new ones changed"
+        );
+        // A host length that would run past the capacity is refused.
+        let lens = [5, 46, 30];
+        let host = HostMetadata {
+            seqlens: &lens,
+            block_table: cache.host().block_table,
+        };
+        // SAFETY: as above.
+        let e = unsafe { attn.append_kv(&kv, &kn, &vn, Some(&host), s.cu_stream()) };
+        assert!(matches!(e, Err(Error::InvalidArgument(_))), "{e:?}");
+    }
+}
+
+/// Attention over three key shards merged by LSE equals attention over all keys; an
+/// empty shard (LSE −∞, output garbage) merges as nothing.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn merge_of_shards_matches_one_shot_attention() {
+    let (attn, s) = setup();
+    let mut seeds = seeds();
+    for (dtype, out_dtype) in [
+        (HalfType::F16, DType::F16),
+        (HalfType::Bf16, DType::F32),
+        (HalfType::F16, DType::Bf16),
+    ] {
+        let mut rng = seeds.next_case();
+        let (b, sq, hq, hkv, d) = (2, 37, 8, 2, 128);
+        let shards = [700, 1, 0, 333];
+        let sk: usize = shards.iter().sum();
+        let nq = b * sq * hq * d;
+        let (qb, q) = reference::random_half(&mut rng, nq, dtype);
+        let (kb, k) = reference::random_half(&mut rng, b * sk * hkv * d, dtype);
+        let (vb, v) = reference::random_half(&mut rng, b * sk * hkv * d, dtype);
+        let dt = DType::from(dtype);
+        let dq = up(&s, &qb);
+        let dk = up(&s, &kb);
+        let dv = up(&s, &vb);
+        let parts = up(&s, &vec![reference::poison(dtype); shards.len() * nq]);
+        // NaN poison, but −∞ for the empty shard (as a forward over no keys writes it).
+        let rows = b * hq * sq;
+        let lse_init: Vec<f32> = (0..shards.len() * rows)
+            .map(|i| {
+                if shards[i / rows] == 0 {
+                    f32::NEG_INFINITY
+                } else {
+                    f32::NAN
+                }
+            })
+            .collect();
+        let lse_parts = up(&s, &lse_init);
+        let mut start = 0;
+        for (i, &n) in shards.iter().enumerate() {
+            let pv = ptr(&s, &parts) + (i * nq * 2) as u64;
+            let lv = ptr(&s, &lse_parts) + (i * b * hq * sq * 4) as u64;
+            if n == 0 {
+                continue;
+            }
+            let kv_view = |base: u64| {
+                TensorView::strided(
+                    base + (start * hkv * d * 2) as u64,
+                    dt,
+                    [b, n, hkv, d],
+                    [sk * hkv * d, hkv * d, d, 1],
+                )
+            };
+            let qv = TensorView::bshd(ptr(&s, &dq), dt, b, sq, hq, d);
+            let ov = TensorView::bshd(pv, dt, b, sq, hq, d);
+            // SAFETY: the views point into live buffers of this test.
+            unsafe {
+                attn.forward(
+                    &qv,
+                    &kv_view(ptr(&s, &dk)),
+                    &kv_view(ptr(&s, &dv)),
+                    &ov,
+                    Some(&LseView { ptr: lv }),
+                    &AttentionParams::default(),
+                    s.cu_stream(),
+                )
+            }
+            .expect("shard forward");
+            start += n;
+        }
+        let out_bytes = out_dtype.size_bytes();
+        let out = up(&s, &vec![0xFFu8; nq * out_bytes]);
+        let out_lse = up(&s, &vec![f32::NAN; b * hq * sq]);
+        let merge = MergeParts {
+            o: TensorView::bshd(ptr(&s, &parts), dt, b, sq, hq, d),
+            count: shards.len(),
+            shard_stride: nq,
+            lse: ptr(&s, &lse_parts),
+        };
+        let ov = TensorView::bshd(ptr(&s, &out), out_dtype, b, sq, hq, d);
+        // SAFETY: the views point into live buffers of this test.
+        unsafe {
+            attn.merge(
+                &merge,
+                &ov,
+                Some(&LseView {
+                    ptr: ptr(&s, &out_lse),
+                }),
+                s.cu_stream(),
+            )
+        }
+        .expect("merge");
+        let raw = down(&s, &out);
+        let got: Vec<f64> = match out_dtype {
+            DType::F32 => raw
+                .chunks(4)
+                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]) as f64)
+                .collect(),
+            _ => {
+                let bits: Vec<u16> = raw
+                    .chunks(2)
+                    .map(|c| u16::from_le_bytes([c[0], c[1]]))
+                    .collect();
+                half_bits_to_f64(&bits, out_dtype.half_type().unwrap())
+            }
+        };
+        let shape = AttnShape {
+            batch: b,
+            seqlen_q: sq,
+            seqlen_k: sk,
+            heads_q: hq,
+            heads_kv: hkv,
+            head_dim: d,
+        };
+        let scale = (1.0 / (d as f64).sqrt()) as f32 as f64;
+        let want = attention_f64(&shape, &q, &k, &v, scale, false);
+        let err = rel_l2(&got, &want.out);
+        let got_lse: Vec<f64> = down(&s, &out_lse).into_iter().map(f64::from).collect();
+        let lse_err = got_lse
+            .iter()
+            .zip(&want.lse)
+            .map(|(g, w)| (g - w).abs())
+            .fold(0.0, f64::max);
+        println!("merge {dtype:?} -> {out_dtype}: out {err:.2e} lse {lse_err:.2e}");
+        let tol = tolerance(dtype).max(out_dtype.half_type().map_or(0.0, tolerance));
+        assert!(
+            err <= tol && lse_err < 1e-3,
+            "merge {dtype:?} -> {out_dtype}: {err} {lse_err}"
+        );
+    }
+}
+
+/// Small cases for compute-sanitizer (memcheck, racecheck, synccheck): a paged causal
+/// decode with two splits and its merge, a contiguous one with a single split, every
+/// head dim's ring.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn decode_small_for_sanitizers() {
+    let mut cases = vec![
+        case(HalfType::F16, (8, 2), 128, 3, &[1, 7, 300], 16, true),
+        case(HalfType::Bf16, (4, 4), 64, 1, &[5, 40], 0, false),
+    ];
+    cases[0].workspace = true;
+    for d in [32, 96, 192, 256] {
+        cases.push(case(HalfType::F16, (2, 1), d, 2, &[70, 3], 64, true));
+    }
+    run_all(&cases);
+}
