@@ -17,10 +17,10 @@ use super::attention::Attention;
 use super::device::{ContextScope, check};
 use super::kv_cache::{CacheShape, HostMetadata, KvCache};
 use super::launch::{LaunchDims, launch};
-use super::tensor::{AttentionParams, DIM_NAMES, DType, LseView, TensorView};
+use super::tensor::{AttentionParams, DType, LseView, TensorView};
 use super::validate::{
-    LSE_ALIGN, MAX_GRID_YZ, TENSOR_ALIGN, check_no_self_overlap, check_scale, check_strides,
-    lse_byte_range, overlaps,
+    LSE_ALIGN, MAX_GRID_YZ, TENSOR_ALIGN, byte_range_of, check_no_self_overlap, check_not_empty,
+    check_pointer, check_scale, check_strides, lse_byte_range, overlaps,
 };
 use crate::error::{Error, Result};
 use crate::kernels::attention::HalfType;
@@ -106,12 +106,7 @@ pub fn validate_decode(
             dtype_text(o.dtype)
         )));
     }
-    if let Some(i) = o.shape.iter().position(|&n| n == 0) {
-        return Err(Error::EmptyDimension {
-            tensor: "o",
-            dim: DIM_NAMES[i],
-        });
-    }
+    check_not_empty("o", o)?;
     let problem = decode_problem(q, cache, params)?;
     if o.shape != q.shape {
         return Err(Error::ShapeMismatch(format!(
@@ -121,33 +116,15 @@ pub fn validate_decode(
     }
     let [batch, seqlen_q, heads_q, _] = q.shape;
     for (name, t) in [("q", q), ("o", o)] {
-        if t.ptr == 0 {
-            return Err(Error::NullPointer(name));
-        }
-        if !t.ptr.is_multiple_of(TENSOR_ALIGN) {
-            return Err(Error::Misaligned {
-                tensor: name,
-                ptr: t.ptr,
-                align: TENSOR_ALIGN,
-            });
-        }
+        check_pointer(name, t.ptr, TENSOR_ALIGN)?;
     }
     check_lse_pointer(lse)?;
     for (name, t) in [("q", q), ("o", o)] {
         check_strides(name, t)?;
     }
-    let range = |name, t: &TensorView| {
-        t.byte_range().ok_or_else(|| Error::BadStrides {
-            tensor: name,
-            reason: format!(
-                "shape {:?} with strides {:?} overflows 64-bit addressing",
-                t.shape, t.strides
-            ),
-        })
-    };
-    let o_range = range("o", o)?;
+    let o_range = byte_range_of("o", o)?;
     let mut inputs = cache.byte_ranges(batch);
-    inputs.push(("q", range("q", q)?));
+    inputs.push(("q", byte_range_of("q", q)?));
     check_no_self_overlap("o", o)?;
     let lse_range = match lse {
         Some(l) => Some(lse_byte_range(l, batch, heads_q, seqlen_q)?),
@@ -174,12 +151,7 @@ pub fn decode_problem(
     let dtype = q.dtype.half_type().ok_or_else(|| {
         Error::UnsupportedDType(format!("q is {}; decode takes f16 or bf16", q.dtype))
     })?;
-    if let Some(i) = q.shape.iter().position(|&n| n == 0) {
-        return Err(Error::EmptyDimension {
-            tensor: "q",
-            dim: DIM_NAMES[i],
-        });
-    }
+    check_not_empty("q", q)?;
     let [batch, seqlen_q, heads_q, head_dim] = q.shape;
     let shape = cache.validate(batch)?;
     if shape.head_dim != head_dim {
@@ -223,16 +195,7 @@ pub fn decode_problem(
 
 fn check_lse_pointer(lse: Option<&LseView>) -> Result<()> {
     if let Some(l) = lse {
-        if l.ptr == 0 {
-            return Err(Error::NullPointer("lse"));
-        }
-        if !l.ptr.is_multiple_of(LSE_ALIGN) {
-            return Err(Error::Misaligned {
-                tensor: "lse",
-                ptr: l.ptr,
-                align: LSE_ALIGN,
-            });
-        }
+        check_pointer("lse", l.ptr, LSE_ALIGN)?;
     }
     Ok(())
 }
@@ -335,12 +298,7 @@ pub fn validate_append(
         )));
     }
     for (name, t) in [("k_new", k_new), ("v_new", v_new)] {
-        if let Some(i) = t.shape.iter().position(|&n| n == 0) {
-            return Err(Error::EmptyDimension {
-                tensor: name,
-                dim: DIM_NAMES[i],
-            });
-        }
+        check_not_empty(name, t)?;
     }
     if v_new.shape != k_new.shape {
         return Err(Error::ShapeMismatch(format!(
@@ -370,21 +328,9 @@ pub fn validate_append(
         )));
     }
     for (name, t) in [("k_new", k_new), ("v_new", v_new)] {
-        if t.ptr == 0 {
-            return Err(Error::NullPointer(name));
-        }
-        if !t.ptr.is_multiple_of(TENSOR_ALIGN) {
-            return Err(Error::Misaligned {
-                tensor: name,
-                ptr: t.ptr,
-                align: TENSOR_ALIGN,
-            });
-        }
+        check_pointer(name, t.ptr, TENSOR_ALIGN)?;
         check_strides(name, t)?;
-        let r = t.byte_range().ok_or_else(|| Error::BadStrides {
-            tensor: name,
-            reason: "overflows 64-bit addressing".into(),
-        })?;
+        let r = byte_range_of(name, t)?;
         for (other, o) in cache.byte_ranges(batch) {
             if overlaps(r, o) {
                 return Err(Error::InvalidArgument(format!(
@@ -414,12 +360,7 @@ pub fn validate_merge(
     out_lse: Option<&LseView>,
 ) -> Result<MergeConfig> {
     let o = &parts.o;
-    if let Some(i) = o.shape.iter().position(|&n| n == 0) {
-        return Err(Error::EmptyDimension {
-            tensor: "parts",
-            dim: DIM_NAMES[i],
-        });
-    }
+    check_not_empty("parts", o)?;
     if parts.count == 0 {
         return Err(Error::EmptyDimension {
             tensor: "parts",
@@ -482,7 +423,7 @@ pub fn validate_merge(
         tensor,
         reason: "overflows 64-bit addressing".into(),
     };
-    let first = o.byte_range().ok_or_else(|| overflow("parts"))?;
+    let first = byte_range_of("parts", o)?;
     let span = (parts.count as u64 - 1)
         .checked_mul(shard_bytes.unwrap_or(0) as u64)
         .and_then(|s| first.1.checked_add(s))
@@ -492,7 +433,7 @@ pub fn validate_merge(
         .checked_mul(4 * parts.count as u64)
         .and_then(|n| parts.lse.checked_add(n))
         .ok_or_else(|| overflow("lse_parts"))?;
-    let out_range = out.byte_range().ok_or_else(|| overflow("out"))?;
+    let out_range = byte_range_of("out", out)?;
     check_no_self_overlap("out", out)?;
     let lse_range = match out_lse {
         Some(l) => Some(lse_byte_range(l, batch, heads, seqlen)?),
@@ -850,16 +791,7 @@ fn check_workspace(
     lse: Option<&LseView>,
     p: &DecodeProblem,
 ) -> Result<()> {
-    if w.ptr == 0 {
-        return Err(Error::NullPointer("workspace"));
-    }
-    if !w.ptr.is_multiple_of(256) {
-        return Err(Error::Misaligned {
-            tensor: "workspace",
-            ptr: w.ptr,
-            align: 256,
-        });
-    }
+    check_pointer("workspace", w.ptr, 256)?;
     if w.bytes < needed {
         return Err(Error::InvalidArgument(format!(
             "the workspace has {} bytes, this call needs {needed}",

@@ -11,8 +11,10 @@
 //! the capacity or an entry outside the pool.
 
 use crate::error::{Error, Result};
-use crate::host::tensor::{DIM_NAMES, TensorView};
-use crate::host::validate::{TENSOR_ALIGN, check_strides};
+use crate::host::tensor::TensorView;
+use crate::host::validate::{
+    TENSOR_ALIGN, byte_range_of, check_not_empty, check_pointer, check_strides,
+};
 
 /// Page sizes a paged cache may use: powers of two from 1 to 1024 tokens.
 pub const PAGE_SIZES: std::ops::RangeInclusive<usize> = 1..=1024;
@@ -91,12 +93,7 @@ impl KvCache {
             )));
         }
         for (name, t) in [("k_cache", k), ("v_cache", v)] {
-            if let Some(i) = t.shape.iter().position(|&n| n == 0) {
-                return Err(Error::EmptyDimension {
-                    tensor: name,
-                    dim: DIM_NAMES[i],
-                });
-            }
+            check_not_empty(name, t)?;
         }
         if v.shape != k.shape {
             return Err(Error::ShapeMismatch(format!(
@@ -126,16 +123,7 @@ impl KvCache {
                         PAGE_SIZES.end()
                     )));
                 }
-                if block_table == 0 {
-                    return Err(Error::NullPointer("block_table"));
-                }
-                if !block_table.is_multiple_of(4) {
-                    return Err(Error::Misaligned {
-                        tensor: "block_table",
-                        ptr: block_table,
-                        align: 4,
-                    });
-                }
+                check_pointer("block_table", block_table, 4)?;
                 if max_pages == 0 {
                     return Err(Error::EmptyDimension {
                         tensor: "block_table",
@@ -166,35 +154,11 @@ impl KvCache {
             )));
         }
         for (name, t) in [("k_cache", k), ("v_cache", v)] {
-            if t.ptr == 0 {
-                return Err(Error::NullPointer(name));
-            }
-            if !t.ptr.is_multiple_of(TENSOR_ALIGN) {
-                return Err(Error::Misaligned {
-                    tensor: name,
-                    ptr: t.ptr,
-                    align: TENSOR_ALIGN,
-                });
-            }
+            check_pointer(name, t.ptr, TENSOR_ALIGN)?;
             check_strides(name, t)?;
-            t.byte_range().ok_or_else(|| Error::BadStrides {
-                tensor: name,
-                reason: format!(
-                    "shape {:?} with strides {:?} overflows 64-bit addressing",
-                    t.shape, t.strides
-                ),
-            })?;
+            byte_range_of(name, t)?;
         }
-        if self.seqlens == 0 {
-            return Err(Error::NullPointer("seqlens"));
-        }
-        if !self.seqlens.is_multiple_of(4) {
-            return Err(Error::Misaligned {
-                tensor: "seqlens",
-                ptr: self.seqlens,
-                align: 4,
-            });
-        }
+        check_pointer("seqlens", self.seqlens, 4)?;
         Ok(CacheShape {
             batch,
             heads_kv,

@@ -82,12 +82,7 @@ pub fn validate_fwd(
 
     // 2. empty dimensions
     for (name, t) in all {
-        if let Some(i) = t.shape.iter().position(|&n| n == 0) {
-            return Err(Error::EmptyDimension {
-                tensor: name,
-                dim: DIM_NAMES[i],
-            });
-        }
+        check_not_empty(name, t)?;
     }
 
     // 3. shapes
@@ -157,28 +152,10 @@ pub fn validate_fwd(
 
     // 8. pointers
     for (name, t) in all {
-        if t.ptr == 0 {
-            return Err(Error::NullPointer(name));
-        }
-        if !t.ptr.is_multiple_of(TENSOR_ALIGN) {
-            return Err(Error::Misaligned {
-                tensor: name,
-                ptr: t.ptr,
-                align: TENSOR_ALIGN,
-            });
-        }
+        check_pointer(name, t.ptr, TENSOR_ALIGN)?;
     }
     if let Some(l) = lse {
-        if l.ptr == 0 {
-            return Err(Error::NullPointer("lse"));
-        }
-        if !l.ptr.is_multiple_of(LSE_ALIGN) {
-            return Err(Error::Misaligned {
-                tensor: "lse",
-                ptr: l.ptr,
-                align: LSE_ALIGN,
-            });
-        }
+        check_pointer("lse", l.ptr, LSE_ALIGN)?;
     }
 
     // 9. strides and extents
@@ -187,13 +164,7 @@ pub fn validate_fwd(
     }
     let mut ranges = [(0u64, 0u64); 4];
     for (r, (name, t)) in ranges.iter_mut().zip(all) {
-        *r = t.byte_range().ok_or_else(|| Error::BadStrides {
-            tensor: name,
-            reason: format!(
-                "shape {:?} with strides {:?} at {:#x} overflows 64-bit addressing",
-                t.shape, t.strides, t.ptr
-            ),
-        })?;
+        *r = byte_range_of(name, t)?;
     }
     let lse_range = match lse {
         Some(l) => Some(lse_byte_range(l, batch, heads_q, seqlen_q)?),
@@ -234,6 +205,43 @@ pub fn validate_fwd(
         dtype,
         scale: params.scale_for(head_dim),
         causal: params.causal,
+    })
+}
+
+/// `t` has no zero-size dimension.
+pub(crate) fn check_not_empty(name: &'static str, t: &TensorView) -> Result<()> {
+    match t.shape.iter().position(|&n| n == 0) {
+        Some(i) => Err(Error::EmptyDimension {
+            tensor: name,
+            dim: DIM_NAMES[i],
+        }),
+        None => Ok(()),
+    }
+}
+
+/// A device pointer is non-null and `align`-byte aligned.
+pub(crate) fn check_pointer(name: &'static str, ptr: u64, align: u64) -> Result<()> {
+    if ptr == 0 {
+        return Err(Error::NullPointer(name));
+    }
+    if !ptr.is_multiple_of(align) {
+        return Err(Error::Misaligned {
+            tensor: name,
+            ptr,
+            align,
+        });
+    }
+    Ok(())
+}
+
+/// The byte range of `t`, or why it has none.
+pub(crate) fn byte_range_of(name: &'static str, t: &TensorView) -> Result<(u64, u64)> {
+    t.byte_range().ok_or_else(|| Error::BadStrides {
+        tensor: name,
+        reason: format!(
+            "shape {:?} with strides {:?} at {:#x} overflows 64-bit addressing",
+            t.shape, t.strides, t.ptr
+        ),
     })
 }
 
