@@ -143,7 +143,7 @@ cat >"$bundle/run.sh" <<'RUN_SH'
 #                  through the package, the Llama per-token benchmark
 #   sanitizer.log  compute-sanitizer memcheck / racecheck / synccheck on `flashcore run`
 #   hopper.log     sm_90a proof kernels: TMA round trip + GEMM tests, GEMM vs cuBLAS, sanitizers
-#   decode.log     serving: gpu_decode under the sanitizers, decode GB/s against SDPA
+#   decode.log     serving: gpu_decode and gpu_varlen under the sanitizers, decode GB/s against SDPA
 #                  (decode_ours.json, decode_sdpa.json)
 #   bench.log      flashcore bench, SDPA bench, comparison, harness, criterion, ncu profile
 #   ours.json      flashcore bench --json
@@ -312,6 +312,13 @@ if want decode; then
             "$t" --include-ignored --test-threads=1 \
             decode_small_for_sanitizers device_metadata_never_leaves_the_cache \
             append_writes_the_new_rows_where_they_belong merge_of_shards_matches_one_shot_attention
+    done
+    t="$bundle/tests/gpu_varlen"
+    [[ -x $t ]] && ! want tests && step decode.log "test gpu_varlen" 300 "$t" --include-ignored --test-threads=1 --nocapture
+    for tool in memcheck racecheck synccheck; do
+        [[ -x $t ]] && step decode.log "$tool varlen prefill" 240 \
+            compute-sanitizer --tool "$tool" --error-exitcode 1 \
+            "$t" --include-ignored --test-threads=1 varlen_small_for_sanitizers bad_offsets
     done
     rm -f "$OUT/decode_ours.json" "$OUT/decode_sdpa.json"
     step decode.log "flashcore decode" 240 "$fc" decode --json "$OUT/decode_ours.json"

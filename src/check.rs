@@ -449,6 +449,7 @@ pub fn planned_kernel(attn: &Attention, case: &FwdCase) -> Result<FwdConfig> {
         dtype: case.dtype,
         scale: 1.0,
         causal: case.causal,
+        packed: None,
     };
     attn.plan(&problem)
 }

@@ -249,6 +249,23 @@ impl Attention {
         stream: CUstream,
     ) -> Result<()> {
         let problem = validate_fwd(q, k, v, o, lse, params)?;
+        // SAFETY: this function's contract, passed on unchanged.
+        unsafe { self.run(&problem, [q, k, v, o], lse, stream) }
+    }
+
+    /// Dispatches a validated problem and launches it.
+    ///
+    /// # Safety
+    ///
+    /// As for [`Attention::forward`]; `problem` must come from validating these views.
+    pub(crate) unsafe fn run(
+        &self,
+        problem: &FwdProblem,
+        [q, k, v, o]: [&TensorView; 4],
+        lse: Option<&LseView>,
+        stream: CUstream,
+    ) -> Result<()> {
+        let problem = *problem;
         let cfg = self.plan(&problem)?;
         let cfg = match cfg.path {
             Path::Sm90 => match sm90_maps(&cfg, [q, k, v]) {
@@ -398,6 +415,27 @@ fn fwd_args(
     lse: Option<&LseView>,
 ) -> FwdArgs {
     let shape = problem.shape;
+    // Packed batches: the kernels read each sequence's rows from the offsets and clamp
+    // them to the tensors' row counts.
+    let (rows_q, rows_k, lse_stride, cu_q, cu_k) = match problem.packed {
+        None => (
+            shape.seqlen_q,
+            shape.seqlen_k,
+            [
+                (shape.heads_q * shape.seqlen_q) as u64,
+                shape.seqlen_q as u64,
+            ],
+            0,
+            0,
+        ),
+        Some(p) => (
+            p.total_q,
+            p.total_k,
+            [0, p.total_q as u64],
+            p.cu_seqlens_q,
+            p.cu_seqlens_k,
+        ),
+    };
     FwdArgs {
         q: q.ptr,
         k: k.ptr,
@@ -408,16 +446,17 @@ fn fwd_args(
         k_stride: strides(k),
         v_stride: strides(v),
         o_stride: strides(o),
-        seqlen_q: shape.seqlen_q as u32,
-        seqlen_k: shape.seqlen_k as u32,
+        seqlen_q: rows_q as u32,
+        seqlen_k: rows_k as u32,
         heads_q: shape.heads_q as u32,
         group: shape.group() as u32,
         scale_log2: problem.scale * std::f32::consts::LOG2_E,
-        causal_offset: shape.seqlen_k as i32 - shape.seqlen_q as i32,
         scale: problem.scale,
         q_blocks: shape.seqlen_q.div_ceil(cfg.tiling().block_m as usize) as u32,
         batch: shape.batch as u32,
-        _pad: 0,
+        cu_seqlens_q: cu_q,
+        cu_seqlens_k: cu_k,
+        lse_stride,
     }
 }
 
@@ -576,6 +615,7 @@ mod tests {
                 dtype: HalfType::F16,
                 scale: 0.1,
                 causal,
+                packed: None,
             };
             grid(&problem, &cfg, 132).grid
         };

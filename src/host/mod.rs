@@ -8,6 +8,7 @@
 //! - [`tensor`]: tensor views (pointer, shape, strides, dtype).
 //! - [`validate`]: argument checks that return typed errors before anything runs.
 //! - [`attention`]: the forward-attention entry point and dispatch.
+//! - [`varlen`]: forward attention over packed sequences of different lengths.
 //! - [`kv_cache`]: KV caches (contiguous or paged) and their checks.
 //! - [`decode`]: serving calls: split-KV decode, appending to a cache, merging partial
 //!   results by their log-sum-exp.
@@ -24,3 +25,4 @@ pub mod module;
 pub mod tensor;
 pub mod timing;
 pub mod validate;
+pub mod varlen;

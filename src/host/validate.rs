@@ -53,6 +53,18 @@ pub struct FwdProblem {
     /// The softmax scale actually applied (the default already resolved).
     pub scale: f32,
     pub causal: bool,
+    /// Packed variable-length sequences (`shape.batch` of them, `shape.seqlen_q` the
+    /// longest query sequence allowed), or `None` for dense tensors.
+    pub packed: Option<Packed>,
+}
+
+/// A validated packed batch: where the offsets are and how many rows they index.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Packed {
+    pub cu_seqlens_q: u64,
+    pub cu_seqlens_k: u64,
+    pub total_q: usize,
+    pub total_k: usize,
 }
 
 /// Checks the arguments of a forward call; see the module docs for the order of checks.
@@ -205,6 +217,7 @@ pub fn validate_fwd(
         dtype,
         scale: params.scale_for(head_dim),
         causal: params.causal,
+        packed: None,
     })
 }
 
@@ -427,6 +440,7 @@ mod tests {
                 dtype: HalfType::F16,
                 scale: 0.125,
                 causal: true,
+                packed: None,
             }
         );
         assert_eq!(p.shape.group(), 4);

@@ -5,11 +5,14 @@
 //! when the true value does. A row that saw no key (l = 0) gets O = 0 and LSE = −∞.
 //! Row indices are unsigned and the LSE index is 64-bit: rows past `Sq` (the padding of
 //! the last block) are compared, never wrapped, and `(b·Hq + h)·Sq + row` may exceed 2^32.
+//! Packed batches put a sequence's rows after its first query row `q_start`, in O and in
+//! the `[Hq, total_q]` LSE alike.
 
 use std::mem::offset_of;
 
 use super::FwdArgs;
 use super::rows::{Rows, Slab, half_of};
+use super::sequence::Sequence;
 use super::softmax::OnlineSoftmax;
 use crate::ptx::{Cmp, F32, Half2, Kernel, ParamBytes, Reg, S32, U32, U64};
 
@@ -18,9 +21,9 @@ use crate::ptx::{Cmp, F32, Half2, Kernel, ParamBytes, Reg, S32, U32, U64};
 pub struct OutputBlock {
     pub batch: Reg<U32>,
     pub head: Reg<U32>,
-    /// The block's first query row.
+    /// The block's first query row, counted from the sequence's first.
     pub m_start: Reg<S32>,
-    pub seqlen_q: Reg<S32>,
+    pub seq: Sequence,
 }
 
 /// Normalises `o` by the row sums, stores the rows that exist (`row < Sq`) and, when the
@@ -40,19 +43,24 @@ pub fn store_output<H: Half2>(
     let o_seq = field(k, offset_of!(FwdArgs, o_stride) + 8);
     let o_head = field(k, offset_of!(FwdArgs, o_stride) + 16);
     let lse_ptr = field(k, offset_of!(FwdArgs, lse));
-    let heads_q = k.load_param_at::<U32>(args, offset_of!(FwdArgs, heads_q));
+    let lse_batch = field(k, offset_of!(FwdArgs, lse_stride));
+    let lse_head = field(k, offset_of!(FwdArgs, lse_stride) + 8);
     let scale = k.load_param_at::<F32>(args, offset_of!(FwdArgs, scale));
-    let b = k.cvt_u64_u32(at.batch);
+    let seqlen_q = at.seq.seqlen_q;
+    let b = k.cvt_u64_u32(at.seq.tensor_batch);
     let h = k.cvt_u64_u32(at.head);
+    let q_start = k.cvt_u64_u32(at.seq.q_start.cast::<U32>());
     let elems = k.mul(b, o_batch);
     let elems = k.mad(h, o_head, elems);
+    let elems = k.mad(q_start, o_seq, elems);
     let col = k.cvt_u64_u32(rows.col.cast::<U32>());
     let elems = k.add(elems, col);
     let bytes = k.shl(elems, 1);
     let o_base = k.add(o_ptr, bytes);
-    // lse[(batch·Hq + head)·Sq + row], in 64 bits.
-    let bh = k.mad(at.batch, heads_q, at.head);
-    let lse_row0 = k.mul_wide_u32(bh, at.seqlen_q.cast::<U32>());
+    // lse[batch·lse_batch + head·lse_head + q_start + row], in 64 bits.
+    let lse_b = k.cvt_u64_u32(at.batch);
+    let lse_row0 = k.mad(lse_b, lse_batch, q_start);
+    let lse_row0 = k.mad(h, lse_head, lse_row0);
     let want_lse = k.setp(Cmp::Ne, lse_ptr, 0u64);
     let lse_lane = k.setp(Cmp::Eq, rows.col, 0i32);
     let want_lse = k.and_pred(want_lse, lse_lane);
@@ -66,7 +74,7 @@ pub fn store_output<H: Half2>(
             let inv = k.selp(0f32, inv, empty);
             let row = k.add(m_start, rows.row0.cast::<U32>());
             let row = k.add(row, Rows::offset(slab, half));
-            let inside = k.setp(Cmp::Lt, row, at.seqlen_q.cast::<U32>());
+            let inside = k.setp(Cmp::Lt, row, seqlen_q.cast::<U32>());
             let row64 = k.cvt_u64_u32(row);
             let offset = k.mul(row64, o_seq);
             let offset = k.shl(offset, 1);

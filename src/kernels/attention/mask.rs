@@ -46,8 +46,27 @@ fn clamp_to_s32(k: &mut Kernel, x: Reg<S64>, lo: Reg<S64>, hi: Reg<S64>) -> Reg<
 }
 
 /// The key tiles of the query block starting at row `m_start` (`block_m` rows), for
-/// `seqlen_k` keys in tiles of `block_n`; `causal_offset` is `Sk − Sq` when causal.
+/// `seqlen_k` keys in tiles of `block_n`; `causal_offset` is `Sk − Sq` when causal. A
+/// block past its sequence's last query (packed batches size the grid by the longest
+/// sequence) visits none.
 pub fn key_tiles(
+    k: &mut Kernel,
+    seqlen_q: Reg<S32>,
+    seqlen_k: Reg<S32>,
+    m_start: Reg<S32>,
+    block_m: u32,
+    block_n: u32,
+    causal_offset: Option<Reg<S32>>,
+) -> KeyTiles {
+    let tiles = visited_tiles(k, seqlen_k, m_start, block_m, block_n, causal_offset);
+    let live = k.setp(Cmp::Lt, m_start, seqlen_q);
+    KeyTiles {
+        end: k.selp(tiles.end, 0i32, live),
+        mask_from: tiles.mask_from,
+    }
+}
+
+fn visited_tiles(
     k: &mut Kernel,
     seqlen_k: Reg<S32>,
     m_start: Reg<S32>,

@@ -7,6 +7,7 @@ pub mod epilogue;
 pub mod mask;
 pub mod merge;
 pub mod rows;
+pub mod sequence;
 pub mod sm80;
 pub mod sm90;
 pub mod softmax;
@@ -162,6 +163,11 @@ pub fn all_fwd_configs() -> Vec<FwdConfig> {
 /// The by-value argument block of every forward kernel (`.param .align 8 .b8 args[..]`).
 /// Strides are in elements, for the logical dimensions (batch, sequence, head); the head
 /// dimension is contiguous. `lse` may be 0 (no log-sum-exp output).
+///
+/// Packed (variable-length) batches set `cu_seqlens_q` and `cu_seqlens_k`: then Q, K, V
+/// and O have batch extent 1, `seqlen_q`/`seqlen_k` are their row counts, `batch` the
+/// number of sequences and `q_blocks` the query tiles of the longest one (see
+/// [`sequence`]).
 #[repr(C)]
 #[derive(Debug, Clone, Copy, Default, PartialEq, bytemuck::Pod, bytemuck::Zeroable)]
 pub struct FwdArgs {
@@ -181,15 +187,20 @@ pub struct FwdArgs {
     pub group: u32,
     /// softmax_scale · log2(e): scores go through `exp2`.
     pub scale_log2: f32,
-    /// Sk − Sq: query row i sees keys j <= i + causal_offset (bottom-right alignment).
-    pub causal_offset: i32,
     /// softmax_scale itself (for the log-sum-exp).
     pub scale: f32,
     /// Query tiles per (batch, head) and the batch size: the persistent sm90 kernel's
     /// work items are `q_blocks · heads_q · batch`.
     pub q_blocks: u32,
     pub batch: u32,
-    pub _pad: u32,
+    /// Device `i32 [batch + 1]` offsets of each sequence's first query row, or 0 (dense).
+    pub cu_seqlens_q: u64,
+    /// Device `i32 [batch + 1]` offsets of each sequence's first key row (when packed).
+    pub cu_seqlens_k: u64,
+    /// LSE elements between consecutive batch entries and heads: `[Hq·Sq, Sq]` for the
+    /// dense `[B, Hq, Sq]` layout, `[0, total_q]` for the packed `[Hq, total_q]` one
+    /// (whose rows add the sequence's first query row).
+    pub lse_stride: [u64; 2],
 }
 
 impl FwdArgs {

@@ -32,6 +32,7 @@ use std::mem::offset_of;
 use super::epilogue::{OutputBlock, store_output};
 use super::mask::{apply_mask, key_tiles, query_block};
 use super::rows::{Rows, Slab, zeroed_slabs};
+use super::sequence::sequence;
 use super::softmax::OnlineSoftmax;
 use super::{BLOCK_M_NARROW, FwdArgs, FwdConfig, HalfType, Tiling};
 use crate::ptx::{
@@ -158,14 +159,14 @@ struct TileLoader {
     /// tile at offset 0: the same for Q, K and V, whose tiles differ by `tile_offset`.
     line: SmemAddr,
     tile_offset: u32,
-    seqlen: Reg<S32>,
 }
 
 impl TileLoader {
     /// Issues the `cp.async` copies of the tile starting at sequence row `first_row`.
-    /// Rows at or past the sequence end are zero-filled: their copies read 0 bytes.
-    fn issue(&self, k: &mut Kernel, s: &Shape, first_row: Reg<S32>) {
-        self.issue_passes(k, s, first_row, 0..self.passes(s));
+    /// Rows at or past the sequence end (`seqlen`) are zero-filled: their copies read 0
+    /// bytes.
+    fn issue(&self, k: &mut Kernel, s: &Shape, first_row: Reg<S32>, seqlen: Reg<S32>) {
+        self.issue_passes(k, s, first_row, 0..self.passes(s), seqlen);
     }
 
     /// Passes (`rows_per_pass` rows each) that make up a tile.
@@ -180,11 +181,12 @@ impl TileLoader {
         s: &Shape,
         first_row: Reg<S32>,
         range: std::ops::Range<u32>,
+        seqlen: Reg<S32>,
     ) {
         let rpp = s.rows_per_pass();
         let row = k.add(first_row, self.thread_row);
         let row = k.add(row, (range.start * rpp) as i32);
-        let left = k.sub(self.seqlen, row);
+        let left = k.sub(seqlen, row);
         let offset = k.cvt_s64_s32(row).cast::<U64>();
         let offset = k.mul(offset, self.row_stride);
         let mut src = k.add(self.row0, offset);
@@ -226,14 +228,6 @@ type Probs<H> = Vec<Vec<[Reg<H>; 4]>>;
 
 fn arg<T: PtxType>(k: &mut Kernel, args: ParamBytes, offset: usize) -> Reg<T> {
     k.load_param_at::<T>(args, offset)
-}
-
-/// The per-block scalars the key loops read.
-#[derive(Clone, Copy)]
-struct Block {
-    seqlen_k: Reg<S32>,
-    causal_offset: Reg<S32>,
-    scale_log2: Reg<F32>,
 }
 
 /// Which (batch, head, query block) this block owns, read from the special registers.
@@ -283,10 +277,7 @@ fn build<H: Half2>(cfg: &FwdConfig) -> Result<KernelText, PtxError> {
     let smem = k.shared_memory(&plan);
     let tid = k.special(Special::TidX);
 
-    k.comment("Which (batch, head, query block) this block owns.");
-    let seqlen_q = arg::<S32>(&mut k, args, offset_of!(FwdArgs, seqlen_q));
-    let seqlen_k = arg::<S32>(&mut k, args, offset_of!(FwdArgs, seqlen_k));
-    let causal_offset = arg::<S32>(&mut k, args, offset_of!(FwdArgs, causal_offset));
+    k.comment("Which (batch, head, query block) this block owns, and where its sequence is.");
     let scale_log2 = arg::<F32>(&mut k, args, offset_of!(FwdArgs, scale_log2));
     let group = arg::<U32>(&mut k, args, offset_of!(FwdArgs, group));
     let Coords {
@@ -294,11 +285,16 @@ fn build<H: Half2>(cfg: &FwdConfig) -> Result<KernelText, PtxError> {
         head,
         m_start,
     } = coords(&mut k, cfg.causal, block_m);
+    let seq = sequence(&mut k, args, batch);
+    let (seqlen_q, seqlen_k) = (seq.seqlen_q, seq.seqlen_k);
+    let causal_offset = seq.causal_offset(&mut k);
     let kv_head = k.div(head, group);
 
     k.comment("Key tiles to visit: 0..end; tiles mask_from.. need masking.");
     let causal = cfg.causal.then_some(causal_offset);
-    let n = key_tiles(&mut k, seqlen_k, m_start, block_m, block_n, causal);
+    let n = key_tiles(
+        &mut k, seqlen_q, seqlen_k, m_start, block_m, block_n, causal,
+    );
 
     let f = Fwd::<H>::new(&mut k, s, cfg.causal, tid, &smem, &tiles);
     let epilogue = k.label();
@@ -312,13 +308,13 @@ fn build<H: Half2>(cfg: &FwdConfig) -> Result<KernelText, PtxError> {
     let line = k.mad(chunk, 16u32, line);
     let line = Swizzle::B128.apply_in(&mut k, line);
     let line = smem.tile_byte(&mut k, tiles.q, line);
-    let loader = |k: &mut Kernel, tensor, strides, head, seqlen, slot: TileSlot| {
+    let loader = |k: &mut Kernel, tensor, strides, head, start, slot: TileSlot| {
         f.loader(
             k,
             args,
             (tensor, strides),
-            [batch, head],
-            seqlen,
+            [seq.tensor_batch, head],
+            start,
             chunk,
             first_row,
             (line, slot.offset - tiles.q.offset),
@@ -330,7 +326,7 @@ fn build<H: Half2>(cfg: &FwdConfig) -> Result<KernelText, PtxError> {
         offset_of!(FwdArgs, q),
         offset_of!(FwdArgs, q_stride),
         head,
-        seqlen_q,
+        seq.q_start,
         tiles.q,
     );
     let key = loader(
@@ -338,7 +334,7 @@ fn build<H: Half2>(cfg: &FwdConfig) -> Result<KernelText, PtxError> {
         offset_of!(FwdArgs, k),
         offset_of!(FwdArgs, k_stride),
         kv_head,
-        seqlen_k,
+        seq.k_start,
         tiles.k,
     );
     let val = loader(
@@ -346,33 +342,38 @@ fn build<H: Half2>(cfg: &FwdConfig) -> Result<KernelText, PtxError> {
         offset_of!(FwdArgs, v),
         offset_of!(FwdArgs, v_stride),
         kv_head,
-        seqlen_k,
+        seq.k_start,
         tiles.v,
     );
-    q.issue(&mut k, &s, m_start);
+    q.issue(&mut k, &s, m_start, seqlen_q);
     let last = k.sub(n.end, 1i32);
     let last_row = k.mul(last, block_n as i32);
-    key.issue(&mut k, &s, last_row);
+    key.issue(&mut k, &s, last_row, seqlen_k);
     k.cp_async_commit();
 
-    let blk = Block {
-        seqlen_k,
-        causal_offset,
-        scale_log2,
+    // The sequence's lengths are read again where needed, not kept: a value that may
+    // come from the packed offsets cannot be rematerialised from the parameter space,
+    // and one more register across the loop spills d96's wide tile.
+    let seq_again = |k: &mut Kernel| {
+        let batch = k.special(Special::CtaidZ);
+        sequence(k, args, batch)
     };
     let step = |k: &mut Kernel, n: Reg<S32>, masked: bool| {
         let n_row = k.mul(n, block_n as i32);
         k.cp_async_wait(0);
         k.sync_threads();
-        val.issue(k, &s, n_row);
+        let seqlen_k = seq_again(k).seqlen_k;
+        val.issue(k, &s, n_row, seqlen_k);
         k.cp_async_commit();
 
         let scores = f.scores(k);
         if masked {
-            let causal = f.causal.then_some(blk.causal_offset);
+            let seq = seq_again(k);
+            let causal_offset = seq.causal_offset(k);
+            let causal = f.causal.then_some(causal_offset);
             let m_start = coords(k, f.causal, block_m).m_start;
             let (_, rows) = thread_rows(k, s.m_tiles);
-            apply_mask(k, &rows, &scores, n_row, m_start, blk.seqlen_k, causal);
+            apply_mask(k, &rows, &scores, n_row, m_start, seq.seqlen_k, causal);
         }
 
         // Every warp is done with K[n], and V[n] has landed: refill K with K[n-1], half
@@ -383,10 +384,14 @@ fn build<H: Half2>(cfg: &FwdConfig) -> Result<KernelText, PtxError> {
         let more = k.setp(Cmp::Gt, n, 0i32);
         let prev_row = k.sub(n_row, block_n as i32);
         let half = key.passes(&s) / 2;
-        k.if_(more, |k| key.issue_passes(k, &s, prev_row, 0..half));
-        let p: Probs<H> = f.softmax.step_packed(k, &scores, &f.o, blk.scale_log2);
         k.if_(more, |k| {
-            key.issue_passes(k, &s, prev_row, half..key.passes(&s))
+            let seqlen_k = seq_again(k).seqlen_k;
+            key.issue_passes(k, &s, prev_row, 0..half, seqlen_k)
+        });
+        let p: Probs<H> = f.softmax.step_packed(k, &scores, &f.o, scale_log2);
+        k.if_(more, |k| {
+            let seqlen_k = seq_again(k).seqlen_k;
+            key.issue_passes(k, &s, prev_row, half..key.passes(&s), seqlen_k)
         });
         k.cp_async_commit();
         f.accumulate_pv(k, &p);
@@ -406,7 +411,7 @@ fn build<H: Half2>(cfg: &FwdConfig) -> Result<KernelText, PtxError> {
         batch: c.batch,
         head: c.head,
         m_start: c.m_start,
-        seqlen_q: arg::<S32>(&mut k, args, offset_of!(FwdArgs, seqlen_q)),
+        seq: sequence(&mut k, args, c.batch),
     };
     store_output::<H>(&mut k, args, &rows, &f.o, &f.softmax, at);
     k.finish()
@@ -451,7 +456,8 @@ impl<H: Half2> Fwd<H> {
         }
     }
 
-    /// A loader for the [seq, d] slice of `tensor` at (batch, head).
+    /// A loader for the rows from row `start` of the [seq, d] slice of `tensor` at
+    /// (batch, head).
     #[allow(clippy::too_many_arguments)]
     fn loader(
         &self,
@@ -459,7 +465,7 @@ impl<H: Half2> Fwd<H> {
         args: ParamBytes,
         (tensor, strides): (usize, usize),
         [batch, head]: [Reg<U32>; 2],
-        seqlen: Reg<S32>,
+        start: Reg<S32>,
         chunk: Reg<U32>,
         first_row: Reg<U32>,
         (line, tile_offset): (SmemAddr, u32),
@@ -473,6 +479,8 @@ impl<H: Half2> Fwd<H> {
         let h = k.cvt_u64_u32(head);
         let elems = k.mul(b, batch_stride);
         let elems = k.mad(h, head_stride, elems);
+        let first = k.cvt_u64_u32(start.cast::<U32>());
+        let elems = k.mad(first, seq_stride, elems);
         let c = k.cvt_u64_u32(chunk);
         let c = k.shl(c, 3);
         let elems = k.add(elems, c);
@@ -486,7 +494,6 @@ impl<H: Half2> Fwd<H> {
             row_stride,
             line,
             tile_offset,
-            seqlen,
         }
     }
 

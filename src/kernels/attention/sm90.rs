@@ -20,7 +20,8 @@
 //! intra-warpgroup overlap), and while one consumer warpgroup does its softmax the other
 //! issues its products (ping-pong). Q, K and V arrive through 5-D tensor maps over
 //! `[d/64 column blocks][seq][128 B]` boxes of the caller's strided tensors; sequence
-//! tails arrive zero-filled and are masked. Keys are visited last to first, so the
+//! tails arrive zero-filled (packed batches: as the next sequence's first rows) and are
+//! masked. Keys are visited last to first, so the
 //! tiles that need a mask (the sequence end, the causal diagonal) form a loop of their
 //! own ahead of the unmasked ones.
 
@@ -29,6 +30,7 @@ use std::mem::offset_of;
 use super::epilogue::{OutputBlock, store_output};
 use super::mask::{KeyTiles, apply_mask, key_tiles, query_block};
 use super::rows::Rows;
+use super::sequence::{Sequence, sequence};
 use super::softmax::{OnlineSoftmax, pack_probs_into, rescale_rows};
 use super::{FwdArgs, FwdConfig, HalfType, Tiling};
 use crate::ptx::{
@@ -144,8 +146,9 @@ pub(crate) fn generate(cfg: &FwdConfig) -> Result<Module, PtxError> {
 struct Block {
     batch: Reg<U32>,
     head: Reg<U32>,
+    /// The query tile's first row, counted from its sequence's first.
     m_start: Reg<S32>,
-    seqlen_k: Reg<S32>,
+    seq: Sequence,
     causal_offset: Reg<S32>,
     tiles: KeyTiles,
 }
@@ -239,16 +242,16 @@ impl Fwd {
                 let b = k.div(hb, heads);
                 let m_block = query_block(k, m_index, q_blocks, causal);
                 let m_start = k.mul(m_block.cast::<S32>(), BLOCK_M as i32);
-                let seqlen_k = k.load_param_at::<S32>(args, offset_of!(FwdArgs, seqlen_k));
-                let causal_offset =
-                    k.load_param_at::<S32>(args, offset_of!(FwdArgs, causal_offset));
+                let seq = sequence(k, args, b);
+                let causal_offset = seq.causal_offset(k);
                 let mask = causal.then_some(causal_offset);
-                let tiles = key_tiles(k, seqlen_k, m_start, BLOCK_M, s.block_n, mask);
+                let (sq, sk) = (seq.seqlen_q, seq.seqlen_k);
+                let tiles = key_tiles(k, sq, sk, m_start, BLOCK_M, s.block_n, mask);
                 let blk = Block {
                     batch: b,
                     head,
                     m_start,
-                    seqlen_k,
+                    seq,
                     causal_offset,
                     tiles,
                 };
@@ -273,19 +276,20 @@ fn produce(k: &mut Kernel, f: &Fwd, tid: Reg<U32>) {
             let any = k.setp(Cmp::Gt, b.tiles.end, 0i32);
             k.if_(any, |k| {
                 let kv_head = k.div(b.head, group).cast::<S32>();
-                let batch = b.batch.cast::<S32>();
+                let batch = b.seq.tensor_batch.cast::<S32>();
                 let head = b.head.cast::<S32>();
                 qr.acquire(k);
                 qr.arrive_expect_tx(k, f.s.q_layout().bytes());
                 let full = qr.full_barrier(k);
                 let q_at = qr.slot(k, f.slots.q);
-                k.tma_load(q_at, f.maps[0], [zero, b.m_start, zero, head, batch], full);
+                let q_row = k.add(b.seq.q_start, b.m_start);
+                k.tma_load(q_at, f.maps[0], [zero, q_row, zero, head, batch], full);
                 qr.advance(k);
 
                 let kv_bytes = f.s.kv_layout().bytes();
                 let last = k.sub(b.tiles.end, 1i32);
                 k.for_range(last, -1i32, -1, |k, n| {
-                    let row = k.mul(n, f.s.block_n as i32);
+                    let row = k.mad(n, f.s.block_n as i32, b.seq.k_start);
                     let rings = [
                         (&mut kr, f.slots.k, f.maps[1]),
                         (&mut vr, f.slots.v, f.maps[2]),
@@ -388,12 +392,11 @@ where
             o = Some(c.attend::<NS, NO>(k, acc, &mut rings));
         });
         let o = o.expect("given back");
-        let seqlen_q = k.load_param_at::<S32>(f.args, offset_of!(FwdArgs, seqlen_q));
         let at = OutputBlock {
             batch: b.batch,
             head: b.head,
             m_start: b.m_start,
-            seqlen_q,
+            seq: b.seq,
         };
         store_output::<H>(k, f.args, &c.rows, &[o.tiles()], &c.softmax, at);
     });
@@ -543,7 +546,7 @@ impl<H: Half2 + WgmmaInput> Consumer<'_, H> {
             &scores,
             first_key,
             self.b.m_start,
-            self.b.seqlen_k,
+            self.b.seq.seqlen_k,
             causal,
         );
     }

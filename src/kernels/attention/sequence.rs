@@ -1,0 +1,71 @@
+//! Where one batch entry's sequence lies in Q, K, V and O.
+//!
+//! Dense tensors hold sequence `b` at rows `0..Sq` (`0..Sk`) of batch index `b`, every
+//! sequence as long as the argument block says. Packed tensors (the variable-length
+//! layout) hold all sequences one after another in batch index 0: sequence `b`'s queries
+//! are rows `cu_seqlens_q[b]..cu_seqlens_q[b + 1]`, its keys rows
+//! `cu_seqlens_k[b]..cu_seqlens_k[b + 1]`, read from device memory by every block. A
+//! non-null `cu_seqlens_q` in the argument block selects the packed layout; then its
+//! `seqlen_q`/`seqlen_k` hold the packed row counts, and the offsets are clamped to them,
+//! so even offsets the host never checked keep every access inside the tensors.
+
+use std::mem::offset_of;
+
+use super::FwdArgs;
+use crate::ptx::{Cmp, Kernel, ParamBytes, Reg, S32, U32, U64};
+
+/// One sequence's rows and lengths.
+#[derive(Debug, Clone, Copy)]
+pub struct Sequence {
+    /// The batch index of Q, K, V and O that holds the sequence: `b`, or 0 when packed.
+    pub tensor_batch: Reg<U32>,
+    /// The row of the sequence's first query (and output): 0 unless packed.
+    pub q_start: Reg<S32>,
+    /// The row of the sequence's first key and value: 0 unless packed.
+    pub k_start: Reg<S32>,
+    pub seqlen_q: Reg<S32>,
+    pub seqlen_k: Reg<S32>,
+}
+
+impl Sequence {
+    /// `Sk − Sq`: query row i sees keys `j <= i + offset` under bottom-right causal masking.
+    pub fn causal_offset(&self, k: &mut Kernel) -> Reg<S32> {
+        k.sub(self.seqlen_k, self.seqlen_q)
+    }
+}
+
+/// The sequence of batch entry `batch`.
+pub fn sequence(k: &mut Kernel, args: ParamBytes, batch: Reg<U32>) -> Sequence {
+    let seqlen_q = k.load_param_at::<S32>(args, offset_of!(FwdArgs, seqlen_q));
+    let seqlen_k = k.load_param_at::<S32>(args, offset_of!(FwdArgs, seqlen_k));
+    let cu_q = k.load_param_at::<U64>(args, offset_of!(FwdArgs, cu_seqlens_q));
+    let seq = Sequence {
+        tensor_batch: k.mov(batch),
+        q_start: k.mov(0i32),
+        k_start: k.mov(0i32),
+        seqlen_q,
+        seqlen_k,
+    };
+    let packed = k.setp(Cmp::Ne, cu_q, 0u64);
+    k.if_(packed, |k| {
+        let cu_k = k.load_param_at::<U64>(args, offset_of!(FwdArgs, cu_seqlens_k));
+        let entry = k.mul_wide_u32(batch, 4u32);
+        for (cu, start, len) in [
+            (cu_q, seq.q_start, seq.seqlen_q),
+            (cu_k, seq.k_start, seq.seqlen_k),
+        ] {
+            let at = k.add(cu, entry);
+            let first = k.ld_global::<S32>(at, 0);
+            let end = k.ld_global::<S32>(at, 4);
+            // `len` holds the packed row count here: clamp 0 <= first <= end <= rows.
+            let first = k.max(first, 0i32);
+            let first = k.min(first, len);
+            let end = k.max(end, first);
+            let end = k.min(end, len);
+            k.mov_to(start, first);
+            k.sub_to(len, end, first);
+        }
+        k.mov_to(seq.tensor_batch, 0u32);
+    });
+    seq
+}

@@ -1,0 +1,488 @@
+//! Variable-length forward attention on a GPU against the float64 reference, on both
+//! kernel paths: packed sequences of ragged lengths (including empty ones, Sq > Sk and
+//! Sq < Sk), causal and not, GQA, every sm90 head dim, with and without host copies of
+//! the offsets. Run on a GPU machine with
+//! `cargo test --release --test gpu_varlen -- --include-ignored`.
+//!
+//! Query rows no sequence covers (before the first and after the last) must stay
+//! poisoned; key rows there hold ±200, so a kernel that reads them (other than the masked
+//! tail the sm90 path's TMA tiles take) fails by far.
+
+use std::sync::Arc;
+
+use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
+use flashcore::Error;
+use flashcore::check::{TestSeeds, tolerance};
+use flashcore::host::attention::{Attention, PathChoice};
+use flashcore::host::device::Device;
+use flashcore::host::tensor::{AttentionParams, DType, LseView, TensorView};
+use flashcore::host::varlen::{Varlen, VarlenHost};
+use flashcore::kernels::attention::HalfType;
+use flashcore::reference::{self, Rng, attention_f64, half_bits_to_f64, rel_l2};
+use flashcore::shape::AttnShape;
+
+fn setup(path: PathChoice) -> (Attention, Arc<CudaStream>) {
+    let device = Arc::new(Device::new(0).expect("a CUDA device"));
+    let stream = device.context().default_stream();
+    let attn = Attention::new(device).expect("an sm_80+ GPU");
+    (attn.with_path(path), stream)
+}
+
+fn seeds() -> TestSeeds {
+    let seeds = TestSeeds::from_env().unwrap_or_else(|e| panic!("{e}"));
+    println!("random inputs: FLASHCORE_SEED={:#x}", seeds.run_seed());
+    seeds
+}
+
+fn up<T: cudarc::driver::DeviceRepr>(s: &Arc<CudaStream>, x: &[T]) -> CudaSlice<T> {
+    s.clone_htod(x).expect("upload")
+}
+
+fn ptr<T>(s: &Arc<CudaStream>, x: &CudaSlice<T>) -> u64 {
+    x.device_ptr(s).0
+}
+
+fn down<T: cudarc::driver::DeviceRepr + Default + Clone>(
+    s: &Arc<CudaStream>,
+    x: &CudaSlice<T>,
+) -> Vec<T> {
+    let v = s.clone_dtoh(x).expect("download");
+    s.synchronize().expect("sync");
+    v
+}
+
+/// One packed batch.
+#[derive(Debug, Clone)]
+struct Case {
+    dtype: HalfType,
+    heads_q: usize,
+    heads_kv: usize,
+    head_dim: usize,
+    /// (query rows, key rows) of each sequence.
+    lens: Vec<(usize, usize)>,
+    causal: bool,
+    /// Rows before the first sequence and after the last (no sequence covers them).
+    gap: usize,
+    /// Pass host copies of the offsets.
+    host_check: bool,
+}
+
+impl std::fmt::Display for Case {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{} Hq{} Hkv{} D{} lens {:?} gap {}{}{}",
+            self.dtype.name(),
+            self.heads_q,
+            self.heads_kv,
+            self.head_dim,
+            self.lens,
+            self.gap,
+            if self.causal { " causal" } else { "" },
+            if self.host_check { " host-checked" } else { "" }
+        )
+    }
+}
+
+/// The packed tensors of a case, on the device and as exact values.
+struct Packed {
+    q: CudaSlice<u16>,
+    k: CudaSlice<u16>,
+    v: CudaSlice<u16>,
+    o: CudaSlice<u16>,
+    lse: CudaSlice<f32>,
+    cu_q: Vec<i32>,
+    cu_k: Vec<i32>,
+    cu_q_dev: CudaSlice<i32>,
+    cu_k_dev: CudaSlice<i32>,
+    /// Per sequence: exact q `[sq, Hq, D]`, k and v `[sk, Hkv, D]`.
+    seqs: Vec<(Vec<f64>, Vec<f64>, Vec<f64>)>,
+    total_q: usize,
+    total_k: usize,
+}
+
+impl Packed {
+    fn new(s: &Arc<CudaStream>, rng: &mut Rng, c: &Case) -> Packed {
+        let (hq, hkv, d) = (c.heads_q, c.heads_kv, c.head_dim);
+        let garbage = |rng: &mut Rng, n| {
+            let v: Vec<f64> = (0..n)
+                .map(|_| if rng.uniform() < 0.5 { 200.0 } else { -200.0 })
+                .collect();
+            reference::f64_to_half_bits(&v, c.dtype)
+        };
+        // A gap before the first sequence: random queries nobody computes, keys nobody
+        // may read.
+        let mut qb = reference::random_half(rng, c.gap * hq * d, c.dtype).0;
+        let mut kb = garbage(rng, c.gap * hkv * d);
+        let mut vb = garbage(rng, c.gap * hkv * d);
+        let (mut cu_q, mut cu_k) = (vec![], vec![]);
+        let mut seqs = Vec::new();
+        for &(sq, sk) in &c.lens {
+            cu_q.push((qb.len() / (hq * d)) as i32);
+            cu_k.push((kb.len() / (hkv * d)) as i32);
+            let (q_bits, q) = reference::random_half(rng, sq * hq * d, c.dtype);
+            let (k_bits, k) = reference::random_half(rng, sk * hkv * d, c.dtype);
+            let (v_bits, v) = reference::random_half(rng, sk * hkv * d, c.dtype);
+            qb.extend(q_bits);
+            kb.extend(k_bits);
+            vb.extend(v_bits);
+            seqs.push((q, k, v));
+        }
+        cu_q.push((qb.len() / (hq * d)) as i32);
+        cu_k.push((kb.len() / (hkv * d)) as i32);
+        // A trailing gap too: the last sequence's tail must not be read from it either.
+        qb.extend(reference::random_half(rng, c.gap * hq * d, c.dtype).0);
+        kb.extend(garbage(rng, c.gap * hkv * d));
+        vb.extend(garbage(rng, c.gap * hkv * d));
+        let (total_q, total_k) = (qb.len() / (hq * d), kb.len() / (hkv * d));
+        Packed {
+            q: up(s, &qb),
+            k: up(s, &kb),
+            v: up(s, &vb),
+            o: up(s, &vec![reference::poison(c.dtype); qb.len()]),
+            lse: up(s, &vec![f32::NAN; hq * total_q]),
+            cu_q_dev: up(s, &cu_q),
+            cu_k_dev: up(s, &cu_k),
+            cu_q,
+            cu_k,
+            seqs,
+            total_q,
+            total_k,
+        }
+    }
+
+    fn views(&self, s: &Arc<CudaStream>, c: &Case) -> [TensorView; 4] {
+        let dt = DType::from(c.dtype);
+        let (hq, hkv, d) = (c.heads_q, c.heads_kv, c.head_dim);
+        [
+            TensorView::bshd(ptr(s, &self.q), dt, 1, self.total_q, hq, d),
+            TensorView::bshd(ptr(s, &self.k), dt, 1, self.total_k, hkv, d),
+            TensorView::bshd(ptr(s, &self.v), dt, 1, self.total_k, hkv, d),
+            TensorView::bshd(ptr(s, &self.o), dt, 1, self.total_q, hq, d),
+        ]
+    }
+
+    fn varlen(&self, s: &Arc<CudaStream>, c: &Case) -> Varlen<'_> {
+        let max_q = c.lens.iter().map(|l| l.0).max().unwrap_or(0).max(1);
+        Varlen {
+            cu_seqlens_q: ptr(s, &self.cu_q_dev),
+            cu_seqlens_k: ptr(s, &self.cu_k_dev),
+            batch: c.lens.len(),
+            max_seqlen_q: max_q,
+            host: c.host_check.then_some(VarlenHost {
+                cu_seqlens_q: &self.cu_q,
+                cu_seqlens_k: &self.cu_k,
+            }),
+        }
+    }
+}
+
+/// Runs one case and returns (out error, lse error); panics on an untouched row written
+/// or a covered row left unwritten.
+fn run(attn: &Attention, s: &Arc<CudaStream>, rng: &mut Rng, c: &Case) -> (f64, f64) {
+    let p = Packed::new(s, rng, c);
+    let [q, k, v, o] = p.views(s, c);
+    let lse = LseView {
+        ptr: ptr(s, &p.lse),
+    };
+    let params = AttentionParams {
+        softmax_scale: None,
+        causal: c.causal,
+    };
+    // SAFETY: every view and offset array is a live allocation of this context with the
+    // extents given; the default stream orders the call before the downloads.
+    unsafe {
+        attn.forward_varlen(
+            &q,
+            &k,
+            &v,
+            &o,
+            Some(&lse),
+            &p.varlen(s, c),
+            &params,
+            std::ptr::null_mut(),
+        )
+    }
+    .unwrap_or_else(|e| panic!("{c}: {e}"));
+    let o_bits = down(s, &p.o);
+    let lse_got = down(s, &p.lse);
+
+    let (hq, hkv, d) = (c.heads_q, c.heads_kv, c.head_dim);
+    let scale = 1.0 / (d as f64).sqrt();
+    let (mut got, mut want, mut lse_g, mut lse_w) = (vec![], vec![], vec![], vec![]);
+    let mut covered = vec![false; p.total_q];
+    for (b, &(sq, sk)) in c.lens.iter().enumerate() {
+        let start = p.cu_q[b] as usize;
+        covered[start..start + sq].fill(true);
+        let shape = AttnShape {
+            batch: 1,
+            seqlen_q: sq,
+            seqlen_k: sk,
+            heads_q: hq,
+            heads_kv: hkv,
+            head_dim: d,
+        };
+        let (qs, ks, vs) = &p.seqs[b];
+        let r = attention_f64(&shape, qs, ks, vs, scale, c.causal);
+        let rows = &o_bits[start * hq * d..(start + sq) * hq * d];
+        got.extend(half_bits_to_f64(rows, c.dtype));
+        want.extend(r.out);
+        for h in 0..hq {
+            for i in 0..sq {
+                lse_g.push(lse_got[h * p.total_q + start + i] as f64);
+                lse_w.push(r.lse[h * sq + i]);
+            }
+        }
+    }
+    let poison = reference::poison(c.dtype);
+    for (row, &cov) in covered.iter().enumerate() {
+        if cov {
+            continue;
+        }
+        let bits = &o_bits[row * hq * d..(row + 1) * hq * d];
+        assert!(
+            bits.iter().all(|&x| x == poison),
+            "{c}: row {row} belongs to no sequence but was written"
+        );
+        for h in 0..hq {
+            assert!(
+                lse_got[h * p.total_q + row].is_nan(),
+                "{c}: lse of row {row} (no sequence) was written"
+            );
+        }
+    }
+    (rel_l2(&got, &want), rel_l2(&lse_g, &lse_w))
+}
+
+fn run_cases(path: PathChoice, cases: &[Case]) {
+    let (attn, s) = setup(path);
+    let mut seeds = seeds();
+    for c in cases {
+        let mut rng = seeds.next_case();
+        let replay = seeds.replay(&rng);
+        let (out, lse) = run(&attn, &s, &mut rng, c);
+        println!("{path:?} {c}: out {out:.2e} lse {lse:.2e}");
+        let tol = tolerance(c.dtype);
+        assert!(
+            out <= tol && lse <= tol,
+            "{path:?} {c}: out {out:.2e} lse {lse:.2e} ({replay})"
+        );
+    }
+}
+
+/// Ragged lengths: single tokens, empty sequences on either side, Sq > Sk and Sq < Sk,
+/// non-multiples of every tile, a long key sequence, one query against 32768 keys.
+fn ragged() -> Vec<(usize, usize)> {
+    vec![
+        (1, 1),
+        (7, 7),
+        (0, 5),
+        (5, 0),
+        (17, 300),
+        (113, 113),
+        (300, 17),
+        (1023, 1023),
+        (64, 4097),
+        (1, 32768),
+        (4097, 64),
+    ]
+}
+
+fn grid(path: PathChoice, dtype: HalfType) {
+    let mut cases = Vec::new();
+    for causal in [false, true] {
+        for (hq, hkv, d) in [(4, 2, 128), (8, 1, 64), (2, 2, 256)] {
+            cases.push(Case {
+                dtype,
+                heads_q: hq,
+                heads_kv: hkv,
+                head_dim: d,
+                lens: ragged(),
+                causal,
+                gap: 3,
+                host_check: true,
+            });
+        }
+    }
+    run_cases(path, &cases);
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn fp16_ragged_best_path() {
+    grid(PathChoice::Best, HalfType::F16);
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn bf16_ragged_best_path() {
+    grid(PathChoice::Best, HalfType::Bf16);
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn fp16_ragged_sm80_path() {
+    grid(PathChoice::Sm80, HalfType::F16);
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn bf16_ragged_sm80_path() {
+    grid(PathChoice::Sm80, HalfType::Bf16);
+}
+
+/// Head dims only the sm80 path has, packed with no gaps, without host copies.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn other_head_dims_without_host_copies() {
+    let mut cases = Vec::new();
+    for d in [32, 96, 192] {
+        for causal in [false, true] {
+            cases.push(Case {
+                dtype: HalfType::F16,
+                heads_q: 4,
+                heads_kv: 1,
+                head_dim: d,
+                lens: vec![(33, 200), (250, 250), (1, 1), (129, 64)],
+                causal,
+                gap: 0,
+                host_check: false,
+            });
+        }
+    }
+    run_cases(PathChoice::Best, &cases);
+}
+
+/// Many short sequences, as a serving batch of prompts has.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn many_short_sequences() {
+    let mut seeds = seeds();
+    let mut rng = seeds.next_case();
+    let lens: Vec<(usize, usize)> = (0..64)
+        .map(|_| {
+            let n = 1 + (rng.next_u64() % 300) as usize;
+            (n, n)
+        })
+        .collect();
+    for path in [PathChoice::Best, PathChoice::Sm80] {
+        let cases: Vec<Case> = [false, true]
+            .into_iter()
+            .map(|causal| Case {
+                dtype: HalfType::Bf16,
+                heads_q: 8,
+                heads_kv: 2,
+                head_dim: 128,
+                lens: lens.clone(),
+                causal,
+                gap: 0,
+                host_check: true,
+            })
+            .collect();
+        run_cases(path, &cases);
+    }
+}
+
+/// A small batch for compute-sanitizer: tails, gaps, an empty sequence, causal, GQA.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn varlen_small_for_sanitizers() {
+    for path in [PathChoice::Best, PathChoice::Sm80] {
+        let cases: Vec<Case> = [(false, 128), (true, 64), (true, 256)]
+            .into_iter()
+            .map(|(causal, d)| Case {
+                dtype: HalfType::F16,
+                heads_q: 4,
+                heads_kv: 2,
+                head_dim: d,
+                lens: vec![(3, 130), (0, 7), (150, 20)],
+                causal,
+                gap: 5,
+                host_check: false,
+            })
+            .collect();
+        run_cases(path, &cases);
+    }
+}
+
+/// Offsets the host checks are refused with nothing written; offsets it cannot check
+/// (no host copies) keep the kernels inside the tensors (memcheck runs this test).
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn bad_offsets() {
+    let (attn, s) = setup(PathChoice::Best);
+    let mut seeds = seeds();
+    let mut rng = seeds.next_case();
+    let c = Case {
+        dtype: HalfType::F16,
+        heads_q: 4,
+        heads_kv: 2,
+        head_dim: 128,
+        lens: vec![(100, 100), (50, 300)],
+        causal: true,
+        gap: 0,
+        host_check: true,
+    };
+    let p = Packed::new(&s, &mut rng, &c);
+    let [q, k, v, o] = p.views(&s, &c);
+    let params = AttentionParams::default();
+    let bad: [&[i32]; 3] = [&[0, 120, 100], &[0, 100, 151], &[-3, 100, 150]];
+    for cu in bad {
+        let before = down(&s, &p.o);
+        let dev = up(&s, cu);
+        let varlen = Varlen {
+            cu_seqlens_q: ptr(&s, &dev),
+            cu_seqlens_k: ptr(&s, &p.cu_k_dev),
+            batch: 2,
+            max_seqlen_q: 200,
+            host: Some(VarlenHost {
+                cu_seqlens_q: cu,
+                cu_seqlens_k: &p.cu_k,
+            }),
+        };
+        // SAFETY: live allocations of this context with the extents given.
+        let r = unsafe {
+            attn.forward_varlen(&q, &k, &v, &o, None, &varlen, &params, std::ptr::null_mut())
+        };
+        assert!(matches!(r, Err(Error::InvalidArgument(_))), "{cu:?}: {r:?}");
+        assert!(down(&s, &p.o) == before, "{cu:?}: a refused call wrote o");
+        // Without host copies the same offsets run, clamped to the tensors.
+        let unchecked = Varlen {
+            host: None,
+            ..varlen
+        };
+        // SAFETY: as above.
+        unsafe {
+            attn.forward_varlen(
+                &q,
+                &k,
+                &v,
+                &o,
+                None,
+                &unchecked,
+                &params,
+                std::ptr::null_mut(),
+            )
+        }
+        .unwrap_or_else(|e| panic!("{cu:?} unchecked: {e}"));
+        s.synchronize().expect("an unchecked call completes");
+    }
+    // Absurd device offsets: huge, negative, decreasing.
+    for cu in [[0, i32::MAX, -5], [i32::MIN, -1, i32::MAX], [150, 0, 0]] {
+        let dev = up(&s, &cu);
+        let varlen = Varlen {
+            cu_seqlens_q: ptr(&s, &dev),
+            cu_seqlens_k: ptr(&s, &dev),
+            batch: 2,
+            max_seqlen_q: 150,
+            host: None,
+        };
+        // SAFETY: as above.
+        unsafe {
+            attn.forward_varlen(&q, &k, &v, &o, None, &varlen, &params, std::ptr::null_mut())
+        }
+        .unwrap_or_else(|e| panic!("{cu:?}: {e}"));
+        s.synchronize()
+            .expect("a call with absurd offsets completes");
+    }
+}
