@@ -320,6 +320,8 @@ if want decode; then
             compute-sanitizer --tool "$tool" --error-exitcode 1 \
             "$t" --include-ignored --test-threads=1 varlen_small_for_sanitizers bad_offsets
     done
+    step decode.log "flashcore varlen" 120 "$fc" varlen
+    step decode.log "flashcore varlen causal" 120 "$fc" varlen --causal
     rm -f "$OUT/decode_ours.json" "$OUT/decode_sdpa.json"
     step decode.log "flashcore decode" 240 "$fc" decode --json "$OUT/decode_ours.json"
     step decode.log "decode_sdpa_bench" 240 python3 "$bundle/decode_sdpa_bench.py" --json "$OUT/decode_sdpa.json"

@@ -54,7 +54,9 @@ const USAGE: &str = "usage:
   flashcore gemm [--m M] [--n N] [--k K] [--dtype bf16|f16|e4m3|all] [--iters N] [--json FILE]
   flashcore decode [--shapes BxSKV,...] [--pages 0,16,64] [--heads 32] [--kv-heads 8]
                    [--head-dim 128] [--seqlen-q 1] [--causal] [--dtype f16|bf16] [--iters N]
-                   [--json FILE]";
+                   [--json FILE]
+  flashcore varlen [--lens 512,4096,...] [--heads 32] [--kv-heads 8] [--head-dim 128]
+                   [--causal] [--dtype f16|bf16] [--path sm80] [--iters N] [--json FILE]";
 
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -67,6 +69,7 @@ fn main() -> ExitCode {
         Some("bench") => bench(rest),
         Some("gemm") => gemm(rest),
         Some("decode") => decode(rest),
+        Some("varlen") => varlen(rest),
         Some("help" | "--help" | "-h") => {
             out!("{USAGE}");
             Ok(())
@@ -891,6 +894,178 @@ fn decode(args: &[String]) -> Result<(), Failure> {
     if let Some(path) = o.value("--json") {
         std::fs::write(path, format!("[\n  {}\n]\n", records.join(",\n  ")))
             .map_err(|e| Failure::Run(format!("writing {path}: {e}")))?;
+    }
+    Ok(())
+}
+
+/// A prompt batch of mixed lengths (Llama-class serving prefill).
+const VARLEN_LENS: [usize; 8] = [4096, 333, 2048, 1500, 777, 3000, 128, 1024];
+
+/// Times a packed variable-length batch against the padded dense call a caller without
+/// it would make (every sequence at the longest length), on the same GPU and inputs.
+/// TFLOP/s count only the real (unpadded, causal-visible) work.
+fn varlen(args: &[String]) -> Result<(), Failure> {
+    use cudarc::driver::DevicePtr;
+    use flashcore::host::tensor::{AttentionParams, LseView, TensorView};
+    use flashcore::host::varlen::{Varlen, VarlenHost};
+
+    let o = Opts { args };
+    o.check_known(
+        &[
+            "--json",
+            "--iters",
+            "--dtype",
+            "--heads",
+            "--kv-heads",
+            "--head-dim",
+            "--lens",
+            "--path",
+        ],
+        &["--causal"],
+    )?;
+    let iters = o.num("--iters", 50)?;
+    let dtype = parse_dtype(o.value("--dtype").unwrap_or("f16"))?;
+    let (hq, hkv, d) = (
+        o.num("--heads", 32)?,
+        o.num("--kv-heads", 8)?,
+        o.num("--head-dim", 128)?,
+    );
+    let causal = o.flag("--causal");
+    let lens: Vec<usize> = match o.value("--lens") {
+        None => VARLEN_LENS.to_vec(),
+        Some(list) => list
+            .split(',')
+            .map(|x| {
+                x.parse()
+                    .map_err(|_| Failure::Usage(format!("bad length `{x}`")))
+            })
+            .collect::<Result<_, _>>()?,
+    };
+    let (b, total, longest) = (
+        lens.len(),
+        lens.iter().sum::<usize>(),
+        lens.iter().copied().max().unwrap_or(0),
+    );
+    let dev = open_gpu()?;
+    let stream = dev.context().default_stream();
+    let attn = Attention::new(dev.clone())?.with_path(parse_path(o.value("--path"))?);
+    let err = |e: cudarc::driver::DriverError| Failure::Run(format!("CUDA: {e}"));
+    let dt = flashcore::host::tensor::DType::from(dtype);
+    let mut rng = Rng::from_entropy();
+    let (pool, _) = flashcore::reference::random_half(&mut rng, 1 << 16, dtype);
+    let fill = |n: usize| -> Vec<u16> { (0..n).map(|i| pool[(i * 7 + 13) % pool.len()]).collect() };
+    // The padded tensors hold the packed ones' room too: [B, longest, H, D].
+    let padded_q = b * longest * hq * d;
+    let padded_kv = b * longest * hkv * d;
+    let q = stream.clone_htod(&fill(padded_q)).map_err(err)?;
+    let k = stream.clone_htod(&fill(padded_kv)).map_err(err)?;
+    let v = stream.clone_htod(&fill(padded_kv)).map_err(err)?;
+    let out = stream.alloc_zeros::<u16>(padded_q).map_err(err)?;
+    let lse = stream.alloc_zeros::<f32>(b * hq * longest).map_err(err)?;
+    let mut cu = vec![0i32];
+    for &l in &lens {
+        cu.push(cu.last().copied().unwrap_or(0) + l as i32);
+    }
+    let cu_dev = stream.clone_htod(&cu).map_err(err)?;
+    let p = |x: &cudarc::driver::CudaSlice<u16>| x.device_ptr(&stream).0;
+    let params = AttentionParams {
+        softmax_scale: None,
+        causal,
+    };
+    let lv = LseView {
+        ptr: lse.device_ptr(&stream).0,
+    };
+    let cu_ptr = cu_dev.device_ptr(&stream).0;
+    let varlen = Varlen {
+        cu_seqlens_q: cu_ptr,
+        cu_seqlens_k: cu_ptr,
+        batch: b,
+        max_seqlen_q: longest,
+        host: Some(VarlenHost {
+            cu_seqlens_q: &cu,
+            cu_seqlens_k: &cu,
+        }),
+    };
+    let visible: f64 = lens
+        .iter()
+        .map(|&l| {
+            let l = l as f64;
+            if causal { l * (l + 1.0) / 2.0 } else { l * l }
+        })
+        .sum();
+    let flops = 4.0 * visible * (hq * d) as f64;
+    let mut busy = stream.alloc_zeros::<u8>(1 << 30).map_err(err)?;
+    let mut time = |packed: bool| -> Result<f64, Failure> {
+        let rows = if packed { total } else { longest };
+        let batch = if packed { 1 } else { b };
+        let view = |ptr, h| TensorView::bshd(ptr, dt, batch, rows, h, d);
+        let (qv, kv, vv, ov) = (
+            view(p(&q), hq),
+            view(p(&k), hkv),
+            view(p(&v), hkv),
+            view(p(&out), hq),
+        );
+        let mut turn = 0;
+        // SAFETY: the views lie inside the buffers above (sized for the padded batch),
+        // which outlive the timing, on their own stream.
+        let t = unsafe {
+            flashcore::host::timing::median_ms(dev.context(), stream.cu_stream(), 5, iters, || {
+                turn += 1;
+                if turn == 5 {
+                    // GPU work ahead of the timed calls (see `decode`).
+                    for _ in 0..8 {
+                        stream
+                            .memset_zeros(&mut busy)
+                            .map_err(|e| flashcore::Error::Driver {
+                                call: "cuMemsetD8Async",
+                                code: e.to_string(),
+                            })?;
+                    }
+                }
+                if packed {
+                    attn.forward_varlen(
+                        &qv,
+                        &kv,
+                        &vv,
+                        &ov,
+                        Some(&lv),
+                        &varlen,
+                        &params,
+                        stream.cu_stream(),
+                    )
+                } else {
+                    attn.forward(&qv, &kv, &vv, &ov, Some(&lv), &params, stream.cu_stream())
+                }
+            })
+        }?;
+        Ok(t.median_ms as f64 * 1e3)
+    };
+    let packed_us = time(true)?;
+    let padded_us = time(false)?;
+    out!("{} ({}), flashcore varlen", dev.name(), dev.arch_name());
+    out!(
+        "{b} sequences {lens:?} (total {total}), Hq{hq} Hkv{hkv} D{d} {}{}",
+        dtype.name(),
+        if causal { " causal" } else { "" }
+    );
+    for (what, us) in [
+        ("packed (varlen)", packed_us),
+        ("padded (dense)", padded_us),
+    ] {
+        out!(
+            "  {what:<16} {us:>9.1} us  {:>6.1} TFLOP/s of real work",
+            flops / (us * 1e6)
+        );
+    }
+    out!("  packed / padded speed: {:.2}x", padded_us / packed_us);
+    if let Some(path) = o.value("--json") {
+        let json = format!(
+            "{{\"lens\": {lens:?}, \"heads_q\": {hq}, \"heads_kv\": {hkv}, \"head_dim\": {d}, \
+             \"dtype\": \"{}\", \"causal\": {causal}, \"packed_us\": {packed_us:.3}, \
+             \"padded_us\": {padded_us:.3}, \"flops\": {flops}}}\n",
+            dtype.name()
+        );
+        std::fs::write(path, json).map_err(|e| Failure::Run(format!("writing {path}: {e}")))?;
     }
     Ok(())
 }

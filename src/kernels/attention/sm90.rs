@@ -267,6 +267,10 @@ fn produce(k: &mut Kernel, f: &Fwd, tid: Reg<U32>) {
     k.comment("Producer: TMA loads of Q, then K and V tiles, into their rings.");
     k.setmaxnreg_dec(PRODUCER_REGS);
     k.elected_thread_of_warp_0(tid, |k| {
+        // Fetch the three descriptors now rather than on the first load of each.
+        for map in f.maps {
+            k.tma_prefetch_desc(map);
+        }
         let group = k.load_param_at::<U32>(f.args, offset_of!(FwdArgs, group));
         let zero = k.mov::<S32>(0i32);
         let mut qr = f.slots.q_ring.producer(k, f.smem);
