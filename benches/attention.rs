@@ -2,23 +2,29 @@
 //! CUDA events (criterion's custom timing). Throughput is reported twice: "elements" are
 //! FLOPs (so `Telem/s` reads as TFLOP/s) and bytes are Q, K, V and O moved once.
 //!
+//! The decode group times split-KV decode (Sq 1, Hq 32, Hkv 8, D 128, f16) against full
+//! caches of 8192 positions, contiguous and paged (pages of 16 in shuffled order); its
+//! throughput is the K and V bytes read (so `GiB/s` is the cache bandwidth).
+//!
 //! `cargo bench` on a machine without a GPU prints a notice and measures nothing.
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use criterion::{BenchmarkId, Criterion, Throughput};
-use cudarc::driver::CudaStream;
 use cudarc::driver::sys::CUgraphInstantiate_flags;
 use cudarc::driver::sys::CUstreamCaptureMode;
+use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
 
 use flashcore::check::{BENCH_SHAPES, DeviceCase, FwdCase, Layout};
 use flashcore::host::attention::{Attention, path_for_arch};
+use flashcore::host::decode::Workspace;
 use flashcore::host::device::{Device, driver_present};
-use flashcore::host::tensor::AttentionParams;
+use flashcore::host::kv_cache::{CacheLayout, KvCache};
+use flashcore::host::tensor::{AttentionParams, DType, TensorView};
 use flashcore::host::timing::EventTimer;
 use flashcore::kernels::attention::HalfType;
-use flashcore::reference::Rng;
+use flashcore::reference::{self, Rng};
 use flashcore::shape::AttnShape;
 
 fn case(b: usize, h: usize, s: usize, d: usize, causal: bool) -> FwdCase {
@@ -43,6 +49,154 @@ fn input_sets(
     (0..sets)
         .map(|_| DeviceCase::for_timing(stream, case, rng).expect("upload"))
         .collect()
+}
+
+/// Decode shapes: (batch, Skv), each with Hq 32, Hkv 8, D 128, Sq 1.
+const DECODE_SHAPES: [(usize, usize); 2] = [(1, 8192), (16, 8192)];
+/// Decode cache layouts: 0 contiguous, else the page size.
+const DECODE_PAGES: [usize; 2] = [0, 16];
+
+/// One decode shape's buffers on the device: enough copies of the cache (K, V and, paged,
+/// a shuffled block table) to exceed twice the L2 cache, the lengths (every sequence full),
+/// q, o and the workspace the plan needs.
+struct DecodeBuffers {
+    caches: Vec<(CudaSlice<u16>, CudaSlice<u16>, CudaSlice<i32>)>,
+    lens: CudaSlice<i32>,
+    q: CudaSlice<u16>,
+    o: CudaSlice<u16>,
+    workspace: CudaSlice<u8>,
+}
+
+fn decode_buffers(
+    attn: &Attention,
+    stream: &Arc<CudaStream>,
+    rng: &mut Rng,
+    (b, skv): (usize, usize),
+    (hq, hkv, d): (usize, usize, usize),
+    page: usize,
+) -> DecodeBuffers {
+    let kv_elems = b * skv * hkv * d;
+    let kv_bytes = 2 * kv_elems * 2;
+    let copies = (2 * attn.device().l2_bytes() as usize)
+        .div_ceil(kv_bytes)
+        .clamp(1, 64);
+    let (pool, _) = reference::random_half(rng, 1 << 16, HalfType::F16);
+    let fill: Vec<u16> = (0..kv_elems)
+        .map(|i| pool[(i * 7 + 13) % pool.len()])
+        .collect();
+    let pages = kv_elems.checked_div(page * hkv * d).unwrap_or(1); // contiguous: unused
+    let caches = (0..copies)
+        .map(|_| {
+            let mut order: Vec<i32> = (0..pages as i32).collect();
+            for i in (1..order.len()).rev() {
+                order.swap(i, (rng.next_u64() % (i as u64 + 1)) as usize);
+            }
+            (
+                stream.clone_htod(&fill).expect("upload"),
+                stream.clone_htod(&fill).expect("upload"),
+                stream.clone_htod(&order).expect("upload"),
+            )
+        })
+        .collect();
+    DecodeBuffers {
+        caches,
+        lens: stream.clone_htod(&vec![skv as i32; b]).expect("upload"),
+        q: stream.clone_htod(&fill[..b * hq * d]).expect("upload"),
+        o: stream.alloc_zeros(b * hq * d).expect("alloc"),
+        workspace: stream.alloc_zeros(1).expect("alloc"),
+    }
+}
+
+/// Split-KV decode against full caches, contiguous and paged, CUDA-event timed.
+fn decode_group(
+    c: &mut Criterion,
+    attn: &Attention,
+    stream: &Arc<CudaStream>,
+    timer: &EventTimer,
+    rng: &mut Rng,
+) {
+    let (hq, hkv, d) = (32, 8, 128);
+    let mut group = c.benchmark_group(format!("decode/{}", attn.device().arch_name()));
+    for (b, skv) in DECODE_SHAPES {
+        for page in DECODE_PAGES {
+            let mut bufs = decode_buffers(attn, stream, rng, (b, skv), (hq, hkv, d), page);
+            let views: Vec<KvCache> = bufs
+                .caches
+                .iter()
+                .map(|(k, v, table)| {
+                    let (k, v) = (k.device_ptr(stream).0, v.device_ptr(stream).0);
+                    let seqlens = bufs.lens.device_ptr(stream).0;
+                    match skv.checked_div(page) {
+                        None => KvCache {
+                            k: TensorView::bshd(k, DType::F16, b, skv, hkv, d),
+                            v: TensorView::bshd(v, DType::F16, b, skv, hkv, d),
+                            seqlens,
+                            layout: CacheLayout::Contiguous,
+                        },
+                        Some(max_pages) => KvCache {
+                            k: TensorView::bshd(k, DType::F16, b * max_pages, page, hkv, d),
+                            v: TensorView::bshd(v, DType::F16, b * max_pages, page, hkv, d),
+                            seqlens,
+                            layout: CacheLayout::Paged {
+                                block_table: table.device_ptr(stream).0,
+                                max_pages,
+                                table_stride: max_pages,
+                            },
+                        },
+                    }
+                })
+                .collect();
+            let qv = TensorView::bshd(bufs.q.device_ptr(stream).0, DType::F16, b, 1, hq, d);
+            let ov = TensorView::bshd(bufs.o.device_ptr(stream).0, DType::F16, b, 1, hq, d);
+            let ws_bytes = attn
+                .decode_workspace_bytes(&qv, &views[0])
+                .expect("decode plan");
+            bufs.workspace = stream.alloc_zeros(ws_bytes + 256).expect("alloc");
+            let workspace = (ws_bytes > 0).then(|| Workspace {
+                ptr: bufs.workspace.device_ptr(stream).0.next_multiple_of(256),
+                bytes: ws_bytes,
+            });
+            let params = AttentionParams::default();
+            let run = |i: usize| {
+                // SAFETY: every view points into `bufs`' live buffers, sized for it, on
+                // `stream`, which they outlive (the group synchronizes through the timer).
+                unsafe {
+                    attn.decode(
+                        &qv,
+                        &views[i % views.len()],
+                        None,
+                        &ov,
+                        None,
+                        &params,
+                        workspace,
+                        stream.cu_stream(),
+                    )
+                }
+            };
+            run(0).expect("first decode");
+            group.throughput(Throughput::Bytes((2 * b * skv * hkv * d * 2) as u64));
+            let layout = if page == 0 {
+                "contiguous".to_string()
+            } else {
+                format!("page{page}")
+            };
+            let id = format!("B{b}_Hq{hq}_Hkv{hkv}_D{d}_Skv{skv}_{layout}");
+            group.bench_function(BenchmarkId::from_parameter(id), |bench| {
+                bench.iter_custom(|iters| {
+                    // SAFETY: `stream` is a live stream of the device's context, as is the timer.
+                    unsafe { timer.record_start(stream.cu_stream()) }.expect("event");
+                    for i in 0..iters as usize {
+                        run(i).expect("decode");
+                    }
+                    // SAFETY: as for record_start.
+                    unsafe { timer.record_stop(stream.cu_stream()) }.expect("event");
+                    Duration::from_secs_f64(timer.elapsed_ms().expect("elapsed") as f64 / 1e3)
+                })
+            });
+            stream.synchronize().expect("sync");
+        }
+    }
+    group.finish();
 }
 
 fn main() {
@@ -93,6 +247,8 @@ fn main() {
         }
     }
     group.finish();
+
+    decode_group(&mut c, &attn, &stream, &timer, &mut rng);
 
     // Launch overhead: the reference shape replayed from a CUDA graph of 20 calls.
     let mut group = c.benchmark_group(format!("graph/{}/{}", path.name(), device.arch_name()));

@@ -1,6 +1,8 @@
 /*
- * flashcore.h - C interface of flashcore: FlashAttention forward kernels generated at run
- * time as PTX and launched through the CUDA driver (libcuda, loaded at run time).
+ * flashcore.h - C interface of flashcore: FlashAttention forward kernels and the serving
+ * calls (decode against a contiguous or paged KV cache, appending to it, merging partial
+ * results by their log-sum-exp), generated at run time as PTX and launched through the
+ * CUDA driver (libcuda, loaded at run time).
  *
  * Link with -lflashcore (libflashcore.so) or with libflashcore.a plus -lpthread -ldl -lm.
  * Needs an NVIDIA GPU of compute capability 8.0 or newer and its driver at run time only.
@@ -22,6 +24,7 @@
 #ifndef FLASHCORE_H
 #define FLASHCORE_H
 
+#include <stddef.h>
 #include <stdint.h>
 
 #ifdef __cplusplus
@@ -72,7 +75,33 @@ typedef struct FlashcoreTensor {
     int64_t strides[4]; /* in elements; strides[3] must be 1 */
 } FlashcoreTensor;
 
-/* Forward attention on one device: owns the kernels loaded for it. Opaque. */
+/* A KV cache of a batch of B sequences. 192 bytes, 8-byte aligned, no padding.
+ *
+ * Contiguous cache: block_table, max_pages and table_stride all 0; k and v are
+ *   [B, capacity, Hkv, D]: position p of sequence b is k[b, p].
+ * Paged cache: anything else; k and v are pools [pages, page_size, Hkv, D], page_size a
+ *   power of two from 1 to 1024, and block_table is a device int32 array [B, max_pages]
+ *   (4-byte aligned) whose rows are table_stride (>= max_pages) elements apart: position
+ *   p of sequence b is row p % page_size of page block_table[b * table_stride +
+ *   p / page_size]. The capacity is max_pages * page_size.
+ * Either way k and v share one dtype (f16 or bf16) and shape, with pointers 16-byte
+ * aligned, strides[3] == 1 and other strides multiples of 16 bytes; the capacity is at
+ * most 2^30; seqlens is a device int32 array [B] (4-byte aligned) holding each sequence's
+ * length. The lengths and the block table are read by the kernels on the device (so a
+ * captured CUDA graph sees them as they are when it replays); whatever they hold, the
+ * kernels stay inside the cache: lengths are clamped to [0, capacity], block-table entries
+ * outside [0, pages) are never followed. Host copies passed to a call (host_seqlens,
+ * host_block_table) turn such values into FLASHCORE_ERROR_INVALID_ARGUMENT first. */
+typedef struct FlashcoreKvCache {
+    FlashcoreTensor k;     /* keys: [B, capacity, Hkv, D] or pool [pages, page_size, Hkv, D] */
+    FlashcoreTensor v;     /* values: k's dtype and shape */
+    uint64_t seqlens;      /* device address of int32 [B]: each sequence's length */
+    uint64_t block_table;  /* device address of int32 [B, table_stride] (paged), or 0 */
+    int64_t max_pages;     /* pages per sequence (paged), or 0 */
+    int64_t table_stride;  /* elements between block-table rows, >= max_pages (paged), or 0 */
+} FlashcoreKvCache;
+
+/* Attention on one device: owns the kernels loaded for it. Opaque. */
 typedef struct FlashcoreContext FlashcoreContext;
 
 /* ---- functions ----------------------------------------------------------------------- */
@@ -120,6 +149,118 @@ int32_t flashcore_forward(FlashcoreContext *ctx, const FlashcoreTensor *q, const
 int32_t flashcore_check_forward(const FlashcoreTensor *q, const FlashcoreTensor *k,
                                 const FlashcoreTensor *v, const FlashcoreTensor *o, uint64_t lse,
                                 float softmax_scale, int32_t causal);
+
+/* ---- serving: decode, append, merge -------------------------------------------------- */
+/* Host metadata, in the three calls that take it: host_seqlens is NULL or a host int32
+ * array of B lengths equal to the device's cache->seqlens; host_block_table is NULL or a
+ * host int32 array of (B - 1) * table_stride + max_pages entries equal to the device's
+ * block table. When host_seqlens is given, each length (plus the new tokens, for an
+ * append) must be within the capacity and, for a paged cache, host_block_table must be
+ * given too and every page those lengths reach must lie in the pool; otherwise the call
+ * fails with FLASHCORE_ERROR_INVALID_ARGUMENT before anything runs. host_block_table
+ * without host_seqlens, or with a contiguous cache, is FLASHCORE_ERROR_INVALID_ARGUMENT. */
+
+/* Decode: o = softmax(q k^T * scale) v for Sq new query tokens per sequence against the
+ * cache, asynchronously on `stream`. Query i of Sq is position len - Sq + i of its
+ * sequence (the lengths count the new tokens: append them first).
+ *
+ *   q, o:          [B, Sq, Hq, D], 1 <= Sq <= 16, of the cache's dtype; D in
+ *                  {32, 64, 96, 128, 192, 256}; Hq a multiple of Hkv (GQA/MQA); pointers
+ *                  16-byte aligned, strides[3] == 1 and other strides multiples of 16 bytes.
+ *   cache:         see FlashcoreKvCache; its batch is q's.
+ *   host_seqlens, host_block_table: NULL, or host copies (see above).
+ *   lse:           0, or a device pointer to float32 [B, Hq, Sq] (contiguous) that receives
+ *                  the natural-log log-sum-exp of each row's scaled scores.
+ *   softmax_scale: 0 for the default 1/sqrt(D); otherwise finite and positive.
+ *   causal:        non-zero: query i sees keys 0 ..= len - Sq + i; zero: all len keys.
+ *                  A row that sees no key (a length of 0, say) gets zeros (and lse -inf).
+ *   workspace, workspace_bytes: both 0, and a call that needs scratch memory takes it from
+ *                  the stream-ordered allocator (cuMemAllocAsync) and frees it on `stream`;
+ *                  otherwise a device buffer, 256-byte aligned, of workspace_bytes >=
+ *                  flashcore_decode_workspace_bytes(...) bytes, apart from every other
+ *                  argument, not used by anything else until the call's kernels have run
+ *                  (unused when that size is 0). Pass one for calls captured in a CUDA graph.
+ *   stream:        NULL for the default stream.
+ *
+ * The number of splits of each sequence's keys (and so the workspace size) depends only
+ * on the shapes (B, Sq, Hq, Hkv, D), the dtype, the layout, the capacity and the GPU, never
+ * on the lengths: a captured graph stays right as sequences grow. Limits: B and Hkv * ceil(Sq * Hq / Hkv / 16) at most
+ * 65535. All arguments are checked before anything runs; on error nothing is launched or
+ * written. The first call of a configuration generates and JIT-loads its kernels. */
+int32_t flashcore_decode(FlashcoreContext *ctx, const FlashcoreTensor *q, const FlashcoreKvCache *cache,
+                         const int32_t *host_seqlens, const int32_t *host_block_table,
+                         const FlashcoreTensor *o, uint64_t lse, float softmax_scale, int32_t causal,
+                         uint64_t workspace, size_t workspace_bytes, flashcore_stream stream);
+
+/* The workspace, in bytes, that flashcore_decode needs for these q and cache on the
+ * context's device (0: the call runs in one split and needs none) into *out. Validates q
+ * and the cache as flashcore_decode does; on failure *out is 0. Reads no device memory. */
+int32_t flashcore_decode_workspace_bytes(FlashcoreContext *ctx, const FlashcoreTensor *q,
+                                         const FlashcoreKvCache *cache, size_t *out);
+
+/* Checks the arguments of a flashcore_decode call (same meaning) against every rule
+ * flashcore_decode applies before launching, except the workspace's (its size depends on
+ * the GPU), without a context, a GPU or a driver: device pointers are only checked as
+ * numbers; the host arrays, when given, are read and checked against the cache. Returns
+ * FLASHCORE_SUCCESS or the code flashcore_decode would return for them. */
+int32_t flashcore_check_decode(const FlashcoreTensor *q, const FlashcoreKvCache *cache,
+                               const int32_t *host_seqlens, const int32_t *host_block_table,
+                               const FlashcoreTensor *o, uint64_t lse, float softmax_scale,
+                               int32_t causal);
+
+/* Appends Snew tokens per sequence, asynchronously on `stream`: k_new[b, j] and
+ * v_new[b, j] (j < Snew) go to position len_b + j of sequence b, with len_b the length the
+ * device holds in cache->seqlens when the kernel runs. The lengths are NOT advanced: the
+ * caller adds Snew to them (before a decode that should see the new tokens).
+ *
+ *   k_new, v_new:  [B, Snew, Hkv, D] of the cache's dtype, Hkv and D (D a multiple of 8),
+ *                  pointers 16-byte aligned, strides[3] == 1 and other strides multiples of
+ *                  16 bytes, not overlapping the cache; Snew <= capacity and
+ *                  B * Snew * Hkv * D / 8 < 2^31.
+ *   host_seqlens, host_block_table: NULL, or host copies of the lengths before the append
+ *                  (see above): len_b + Snew must not exceed the capacity.
+ *
+ * Positions past the capacity, and pages outside the pool, are never written whatever
+ * the device metadata holds. All arguments are checked before anything runs. */
+int32_t flashcore_append_kv(FlashcoreContext *ctx, const FlashcoreKvCache *cache, const FlashcoreTensor *k_new,
+                            const FlashcoreTensor *v_new, const int32_t *host_seqlens,
+                            const int32_t *host_block_table, flashcore_stream stream);
+
+/* Checks the arguments of a flashcore_append_kv call (same meaning) without a context, a
+ * GPU or a driver, as flashcore_check_decode does for a decode. */
+int32_t flashcore_check_append_kv(const FlashcoreKvCache *cache, const FlashcoreTensor *k_new,
+                                  const FlashcoreTensor *v_new, const int32_t *host_seqlens,
+                                  const int32_t *host_block_table);
+
+/* Merges attention results over `count` disjoint key shards into what attention over all
+ * their keys gives, asynchronously on `stream`:
+ *   out = sum_i exp(lse_i - lse) * o_i,   lse = log(sum_i exp(lse_i)).
+ *
+ *   parts:         shard 0's output, [B, S, H, D], f16, bf16 or f32, D in {32, 64, 96,
+ *                  128, 192, 256}; shard i's is the same view moved i * shard_stride
+ *                  elements (shard_stride * element size a multiple of 16 bytes when
+ *                  count > 1). Pointer 16-byte aligned, strides[3] == 1 and other strides
+ *                  multiples of 16 bytes.
+ *   count:         number of shards, >= 1.
+ *   lse_parts:     device pointer (4-byte aligned) to float32 [count, B, H, S], contiguous:
+ *                  each shard's LSE as flashcore_forward and flashcore_decode write it. A
+ *                  shard whose row has LSE -inf (it saw no key) counts for nothing there.
+ *   out:           [B, S, H, D], f16, bf16 or f32 (any of them, whatever parts' dtype),
+ *                  apart from the shards and lse_parts.
+ *   out_lse:       0, or a device pointer to float32 [B, H, S] (contiguous) for the merged
+ *                  LSE (-inf where every shard's is).
+ *
+ * B * S * H and count each below 2^31. All arguments are checked before anything runs. */
+int32_t flashcore_merge(FlashcoreContext *ctx, const FlashcoreTensor *parts, int64_t count, int64_t shard_stride,
+                        uint64_t lse_parts, const FlashcoreTensor *out, uint64_t out_lse,
+                        flashcore_stream stream);
+
+/* Checks the arguments of a flashcore_merge call (same meaning) without a context, a GPU
+ * or a driver; pointers are only checked as numbers. */
+int32_t flashcore_check_merge(const FlashcoreTensor *parts, int64_t count, int64_t shard_stride,
+                              uint64_t lse_parts, const FlashcoreTensor *out, uint64_t out_lse);
+
+/* ---- errors and version ---------------------------------------------------------------- */
 
 /* The message of the last failing flashcore call on this thread, "" if none failed.
  * Valid until the next flashcore call on this thread. Never NULL. */

@@ -5,7 +5,8 @@
 #   target/c-example/forward_dynamic   linked against libflashcore.so (rpath $ORIGIN/../release)
 #   target/c-example/forward_static    linked against libflashcore.a (no libflashcore.so needed)
 #
-# Also checks that include/flashcore.h compiles as strict C99 and as C++.
+# Also checks that include/flashcore.h compiles as strict C99 and as C++, and that the C
+# compiler lays its structs out as src/ffi.rs does (the sizes and offsets its tests assert).
 # Without a GPU both programs print "no GPU: skipped" and exit 0.
 #
 # Usage: scripts/build-c-example.sh [--no-run]      (CC=clang etc. to change the compiler)
@@ -36,6 +37,23 @@ cflags=(-std=c11 -O2 -Wall -Wextra -Werror -Iinclude)
 echo "==> header checks" >&2
 printf '#include "flashcore.h"\nint main(void) { return FLASHCORE_SUCCESS; }\n' >"$out/header_c99.c"
 "$CC" -std=c99 -pedantic -Wall -Wextra -Werror -Iinclude -c "$out/header_c99.c" -o "$out/header_c99.o"
+cat >"$out/header_layout.c" <<'EOF'
+#include <stddef.h>
+#include "flashcore.h"
+/* The layouts src/ffi.rs's tests assert for the Rust side. */
+_Static_assert(sizeof(FlashcoreTensor) == 80 && _Alignof(FlashcoreTensor) == 8, "FlashcoreTensor");
+_Static_assert(offsetof(FlashcoreTensor, dtype) == 8 && offsetof(FlashcoreTensor, shape) == 16 &&
+                   offsetof(FlashcoreTensor, strides) == 48,
+               "FlashcoreTensor fields");
+_Static_assert(sizeof(FlashcoreKvCache) == 192 && _Alignof(FlashcoreKvCache) == 8, "FlashcoreKvCache");
+_Static_assert(offsetof(FlashcoreKvCache, v) == 80 && offsetof(FlashcoreKvCache, seqlens) == 160 &&
+                   offsetof(FlashcoreKvCache, block_table) == 168 &&
+                   offsetof(FlashcoreKvCache, max_pages) == 176 &&
+                   offsetof(FlashcoreKvCache, table_stride) == 184,
+               "FlashcoreKvCache fields");
+int main(void) { return 0; }
+EOF
+"$CC" -std=c11 -pedantic -Wall -Wextra -Werror -Iinclude -c "$out/header_layout.c" -o "$out/header_layout.o"
 if command -v "$CXX" >/dev/null; then
     "$CXX" -x c++ -std=c++11 -pedantic -Wall -Wextra -Werror -Iinclude -fsyntax-only "$out/header_c99.c"
 else

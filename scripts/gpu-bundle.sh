@@ -326,6 +326,8 @@ if want decode; then
     step decode.log "flashcore decode" 240 "$fc" decode --json "$OUT/decode_ours.json"
     step decode.log "decode_sdpa_bench" 240 python3 "$bundle/decode_sdpa_bench.py" --json "$OUT/decode_sdpa.json"
     step decode.log "decode compare" 30 python3 "$bundle/decode_sdpa_bench.py" --compare "$OUT/decode_ours.json" "$OUT/decode_sdpa.json"
+    step decode.log "harness --decode (C ABI vs SDPA)" 120 python3 "$bundle/harness.py" --decode \
+        --lib "$bundle/release/libflashcore.so" --json "$scratch/harness_decode.json"
 fi
 
 # ---- the C example ----

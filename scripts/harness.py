@@ -4,7 +4,7 @@
 Usage (on a GPU machine with PyTorch; no cargo needed):
 
     python3 scripts/harness.py --lib target/release/libflashcore.so [--json OUT.json]
-                               [--quick] [--budget-s 0.4] [--no-graph] [--package]
+                               [--quick] [--budget-s 0.4] [--no-graph] [--package] [--decode]
 
 The ctypes spelling of the C ABI comes from the Python package (python/flashcore/_capi.py,
 installed or from this repository). With --package every flashcore call goes through
@@ -34,10 +34,20 @@ FLOPs = 4 * B * Hq * D * (visible query-key pairs); causal masks are aligned bot
 Last, a CUDA graph capturing 20 flashcore_forward calls (B2 H8 S512 D64) is replayed and
 its per-call time reported next to the eager per-call time.
 
+With --decode it compares decode against a KV cache instead (flashcore_decode, or
+flashcore.decode with --package): Sq = 1, Hq 32, Hkv 8, D 128, f16, every sequence's
+length the full Skv, for (B, Skv) in 1x8192, 1x32768, 16x8192, 64x4096 (--quick: 1x8192),
+each with a contiguous cache [B, Skv, Hkv, D] and a paged one (pages of 16 in a shuffled
+pool). SDPA (cuDNN, flash; enable_gqa) gets q and k, v as [B, H, S, D] views of the same
+tensors (of the contiguous cache holding the same keys, for the paged case). O is checked
+against float64 and SDPA as above; timing is the same method; the figure of merit is
+GB/s = K+V bytes / median time.
+
 Prints progress to stderr and the table to stdout; --json writes everything, including a
 "records" list in the format of scripts/sdpa_bench.py (so `sdpa_bench.py --compare` reads
-it). Exit status: 0 when every flashcore call ran and matched the references, 1 when
-something failed, 2 when the library, torch or the GPU is unusable.
+it; decode records carry "page" and "gbps" instead of "tflops"). Exit status: 0 when every
+flashcore call ran and matched the references, 1 when something failed, 2 when the
+library, torch or the GPU is unusable.
 """
 
 import argparse
@@ -54,10 +64,10 @@ import warnings
 # ---- the C ABI: spelled once, in the package (python/flashcore/_capi.py) -----------------
 
 try:  # the installed package, else the one in this repository
-    from flashcore._capi import FLASHCORE_SUCCESS, FlashcoreError, Library, describe
+    from flashcore._capi import FLASHCORE_SUCCESS, FlashcoreError, Library, describe, describe_cache
 except ImportError:
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
-    from flashcore._capi import FLASHCORE_SUCCESS, FlashcoreError, Library, describe
+    from flashcore._capi import FLASHCORE_SUCCESS, FlashcoreError, Library, describe, describe_cache
 
 
 class Flashcore:
@@ -104,6 +114,36 @@ class Flashcore:
         lse_ptr = 0 if lse is None else lse.data_ptr()
         self.check(self.forward_raw(self.prepare(q, k, v, o), lse_ptr, scale, causal, stream))
 
+    @staticmethod
+    def describe_bshd(t):
+        """A 4-d tensor already in flashcore's logical [B, S, H, D] order as a FlashcoreTensor."""
+        import torch
+
+        codes = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3}
+        return describe(t.data_ptr(), codes.get(t.dtype, -1), list(t.shape), list(t.stride()))
+
+    def prepare_decode(self, q, k, v, seqlens, block_table, o):
+        """Arguments built once for calling decode_raw in a loop: q, o [B, Sq, Hq, D]; k, v a
+        contiguous cache [B, Skv, Hkv, D] or page pools; int32 seqlens [B]; block_table None
+        or int32 [B, max_pages]. The workspace the plan needs comes from torch. The last
+        element is the output tensor (after decode_raw)."""
+        import torch
+
+        qd, od = self.describe_bshd(q), self.describe_bshd(o)
+        if block_table is None:
+            cache = describe_cache(self.describe_bshd(k), self.describe_bshd(v), seqlens.data_ptr())
+        else:
+            cache = describe_cache(self.describe_bshd(k), self.describe_bshd(v), seqlens.data_ptr(),
+                                   block_table.data_ptr(), block_table.shape[1], block_table.stride(0))
+        ws_bytes = self.capi.decode_workspace_bytes(self.ctx, qd, cache)
+        ws = torch.empty(ws_bytes + 256, dtype=torch.uint8, device=q.device)
+        ws_ptr = -(-ws.data_ptr() // 256) * 256 if ws_bytes else 0
+        return (ctypes.byref(qd), ctypes.byref(cache), ctypes.byref(od), ws_ptr, ws_bytes, (qd, cache, od, ws), o)
+
+    def decode_raw(self, prepared, stream):
+        q, cache, o, ws_ptr, ws_bytes, _keep, _out = prepared
+        return self.lib.flashcore_decode(self.ctx, q, cache, None, None, o, 0, 0.0, 0, ws_ptr, ws_bytes, stream)
+
 
 class FlashcorePackage(Flashcore):
     """The same calls made the way a PyTorch user makes them: flashcore.attention (the
@@ -134,6 +174,16 @@ class FlashcorePackage(Flashcore):
         o.copy_(out)
         if lse is not None:
             lse.copy_(l)
+
+    def prepare_decode(self, q, k, v, seqlens, block_table, o):
+        return [q, k, v, seqlens, block_table, o]
+
+    def decode_raw(self, prepared, stream):
+        import flashcore
+
+        q, k, v, seqlens, block_table, _ = prepared
+        prepared[-1] = flashcore.decode(q, k, v, seqlens, block_table=block_table)  # it allocates its output
+        return FLASHCORE_SUCCESS
 
 
 # ---- cases -------------------------------------------------------------------------------
@@ -522,6 +572,255 @@ def graph_test(torch, fc, timer):
     return res
 
 
+# ---- decode --------------------------------------------------------------------------------
+
+DECODE_SHAPES = [(1, 8192), (1, 32768), (16, 8192), (64, 4096)]  # (B, Skv)
+DECODE_PAGES = (0, 16)
+
+
+class DecodeCase:
+    """One decode step: Sq = 1 against a cache whose every sequence holds Skv positions."""
+
+    def __init__(self, b, skv, page, hq=32, hkv=8, d=128, dtype="f16"):
+        self.b, self.skv, self.page, self.hq, self.hkv, self.d, self.dtype = b, skv, page, hq, hkv, d, dtype
+
+    def name(self):
+        return f"B{self.b} Hq{self.hq} Hkv{self.hkv} Skv{self.skv} D{self.d}"
+
+    def layout(self):
+        return "contiguous" if self.page == 0 else f"page{self.page}"
+
+    def kv_bytes(self):
+        return 2 * self.b * self.skv * self.hkv * self.d * 2
+
+    def forward_case(self):
+        """The same attention as a forward Case (what the references compute)."""
+        return Case(self.b, self.hq, self.hkv, 1, self.skv, self.d, False, self.dtype)
+
+    def key(self):
+        return {
+            "batch": self.b, "heads": self.hq, "kv_heads": self.hkv, "seqlen_q": 1, "seqlen_k": self.skv,
+            "head_dim": self.d, "causal": False, "dtype": self.dtype, "page": self.page,
+        }
+
+
+def all_decode_cases(quick):
+    shapes = DECODE_SHAPES[:1] if quick else DECODE_SHAPES
+    return [DecodeCase(b, skv, page) for b, skv in shapes for page in DECODE_PAGES]
+
+
+def decode_sets(torch, case, dtype, l2_bytes, gen):
+    """Input sets whose caches together exceed twice the L2 cache. Each is a dict: q, o
+    [B, 1, Hq, D]; k, v the caches the kernels read (contiguous, or pools of shuffled
+    pages); keys, values the same contents as contiguous [B, Skv, Hkv, D]; seqlens;
+    block_table (None when contiguous)."""
+    n_sets = max(1, math.ceil(2 * l2_bytes / case.kv_bytes()))
+    n_sets = min(n_sets, max(1, int(8e9 // (case.kv_bytes() * (2 if case.page else 1)))))
+    sets = []
+    for _ in range(n_sets):
+        keys = torch.randn(case.b, case.skv, case.hkv, case.d, device="cuda", dtype=dtype, generator=gen)
+        values = torch.randn(case.b, case.skv, case.hkv, case.d, device="cuda", dtype=dtype, generator=gen)
+        x = {
+            "q": torch.randn(case.b, 1, case.hq, case.d, device="cuda", dtype=dtype, generator=gen),
+            "keys": keys, "values": values, "k": keys, "v": values, "block_table": None,
+            "seqlens": torch.full((case.b,), case.skv, dtype=torch.int32, device="cuda"),
+        }
+        x["o"] = torch.empty_like(x["q"])
+        if case.page:
+            pages = case.b * case.skv // case.page
+            perm = torch.randperm(pages, device="cuda", generator=gen)
+            x["block_table"] = perm.view(case.b, case.skv // case.page).int()
+            x["k"] = torch.empty(pages, case.page, case.hkv, case.d, device="cuda", dtype=dtype)
+            x["v"] = torch.empty_like(x["k"])
+            x["k"][perm] = keys.view(pages, case.page, case.hkv, case.d)
+            x["v"][perm] = values.view(pages, case.page, case.hkv, case.d)
+        sets.append(x)
+    return sets
+
+
+def bhsd(t):
+    """A [B, S, H, D] tensor as the [B, H, S, D] view SDPA takes (no copy)."""
+    return t.transpose(1, 2)
+
+
+def check_decode_case(torch, fc, case, x):
+    """Runs ours once on set x and compares with float64 and SDPA; a dict of figures."""
+    F = torch.nn.functional
+    fcase = case.forward_case()
+    x["o"].fill_(float("nan"))
+    prepared = fc.prepare_decode(x["q"], x["k"], x["v"], x["seqlens"], x["block_table"], x["o"])
+    rc = fc.decode_raw(prepared, torch.cuda.current_stream().cuda_stream)
+    if rc != FLASHCORE_SUCCESS:
+        fc.check(rc)
+    torch.cuda.synchronize()
+    o = bhsd(prepared[-1])
+    q, k, v = bhsd(x["q"]), bhsd(x["keys"]), bhsd(x["values"])
+    res = {"nonfinite_outputs": int((~torch.isfinite(o)).sum().item())}
+    if case.b * case.hq * case.skv <= (1 << 26):
+        batches, heads = list(range(case.b)), list(range(case.hq))
+        res["checked_slice"] = "all"
+    else:
+        batches, heads = [0, case.b - 1] if case.b > 1 else [0], sorted({0, case.hq - 1})
+        res["checked_slice"] = f"batches {batches}, heads {heads}"
+    o_ref, _ = reference_f64(torch, fcase, q, k, v, batches, heads)
+    res["rel_l2_vs_f64"] = rel_l2(o[batches][:, heads], o_ref)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            o_sdpa = F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+        torch.cuda.synchronize()
+        res["rel_l2_vs_sdpa"] = rel_l2(o, o_sdpa)
+        del o_sdpa
+    except Exception as e:  # noqa: BLE001
+        res["sdpa_error"] = first_line(e)
+    res["ok"] = bool(res["nonfinite_outputs"] == 0 and res["rel_l2_vs_f64"] <= TOLERANCE[case.dtype])
+    return res
+
+
+def time_decode_ours(torch, fc, timer, sets):
+    prepared = [fc.prepare_decode(x["q"], x["k"], x["v"], x["seqlens"], x["block_table"], x["o"]) for x in sets]
+    stream = torch.cuda.current_stream().cuda_stream
+    failures = []
+
+    def call(i):
+        rc = fc.decode_raw(prepared[i], stream)
+        if rc != FLASHCORE_SUCCESS and not failures:
+            failures.append(rc)
+
+    ms, iters = timer.measure(call, len(sets))
+    if failures:
+        fc.check(failures[0])
+    return ms, iters
+
+
+def time_decode_sdpa(torch, timer, sets, backend_name):
+    F = torch.nn.functional
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    views = [(bhsd(x["q"]), bhsd(x["keys"]), bhsd(x["values"])) for x in sets]
+    with sdpa_kernel(getattr(SDPBackend, backend_name)):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                F.scaled_dot_product_attention(*views[0], enable_gqa=True)
+                torch.cuda.synchronize()
+            except Exception as e:  # noqa: BLE001
+                reasons = [str(w.message).strip().splitlines()[0] for w in caught if str(w.message).strip()]
+                why = first_line(e)
+                if reasons:
+                    why += " | " + " | ".join(dict.fromkeys(reasons))
+                raise NotAvailable(why[:600]) from e
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return timer.measure(lambda i: F.scaled_dot_product_attention(*views[i], enable_gqa=True), len(sets))
+
+
+def fmt_us(r):
+    if r is None:
+        return "-"
+    if "us" in r:
+        return f"{r['us']:.1f}"
+    return "n/a" if "na" in r else "err"
+
+
+def fmt_speedup(ours, other):
+    if ours and other and "us" in ours and "us" in other:
+        return f"{other['us'] / ours['us']:.2f}"
+    return "-"
+
+
+def print_decode_table(results):
+    head = ["shape", "cache", "ours us", "ours GB/s", "cuDNN us", "flash us", "cuDNN/ours", "flash/ours",
+            "err f64", "err SDPA", "ok"]
+    rows = []
+    for r in results:
+        ours = r.get("ours") or {}
+        rows.append([
+            r["shape"], r["cache"], fmt_us(r.get("ours")), f"{ours['gbps']:.0f}" if "gbps" in ours else "-",
+            fmt_us(r.get("cudnn")), fmt_us(r.get("flash")),
+            fmt_speedup(r.get("ours"), r.get("cudnn")), fmt_speedup(r.get("ours"), r.get("flash")),
+            fmt_err(r.get("check", {}).get("rel_l2_vs_f64")), fmt_err(r.get("check", {}).get("rel_l2_vs_sdpa")),
+            "yes" if r.get("ok") else "NO",
+        ])
+    widths = [max(len(x) for x in col) for col in zip(head, *rows)]
+
+    def line(cells):
+        return "  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+
+    print(line(head), flush=True)
+    print("  ".join("-" * w for w in widths), flush=True)
+    for row in rows:
+        print(line(row), flush=True)
+    for r in results:
+        for name in ("ours", "cudnn", "flash"):
+            x = r.get(name) or {}
+            why = x.get("na") or x.get("error")
+            if why:
+                print(f"  {r['shape']} {r['cache']} {name}: {'n/a' if 'na' in x else 'error'}: {why}"[:300], flush=True)
+        if r.get("check", {}).get("sdpa_error"):
+            print(f"  {r['shape']} {r['cache']}: SDPA reference: {r['check']['sdpa_error']}"[:300], flush=True)
+
+
+def run_decode(torch, fc, timer, env, quick):
+    """The decode comparison; returns (results, records, all_ok)."""
+    cases = all_decode_cases(quick)
+    results, records, all_ok = [], [], True
+    for n, case in enumerate(cases, 1):
+        log(f"[{n}/{len(cases)}] decode {case.name()} {case.layout()}")
+        r = {"shape": case.name(), "cache": case.layout(), "case": case.key(), "kv_bytes": case.kv_bytes()}
+        gen = torch.Generator(device="cuda")
+        gen.manual_seed(2000 + n)
+        sets = None
+        try:
+            sets = decode_sets(torch, case, torch.float16, env["l2_bytes"], gen)
+            r["input_sets"] = len(sets)
+            try:
+                r["check"] = check_decode_case(torch, fc, case, sets[0])
+                r["ok"] = r["check"]["ok"]
+            except Exception as e:  # noqa: BLE001
+                r["check"] = {"error": first_line(e)}
+                r["ok"] = False
+            for name, backend in (("ours", None), ("cudnn", "CUDNN_ATTENTION"), ("flash", "FLASH_ATTENTION")):
+                try:
+                    if backend is None:
+                        ms, iters = time_decode_ours(torch, fc, timer, sets)
+                    else:
+                        ms, iters = time_decode_sdpa(torch, timer, sets, backend)
+                    r[name] = {"median_ms": ms, "iters": iters, "us": ms * 1e3, "gbps": case.kv_bytes() / (ms * 1e6)}
+                except NotAvailable as e:
+                    r[name] = {"na": str(e)}
+                except Exception as e:  # noqa: BLE001
+                    r[name] = {"error": first_line(e)}
+                try:
+                    torch.cuda.synchronize()
+                except Exception as e:  # noqa: BLE001
+                    r[name].setdefault("error", first_line(e))
+        except Exception as e:  # noqa: BLE001
+            r["error"] = first_line(e)
+            r["ok"] = False
+        finally:
+            sets = None
+            torch.cuda.empty_cache()
+        if "us" not in (r.get("ours") or {}):
+            r["ok"] = False
+        all_ok = all_ok and r["ok"]
+        for name, backend in (("ours", "flashcore"), ("cudnn", "cudnn"), ("flash", "flash")):
+            x = r.get(name) or {"error": r.get("error", "not run")}
+            rec = dict(case.key(), backend=backend, device=env["device"], median_ms=x.get("median_ms"),
+                       gbps=x.get("gbps"))
+            if "na" in x or "error" in x:
+                rec["error"] = x.get("na") or x.get("error")
+            if name == "ours" and isinstance(r.get("check", {}).get("rel_l2_vs_f64"), float):
+                rec["rel_err"] = r["check"]["rel_l2_vs_f64"]
+            records.append(rec)
+        chk = r.get("check", {})
+        log(f"    ours {fmt_us(r.get('ours'))}  cuDNN {fmt_us(r.get('cudnn'))}  flash {fmt_us(r.get('flash'))} us; "
+            f"err f64 {fmt_err(chk.get('rel_l2_vs_f64'))}, SDPA {fmt_err(chk.get('rel_l2_vs_sdpa'))}"
+            f"{'' if r['ok'] else '  <-- FAILED'}")
+        results.append(r)
+    return results, records, all_ok
+
+
 # ---- main ----------------------------------------------------------------------------------
 
 
@@ -597,6 +896,9 @@ def main():
     p.add_argument("--package", action="store_true",
                    help="call flashcore through the Python package's flashcore.attention (the torch op) "
                         "instead of the C ABI directly; no CUDA graph test")
+    p.add_argument("--decode", action="store_true",
+                   help="compare decode against a KV cache (flashcore_decode / flashcore.decode) instead of "
+                        "the forward")
     args = p.parse_args()
 
     try:
@@ -630,6 +932,21 @@ def main():
     log(f"harness: {env['device']}, L2 {l2_bytes / 2**20:.0f} MiB, torch {env['torch']}, cuda {env['cuda']}, "
         f"cudnn {env['cudnn']}, flashcore {env['flashcore']}")
     timer = Timer(torch, args.budget_s)
+
+    if args.decode:
+        results, records, all_ok = run_decode(torch, fc, timer, env, args.quick)
+        via = "flashcore.decode (Python package)" if args.package else "flashcore_decode (C ABI)"
+        print(f"{via} {env['flashcore']} vs PyTorch SDPA on {env['device']} (torch {env['torch']}, "
+              f"cuDNN {env['cudnn']}); decode Sq=1, GB/s = K+V bytes / median time", flush=True)
+        print_decode_table(results)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"env": env, "decode": results, "records": records}, f, indent=1)
+                f.write("\n")
+            log(f"harness: wrote {args.json}")
+        fc.close()
+        log(f"harness: {sum(1 for r in results if r.get('ok'))}/{len(results)} decode cases ok")
+        return 0 if all_ok else 1
 
     cases = all_cases(args.quick)
     results = []

@@ -1,6 +1,8 @@
-//! The C ABI: an opaque context, one forward call, and error reporting by code and
-//! thread-local message. `include/flashcore.h` declares exactly what is here (the
-//! `c_header` test checks the two against each other).
+//! The C ABI: an opaque context, the forward call, the serving calls (decode against a KV
+//! cache, appending to one, merging partial results by their LSE), a validation-only twin
+//! of each call, and error reporting by code and thread-local message.
+//! `include/flashcore.h` declares exactly what is here (the `c_header` test checks the two
+//! against each other).
 //!
 //! Rules every entry point follows:
 //!
@@ -23,7 +25,12 @@ use cudarc::driver::sys::CUstream;
 
 use crate::error::{Error, RETURN_CODES, return_code};
 use crate::host::attention::Attention;
+use crate::host::decode::{
+    AppendProblem, DecodeProblem, MergeParts, Workspace, validate_append, validate_decode,
+    validate_merge,
+};
 use crate::host::device::Device;
+use crate::host::kv_cache::{CacheLayout, HostMetadata, KvCache};
 use crate::host::tensor::{AttentionParams, DIM_NAMES, DType, LseView, TensorView};
 use crate::host::validate::validate_fwd;
 
@@ -87,7 +94,31 @@ pub struct FlashcoreTensor {
     pub strides: [i64; 4],
 }
 
-/// The opaque handle C holds: forward attention on one device.
+/// A KV cache as C passes it: the keys and values, each sequence's length on the device,
+/// and (paged caches) the block table. 192 bytes, 8-byte aligned, no padding.
+///
+/// Contiguous: `block_table`, `max_pages` and `table_stride` all 0; `k`, `v` are
+/// `[B, capacity, Hkv, D]`. Paged: anything else; `k`, `v` are pools `[pages, page_size,
+/// Hkv, D]` and position `p` of sequence `b` is row `p % page_size` of page
+/// `block_table[b · table_stride + p / page_size]`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FlashcoreKvCache {
+    /// The keys: `[B, capacity, Hkv, D]` or `[pages, page_size, Hkv, D]`.
+    pub k: FlashcoreTensor,
+    /// The values, of k's dtype and shape.
+    pub v: FlashcoreTensor,
+    /// Device address of int32 `[B]`: each sequence's length.
+    pub seqlens: u64,
+    /// Device address of int32 `[B, table_stride]` (paged), or 0 (contiguous).
+    pub block_table: u64,
+    /// Pages per sequence: the capacity is `max_pages · page_size` (paged), or 0.
+    pub max_pages: i64,
+    /// Elements from one block-table row to the next, at least `max_pages` (paged), or 0.
+    pub table_stride: i64,
+}
+
+/// The opaque handle C holds: attention on one device.
 pub struct FlashcoreContext {
     attn: Attention,
 }
@@ -263,6 +294,303 @@ fn params(softmax_scale: f32, causal: i32) -> AttentionParams {
     }
 }
 
+/// A C cache as a [`KvCache`]: its tensors as [`tensor_view`] reads them, no negative page
+/// count or table stride. `block_table`, `max_pages` and `table_stride` all 0 is a
+/// contiguous cache; anything else a paged one, whose rules validation then applies (a
+/// null block table, no pages, a short row stride).
+fn kv_cache(c: &FlashcoreKvCache) -> Result<KvCache, Error> {
+    let k = tensor_view(&c.k, "k_cache")?;
+    let v = tensor_view(&c.v, "v_cache")?;
+    let max_pages = usize::try_from(c.max_pages).map_err(|_| {
+        Error::InvalidArgument(format!(
+            "cache.max_pages is {}, which is not a valid page count",
+            c.max_pages
+        ))
+    })?;
+    let table_stride = usize::try_from(c.table_stride).map_err(|_| Error::BadStrides {
+        tensor: "block_table",
+        reason: format!(
+            "table_stride is {}; strides must be non-negative",
+            c.table_stride
+        ),
+    })?;
+    let layout = if (c.block_table, max_pages, table_stride) == (0, 0, 0) {
+        CacheLayout::Contiguous
+    } else {
+        CacheLayout::Paged {
+            block_table: c.block_table,
+            max_pages,
+            table_stride,
+        }
+    };
+    Ok(KvCache {
+        k,
+        v,
+        seqlens: c.seqlens,
+        layout,
+    })
+}
+
+/// Reads the C cache behind `c`.
+///
+/// # Safety
+///
+/// `c` must be null or point to a readable `FlashcoreKvCache`.
+unsafe fn read_cache(c: *const FlashcoreKvCache) -> Result<KvCache, Failure> {
+    // SAFETY: the caller guarantees `c` is null or valid for reads; `as_ref` handles null.
+    let c = unsafe { c.as_ref() }.ok_or_else(|| null_argument("cache"))?;
+    Ok(kv_cache(c)?)
+}
+
+/// `len` int32s at the host address `ptr`, or an error when no host array can hold that
+/// many or `ptr` is not aligned for them.
+///
+/// # Safety
+///
+/// `ptr` must be non-null and, when `len` fits a host array, valid for reads of `len`
+/// int32s for `'a`.
+unsafe fn host_array<'a>(
+    ptr: *const i32,
+    len: usize,
+    name: &'static str,
+) -> Result<&'a [i32], Error> {
+    if len.checked_mul(4).is_none_or(|b| b > isize::MAX as usize) {
+        return Err(Error::InvalidArgument(format!(
+            "{name} would hold {len} entries, more than a host array can"
+        )));
+    }
+    if !ptr.is_aligned() {
+        return Err(Error::Misaligned {
+            tensor: name,
+            ptr: ptr as u64,
+            align: 4,
+        });
+    }
+    // SAFETY: `ptr` is non-null and aligned, `len` int32s fit the address space, and the
+    // caller guarantees they are readable for `'a`.
+    Ok(unsafe { std::slice::from_raw_parts(ptr, len) })
+}
+
+/// Host copies of a cache's device metadata as C passes them: null pointers for none.
+#[derive(Debug, Clone, Copy)]
+struct HostArrays {
+    seqlens: *const i32,
+    block_table: *const i32,
+}
+
+impl HostArrays {
+    /// The arrays as [`HostMetadata`] for `cache`, already validated for a batch of
+    /// `batch` (at least 1): `seqlens` holds `batch` entries, `block_table` `(batch − 1) ·
+    /// table_stride + max_pages`. `None` when neither is given; an error for a block table
+    /// without lengths or with a contiguous cache.
+    ///
+    /// # Safety
+    ///
+    /// Each pointer must be null or valid for reads of that many int32s for `'a`.
+    unsafe fn metadata<'a>(
+        self,
+        cache: &KvCache,
+        batch: usize,
+    ) -> Result<Option<HostMetadata<'a>>, Error> {
+        let table_len = match cache.layout {
+            CacheLayout::Contiguous => None,
+            CacheLayout::Paged {
+                max_pages,
+                table_stride,
+                ..
+            } => Some(
+                batch
+                    .saturating_sub(1)
+                    .saturating_mul(table_stride)
+                    .saturating_add(max_pages),
+            ),
+        };
+        if self.seqlens.is_null() {
+            if !self.block_table.is_null() {
+                return Err(Error::InvalidArgument(
+                    "host_block_table is given without host_seqlens".into(),
+                ));
+            }
+            return Ok(None);
+        }
+        // SAFETY: non-null; the caller guarantees `batch` readable entries.
+        let seqlens = unsafe { host_array(self.seqlens, batch, "host_seqlens")? };
+        let block_table = match (self.block_table.is_null(), table_len) {
+            (true, _) => None,
+            (false, None) => {
+                return Err(Error::InvalidArgument(
+                    "host_block_table is given for a contiguous cache (block_table 0)".into(),
+                ));
+            }
+            (false, Some(len)) => {
+                // SAFETY: non-null; the caller guarantees `len` readable entries.
+                let table = unsafe { host_array(self.block_table, len, "host_block_table")? };
+                Some(table)
+            }
+        };
+        Ok(Some(HostMetadata {
+            seqlens,
+            block_table,
+        }))
+    }
+}
+
+/// The arguments of a decode call, read from C and validated (all but the workspace,
+/// whose size depends on the GPU).
+struct DecodeCall<'a> {
+    q: TensorView,
+    cache: KvCache,
+    host: Option<HostMetadata<'a>>,
+    o: TensorView,
+    lse: Option<LseView>,
+    params: AttentionParams,
+    problem: DecodeProblem,
+}
+
+impl DecodeCall<'_> {
+    /// Reads the C arguments and applies the rules on them (an LSE address of 0 means
+    /// none); the host metadata is converted, not yet checked against the cache.
+    ///
+    /// # Safety
+    ///
+    /// `q`, `o` null or readable `FlashcoreTensor`s, `cache` null or a readable
+    /// `FlashcoreKvCache`; `host_seqlens` null or `B` readable int32s, `host_block_table`
+    /// null or `(B − 1) · table_stride + max_pages` readable int32s (`B` = q's batch), for
+    /// as long as the result lives.
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn read<'a>(
+        q: *const FlashcoreTensor,
+        cache: *const FlashcoreKvCache,
+        host_seqlens: *const i32,
+        host_block_table: *const i32,
+        o: *const FlashcoreTensor,
+        lse: u64,
+        softmax_scale: f32,
+        causal: i32,
+    ) -> Result<DecodeCall<'a>, Failure> {
+        // SAFETY: forwarded from the caller's guarantee.
+        let (q, cache, o) = unsafe {
+            (
+                read_tensor(q, "q")?,
+                read_cache(cache)?,
+                read_tensor(o, "o")?,
+            )
+        };
+        let lse = (lse != 0).then_some(LseView { ptr: lse });
+        let params = params(softmax_scale, causal);
+        let problem = validate_decode(&q, &cache, &o, lse.as_ref(), &params)?;
+        let arrays = HostArrays {
+            seqlens: host_seqlens,
+            block_table: host_block_table,
+        };
+        // SAFETY: validation made q's batch the cache's; the caller guarantees the host
+        // arrays' extents for that batch.
+        let host = unsafe { arrays.metadata(&cache, problem.cache.batch)? };
+        Ok(DecodeCall {
+            q,
+            cache,
+            host,
+            o,
+            lse,
+            params,
+            problem,
+        })
+    }
+}
+
+/// The arguments of an append, read from C and validated.
+struct AppendCall<'a> {
+    cache: KvCache,
+    k_new: TensorView,
+    v_new: TensorView,
+    host: Option<HostMetadata<'a>>,
+    problem: AppendProblem,
+}
+
+impl AppendCall<'_> {
+    /// Reads the C arguments and applies the rules on them; the host metadata is
+    /// converted, not yet checked against the cache.
+    ///
+    /// # Safety
+    ///
+    /// As for [`DecodeCall::read`], with `B` the batch of `k_new`.
+    unsafe fn read<'a>(
+        cache: *const FlashcoreKvCache,
+        k_new: *const FlashcoreTensor,
+        v_new: *const FlashcoreTensor,
+        host_seqlens: *const i32,
+        host_block_table: *const i32,
+    ) -> Result<AppendCall<'a>, Failure> {
+        // SAFETY: forwarded from the caller's guarantee.
+        let (cache, k_new, v_new) = unsafe {
+            (
+                read_cache(cache)?,
+                read_tensor(k_new, "k_new")?,
+                read_tensor(v_new, "v_new")?,
+            )
+        };
+        let problem = validate_append(&cache, &k_new, &v_new)?;
+        let arrays = HostArrays {
+            seqlens: host_seqlens,
+            block_table: host_block_table,
+        };
+        // SAFETY: validation made k_new's batch the cache's; the caller guarantees the
+        // host arrays' extents for that batch.
+        let host = unsafe { arrays.metadata(&cache, problem.cache.batch)? };
+        Ok(AppendCall {
+            cache,
+            k_new,
+            v_new,
+            host,
+            problem,
+        })
+    }
+}
+
+/// The arguments of a merge, read from C (validation is the caller's).
+struct MergeCall {
+    parts: MergeParts,
+    out: TensorView,
+    out_lse: Option<LseView>,
+}
+
+impl MergeCall {
+    /// Reads the C arguments: no negative count or shard stride; an output LSE address of
+    /// 0 means none.
+    ///
+    /// # Safety
+    ///
+    /// `parts` and `out` must each be null or point to a readable `FlashcoreTensor`.
+    unsafe fn read(
+        parts: *const FlashcoreTensor,
+        count: i64,
+        shard_stride: i64,
+        lse_parts: u64,
+        out: *const FlashcoreTensor,
+        out_lse: u64,
+    ) -> Result<MergeCall, Failure> {
+        // SAFETY: forwarded from the caller's guarantee.
+        let (o, out) = unsafe { (read_tensor(parts, "parts")?, read_tensor(out, "out")?) };
+        let count = usize::try_from(count).map_err(|_| {
+            Error::InvalidArgument(format!("count is {count}, which is not a valid count"))
+        })?;
+        let shard_stride = usize::try_from(shard_stride).map_err(|_| Error::BadStrides {
+            tensor: "parts",
+            reason: format!("shard_stride is {shard_stride}; strides must be non-negative"),
+        })?;
+        Ok(MergeCall {
+            parts: MergeParts {
+                o,
+                count,
+                shard_stride,
+                lse: lse_parts,
+            },
+            out,
+            out_lse: (out_lse != 0).then_some(LseView { ptr: out_lse }),
+        })
+    }
+}
+
 // ---- entry points ------------------------------------------------------------------------
 
 /// Opens device `device_ordinal` and creates a context on it; `*out` receives the handle
@@ -375,6 +703,276 @@ pub unsafe extern "C" fn flashcore_check_forward(
         // SAFETY: the caller guarantees each tensor pointer is null or readable.
         let ForwardArgs { q, k, v, o, lse } = unsafe { ForwardArgs::read(q, k, v, o, lse)? };
         validate_fwd(&q, &k, &v, &o, lse.as_ref(), &params(softmax_scale, causal))?;
+        Ok(())
+    })
+}
+
+/// The workspace a [`flashcore_decode`] call with these `q` and `cache` needs on the
+/// context's device, in bytes, into `*out` (0 when the call runs in one split, and on
+/// failure).
+///
+/// # Safety
+///
+/// `out` must be null or valid for writing one `size_t`; `ctx` null or a live handle from
+/// [`flashcore_create`]; `q` null or a readable `FlashcoreTensor`, `cache` null or a
+/// readable `FlashcoreKvCache`. No device memory is read.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn flashcore_decode_workspace_bytes(
+    ctx: *mut FlashcoreContext,
+    q: *const FlashcoreTensor,
+    cache: *const FlashcoreKvCache,
+    out: *mut usize,
+) -> i32 {
+    guard("flashcore_decode_workspace_bytes", || {
+        if out.is_null() {
+            return Err(null_argument("out"));
+        }
+        // SAFETY: `out` is non-null and the caller guarantees it is valid for writes.
+        unsafe { out.write(0) };
+        // SAFETY: the caller guarantees `ctx` is null or a live handle; shared access only.
+        let ctx = unsafe { ctx.as_ref() }.ok_or_else(|| null_argument("ctx"))?;
+        // SAFETY: the caller guarantees `q` and `cache` are null or readable.
+        let (q, cache) = unsafe { (read_tensor(q, "q")?, read_cache(cache)?) };
+        let bytes = ctx.attn.decode_workspace_bytes(&q, &cache)?;
+        // SAFETY: as above.
+        unsafe { out.write(bytes) };
+        Ok(())
+    })
+}
+
+/// Decode against a KV cache on `stream`; see `include/flashcore.h` for the contract.
+///
+/// # Safety
+///
+/// `ctx` must be null or a live handle from [`flashcore_create`]; `q`, `o` null or
+/// readable `FlashcoreTensor`s and `cache` null or a readable `FlashcoreKvCache`, whose
+/// device memory (the cache's lengths and block table, and `lse`'s and `workspace`'s when
+/// non-zero, included) is live memory of the context's device for the extents described
+/// until the kernels have run; `host_seqlens` null or `B` readable int32s,
+/// `host_block_table` null or `(B − 1) · table_stride + max_pages` readable int32s;
+/// `stream` null or a live stream of the device's primary context.
+#[allow(clippy::too_many_arguments)]
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn flashcore_decode(
+    ctx: *mut FlashcoreContext,
+    q: *const FlashcoreTensor,
+    cache: *const FlashcoreKvCache,
+    host_seqlens: *const i32,
+    host_block_table: *const i32,
+    o: *const FlashcoreTensor,
+    lse: u64,
+    softmax_scale: f32,
+    causal: i32,
+    workspace: u64,
+    workspace_bytes: usize,
+    stream: CUstream,
+) -> i32 {
+    guard("flashcore_decode", || {
+        // SAFETY: the caller guarantees `ctx` is null or a live handle; shared access only.
+        let ctx = unsafe { ctx.as_ref() }.ok_or_else(|| null_argument("ctx"))?;
+        // SAFETY: the caller guarantees the struct pointers are null or readable and the
+        // host arrays' extents; the result is dropped before this call returns.
+        let call = unsafe {
+            DecodeCall::read(
+                q,
+                cache,
+                host_seqlens,
+                host_block_table,
+                o,
+                lse,
+                softmax_scale,
+                causal,
+            )?
+        };
+        let workspace = (workspace != 0 || workspace_bytes != 0).then_some(Workspace {
+            ptr: workspace,
+            bytes: workspace_bytes,
+        });
+        // SAFETY: the C contract of flashcore_decode (header): the pointers are device
+        // memory of the context's device valid for the described extents (the workspace
+        // for `workspace_bytes`), and `stream` is null or a stream of that context.
+        unsafe {
+            ctx.attn.decode(
+                &call.q,
+                &call.cache,
+                call.host.as_ref(),
+                &call.o,
+                call.lse.as_ref(),
+                &call.params,
+                workspace,
+                stream,
+            )?;
+        }
+        Ok(())
+    })
+}
+
+/// Checks the arguments of a [`flashcore_decode`] call without a context, a device or a
+/// driver: every rule `flashcore_decode` applies before it launches except the
+/// workspace's (its size depends on the GPU). Device pointers are only checked as
+/// numbers; the host arrays, when given, are read and checked against the cache.
+///
+/// # Safety
+///
+/// As for [`flashcore_decode`], except that no device memory need exist.
+#[allow(clippy::too_many_arguments)]
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn flashcore_check_decode(
+    q: *const FlashcoreTensor,
+    cache: *const FlashcoreKvCache,
+    host_seqlens: *const i32,
+    host_block_table: *const i32,
+    o: *const FlashcoreTensor,
+    lse: u64,
+    softmax_scale: f32,
+    causal: i32,
+) -> i32 {
+    guard("flashcore_check_decode", || {
+        // SAFETY: the caller guarantees the struct pointers are null or readable and the
+        // host arrays' extents.
+        let call = unsafe {
+            DecodeCall::read(
+                q,
+                cache,
+                host_seqlens,
+                host_block_table,
+                o,
+                lse,
+                softmax_scale,
+                causal,
+            )?
+        };
+        if let Some(h) = &call.host {
+            h.check(&call.cache, &call.problem.cache, 0)?;
+        }
+        Ok(())
+    })
+}
+
+/// Appends `k_new`, `v_new` to `cache` on `stream`; see `include/flashcore.h`.
+///
+/// # Safety
+///
+/// As for [`flashcore_decode`], with `k_new`, `v_new` null or readable
+/// `FlashcoreTensor`s of live device memory and `B` their batch.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn flashcore_append_kv(
+    ctx: *mut FlashcoreContext,
+    cache: *const FlashcoreKvCache,
+    k_new: *const FlashcoreTensor,
+    v_new: *const FlashcoreTensor,
+    host_seqlens: *const i32,
+    host_block_table: *const i32,
+    stream: CUstream,
+) -> i32 {
+    guard("flashcore_append_kv", || {
+        // SAFETY: the caller guarantees `ctx` is null or a live handle; shared access only.
+        let ctx = unsafe { ctx.as_ref() }.ok_or_else(|| null_argument("ctx"))?;
+        // SAFETY: the caller guarantees the struct pointers are null or readable and the
+        // host arrays' extents; the result is dropped before this call returns.
+        let call =
+            unsafe { AppendCall::read(cache, k_new, v_new, host_seqlens, host_block_table)? };
+        // SAFETY: the C contract of flashcore_append_kv (header): the pointers are device
+        // memory of the context's device valid for the described extents, and `stream` is
+        // null or a stream of that context.
+        unsafe {
+            ctx.attn.append_kv(
+                &call.cache,
+                &call.k_new,
+                &call.v_new,
+                call.host.as_ref(),
+                stream,
+            )?;
+        }
+        Ok(())
+    })
+}
+
+/// Checks the arguments of a [`flashcore_append_kv`] call without a context, a device or
+/// a driver: every rule `flashcore_append_kv` applies before it launches. Device pointers
+/// are only checked as numbers; the host arrays, when given, are read and checked.
+///
+/// # Safety
+///
+/// As for [`flashcore_append_kv`], except that no device memory need exist.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn flashcore_check_append_kv(
+    cache: *const FlashcoreKvCache,
+    k_new: *const FlashcoreTensor,
+    v_new: *const FlashcoreTensor,
+    host_seqlens: *const i32,
+    host_block_table: *const i32,
+) -> i32 {
+    guard("flashcore_check_append_kv", || {
+        // SAFETY: the caller guarantees the struct pointers are null or readable and the
+        // host arrays' extents.
+        let call =
+            unsafe { AppendCall::read(cache, k_new, v_new, host_seqlens, host_block_table)? };
+        if let Some(h) = &call.host {
+            h.check(&call.cache, &call.problem.cache, call.problem.new_tokens)?;
+        }
+        Ok(())
+    })
+}
+
+/// Merges attention results over disjoint key shards on `stream`; see
+/// `include/flashcore.h` for the contract.
+///
+/// # Safety
+///
+/// `ctx` must be null or a live handle from [`flashcore_create`]; `parts` and `out` null
+/// or readable `FlashcoreTensor`s whose device memory (the `count` shards, `lse_parts`'
+/// `count · B · H · S` floats, and `out_lse`'s when non-zero) is live memory of the
+/// context's device until the kernel has run; `stream` null or a live stream of the
+/// device's primary context.
+#[allow(clippy::too_many_arguments)]
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn flashcore_merge(
+    ctx: *mut FlashcoreContext,
+    parts: *const FlashcoreTensor,
+    count: i64,
+    shard_stride: i64,
+    lse_parts: u64,
+    out: *const FlashcoreTensor,
+    out_lse: u64,
+    stream: CUstream,
+) -> i32 {
+    guard("flashcore_merge", || {
+        // SAFETY: the caller guarantees `ctx` is null or a live handle; shared access only.
+        let ctx = unsafe { ctx.as_ref() }.ok_or_else(|| null_argument("ctx"))?;
+        // SAFETY: the caller guarantees `parts` and `out` are null or readable.
+        let call = unsafe { MergeCall::read(parts, count, shard_stride, lse_parts, out, out_lse)? };
+        // SAFETY: the C contract of flashcore_merge (header): the pointers are device
+        // memory of the context's device valid for the described extents, and `stream` is
+        // null or a stream of that context.
+        unsafe {
+            ctx.attn
+                .merge(&call.parts, &call.out, call.out_lse.as_ref(), stream)?;
+        }
+        Ok(())
+    })
+}
+
+/// Checks the arguments of a [`flashcore_merge`] call without a context, a device or a
+/// driver: every rule `flashcore_merge` applies before it launches. Nothing is read
+/// through the device pointers.
+///
+/// # Safety
+///
+/// `parts` and `out` must each be null or point to a readable `FlashcoreTensor`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn flashcore_check_merge(
+    parts: *const FlashcoreTensor,
+    count: i64,
+    shard_stride: i64,
+    lse_parts: u64,
+    out: *const FlashcoreTensor,
+    out_lse: u64,
+) -> i32 {
+    guard("flashcore_check_merge", || {
+        // SAFETY: the caller guarantees `parts` and `out` are null or readable.
+        let call = unsafe { MergeCall::read(parts, count, shard_stride, lse_parts, out, out_lse)? };
+        validate_merge(&call.parts, &call.out, call.out_lse.as_ref())?;
         Ok(())
     })
 }
@@ -515,6 +1113,525 @@ mod tests {
         assert_eq!(rc, FLASHCORE_ERROR_NULL_ARGUMENT);
     }
 
+    const GB: u64 = 1 << 30;
+
+    /// A contiguous f16 `[B, S, H, D]` tensor at `ptr`.
+    fn bshd(ptr: u64, [b, s, h, d]: [i64; 4]) -> FlashcoreTensor {
+        FlashcoreTensor {
+            ptr,
+            dtype: FLASHCORE_F16,
+            shape: [b, s, h, d],
+            strides: [s * h * d, h * d, d, 1],
+        }
+    }
+
+    /// Two sequences of capacity 64, 2 KV heads of 64: contiguous, or paged by 16 over a
+    /// pool of 8 pages (block table `[2, 4]`).
+    fn cache(paged: bool) -> FlashcoreKvCache {
+        let shape = if paged {
+            [8, 16, 2, 64]
+        } else {
+            [2, 64, 2, 64]
+        };
+        FlashcoreKvCache {
+            k: bshd(GB, shape),
+            v: bshd(2 * GB, shape),
+            seqlens: 3 * GB,
+            block_table: if paged { 3 * GB + 4096 } else { 0 },
+            max_pages: if paged { 4 } else { 0 },
+            table_stride: if paged { 4 } else { 0 },
+        }
+    }
+
+    /// `q` (and `o`) of a decode on [`cache`]: `[2, sq, hq, 64]`.
+    fn query(sq: i64, hq: i64, at: u64) -> FlashcoreTensor {
+        bshd(at, [2, sq, hq, 64])
+    }
+
+    /// flashcore_check_decode on `q` (its `o` at 5 GB) and `c`, with host arrays.
+    fn check_decode(
+        q: &FlashcoreTensor,
+        c: &FlashcoreKvCache,
+        lens: Option<&[i32]>,
+        table: Option<&[i32]>,
+        lse: u64,
+        scale: f32,
+    ) -> i32 {
+        let o = FlashcoreTensor { ptr: 5 * GB, ..*q };
+        let ptr_of = |a: Option<&[i32]>| a.map_or(ptr::null(), <[i32]>::as_ptr);
+        // SAFETY: every struct pointer points at a live local; the host arrays are null or
+        // live slices, which the callers size for the batch and the table.
+        unsafe { flashcore_check_decode(q, c, ptr_of(lens), ptr_of(table), &o, lse, scale, 1) }
+    }
+
+    #[test]
+    fn check_decode_applies_the_decode_rules_without_a_device() {
+        let q = query(1, 4, 4 * GB);
+        let table: Vec<i32> = (0..8).collect();
+        for paged in [false, true] {
+            let c = cache(paged);
+            let t = paged.then_some(table.as_slice());
+            assert_eq!(
+                check_decode(&q, &c, None, None, 0, 0.0),
+                FLASHCORE_SUCCESS,
+                "{}",
+                last_error()
+            );
+            assert_eq!(
+                check_decode(&q, &c, Some(&[64, 0]), t, 6 * GB, 0.25),
+                FLASHCORE_SUCCESS
+            );
+            assert_eq!(
+                check_decode(&query(16, 8, 4 * GB), &c, None, None, 0, 0.0),
+                FLASHCORE_SUCCESS
+            );
+        }
+        let c = cache(true);
+        let code =
+            |q: &FlashcoreTensor, c: &FlashcoreKvCache| check_decode(q, c, None, None, 0, 0.0);
+
+        // One typed code for each kind of bad input.
+        assert_eq!(
+            code(&query(17, 4, 4 * GB), &c),
+            FLASHCORE_ERROR_INVALID_ARGUMENT
+        );
+        assert!(
+            last_error().starts_with("flashcore_check_decode: "),
+            "{}",
+            last_error()
+        );
+        assert_eq!(code(&query(1, 3, 4 * GB), &c), FLASHCORE_ERROR_HEAD_RATIO);
+        assert_eq!(
+            code(&query(1, 4, 4 * GB + 8), &c),
+            FLASHCORE_ERROR_MISALIGNED
+        );
+        assert_eq!(
+            code(&bshd(4 * GB, [3, 1, 4, 64]), &cache(false)),
+            FLASHCORE_ERROR_SHAPE_MISMATCH
+        );
+        let mut d80 = cache(false);
+        d80.k.shape[3] = 80;
+        d80.v.shape[3] = 80;
+        assert_eq!(
+            code(&bshd(4 * GB, [2, 1, 4, 80]), &d80),
+            FLASHCORE_ERROR_UNSUPPORTED_HEAD_DIM
+        );
+        let mut bf = c;
+        bf.v.dtype = FLASHCORE_BF16;
+        assert_eq!(code(&q, &bf), FLASHCORE_ERROR_UNSUPPORTED_DTYPE);
+        let mut odd = c;
+        odd.k.shape[1] = 48;
+        odd.v.shape[1] = 48;
+        assert_eq!(code(&q, &odd), FLASHCORE_ERROR_INVALID_ARGUMENT);
+        assert!(last_error().contains("power of two"), "{}", last_error());
+        let mut no_table = c;
+        no_table.block_table = 0;
+        assert_eq!(code(&q, &no_table), FLASHCORE_ERROR_NULL_POINTER);
+        assert!(
+            last_error().contains("block_table is a null pointer"),
+            "{}",
+            last_error()
+        );
+        let mut no_pages = c;
+        no_pages.max_pages = 0;
+        assert_eq!(code(&q, &no_pages), FLASHCORE_ERROR_EMPTY_DIMENSION);
+        let mut short = c;
+        short.table_stride = 3;
+        assert_eq!(code(&q, &short), FLASHCORE_ERROR_BAD_STRIDES);
+        let mut negative = c;
+        negative.max_pages = -4;
+        assert_eq!(code(&q, &negative), FLASHCORE_ERROR_INVALID_ARGUMENT);
+        assert!(last_error().contains("max_pages is -4"), "{}", last_error());
+        negative = c;
+        negative.table_stride = -4;
+        assert_eq!(code(&q, &negative), FLASHCORE_ERROR_BAD_STRIDES);
+        let mut no_lens = c;
+        no_lens.seqlens = 0;
+        assert_eq!(code(&q, &no_lens), FLASHCORE_ERROR_NULL_POINTER);
+        no_lens.seqlens = 3 * GB + 2;
+        assert_eq!(code(&q, &no_lens), FLASHCORE_ERROR_MISALIGNED);
+        let mut empty = c;
+        empty.k.shape[2] = 0;
+        empty.v.shape[2] = 0;
+        assert_eq!(code(&q, &empty), FLASHCORE_ERROR_EMPTY_DIMENSION);
+        let mut dtype = c;
+        dtype.k.dtype = 9;
+        assert_eq!(code(&q, &dtype), FLASHCORE_ERROR_UNSUPPORTED_DTYPE);
+        assert!(
+            last_error().contains("k_cache has dtype code 9"),
+            "{}",
+            last_error()
+        );
+        assert_eq!(
+            check_decode(&q, &c, None, None, 0, f32::NAN),
+            FLASHCORE_ERROR_INVALID_ARGUMENT
+        );
+        assert_eq!(
+            check_decode(&q, &c, None, None, 6 * GB + 1, 0.0),
+            FLASHCORE_ERROR_MISALIGNED
+        );
+        // The output may not overlap the cache.
+        let o_in_cache = FlashcoreTensor { ptr: GB, ..q };
+        let oc = |o: &FlashcoreTensor| {
+            // SAFETY: every pointer points at a live local or is null.
+            unsafe { flashcore_check_decode(&q, &c, ptr::null(), ptr::null(), o, 0, 0.0, 0) }
+        };
+        assert_eq!(oc(&o_in_cache), FLASHCORE_ERROR_INVALID_ARGUMENT);
+        assert!(last_error().contains("overlaps"), "{}", last_error());
+        // Null structs.
+        // SAFETY: null struct pointers are allowed and reported.
+        let rc = unsafe {
+            flashcore_check_decode(&q, ptr::null(), ptr::null(), ptr::null(), &q, 0, 0.0, 0)
+        };
+        assert_eq!(rc, FLASHCORE_ERROR_NULL_ARGUMENT);
+        assert_eq!(
+            last_error(),
+            "flashcore_check_decode: cache is a null pointer"
+        );
+        assert_eq!(oc(&o_in_cache), FLASHCORE_ERROR_INVALID_ARGUMENT);
+        // SAFETY: as above.
+        let rc = unsafe {
+            flashcore_check_decode(ptr::null(), &c, ptr::null(), ptr::null(), &q, 0, 0.0, 0)
+        };
+        assert_eq!(rc, FLASHCORE_ERROR_NULL_ARGUMENT);
+        assert_eq!(last_error(), "flashcore_check_decode: q is a null pointer");
+    }
+
+    #[test]
+    fn host_metadata_is_checked_when_given() {
+        let q = query(1, 4, 4 * GB);
+        let (paged, contiguous) = (cache(true), cache(false));
+        let table: Vec<i32> = (0..8).collect();
+        let check = |c: &FlashcoreKvCache, lens: Option<&[i32]>, t: Option<&[i32]>| {
+            check_decode(&q, c, lens, t, 0, 0.0)
+        };
+        assert_eq!(
+            check(&paged, Some(&[64, 1]), Some(&table)),
+            FLASHCORE_SUCCESS
+        );
+        assert_eq!(check(&contiguous, Some(&[64, 1]), None), FLASHCORE_SUCCESS);
+        // A length past the capacity, or negative.
+        assert_eq!(
+            check(&paged, Some(&[65, 1]), Some(&table)),
+            FLASHCORE_ERROR_INVALID_ARGUMENT
+        );
+        assert!(last_error().contains("capacity"), "{}", last_error());
+        assert_eq!(
+            check(&contiguous, Some(&[-1, 1]), None),
+            FLASHCORE_ERROR_INVALID_ARGUMENT
+        );
+        // A page outside the pool, in reach of a length; one past it is not looked at.
+        let mut bad = table.clone();
+        bad[5] = 8;
+        assert_eq!(
+            check(&paged, Some(&[64, 17]), Some(&bad)),
+            FLASHCORE_ERROR_INVALID_ARGUMENT
+        );
+        assert!(
+            last_error().contains("outside the pool"),
+            "{}",
+            last_error()
+        );
+        assert_eq!(
+            check(&paged, Some(&[64, 16]), Some(&bad)),
+            FLASHCORE_SUCCESS
+        );
+        // Inconsistent host pointers.
+        assert_eq!(
+            check(&paged, Some(&[1, 1]), None),
+            FLASHCORE_ERROR_INVALID_ARGUMENT
+        );
+        assert!(last_error().contains("block table"), "{}", last_error());
+        assert_eq!(
+            check(&paged, None, Some(&table)),
+            FLASHCORE_ERROR_INVALID_ARGUMENT
+        );
+        assert!(
+            last_error().contains("without host_seqlens"),
+            "{}",
+            last_error()
+        );
+        assert_eq!(
+            check(&contiguous, Some(&[1, 1]), Some(&table)),
+            FLASHCORE_ERROR_INVALID_ARGUMENT
+        );
+        assert!(last_error().contains("contiguous"), "{}", last_error());
+        // A host array not aligned for int32 is refused before it is read.
+        let words = [0u32; 4];
+        let unaligned = words.as_ptr().cast::<u8>().wrapping_add(1).cast::<i32>();
+        let o = FlashcoreTensor { ptr: 5 * GB, ..q };
+        // SAFETY: the structs are live locals; the misaligned host pointer is refused
+        // before anything is read through it.
+        let rc = unsafe {
+            flashcore_check_decode(&q, &contiguous, unaligned, ptr::null(), &o, 0, 0.0, 0)
+        };
+        assert_eq!(rc, FLASHCORE_ERROR_MISALIGNED);
+        assert!(last_error().contains("host_seqlens"), "{}", last_error());
+    }
+
+    #[test]
+    fn check_append_applies_the_append_rules_without_a_device() {
+        let table: Vec<i32> = (0..8).collect();
+        let new = bshd(4 * GB, [2, 3, 2, 64]);
+        let vnew = FlashcoreTensor { ptr: 5 * GB, ..new };
+        let check = |c: &FlashcoreKvCache,
+                     k: &FlashcoreTensor,
+                     v: &FlashcoreTensor,
+                     lens: Option<&[i32]>,
+                     t: Option<&[i32]>| {
+            let p = |a: Option<&[i32]>| a.map_or(ptr::null(), <[i32]>::as_ptr);
+            // SAFETY: the structs are live locals; the host arrays null or sized for B = 2
+            // and the [2, 4] table.
+            unsafe { flashcore_check_append_kv(c, k, v, p(lens), p(t)) }
+        };
+        for paged in [false, true] {
+            let c = cache(paged);
+            let t = paged.then_some(table.as_slice());
+            assert_eq!(
+                check(&c, &new, &vnew, None, None),
+                FLASHCORE_SUCCESS,
+                "{}",
+                last_error()
+            );
+            assert_eq!(check(&c, &new, &vnew, Some(&[61, 0]), t), FLASHCORE_SUCCESS);
+            // 62 + 3 new tokens pass the capacity of 64.
+            assert_eq!(
+                check(&c, &new, &vnew, Some(&[62, 0]), t),
+                FLASHCORE_ERROR_INVALID_ARGUMENT
+            );
+            assert!(
+                last_error().starts_with("flashcore_check_append_kv: "),
+                "{}",
+                last_error()
+            );
+        }
+        let c = cache(true);
+        let heads = bshd(4 * GB, [2, 3, 4, 64]);
+        let vheads = FlashcoreTensor {
+            ptr: 5 * GB,
+            ..heads
+        };
+        assert_eq!(
+            check(&c, &heads, &vheads, None, None),
+            FLASHCORE_ERROR_SHAPE_MISMATCH
+        );
+        let into_cache = FlashcoreTensor {
+            ptr: GB + 64,
+            ..new
+        };
+        assert_eq!(
+            check(&c, &into_cache, &vnew, None, None),
+            FLASHCORE_ERROR_INVALID_ARGUMENT
+        );
+        assert!(last_error().contains("overlaps"), "{}", last_error());
+        let bf = FlashcoreTensor {
+            dtype: FLASHCORE_BF16,
+            ..vnew
+        };
+        assert_eq!(
+            check(&c, &new, &bf, None, None),
+            FLASHCORE_ERROR_UNSUPPORTED_DTYPE
+        );
+        let too_many = bshd(4 * GB, [2, 65, 2, 64]);
+        let vtoo_many = FlashcoreTensor {
+            ptr: 5 * GB,
+            ..too_many
+        };
+        assert_eq!(
+            check(&c, &too_many, &vtoo_many, None, None),
+            FLASHCORE_ERROR_INVALID_ARGUMENT
+        );
+        let mut strided = new;
+        strided.strides[3] = 2;
+        assert_eq!(
+            check(&c, &strided, &vnew, None, None),
+            FLASHCORE_ERROR_BAD_STRIDES
+        );
+        // SAFETY: null struct pointers are allowed and reported.
+        let rc =
+            unsafe { flashcore_check_append_kv(&c, &new, ptr::null(), ptr::null(), ptr::null()) };
+        assert_eq!(rc, FLASHCORE_ERROR_NULL_ARGUMENT);
+        assert_eq!(
+            last_error(),
+            "flashcore_check_append_kv: v_new is a null pointer"
+        );
+    }
+
+    #[test]
+    fn check_merge_applies_the_merge_rules_without_a_device() {
+        let parts = bshd(GB, [2, 5, 4, 128]);
+        let mut out = bshd(3 * GB, [2, 5, 4, 128]);
+        out.dtype = FLASHCORE_F32;
+        out.strides = [5 * 4 * 128, 4 * 128, 128, 1];
+        let n = 2 * 5 * 4 * 128;
+        let check =
+            |parts: &FlashcoreTensor, count: i64, stride: i64, lse: u64, out: &FlashcoreTensor| {
+                // SAFETY: both tensor pointers point at live locals.
+                unsafe { flashcore_check_merge(parts, count, stride, lse, out, 4 * GB) }
+            };
+        assert_eq!(
+            check(&parts, 3, n, 2 * GB, &out),
+            FLASHCORE_SUCCESS,
+            "{}",
+            last_error()
+        );
+        assert_eq!(check(&parts, 1, 0, 2 * GB, &out), FLASHCORE_SUCCESS);
+        assert_eq!(
+            check(&parts, 0, n, 2 * GB, &out),
+            FLASHCORE_ERROR_EMPTY_DIMENSION
+        );
+        assert_eq!(
+            check(&parts, -1, n, 2 * GB, &out),
+            FLASHCORE_ERROR_INVALID_ARGUMENT
+        );
+        assert!(
+            last_error().starts_with("flashcore_check_merge: "),
+            "{}",
+            last_error()
+        );
+        assert_eq!(
+            check(&parts, 3, -n, 2 * GB, &out),
+            FLASHCORE_ERROR_BAD_STRIDES
+        );
+        assert_eq!(
+            check(&parts, 3, 3, 2 * GB, &out),
+            FLASHCORE_ERROR_BAD_STRIDES
+        );
+        assert_eq!(check(&parts, 3, n, 0, &out), FLASHCORE_ERROR_NULL_POINTER);
+        assert_eq!(
+            check(&parts, 3, n, 2 * GB + 2, &out),
+            FLASHCORE_ERROR_MISALIGNED
+        );
+        let into_parts = FlashcoreTensor {
+            ptr: GB + 4096,
+            ..out
+        };
+        assert_eq!(
+            check(&parts, 3, n, 2 * GB, &into_parts),
+            FLASHCORE_ERROR_INVALID_ARGUMENT
+        );
+        assert!(last_error().contains("overlaps"), "{}", last_error());
+        let mut longer = out;
+        longer.shape[1] = 6;
+        assert_eq!(
+            check(&parts, 3, n, 2 * GB, &longer),
+            FLASHCORE_ERROR_SHAPE_MISMATCH
+        );
+        let d80 = bshd(GB, [2, 5, 4, 80]);
+        let o80 = bshd(3 * GB, [2, 5, 4, 80]);
+        assert_eq!(
+            check(&d80, 1, 0, 2 * GB, &o80),
+            FLASHCORE_ERROR_UNSUPPORTED_HEAD_DIM
+        );
+        // SAFETY: null struct pointers are allowed and reported.
+        let rc = unsafe { flashcore_check_merge(ptr::null(), 1, 0, 2 * GB, &out, 0) };
+        assert_eq!(rc, FLASHCORE_ERROR_NULL_ARGUMENT);
+        assert_eq!(
+            last_error(),
+            "flashcore_check_merge: parts is a null pointer"
+        );
+    }
+
+    #[test]
+    fn serving_calls_refuse_a_null_context_and_null_out() {
+        let (q, c) = (query(1, 4, 4 * GB), cache(false));
+        let o = FlashcoreTensor { ptr: 5 * GB, ..q };
+        let null = ptr::null();
+        // SAFETY: a null context is allowed and reported; the rest are live locals.
+        let rc = unsafe {
+            flashcore_decode(
+                ptr::null_mut(),
+                &q,
+                &c,
+                null,
+                null,
+                &o,
+                0,
+                0.0,
+                0,
+                0,
+                0,
+                ptr::null_mut(),
+            )
+        };
+        assert_eq!(rc, FLASHCORE_ERROR_NULL_ARGUMENT);
+        assert_eq!(last_error(), "flashcore_decode: ctx is a null pointer");
+        // SAFETY: as above.
+        let rc = unsafe {
+            flashcore_append_kv(ptr::null_mut(), &c, &q, &q, null, null, ptr::null_mut())
+        };
+        assert_eq!(rc, FLASHCORE_ERROR_NULL_ARGUMENT);
+        assert_eq!(last_error(), "flashcore_append_kv: ctx is a null pointer");
+        // SAFETY: as above.
+        let rc = unsafe { flashcore_merge(ptr::null_mut(), &q, 1, 0, GB, &o, 0, ptr::null_mut()) };
+        assert_eq!(rc, FLASHCORE_ERROR_NULL_ARGUMENT);
+        assert_eq!(last_error(), "flashcore_merge: ctx is a null pointer");
+        let mut bytes = 7usize;
+        // SAFETY: as above; `bytes` is a live local.
+        let rc = unsafe { flashcore_decode_workspace_bytes(ptr::null_mut(), &q, &c, &mut bytes) };
+        assert_eq!(rc, FLASHCORE_ERROR_NULL_ARGUMENT);
+        assert_eq!(bytes, 0, "out not cleared on failure");
+        assert_eq!(
+            last_error(),
+            "flashcore_decode_workspace_bytes: ctx is a null pointer"
+        );
+        // SAFETY: a null `out` is allowed and reported, not written.
+        let rc =
+            unsafe { flashcore_decode_workspace_bytes(ptr::null_mut(), &q, &c, ptr::null_mut()) };
+        assert_eq!(rc, FLASHCORE_ERROR_NULL_ARGUMENT);
+        assert_eq!(
+            last_error(),
+            "flashcore_decode_workspace_bytes: out is a null pointer"
+        );
+    }
+
+    #[test]
+    fn kv_cache_conversion() {
+        let c = kv_cache(&cache(false)).unwrap();
+        assert_eq!(c.layout, CacheLayout::Contiguous);
+        assert_eq!(
+            (c.k.shape, c.v.ptr, c.seqlens),
+            ([2, 64, 2, 64], 2 * GB, 3 * GB)
+        );
+        let p = kv_cache(&cache(true)).unwrap();
+        assert_eq!(
+            p.layout,
+            CacheLayout::Paged {
+                block_table: 3 * GB + 4096,
+                max_pages: 4,
+                table_stride: 4
+            }
+        );
+        // Any non-zero paging field makes the cache paged (and validation then says why
+        // it is not a usable one).
+        let mut half = cache(false);
+        half.table_stride = 4;
+        assert!(matches!(
+            kv_cache(&half).unwrap().layout,
+            CacheLayout::Paged { block_table: 0, .. }
+        ));
+        let mut bad = cache(false);
+        bad.v.shape[0] = -1;
+        let e = kv_cache(&bad).unwrap_err();
+        assert!(
+            e.to_string().contains("v_cache.shape[0] (batch) is -1"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn kv_cache_layout_is_the_c_layout() {
+        use std::mem::{align_of, offset_of, size_of};
+        assert_eq!(size_of::<FlashcoreKvCache>(), 192);
+        assert_eq!(align_of::<FlashcoreKvCache>(), 8);
+        assert_eq!(offset_of!(FlashcoreKvCache, k), 0);
+        assert_eq!(offset_of!(FlashcoreKvCache, v), 80);
+        assert_eq!(offset_of!(FlashcoreKvCache, seqlens), 160);
+        assert_eq!(offset_of!(FlashcoreKvCache, block_table), 168);
+        assert_eq!(offset_of!(FlashcoreKvCache, max_pages), 176);
+        assert_eq!(offset_of!(FlashcoreKvCache, table_stride), 184);
+    }
+
     #[test]
     fn tensor_conversion() {
         let good = tensor_view(&tensor(FLASHCORE_BF16), "q").unwrap();
@@ -588,6 +1705,41 @@ mod tests {
             };
             assert_eq!(rc, FLASHCORE_ERROR_UNSUPPORTED_DTYPE);
             assert!(last_error().contains("q has dtype code 9"));
+            // The serving calls through a real context: sizes, and refusals before launch.
+            let (q, c) = (query(1, 32, 4 * GB), cache(true));
+            let mut c = c;
+            c.k.shape[2] = 8;
+            c.v.shape[2] = 8;
+            c.k.strides = [16 * 8 * 64, 8 * 64, 64, 1];
+            c.v.strides = c.k.strides;
+            let mut bytes = usize::MAX;
+            // SAFETY: `ctx` is live; the structs are live locals; no device memory is read.
+            let rc = unsafe { flashcore_decode_workspace_bytes(ctx, &q, &c, &mut bytes) };
+            assert_eq!(rc, FLASHCORE_SUCCESS, "{}", last_error());
+            assert!(bytes < usize::MAX);
+            let o = FlashcoreTensor { ptr: GB + 64, ..q };
+            let null = ptr::null();
+            // SAFETY: `ctx` is live; nothing is launched because `o` overlaps the cache.
+            let rc = unsafe {
+                flashcore_decode(
+                    ctx,
+                    &q,
+                    &c,
+                    null,
+                    null,
+                    &o,
+                    0,
+                    0.0,
+                    0,
+                    0,
+                    0,
+                    ptr::null_mut(),
+                )
+            };
+            assert_eq!(rc, FLASHCORE_ERROR_INVALID_ARGUMENT, "{}", last_error());
+            // SAFETY: `ctx` is live; nothing is launched because count is 0.
+            let rc = unsafe { flashcore_merge(ctx, &q, 0, 0, GB, &o, 0, ptr::null_mut()) };
+            assert_eq!(rc, FLASHCORE_ERROR_EMPTY_DIMENSION, "{}", last_error());
             // SAFETY: `ctx` came from flashcore_create and is destroyed once.
             unsafe { flashcore_destroy(ctx) };
             return;

@@ -1,13 +1,20 @@
 //! `include/flashcore.h` against `src/ffi.rs` (and the ctypes bindings of the Python
 //! package, `python/flashcore/_capi.py`): the same constants with the same values, the same functions with
-//! the same parameter types, the same `FlashcoreTensor` fields. Plain text parsing: the
-//! header is kept in a simple, regular style for it. The three files are embedded in the
-//! test binary, which therefore runs anywhere.
+//! the same parameter types, the same fields of each struct (`FlashcoreTensor`,
+//! `FlashcoreKvCache`), and the same struct layouts (the C layout the header's fields give
+//! against Rust's offsets, sizes and alignments). Plain text parsing: the header is kept
+//! in a simple, regular style for it. The three files are embedded in the test binary,
+//! which therefore runs anywhere.
 
 use std::collections::BTreeMap;
 
+use std::mem::{align_of, offset_of, size_of};
+
 use flashcore::error::RETURN_CODES;
-use flashcore::ffi::FLASHCORE_CONSTANTS;
+use flashcore::ffi::{FLASHCORE_CONSTANTS, FlashcoreKvCache, FlashcoreTensor};
+
+/// The structs of the C ABI, in the order the header defines them.
+const STRUCTS: [&str; 2] = ["FlashcoreTensor", "FlashcoreKvCache"];
 
 /// The files the checks read, embedded at compile time: the test binary needs no source
 /// tree at run time (the GPU bundle runs it on another machine), and cargo rebuilds it
@@ -76,11 +83,15 @@ fn split_c_decl(decl: &str) -> (String, String) {
 /// A function signature: return type and (type, name) of each parameter, in C spelling.
 type Signature = (String, Vec<(String, String)>);
 
+/// A struct's fields: (C type, with `[N]` for arrays; name), in order.
+type Fields = Vec<(String, String)>;
+
 struct Header {
     defines: BTreeMap<String, Option<i64>>,
     functions: BTreeMap<String, Signature>,
     typedefs: Vec<String>,
-    tensor_fields: Vec<(String, String)>,
+    /// Each `typedef struct Name { ... } Name;`'s fields, in the order defined.
+    structs: Vec<(String, Fields)>,
 }
 
 fn parse_header() -> Header {
@@ -115,7 +126,7 @@ fn parse_header() -> Header {
 
     let mut functions = BTreeMap::new();
     let mut typedefs = Vec::new();
-    let mut tensor_fields = Vec::new();
+    let mut structs = Vec::new();
     let mut rest = body.as_str();
     while let Some(semi) = rest.find(';') {
         let mut stmt = rest[..semi].trim().to_string();
@@ -125,27 +136,31 @@ fn parse_header() -> Header {
         }
         if stmt.starts_with("typedef struct") && stmt.contains('{') {
             // A struct definition runs to the `}`; its fields are separate statements.
+            let open = stmt.find('{').unwrap();
+            let name = stmt["typedef struct".len()..open].trim().to_string();
             assert!(
-                stmt.starts_with("typedef struct FlashcoreTensor {"),
+                STRUCTS.contains(&name.as_str()),
                 "unexpected struct: {stmt}"
             );
             let close = rest.find('}').expect("unterminated struct");
-            let inside = format!(
-                "{};{}",
-                &stmt[stmt.find('{').unwrap() + 1..],
-                &rest[..close]
-            );
+            let inside = format!("{};{}", &stmt[open + 1..], &rest[..close]);
+            let mut fields = Vec::new();
             for field in inside.split(';').map(str::trim).filter(|f| !f.is_empty()) {
                 let (decl, array) = match field.find('[') {
                     Some(i) => (&field[..i], field[i..].replace(' ', "")),
                     None => (field, String::new()),
                 };
-                let (ty, name) = split_c_decl(decl);
-                tensor_fields.push((format!("{ty}{array}"), name));
+                let (ty, field_name) = split_c_decl(decl);
+                fields.push((format!("{ty}{array}"), field_name));
             }
             let tail_end = rest[close..].find(';').expect("struct without ;") + close;
-            assert_eq!(rest[close + 1..tail_end].trim(), "FlashcoreTensor");
-            typedefs.push("FlashcoreTensor".to_string());
+            assert_eq!(
+                rest[close + 1..tail_end].trim(),
+                name,
+                "typedef name of {name}"
+            );
+            typedefs.push(name.clone());
+            structs.push((name, fields));
             rest = &rest[tail_end + 1..];
             continue;
         }
@@ -175,7 +190,18 @@ fn parse_header() -> Header {
         defines,
         functions,
         typedefs,
-        tensor_fields,
+        structs,
+    }
+}
+
+impl Header {
+    fn fields(&self, name: &str) -> &Fields {
+        &self
+            .structs
+            .iter()
+            .find(|(n, _)| n == name)
+            .unwrap_or_else(|| panic!("no struct {name} in the header"))
+            .1
     }
 }
 
@@ -205,10 +231,11 @@ fn rust_to_c(t: &str) -> String {
         "i32" => "int32_t",
         "i64" => "int64_t",
         "u64" => "uint64_t",
+        "usize" => "size_t",
         "f32" => "float",
         "c_char" => "char",
         "CUstream" => "flashcore_stream",
-        "FlashcoreContext" | "FlashcoreTensor" => t,
+        "FlashcoreContext" | "FlashcoreTensor" | "FlashcoreKvCache" => t,
         other => panic!("no C spelling for Rust type {other}"),
     }
     .to_string()
@@ -280,11 +307,11 @@ fn parse_rust_functions(src: &str) -> BTreeMap<String, Signature> {
     out
 }
 
-/// The fields of `pub struct FlashcoreTensor` in src/ffi.rs, in C spelling.
-fn parse_rust_tensor_fields(src: &str) -> Vec<(String, String)> {
+/// The fields of `pub struct {name}` in src/ffi.rs, in C spelling.
+fn parse_rust_fields(src: &str, name: &str) -> Fields {
     let start = src
-        .find("pub struct FlashcoreTensor {")
-        .expect("no FlashcoreTensor in src/ffi.rs");
+        .find(&format!("pub struct {name} {{"))
+        .unwrap_or_else(|| panic!("no {name} in src/ffi.rs"));
     let body = &src[start..];
     let body = &body[body.find('{').unwrap() + 1..body.find('}').unwrap()];
     body.lines()
@@ -383,7 +410,29 @@ fn return_code_lines(header: &str) -> Vec<(String, i64, String)> {
 fn functions_match() {
     let header = parse_header();
     let rust = parse_rust_functions(&read("src/ffi.rs"));
-    assert!(rust.len() >= 6, "found only {:?}", rust.keys());
+    // Every entry point, by name: one missing from both files is caught here.
+    let mut want = [
+        "flashcore_create",
+        "flashcore_destroy",
+        "flashcore_forward",
+        "flashcore_check_forward",
+        "flashcore_decode",
+        "flashcore_decode_workspace_bytes",
+        "flashcore_check_decode",
+        "flashcore_append_kv",
+        "flashcore_check_append_kv",
+        "flashcore_merge",
+        "flashcore_check_merge",
+        "flashcore_last_error",
+        "flashcore_error_name",
+        "flashcore_version",
+    ];
+    want.sort();
+    assert_eq!(
+        rust.keys().map(String::as_str).collect::<Vec<_>>(),
+        want,
+        "entry points of src/ffi.rs"
+    );
     let h_names: Vec<&String> = header.functions.keys().collect();
     let r_names: Vec<&String> = rust.keys().collect();
     assert_eq!(h_names, r_names, "functions in the header vs src/ffi.rs");
@@ -392,31 +441,118 @@ fn functions_match() {
     }
 }
 
+/// The expected fields of each struct, in C spelling.
+fn expected_fields(name: &str) -> Fields {
+    let fields: &[(&str, &str)] = match name {
+        "FlashcoreTensor" => &[
+            ("uint64_t", "ptr"),
+            ("int32_t", "dtype"),
+            ("int64_t[4]", "shape"),
+            ("int64_t[4]", "strides"),
+        ],
+        "FlashcoreKvCache" => &[
+            ("FlashcoreTensor", "k"),
+            ("FlashcoreTensor", "v"),
+            ("uint64_t", "seqlens"),
+            ("uint64_t", "block_table"),
+            ("int64_t", "max_pages"),
+            ("int64_t", "table_stride"),
+        ],
+        other => panic!("no expected fields for {other}"),
+    };
+    fields
+        .iter()
+        .map(|(t, n)| (t.to_string(), n.to_string()))
+        .collect()
+}
+
+/// (size, alignment) of a C field type on the 64-bit ABIs flashcore targets (LP64), for
+/// the header's structs laid out by C's rules.
+fn c_size_align(ty: &str, header: &Header) -> (usize, usize) {
+    if let Some((elem, n)) = ty.strip_suffix(']').and_then(|t| t.split_once('[')) {
+        let (size, align) = c_size_align(elem, header);
+        return (size * n.parse::<usize>().expect("array length"), align);
+    }
+    match ty {
+        "int32_t" | "float" => (4, 4),
+        "int64_t" | "uint64_t" | "size_t" => (8, 8),
+        _ if ty.ends_with('*') => (8, 8),
+        name => {
+            let (offsets, size, align) = c_layout(header.fields(name), header);
+            assert_eq!(offsets.len(), header.fields(name).len());
+            (size, align)
+        }
+    }
+}
+
+/// Each field's offset, the size and the alignment of a struct of `fields` by C's rules:
+/// each field at the next multiple of its alignment, the size rounded up to the largest.
+fn c_layout(fields: &Fields, header: &Header) -> (Vec<usize>, usize, usize) {
+    let mut offsets = Vec::new();
+    let (mut at, mut align) = (0usize, 1usize);
+    for (ty, _) in fields {
+        let (s, a) = c_size_align(ty, header);
+        at = at.next_multiple_of(a);
+        offsets.push(at);
+        at += s;
+        align = align.max(a);
+    }
+    (offsets, at.next_multiple_of(align), align)
+}
+
+/// Rust's layout of each struct: (field, offset), size, alignment.
+fn rust_layout(name: &str) -> (Vec<(&'static str, usize)>, usize, usize) {
+    match name {
+        "FlashcoreTensor" => (
+            vec![
+                ("ptr", offset_of!(FlashcoreTensor, ptr)),
+                ("dtype", offset_of!(FlashcoreTensor, dtype)),
+                ("shape", offset_of!(FlashcoreTensor, shape)),
+                ("strides", offset_of!(FlashcoreTensor, strides)),
+            ],
+            size_of::<FlashcoreTensor>(),
+            align_of::<FlashcoreTensor>(),
+        ),
+        "FlashcoreKvCache" => (
+            vec![
+                ("k", offset_of!(FlashcoreKvCache, k)),
+                ("v", offset_of!(FlashcoreKvCache, v)),
+                ("seqlens", offset_of!(FlashcoreKvCache, seqlens)),
+                ("block_table", offset_of!(FlashcoreKvCache, block_table)),
+                ("max_pages", offset_of!(FlashcoreKvCache, max_pages)),
+                ("table_stride", offset_of!(FlashcoreKvCache, table_stride)),
+            ],
+            size_of::<FlashcoreKvCache>(),
+            align_of::<FlashcoreKvCache>(),
+        ),
+        other => panic!("no Rust layout for {other}"),
+    }
+}
+
 #[test]
 fn types_match() {
     let header = parse_header();
-    let rust = parse_rust_tensor_fields(&read("src/ffi.rs"));
-    let expect: Vec<(String, String)> = [
-        ("uint64_t", "ptr"),
-        ("int32_t", "dtype"),
-        ("int64_t[4]", "shape"),
-        ("int64_t[4]", "strides"),
-    ]
-    .iter()
-    .map(|(t, n)| (t.to_string(), n.to_string()))
-    .collect();
-    assert_eq!(rust, expect, "FlashcoreTensor in src/ffi.rs");
-    assert_eq!(
-        header.tensor_fields, expect,
-        "FlashcoreTensor in the header"
-    );
-    assert_eq!(std::mem::size_of::<flashcore::ffi::FlashcoreTensor>(), 80);
+    let src = read("src/ffi.rs");
+    let names: Vec<&str> = header.structs.iter().map(|(n, _)| n.as_str()).collect();
+    assert_eq!(names, STRUCTS, "structs of the header");
+    for name in STRUCTS {
+        let expect = expected_fields(name);
+        assert_eq!(
+            parse_rust_fields(&src, name),
+            expect,
+            "{name} in src/ffi.rs"
+        );
+        assert_eq!(header.fields(name), &expect, "{name} in the header");
+    }
+    assert_eq!(size_of::<FlashcoreTensor>(), 80);
+    assert_eq!(size_of::<FlashcoreKvCache>(), 192);
 
     let mut typedefs = header.typedefs.clone();
     typedefs.sort();
     assert_eq!(
         typedefs,
         [
+            "FlashcoreKvCache",
             "FlashcoreTensor",
             "struct CUstream_st* flashcore_stream",
             "struct FlashcoreContext FlashcoreContext",
@@ -429,18 +565,60 @@ fn types_match() {
     );
 }
 
+/// Every struct's C layout (from the header's fields, by C's rules) is Rust's: the same
+/// offset for each field, the same size and alignment.
+#[test]
+fn layouts_match() {
+    let header = parse_header();
+    for name in STRUCTS {
+        let fields = header.fields(name);
+        let (offsets, size, align) = c_layout(fields, &header);
+        let (rust_offsets, rust_size, rust_align) = rust_layout(name);
+        let c: Vec<(&str, usize)> = fields
+            .iter()
+            .zip(&offsets)
+            .map(|((_, n), &o)| (n.as_str(), o))
+            .collect();
+        assert_eq!(c, rust_offsets, "{name}: field offsets, header vs Rust");
+        assert_eq!(
+            (size, align),
+            (rust_size, rust_align),
+            "{name}: size and alignment"
+        );
+    }
+    // The cache has no padding: C and Rust agree on it byte for byte, whatever the rules.
+    let (offsets, _, _) = rust_layout("FlashcoreKvCache");
+    assert_eq!(
+        offsets,
+        [
+            ("k", 0),
+            ("v", 80),
+            ("seqlens", 160),
+            ("block_table", 168),
+            ("max_pages", 176),
+            ("table_stride", 184)
+        ]
+    );
+}
+
 /// C spelling -> the ctypes spelling python/flashcore/_capi.py must use.
 fn c_to_ctypes(t: &str) -> &'static str {
     match t {
         "void" => "None",
         "int32_t" => "ctypes.c_int32",
+        "int64_t" => "ctypes.c_int64",
         "uint64_t" => "ctypes.c_uint64",
+        "size_t" => "ctypes.c_size_t",
         "int64_t[4]" => "ctypes.c_int64 * 4",
         "float" => "ctypes.c_float",
         "const char*" => "ctypes.c_char_p",
+        "FlashcoreTensor" => "FlashcoreTensor",
         "FlashcoreContext*" | "flashcore_stream" => "ctypes.c_void_p",
         "FlashcoreContext**" => "ctypes.POINTER(ctypes.c_void_p)",
+        "size_t*" => "ctypes.POINTER(ctypes.c_size_t)",
+        "const int32_t*" => "ctypes.POINTER(ctypes.c_int32)",
         "const FlashcoreTensor*" => "ctypes.POINTER(FlashcoreTensor)",
+        "const FlashcoreKvCache*" => "ctypes.POINTER(FlashcoreKvCache)",
         other => panic!("no ctypes spelling for {other}"),
     }
 }
@@ -468,32 +646,34 @@ fn python_ctypes_match() {
     }
     assert!(n_consts >= 3, "_capi.py defines only {n_consts} constants");
 
-    // The structure's _fields_.
-    let start = py
-        .find("class FlashcoreTensor(ctypes.Structure):")
-        .expect("no FlashcoreTensor class in _capi.py");
-    let fields_at = py[start..].find("_fields_ = [").unwrap() + start;
-    let end = py[fields_at..].find("\n    ]").unwrap() + fields_at;
-    let fields: Vec<(String, String)> = py[fields_at..end]
-        .lines()
-        .skip(1)
-        .map(str::trim)
-        .filter(|l| !l.is_empty())
-        .map(|l| {
-            let l = l
-                .strip_prefix("(\"")
-                .and_then(|l| l.strip_suffix("),"))
-                .unwrap_or_else(|| panic!("unexpected _fields_ line {l}"));
-            let (n, t) = l.split_once("\", ").unwrap();
-            (n.to_string(), t.trim().to_string())
-        })
-        .collect();
-    let expect: Vec<(String, String)> = header
-        .tensor_fields
-        .iter()
-        .map(|(t, n)| (n.clone(), c_to_ctypes(t).to_string()))
-        .collect();
-    assert_eq!(fields, expect, "FlashcoreTensor._fields_ in _capi.py");
+    // Each structure's _fields_.
+    for name in STRUCTS {
+        let start = py
+            .find(&format!("class {name}(ctypes.Structure):"))
+            .unwrap_or_else(|| panic!("no {name} class in _capi.py"));
+        let fields_at = py[start..].find("_fields_ = [").unwrap() + start;
+        let end = py[fields_at..].find("\n    ]").unwrap() + fields_at;
+        let fields: Vec<(String, String)> = py[fields_at..end]
+            .lines()
+            .skip(1)
+            .map(str::trim)
+            .filter(|l| !l.is_empty())
+            .map(|l| {
+                let l = l
+                    .strip_prefix("(\"")
+                    .and_then(|l| l.strip_suffix("),"))
+                    .unwrap_or_else(|| panic!("unexpected _fields_ line {l}"));
+                let (n, t) = l.split_once("\", ").unwrap();
+                (n.to_string(), t.trim().to_string())
+            })
+            .collect();
+        let expect: Vec<(String, String)> = header
+            .fields(name)
+            .iter()
+            .map(|(t, n)| (n.clone(), c_to_ctypes(t).to_string()))
+            .collect();
+        assert_eq!(fields, expect, "{name}._fields_ in _capi.py");
+    }
 
     // SIGNATURES: one line per function, `"name": (restype, [argtypes]),`.
     let mut sigs = BTreeMap::new();
@@ -546,6 +726,12 @@ fn parsers_work_on_samples() {
         "FlashcoreContext**"
     );
     assert_eq!(rust_to_c("*const c_char"), "const char*");
+    assert_eq!(rust_to_c("*const i32"), "const int32_t*");
+    assert_eq!(rust_to_c("*mut usize"), "size_t*");
+    assert_eq!(
+        rust_to_c("*const FlashcoreKvCache"),
+        "const FlashcoreKvCache*"
+    );
     assert_eq!(rust_to_c("[i64; 4]"), "int64_t[4]");
     assert_eq!(
         return_code_lines(

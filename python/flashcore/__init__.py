@@ -5,6 +5,12 @@
     o, lse = flashcore.attention(q, k, v, return_lse=True, layout="bshd")
     name = flashcore.register_transformers()                  # attn_implementation=name
 
+    # Serving (flashcore.serving): [B, S, H, D] tensors, int32 lengths on the GPU.
+    flashcore.append_kv(k_cache, v_cache, seqlens, k_new, v_new)  # at each length ...
+    seqlens += k_new.shape[1]                                     # ... then advance them
+    o = flashcore.decode(q, k_cache, v_cache, seqlens)            # block_table=... if paged
+    o = flashcore.merge(o_parts, lse_parts)                       # shards merged by LSE
+
 The kernels are generated at run time and loaded through the CUDA driver; the wheel
 carries libflashcore.so (the C ABI, include/flashcore.h) and this package calls it through
 ctypes. No CUDA toolkit is needed, only the NVIDIA driver and a GPU of sm_80 or newer.
@@ -12,10 +18,21 @@ ctypes. No CUDA toolkit is needed, only the NVIDIA driver and a GPU of sm_80 or 
 
 from ._capi import FlashcoreError
 from .ops import HEAD_DIMS, LAYOUTS, attention
+from .serving import append_kv, decode, merge
 
 __version__ = "0.1.0"
 
-__all__ = ["FlashcoreError", "HEAD_DIMS", "LAYOUTS", "attention", "library_version", "register_transformers"]
+__all__ = [
+    "FlashcoreError",
+    "HEAD_DIMS",
+    "LAYOUTS",
+    "append_kv",
+    "attention",
+    "decode",
+    "library_version",
+    "merge",
+    "register_transformers",
+]
 
 
 def library_version():

@@ -1,7 +1,7 @@
 """The C ABI of libflashcore through ctypes: the one place Python spells it.
 
 `include/flashcore.h` is the contract; tests/c_header.rs checks the constants, the
-structure and `SIGNATURES` below against it, line by line. Nothing here imports torch:
+structures and `SIGNATURES` below against it, line by line. Nothing here imports torch:
 the harness and the CPU tests use this module on machines without PyTorch or a GPU.
 """
 
@@ -28,12 +28,32 @@ class FlashcoreTensor(ctypes.Structure):
     ]
 
 
+class FlashcoreKvCache(ctypes.Structure):
+    _fields_ = [
+        ("k", FlashcoreTensor),
+        ("v", FlashcoreTensor),
+        ("seqlens", ctypes.c_uint64),
+        ("block_table", ctypes.c_uint64),
+        ("max_pages", ctypes.c_int64),
+        ("table_stride", ctypes.c_int64),
+    ]
+
+
+_I32P = ctypes.POINTER(ctypes.c_int32)
+
 # name: (restype, argtypes), one line each.
 SIGNATURES = {
     "flashcore_create": (ctypes.c_int32, [ctypes.c_int32, ctypes.POINTER(ctypes.c_void_p)]),
     "flashcore_destroy": (None, [ctypes.c_void_p]),
     "flashcore_forward": (ctypes.c_int32, [ctypes.c_void_p, ctypes.POINTER(FlashcoreTensor), ctypes.POINTER(FlashcoreTensor), ctypes.POINTER(FlashcoreTensor), ctypes.POINTER(FlashcoreTensor), ctypes.c_uint64, ctypes.c_float, ctypes.c_int32, ctypes.c_void_p]),
     "flashcore_check_forward": (ctypes.c_int32, [ctypes.POINTER(FlashcoreTensor), ctypes.POINTER(FlashcoreTensor), ctypes.POINTER(FlashcoreTensor), ctypes.POINTER(FlashcoreTensor), ctypes.c_uint64, ctypes.c_float, ctypes.c_int32]),
+    "flashcore_decode": (ctypes.c_int32, [ctypes.c_void_p, ctypes.POINTER(FlashcoreTensor), ctypes.POINTER(FlashcoreKvCache), ctypes.POINTER(ctypes.c_int32), ctypes.POINTER(ctypes.c_int32), ctypes.POINTER(FlashcoreTensor), ctypes.c_uint64, ctypes.c_float, ctypes.c_int32, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p]),
+    "flashcore_decode_workspace_bytes": (ctypes.c_int32, [ctypes.c_void_p, ctypes.POINTER(FlashcoreTensor), ctypes.POINTER(FlashcoreKvCache), ctypes.POINTER(ctypes.c_size_t)]),
+    "flashcore_check_decode": (ctypes.c_int32, [ctypes.POINTER(FlashcoreTensor), ctypes.POINTER(FlashcoreKvCache), ctypes.POINTER(ctypes.c_int32), ctypes.POINTER(ctypes.c_int32), ctypes.POINTER(FlashcoreTensor), ctypes.c_uint64, ctypes.c_float, ctypes.c_int32]),
+    "flashcore_append_kv": (ctypes.c_int32, [ctypes.c_void_p, ctypes.POINTER(FlashcoreKvCache), ctypes.POINTER(FlashcoreTensor), ctypes.POINTER(FlashcoreTensor), ctypes.POINTER(ctypes.c_int32), ctypes.POINTER(ctypes.c_int32), ctypes.c_void_p]),
+    "flashcore_check_append_kv": (ctypes.c_int32, [ctypes.POINTER(FlashcoreKvCache), ctypes.POINTER(FlashcoreTensor), ctypes.POINTER(FlashcoreTensor), ctypes.POINTER(ctypes.c_int32), ctypes.POINTER(ctypes.c_int32)]),
+    "flashcore_merge": (ctypes.c_int32, [ctypes.c_void_p, ctypes.POINTER(FlashcoreTensor), ctypes.c_int64, ctypes.c_int64, ctypes.c_uint64, ctypes.POINTER(FlashcoreTensor), ctypes.c_uint64, ctypes.c_void_p]),
+    "flashcore_check_merge": (ctypes.c_int32, [ctypes.POINTER(FlashcoreTensor), ctypes.c_int64, ctypes.c_int64, ctypes.c_uint64, ctypes.POINTER(FlashcoreTensor), ctypes.c_uint64]),
     "flashcore_last_error": (ctypes.c_char_p, []),
     "flashcore_error_name": (ctypes.c_char_p, [ctypes.c_int32]),
     "flashcore_version": (ctypes.c_char_p, []),
@@ -119,6 +139,66 @@ class Library:
             )
         )
 
+    # ---- serving: decode, append, merge -----------------------------------------------------
+    # Host arrays (host_seqlens, host_block_table) are None or anything ctypes passes as an
+    # int32 pointer (a ctypes int32 array, or `host_ptr` of an address); the caller keeps
+    # them alive and sized as include/flashcore.h says.
+
+    def decode_workspace_bytes(self, ctx, q, cache):
+        """Bytes of workspace flashcore_decode needs for these descriptors (0: none)."""
+        out = ctypes.c_size_t()
+        self.check(self.lib.flashcore_decode_workspace_bytes(ctx, ctypes.byref(q), ctypes.byref(cache), ctypes.byref(out)))
+        return out.value
+
+    def check_decode(self, q, cache, host_seqlens, host_block_table, o, lse_ptr, scale, causal):
+        """Validates a decode as flashcore_decode would (but for the workspace); no GPU needed."""
+        self.check(
+            self.lib.flashcore_check_decode(
+                ctypes.byref(q), ctypes.byref(cache), host_seqlens, host_block_table, ctypes.byref(o), lse_ptr, scale,
+                int(causal),
+            )
+        )
+
+    def decode(self, ctx, q, cache, host_seqlens, host_block_table, o, lse_ptr, scale, causal, ws_ptr, ws_bytes, stream):
+        """flashcore_decode on descriptors; `stream` is a CUstream address."""
+        self.check(
+            self.lib.flashcore_decode(
+                ctx, ctypes.byref(q), ctypes.byref(cache), host_seqlens, host_block_table, ctypes.byref(o), lse_ptr,
+                scale, int(causal), ws_ptr, ws_bytes, stream,
+            )
+        )
+
+    def check_append_kv(self, cache, k_new, v_new, host_seqlens, host_block_table):
+        """Validates an append as flashcore_append_kv would; no GPU needed."""
+        self.check(
+            self.lib.flashcore_check_append_kv(
+                ctypes.byref(cache), ctypes.byref(k_new), ctypes.byref(v_new), host_seqlens, host_block_table
+            )
+        )
+
+    def append_kv(self, ctx, cache, k_new, v_new, host_seqlens, host_block_table, stream):
+        """flashcore_append_kv on descriptors; `stream` is a CUstream address."""
+        self.check(
+            self.lib.flashcore_append_kv(
+                ctx, ctypes.byref(cache), ctypes.byref(k_new), ctypes.byref(v_new), host_seqlens, host_block_table,
+                stream,
+            )
+        )
+
+    def check_merge(self, parts, count, shard_stride, lse_parts, out, out_lse):
+        """Validates a merge as flashcore_merge would; no GPU needed."""
+        self.check(
+            self.lib.flashcore_check_merge(ctypes.byref(parts), count, shard_stride, lse_parts, ctypes.byref(out), out_lse)
+        )
+
+    def merge(self, ctx, parts, count, shard_stride, lse_parts, out, out_lse, stream):
+        """flashcore_merge on descriptors; `stream` is a CUstream address."""
+        self.check(
+            self.lib.flashcore_merge(
+                ctx, ctypes.byref(parts), count, shard_stride, lse_parts, ctypes.byref(out), out_lse, stream
+            )
+        )
+
 
 _library = None
 _library_lock = threading.Lock()
@@ -142,3 +222,29 @@ def describe(ptr, dtype_code, shape_bshd, strides_bshd):
         t.shape[i] = shape_bshd[i]
         t.strides[i] = strides_bshd[i]
     return t
+
+
+def describe_cache(k, v, seqlens_ptr, block_table_ptr=0, max_pages=0, table_stride=0):
+    """A FlashcoreKvCache from two FlashcoreTensors and the metadata's device addresses:
+    contiguous when block_table_ptr, max_pages and table_stride are all 0, else paged."""
+    c = FlashcoreKvCache()
+    c.k = k
+    c.v = v
+    c.seqlens = seqlens_ptr
+    c.block_table = block_table_ptr
+    c.max_pages = max_pages
+    c.table_stride = table_stride
+    return c
+
+
+def int32_array(values):
+    """A ctypes int32 array holding `values` (host metadata), or None for None."""
+    if values is None:
+        return None
+    values = list(values)
+    return (ctypes.c_int32 * len(values))(*values)
+
+
+def host_ptr(address):
+    """An int32 pointer at a host address (a CPU tensor's data_ptr()), or None for 0."""
+    return ctypes.cast(address, _I32P) if address else None

@@ -167,3 +167,237 @@ def test_compiles_to_one_graph():
     assert len(calls) == 1
     ops = [n.target for n in calls[0].graph.nodes if n.op == "call_function"]
     assert torch.ops.flashcore.attention in ops, ops
+
+
+# ---- serving: decode, append_kv, merge --------------------------------------------------------
+
+
+def i32(*shape):
+    return meta(*shape, dtype=torch.int32)
+
+
+def cache_descs(paged):
+    """Two sequences of capacity 64, 2 KV heads of 64: contiguous, or pages of 16 in a pool of 8."""
+    shape = (8, 16, 2, 64) if paged else (2, 64, 2, 64)
+    k, v = describe(shape, ptr=1 << 40), describe(shape, ptr=2 << 40)
+    if paged:
+        return _capi.describe_cache(k, v, 3 << 40, (3 << 40) + 4096, 4, 4)
+    return _capi.describe_cache(k, v, 3 << 40)
+
+
+def test_c_abi_serving_checks_arrive_as_flashcore_errors():
+    lib = _capi.library()
+    q, o = describe((2, 1, 4, 64), ptr=4 << 40), describe((2, 1, 4, 64), ptr=5 << 40)
+    table = _capi.int32_array(range(8))
+    for paged in (False, True):
+        c = cache_descs(paged)
+        lib.check_decode(q, c, None, None, o, 0, 0.0, True)  # valid: no exception
+        lib.check_decode(q, c, _capi.int32_array([64, 0]), table if paged else None, o, 6 << 40, 0.5, False)
+    c = cache_descs(True)
+    cases = [
+        (dict(q=describe((2, 17, 4, 64), ptr=4 << 40)), "FLASHCORE_ERROR_INVALID_ARGUMENT", "1 to 16"),
+        (dict(q=describe((2, 1, 3, 64), ptr=4 << 40)), "FLASHCORE_ERROR_HEAD_RATIO", "3"),
+        (dict(lens=[65, 0], table=table), "FLASHCORE_ERROR_INVALID_ARGUMENT", "capacity"),
+        (dict(lens=[64, 0], table=_capi.int32_array([0, 1, 2, 8, 4, 5, 6, 7])), "FLASHCORE_ERROR_INVALID_ARGUMENT",
+         "block_table[0][3] = 8"),
+        (dict(lens=[17, 0], table=_capi.int32_array([0, 99, 2, 3, 4, 5, 6, 7])), "FLASHCORE_ERROR_INVALID_ARGUMENT",
+         "outside the pool"),
+        (dict(lens=[1, 0]), "FLASHCORE_ERROR_INVALID_ARGUMENT", "block table"),
+        (dict(table=table), "FLASHCORE_ERROR_INVALID_ARGUMENT", "without host_seqlens"),
+        (dict(lse=(6 << 40) + 2), "FLASHCORE_ERROR_MISALIGNED", "lse"),
+        (dict(scale=-1.0), "FLASHCORE_ERROR_INVALID_ARGUMENT", "scale"),
+    ]
+    for args, name, words in cases:
+        with pytest.raises(FlashcoreError) as e:
+            lens = args.get("lens")
+            lib.check_decode(
+                args.get("q", q), c, _capi.int32_array(lens) if lens else None, args.get("table"), o,
+                args.get("lse", 0), args.get("scale", 0.0), False,
+            )
+        assert e.value.name == name, args
+        assert words in e.value.message, (args, e.value.message)
+        assert e.value.message.startswith("flashcore_check_decode: ")
+    # Entries past a sequence's last page are not looked at.
+    lib.check_decode(q, c, _capi.int32_array([48, 0]), _capi.int32_array([0, 1, 2, -1, 4, 5, 6, 7]), o, 0, 0.0, False)
+    c.max_pages = -1
+    with pytest.raises(FlashcoreError, match="max_pages is -1"):
+        lib.check_decode(q, c, None, None, o, 0, 0.0, False)
+    c = cache_descs(True)
+    c.block_table = 0
+    with pytest.raises(FlashcoreError) as e:
+        lib.check_decode(q, c, None, None, o, 0, 0.0, False)
+    assert e.value.name == "FLASHCORE_ERROR_NULL_POINTER"
+
+    new = describe((2, 3, 2, 64), ptr=4 << 40)
+    vnew = describe((2, 3, 2, 64), ptr=5 << 40)
+    lib.check_append_kv(cache_descs(False), new, vnew, _capi.int32_array([61, 0]), None)
+    with pytest.raises(FlashcoreError) as e:
+        lib.check_append_kv(cache_descs(True), new, vnew, _capi.int32_array([62, 0]), table)
+    assert e.value.name == "FLASHCORE_ERROR_INVALID_ARGUMENT" and "3 new tokens" in e.value.message
+    with pytest.raises(FlashcoreError) as e:
+        lib.check_append_kv(cache_descs(False), describe((2, 3, 4, 64), ptr=4 << 40), vnew, None, None)
+    assert e.value.name == "FLASHCORE_ERROR_SHAPE_MISMATCH"
+
+    parts = describe((2, 5, 4, 128), ptr=1 << 40)
+    out = describe((2, 5, 4, 128), dtype=_capi.FLASHCORE_F32, ptr=3 << 40)
+    n = 2 * 5 * 4 * 128
+    lib.check_merge(parts, 3, n, 2 << 40, out, 4 << 40)
+    for count, stride, lse, name in [
+        (0, n, 2 << 40, "FLASHCORE_ERROR_EMPTY_DIMENSION"),
+        (3, 3, 2 << 40, "FLASHCORE_ERROR_BAD_STRIDES"),
+        (3, -n, 2 << 40, "FLASHCORE_ERROR_BAD_STRIDES"),
+        (3, n, 0, "FLASHCORE_ERROR_NULL_POINTER"),
+        (3, n, (2 << 40) + 1, "FLASHCORE_ERROR_MISALIGNED"),
+    ]:
+        with pytest.raises(FlashcoreError) as e:
+            lib.check_merge(parts, count, stride, lse, out, 0)
+        assert e.value.name == name, (count, stride, lse)
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_serving_fake_shapes(paged):
+    q, lens = meta(3, 4, 32, 128), i32(3)
+    if paged:
+        k, v, table = meta(96, 16, 8, 128), meta(96, 16, 8, 128), i32(3, 32)
+    else:
+        k, v, table = meta(3, 512, 8, 128), meta(3, 512, 8, 128), None
+    o = flashcore.decode(q, k, v, lens, block_table=table, causal=True)
+    assert o.shape == q.shape and o.dtype == q.dtype and o.device.type == "meta" and o.is_contiguous()
+    o, lse = flashcore.decode(q, k, v, lens, block_table=table, return_lse=True, scale=0.1)
+    assert o.shape == q.shape and lse.shape == (3, 32, 4) and lse.dtype == torch.float32
+    assert flashcore.append_kv(k, v, lens, meta(3, 2, 8, 128), meta(3, 2, 8, 128), block_table=table) is None
+
+
+def test_merge_fake_shapes():
+    parts, lse_parts = meta(3, 2, 7, 8, 64, dtype=torch.bfloat16), meta(3, 2, 8, 7, dtype=torch.float32)
+    out = flashcore.merge(parts, lse_parts)
+    assert out.shape == (2, 7, 8, 64) and out.dtype == torch.bfloat16 and out.is_contiguous()
+    out, lse = flashcore.merge(parts, lse_parts, out_dtype=torch.float32, return_lse=True)
+    assert out.dtype == torch.float32 and lse.shape == (2, 8, 7)
+    # flashcore.attention's default layout, and lists of shards.
+    bhsd = [meta(2, 8, 7, 64) for _ in range(3)]
+    out, lse = flashcore.merge(bhsd, list(lse_parts.unbind(0)), layout="bhsd", return_lse=True)
+    assert out.shape == (2, 8, 7, 64) and lse.shape == (2, 8, 7)
+
+
+@pytest.mark.parametrize(
+    "q_shape, cache_shape, table_shape, dtype, cache_dtype, name, words",
+    [
+        ((2, 17, 8, 128), (2, 64, 8, 128), None, torch.float16, None, "FLASHCORE_ERROR_INVALID_ARGUMENT", "1 to 16"),
+        ((2, 1, 12, 128), (2, 64, 8, 128), None, torch.float16, None, "FLASHCORE_ERROR_HEAD_RATIO", "12"),
+        ((2, 1, 8, 80), (2, 64, 8, 80), None, torch.float16, None, "FLASHCORE_ERROR_UNSUPPORTED_HEAD_DIM", "80"),
+        ((2, 1, 8, 64), (2, 64, 8, 64), None, torch.float16, torch.bfloat16, "FLASHCORE_ERROR_UNSUPPORTED_DTYPE", "share"),
+        ((2, 1, 8, 64), (2, 64, 8, 64), None, torch.float32, None, "FLASHCORE_ERROR_UNSUPPORTED_DTYPE", "f16 or bf16"),
+        ((2, 1, 8, 64), (3, 64, 8, 64), None, torch.float16, None, "FLASHCORE_ERROR_SHAPE_MISMATCH", "batch"),
+        ((2, 1, 8, 64), (2, 64, 8, 128), None, torch.float16, None, "FLASHCORE_ERROR_SHAPE_MISMATCH", "head_dim"),
+        ((2, 1, 8, 64), (9, 48, 8, 64), (2, 4), torch.float16, None, "FLASHCORE_ERROR_INVALID_ARGUMENT", "power of two"),
+        ((2, 1, 8, 64), (2, 0, 8, 64), None, torch.float16, None, "FLASHCORE_ERROR_EMPTY_DIMENSION", "k_cache"),
+    ],
+)
+def test_fake_decode_applies_flashcore_rules(q_shape, cache_shape, table_shape, dtype, cache_dtype, name, words):
+    q = meta(*q_shape, dtype=dtype)
+    k = meta(*cache_shape, dtype=cache_dtype or dtype)
+    table = i32(*table_shape) if table_shape else None
+    with pytest.raises(FlashcoreError) as e:
+        flashcore.decode(q, k, k.clone(), i32(q_shape[0]), block_table=table)
+    assert e.value.name == name
+    assert words in str(e.value)
+    assert e.value.message.startswith("flashcore_check_decode: ")
+
+
+def test_fake_append_and_merge_apply_flashcore_rules():
+    k, lens = meta(2, 64, 8, 64), i32(2)
+    with pytest.raises(FlashcoreError, match="SHAPE_MISMATCH"):
+        flashcore.append_kv(k, k.clone(), lens, meta(2, 3, 4, 64), meta(2, 3, 4, 64))
+    with pytest.raises(FlashcoreError, match="UNSUPPORTED_DTYPE"):
+        flashcore.append_kv(k, k.clone(), lens, meta(2, 3, 8, 64, dtype=torch.bfloat16), meta(2, 3, 8, 64))
+    with pytest.raises(FlashcoreError, match="too many for one append"):
+        flashcore.append_kv(k, k.clone(), lens, meta(2, 65, 8, 64), meta(2, 65, 8, 64))
+    with pytest.raises(FlashcoreError, match="UNSUPPORTED_HEAD_DIM"):
+        flashcore.merge(meta(2, 1, 3, 4, 80), meta(2, 1, 4, 3, dtype=torch.float32))
+    with pytest.raises(FlashcoreError, match="EMPTY_DIMENSION"):
+        flashcore.merge(meta(0, 1, 3, 4, 64), meta(0, 1, 4, 3, dtype=torch.float32))
+
+
+def test_serving_misuse_is_refused_before_the_library():
+    q, k, lens, table = meta(2, 1, 8, 64), meta(2, 64, 8, 64), i32(2), i32(2, 4)
+    pool = meta(8, 16, 8, 64)
+    with pytest.raises(ValueError, match="int32"):
+        flashcore.decode(q, k, k, meta(2, dtype=torch.int64))
+    with pytest.raises(ValueError, match="3 entries for a batch of 2"):
+        flashcore.decode(q, k, k, i32(3))
+    with pytest.raises(ValueError, match="contiguous"):
+        flashcore.decode(q, k, k, i32(4)[::2])
+    with pytest.raises(ValueError, match="3 rows"):
+        flashcore.decode(q, pool, pool, lens, block_table=i32(3, 4))
+    with pytest.raises(ValueError, match="rows must be contiguous"):
+        flashcore.decode(q, pool, pool, lens, block_table=i32(4, 2).t())
+    with pytest.raises(ValueError, match="no pages"):
+        flashcore.decode(q, pool, pool, lens, block_table=i32(2, 0))
+    with pytest.raises(ValueError, match="block_table must be torch.int32"):
+        flashcore.decode(q, pool, pool, lens, block_table=meta(2, 4, dtype=torch.int64))
+    with pytest.raises(ValueError, match="4-d"):
+        flashcore.decode(meta(2, 8, 64), k, k, lens)
+    with pytest.raises(TypeError):
+        flashcore.decode(q, k, None, lens)
+    for s in (0.0, -1.0, math.nan, math.inf):
+        with pytest.raises(ValueError, match="scale"):
+            flashcore.decode(q, k, k, lens, scale=s)
+    cpu = torch.zeros(2, 1, 8, 64, dtype=torch.float16)
+    with pytest.raises(ValueError, match="CUDA"):
+        flashcore.decode(cpu, k, k, lens)
+    with pytest.raises(NotImplementedError, match="backward"):
+        flashcore.decode(meta(2, 1, 8, 64).requires_grad_(), k, k, lens)
+    # Host copies: on the CPU, shaped like the device metadata, lengths first.
+    with pytest.raises(ValueError, match="CPU"):
+        flashcore.decode(q, k, k, lens, host_seqlens=lens)
+    with pytest.raises(ValueError, match="shape"):
+        flashcore.decode(q, k, k, lens, host_seqlens=[1, 2, 3])
+    with pytest.raises(ValueError, match="needs host_seqlens"):
+        flashcore.decode(q, pool, pool, lens, block_table=table, host_block_table=[[0] * 4] * 2)
+    with pytest.raises(ValueError, match="contiguous cache"):
+        flashcore.decode(q, k, k, lens, host_seqlens=[1, 2], host_block_table=[[0] * 4] * 2)
+    with pytest.raises(ValueError, match="shape"):
+        flashcore.decode(q, pool, pool, lens, block_table=table, host_seqlens=[1, 2], host_block_table=[[0] * 3] * 2)
+    # Given correctly they are accepted (and read only by the real call).
+    o = flashcore.decode(q, pool, pool, lens, block_table=table, host_seqlens=[1, 2], host_block_table=[[0] * 4] * 2)
+    assert o.shape == q.shape
+
+    with pytest.raises(ValueError, match="seqlens"):
+        flashcore.append_kv(k, k, i32(3), meta(2, 1, 8, 64), meta(2, 1, 8, 64))
+    with pytest.raises(ValueError, match="CUDA"):
+        flashcore.append_kv(k, k, lens, cpu, cpu)
+
+    parts, lse_parts = meta(3, 2, 7, 8, 64), meta(3, 2, 8, 7, dtype=torch.float32)
+    with pytest.raises(ValueError, match="expected"):
+        flashcore.merge(parts, meta(3, 2, 7, 8, dtype=torch.float32))
+    with pytest.raises(ValueError, match="float32"):
+        flashcore.merge(parts, lse_parts.half())
+    with pytest.raises(ValueError, match="out_dtype"):
+        flashcore.merge(parts, lse_parts, out_dtype=torch.int32)
+    with pytest.raises(ValueError, match="layout"):
+        flashcore.merge(parts, lse_parts, layout="sbhd")
+    with pytest.raises(ValueError, match="5-d"):
+        flashcore.merge(parts[0], lse_parts)
+
+
+def test_serving_calls_compile_to_one_graph():
+    calls = []
+
+    def backend(gm, example_inputs):
+        calls.append(gm)
+        return gm
+
+    def step(q, k_new, v_new, k_pool, v_pool, seqlens, table):
+        flashcore.append_kv(k_pool, v_pool, seqlens, k_new, v_new, block_table=table)
+        o, lse = flashcore.decode(q, k_pool, v_pool, seqlens + 1, block_table=table, causal=True, return_lse=True)
+        return flashcore.merge(torch.stack([o, o]), torch.stack([lse, lse])) * 2
+
+    compiled = torch.compile(step, backend=backend, fullgraph=True)
+    pool = meta(64, 16, 8, 128)
+    out = compiled(meta(2, 1, 32, 128), meta(2, 1, 8, 128), meta(2, 1, 8, 128), pool, pool.clone(), i32(2), i32(2, 32))
+    assert out.shape == (2, 1, 32, 128)
+    assert len(calls) == 1
+    ops = [n.target for n in calls[0].graph.nodes if n.op == "call_function"]
+    for op in (torch.ops.flashcore.append_kv, torch.ops.flashcore.decode, torch.ops.flashcore.merge):
+        assert op in ops, ops

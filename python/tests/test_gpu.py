@@ -227,3 +227,279 @@ def test_cuda_graph_capture_and_replay(seed):
         torch.cuda.synchronize()
         o_ref, _ = reference(q, k, v, True)
         assert rel_l2(o, o_ref) <= TOLERANCE[torch.float16]
+
+
+# ---- serving: decode, append_kv, merge --------------------------------------------------------
+#
+# Cache positions past a sequence's length, and pool pages no sequence uses, hold +-200: a
+# kernel that reads them where it should not fails by far.
+
+
+def garbage(*shape, dtype):
+    return torch.where(torch.rand(*shape, device="cuda") < 0.5, 200.0, -200.0).to(dtype)
+
+
+class Cache:
+    """A KV cache on the GPU with the logical contents of each sequence.
+
+    keys, values: [B, capacity, Hkv, D], position-major per sequence (what decode must see
+    for positions below the length; garbage above it). k, v: what the kernels get: copies
+    of them (contiguous), or page pools [pages, page, Hkv, D] holding them in shuffled
+    pages among spare garbage pages, with block_table [B, capacity / page]."""
+
+    def __init__(self, b, capacity, hkv, d, dtype, lens, page=0):
+        self.keys = torch.randn(b, capacity, hkv, d, device="cuda", dtype=dtype)
+        self.values = torch.randn(b, capacity, hkv, d, device="cuda", dtype=dtype)
+        for i, n in enumerate(lens):
+            self.keys[i, n:] = garbage(capacity - n, hkv, d, dtype=dtype)
+            self.values[i, n:] = garbage(capacity - n, hkv, d, dtype=dtype)
+        self.lens = list(lens)
+        self.seqlens = torch.tensor(lens, dtype=torch.int32, device="cuda")
+        self.page = page
+        if page == 0:
+            self.k, self.v, self.block_table = self.keys.clone(), self.values.clone(), None
+            return
+        assert capacity % page == 0
+        max_pages = capacity // page
+        pool_pages = b * max_pages + b * max_pages // 2 + 1
+        self.block_table = torch.randperm(pool_pages, device="cuda")[: b * max_pages].view(b, max_pages).int()
+        self.k = garbage(pool_pages, page, hkv, d, dtype=dtype)
+        self.v = garbage(pool_pages, page, hkv, d, dtype=dtype)
+        self.sync_pool()
+
+    def sync_pool(self):
+        """Writes the logical contents into the pages the block table names."""
+        if self.page:
+            b, cap, hkv, d = self.keys.shape
+            pages = self.block_table.flatten().long()
+            self.k[pages] = self.keys.view(-1, self.page, hkv, d)
+            self.v[pages] = self.values.view(-1, self.page, hkv, d)
+
+    def logical(self):
+        """(keys, values) as the kernels' memory holds them now: gathered through the table."""
+        if self.page == 0:
+            return self.k, self.v
+        b, cap, hkv, d = self.keys.shape
+        pages = self.block_table.flatten().long()
+        return self.k[pages].view(b, cap, hkv, d), self.v[pages].view(b, cap, hkv, d)
+
+    def host(self):
+        """Host copies of the metadata, as decode/append_kv take them."""
+        table = None if self.block_table is None else self.block_table.cpu()
+        return dict(host_seqlens=self.seqlens.cpu(), host_block_table=table)
+
+
+def decode_reference(q, keys, values, lens, causal, scale=None):
+    """Float64 O [B, Sq, Hq, D] and LSE [B, Hq, Sq] of decode: q [B, Sq, Hq, D]; sequence b
+    attends to positions 0 .. lens[b] - 1 of keys[b], values[b] ([capacity, Hkv, D]);
+    causal: query i of Sq is position lens[b] - Sq + i."""
+    b, sq, hq, d = q.shape
+    o = torch.zeros(b, sq, hq, d, dtype=torch.float64, device=q.device)
+    lse = torch.full((b, hq, sq), -math.inf, dtype=torch.float64, device=q.device)
+    for i, n in enumerate(lens):
+        if n == 0:
+            continue  # no key: zeros and -inf
+        oi, li = reference(
+            q[i : i + 1].transpose(1, 2), keys[i : i + 1, :n].transpose(1, 2), values[i : i + 1, :n].transpose(1, 2),
+            causal, scale,
+        )
+        o[i] = oi[0].transpose(0, 1)
+        lse[i] = li[0]
+    return o, lse
+
+
+def assert_decode_close(o, lse, o_ref, lse_ref, dtype):
+    assert torch.isfinite(o).all(), "non-finite output"
+    err = rel_l2(o, o_ref)
+    assert err <= TOLERANCE[dtype], f"rel L2 {err:.2e}"
+    seen = torch.isfinite(lse_ref)
+    assert (lse[~seen] == -math.inf).all(), "a row that sees no key has LSE -inf"
+    assert (o.transpose(1, 2)[~seen] == 0).all(), "a row that sees no key gives zeros"
+    if seen.any():
+        assert (lse[seen].double() - lse_ref[seen]).abs().max().item() <= 1e-2
+
+
+DECODE_CASES = [
+    # hq, hkv, d, sq, lens
+    (32, 8, 128, 1, (1, 7, 4097, 300)),
+    (16, 2, 64, 4, (1000, 16, 0)),
+    (8, 8, 256, 16, (33, 500)),
+    (8, 1, 96, 2, (3000,)),
+    (4, 4, 32, 1, (5, 64)),
+    (8, 2, 192, 3, (2, 777)),
+]
+
+
+@pytest.mark.parametrize("case", DECODE_CASES, ids=lambda c: "Hq{}Hkv{}D{}Sq{}lens{}".format(*c[:4], "-".join(map(str, c[4]))))
+@pytest.mark.parametrize("page", [0, 16, 64], ids=["contiguous", "page16", "page64"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["f16", "bf16"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_decode_matches_float64(case, page, dtype, causal, seed):
+    hq, hkv, d, sq, lens = case
+    b = len(lens)
+    capacity = -(-(max(lens) + 5) // 64) * 64
+    cache = Cache(b, capacity, hkv, d, dtype, lens, page)
+    q = torch.randn(b, sq, hq, d, device="cuda", dtype=dtype)
+    poison_allocator(((b, sq, hq, d), dtype), ((b, hq, sq), torch.float32))
+    o, lse = flashcore.decode(
+        q, cache.k, cache.v, cache.seqlens, block_table=cache.block_table, causal=causal, return_lse=True,
+        **cache.host(),
+    )
+    assert o.shape == q.shape and o.dtype == dtype and o.is_contiguous()
+    assert lse.shape == (b, hq, sq) and lse.dtype == torch.float32
+    o_ref, lse_ref = decode_reference(q, cache.keys, cache.values, lens, causal)
+    assert_decode_close(o, lse, o_ref, lse_ref, dtype)
+
+
+def test_decode_views_scale_and_the_registered_op(seed):
+    # q a [B, Sq, Hq, D] view of a [B, Hq, Sq, D] tensor; an explicit scale; op == eager.
+    cache = Cache(2, 512, 4, 128, torch.bfloat16, (300, 9), 16)
+    q = torch.randn(2, 8, 3, 128, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+    o, lse = flashcore.decode(q, cache.k, cache.v, cache.seqlens, block_table=cache.block_table, scale=0.05,
+                              causal=True, return_lse=True)
+    o_ref, lse_ref = decode_reference(q, cache.keys, cache.values, cache.lens, True, scale=0.05)
+    assert_decode_close(o, lse, o_ref, lse_ref, torch.bfloat16)
+    via_op = torch.ops.flashcore.decode(q, cache.k, cache.v, cache.seqlens, cache.block_table, None, None, True, 0.05,
+                                        True)
+    assert torch.equal(via_op[0], o) and torch.equal(via_op[1], lse)
+
+
+def test_decode_host_metadata_turns_bad_values_into_errors():
+    cache = Cache(2, 128, 2, 64, torch.float16, (100, 50), 16)
+    q = torch.randn(2, 1, 8, 64, device="cuda", dtype=torch.float16)
+    args = (q, cache.k, cache.v, cache.seqlens)
+    table = cache.block_table.cpu()
+    with pytest.raises(FlashcoreError) as e:
+        flashcore.decode(*args, block_table=cache.block_table, host_seqlens=[100, 129], host_block_table=table)
+    assert e.value.name == "FLASHCORE_ERROR_INVALID_ARGUMENT" and "capacity" in str(e.value)
+    bad = table.clone()
+    bad[0, 1] = cache.k.shape[0]  # one past the pool
+    with pytest.raises(FlashcoreError, match="outside the pool"):
+        flashcore.decode(*args, block_table=cache.block_table, host_seqlens=[100, 50], host_block_table=bad)
+    with pytest.raises(FlashcoreError, match="block table"):
+        flashcore.decode(*args, block_table=cache.block_table, host_seqlens=[100, 50])
+    # Without host copies the same device values are only clamped: nothing outside the cache.
+    cache.seqlens.copy_(torch.tensor([1 << 28, -5], dtype=torch.int32))
+    o = flashcore.decode(*args, block_table=cache.block_table)
+    torch.cuda.synchronize()
+    assert torch.isfinite(o[0]).all() and (o[1] == 0).all()
+
+
+@pytest.mark.parametrize("page", [0, 16, 1], ids=["contiguous", "page16", "page1"])
+def test_append_then_decode(page, seed):
+    dtype, hq, hkv, d, snew = torch.float16, 8, 2, 128, 3
+    lens = [5, 0, 30]
+    cache = Cache(3, 48, hkv, d, dtype, lens, page)
+    k_before, v_before = (t.clone() for t in (cache.k, cache.v))
+    k_new = torch.randn(3, snew, hkv, d, device="cuda", dtype=dtype)
+    v_new = torch.randn(3, snew, hkv, d, device="cuda", dtype=dtype)
+    flashcore.append_kv(cache.k, cache.v, cache.seqlens, k_new, v_new, block_table=cache.block_table, **cache.host())
+    # Exactly the new rows changed, at each sequence's length; the lengths did not move.
+    assert cache.seqlens.tolist() == lens
+    for i, n in enumerate(lens):
+        cache.keys[i, n : n + snew] = k_new[i]
+        cache.values[i, n : n + snew] = v_new[i]
+    keys, values = cache.logical()
+    assert torch.equal(keys, cache.keys) and torch.equal(values, cache.values)
+    if page:  # and nothing else in the pool
+        used = torch.zeros(cache.k.shape[0], dtype=torch.bool, device="cuda")
+        used[cache.block_table.flatten().long()] = True
+        assert torch.equal(cache.k[~used], k_before[~used]) and torch.equal(cache.v[~used], v_before[~used])
+    # Advance the lengths: a causal decode of the new tokens sees them.
+    cache.seqlens += snew
+    new_lens = [n + snew for n in lens]
+    q = torch.randn(3, snew, hq, d, device="cuda", dtype=dtype)
+    o, lse = flashcore.decode(q, cache.k, cache.v, cache.seqlens, block_table=cache.block_table, causal=True,
+                              return_lse=True)
+    o_ref, lse_ref = decode_reference(q, cache.keys, cache.values, new_lens, True)
+    assert_decode_close(o, lse, o_ref, lse_ref, dtype)
+    # An append that would run past the capacity is refused when the host copies say so.
+    host = cache.host()
+    host["host_seqlens"] = torch.tensor([5, 46, 30], dtype=torch.int32)
+    with pytest.raises(FlashcoreError, match="capacity"):
+        flashcore.append_kv(cache.k, cache.v, cache.seqlens, k_new, v_new, block_table=cache.block_table, **host)
+
+
+@pytest.mark.parametrize(
+    "dtype, out_dtype, layout",
+    [
+        (torch.float16, None, "bshd"),
+        (torch.bfloat16, torch.float32, "bshd"),
+        (torch.float16, torch.bfloat16, "bhsd"),
+    ],
+)
+def test_merge_of_shards_matches_one_shot_attention(dtype, out_dtype, layout, seed):
+    b, sq, hq, hkv, d = 2, 37, 8, 2, 128
+    shards = [700, 1, 0, 333]  # an empty shard: LSE -inf, merges as nothing
+    q, k, v = make(b, hq, hkv, sq, sum(shards), d, dtype, layout)
+    seq_dim = 1 if layout == "bshd" else 2
+    outs, lses = [], []
+    for part_k, part_v in zip(k.split(shards, seq_dim), v.split(shards, seq_dim)):
+        o, lse = flashcore.attention(q, part_k, part_v, layout=layout, return_lse=True)
+        outs.append(o)
+        lses.append(lse)
+    out, lse = flashcore.merge(torch.stack(outs), torch.stack(lses), out_dtype=out_dtype, layout=layout,
+                               return_lse=True)
+    assert out.dtype == (out_dtype or dtype) and out.shape == q.shape and lse.shape == (b, hq, sq)
+    o_ref, lse_ref = reference(to_bhsd(q, layout), to_bhsd(k, layout), to_bhsd(v, layout), False)
+    tol = max(TOLERANCE[dtype], TOLERANCE.get(out_dtype, 0.0))
+    assert rel_l2(to_bhsd(out, layout), o_ref) <= tol
+    assert (lse.double() - lse_ref).abs().max().item() <= 1e-2
+    # A list of shards gives the same.
+    assert torch.equal(flashcore.merge(outs, lses, out_dtype=out_dtype, layout=layout), out)
+
+
+def test_decode_step_in_a_cuda_graph(seed):
+    # Append one token, advance the lengths, decode: captured once, replayed as the
+    # sequences grow. A long capacity, so the decode is split and merges a workspace.
+    dtype, b, hq, hkv, d, capacity = torch.float16, 2, 32, 8, 128, 8192
+    lens = [3000, 17]
+    cache = Cache(b, capacity, hkv, d, dtype, lens, 64)
+    q = torch.randn(b, 1, hq, d, device="cuda", dtype=dtype)
+    k_new = torch.randn(b, 1, hkv, d, device="cuda", dtype=dtype)
+    v_new = torch.randn(b, 1, hkv, d, device="cuda", dtype=dtype)
+
+    def step():
+        flashcore.append_kv(cache.k, cache.v, cache.seqlens, k_new, v_new, block_table=cache.block_table)
+        cache.seqlens.add_(1)
+        return flashcore.decode(q, cache.k, cache.v, cache.seqlens, block_table=cache.block_table, causal=True,
+                                return_lse=True)
+
+    # Warm-up on copies (the first calls load the kernels), on a side stream.
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        kp, vp, sl = cache.k.clone(), cache.v.clone(), cache.seqlens.clone()
+        flashcore.append_kv(kp, vp, sl, k_new, v_new, block_table=cache.block_table)
+        flashcore.decode(q, kp, vp, sl, block_table=cache.block_table, causal=True, return_lse=True)
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        o, lse = step()
+    assert cache.seqlens.tolist() == lens, "capture ran the step"
+    for _ in range(3):  # new inputs in the captured buffers each time
+        for t in (q, k_new, v_new):
+            t.copy_(torch.randn_like(t))
+        graph.replay()
+        torch.cuda.synchronize()
+        for i, n in enumerate(lens):
+            cache.keys[i, n] = k_new[i, 0]
+            cache.values[i, n] = v_new[i, 0]
+        lens = [n + 1 for n in lens]
+        assert cache.seqlens.tolist() == lens
+        o_ref, lse_ref = decode_reference(q, cache.keys, cache.values, lens, True)
+        assert_decode_close(o, lse, o_ref, lse_ref, dtype)
+
+
+def test_decode_torch_compile(seed):
+    cache = Cache(2, 1024, 2, 64, torch.bfloat16, (1000, 3), 0)
+    q = torch.randn(2, 2, 8, 64, device="cuda", dtype=torch.bfloat16)
+
+    def f(q):
+        return flashcore.decode(q * 2, cache.k, cache.v, cache.seqlens, causal=True) + 1
+
+    with torch.no_grad():
+        eager = f(q)
+        compiled = torch.compile(f, fullgraph=True)(q)
+    assert rel_l2(compiled, eager) <= 1e-3

@@ -1,0 +1,626 @@
+"""flashcore's serving calls on torch tensors: decode against a KV cache, appending new
+tokens' keys and values to it, and merging partial attention results by their
+log-sum-exp.
+
+    o = flashcore.decode(q, k_cache, v_cache, seqlens)                        # contiguous cache
+    o = flashcore.decode(q, k_pool, v_pool, seqlens, block_table=table)       # paged cache
+    flashcore.append_kv(k_cache, v_cache, seqlens, k_new, v_new); seqlens += k_new.shape[1]
+    o, lse = flashcore.merge(o_parts, lse_parts, return_lse=True)
+
+Tensors are in FlashAttention's [B, S, H, D] order (q [B, Sq, Hq, D], caches
+[B, capacity, Hkv, D] or page pools [pages, page_size, Hkv, D]), as flash_attn_with_kvcache
+takes them. Each function is a `torch.library` custom op (`torch.ops.flashcore.decode`,
+`.append_kv`, `.merge`) with a fake implementation that applies flashcore's own argument
+rules (through the C ABI's flashcore_check_* calls), so it is one opaque node under
+`torch.compile`; in plain eager mode the implementation is called directly (no dispatcher
+overhead). Calls run on torch's current stream, allocate what they need (outputs, decode's
+split workspace) from torch's allocator and can be captured in CUDA graphs once the
+configuration has run once (its first call generates and loads the kernels).
+
+The lengths (`seqlens`) and the block table live on the GPU and are read by the kernels
+when they run: a captured graph keeps working as the lengths grow. Whatever they hold, the
+kernels never read or write outside the cache (lengths are clamped to the capacity, pages
+outside the pool are skipped). Host copies (`host_seqlens`, `host_block_table`: CPU
+tensors or sequences of ints), when given, are checked first and turn such values into a
+FlashcoreError before anything runs.
+"""
+
+import math
+from typing import Optional
+
+import torch
+
+from . import _capi
+from .ops import _ALIGN, _DTYPE_CODES, LAYOUTS, _aligned, _bshd_sizes_strides, _context, _current_stream
+from .ops import _dispatch_mode_active, kernel_ready
+
+_Tensor = torch.Tensor
+
+# Stand-in device addresses of the fake (meta) checks, far apart so that only a real
+# overlap of two arguments (none can have one) could collide.
+_STAND_IN = 1 << 44
+
+# The workspace's alignment (flashcore_decode's contract).
+_WORKSPACE_ALIGN = 256
+
+
+# ---- descriptors ----------------------------------------------------------------------------
+
+
+def _desc(sizes, strides, dtype, ptr):
+    return _capi.FlashcoreTensor(ptr, _DTYPE_CODES.get(dtype, -1), tuple(sizes), tuple(strides))
+
+
+def _describe(t, ptr=None, at_least_one=False):
+    """A 4-d [B, S, H, D]-ordered tensor as a FlashcoreTensor; `at_least_one` describes empty
+    dimensions as 1 (so the checks other than "not empty" run on them)."""
+    sizes = [max(n, 1) for n in t.shape] if at_least_one else t.shape
+    return _desc(sizes, t.stride(), t.dtype, t.data_ptr() if ptr is None else ptr)
+
+
+def _table_layout(block_table):
+    """(max_pages, table_stride) of a [B, max_pages] block table."""
+    rows, max_pages = block_table.shape
+    stride = block_table.stride(0) if rows > 1 else max_pages  # one row: its stride is unused
+    return max_pages, stride
+
+
+def _describe_cache(k_desc, v_desc, seqlens_ptr, block_table, block_table_ptr):
+    if block_table is None:
+        return _capi.describe_cache(k_desc, v_desc, seqlens_ptr)
+    max_pages, stride = _table_layout(block_table)
+    return _capi.describe_cache(k_desc, v_desc, seqlens_ptr, block_table_ptr, max_pages, stride)
+
+
+def _static(*tensors):
+    """Whether every size and stride is a plain int (not symbolic: then the real call checks)."""
+    return all(
+        isinstance(x, int) for t in tensors if t is not None for x in (*t.shape, *t.stride())
+    )
+
+
+def _host_arrays(host_seqlens, host_block_table):
+    """Pointers to the prepared host tensors (see `_prepare_host`), or None."""
+    return (
+        _capi.host_ptr(host_seqlens.data_ptr()) if host_seqlens is not None else None,
+        _capi.host_ptr(host_block_table.data_ptr()) if host_block_table is not None else None,
+    )
+
+
+# ---- argument checks that are Python's (flashcore's own rules are the library's) ----------
+
+
+def _check_tensor(fn, name, t, dim):
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"flashcore.{fn}: {name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != dim:
+        raise ValueError(f"flashcore.{fn}: {name} must be {dim}-d, got shape {tuple(t.shape)}")
+
+
+def _check_device(fn, named):
+    device = named[0][1].device
+    if device.type not in ("cuda", "meta") or any(t.device != device for _, t in named):
+        got = ", ".join(f"{n} on {t.device}" for n, t in named)
+        raise ValueError(f"flashcore.{fn}: the tensors must be on one CUDA device, got {got}")
+
+
+def _check_no_grad(fn, tensors):
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        raise NotImplementedError(
+            f"flashcore.{fn} has no backward pass: call it under torch.no_grad() "
+            "(or torch.inference_mode()), or on tensors that do not require grad"
+        )
+
+
+def _scale_arg(fn, scale):
+    if scale is None:
+        return 0.0  # flashcore's default, 1/sqrt(D)
+    scale = float(scale)
+    if not (math.isfinite(scale) and scale > 0.0):
+        raise ValueError(f"flashcore.{fn}: scale must be finite and positive, got {scale}")
+    return scale
+
+
+def _check_metadata(fn, batch, k_cache, v_cache, seqlens, block_table):
+    """What the C ABI cannot see: the metadata tensors' dtype, extent and layout (it gets
+    their addresses only)."""
+    _check_tensor(fn, "k_cache", k_cache, 4)
+    _check_tensor(fn, "v_cache", v_cache, 4)
+    _check_tensor(fn, "seqlens", seqlens, 1)
+    if seqlens.dtype != torch.int32:
+        raise ValueError(f"flashcore.{fn}: seqlens must be torch.int32, got {seqlens.dtype}")
+    if seqlens.shape[0] != batch:
+        raise ValueError(f"flashcore.{fn}: seqlens has {seqlens.shape[0]} entries for a batch of {batch}")
+    if batch > 1 and seqlens.stride(0) != 1:
+        raise ValueError(f"flashcore.{fn}: seqlens must be contiguous, got stride {seqlens.stride(0)}")
+    if block_table is not None:
+        _check_tensor(fn, "block_table", block_table, 2)
+        if block_table.dtype != torch.int32:
+            raise ValueError(f"flashcore.{fn}: block_table must be torch.int32, got {block_table.dtype}")
+        if block_table.shape[0] != batch:
+            raise ValueError(
+                f"flashcore.{fn}: block_table has {block_table.shape[0]} rows for a batch of {batch}"
+            )
+        if block_table.shape[1] == 0:
+            # (No pages would describe the cache to the C ABI as a contiguous one.)
+            raise ValueError(f"flashcore.{fn}: block_table has no pages per sequence")
+        if block_table.shape[1] > 1 and block_table.stride(1) != 1:
+            raise ValueError(
+                f"flashcore.{fn}: block_table's rows must be contiguous, got strides {block_table.stride()}"
+            )
+
+
+def _prepare_host(fn, batch, block_table, host_seqlens, host_block_table):
+    """Host copies as contiguous CPU int32 tensors laid out as the C ABI reads them: lengths
+    [batch], the block table [batch, table_stride] (the device table's row stride)."""
+    if host_seqlens is None and host_block_table is None:
+        return None, None
+    if host_seqlens is None:
+        raise ValueError(f"flashcore.{fn}: host_block_table needs host_seqlens")
+    if host_block_table is not None and block_table is None:
+        raise ValueError(f"flashcore.{fn}: host_block_table is given for a contiguous cache (no block_table)")
+
+    def host(name, x, shape):
+        if isinstance(x, torch.Tensor):
+            if x.device.type != "cpu":
+                raise ValueError(f"flashcore.{fn}: {name} must be a CPU tensor (a host copy), got {x.device}")
+            x = x.to(torch.int32)
+        else:
+            x = torch.tensor(x, dtype=torch.int32)
+        if tuple(x.shape) != shape:
+            raise ValueError(f"flashcore.{fn}: {name} has shape {tuple(x.shape)}, expected {shape}")
+        return x.contiguous()
+
+    lens = host("host_seqlens", host_seqlens, (batch,))
+    table = None
+    if host_block_table is not None:
+        max_pages, stride = _table_layout(block_table)
+        t = host("host_block_table", host_block_table, (batch, max_pages))
+        if stride <= max_pages:  # (shorter: the call refuses the device table's stride)
+            table = t
+        else:
+            table = torch.zeros(batch, stride, dtype=torch.int32)
+            table[:, :max_pages] = t
+    return lens, table
+
+
+def _plain_eager(tensors):
+    if torch.compiler.is_compiling() or _dispatch_mode_active():
+        return False
+    return all(t is None or type(t) is _Tensor for t in tensors) and tensors[0].is_cuda
+
+
+# ---- decode -----------------------------------------------------------------------------------
+
+
+def _decode_outputs(q, return_lse):
+    b, sq, hq, _ = q.shape
+    o = q.new_empty(q.shape)
+    lse = q.new_empty((b, hq, sq) if return_lse else (0,), dtype=torch.float32)
+    return o, lse
+
+
+def _check_decode(q, k_cache, v_cache, block_table, o, return_lse, scale, causal):
+    """flashcore_check_decode on the tensors' sizes and strides at stand-in addresses (fake
+    tensors have none); host metadata is the real call's. For an empty q (nothing to
+    compute, which is no error) empty dimensions are described as 1, so that every other
+    rule still applies."""
+    if not _static(q, k_cache, v_cache, block_table, o):
+        return
+    empty = q.numel() == 0
+    cache = _describe_cache(
+        _describe(k_cache, 3 * _STAND_IN, empty),
+        _describe(v_cache, 4 * _STAND_IN, empty),
+        5 * _STAND_IN,
+        block_table,
+        6 * _STAND_IN,
+    )
+    _capi.library().check_decode(
+        _describe(q, 1 * _STAND_IN, empty),
+        cache,
+        None,
+        None,
+        _describe(o, 2 * _STAND_IN, empty),
+        7 * _STAND_IN if return_lse else 0,
+        scale,
+        causal,
+    )
+
+
+# Workspace bytes by (device, q's dtype and shape, the cache's shape, block-table width):
+# what the plan depends on. Filled by successful queries only.
+_workspace_sizes = {}
+
+
+def _workspace_bytes(lib, ctx, index, q, k_cache, block_table, q_desc, cache_desc):
+    key = (index, q.dtype, tuple(q.shape), tuple(k_cache.shape), None if block_table is None else block_table.shape[1])
+    n = _workspace_sizes.get(key)
+    if n is None:
+        n = lib.decode_workspace_bytes(ctx, q_desc, cache_desc)
+        _workspace_sizes[key] = n
+    return n
+
+
+@torch.library.custom_op("flashcore::decode", mutates_args=(), device_types="cuda")
+def _decode_op(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    seqlens: torch.Tensor,
+    block_table: Optional[torch.Tensor],
+    host_seqlens: Optional[torch.Tensor],
+    host_block_table: Optional[torch.Tensor],
+    causal: bool,
+    scale: float,
+    return_lse: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decode against a KV cache with flashcore (scale 0: 1/sqrt(D)). Returns (o, lse): o
+    [B, Sq, Hq, D] contiguous, lse float32 [B, Hq, Sq] when return_lse, else empty."""
+    return _decode(q, k_cache, v_cache, seqlens, block_table, host_seqlens, host_block_table, causal, scale, return_lse)
+
+
+def _decode(q, k_cache, v_cache, seqlens, block_table, host_seqlens, host_block_table, causal, scale, return_lse):
+    """The op's CUDA implementation (also called directly in plain eager mode)."""
+    o, lse = _decode_outputs(q, return_lse)
+    if q.numel() == 0:
+        # Nothing to compute; flashcore's rules still apply to what was passed.
+        _check_decode(q, k_cache, v_cache, block_table, o, return_lse, scale, causal)
+        return o, lse
+    q = _aligned(q)
+    index = q.get_device()
+    lib = _capi.library()
+    ctx = _context(index)
+    q_desc = _describe(q)
+    cache = _describe_cache(
+        _describe(k_cache),
+        _describe(v_cache),
+        seqlens.data_ptr(),
+        block_table,
+        block_table.data_ptr() if block_table is not None else 0,
+    )
+    ws_bytes = _workspace_bytes(lib, ctx, index, q, k_cache, block_table, q_desc, cache)
+    workspace, ws_ptr = None, 0
+    if ws_bytes:
+        # From torch's allocator (graph-safe), on the current stream, alive past the call.
+        workspace = torch.empty(ws_bytes + _WORKSPACE_ALIGN, dtype=torch.uint8, device=q.device)
+        ws_ptr = -(-workspace.data_ptr() // _WORKSPACE_ALIGN) * _WORKSPACE_ALIGN
+    lens_ptr, table_ptr = _host_arrays(host_seqlens, host_block_table)
+    lib.decode(
+        ctx,
+        q_desc,
+        cache,
+        lens_ptr,
+        table_ptr,
+        _describe(o),
+        lse.data_ptr() if return_lse else 0,
+        scale,
+        causal,
+        ws_ptr,
+        ws_bytes,
+        _current_stream(index),
+    )
+    del workspace  # freed in stream order: later work on this stream runs after the kernels
+    return o, lse
+
+
+@_decode_op.register_fake
+def _decode_fake(q, k_cache, v_cache, seqlens, block_table, host_seqlens, host_block_table, causal, scale, return_lse):
+    o, lse = _decode_outputs(q, return_lse)
+    _check_decode(q, k_cache, v_cache, block_table, o, return_lse, scale, causal)
+    return o, lse
+
+
+def decode(
+    q,
+    k_cache,
+    v_cache,
+    seqlens,
+    *,
+    block_table=None,
+    causal=False,
+    scale=None,
+    return_lse=False,
+    host_seqlens=None,
+    host_block_table=None,
+):
+    """Attention of a few new query tokens per sequence against a KV cache (split-KV decode).
+
+    q: [B, Sq, Hq, D], 1 <= Sq <= 16 new tokens per sequence; float16 or bfloat16; D in
+        32, 64, 96, 128, 192, 256; Hq a multiple of Hkv (GQA/MQA by head count).
+    k_cache, v_cache: q's dtype. Contiguous cache (block_table None): [B, capacity, Hkv, D].
+        Paged cache: pools [pages, page_size, Hkv, D], page_size a power of two from 1 to
+        1024. The cache is read in place: last dim contiguous, other strides multiples of
+        16 bytes (else FlashcoreError BAD_STRIDES). Capacity at most 2^30.
+    seqlens: int32 [B] on the GPU: each sequence's length, counting the Sq new tokens
+        (append them first): query i of Sq is position seqlens[b] - Sq + i.
+    block_table: None, or int32 [B, max_pages] on the GPU (rows contiguous): position p of
+        sequence b is row p % page_size of page block_table[b, p // page_size]; the
+        capacity is max_pages * page_size.
+    causal: query i sees keys 0 ..= seqlens[b] - Sq + i; without it every query sees all
+        seqlens[b] keys. A row that sees no key (a length of 0, say) gives zeros (LSE -inf).
+    scale: the softmax scale; None for 1/sqrt(D). Must be finite and positive.
+    return_lse: also return the float32 [B, Hq, Sq] natural-log log-sum-exp of each row.
+    host_seqlens, host_block_table: optional host copies of seqlens and block_table (CPU
+        tensors or sequences of ints): checked against the capacity and the pool before
+        anything runs (not under torch.compile's fake tensors, where they are not read).
+
+    Returns o ([B, Sq, Hq, D], contiguous), or (o, lse). The split count (and so the
+    workspace, taken from torch's allocator) depends on the shapes and the GPU only, never
+    on the lengths, so a CUDA graph of a decode step stays right as sequences grow.
+    Inference only. Raises FlashcoreError with flashcore's message for anything the
+    kernels refuse, ValueError/TypeError for misuse of this function.
+    """
+    _check_tensor("decode", "q", q, 4)
+    _check_metadata("decode", q.shape[0], k_cache, v_cache, seqlens, block_table)
+    named = [("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("seqlens", seqlens)]
+    if block_table is not None:
+        named.append(("block_table", block_table))
+    _check_device("decode", named)
+    _check_no_grad("decode", (q, k_cache, v_cache))
+    scale = _scale_arg("decode", scale)
+    host_seqlens, host_block_table = _prepare_host(
+        "decode", q.shape[0], block_table, host_seqlens, host_block_table
+    )
+    if not kernel_ready(q):
+        q = q.clone(memory_format=torch.contiguous_format)
+    args = (q, k_cache, v_cache, seqlens, block_table, host_seqlens, host_block_table, bool(causal), scale,
+            bool(return_lse))
+    if _plain_eager(args[:5]):
+        o, lse = _decode(*args)
+    else:
+        o, lse = torch.ops.flashcore.decode(*args)
+    return (o, lse) if return_lse else o
+
+
+# ---- append -----------------------------------------------------------------------------------
+
+
+def _check_append(k_cache, v_cache, block_table, k_new, v_new):
+    if not _static(k_cache, v_cache, block_table, k_new, v_new):
+        return
+    empty = k_new.numel() == 0  # nothing to write: the other rules still apply
+    cache = _describe_cache(
+        _describe(k_cache, 3 * _STAND_IN, empty),
+        _describe(v_cache, 4 * _STAND_IN, empty),
+        5 * _STAND_IN,
+        block_table,
+        6 * _STAND_IN,
+    )
+    _capi.library().check_append_kv(
+        cache, _describe(k_new, 1 * _STAND_IN, empty), _describe(v_new, 2 * _STAND_IN, empty), None, None
+    )
+
+
+@torch.library.custom_op("flashcore::append_kv", mutates_args=("k_cache", "v_cache"), device_types="cuda")
+def _append_op(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    seqlens: torch.Tensor,
+    k_new: torch.Tensor,
+    v_new: torch.Tensor,
+    block_table: Optional[torch.Tensor],
+    host_seqlens: Optional[torch.Tensor],
+    host_block_table: Optional[torch.Tensor],
+) -> None:
+    """Writes k_new, v_new into the caches at each sequence's length (not advanced)."""
+    _append(k_cache, v_cache, seqlens, k_new, v_new, block_table, host_seqlens, host_block_table)
+
+
+def _append(k_cache, v_cache, seqlens, k_new, v_new, block_table, host_seqlens, host_block_table):
+    """The op's CUDA implementation (also called directly in plain eager mode)."""
+    if k_new.numel() == 0:
+        _check_append(k_cache, v_cache, block_table, k_new, v_new)
+        return
+    k_new, v_new = _aligned(k_new), _aligned(v_new)
+    index = k_cache.get_device()
+    lib = _capi.library()
+    cache = _describe_cache(
+        _describe(k_cache),
+        _describe(v_cache),
+        seqlens.data_ptr(),
+        block_table,
+        block_table.data_ptr() if block_table is not None else 0,
+    )
+    lens_ptr, table_ptr = _host_arrays(host_seqlens, host_block_table)
+    lib.append_kv(
+        _context(index), cache, _describe(k_new), _describe(v_new), lens_ptr, table_ptr, _current_stream(index)
+    )
+
+
+@_append_op.register_fake
+def _append_fake(k_cache, v_cache, seqlens, k_new, v_new, block_table, host_seqlens, host_block_table):
+    _check_append(k_cache, v_cache, block_table, k_new, v_new)
+
+
+def append_kv(
+    k_cache,
+    v_cache,
+    seqlens,
+    k_new,
+    v_new,
+    *,
+    block_table=None,
+    host_seqlens=None,
+    host_block_table=None,
+):
+    """Writes new tokens' keys and values into a KV cache, in place.
+
+    k_new[b, j] and v_new[b, j] ([B, Snew, Hkv, D], the cache's dtype, Hkv and D) go to
+    position seqlens[b] + j of sequence b, with seqlens[b] as the GPU holds it when the
+    kernel runs (so a captured graph appends wherever the sequence has got to). The lengths
+    are NOT advanced: add Snew to seqlens afterwards (before a decode that should see the
+    new tokens), e.g. `seqlens += Snew`.
+
+    k_cache, v_cache, seqlens, block_table: as for `decode` (written in place: the caches
+    must be readable by the kernels as they are; they are never copied).
+    host_seqlens, host_block_table: optional host copies of the lengths before the append
+        and of the block table, checked first: seqlens[b] + Snew must not exceed the
+        capacity, and every page it reaches must lie in the pool.
+
+    Positions past the capacity (and pages outside the pool) are never written, whatever
+    the device metadata holds. Snew <= capacity. Returns None. Raises FlashcoreError with
+    flashcore's message for anything the kernels refuse, ValueError/TypeError for misuse.
+    """
+    _check_tensor("append_kv", "k_new", k_new, 4)
+    _check_tensor("append_kv", "v_new", v_new, 4)
+    batch = k_new.shape[0]
+    _check_metadata("append_kv", batch, k_cache, v_cache, seqlens, block_table)
+    named = [("k_cache", k_cache), ("v_cache", v_cache), ("seqlens", seqlens), ("k_new", k_new), ("v_new", v_new)]
+    if block_table is not None:
+        named.append(("block_table", block_table))
+    _check_device("append_kv", named)
+    _check_no_grad("append_kv", (k_cache, v_cache, k_new, v_new))
+    host_seqlens, host_block_table = _prepare_host("append_kv", batch, block_table, host_seqlens, host_block_table)
+    k_new, v_new = (t if kernel_ready(t) else t.clone(memory_format=torch.contiguous_format) for t in (k_new, v_new))
+    args = (k_cache, v_cache, seqlens, k_new, v_new, block_table, host_seqlens, host_block_table)
+    if _plain_eager(args[:6]):
+        _append(*args)
+        # What the op's own wrapper does for its mutated arguments: autograd sees the writes.
+        bump = getattr(torch.autograd.graph, "increment_version", None)
+        if bump is not None:
+            bump((k_cache, v_cache))
+    else:
+        torch.ops.flashcore.append_kv(*args)
+
+
+# ---- merge ------------------------------------------------------------------------------------
+
+
+def _part_sizes_strides(o_parts, layout):
+    """Logical [B, S, H, D] sizes and strides of one shard of a 5-d [N, ...] stack."""
+    n, st = tuple(o_parts.shape[1:]), o_parts.stride()[1:]
+    if layout == "bshd":
+        return n, st
+    return (n[0], n[2], n[1], n[3]), (st[0], st[2], st[1], st[3])
+
+
+def _merge_outputs(o_parts, out_dtype, layout, return_lse):
+    _, b, x, y, d = o_parts.shape
+    s, h = (x, y) if layout == "bshd" else (y, x)
+    out = o_parts.new_empty((b, x, y, d), dtype=out_dtype)
+    lse = o_parts.new_empty((b, h, s) if return_lse else (0,), dtype=torch.float32)
+    return out, lse
+
+
+def _check_merge(o_parts, out, layout, return_lse):
+    if not _static(o_parts, out):
+        return
+    sizes, strides = _part_sizes_strides(o_parts, layout)
+    out_sizes, out_strides = _bshd_sizes_strides(out, layout)
+    low = 1 if out.numel() == 0 else 0  # nothing to merge: the other rules still apply
+    _capi.library().check_merge(
+        _desc([max(n, low) for n in sizes], strides, o_parts.dtype, 1 * _STAND_IN),
+        o_parts.shape[0],
+        o_parts.stride(0),
+        2 * _STAND_IN,
+        _desc([max(n, low) for n in out_sizes], out_strides, out.dtype, 3 * _STAND_IN),
+        4 * _STAND_IN if return_lse else 0,
+    )
+
+
+@torch.library.custom_op("flashcore::merge", mutates_args=(), device_types="cuda")
+def _merge_op(
+    o_parts: torch.Tensor,
+    lse_parts: torch.Tensor,
+    out_dtype: torch.dtype,
+    layout: str,
+    return_lse: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merges attention over disjoint key shards by their LSE. Returns (out, lse)."""
+    return _merge(o_parts, lse_parts, out_dtype, layout, return_lse)
+
+
+def _merge(o_parts, lse_parts, out_dtype, layout, return_lse):
+    """The op's CUDA implementation (also called directly in plain eager mode)."""
+    out, lse = _merge_outputs(o_parts, out_dtype, layout, return_lse)
+    if out.numel() == 0 or o_parts.shape[0] == 0:
+        _check_merge(o_parts, out, layout, return_lse)  # no shards: FlashcoreError
+        return out, lse
+    if o_parts.data_ptr() % _ALIGN:
+        o_parts = o_parts.clone(memory_format=torch.contiguous_format)  # a view starting mid-row
+    index = o_parts.get_device()
+    sizes, strides = _part_sizes_strides(o_parts, layout)
+    out_sizes, out_strides = _bshd_sizes_strides(out, layout)
+    _capi.library().merge(
+        _context(index),
+        _desc(sizes, strides, o_parts.dtype, o_parts.data_ptr()),
+        o_parts.shape[0],
+        o_parts.stride(0),
+        lse_parts.data_ptr(),
+        _desc(out_sizes, out_strides, out.dtype, out.data_ptr()),
+        lse.data_ptr() if return_lse else 0,
+        _current_stream(index),
+    )
+    return out, lse
+
+
+@_merge_op.register_fake
+def _merge_fake(o_parts, lse_parts, out_dtype, layout, return_lse):
+    out, lse = _merge_outputs(o_parts, out_dtype, layout, return_lse)
+    _check_merge(o_parts, out, layout, return_lse)
+    return out, lse
+
+
+def _parts_ready(o_parts):
+    """Whether the kernels can read the stack in place as far as its strides go: each shard
+    kernel-ready, the shard stride a multiple of 16 bytes when there is more than one.
+    Strides only, so that torch.compile traces it; the start address is `_merge`'s concern."""
+    n = o_parts.shape[0]
+    if n == 0:
+        return True
+    if n > 1 and (o_parts.stride(0) * o_parts.element_size()) % _ALIGN:
+        return False
+    return kernel_ready(o_parts[0])
+
+
+def merge(o_parts, lse_parts, *, out_dtype=None, return_lse=False, layout="bshd"):
+    """Merges attention results over N disjoint key shards into attention over all their keys:
+    out = sum_i exp(lse_i - lse) * o_i with lse = log(sum_i exp(lse_i)) (split-KV,
+    context-parallel or ring attention). A shard whose row has LSE -inf (it saw no key)
+    counts for nothing; a row no shard saw gives zeros (and LSE -inf).
+
+    o_parts: [N, B, S, H, D] (layout="bshd", decode's and FlashAttention's order) or
+        [N, B, H, S, D] (layout="bhsd", flashcore.attention's default), float16, bfloat16
+        or float32, D in 32, 64, 96, 128, 192, 256; or a list of N such 4-d tensors
+        (stacked first). Read in place when each shard is kernel-ready and the shard
+        stride is a multiple of 16 bytes, else copied.
+    lse_parts: float32 [N, B, H, S] (as flashcore.attention(..., return_lse=True) and
+        decode return them, stacked), or a list of N [B, H, S] tensors.
+    out_dtype: float16, bfloat16 or float32; None for o_parts' dtype.
+    return_lse: also return the merged float32 [B, H, S] LSE.
+
+    Returns out (o_parts' shard shape in `layout`, contiguous), or (out, lse). Inference
+    only. Raises FlashcoreError with flashcore's message for anything the kernel refuses,
+    ValueError/TypeError for misuse of this function.
+    """
+    if layout not in LAYOUTS:
+        raise ValueError(f"flashcore.merge: layout must be one of {LAYOUTS}, got {layout!r}")
+    if isinstance(o_parts, (list, tuple)):
+        o_parts = torch.stack(o_parts)
+    if isinstance(lse_parts, (list, tuple)):
+        lse_parts = torch.stack(lse_parts)
+    _check_tensor("merge", "o_parts", o_parts, 5)
+    _check_tensor("merge", "lse_parts", lse_parts, 4)
+    _check_device("merge", [("o_parts", o_parts), ("lse_parts", lse_parts)])
+    _check_no_grad("merge", (o_parts, lse_parts))
+    if lse_parts.dtype != torch.float32:
+        raise ValueError(f"flashcore.merge: lse_parts must be torch.float32, got {lse_parts.dtype}")
+    n, b, x, y, _ = o_parts.shape
+    s, h = (x, y) if layout == "bshd" else (y, x)
+    if tuple(lse_parts.shape) != (n, b, h, s):
+        raise ValueError(
+            f"flashcore.merge: lse_parts has shape {tuple(lse_parts.shape)}, expected [N, B, H, S] = "
+            f"{(n, b, h, s)} for o_parts of shape {tuple(o_parts.shape)} ({layout})"
+        )
+    out_dtype = o_parts.dtype if out_dtype is None else out_dtype
+    if out_dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"flashcore.merge: out_dtype must be float16, bfloat16 or float32, got {out_dtype}")
+    if not _parts_ready(o_parts):
+        o_parts = o_parts.clone(memory_format=torch.contiguous_format)
+    lse_parts = lse_parts.contiguous()
+    args = (o_parts, lse_parts, out_dtype, layout, bool(return_lse))
+    if _plain_eager(args[:2]):
+        out, lse = _merge(*args)
+    else:
+        out, lse = torch.ops.flashcore.merge(*args)
+    return (out, lse) if return_lse else out
