@@ -101,6 +101,17 @@ typedef struct FlashcoreKvCache {
     int64_t table_stride;  /* elements between block-table rows, >= max_pages (paged), or 0 */
 } FlashcoreKvCache;
 
+/* A batch of sequences of different lengths packed without padding (flashcore_forward_varlen):
+ * sequence b is query rows cu_seqlens_q[b] .. cu_seqlens_q[b + 1] of q and o and key rows
+ * cu_seqlens_k[b] .. cu_seqlens_k[b + 1] of k and v. The offset arrays are device int32
+ * arrays of batch + 1 entries (4-byte aligned), read by the kernel on the device. 32 bytes. */
+typedef struct FlashcoreVarlen {
+    uint64_t cu_seqlens_q; /* device address of int32 [batch + 1] query offsets */
+    uint64_t cu_seqlens_k; /* device address of int32 [batch + 1] key offsets */
+    int64_t batch;         /* number of sequences, 1 ..= 65535 */
+    int64_t max_seqlen_q;  /* at least the longest query sequence, 1 ..= 2^25 */
+} FlashcoreVarlen;
+
 /* Attention on one device: owns the kernels loaded for it. Opaque. */
 typedef struct FlashcoreContext FlashcoreContext;
 
@@ -149,6 +160,47 @@ int32_t flashcore_forward(FlashcoreContext *ctx, const FlashcoreTensor *q, const
 int32_t flashcore_check_forward(const FlashcoreTensor *q, const FlashcoreTensor *k,
                                 const FlashcoreTensor *v, const FlashcoreTensor *o, uint64_t lse,
                                 float softmax_scale, int32_t causal);
+
+/* Variable-length forward attention over packed sequences (FlashAttention's varlen
+ * layout), one launch, no padding; asynchronous on `stream`.
+ *
+ *   q, o: [1, total_q, Hq, D]    k, v: [1, total_k, Hkv, D]   (batch extent 1; the rules
+ *                  of flashcore_forward for dtype, D, heads, pointers and strides)
+ *   lse:           0, or a device pointer to float32 [Hq, total_q] (contiguous).
+ *   varlen:        the offsets (see FlashcoreVarlen); each sequence is attended to as a
+ *                  flashcore_forward call of its own lengths would (causal: bottom-right per
+ *                  sequence; a sequence with queries and no keys gets zeros and lse -inf).
+ *                  Query rows no sequence covers are not written.
+ *   host_cu_seqlens_q, host_cu_seqlens_k: both NULL, or host copies of the two offset
+ *                  arrays (batch + 1 entries each, equal to the device's). Given, they must
+ *                  start at 0 or more, never decrease, end within total_q (total_k), and no
+ *                  query sequence may exceed max_seqlen_q: otherwise
+ *                  FLASHCORE_ERROR_INVALID_ARGUMENT before anything runs. Without them the
+ *                  kernel clamps every sequence to the tensors (it never reads or writes
+ *                  outside them), and query rows past max_seqlen_q are not computed.
+ *   softmax_scale, causal, stream: as for flashcore_forward.
+ *
+ * On Hopper a sequence's last key tile is read whole, taking the next sequence's first
+ * rows masked to weight 0: an infinity or NaN there (in another sequence's V) would make
+ * 0 * v a NaN. All arguments are checked before anything runs; on error nothing is
+ * launched or written. */
+int32_t flashcore_forward_varlen(FlashcoreContext *ctx, const FlashcoreTensor *q,
+                                 const FlashcoreTensor *k, const FlashcoreTensor *v,
+                                 const FlashcoreTensor *o, uint64_t lse,
+                                 const FlashcoreVarlen *varlen, const int32_t *host_cu_seqlens_q,
+                                 const int32_t *host_cu_seqlens_k, float softmax_scale,
+                                 int32_t causal, flashcore_stream stream);
+
+/* Checks the arguments of a flashcore_forward_varlen call (same meaning) without a
+ * context, a GPU or a driver: device pointers are only checked as numbers; the host
+ * offset arrays, when given, are read and checked. Returns FLASHCORE_SUCCESS or the code
+ * flashcore_forward_varlen would return for them. */
+int32_t flashcore_check_forward_varlen(const FlashcoreTensor *q, const FlashcoreTensor *k,
+                                       const FlashcoreTensor *v, const FlashcoreTensor *o,
+                                       uint64_t lse, const FlashcoreVarlen *varlen,
+                                       const int32_t *host_cu_seqlens_q,
+                                       const int32_t *host_cu_seqlens_k, float softmax_scale,
+                                       int32_t causal);
 
 /* ---- serving: decode, append, merge -------------------------------------------------- */
 /* Host metadata, in the three calls that take it: host_seqlens is NULL or a host int32

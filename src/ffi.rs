@@ -33,6 +33,7 @@ use crate::host::device::Device;
 use crate::host::kv_cache::{CacheLayout, HostMetadata, KvCache};
 use crate::host::tensor::{AttentionParams, DIM_NAMES, DType, LseView, TensorView};
 use crate::host::validate::validate_fwd;
+use crate::host::varlen::{Varlen, VarlenHost, validate_varlen};
 
 // ---- constants (mirrored by the #defines of include/flashcore.h) --------------------------
 //
@@ -116,6 +117,21 @@ pub struct FlashcoreKvCache {
     pub max_pages: i64,
     /// Elements from one block-table row to the next, at least `max_pages` (paged), or 0.
     pub table_stride: i64,
+}
+
+/// A packed variable-length batch as C passes it (see `flashcore_forward_varlen`).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FlashcoreVarlen {
+    /// Device address of int32 `[batch + 1]`: sequence `b`'s query rows are
+    /// `cu_seqlens_q[b] .. cu_seqlens_q[b + 1]` of q and o.
+    pub cu_seqlens_q: u64,
+    /// Device address of int32 `[batch + 1]`: its key rows of k and v.
+    pub cu_seqlens_k: u64,
+    /// The number of sequences.
+    pub batch: i64,
+    /// At least the longest query sequence.
+    pub max_seqlen_q: i64,
 }
 
 /// The opaque handle C holds: attention on one device.
@@ -591,6 +607,57 @@ impl MergeCall {
     }
 }
 
+/// A C varlen description and its optional host copies as a [`Varlen`].
+///
+/// # Safety
+///
+/// `v` must be null or point to a readable `FlashcoreVarlen`; each host pointer must be
+/// null or valid for reads of `batch + 1` int32s for `'a`.
+unsafe fn read_varlen<'a>(
+    v: *const FlashcoreVarlen,
+    host_cu_seqlens_q: *const i32,
+    host_cu_seqlens_k: *const i32,
+) -> Result<Varlen<'a>, Failure> {
+    // SAFETY: the caller guarantees `v` is null or valid for reads.
+    let v = unsafe { v.as_ref() }.ok_or_else(|| null_argument("varlen"))?;
+    let count = |n: i64, what: &str| {
+        usize::try_from(n)
+            .map_err(|_| Error::InvalidArgument(format!("varlen.{what} is {n}, must be >= 0")))
+    };
+    let batch = count(v.batch, "batch")?;
+    let max_seqlen_q = count(v.max_seqlen_q, "max_seqlen_q")?;
+    let host = match (host_cu_seqlens_q.is_null(), host_cu_seqlens_k.is_null()) {
+        (true, true) => None,
+        (false, false) => {
+            let n = batch.saturating_add(1);
+            // SAFETY: non-null; the caller guarantees `batch + 1` readable entries each.
+            let (q, k) = unsafe {
+                (
+                    host_array(host_cu_seqlens_q, n, "host_cu_seqlens_q")?,
+                    host_array(host_cu_seqlens_k, n, "host_cu_seqlens_k")?,
+                )
+            };
+            Some(VarlenHost {
+                cu_seqlens_q: q,
+                cu_seqlens_k: k,
+            })
+        }
+        _ => {
+            return Err(Error::InvalidArgument(
+                "give both host_cu_seqlens_q and host_cu_seqlens_k, or neither".into(),
+            )
+            .into());
+        }
+    };
+    Ok(Varlen {
+        cu_seqlens_q: v.cu_seqlens_q,
+        cu_seqlens_k: v.cu_seqlens_k,
+        batch,
+        max_seqlen_q,
+        host,
+    })
+}
+
 // ---- entry points ------------------------------------------------------------------------
 
 /// Opens device `device_ordinal` and creates a context on it; `*out` receives the handle
@@ -977,6 +1044,80 @@ pub unsafe extern "C" fn flashcore_check_merge(
     })
 }
 
+/// Variable-length forward attention over packed sequences, on `stream`; see
+/// `include/flashcore.h` for the contract.
+///
+/// # Safety
+///
+/// As for [`flashcore_forward`]; `varlen` must be null or a readable `FlashcoreVarlen`
+/// whose offset arrays are live device memory of the context's device, and each host
+/// pointer null or valid for reads of `varlen.batch + 1` int32s.
+#[allow(clippy::too_many_arguments)]
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn flashcore_forward_varlen(
+    ctx: *mut FlashcoreContext,
+    q: *const FlashcoreTensor,
+    k: *const FlashcoreTensor,
+    v: *const FlashcoreTensor,
+    o: *const FlashcoreTensor,
+    lse: u64,
+    varlen: *const FlashcoreVarlen,
+    host_cu_seqlens_q: *const i32,
+    host_cu_seqlens_k: *const i32,
+    softmax_scale: f32,
+    causal: i32,
+    stream: CUstream,
+) -> i32 {
+    guard("flashcore_forward_varlen", || {
+        // SAFETY: the caller guarantees `ctx` is null or a live handle.
+        let ctx = unsafe { ctx.as_ref() }.ok_or_else(|| null_argument("ctx"))?;
+        // SAFETY: the caller guarantees each pointer is null or readable.
+        let ForwardArgs { q, k, v, o, lse } = unsafe { ForwardArgs::read(q, k, v, o, lse)? };
+        // SAFETY: as above.
+        let varlen = unsafe { read_varlen(varlen, host_cu_seqlens_q, host_cu_seqlens_k)? };
+        let params = params(softmax_scale, causal);
+        // SAFETY: the C contract (header): device memory of the context's device valid
+        // for the described extents, `stream` null or a stream of that context.
+        unsafe {
+            ctx.attn
+                .forward_varlen(&q, &k, &v, &o, lse.as_ref(), &varlen, &params, stream)?;
+        }
+        Ok(())
+    })
+}
+
+/// Checks the arguments of a [`flashcore_forward_varlen`] call without a context, a
+/// device or a driver; device pointers are only checked as numbers, the host arrays
+/// (when given) are read and checked.
+///
+/// # Safety
+///
+/// As for [`flashcore_forward_varlen`], without `ctx` and `stream`.
+#[allow(clippy::too_many_arguments)]
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn flashcore_check_forward_varlen(
+    q: *const FlashcoreTensor,
+    k: *const FlashcoreTensor,
+    v: *const FlashcoreTensor,
+    o: *const FlashcoreTensor,
+    lse: u64,
+    varlen: *const FlashcoreVarlen,
+    host_cu_seqlens_q: *const i32,
+    host_cu_seqlens_k: *const i32,
+    softmax_scale: f32,
+    causal: i32,
+) -> i32 {
+    guard("flashcore_check_forward_varlen", || {
+        // SAFETY: the caller guarantees each pointer is null or readable.
+        let ForwardArgs { q, k, v, o, lse } = unsafe { ForwardArgs::read(q, k, v, o, lse)? };
+        // SAFETY: as above.
+        let varlen = unsafe { read_varlen(varlen, host_cu_seqlens_q, host_cu_seqlens_k)? };
+        let params = params(softmax_scale, causal);
+        validate_varlen(&q, &k, &v, &o, lse.as_ref(), &varlen, &params)?;
+        Ok(())
+    })
+}
+
 /// The message of the last failing flashcore call on this thread, `""` if none failed.
 /// The pointer stays valid until the next flashcore call on this thread.
 #[unsafe(no_mangle)]
@@ -1034,6 +1175,81 @@ mod tests {
             shape: [1, 128, 2, 64],
             strides: [128 * 2 * 64, 2 * 64, 64, 1],
         }
+    }
+
+    #[test]
+    fn varlen_checks_reach_c_with_their_codes() {
+        let at = |ptr: u64, rows: i64, heads: i64| FlashcoreTensor {
+            ptr,
+            dtype: FLASHCORE_F16,
+            shape: [1, rows, heads, 64],
+            strides: [0, heads * 64, 64, 1],
+        };
+        let (q, k, v, o) = (
+            at(1 << 30, 300, 8),
+            at(2 << 30, 500, 2),
+            at(3 << 30, 500, 2),
+            at(4 << 30, 300, 8),
+        );
+        let varlen = FlashcoreVarlen {
+            cu_seqlens_q: 5 << 30,
+            cu_seqlens_k: (5 << 30) + 64,
+            batch: 2,
+            max_seqlen_q: 200,
+        };
+        let check = |varlen: &FlashcoreVarlen, hq: *const i32, hk: *const i32| {
+            // SAFETY: every pointer is null or points at a live local of 3 int32s.
+            unsafe { flashcore_check_forward_varlen(&q, &k, &v, &o, 0, varlen, hq, hk, 0.0, 1) }
+        };
+        let (cu_q, cu_k) = ([0i32, 100, 300], [0i32, 250, 500]);
+        assert_eq!(check(&varlen, ptr::null(), ptr::null()), FLASHCORE_SUCCESS);
+        assert_eq!(
+            check(&varlen, cu_q.as_ptr(), cu_k.as_ptr()),
+            FLASHCORE_SUCCESS
+        );
+        // One host array without the other.
+        assert_eq!(
+            check(&varlen, cu_q.as_ptr(), ptr::null()),
+            FLASHCORE_ERROR_INVALID_ARGUMENT
+        );
+        // A decreasing host offset, a negative count, a null varlen.
+        let bad = [0i32, 100, 50];
+        assert_eq!(
+            check(&varlen, bad.as_ptr(), cu_k.as_ptr()),
+            FLASHCORE_ERROR_INVALID_ARGUMENT
+        );
+        let negative = FlashcoreVarlen {
+            batch: -1,
+            ..varlen
+        };
+        assert_eq!(
+            check(&negative, ptr::null(), ptr::null()),
+            FLASHCORE_ERROR_INVALID_ARGUMENT
+        );
+        assert_eq!(
+            check(
+                &FlashcoreVarlen { batch: 0, ..varlen },
+                ptr::null(),
+                ptr::null()
+            ),
+            FLASHCORE_ERROR_EMPTY_DIMENSION
+        );
+        // SAFETY: a null varlen is allowed and reported.
+        let rc = unsafe {
+            flashcore_check_forward_varlen(
+                &q,
+                &k,
+                &v,
+                &o,
+                0,
+                ptr::null(),
+                ptr::null(),
+                ptr::null(),
+                0.0,
+                0,
+            )
+        };
+        assert_eq!(rc, FLASHCORE_ERROR_NULL_ARGUMENT);
     }
 
     #[test]

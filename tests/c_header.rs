@@ -11,10 +11,10 @@ use std::collections::BTreeMap;
 use std::mem::{align_of, offset_of, size_of};
 
 use flashcore::error::RETURN_CODES;
-use flashcore::ffi::{FLASHCORE_CONSTANTS, FlashcoreKvCache, FlashcoreTensor};
+use flashcore::ffi::{FLASHCORE_CONSTANTS, FlashcoreKvCache, FlashcoreTensor, FlashcoreVarlen};
 
 /// The structs of the C ABI, in the order the header defines them.
-const STRUCTS: [&str; 2] = ["FlashcoreTensor", "FlashcoreKvCache"];
+const STRUCTS: [&str; 3] = ["FlashcoreTensor", "FlashcoreKvCache", "FlashcoreVarlen"];
 
 /// The files the checks read, embedded at compile time: the test binary needs no source
 /// tree at run time (the GPU bundle runs it on another machine), and cargo rebuilds it
@@ -235,7 +235,7 @@ fn rust_to_c(t: &str) -> String {
         "f32" => "float",
         "c_char" => "char",
         "CUstream" => "flashcore_stream",
-        "FlashcoreContext" | "FlashcoreTensor" | "FlashcoreKvCache" => t,
+        "FlashcoreContext" | "FlashcoreTensor" | "FlashcoreKvCache" | "FlashcoreVarlen" => t,
         other => panic!("no C spelling for Rust type {other}"),
     }
     .to_string()
@@ -416,6 +416,8 @@ fn functions_match() {
         "flashcore_destroy",
         "flashcore_forward",
         "flashcore_check_forward",
+        "flashcore_forward_varlen",
+        "flashcore_check_forward_varlen",
         "flashcore_decode",
         "flashcore_decode_workspace_bytes",
         "flashcore_check_decode",
@@ -457,6 +459,12 @@ fn expected_fields(name: &str) -> Fields {
             ("uint64_t", "block_table"),
             ("int64_t", "max_pages"),
             ("int64_t", "table_stride"),
+        ],
+        "FlashcoreVarlen" => &[
+            ("uint64_t", "cu_seqlens_q"),
+            ("uint64_t", "cu_seqlens_k"),
+            ("int64_t", "batch"),
+            ("int64_t", "max_seqlen_q"),
         ],
         other => panic!("no expected fields for {other}"),
     };
@@ -525,6 +533,16 @@ fn rust_layout(name: &str) -> (Vec<(&'static str, usize)>, usize, usize) {
             size_of::<FlashcoreKvCache>(),
             align_of::<FlashcoreKvCache>(),
         ),
+        "FlashcoreVarlen" => (
+            vec![
+                ("cu_seqlens_q", offset_of!(FlashcoreVarlen, cu_seqlens_q)),
+                ("cu_seqlens_k", offset_of!(FlashcoreVarlen, cu_seqlens_k)),
+                ("batch", offset_of!(FlashcoreVarlen, batch)),
+                ("max_seqlen_q", offset_of!(FlashcoreVarlen, max_seqlen_q)),
+            ],
+            size_of::<FlashcoreVarlen>(),
+            align_of::<FlashcoreVarlen>(),
+        ),
         other => panic!("no Rust layout for {other}"),
     }
 }
@@ -546,6 +564,7 @@ fn types_match() {
     }
     assert_eq!(size_of::<FlashcoreTensor>(), 80);
     assert_eq!(size_of::<FlashcoreKvCache>(), 192);
+    assert_eq!(size_of::<FlashcoreVarlen>(), 32);
 
     let mut typedefs = header.typedefs.clone();
     typedefs.sort();
@@ -554,6 +573,7 @@ fn types_match() {
         [
             "FlashcoreKvCache",
             "FlashcoreTensor",
+            "FlashcoreVarlen",
             "struct CUstream_st* flashcore_stream",
             "struct FlashcoreContext FlashcoreContext",
         ]
@@ -619,6 +639,7 @@ fn c_to_ctypes(t: &str) -> &'static str {
         "const int32_t*" => "ctypes.POINTER(ctypes.c_int32)",
         "const FlashcoreTensor*" => "ctypes.POINTER(FlashcoreTensor)",
         "const FlashcoreKvCache*" => "ctypes.POINTER(FlashcoreKvCache)",
+        "const FlashcoreVarlen*" => "ctypes.POINTER(FlashcoreVarlen)",
         other => panic!("no ctypes spelling for {other}"),
     }
 }

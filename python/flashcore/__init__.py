@@ -10,6 +10,7 @@
     seqlens += k_new.shape[1]                                     # ... then advance them
     o = flashcore.decode(q, k_cache, v_cache, seqlens)            # block_table=... if paged
     o = flashcore.merge(o_parts, lse_parts)                       # shards merged by LSE
+    o = flashcore.attention_varlen(q, k, v, cu_q, cu_k, max_q)    # packed prompts, no padding
 
 The kernels are generated at run time and loaded through the CUDA driver; the wheel
 carries libflashcore.so (the C ABI, include/flashcore.h) and this package calls it through
@@ -19,6 +20,7 @@ ctypes. No CUDA toolkit is needed, only the NVIDIA driver and a GPU of sm_80 or 
 from ._capi import FlashcoreError
 from .ops import HEAD_DIMS, LAYOUTS, attention
 from .serving import append_kv, decode, merge
+from .varlen import attention_varlen
 
 __version__ = "0.1.0"
 
@@ -28,6 +30,7 @@ __all__ = [
     "LAYOUTS",
     "append_kv",
     "attention",
+    "attention_varlen",
     "decode",
     "library_version",
     "merge",

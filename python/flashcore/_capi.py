@@ -39,6 +39,15 @@ class FlashcoreKvCache(ctypes.Structure):
     ]
 
 
+class FlashcoreVarlen(ctypes.Structure):
+    _fields_ = [
+        ("cu_seqlens_q", ctypes.c_uint64),
+        ("cu_seqlens_k", ctypes.c_uint64),
+        ("batch", ctypes.c_int64),
+        ("max_seqlen_q", ctypes.c_int64),
+    ]
+
+
 _I32P = ctypes.POINTER(ctypes.c_int32)
 
 # name: (restype, argtypes), one line each.
@@ -47,6 +56,8 @@ SIGNATURES = {
     "flashcore_destroy": (None, [ctypes.c_void_p]),
     "flashcore_forward": (ctypes.c_int32, [ctypes.c_void_p, ctypes.POINTER(FlashcoreTensor), ctypes.POINTER(FlashcoreTensor), ctypes.POINTER(FlashcoreTensor), ctypes.POINTER(FlashcoreTensor), ctypes.c_uint64, ctypes.c_float, ctypes.c_int32, ctypes.c_void_p]),
     "flashcore_check_forward": (ctypes.c_int32, [ctypes.POINTER(FlashcoreTensor), ctypes.POINTER(FlashcoreTensor), ctypes.POINTER(FlashcoreTensor), ctypes.POINTER(FlashcoreTensor), ctypes.c_uint64, ctypes.c_float, ctypes.c_int32]),
+    "flashcore_forward_varlen": (ctypes.c_int32, [ctypes.c_void_p, ctypes.POINTER(FlashcoreTensor), ctypes.POINTER(FlashcoreTensor), ctypes.POINTER(FlashcoreTensor), ctypes.POINTER(FlashcoreTensor), ctypes.c_uint64, ctypes.POINTER(FlashcoreVarlen), ctypes.POINTER(ctypes.c_int32), ctypes.POINTER(ctypes.c_int32), ctypes.c_float, ctypes.c_int32, ctypes.c_void_p]),
+    "flashcore_check_forward_varlen": (ctypes.c_int32, [ctypes.POINTER(FlashcoreTensor), ctypes.POINTER(FlashcoreTensor), ctypes.POINTER(FlashcoreTensor), ctypes.POINTER(FlashcoreTensor), ctypes.c_uint64, ctypes.POINTER(FlashcoreVarlen), ctypes.POINTER(ctypes.c_int32), ctypes.POINTER(ctypes.c_int32), ctypes.c_float, ctypes.c_int32]),
     "flashcore_decode": (ctypes.c_int32, [ctypes.c_void_p, ctypes.POINTER(FlashcoreTensor), ctypes.POINTER(FlashcoreKvCache), ctypes.POINTER(ctypes.c_int32), ctypes.POINTER(ctypes.c_int32), ctypes.POINTER(FlashcoreTensor), ctypes.c_uint64, ctypes.c_float, ctypes.c_int32, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p]),
     "flashcore_decode_workspace_bytes": (ctypes.c_int32, [ctypes.c_void_p, ctypes.POINTER(FlashcoreTensor), ctypes.POINTER(FlashcoreKvCache), ctypes.POINTER(ctypes.c_size_t)]),
     "flashcore_check_decode": (ctypes.c_int32, [ctypes.POINTER(FlashcoreTensor), ctypes.POINTER(FlashcoreKvCache), ctypes.POINTER(ctypes.c_int32), ctypes.POINTER(ctypes.c_int32), ctypes.POINTER(FlashcoreTensor), ctypes.c_uint64, ctypes.c_float, ctypes.c_int32]),
@@ -136,6 +147,26 @@ class Library:
                 scale,
                 int(causal),
                 stream,
+            )
+        )
+
+    # ---- variable-length prefill ------------------------------------------------------------
+
+    def check_forward_varlen(self, q, k, v, o, lse_ptr, varlen, host_cu_q, host_cu_k, scale, causal):
+        """Validates a packed call as flashcore_forward_varlen would; no GPU needed."""
+        self.check(
+            self.lib.flashcore_check_forward_varlen(
+                ctypes.byref(q), ctypes.byref(k), ctypes.byref(v), ctypes.byref(o), lse_ptr, ctypes.byref(varlen),
+                host_cu_q, host_cu_k, scale, int(causal),
+            )
+        )
+
+    def forward_varlen(self, ctx, q, k, v, o, lse_ptr, varlen, host_cu_q, host_cu_k, scale, causal, stream):
+        """flashcore_forward_varlen on descriptors; `stream` is a CUstream address."""
+        self.check(
+            self.lib.flashcore_forward_varlen(
+                ctx, ctypes.byref(q), ctypes.byref(k), ctypes.byref(v), ctypes.byref(o), lse_ptr, ctypes.byref(varlen),
+                host_cu_q, host_cu_k, scale, int(causal), stream,
             )
         )
 

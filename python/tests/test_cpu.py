@@ -401,3 +401,38 @@ def test_serving_calls_compile_to_one_graph():
     ops = [n.target for n in calls[0].graph.nodes if n.op == "call_function"]
     for op in (torch.ops.flashcore.append_kv, torch.ops.flashcore.decode, torch.ops.flashcore.merge):
         assert op in ops, ops
+
+
+def test_varlen_checks_and_fake_shapes():
+    lib = _capi.library()
+    q, o = describe((1, 300, 8, 64), ptr=1 << 40), describe((1, 300, 8, 64), ptr=4 << 40)
+    k, v = describe((1, 500, 2, 64), ptr=2 << 40), describe((1, 500, 2, 64), ptr=3 << 40)
+    good = _capi.FlashcoreVarlen(5 << 40, (5 << 40) + 64, 2, 200)
+    lib.check_forward_varlen(q, k, v, o, 6 << 40, good, None, None, 0.0, True)  # valid: no exception
+    lib.check_forward_varlen(q, k, v, o, 0, good, _capi.int32_array([0, 100, 300]),
+                             _capi.int32_array([0, 250, 500]), 0.0, False)
+    for varlen, host_q, name in [
+        (_capi.FlashcoreVarlen(5 << 40, (5 << 40) + 64, 0, 200), None, "FLASHCORE_ERROR_EMPTY_DIMENSION"),
+        (_capi.FlashcoreVarlen(0, (5 << 40) + 64, 2, 200), None, "FLASHCORE_ERROR_NULL_POINTER"),
+        (_capi.FlashcoreVarlen(5 << 40, (5 << 40) + 2, 2, 200), None, "FLASHCORE_ERROR_MISALIGNED"),
+        (good, [0, 100, 50], "FLASHCORE_ERROR_INVALID_ARGUMENT"),
+        (good, [0, 250, 300], "FLASHCORE_ERROR_INVALID_ARGUMENT"),  # longer than max_seqlen_q
+    ]:
+        with pytest.raises(FlashcoreError) as e:
+            host_k = _capi.int32_array([0, 250, 500]) if host_q else None
+            lib.check_forward_varlen(q, k, v, o, 0, varlen, _capi.int32_array(host_q), host_k, 0.0, False)
+        assert e.value.name == name, (varlen.batch, host_q)
+    # Fake tensors: output shapes, and flashcore's rules (a head dim without kernels).
+    cu = i32(3)
+    o, lse = torch.ops.flashcore.attention_varlen(
+        meta(300, 8, 64), meta(500, 2, 64), meta(500, 2, 64), cu, cu, 200, None, None, True, 0.0, True
+    )
+    assert o.shape == (300, 8, 64) and lse.shape == (8, 300) and lse.dtype == torch.float32
+    with pytest.raises(FlashcoreError) as e:
+        torch.ops.flashcore.attention_varlen(
+            meta(300, 8, 80), meta(500, 2, 80), meta(500, 2, 80), cu, cu, 200, None, None, True, 0.0, False
+        )
+    assert e.value.name == "FLASHCORE_ERROR_UNSUPPORTED_HEAD_DIM"
+    with pytest.raises(ValueError, match="both"):
+        flashcore.attention_varlen(meta(300, 8, 64), meta(500, 2, 64), meta(500, 2, 64), cu, cu, 200,
+                                   host_cu_seqlens_q=[0, 1, 2])

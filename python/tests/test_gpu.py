@@ -503,3 +503,65 @@ def test_decode_torch_compile(seed):
         eager = f(q)
         compiled = torch.compile(f, fullgraph=True)(q)
     assert rel_l2(compiled, eager) <= 1e-3
+
+
+# ---- variable-length prefill -------------------------------------------------------------------
+
+VARLEN_LENS = [(1, 1), (7, 7), (0, 5), (5, 0), (17, 300), (300, 17), (1023, 1023), (64, 4097)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["f16", "bf16"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("heads", [(4, 2, 128), (8, 1, 64), (2, 2, 256)], ids=["gqa2-d128", "mqa-d64", "d256"])
+def test_varlen_matches_float64_per_sequence(dtype, causal, heads, seed):
+    hq, hkv, d = heads
+    lens_q = [a for a, _ in VARLEN_LENS]
+    lens_k = [b for _, b in VARLEN_LENS]
+    cu_q = torch.tensor([0] + torch.tensor(lens_q).cumsum(0).tolist(), dtype=torch.int32)
+    cu_k = torch.tensor([0] + torch.tensor(lens_k).cumsum(0).tolist(), dtype=torch.int32)
+    q = torch.randn(int(cu_q[-1]), hq, d, device="cuda", dtype=dtype)
+    k = torch.randn(int(cu_k[-1]), hkv, d, device="cuda", dtype=dtype)
+    v = torch.randn(int(cu_k[-1]), hkv, d, device="cuda", dtype=dtype)
+    poison_allocator((q.shape, dtype), ((hq, q.shape[0]), torch.float32))
+    o, lse = flashcore.attention_varlen(
+        q, k, v, cu_q.cuda(), cu_k.cuda(), max(lens_q), causal=causal, return_lse=True,
+        host_cu_seqlens_q=cu_q, host_cu_seqlens_k=cu_k,
+    )
+    torch.cuda.synchronize()
+    for b, (sq, sk) in enumerate(VARLEN_LENS):
+        if sq == 0:
+            continue
+        rows = slice(int(cu_q[b]), int(cu_q[b + 1]))
+        keys = slice(int(cu_k[b]), int(cu_k[b + 1]))
+        as_bhsd = lambda t: t.transpose(0, 1).unsqueeze(0)  # noqa: E731
+        got = as_bhsd(o[rows])
+        assert not got.isnan().any(), (b, sq, sk)
+        if sk == 0:
+            assert (got == 0).all() and torch.isneginf(lse[:, rows]).all()
+            continue
+        o_ref, lse_ref = reference(as_bhsd(q[rows]), as_bhsd(k[keys]), as_bhsd(v[keys]), causal)
+        if causal and sq > sk:  # rows that see no key: zeros and -inf, compared apart
+            blind = sq - sk
+            assert (got[:, :, :blind] == 0).all() and torch.isneginf(lse[:, rows][:, :blind]).all()
+            got, o_ref = got[:, :, blind:], o_ref[:, :, blind:]
+            lse_got, lse_ref = lse[:, rows][:, blind:], lse_ref[0][:, blind:]
+        else:
+            lse_got, lse_ref = lse[:, rows], lse_ref[0]
+        assert rel_l2(got, o_ref) < TOLERANCE[dtype], (b, sq, sk)
+        assert rel_l2(lse_got, lse_ref) < 1e-4, (b, sq, sk)
+
+
+def test_varlen_errors_and_compile(seed):
+    q = torch.randn(300, 4, 64, device="cuda", dtype=torch.float16)
+    kv = torch.randn(500, 2, 64, device="cuda", dtype=torch.float16)
+    cu_q = torch.tensor([0, 100, 300], dtype=torch.int32)
+    cu_k = torch.tensor([0, 250, 500], dtype=torch.int32)
+    with pytest.raises(FlashcoreError) as e:  # decreasing host offsets
+        flashcore.attention_varlen(q, kv, kv, cu_q.cuda(), cu_k.cuda(), 200, host_cu_seqlens_q=[0, 100, 50],
+                                   host_cu_seqlens_k=cu_k)
+    assert e.value.name == "FLASHCORE_ERROR_INVALID_ARGUMENT"
+    eager = flashcore.attention_varlen(q, kv, kv, cu_q.cuda(), cu_k.cuda(), 200, causal=True)
+    compiled = torch.compile(
+        lambda q, k, v, a, b: flashcore.attention_varlen(q, k, v, a, b, 200, causal=True), fullgraph=True
+    )
+    assert torch.equal(compiled(q, kv, kv, cu_q.cuda(), cu_k.cuda()), eager)
