@@ -841,33 +841,40 @@ fn decode(args: &[String]) -> Result<(), Failure> {
                 plan.splits,
                 plan.config.id()
             ));
-            // One decode step (and its merge) captured in a CUDA graph, replayed.
+            // One decode step (and its merge) captured in a CUDA graph per cache copy;
+            // the replays rotate over them (as the SDPA bench's graphs rotate over its
+            // inputs), so each replay reads its cache from HBM, not from L2.
             if (b, skv, page) == (1, 8192, 0) {
                 let side = dev.context().new_stream().map_err(err)?;
-                side.begin_capture(
-                    cudarc::driver::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
-                )
-                .map_err(err)?;
-                // SAFETY: as above; the graph replays on `side`, which the buffers outlive.
-                let captured = unsafe {
-                    attn.decode(
-                        &qv,
-                        &views[0],
-                        None,
-                        &ov,
-                        Some(&lv),
-                        &params,
-                        workspace,
-                        side.cu_stream(),
-                    )
-                };
-                let graph = side
-                    .end_capture(
-                        cudarc::driver::sys::CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH,
+                let mut graphs = Vec::new();
+                for view in &views {
+                    side.begin_capture(
+                        cudarc::driver::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
                     )
                     .map_err(err)?;
-                captured?;
-                let graph = graph.ok_or_else(|| Failure::Run("empty graph".into()))?;
+                    // SAFETY: as above; the graphs replay on `side`, which the buffers
+                    // outlive.
+                    let captured = unsafe {
+                        attn.decode(
+                            &qv,
+                            view,
+                            None,
+                            &ov,
+                            Some(&lv),
+                            &params,
+                            workspace,
+                            side.cu_stream(),
+                        )
+                    };
+                    let graph = side
+                        .end_capture(
+                            cudarc::driver::sys::CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH,
+                        )
+                        .map_err(err)?;
+                    captured?;
+                    graphs.push(graph.ok_or_else(|| Failure::Run("empty graph".into()))?);
+                }
+                let mut replay = 0;
                 // SAFETY: `side` is a live stream of this context.
                 let g = unsafe {
                     flashcore::host::timing::median_ms(
@@ -876,9 +883,12 @@ fn decode(args: &[String]) -> Result<(), Failure> {
                         5,
                         iters,
                         || {
-                            graph.launch().map_err(|e| flashcore::Error::Driver {
-                                call: "cuGraphLaunch",
-                                code: e.to_string(),
+                            replay += 1;
+                            graphs[replay % graphs.len()].launch().map_err(|e| {
+                                flashcore::Error::Driver {
+                                    call: "cuGraphLaunch",
+                                    code: e.to_string(),
+                                }
                             })
                         },
                     )

@@ -487,7 +487,7 @@ fn merge_launch(
     let dims = LaunchDims {
         grid: (rows.div_ceil(cfg.rows_per_block()), 1, 1),
         block: (cfg.threads(), 1, 1),
-        dynamic_smem: 0,
+        dynamic_smem: cfg.smem_bytes(),
     };
     (args, dims)
 }
@@ -566,7 +566,9 @@ impl Attention {
             head_dim: problem.cache.head_dim as u32,
         };
         let merge = if plan.splits > 1 {
-            Some(self.load(&merge_cfg.id(), 0, || merge_cfg.generate())?)
+            Some(self.load(&merge_cfg.id(), merge_cfg.smem_bytes(), || {
+                merge_cfg.generate()
+            })?)
         } else {
             None
         };
@@ -750,11 +752,11 @@ impl Attention {
         stream: CUstream,
     ) -> Result<()> {
         let cfg = validate_merge(parts, out, out_lse)?;
-        let kernel = self.load(&cfg.id(), 0, || cfg.generate())?;
+        let kernel = self.load(&cfg.id(), cfg.smem_bytes(), || cfg.generate())?;
         let (mut args, dims) = merge_launch(parts, out, out_lse, &cfg);
         let mut params = [(&mut args as *mut MergeArgs).cast::<c_void>()];
         // SAFETY: the one parameter is the by-value `MergeArgs`; the kernel reads the
-        // shards' validated extents (only those of positive weight) and writes `out` and
+        // shards' validated extents and writes `out` and
         // `out_lse`'s; this function's contract makes the memory live.
         unsafe { launch(&kernel, &dims, stream, &mut params) }
     }

@@ -9,17 +9,20 @@
 //! ```
 //!
 //! A shard whose keys were all masked has `LSE_i = −∞` and weight 0: it merges as
-//! nothing, whatever its `O_i` holds (it is never read). A row every shard masked gets
-//! O = 0 and LSE = −∞, as the forward gives such a row.
+//! nothing, whatever its `O_i` holds (NaN included: its values are replaced by 0, never
+//! used). A row every shard masked gets O = 0 and LSE = −∞, as the forward gives such a
+//! row.
 //!
-//! One warp merges one row `(b, s, h)`; lane `l` owns columns `l·cpl ..` (`cpl` columns
-//! per lane, even, so 16-bit values move in pairs).
+//! One block merges one row `(b, s, h)`: warp `w` sums shards `w, w + WARPS, ...` (so a
+//! row's shards are read by all warps at once, not one after another), lane `l` owning
+//! columns `l·cpl ..` (`cpl` columns per lane, even, so 16-bit values move in pairs); the
+//! warps' partial sums meet in shared memory.
 
 use std::mem::offset_of;
 
 use crate::ptx::{
-    Bf16x2, Cmp, F16x2, F32, Half2, Kernel, KernelText, Module, ParamBytes, PtxError, PtxType, Reg,
-    Special, Target, U32, U64,
+    Bf16x2, Cmp, F16x2, F32, Half2, Kernel, KernelText, Module, ParamBytes, Pred, PtxError,
+    PtxType, RawSlot, Reg, S32, SmemAddr, SmemPlan, Special, Target, U32, U64,
 };
 
 use super::FWD_HEAD_DIMS;
@@ -49,8 +52,10 @@ impl MergeType {
     }
 }
 
-/// Rows (warps) per block.
-const WARPS: u32 = 4;
+/// Warps per block, each summing every `WARPS`-th shard of the block's row.
+const WARPS: u32 = 8;
+/// Shards a warp loads together.
+const UNROLL: u32 = 2;
 
 /// One merge-kernel configuration.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -102,7 +107,20 @@ impl MergeConfig {
 
     /// Rows one block merges.
     pub fn rows_per_block(&self) -> u32 {
-        WARPS
+        1
+    }
+
+    /// The warps' partial sums: `WARPS` rows of `head_dim` floats, then `WARPS` totals.
+    fn plan(&self) -> (SmemPlan, RawSlot, RawSlot) {
+        let mut plan = SmemPlan::new();
+        let sums = plan.raw(WARPS * self.head_dim * 4, 16);
+        let totals = plan.raw(WARPS * 4, 4);
+        (plan, sums, totals)
+    }
+
+    /// Dynamic shared memory per block, bytes.
+    pub fn smem_bytes(&self) -> u32 {
+        self.plan().0.bytes()
     }
 
     /// Columns per lane: the smallest even count that splits the row over at most 32
@@ -207,18 +225,40 @@ fn build(cfg: &MergeConfig) -> Result<KernelText, PtxError> {
     let mut k = Kernel::new(&cfg.id());
     k.max_threads(cfg.threads());
     let args = k.param_bytes("args", MergeArgs::SIZE, 8);
+    let (plan, sums, totals) = cfg.plan();
+    let smem = k.shared_memory(&plan);
     let tid = k.special(Special::TidX);
-    let block = k.special(Special::CtaidX);
+    let row = k.special(Special::CtaidX);
     let lane = k.and(tid, 31u32);
     let warp = k.shr(tid, 5);
-    let row = k.mad(block, WARPS, warp);
     let rows = arg::<U32>(&mut k, args, offset_of!(MergeArgs, rows));
+    // The whole block takes the branch or none: it holds one row.
     let inside = k.setp(Cmp::Lt, row, rows);
-    k.if_(inside, |k| merge_row(k, cfg, args, row, lane));
+    let shared = Shared {
+        sums: smem.raw(&mut k, sums),
+        totals: smem.raw(&mut k, totals),
+    };
+    k.if_(inside, |k| {
+        merge_row(k, cfg, args, row, [warp, lane], shared)
+    });
     k.finish()
 }
 
-fn merge_row(k: &mut Kernel, cfg: &MergeConfig, args: ParamBytes, row: Reg<U32>, lane: Reg<U32>) {
+/// Where the warps leave their partial sums.
+#[derive(Clone, Copy)]
+struct Shared {
+    sums: SmemAddr,
+    totals: SmemAddr,
+}
+
+fn merge_row(
+    k: &mut Kernel,
+    cfg: &MergeConfig,
+    args: ParamBytes,
+    row: Reg<U32>,
+    [warp, lane]: [Reg<U32>; 2],
+    shared: Shared,
+) {
     let heads = arg::<U32>(k, args, offset_of!(MergeArgs, heads));
     let seqlen = arg::<U32>(k, args, offset_of!(MergeArgs, seqlen));
     let n_parts = arg::<U32>(k, args, offset_of!(MergeArgs, n_parts));
@@ -268,32 +308,127 @@ fn merge_row(k: &mut Kernel, cfg: &MergeConfig, args: ParamBytes, row: Reg<U32>,
     let e = k.mul(b64, st[1]);
     let e = k.mad(s64, st[2], e);
     let e = k.mad(h64, st[3], e);
-    let c = k.mul_wide_u32(lane, cpl);
+    // Lanes past the row's columns read the last lane's (they store nothing).
+    let col_lane = k.min(lane, cfg.head_dim / cpl - 1);
+    let c = k.mul_wide_u32(col_lane, cpl);
     let e = k.add(e, c);
     let e = k.mul(e, u64::from(cfg.input.bytes()));
     let part_row = k.add(parts, e);
     let part_step = k.mul(st[0], u64::from(cfg.input.bytes()));
     let acc: Vec<Reg<F32>> = (0..cpl).map(|_| k.mov(0f32)).collect();
     let total = k.mov(0f32);
-    let (lse_at, row_at) = (k.mov(lse_row), k.mov(part_row));
-    k.for_range(0i32, n_parts.cast(), 1, |k, _| {
-        let l = k.ld_global::<F32>(lse_at, 0);
-        let x = k.sub(l, m);
-        let x = k.mul(x, std::f32::consts::LOG2_E);
-        let w = k.ex2(x);
-        k.add_to(total, total, w);
-        let weighs = k.setp(Cmp::Gt, w, 0f32);
-        let read = k.and_pred(weighs, active);
-        k.if_(read, |k| {
-            let vals = load_row(k, cfg.input, row_at, cpl);
-            for (&a, &v) in acc.iter().zip(&vals) {
+    // Warp w starts at shard w and steps WARPS shards at a time.
+    let w64 = k.cvt_u64_u32(warp);
+    let lse_at = k.mad(w64, lse_step, lse_row);
+    let row_at = k.mad(w64, part_step, part_row);
+    let lse_step = k.mul(lse_step, u64::from(WARPS));
+    let part_step = k.mul(part_step, u64::from(WARPS));
+    // This warp's shards: ceil((n − w) / WARPS), none when w >= n.
+    let mine = k.add(n_parts, WARPS - 1);
+    let mine = k.sub(mine, warp);
+    let mine = k.div(mine, WARPS);
+    let some = k.setp(Cmp::Lt, warp, n_parts);
+    let mine = k.selp(mine, 0u32, some);
+    // UNROLL shards per step, all their loads issued before any is used (one shard at a
+    // time, every step waited for its LSE and then for its row: 29 shards of a decode split
+    // took 12 us at batch 1, 58 memory latencies in a row). Loads are unconditional so
+    // that nothing waits on them early: past the last shard they re-read the last one,
+    // and whatever a shard of weight 0 holds (NaN, say) is replaced by 0, never used.
+    k.for_range(0i32, mine.cast(), UNROLL as i32, |k, first| {
+        let left = k.sub(mine.cast::<S32>(), first);
+        let last = k.sub(left, 1i32);
+        let shards: Vec<(Reg<Pred>, Reg<U64>, Reg<U64>)> = (0..UNROLL as i32)
+            .map(|u| {
+                let exists = k.setp(Cmp::Lt, u, left);
+                let at = k.min(last, u);
+                let at = k.cvt_u64_u32(at.cast::<U32>());
+                let lse = k.mad(at, lse_step, lse_at);
+                let row = k.mad(at, part_step, row_at);
+                (exists, lse, row)
+            })
+            .collect();
+        let raw: Vec<(Reg<F32>, Vec<Reg<F32>>)> = shards
+            .iter()
+            .map(|&(_, lse, row)| {
+                let l = k.ld_global::<F32>(lse, 0);
+                (l, load_row(k, cfg.input, row, cpl))
+            })
+            .collect();
+        for (&(exists, _, _), (l, vals)) in shards.iter().zip(raw) {
+            let l = k.selp(l, f32::NEG_INFINITY, exists);
+            let x = k.sub(l, m);
+            let x = k.mul(x, std::f32::consts::LOG2_E);
+            let w = k.ex2(x);
+            k.add_to(total, total, w);
+            let weighs = k.setp(Cmp::Gt, w, 0f32);
+            for (&a, v) in acc.iter().zip(vals) {
+                let v = k.selp(v, 0f32, weighs);
                 k.mad_to(a, v, w, a);
             }
-        });
-        k.add_to(lse_at, lse_at, lse_step);
-        k.add_to(row_at, row_at, part_step);
+        }
+        let lse_jump = k.mul(lse_step, u64::from(UNROLL));
+        let part_jump = k.mul(part_step, u64::from(UNROLL));
+        k.add_to(lse_at, lse_at, lse_jump);
+        k.add_to(row_at, row_at, part_jump);
     });
 
+    k.comment("The warps' partial sums meet in shared memory; warp 0 finishes the row.");
+    // (Lanes past the row's columns use the last lane's slot: they store nothing, and warp
+    // 0's reads of them stay inside the buffer.)
+    let col4 = k.mul(col_lane, cpl * 4);
+    let at = k.mad(warp, cfg.head_dim * 4, col4);
+    let at = k.smem_offset(shared.sums, at);
+    k.if_(active, |k| {
+        for (i, &a) in acc.iter().enumerate() {
+            k.st_shared(at, (4 * i) as i32, a);
+        }
+    });
+    let lane0 = k.setp(Cmp::Eq, lane, 0u32);
+    let total_at = k.mul(warp, 4u32);
+    let total_at = k.smem_offset(shared.totals, total_at);
+    k.guarded(lane0, true, |k| k.st_shared(total_at, 0, total));
+    k.sync_threads();
+    let first = k.setp(Cmp::Eq, warp, 0u32);
+    k.if_(first, |k| {
+        finish_row(
+            k,
+            cfg,
+            args,
+            shared,
+            [lane, col4],
+            (m, lse_index),
+            [b64, s64, h64, c],
+            active,
+        )
+    });
+}
+
+/// Warp 0: sums the warps' partials, normalises, stores O and the LSE.
+#[allow(clippy::too_many_arguments)]
+fn finish_row(
+    k: &mut Kernel,
+    cfg: &MergeConfig,
+    args: ParamBytes,
+    shared: Shared,
+    [lane, col4]: [Reg<U32>; 2],
+    (m, lse_index): (Reg<F32>, Reg<U64>),
+    [b64, s64, h64, c]: [Reg<U64>; 4],
+    active: Reg<Pred>,
+) {
+    let cpl = cfg.cols_per_lane();
+    let acc: Vec<Reg<F32>> = (0..cpl).map(|_| k.mov(0f32)).collect();
+    let total = k.mov(0f32);
+    for w in 0..WARPS {
+        let at = k.smem_offset(shared.sums, col4);
+        let vals: Vec<Reg<F32>> = (0..cpl)
+            .map(|i| k.ld_shared::<F32>(at, (w * cfg.head_dim * 4 + 4 * i) as i32))
+            .collect();
+        for (&a, v) in acc.iter().zip(vals) {
+            k.add_to(a, a, v);
+        }
+        let t = k.ld_shared::<F32>(shared.totals, (4 * w) as i32);
+        k.add_to(total, total, t);
+    }
     k.comment("Normalise and store O; LSE = M + ln sum w_i (-inf for a row no shard saw).");
     let empty = k.setp(Cmp::Eq, total, 0f32);
     let inv = k.rcp(total);
