@@ -7,11 +7,14 @@
 //! values (±200): a kernel that reads them where it should not fails by far. Outputs are
 //! poisoned (NaN) before each call, so an unwritten element fails too.
 
+mod common;
+
 use std::sync::Arc;
 
-use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
+use common::{down, ptr, seeds, up};
+use cudarc::driver::{CudaSlice, CudaStream};
 use flashcore::Error;
-use flashcore::check::{TestSeeds, tolerance};
+use flashcore::check::tolerance;
 use flashcore::host::attention::Attention;
 use flashcore::host::decode::{MergeParts, Workspace};
 use flashcore::host::device::Device;
@@ -25,29 +28,6 @@ fn setup() -> (Attention, Arc<CudaStream>) {
     let device = Arc::new(Device::new(0).expect("a CUDA device"));
     let stream = device.context().default_stream();
     (Attention::new(device).expect("an sm_80+ GPU"), stream)
-}
-
-fn seeds() -> TestSeeds {
-    let seeds = TestSeeds::from_env().unwrap_or_else(|e| panic!("{e}"));
-    println!("random inputs: FLASHCORE_SEED={:#x}", seeds.run_seed());
-    seeds
-}
-
-fn up<T: cudarc::driver::DeviceRepr>(s: &Arc<CudaStream>, x: &[T]) -> CudaSlice<T> {
-    s.clone_htod(x).expect("upload")
-}
-
-fn ptr<T>(s: &Arc<CudaStream>, x: &CudaSlice<T>) -> u64 {
-    x.device_ptr(s).0
-}
-
-fn down<T: cudarc::driver::DeviceRepr + Default + Clone>(
-    s: &Arc<CudaStream>,
-    x: &CudaSlice<T>,
-) -> Vec<T> {
-    let v = s.clone_dtoh(x).expect("download");
-    s.synchronize().expect("sync");
-    v
 }
 
 fn dtype_of(h: HalfType) -> DType {

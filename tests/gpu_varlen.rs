@@ -8,11 +8,14 @@
 //! poisoned; key rows there hold ±200, so a kernel that reads them (other than the masked
 //! tail the sm90 path's TMA tiles take) fails by far.
 
+mod common;
+
 use std::sync::Arc;
 
-use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
+use common::{down, ptr, seeds, up};
+use cudarc::driver::{CudaSlice, CudaStream};
 use flashcore::Error;
-use flashcore::check::{TestSeeds, tolerance};
+use flashcore::check::tolerance;
 use flashcore::host::attention::{Attention, PathChoice};
 use flashcore::host::device::Device;
 use flashcore::host::tensor::{AttentionParams, DType, LseView, TensorView};
@@ -26,29 +29,6 @@ fn setup(path: PathChoice) -> (Attention, Arc<CudaStream>) {
     let stream = device.context().default_stream();
     let attn = Attention::new(device).expect("an sm_80+ GPU");
     (attn.with_path(path), stream)
-}
-
-fn seeds() -> TestSeeds {
-    let seeds = TestSeeds::from_env().unwrap_or_else(|e| panic!("{e}"));
-    println!("random inputs: FLASHCORE_SEED={:#x}", seeds.run_seed());
-    seeds
-}
-
-fn up<T: cudarc::driver::DeviceRepr>(s: &Arc<CudaStream>, x: &[T]) -> CudaSlice<T> {
-    s.clone_htod(x).expect("upload")
-}
-
-fn ptr<T>(s: &Arc<CudaStream>, x: &CudaSlice<T>) -> u64 {
-    x.device_ptr(s).0
-}
-
-fn down<T: cudarc::driver::DeviceRepr + Default + Clone>(
-    s: &Arc<CudaStream>,
-    x: &CudaSlice<T>,
-) -> Vec<T> {
-    let v = s.clone_dtoh(x).expect("download");
-    s.synchronize().expect("sync");
-    v
 }
 
 /// One packed batch.
