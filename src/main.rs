@@ -782,44 +782,22 @@ fn decode(args: &[String]) -> Result<(), Failure> {
             });
             let problem = flashcore::host::decode::decode_problem(&qv, &views[0], &params)?;
             let plan = attn.decode_plan(&problem)?;
-            let mut turn = 0;
             // SAFETY: every view points into the buffers above, alive until the end of
             // this iteration, on their own stream.
-            let t = unsafe {
-                flashcore::host::timing::median_ms(
-                    dev.context(),
-                    stream.cu_stream(),
-                    5,
-                    iters,
-                    || {
-                        turn += 1;
-                        if turn == 5 {
-                            // Milliseconds of GPU work ahead of the timed calls, so the
-                            // host queues them faster than they run and each span is GPU
-                            // time, not launch overhead (as the SDPA bench's sleep does).
-                            for _ in 0..8 {
-                                stream.memset_zeros(&mut busy).map_err(|e| {
-                                    flashcore::Error::Driver {
-                                        call: "cuMemsetD8Async",
-                                        code: e.to_string(),
-                                    }
-                                })?;
-                            }
-                        }
-                        attn.decode(
-                            &qv,
-                            &views[turn % views.len()],
-                            None,
-                            &ov,
-                            Some(&lv),
-                            &params,
-                            workspace,
-                            stream.cu_stream(),
-                        )
-                    },
-                )
+            let us = unsafe {
+                median_us_queued(&dev, &stream, &mut busy, iters, |turn| {
+                    attn.decode(
+                        &qv,
+                        &views[turn % views.len()],
+                        None,
+                        &ov,
+                        Some(&lv),
+                        &params,
+                        workspace,
+                        stream.cu_stream(),
+                    )
+                })
             }?;
-            let us = t.median_ms as f64 * 1e3;
             let gbps = kv_bytes as f64 / (us * 1e3);
             let layout = if page == 0 {
                 "contiguous".to_string()
@@ -1015,23 +993,10 @@ fn varlen(args: &[String]) -> Result<(), Failure> {
             view(p(&v), hkv),
             view(p(&out), hq),
         );
-        let mut turn = 0;
         // SAFETY: the views lie inside the buffers above (sized for the padded batch),
         // which outlive the timing, on their own stream.
-        let t = unsafe {
-            flashcore::host::timing::median_ms(dev.context(), stream.cu_stream(), 5, iters, || {
-                turn += 1;
-                if turn == 5 {
-                    // GPU work ahead of the timed calls (see `decode`).
-                    for _ in 0..8 {
-                        stream
-                            .memset_zeros(&mut busy)
-                            .map_err(|e| flashcore::Error::Driver {
-                                call: "cuMemsetD8Async",
-                                code: e.to_string(),
-                            })?;
-                    }
-                }
+        unsafe {
+            median_us_queued(&dev, &stream, &mut busy, iters, |_| {
                 if packed {
                     attn.forward_varlen(
                         &qv,
@@ -1047,8 +1012,7 @@ fn varlen(args: &[String]) -> Result<(), Failure> {
                     attn.forward(&qv, &kv, &vv, &ov, Some(&lv), &params, stream.cu_stream())
                 }
             })
-        }?;
-        Ok(t.median_ms as f64 * 1e3)
+        }
     };
     let packed_us = time(true)?;
     let padded_us = time(false)?;
@@ -1078,4 +1042,42 @@ fn varlen(args: &[String]) -> Result<(), Failure> {
         std::fs::write(path, json).map_err(|e| Failure::Run(format!("writing {path}: {e}")))?;
     }
     Ok(())
+}
+
+/// The median time of `call(turn)` in µs (CUDA events, 5 warm-up calls, then `iters`),
+/// with milliseconds of GPU work (`busy` cleared 8 times) queued ahead of the timed calls:
+/// the host then queues them faster than they run, so each span is GPU time, not launch
+/// overhead (as the SDPA benches' sleep does).
+///
+/// # Safety
+///
+/// As for [`flashcore::host::timing::median_ms`]: whatever `call` launches must be valid
+/// work on `stream`.
+unsafe fn median_us_queued(
+    dev: &Device,
+    stream: &Arc<cudarc::driver::CudaStream>,
+    busy: &mut cudarc::driver::CudaSlice<u8>,
+    iters: usize,
+    mut call: impl FnMut(usize) -> flashcore::Result<()>,
+) -> Result<f64, Failure> {
+    let mut turn = 0;
+    // SAFETY: `stream` is a live stream of the device's context; the caller vouches for
+    // what `call` launches.
+    let t = unsafe {
+        flashcore::host::timing::median_ms(dev.context(), stream.cu_stream(), 5, iters, || {
+            turn += 1;
+            if turn == 5 {
+                for _ in 0..8 {
+                    stream
+                        .memset_zeros(busy)
+                        .map_err(|e| flashcore::Error::Driver {
+                            call: "cuMemsetD8Async",
+                            code: e.to_string(),
+                        })?;
+                }
+            }
+            call(turn)
+        })
+    }?;
+    Ok(t.median_ms as f64 * 1e3)
 }

@@ -580,14 +580,7 @@ impl Attention {
         let rows = plan.splits * problem.cache.batch * problem.seqlen_q * problem.heads_q;
         let lse_part = ws + (rows * problem.cache.head_dim * 4).next_multiple_of(256) as u64;
         let c = &problem.cache;
-        let (block_table, table_stride) = match cache.layout {
-            super::kv_cache::CacheLayout::Paged {
-                block_table,
-                table_stride,
-                ..
-            } => (block_table, table_stride as u64),
-            super::kv_cache::CacheLayout::Contiguous => (0, 0),
-        };
+        let (block_table, table_stride) = cache.layout.table();
         let mut args = DecodeArgs {
             q: q.ptr,
             k: cache.k.ptr,
@@ -691,14 +684,7 @@ impl Attention {
         };
         let kernel = self.load(&cfg.id(), 0, || cfg.generate())?;
         let c = &problem.cache;
-        let (block_table, table_stride) = match cache.layout {
-            super::kv_cache::CacheLayout::Paged {
-                block_table,
-                table_stride,
-                ..
-            } => (block_table, table_stride as u64),
-            super::kv_cache::CacheLayout::Contiguous => (0, 0),
-        };
+        let (block_table, table_stride) = cache.layout.table();
         let total = c.batch * problem.new_tokens * c.heads_kv * c.head_dim / 8;
         let mut args = AppendArgs {
             k_new: k_new.ptr,

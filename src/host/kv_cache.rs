@@ -36,6 +36,21 @@ pub enum CacheLayout {
     },
 }
 
+impl CacheLayout {
+    /// The block table's address and row stride as the kernels take them: (0, 0) for a
+    /// contiguous cache.
+    pub fn table(&self) -> (u64, u64) {
+        match *self {
+            CacheLayout::Paged {
+                block_table,
+                table_stride,
+                ..
+            } => (block_table, table_stride as u64),
+            CacheLayout::Contiguous => (0, 0),
+        }
+    }
+}
+
 /// A KV cache of a batch of sequences.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct KvCache {
