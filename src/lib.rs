@@ -13,6 +13,7 @@ pub mod ffi;
 pub mod host;
 pub mod kernels;
 pub mod ptx;
+pub mod quant;
 pub mod reference;
 pub mod shape;
 pub mod tma;

@@ -345,11 +345,15 @@ pub fn validate_append(
     })
 }
 
-fn merge_type(t: DType) -> MergeType {
+/// The merge kernels' element type of a tensor: 16-bit or f32, never FP8.
+fn merge_type(name: &'static str, t: DType) -> Result<MergeType> {
     match t {
-        DType::F16 => MergeType::F16,
-        DType::Bf16 => MergeType::Bf16,
-        DType::F32 => MergeType::F32,
+        DType::F16 => Ok(MergeType::F16),
+        DType::Bf16 => Ok(MergeType::Bf16),
+        DType::F32 => Ok(MergeType::F32),
+        DType::E4m3 => Err(Error::UnsupportedDType(format!(
+            "{name} is e4m3; merging takes f16, bf16 or f32"
+        ))),
     }
 }
 
@@ -373,6 +377,8 @@ pub fn validate_merge(
             out.shape, o.shape
         )));
     }
+    let input = merge_type("parts", o.dtype)?;
+    let output = merge_type("out", out.dtype)?;
     let [batch, seqlen, heads, head_dim] = o.shape;
     if !decode::HEAD_DIMS.contains(&(head_dim as u32)) {
         return Err(Error::UnsupportedHeadDim(head_dim, HEAD_DIMS_TEXT));
@@ -448,8 +454,8 @@ pub fn validate_merge(
         lse_range,
     )?;
     Ok(MergeConfig {
-        input: merge_type(o.dtype),
-        output: merge_type(out.dtype),
+        input,
+        output,
         head_dim: head_dim as u32,
     })
 }
@@ -562,7 +568,7 @@ impl Attention {
         })?;
         let merge_cfg = MergeConfig {
             input: MergeType::F32,
-            output: merge_type(o.dtype),
+            output: merge_type("o", o.dtype)?,
             head_dim: problem.cache.head_dim as u32,
         };
         let merge = if plan.splits > 1 {

@@ -8,6 +8,7 @@
 //! - [`tensor`]: tensor views (pointer, shape, strides, dtype).
 //! - [`validate`]: argument checks that return typed errors before anything runs.
 //! - [`attention`]: the forward-attention entry point and dispatch.
+//! - [`fp8`]: FP8 (E4M3) forward attention with per-block scales.
 //! - [`varlen`]: forward attention over packed sequences of different lengths.
 //! - [`kv_cache`]: KV caches (contiguous or paged) and their checks.
 //! - [`decode`]: serving calls: split-KV decode, appending to a cache, merging partial
@@ -18,6 +19,7 @@ pub mod attention;
 pub mod cache;
 pub mod decode;
 pub mod device;
+pub mod fp8;
 pub mod gemm;
 pub mod kv_cache;
 pub mod launch;

@@ -13,6 +13,8 @@ pub enum DType {
     F16,
     Bf16,
     F32,
+    /// FP8 E4M3 (the FP8 path's Q and K; see [`crate::host::fp8`]).
+    E4m3,
 }
 
 impl DType {
@@ -21,6 +23,7 @@ impl DType {
         match self {
             DType::F16 | DType::Bf16 => 2,
             DType::F32 => 4,
+            DType::E4m3 => 1,
         }
     }
 
@@ -30,6 +33,7 @@ impl DType {
             DType::F16 => "f16",
             DType::Bf16 => "bf16",
             DType::F32 => "f32",
+            DType::E4m3 => "e4m3",
         }
     }
 
@@ -38,7 +42,7 @@ impl DType {
         match self {
             DType::F16 => Some(HalfType::F16),
             DType::Bf16 => Some(HalfType::Bf16),
-            DType::F32 => None,
+            DType::F32 | DType::E4m3 => None,
         }
     }
 }

@@ -10,6 +10,8 @@ use crate::ptx::{Module, PtxError};
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum KernelSpec {
     Fwd(attention::FwdConfig),
+    /// FP8 (E4M3) forward with per-block scales.
+    Fp8(attention::fp8::Fp8Config),
     /// Split-KV decode against a contiguous or paged cache.
     Decode(attention::decode::DecodeConfig),
     /// Merging partial results by their log-sum-exp (decode's combine, KV shards).
@@ -27,6 +29,7 @@ impl KernelSpec {
     pub fn id(&self) -> String {
         match self {
             KernelSpec::Fwd(c) => c.id(),
+            KernelSpec::Fp8(c) => c.id(),
             KernelSpec::Decode(c) => c.id(),
             KernelSpec::Merge(c) => c.id(),
             KernelSpec::Append(c) => c.id(),
@@ -39,6 +42,7 @@ impl KernelSpec {
     pub fn generate(&self) -> Result<Module, PtxError> {
         match self {
             KernelSpec::Fwd(c) => c.generate(),
+            KernelSpec::Fp8(c) => c.generate(),
             KernelSpec::Decode(c) => c.generate(),
             KernelSpec::Merge(c) => c.generate(),
             KernelSpec::Append(c) => c.generate(),
@@ -51,6 +55,7 @@ impl KernelSpec {
     pub fn smem_bytes(&self) -> u32 {
         match self {
             KernelSpec::Fwd(c) => c.tiling().smem_bytes,
+            KernelSpec::Fp8(c) => c.tiling().smem_bytes,
             KernelSpec::Decode(c) => c.smem_bytes(),
             KernelSpec::Merge(_) | KernelSpec::Append(_) => 0,
             KernelSpec::Gemm(c) => c.smem().0.bytes(),
@@ -72,6 +77,12 @@ impl KernelSpec {
             KernelSpec::Gemm(c) => match c.dtype {
                 gemm::GemmType::E4m3 => &["QGMMA", "UTMALDG", "SYNCS"],
                 _ => &["HGMMA", "UTMALDG", "SYNCS"],
+            },
+            // e4m3 wgmma (QGMMA) on TMA tiles; or e4m3 mma.sync (HMMA.16832.F32.E4M3)
+            // on cp.async tiles.
+            KernelSpec::Fp8(c) => match c.path {
+                attention::fp8::Fp8Path::Sm90 => &["QGMMA", "UTMALDG", "SYNCS"],
+                attention::fp8::Fp8Path::Sm89 => &["E4M3", "LDGSTS"],
             },
             KernelSpec::TmaCopy(_) => &["UTMALDG", "UTMASTG", "SYNCS"],
             // Decode: mma.sync on cp.async tiles. Merge and append are plain loads and

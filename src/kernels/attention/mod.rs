@@ -4,12 +4,15 @@
 pub mod append;
 pub mod decode;
 pub mod epilogue;
+pub mod fp8;
 pub mod mask;
 pub mod merge;
 pub mod rows;
 pub mod sequence;
 pub mod sm80;
+pub mod sm89_fp8;
 pub mod sm90;
+pub mod sm90_fp8;
 pub mod softmax;
 
 use crate::ptx::{Module, PtxError};

@@ -1,0 +1,444 @@
+//! FP8 (E4M3) forward attention with per-block scales: operands, checks, dispatch and
+//! launch. The data contract (layouts, scale semantics) is
+//! [`crate::kernels::attention::fp8`]'s.
+//!
+//! Hopper runs the sm90a kernel (TMA + wgmma e4m3); Ada and later GPUs, and Hopper when
+//! the caller asks for the fallback ([`PathChoice::Sm80`]), run the sm89 one
+//! (`mma.sync` e4m3). GPUs below sm_89 have no FP8 tensor cores: a typed error.
+
+use std::ffi::c_void;
+
+use cudarc::driver::sys::CUstream;
+
+use super::attention::{Attention, PathChoice};
+use super::launch::{LaunchDims, launch};
+use super::tensor::{AttentionParams, DType, LseView, TensorView};
+use super::validate::{
+    LSE_ALIGN, MAX_GRID_YZ, MAX_SEQLEN, TENSOR_ALIGN, byte_range_of, check_no_self_overlap,
+    check_not_empty, check_pointer, check_scale, check_strides, lse_byte_range, overlaps,
+};
+use crate::error::{Error, Result};
+use crate::kernels::attention::fp8::{
+    Fp8Args, Fp8Config, Fp8Path, HEAD_DIMS, scale_blocks, vt_min_pitch,
+};
+use crate::kernels::attention::{FwdArgs, HalfType};
+use crate::shape::AttnShape;
+
+/// [`HEAD_DIMS`] as the text [`Error::UnsupportedHeadDim`] carries.
+pub const FP8_HEAD_DIMS_TEXT: &str = "64, 128, 256";
+
+/// `Vᵀ8`: e4m3 `[B, Hkv, D, pitch]`, keys contiguous and permuted in groups of 16 (see
+/// [`crate::kernels::attention::fp8`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct VtView {
+    /// Device address of `vt[0, 0, 0, 0]`, 16-byte aligned.
+    pub ptr: u64,
+    pub batch: usize,
+    pub heads: usize,
+    pub head_dim: usize,
+    /// Keys (Sk): the row's first `seqlen` positions' keys are real.
+    pub seqlen: usize,
+    /// (batch, head, row) strides in elements (bytes); the row stride is the pitch, a
+    /// multiple of 16 and at least `seqlen` rounded up to 16.
+    pub strides: [usize; 3],
+}
+
+impl VtView {
+    /// A contiguous `[B, H, D, pitch]` tensor with the smallest pitch for `seqlen` keys.
+    pub fn contiguous(
+        ptr: u64,
+        batch: usize,
+        heads: usize,
+        head_dim: usize,
+        seqlen: usize,
+    ) -> Self {
+        let pitch = vt_min_pitch(seqlen as u64) as usize;
+        VtView {
+            ptr,
+            batch,
+            heads,
+            head_dim,
+            seqlen,
+            strides: [heads * head_dim * pitch, head_dim * pitch, pitch],
+        }
+    }
+
+    pub fn pitch(&self) -> usize {
+        self.strides[2]
+    }
+
+    /// The bytes `[B, H, D, pitch]` spans, or `None` on overflow.
+    pub fn byte_range(&self) -> Option<(u64, u64)> {
+        let last = [self.batch, self.heads, self.head_dim]
+            .iter()
+            .zip(&self.strides)
+            .try_fold(0usize, |acc, (&n, &st)| {
+                acc.checked_add(n.checked_sub(1)?.checked_mul(st)?)
+            })?;
+        let bytes = last.checked_add(self.pitch())?;
+        Some((self.ptr, self.ptr.checked_add(bytes as u64)?))
+    }
+}
+
+/// The FP8 inputs of one forward call: codes and per-block scales (device pointers).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Fp8Operands {
+    /// e4m3 `[B, Sq, Hq, D]` ([`DType::E4m3`]).
+    pub q: TensorView,
+    /// e4m3 `[B, Sk, Hkv, D]`.
+    pub k: TensorView,
+    pub vt: VtView,
+    /// f32 `[B, Hq, ceil(Sq/128)]`, contiguous.
+    pub q_scale: u64,
+    /// f32 `[B, Hkv, ceil(Sk/128)]`, contiguous.
+    pub k_scale: u64,
+    /// f32 `[B, Hkv, ceil(Sk/128)]`, contiguous.
+    pub v_scale: u64,
+    /// f32 `[B, Hq, Sq]` added (times the softmax scale) to each row's LSE, e.g. the
+    /// quantizer's `q · mean_k` with K smoothing; `None` adds nothing.
+    pub lse_shift: Option<u64>,
+}
+
+/// A validated FP8 problem.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Fp8Problem {
+    pub shape: AttnShape,
+    pub out: HalfType,
+    pub scale: f32,
+    pub causal: bool,
+}
+
+/// Checks an FP8 forward call; the order follows [`super::validate`]'s: dtypes, empty
+/// dimensions, shapes, head dim, head ratio, sizes, softmax scale, pointers, strides and
+/// extents, then that the outputs overlap nothing.
+pub fn validate_fp8(
+    ops: &Fp8Operands,
+    o: &TensorView,
+    lse: Option<&LseView>,
+    params: &AttentionParams,
+) -> Result<Fp8Problem> {
+    let (q, k, vt) = (&ops.q, &ops.k, &ops.vt);
+    for (name, t) in [("q", q), ("k", k)] {
+        if t.dtype != DType::E4m3 {
+            return Err(Error::UnsupportedDType(format!(
+                "{name} is {}; the FP8 path takes e4m3 codes",
+                t.dtype
+            )));
+        }
+    }
+    let out = o.dtype.half_type().ok_or_else(|| {
+        Error::UnsupportedDType(format!("o is {}; the FP8 path writes f16 or bf16", o.dtype))
+    })?;
+    for (name, t) in [("q", q), ("k", k), ("o", o)] {
+        check_not_empty(name, t)?;
+    }
+    if o.shape != q.shape {
+        return Err(Error::ShapeMismatch(format!(
+            "o has shape {:?} but q has {:?}; they must be equal",
+            o.shape, q.shape
+        )));
+    }
+    let (batch, seqlen_q, heads_q, head_dim) = (q.batch(), q.seqlen(), q.heads(), q.head_dim());
+    let (seqlen_k, heads_kv) = (k.seqlen(), k.heads());
+    if k.batch() != batch || k.head_dim() != head_dim {
+        return Err(Error::ShapeMismatch(format!(
+            "k has shape {:?}, q {:?}: batch and head_dim must agree",
+            k.shape, q.shape
+        )));
+    }
+    let vt_shape = [vt.batch, vt.heads, vt.head_dim, vt.seqlen];
+    if vt_shape != [batch, heads_kv, head_dim, seqlen_k] {
+        return Err(Error::ShapeMismatch(format!(
+            "vt is [B, Hkv, D, Sk] = {vt_shape:?}; k implies {:?}",
+            [batch, heads_kv, head_dim, seqlen_k]
+        )));
+    }
+    if !HEAD_DIMS.contains(&(head_dim as u32)) {
+        return Err(Error::UnsupportedHeadDim(head_dim, FP8_HEAD_DIMS_TEXT));
+    }
+    if !heads_q.is_multiple_of(heads_kv) {
+        return Err(Error::HeadRatio {
+            hq: heads_q,
+            hkv: heads_kv,
+        });
+    }
+    for (what, n) in [("seqlen_q", seqlen_q), ("seqlen_k", seqlen_k)] {
+        if n > MAX_SEQLEN {
+            return Err(Error::InvalidArgument(format!(
+                "{what} {n} exceeds the limit of {MAX_SEQLEN} (2^25)"
+            )));
+        }
+    }
+    if batch > MAX_GRID_YZ || heads_q > MAX_GRID_YZ {
+        return Err(Error::InvalidArgument(format!(
+            "batch {batch} or query heads {heads_q} exceed the grid limit {MAX_GRID_YZ}"
+        )));
+    }
+    check_scale(params)?;
+
+    for (name, ptr) in [("q", q.ptr), ("k", k.ptr), ("vt", vt.ptr), ("o", o.ptr)] {
+        check_pointer(name, ptr, TENSOR_ALIGN)?;
+    }
+    let scales = [
+        ("q_scale", ops.q_scale),
+        ("k_scale", ops.k_scale),
+        ("v_scale", ops.v_scale),
+    ];
+    for (name, ptr) in scales {
+        check_pointer(name, ptr, 4)?;
+    }
+    if let Some(p) = ops.lse_shift {
+        check_pointer("lse_shift", p, 4)?;
+    }
+    if let Some(l) = lse {
+        check_pointer("lse", l.ptr, LSE_ALIGN)?;
+    }
+
+    for (name, t) in [("q", q), ("k", k), ("o", o)] {
+        check_strides(name, t)?;
+    }
+    let pitch = vt.pitch();
+    if (pitch as u64) < vt_min_pitch(seqlen_k as u64) || !pitch.is_multiple_of(16) {
+        return Err(Error::BadStrides {
+            tensor: "vt",
+            reason: format!(
+                "pitch {pitch} must be a multiple of 16 and at least {}",
+                vt_min_pitch(seqlen_k as u64)
+            ),
+        });
+    }
+    for (dim, n, st) in [
+        ("batch", batch, vt.strides[0]),
+        ("head", heads_kv, vt.strides[1]),
+    ] {
+        if n > 1 && !st.is_multiple_of(16) {
+            return Err(Error::BadStrides {
+                tensor: "vt",
+                reason: format!("{dim} stride {st} is not a multiple of 16 bytes"),
+            });
+        }
+    }
+    let vt_range = vt.byte_range().ok_or_else(|| Error::BadStrides {
+        tensor: "vt",
+        reason: "overflows 64-bit addressing".into(),
+    })?;
+    let f32_range = |name: &'static str, ptr: u64, n: usize| -> Result<(u64, u64)> {
+        n.checked_mul(4)
+            .and_then(|b| ptr.checked_add(b as u64))
+            .map(|end| (ptr, end))
+            .ok_or_else(|| Error::BadStrides {
+                tensor: name,
+                reason: "overflows 64-bit addressing".into(),
+            })
+    };
+    let q_blocks = scale_blocks(seqlen_q as u32) as usize;
+    let kv_blocks = scale_blocks(seqlen_k as u32) as usize;
+    let mut inputs = vec![
+        ("q", byte_range_of("q", q)?),
+        ("k", byte_range_of("k", k)?),
+        ("vt", vt_range),
+        (
+            "q_scale",
+            f32_range("q_scale", ops.q_scale, batch * heads_q * q_blocks)?,
+        ),
+        (
+            "k_scale",
+            f32_range("k_scale", ops.k_scale, batch * heads_kv * kv_blocks)?,
+        ),
+        (
+            "v_scale",
+            f32_range("v_scale", ops.v_scale, batch * heads_kv * kv_blocks)?,
+        ),
+    ];
+    if let Some(p) = ops.lse_shift {
+        let n = batch * heads_q * seqlen_q;
+        inputs.push(("lse_shift", f32_range("lse_shift", p, n)?));
+    }
+    let o_range = byte_range_of("o", o)?;
+    check_no_self_overlap("o", o)?;
+    let lse_range = match lse {
+        Some(l) => Some(lse_byte_range(l, batch, heads_q, seqlen_q)?),
+        None => None,
+    };
+    for (name, r) in &inputs {
+        for (out, range) in [("o", Some(o_range)), ("lse", lse_range)] {
+            if let Some(range) = range
+                && overlaps(range, *r)
+            {
+                return Err(Error::InvalidArgument(format!(
+                    "{out}'s memory [{:#x}, {:#x}) overlaps {name}'s [{:#x}, {:#x})",
+                    range.0, range.1, r.0, r.1
+                )));
+            }
+        }
+    }
+    if let Some(lr) = lse_range
+        && overlaps(lr, o_range)
+    {
+        return Err(Error::InvalidArgument("lse overlaps o".into()));
+    }
+    Ok(Fp8Problem {
+        shape: AttnShape {
+            batch,
+            seqlen_q,
+            seqlen_k,
+            heads_q,
+            heads_kv,
+            head_dim,
+        },
+        out,
+        scale: params.scale_for(head_dim),
+        causal: params.causal,
+    })
+}
+
+/// The FP8 kernel family of a GPU: sm90a on Hopper (unless the caller chose the
+/// fallback), sm89 on Ada and later; none below sm_89.
+pub fn fp8_path_for(arch: (i32, i32), choice: PathChoice) -> Result<Fp8Path, String> {
+    match arch {
+        (9, 0) if choice == PathChoice::Best => Ok(Fp8Path::Sm90),
+        (major, minor) if (major, minor) >= (8, 9) => Ok(Fp8Path::Sm89),
+        (major, minor) => Err(format!(
+            "sm_{major}{minor} has no FP8 tensor cores (FP8 needs sm_89 or later)"
+        )),
+    }
+}
+
+/// The argument block of a validated problem (pointers of Q8 and K8 included; the sm90
+/// kernel reads them through tensor maps instead).
+pub(crate) fn fp8_args(
+    problem: &Fp8Problem,
+    cfg: &Fp8Config,
+    ops: &Fp8Operands,
+    o: &TensorView,
+    lse: Option<&LseView>,
+) -> Fp8Args {
+    let shape = problem.shape;
+    let st = |t: &TensorView| {
+        [
+            t.strides[0] as u64,
+            t.strides[1] as u64,
+            t.strides[2] as u64,
+        ]
+    };
+    let base = FwdArgs {
+        q: ops.q.ptr,
+        k: ops.k.ptr,
+        v: 0,
+        o: o.ptr,
+        lse: lse.map_or(0, |l| l.ptr),
+        q_stride: st(&ops.q),
+        k_stride: st(&ops.k),
+        v_stride: [0; 3],
+        o_stride: st(o),
+        seqlen_q: shape.seqlen_q as u32,
+        seqlen_k: shape.seqlen_k as u32,
+        heads_q: shape.heads_q as u32,
+        group: shape.group() as u32,
+        scale_log2: problem.scale * std::f32::consts::LOG2_E,
+        scale: problem.scale,
+        q_blocks: shape.seqlen_q.div_ceil(cfg.tiling().block_m as usize) as u32,
+        batch: shape.batch as u32,
+        cu_seqlens_q: 0,
+        cu_seqlens_k: 0,
+        lse_stride: [
+            (shape.heads_q * shape.seqlen_q) as u64,
+            shape.seqlen_q as u64,
+        ],
+    };
+    Fp8Args {
+        base,
+        vt: ops.vt.ptr,
+        vt_stride: ops.vt.strides.map(|s| s as u64),
+        q_scale: ops.q_scale,
+        k_scale: ops.k_scale,
+        v_scale: ops.v_scale,
+        lse_shift: ops.lse_shift.unwrap_or(0),
+        q_scale_blocks: scale_blocks(shape.seqlen_q as u32),
+        kv_scale_blocks: scale_blocks(shape.seqlen_k as u32),
+    }
+}
+
+impl Attention {
+    /// The FP8 configuration `problem` runs with on this device.
+    pub fn plan_fp8(&self, problem: &Fp8Problem) -> Result<Fp8Config> {
+        let arch = self.device().compute_capability();
+        let path = fp8_path_for(arch, self.path_choice()).map_err(|why| Error::UnsupportedGpu {
+            name: format!("{} ({why})", self.device().name()),
+            major: arch.0,
+            minor: arch.1,
+        })?;
+        Ok(Fp8Config {
+            path,
+            out: problem.out,
+            head_dim: problem.shape.head_dim as u32,
+            causal: problem.causal,
+        })
+    }
+
+    /// `o = softmax(q kᵀ · scale) v` from FP8 operands with per-block scales, on `stream`;
+    /// writes `lse` (natural log, `[B, Hq, Sq]`) when given. Checked first: on error
+    /// nothing is launched or written. Asynchronous.
+    ///
+    /// # Safety
+    ///
+    /// As for [`Attention::forward`]: every pointer in `ops`, `o` and `lse` is device
+    /// memory of this device's context, live for the extents described until the kernel
+    /// has run, and nothing else writes the inputs or touches the outputs meanwhile.
+    pub unsafe fn forward_fp8(
+        &self,
+        ops: &Fp8Operands,
+        o: &TensorView,
+        lse: Option<&LseView>,
+        params: &AttentionParams,
+        stream: CUstream,
+    ) -> Result<()> {
+        let problem = validate_fp8(ops, o, lse, params)?;
+        let cfg = self.plan_fp8(&problem)?;
+        // SAFETY: this function's contract, passed on unchanged.
+        unsafe { self.launch_fp8(&problem, &cfg, ops, o, lse, stream) }
+    }
+
+    /// Launches `cfg` on a validated problem.
+    ///
+    /// # Safety
+    ///
+    /// As for [`Attention::forward_fp8`]; `problem` must come from validating these views.
+    pub(crate) unsafe fn launch_fp8(
+        &self,
+        problem: &Fp8Problem,
+        cfg: &Fp8Config,
+        ops: &Fp8Operands,
+        o: &TensorView,
+        lse: Option<&LseView>,
+        stream: CUstream,
+    ) -> Result<()> {
+        let tiling = cfg.tiling();
+        let kernel = self.load(&cfg.id(), tiling.smem_bytes, || cfg.generate())?;
+        let mut args = fp8_args(problem, cfg, ops, o, lse);
+        let shape = problem.shape;
+        match cfg.path {
+            Fp8Path::Sm89 => {
+                let dims = LaunchDims {
+                    grid: (
+                        shape.seqlen_q.div_ceil(tiling.block_m as usize) as u32,
+                        shape.heads_q as u32,
+                        shape.batch as u32,
+                    ),
+                    block: (tiling.threads, 1, 1),
+                    dynamic_smem: tiling.smem_bytes,
+                };
+                let mut params = [(&mut args as *mut Fp8Args).cast::<c_void>()];
+                // SAFETY: the kernel's one parameter is the by-value `Fp8Args` block, which
+                // `args` is and which outlives the call; validate_fp8 checked every pointer
+                // and extent, and this function's contract makes them live memory of this
+                // context and `stream` a stream of it.
+                unsafe { launch(&kernel, &dims, stream, &mut params) }
+            }
+            Fp8Path::Sm90 => Err(Error::InvalidArgument(format!(
+                "{} is not built yet",
+                cfg.id()
+            ))),
+        }
+    }
+}

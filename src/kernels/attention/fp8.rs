@@ -1,0 +1,230 @@
+//! FP8 (E4M3) attention with per-block dynamic scaling: the data contract the quantizer,
+//! the kernels and the host share, and the kernel configurations.
+//!
+//! # Operands
+//!
+//! - `Q8`: e4m3 `[B, Sq, Hq, D]`, `K8`: e4m3 `[B, Sk, Hkv, D]` (strided like the 16-bit
+//!   path's views, head dimension contiguous).
+//! - `Vᵀ8`: e4m3 `[B, Hkv, D, pitch]`, keys contiguous: the K-major B operand FP8 `P·V`
+//!   needs (wgmma has no transpose for FP8, `mma.sync` m16n8k32 reads four consecutive
+//!   keys per register). Inside every group of 16 keys, stored position `p` holds key
+//!   [`VT_KEY_ORDER`]`[p]` of the group: the order in which a thread's probabilities land
+//!   in its A-fragment bytes when the f32 score fragment is packed four to a register
+//!   (`(i & 1) + 2·c + 8·(i >> 1)`, the score columns a quad holds). `pitch` is a multiple of
+//!   16 and at least `Sk` rounded up to 16; positions of keys `>= Sk` must hold finite values
+//!   (the quantizer writes zeros there): they meet probabilities of exactly 0.
+//! - Scales: float32, contiguous `[B, H, ceil(S / SCALE_BLOCK)]`, one per block of
+//!   [`SCALE_BLOCK`] rows of one (batch, head): `q_scale` over Q's rows, `k_scale` and
+//!   `v_scale` over keys. Real values are `e4m3 · scale`. The quantizer's scale is
+//!   `amax / 448` (1 for a block of zeros), so a block's largest magnitude maps to E4M3's
+//!   largest finite value and an outlier in one block leaves the others' precision alone.
+//!   Scales must be finite and positive; the kernels clamp them below at the smallest
+//!   normal f32 so a zero never turns a masked score into NaN.
+//!
+//! # What the kernels compute
+//!
+//! Per key tile `j` (never straddling a scale block), scores `S8 = Q8 K8ᵀ` in f32 are
+//! dequantised inside the softmax's exponent: `p = exp2(S8 · (q_scale · k_scale_j ·
+//! scale · log2 e) − m + 8)`, with `m` the running row maximum in the same log2 units. The
+//! `+ 8` puts probabilities in `[0, 256]`, so E4M3 (smallest subnormal 2⁻⁹) keeps those
+//! down to 2⁻¹⁷ of the row's largest. P is rounded to E4M3 in registers; each tile's
+//! `P8 Vᵀ8` is accumulated on its own and then added in f32 as `O = O·rescale +
+//! v_scale_j · (P8 Vᵀ8)`: the tensor cores' FP8 accumulation keeps fewer bits than f32,
+//! so no sum runs longer than one tile inside them (two-level accumulation), and V's
+//! per-block scale is exact. The row sum is taken over the f32 probabilities; the factor
+//! 256 cancels in `O / l` and is taken out of the log-sum-exp.
+//!
+//! `lse_shift` (optional, f32 `[B, Hq, Sq]`) is added, times the softmax scale, to each
+//! row's log-sum-exp: with K smoothing (`K − mean_k`) the kernel's scores are `q·k − q·mean`,
+//! and the quantizer's `q·mean` per row restores the true log-sum-exp.
+
+use super::{FwdArgs, HalfType};
+use crate::ptx::{Module, PtxError};
+
+/// Rows of Q, and keys of K and V, that share one scale.
+pub const SCALE_BLOCK: u32 = 128;
+/// The largest finite E4M3 value.
+pub const E4M3_MAX: f32 = 448.0;
+/// Keys per permuted group of `Vᵀ8`.
+pub const VT_GROUP: u32 = 16;
+/// Stored position `p` of a 16-key group of `Vᵀ8` holds key `VT_KEY_ORDER[p]`.
+pub const VT_KEY_ORDER: [u8; 16] = [0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15];
+/// The log2 of the factor probabilities are scaled by before rounding to E4M3.
+pub const P_SHIFT_LOG2: f32 = 8.0;
+/// Head dimensions with FP8 kernels (powers of two: the Hadamard option needs them too).
+pub const HEAD_DIMS: [u32; 3] = [64, 128, 256];
+
+/// The stored position of key `key` in its row of `Vᵀ8` (the inverse of [`VT_KEY_ORDER`]).
+pub const fn vt_position(key: u32) -> u32 {
+    let group = key & !(VT_GROUP - 1);
+    let r = key & (VT_GROUP - 1);
+    // r = (b & 1) + 8·(b >> 1) + 2·c  <=>  p = 4·c + b
+    let c = (r & 7) >> 1;
+    let b = (r & 1) | ((r >> 3) << 1);
+    group | (4 * c + b)
+}
+
+/// Scale blocks covering `rows` rows.
+pub const fn scale_blocks(rows: u32) -> u32 {
+    rows.div_ceil(SCALE_BLOCK)
+}
+
+/// The smallest `Vᵀ8` pitch (keys per stored row) for `seqlen_k` keys.
+pub const fn vt_min_pitch(seqlen_k: u64) -> u64 {
+    seqlen_k.div_ceil(VT_GROUP as u64) * VT_GROUP as u64
+}
+
+/// Which FP8 kernel family.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Fp8Path {
+    /// Warp-specialized TMA + wgmma e4m3 (`QGMMA`), `.target sm_90a`.
+    Sm90,
+    /// `mma.sync` m16n8k32 e4m3 + `cp.async`, `.target sm_89`: Ada and later.
+    Sm89,
+}
+
+impl Fp8Path {
+    pub fn name(self) -> &'static str {
+        match self {
+            Fp8Path::Sm90 => "sm90a",
+            Fp8Path::Sm89 => "sm89",
+        }
+    }
+}
+
+/// One FP8 forward configuration.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Fp8Config {
+    pub path: Fp8Path,
+    /// The output's element type.
+    pub out: HalfType,
+    pub head_dim: u32,
+    pub causal: bool,
+}
+
+impl Fp8Config {
+    /// The kernel id, e.g. `attn_fwd_sm90a_e4m3_bf16_d128_causal`.
+    pub fn id(&self) -> String {
+        format!(
+            "attn_fwd_{}_e4m3_{}_d{}{}",
+            self.path.name(),
+            self.out.name(),
+            self.head_dim,
+            if self.causal { "_causal" } else { "" }
+        )
+    }
+
+    /// Tile shape and launch geometry.
+    pub fn tiling(&self) -> super::Tiling {
+        match self.path {
+            Fp8Path::Sm90 => super::sm90_fp8::tiling(self),
+            Fp8Path::Sm89 => super::sm89_fp8::tiling(self),
+        }
+    }
+
+    /// Generates the module (one entry, named [`Fp8Config::id`]).
+    pub fn generate(&self) -> Result<Module, PtxError> {
+        match self.path {
+            Fp8Path::Sm90 => super::sm90_fp8::generate(self),
+            Fp8Path::Sm89 => super::sm89_fp8::generate(self),
+        }
+    }
+}
+
+/// Every FP8 configuration.
+pub fn all_fp8_configs() -> Vec<Fp8Config> {
+    let mut v = Vec::new();
+    for path in [Fp8Path::Sm90, Fp8Path::Sm89] {
+        for out in [HalfType::F16, HalfType::Bf16] {
+            for head_dim in HEAD_DIMS {
+                for causal in [false, true] {
+                    v.push(Fp8Config {
+                        path,
+                        out,
+                        head_dim,
+                        causal,
+                    });
+                }
+            }
+        }
+    }
+    v
+}
+
+/// The by-value argument block of the FP8 kernels: the 16-bit kernels' block first (so
+/// every helper that reads [`FwdArgs`] fields reads them here at the same offsets), then
+/// `Vᵀ8` and the scales. `base.q`/`base.k` and their strides describe Q8 and K8 (strides
+/// in elements = bytes); `base.v` and `base.v_stride` are unused; `base.o` is the 16-bit
+/// output. Dense batches only (`cu_seqlens_*` are 0).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, bytemuck::Pod, bytemuck::Zeroable)]
+pub struct Fp8Args {
+    pub base: FwdArgs,
+    /// `Vᵀ8`, e4m3 `[B, Hkv, D, pitch]`.
+    pub vt: u64,
+    /// `Vᵀ8`'s (batch, head, row) strides in elements; the row stride is the pitch.
+    pub vt_stride: [u64; 3],
+    /// f32 `[B, Hq, q_scale_blocks]`.
+    pub q_scale: u64,
+    /// f32 `[B, Hkv, kv_scale_blocks]`.
+    pub k_scale: u64,
+    /// f32 `[B, Hkv, kv_scale_blocks]`.
+    pub v_scale: u64,
+    /// f32 `[B, Hq, Sq]` added (times the softmax scale) to each row's LSE, or 0.
+    pub lse_shift: u64,
+    pub q_scale_blocks: u32,
+    pub kv_scale_blocks: u32,
+}
+
+impl Fp8Args {
+    pub const SIZE: usize = std::mem::size_of::<Fp8Args>();
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn vt_position_inverts_the_key_order() {
+        for (p, &key) in VT_KEY_ORDER.iter().enumerate() {
+            assert_eq!(vt_position(key as u32), p as u32);
+            assert_eq!(vt_position(32 + key as u32), 32 + p as u32);
+        }
+        let mut seen = [false; 16];
+        for key in 0..16 {
+            seen[vt_position(key) as usize] = true;
+        }
+        assert!(seen.iter().all(|&s| s));
+    }
+
+    #[test]
+    fn key_order_matches_the_quad_layout() {
+        // Thread c of a quad packs score columns 2c, 2c+1, 8+2c, 9+2c (of each 16) into
+        // the four bytes of one A register, which the MMA reads as k = 4c..4c+3.
+        for c in 0..4u32 {
+            let cols = [2 * c, 2 * c + 1, 8 + 2 * c, 9 + 2 * c];
+            for (b, col) in cols.into_iter().enumerate() {
+                assert_eq!(VT_KEY_ORDER[(4 * c) as usize + b] as u32, col);
+            }
+        }
+    }
+
+    #[test]
+    fn args_keep_the_base_block_first() {
+        assert_eq!(std::mem::offset_of!(Fp8Args, base), 0);
+        assert_eq!(Fp8Args::SIZE % 8, 0);
+        assert_eq!(scale_blocks(1), 1);
+        assert_eq!(scale_blocks(128), 1);
+        assert_eq!(scale_blocks(129), 2);
+        assert_eq!(vt_min_pitch(1), 16);
+        assert_eq!(vt_min_pitch(32), 32);
+    }
+
+    #[test]
+    fn ids_are_distinct() {
+        let all = all_fp8_configs();
+        let ids: std::collections::HashSet<_> = all.iter().map(|c| c.id()).collect();
+        assert_eq!(ids.len(), all.len());
+        assert_eq!(all.len(), 24);
+    }
+}
