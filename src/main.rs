@@ -8,6 +8,7 @@
 //! flashcore run [options]        one forward pass: error against float64 and time (GPU)
 //! flashcore bench [--json FILE]  the benchmark shapes, TFLOP/s (GPU)
 //! flashcore decode [options]     split-KV decode over contiguous and paged caches, GB/s (GPU)
+//! flashcore fp8 [options]        FP8 forward against our FP16 one, TFLOP/s (GPU)
 //! ```
 
 use std::process::ExitCode;
@@ -56,7 +57,8 @@ const USAGE: &str = "usage:
                    [--head-dim 128] [--seqlen-q 1] [--causal] [--dtype f16|bf16] [--iters N]
                    [--json FILE]
   flashcore varlen [--lens 512,4096,...] [--heads 32] [--kv-heads 8] [--head-dim 128]
-                   [--causal] [--dtype f16|bf16] [--path sm80] [--iters N] [--json FILE]";
+                   [--causal] [--dtype f16|bf16] [--path sm80] [--iters N] [--json FILE]
+  flashcore fp8 [--shapes B:H:S:D,...] [--path best|sm80] [--iters N]";
 
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -70,6 +72,7 @@ fn main() -> ExitCode {
         Some("gemm") => gemm(rest),
         Some("decode") => decode(rest),
         Some("varlen") => varlen(rest),
+        Some("fp8") => fp8_bench(rest),
         Some("help" | "--help" | "-h") => {
             out!("{USAGE}");
             Ok(())
@@ -1080,4 +1083,127 @@ unsafe fn median_us_queued(
         })
     }?;
     Ok(t.median_ms as f64 * 1e3)
+}
+
+/// The FP8 benchmark shapes: D128 and D256 at S 4096 to 16384, batch × S = 32768.
+const FP8_SHAPES: [(usize, usize, usize, usize); 6] = [
+    (8, 16, 4096, 128),
+    (4, 16, 8192, 128),
+    (2, 16, 16384, 128),
+    (8, 8, 4096, 256),
+    (4, 8, 8192, 256),
+    (2, 8, 16384, 256),
+];
+
+/// `flashcore fp8`: the FP8 forward (operands already quantized: random E4M3 codes of
+/// normal draws, per-block scales) against our 16-bit forward on the same shapes, causal
+/// and not, in one run.
+fn fp8_bench(args: &[String]) -> Result<(), Failure> {
+    use cudarc::driver::DevicePtr;
+    use flashcore::host::fp8::{Fp8Operands, VtView};
+    use flashcore::host::tensor::{AttentionParams, DType, LseView, TensorView};
+    use flashcore::kernels::attention::fp8::{scale_blocks, vt_min_pitch};
+
+    let o = Opts { args };
+    o.check_known(&["--shapes", "--path", "--iters"], &[])?;
+    let iters = o.num("--iters", 30)?;
+    let shapes: Vec<(usize, usize, usize, usize)> = match o.value("--shapes") {
+        None => FP8_SHAPES.to_vec(),
+        Some(list) => list
+            .split(',')
+            .map(|x| {
+                let n: Vec<usize> = x.split(':').filter_map(|v| v.parse().ok()).collect();
+                match n[..] {
+                    [b, h, s, d] => Ok((b, h, s, d)),
+                    _ => Err(Failure::Usage(format!("shape `{x}` is not B:H:S:D"))),
+                }
+            })
+            .collect::<Result<_, _>>()?,
+    };
+    let dev = open_gpu()?;
+    let stream = dev.context().default_stream();
+    let attn = Attention::new(dev.clone())?.with_path(parse_path(o.value("--path"))?);
+    let err = |e: cudarc::driver::DriverError| Failure::Run(format!("CUDA: {e}"));
+    let mut busy = stream.alloc_zeros::<u8>(64 << 20).map_err(err)?;
+    let mut rng = Rng::from_entropy();
+    // A pool of E4M3 codes of N(0, 1) draws scaled to the format's range.
+    let pool: Vec<u8> = (0..1 << 16)
+        .map(|_| flashcore::quant::e4m3_from_f32(rng.normal() as f32 * 448.0 / 4.0))
+        .collect();
+    let fill = |n: usize, salt: usize| -> Vec<u8> {
+        (0..n).map(|i| pool[(i * 7 + salt) % pool.len()]).collect()
+    };
+    out!(
+        "{}: FP8 (e4m3, per-block scales) against our f16 forward",
+        dev.name()
+    );
+    out!("shape                      mask    fp8 us  TFLOP/s   f16 us  TFLOP/s  fp8/f16");
+    for (b, h, s, d) in shapes {
+        for causal in [false, true] {
+            let shape = AttnShape::square(b, h, s, d);
+            let case = FwdCase {
+                shape,
+                dtype: HalfType::F16,
+                causal,
+                layout: Layout::Bshd,
+                kernel: None,
+            };
+            let flops = case.flops();
+            let f16 = flashcore::check::DeviceCase::for_timing(&stream, case, &mut rng)?;
+            let params = AttentionParams {
+                softmax_scale: None,
+                causal,
+            };
+            // SAFETY: the case's buffers are live allocations of this context.
+            let f16_us = unsafe {
+                median_us_queued(&dev, &stream, &mut busy, iters, |_| f16.run(&attn, &params))
+            }?;
+            drop(f16);
+            let pitch = vt_min_pitch(s as u64) as usize;
+            let q = stream.clone_htod(&fill(b * s * h * d, 1)).map_err(err)?;
+            let k = stream.clone_htod(&fill(b * s * h * d, 2)).map_err(err)?;
+            let vt = stream
+                .clone_htod(&fill(b * h * d * pitch, 3))
+                .map_err(err)?;
+            let blocks = scale_blocks(s as u32) as usize;
+            let scales = stream
+                .clone_htod(&vec![4.0f32 / 448.0; b * h * blocks])
+                .map_err(err)?;
+            let out = stream.alloc_zeros::<u16>(b * s * h * d).map_err(err)?;
+            let lse = stream.alloc_zeros::<f32>(b * h * s).map_err(err)?;
+            let p8 = |x: &cudarc::driver::CudaSlice<u8>| x.device_ptr(&stream).0;
+            let sp = scales.device_ptr(&stream).0;
+            let ops = Fp8Operands {
+                q: TensorView::bshd(p8(&q), DType::E4m3, b, s, h, d),
+                k: TensorView::bshd(p8(&k), DType::E4m3, b, s, h, d),
+                vt: VtView::contiguous(p8(&vt), b, h, d, s),
+                q_scale: sp,
+                k_scale: sp,
+                v_scale: sp,
+                lse_shift: None,
+            };
+            let ov = TensorView::bshd(out.device_ptr(&stream).0, DType::F16, b, s, h, d);
+            let lv = LseView {
+                ptr: lse.device_ptr(&stream).0,
+            };
+            // SAFETY: every view points at a live allocation of this context sized by it.
+            let fp8_us = unsafe {
+                median_us_queued(&dev, &stream, &mut busy, iters, |_| {
+                    attn.forward_fp8(&ops, &ov, Some(&lv), &params, stream.cu_stream())
+                })
+            }?;
+            let tf = |us: f64| flops / (us * 1e6);
+            out!(
+                "B{b:<2} H{h:<3} S{s:<6} D{d:<4}  {:<6} {fp8_us:>8.1} {:>8.1} {f16_us:>8.1} {:>8.1} {:>8.2}",
+                if causal { "causal" } else { "full" },
+                tf(fp8_us),
+                tf(f16_us),
+                f16_us / fp8_us
+            );
+        }
+    }
+    for (id, _, regs, local) in attn.loaded_kernels() {
+        out!("kernel {id}: {regs} registers, {local} bytes local memory");
+    }
+    Ok(())
 }

@@ -21,8 +21,10 @@ use crate::error::{Error, Result};
 use crate::kernels::attention::fp8::{
     Fp8Args, Fp8Config, Fp8Path, HEAD_DIMS, scale_blocks, vt_min_pitch,
 };
-use crate::kernels::attention::{FwdArgs, HalfType};
+use crate::kernels::attention::{FwdArgs, HalfType, sm90_fp8};
+use crate::ptx::SmemLayout;
 use crate::shape::AttnShape;
+use crate::tma::{TensorMap, TiledMap, TmaType};
 
 /// [`HEAD_DIMS`] as the text [`Error::UnsupportedHeadDim`] carries.
 pub const FP8_HEAD_DIMS_TEXT: &str = "64, 128, 256";
@@ -368,6 +370,12 @@ impl Attention {
             major: arch.0,
             minor: arch.1,
         })?;
+        // Head dims the sm90a path has no kernel for run on the sm89 one.
+        let head_dim = problem.shape.head_dim as u32;
+        let path = match path {
+            Fp8Path::Sm90 if !sm90_fp8::HEAD_DIMS.contains(&head_dim) => Fp8Path::Sm89,
+            p => p,
+        };
         Ok(Fp8Config {
             path,
             out: problem.out,
@@ -435,10 +443,87 @@ impl Attention {
                 // context and `stream` a stream of it.
                 unsafe { launch(&kernel, &dims, stream, &mut params) }
             }
-            Fp8Path::Sm90 => Err(Error::InvalidArgument(format!(
-                "{} is not built yet",
-                cfg.id()
-            ))),
+            Fp8Path::Sm90 => {
+                let maps = sm90_maps(cfg, ops)?;
+                let items =
+                    shape.seqlen_q.div_ceil(tiling.block_m as usize) * shape.heads_q * shape.batch;
+                // As the 16-bit sm90 kernel: persistent without causal masking, one
+                // block per work item with it (the hardware balances unequal items).
+                let blocks = if cfg.causal {
+                    items
+                } else {
+                    items.min(self.device().sm_count() as usize)
+                };
+                let dims = LaunchDims {
+                    grid: (blocks as u32, 1, 1),
+                    block: (tiling.threads, 1, 1),
+                    dynamic_smem: tiling.smem_bytes,
+                };
+                let [mut mq, mut mk, mut mv] = maps;
+                let mut params: [*mut c_void; 4] = [
+                    (&mut args as *mut Fp8Args).cast(),
+                    (&mut mq as *mut TensorMap).cast(),
+                    (&mut mk as *mut TensorMap).cast(),
+                    (&mut mv as *mut TensorMap).cast(),
+                ];
+                // SAFETY: the kernel's parameters are the by-value `Fp8Args` block and
+                // three by-value 128-byte tensor maps, which these point at and which
+                // outlive the call; the maps cover exactly the validated extents of Q8,
+                // K8 and Vᵀ8 (out-of-bounds box parts are zero-filled by the hardware),
+                // and the kernel writes only O's and the LSE's validated extents; this
+                // function's contract makes them live memory of this context and
+                // `stream` a stream of it.
+                unsafe { launch(&kernel, &dims, stream, &mut params) }
+            }
         }
     }
+}
+
+/// The sm90a FP8 kernel's tensor maps: Q8 and K8 as 5-D `{inner, seq, d/inner, heads,
+/// batch}` views whose boxes land as `[d/inner][rows][inner]` swizzled tiles (inner =
+/// the row's bytes up to 128), and Vᵀ8 as `{keys, d, heads, batch}` with a box of one
+/// key tile by every head-dim row.
+fn sm90_maps(cfg: &Fp8Config, ops: &Fp8Operands) -> Result<[TensorMap; 3]> {
+    let shape = sm90_fp8::Shape::of(cfg);
+    let rows_map = |t: &TensorView, layout: SmemLayout| {
+        let bytes = |dim: usize| {
+            if t.shape[dim] == 1 {
+                16
+            } else {
+                t.strides[dim] as u64
+            }
+        };
+        let inner = layout.block_cols() as u64;
+        let d = t.shape[3] as u64;
+        let dims = [
+            inner,
+            t.shape[1] as u64,
+            d / inner,
+            t.shape[2] as u64,
+            t.shape[0] as u64,
+        ];
+        let strides = [bytes(1), inner, bytes(2), bytes(0)];
+        let boxes = [inner as u32, layout.rows, (d / inner) as u32, 1, 1];
+        TiledMap::new(TmaType::U8, &dims, &strides, &boxes, layout.swizzle).encode(t.ptr)
+    };
+    let vt = &ops.vt;
+    let vl = shape.vt_layout();
+    let step = |n: usize, st: usize| if n == 1 { 16 } else { st as u64 };
+    let dims = [
+        vt_min_pitch(vt.seqlen as u64),
+        vt.head_dim as u64,
+        vt.heads as u64,
+        vt.batch as u64,
+    ];
+    let strides = [
+        vt.strides[2] as u64,
+        step(vt.heads, vt.strides[1]),
+        step(vt.batch, vt.strides[0]),
+    ];
+    let boxes = [vl.block_cols(), vl.rows, 1, 1];
+    Ok([
+        rows_map(&ops.q, shape.q_layout())?,
+        rows_map(&ops.k, shape.k_layout())?,
+        TiledMap::new(TmaType::U8, &dims, &strides, &boxes, vl.swizzle).encode(vt.ptr)?,
+    ])
 }

@@ -100,6 +100,10 @@ pub fn catalog() -> Vec<KernelSpec> {
     let fwd = attention::all_fwd_configs()
         .into_iter()
         .map(KernelSpec::Fwd);
+    let fp8 = attention::fp8::all_fp8_configs()
+        .into_iter()
+        .filter(|c| c.path == attention::fp8::Fp8Path::Sm90)
+        .map(KernelSpec::Fp8);
     let decode = attention::decode::all_decode_configs()
         .into_iter()
         .map(KernelSpec::Decode);
@@ -111,7 +115,8 @@ pub fn catalog() -> Vec<KernelSpec> {
         .map(KernelSpec::Append);
     let gemm = gemm::all_gemm_configs().into_iter().map(KernelSpec::Gemm);
     let copy = tma_copy::all_configs().into_iter().map(KernelSpec::TmaCopy);
-    fwd.chain(decode)
+    fwd.chain(fp8)
+        .chain(decode)
         .chain(merge)
         .chain(append)
         .chain(gemm)

@@ -105,6 +105,26 @@ impl Kernel {
         self.emit(format!("{op}.{t} {}, {a}, {b}, {c};", d.name()));
     }
 
+    /// `d = a * b + c`, the product taken as 64 bits from two unsigned 32-bit values
+    /// (`mad.wide.u32`): an element's address from its index, its size and a base.
+    pub fn mad_wide_u32(
+        &mut self,
+        a: impl Src<U32>,
+        b: impl Src<U32>,
+        c: impl Src<U64>,
+    ) -> Reg<U64> {
+        let d = self.reg::<U64>();
+        self.check_owner(&[a.owner(), b.owner(), c.owner()]);
+        self.emit(format!(
+            "mad.wide.u32 {}, {}, {}, {};",
+            d.name(),
+            a.operand(),
+            b.operand(),
+            c.operand()
+        ));
+        d
+    }
+
     /// `d = a * b` as 64 bits from two unsigned 32-bit values (`mul.wide.u32`).
     pub fn mul_wide_u32(&mut self, a: impl Src<U32>, b: impl Src<U32>) -> Reg<U64> {
         let d = self.reg::<U64>();

@@ -26,6 +26,17 @@ pub struct OutputBlock {
     pub seq: Sequence,
 }
 
+/// How a kernel's running maxima relate to the log-sum-exp.
+#[derive(Debug, Clone, Copy)]
+pub enum LseForm {
+    /// Maxima of the raw scores: `LSE = m·scale + ln l`.
+    Raw,
+    /// Maxima in log2 units of the scaled scores, probabilities scaled by `2^offset`
+    /// (the FP8 kernels): `LSE = ln2·(m + log2 l − offset)`, plus `scale · shift[row]`
+    /// when `shift` (the address of an f32 array indexed like the dense LSE) is not 0.
+    Log2 { offset: f32, shift: Reg<U64> },
+}
+
 /// Normalises `o` by the row sums, stores the rows that exist (`row < Sq`) and, when the
 /// caller passed an LSE pointer, the log-sum-exp of each row.
 pub fn store_output<H: Half2>(
@@ -35,6 +46,19 @@ pub fn store_output<H: Half2>(
     o: &[Slab],
     softmax: &OnlineSoftmax,
     at: OutputBlock,
+) {
+    store_output_lse::<H>(k, args, rows, o, softmax, at, LseForm::Raw);
+}
+
+/// [`store_output`] with the maxima in the form `form`.
+pub fn store_output_lse<H: Half2>(
+    k: &mut Kernel,
+    args: ParamBytes,
+    rows: &Rows,
+    o: &[Slab],
+    softmax: &OnlineSoftmax,
+    at: OutputBlock,
+    form: LseForm,
 ) {
     k.comment("Epilogue: O / l to global memory, and the log-sum-exp.");
     let field = |k: &mut Kernel, off: usize| k.load_param_at::<U64>(args, off);
@@ -94,12 +118,33 @@ pub fn store_output<H: Half2>(
                 }
             });
             let log_sum = k.lg2(sum);
-            let log_sum = k.mul(log_sum, std::f32::consts::LN_2);
-            let lse = k.mad(softmax.max[slab][half], scale, log_sum);
-            let lse = k.selp(f32::NEG_INFINITY, lse, empty);
             let store = k.and_pred(want_lse, inside);
             let index = k.add(lse_row0, row64);
             let offset = k.shl(index, 2);
+            let lse = match form {
+                LseForm::Raw => {
+                    let log_sum = k.mul(log_sum, std::f32::consts::LN_2);
+                    k.mad(softmax.max[slab][half], scale, log_sum)
+                }
+                LseForm::Log2 {
+                    offset: shift_log2,
+                    shift,
+                } => {
+                    let t = k.add(softmax.max[slab][half], log_sum);
+                    let t = k.sub(t, shift_log2);
+                    let lse = k.mul(t, std::f32::consts::LN_2);
+                    let wanted = k.setp(Cmp::Ne, shift, 0u64);
+                    let wanted = k.and_pred(wanted, store);
+                    let at = k.add(shift, offset);
+                    let value = k.mov(0f32);
+                    k.guarded(wanted, true, |k| {
+                        let v = k.ld_global::<F32>(at, 0);
+                        k.mov_to(value, v);
+                    });
+                    k.mad(value, scale, lse)
+                }
+            };
+            let lse = k.selp(f32::NEG_INFINITY, lse, empty);
             let lse_addr = k.add(lse_ptr, offset);
             k.guarded(store, true, |k| k.st_global(lse_addr, 0, lse));
         }

@@ -1,21 +1,697 @@
-//! FP8 forward for Hopper (`.target sm_90a`): see [`super::fp8`] for the data contract.
+//! FP8 (E4M3) forward for Hopper (`.target sm_90a`) with per-block scales: the
+//! FlashAttention-3 arrangement of [`super::sm90`] (a TMA producer warpgroup, two
+//! consumer warpgroups of 64 query rows taking turns at the tensor cores), with e4m3
+//! wgmma (`QGMMA`) for both products and the data contract of [`super::fp8`].
+//!
+//! ```text
+//! producer                               consumer c (rows 64c..64c+64)
+//! load Q8 once                           S = Q8 K8[last]ᵀ; mask; softmax -> P8
+//! for n in (0..end).rev():               for n in (0..last).rev():
+//!     K ring: TMA K8[n]                      my turn:  S = Q8 K8[n]ᵀ              (SS)
+//!     V ring: TMA Vᵀ8[n]                               T = P8 Vᵀ8[n+1], fresh     (RS)
+//!                                            O *= rescale                (T in flight)
+//!                                            wait S; [mask]; softmax(S · dc[n])
+//!                                            wait T; O += v_scale[n+1] · T
+//!                                            P8 = e4m3(S)
+//!                                        O *= rescale; O += v_scale[0] · P8 Vᵀ8[0]
+//!                                        O /= l; store O, LSE
+//! ```
+//!
+//! What differs from the 16-bit kernel:
+//! - The scores are dequantized inside the exponent: `dc = q_scale · k_scale[n] ·
+//!   scale · log2 e` per tile, `p = exp2(s·dc − m + 8)` in one FMA, so P lands in
+//!   `[0, 256]` before it is rounded to E4M3 ([`OnlineSoftmax::update_scaled`]).
+//! - `P·V` runs into a fresh accumulator T per key tile and is added to O in f32 with
+//!   V's scale for that tile: the FP8 tensor cores accumulate with fewer bits than f32,
+//!   so no sum inside them spans more than one tile. O itself is never a wgmma
+//!   accumulator, so its rescale overlaps the tensor cores freely.
+//! - V arrives transposed and key-permuted (`Vᵀ8`, K-major: FP8 wgmma cannot
+//!   transpose), so the probabilities go from the score fragment to the e4m3 A fragment
+//!   with no shuffles ([`pack_probs_e4m3`]).
+//! - `P·V` runs in 64-column chunks of O, so T is 32 registers beside O's `d / 2`.
+//! - Head dims 64 and 128 ([`HEAD_DIMS`]); FP8 at 256 runs on the sm89 kernel for now.
 
-use super::Tiling;
-use super::fp8::Fp8Config;
-use crate::ptx::{Module, PtxError};
+use std::mem::offset_of;
 
-pub(crate) fn tiling(_cfg: &Fp8Config) -> Tiling {
+use super::epilogue::{LseForm, OutputBlock, store_output_lse};
+use super::fp8::{Fp8Args, Fp8Config, P_SHIFT_LOG2, SCALE_BLOCK};
+use super::mask::{KeyTiles, apply_mask, key_tiles, query_block};
+use super::rows::{Rows, Slab, zeroed_slabs};
+use super::sequence::{Sequence, sequence};
+use super::softmax::{OnlineSoftmax, rescale_rows};
+use super::{FwdArgs, HalfType, Tiling};
+use crate::ptx::{
+    Acc, Bf16x2, Cmp, E4m3x4, F16x2, F32, Half2, InFlight, KMajor, Kernel, KernelText, Module, N64,
+    N128, NamedBarrier, ParamBytes, PtxError, Reg, RingBarriers, S32, ScaleD, Smem, SmemDesc,
+    SmemLayout, SmemPlan, Special, StageRing, Swizzle, Target, TileSlot, TmaDesc, U32, U64, WgmmaN,
+};
+
+/// Head dimensions with a kernel on this path.
+pub const HEAD_DIMS: [u32; 2] = [64, 128];
+/// Query rows per block: two consumer warpgroups of 64.
+pub const BLOCK_M: u32 = 128;
+/// Threads: a producer warpgroup and two consumer warpgroups.
+pub const THREADS: u32 = 384;
+/// Registers per thread after reallocation: 128·24 + 256·240 = 64512 <= 65536.
+pub const PRODUCER_REGS: u32 = 24;
+pub const CONSUMER_REGS: u32 = 240;
+/// K and V stages in flight.
+pub const STAGES: u32 = 2;
+
+/// The compile-time shape of one configuration.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Shape {
+    pub head_dim: u32,
+    /// Keys per tile (a divisor of [`SCALE_BLOCK`], so a tile has one K and one V scale).
+    pub block_n: u32,
+    /// Output columns per `P·V` chunk (T's N).
+    pub chunk_n: u32,
+}
+
+/// Where everything lives in shared memory.
+#[derive(Debug, Clone, Copy)]
+pub struct Slots {
+    pub q: TileSlot,
+    pub k: TileSlot,
+    pub vt: TileSlot,
+    pub q_ring: RingBarriers,
+    pub k_ring: RingBarriers,
+    pub v_ring: RingBarriers,
+}
+
+/// The widest swizzle whose span a row of `bytes` fills.
+fn swizzle_for(bytes: u32) -> Swizzle {
+    if bytes.is_multiple_of(128) {
+        Swizzle::B128
+    } else {
+        Swizzle::B64
+    }
+}
+
+impl Shape {
+    /// Keys per tile and `P·V` chunk: registers decide (S is `block_n / 2`, O `d / 2`,
+    /// T `chunk_n / 2` and P `block_n / 8` per thread, of 240). A whole 128-column T
+    /// spilled at d = 128. Head dim 256 has no kernel here yet: O's 128 registers beside
+    /// S, T and P spilled in every arrangement tried (64-key tiles, 16- to 64-column
+    /// chunks, `P·V` not overlapping the softmax).
+    pub fn of(cfg: &Fp8Config) -> Shape {
+        Shape {
+            head_dim: cfg.head_dim,
+            block_n: 128,
+            chunk_n: 64,
+        }
+    }
+
+    pub fn q_layout(&self) -> SmemLayout {
+        SmemLayout::new(BLOCK_M, self.head_dim, 1, swizzle_for(self.head_dim))
+    }
+
+    pub fn k_layout(&self) -> SmemLayout {
+        SmemLayout::new(self.block_n, self.head_dim, 1, swizzle_for(self.head_dim))
+    }
+
+    /// `Vᵀ8`'s tile: head-dim rows of `block_n` keys.
+    pub fn vt_layout(&self) -> SmemLayout {
+        SmemLayout::new(self.head_dim, self.block_n, 1, swizzle_for(self.block_n))
+    }
+
+    pub fn plan(&self) -> (SmemPlan, Slots) {
+        let mut plan = SmemPlan::new();
+        let slots = Slots {
+            q: plan.tile(self.q_layout(), 1),
+            k: plan.tile(self.k_layout(), STAGES),
+            vt: plan.tile(self.vt_layout(), STAGES),
+            q_ring: RingBarriers::plan(&mut plan, 1),
+            k_ring: RingBarriers::plan(&mut plan, STAGES),
+            v_ring: RingBarriers::plan(&mut plan, STAGES),
+        };
+        (plan, slots)
+    }
+}
+
+pub(crate) fn tiling(cfg: &Fp8Config) -> Tiling {
+    let s = Shape::of(cfg);
     Tiling {
-        block_m: 128,
-        block_n: 128,
-        threads: 384,
-        smem_bytes: 0,
+        block_m: BLOCK_M,
+        block_n: s.block_n,
+        threads: THREADS,
+        smem_bytes: s.plan().0.bytes(),
     }
 }
 
 pub(crate) fn generate(cfg: &Fp8Config) -> Result<Module, PtxError> {
-    Err(PtxError::BadOperand(format!(
-        "{} is not built yet",
-        cfg.id()
-    )))
+    let s = Shape::of(cfg);
+    let kernel = match (cfg.out, s.head_dim) {
+        (HalfType::F16, 64) => build::<F16x2, N128, N64>(cfg),
+        (HalfType::Bf16, 64) => build::<Bf16x2, N128, N64>(cfg),
+        (HalfType::F16, 128) => build::<F16x2, N128, N64>(cfg),
+        (HalfType::Bf16, 128) => build::<Bf16x2, N128, N64>(cfg),
+        (_, d) => Err(PtxError::BadOperand(format!(
+            "no sm90 FP8 forward for head dim {d}"
+        ))),
+    }?;
+    let mut m = Module::new(Target::Sm90a);
+    m.push(kernel)?;
+    Ok(m)
+}
+
+/// The block's coordinates and the parameters every role reads.
+struct Block {
+    batch: Reg<U32>,
+    head: Reg<U32>,
+    m_start: Reg<S32>,
+    seq: Sequence,
+    causal_offset: Reg<S32>,
+    tiles: KeyTiles,
+}
+
+/// What the roles share.
+struct Fwd {
+    s: Shape,
+    causal: bool,
+    args: ParamBytes,
+    maps: [TmaDesc; 3],
+    smem: Smem,
+    slots: Slots,
+}
+
+fn build<H, NS, NC>(cfg: &Fp8Config) -> Result<KernelText, PtxError>
+where
+    H: Half2,
+    NS: WgmmaN,
+    NC: WgmmaN,
+{
+    let s = Shape::of(cfg);
+    debug_assert_eq!((NS::N, NC::N), (s.block_n, s.chunk_n));
+    let mut k = Kernel::new(&cfg.id());
+    k.max_threads(THREADS).min_blocks_per_sm(1);
+    let args = k.param_bytes("args", Fp8Args::SIZE, 8);
+    let maps = [
+        k.tensor_map_param("tmap_q"),
+        k.tensor_map_param("tmap_k"),
+        k.tensor_map_param("tmap_vt"),
+    ];
+    let (plan, slots) = s.plan();
+    let smem = k.shared_memory(&plan);
+    let tid = k.special(Special::TidX);
+
+    k.comment("One thread initialises the barriers; everyone waits for it.");
+    let first = k.setp(Cmp::Eq, tid, 0u32);
+    k.if_(first, |k| {
+        slots.q_ring.init(k, &smem, 1, 8);
+        slots.k_ring.init(k, &smem, 1, 8);
+        slots.v_ring.init(k, &smem, 1, 8);
+    });
+    k.sync_threads();
+
+    let f = Fwd {
+        s,
+        causal: cfg.causal,
+        args,
+        maps,
+        smem,
+        slots,
+    };
+    let warpgroup = k.shr(tid, 7);
+    let producer = k.setp(Cmp::Eq, warpgroup, 0u32);
+    k.if_else(
+        producer,
+        |k| produce(k, &f, tid),
+        |k| consume::<H, NS, NC>(k, &f, tid),
+    );
+    k.finish()
+}
+
+impl Fwd {
+    /// The persistent loop over (query tile, head, batch) work items, as in
+    /// [`super::sm90`]: heads grouped so concurrent blocks share K and V in L2, heaviest
+    /// query tiles first with causal masking.
+    fn for_each_item(&self, k: &mut Kernel, body: impl FnOnce(&mut Kernel, &Block)) {
+        let arg = |k: &mut Kernel, off| k.load_param_at::<U32>(self.args, off);
+        let q_blocks = arg(k, offset_of!(FwdArgs, q_blocks));
+        let heads = arg(k, offset_of!(FwdArgs, heads_q));
+        let batch = arg(k, offset_of!(FwdArgs, batch));
+        let head_batches = k.mul(heads, batch);
+        let items = k.mul(head_batches, q_blocks);
+        let first = k.special(Special::CtaidX);
+        let stride = k.special(Special::NctaidX);
+        let (s, causal, args) = (self.s, self.causal, self.args);
+        k.for_stride(
+            first.cast::<S32>(),
+            items.cast::<S32>(),
+            stride.cast(),
+            |k, item| {
+                let item = item.cast::<U32>();
+                let m_index = k.rem(item, q_blocks);
+                let hb = k.div(item, q_blocks);
+                let head = k.rem(hb, heads);
+                let b = k.div(hb, heads);
+                let m_block = query_block(k, m_index, q_blocks, causal);
+                let m_start = k.mul(m_block.cast::<S32>(), BLOCK_M as i32);
+                let seq = sequence(k, args, b);
+                let causal_offset = seq.causal_offset(k);
+                let mask = causal.then_some(causal_offset);
+                let (sq, sk) = (seq.seqlen_q, seq.seqlen_k);
+                let tiles = key_tiles(k, sq, sk, m_start, BLOCK_M, s.block_n, mask);
+                let blk = Block {
+                    batch: b,
+                    head,
+                    m_start,
+                    seq,
+                    causal_offset,
+                    tiles,
+                };
+                body(k, &blk);
+            },
+        );
+    }
+}
+
+/// Warpgroup 0: one elected thread loads each work item's Q8 and streams K8 and Vᵀ8,
+/// last tile first.
+fn produce(k: &mut Kernel, f: &Fwd, tid: Reg<U32>) {
+    k.comment("Producer: TMA loads of Q8, then K8 and V8 transposed, into their rings.");
+    k.setmaxnreg_dec(PRODUCER_REGS);
+    k.elected_thread_of_warp_0(tid, |k| {
+        for map in f.maps {
+            k.tma_prefetch_desc(map);
+        }
+        let group = k.load_param_at::<U32>(f.args, offset_of!(FwdArgs, group));
+        let zero = k.mov::<S32>(0i32);
+        let mut qr = f.slots.q_ring.producer(k, f.smem);
+        let mut kr = f.slots.k_ring.producer(k, f.smem);
+        let mut vr = f.slots.v_ring.producer(k, f.smem);
+        f.for_each_item(k, |k, b| {
+            let any = k.setp(Cmp::Gt, b.tiles.end, 0i32);
+            k.if_(any, |k| {
+                let kv_head = k.div(b.head, group).cast::<S32>();
+                let batch = b.seq.tensor_batch.cast::<S32>();
+                let head = b.head.cast::<S32>();
+                qr.acquire(k);
+                qr.arrive_expect_tx(k, f.s.q_layout().bytes());
+                let full = qr.full_barrier(k);
+                let q_at = qr.slot(k, f.slots.q);
+                k.tma_load(q_at, f.maps[0], [zero, b.m_start, zero, head, batch], full);
+                qr.advance(k);
+
+                let last = k.sub(b.tiles.end, 1i32);
+                k.for_range(last, -1i32, -1, |k, n| {
+                    let key = k.mul(n, f.s.block_n as i32);
+                    kr.acquire(k);
+                    kr.arrive_expect_tx(k, f.s.k_layout().bytes());
+                    let full = kr.full_barrier(k);
+                    let at = kr.slot(k, f.slots.k);
+                    k.tma_load(at, f.maps[1], [zero, key, zero, kv_head, batch], full);
+                    kr.advance(k);
+
+                    vr.acquire(k);
+                    vr.arrive_expect_tx(k, f.s.vt_layout().bytes());
+                    let full = vr.full_barrier(k);
+                    let at = vr.slot(k, f.slots.vt);
+                    k.tma_load(at, f.maps[2], [key, zero, kv_head, batch], full);
+                    vr.advance(k);
+                });
+            });
+        });
+    });
+}
+
+/// The rings a consumer walks through, kept across work items.
+struct Rings {
+    q: StageRing,
+    k: StageRing,
+    v: StageRing,
+}
+
+/// Where a work item's per-block scales are.
+struct Scales {
+    /// `q_scale · scale · log2 e` of this query tile.
+    q_log2: Reg<F32>,
+    /// Index of this (batch, kv head)'s first block in `k_scale` and `v_scale` (the
+    /// pointers stay in the parameter space rather than in registers).
+    kv_row: Reg<U32>,
+}
+
+/// A consumer warpgroup's registers and roles for one work item.
+struct Consumer<'a> {
+    f: &'a Fwd,
+    b: &'a Block,
+    which: Reg<U32>,
+    other: Reg<U32>,
+    turns: [NamedBarrier; 2],
+    leader: Reg<crate::ptx::Pred>,
+    rows: Rows,
+    q: SmemDesc<KMajor>,
+    scales: Scales,
+    softmax: OnlineSoftmax,
+    /// Each row's pending rescale of O, from the last softmax.
+    factors: [Reg<F32>; 2],
+    /// `v_scale` of the tile whose probabilities are in `p`.
+    p_v_scale: Reg<F32>,
+    /// P of the last softmax as e4m3 A fragments: `p[j]` covers keys `32j..32j + 32`.
+    p: Vec<[Reg<E4m3x4>; 4]>,
+    /// O, unnormalised, in f32: `d / 8` accumulator-shaped tiles.
+    o: Slab,
+}
+
+/// Warpgroups 1 and 2.
+fn consume<H, NS, NC>(k: &mut Kernel, f: &Fwd, tid: Reg<U32>)
+where
+    H: Half2,
+    NS: WgmmaN,
+    NC: WgmmaN,
+{
+    k.comment("Consumers: S = Q8 K8^T, softmax, O += v_scale * (P8 V8), in turns.");
+    k.setmaxnreg_inc(CONSUMER_REGS);
+    let ct = k.sub(tid, 128u32);
+    let which = k.shr(ct, 7);
+    let other = k.xor(which, 1u32);
+    let in_wg = k.and(ct, 127u32);
+    let warp = k.shr(in_wg, 5);
+    let lane = k.and(ct, 31u32);
+    let leader = k.setp(Cmp::Eq, lane, 0u32);
+    let warp_row0 = k.mul(which, 64u32);
+    let warp_row0 = k.mad(warp, 16u32, warp_row0);
+    let rows = Rows::new(k, lane, warp_row0);
+    let turns = k.named_barrier_pair(256);
+    let second = k.setp(Cmp::Ne, which, 0u32);
+    k.if_(second, |k| k.bar_arrive(turns[0]));
+
+    let q_at = f.smem.tile(k, f.slots.q, 0);
+    let q_rows = k.mul(which, f.s.q_layout().logical_offset(64, 0));
+    let q_at = k.smem_offset(q_at, q_rows);
+    let q = k.smem_desc::<KMajor>(q_at, &f.s.q_layout());
+    let mut rings = Rings {
+        q: f.slots.q_ring.consumer(k, f.smem),
+        k: f.slots.k_ring.consumer(k, f.smem),
+        v: f.slots.v_ring.consumer(k, f.smem),
+    };
+    f.for_each_item(k, |k, b| {
+        let scales = item_scales(k, f.args, b);
+        let c = Consumer {
+            f,
+            b,
+            which,
+            other,
+            turns,
+            leader,
+            rows,
+            q,
+            scales,
+            softmax: OnlineSoftmax::new(k, 1),
+            factors: [k.mov(1f32), k.mov(1f32)],
+            p_v_scale: k.mov(0f32),
+            p: (0..f.s.block_n / 32)
+                .map(|_| k.regs::<E4m3x4, 4>())
+                .collect(),
+            o: zeroed_slabs(k, 1, (f.s.head_dim / 8) as usize).remove(0),
+        };
+        let any = k.setp(Cmp::Gt, b.tiles.end, 0i32);
+        k.if_(any, |k| c.attend::<NS, NC>(k, &mut rings));
+        let at = OutputBlock {
+            batch: b.batch,
+            head: b.head,
+            m_start: b.m_start,
+            seq: b.seq,
+        };
+        let shift = k.load_param_at::<U64>(f.args, offset_of!(Fp8Args, lse_shift));
+        let form = LseForm::Log2 {
+            offset: P_SHIFT_LOG2,
+            shift,
+        };
+        store_output_lse::<H>(k, f.args, &c.rows, std::slice::from_ref(&c.o), &c.softmax, at, form);
+    });
+}
+
+/// The work item's query scale (folded with `scale·log2 e`) and its K and V scale rows.
+fn item_scales(k: &mut Kernel, args: ParamBytes, b: &Block) -> Scales {
+    // Read here, not kept in registers across the key loop.
+    let scale_log2 = k.load_param_at::<F32>(args, offset_of!(FwdArgs, scale_log2));
+    let group = k.load_param_at::<U32>(args, offset_of!(FwdArgs, group));
+    let heads_q = k.load_param_at::<U32>(args, offset_of!(FwdArgs, heads_q));
+    let blocks = |k: &mut Kernel, off| k.load_param_at::<U32>(args, off);
+    let q_blocks = blocks(k, offset_of!(Fp8Args, q_scale_blocks));
+    let kv_blocks = blocks(k, offset_of!(Fp8Args, kv_scale_blocks));
+    // q_scale[(b·Hq + h)·q_blocks + m_start / 128]
+    let bh = k.mad(b.batch, heads_q, b.head);
+    let q_block = k.shr(b.m_start.cast::<U32>(), SCALE_BLOCK.trailing_zeros());
+    let q_index = k.mad(bh, q_blocks, q_block);
+    let q_ptr = k.load_param_at::<U64>(args, offset_of!(Fp8Args, q_scale));
+    let q_at = k.mad_wide_u32(q_index, 4u32, q_ptr);
+    let q_scale = k.ld_global::<F32>(q_at, 0);
+    // k_scale[(b·Hkv + h / group)·kv_blocks + ..]
+    let heads_kv = k.div(heads_q, group);
+    let kv_head = k.div(b.head, group);
+    let bkv = k.mad(b.batch, heads_kv, kv_head);
+    Scales {
+        q_log2: k.mul(q_scale, scale_log2),
+        kv_row: k.mul(bkv, kv_blocks),
+    }
+}
+
+impl Consumer<'_> {
+    /// The key loop for a block with at least one key tile; leaves O unnormalised.
+    fn attend<NS: WgmmaN, NC: WgmmaN>(&self, k: &mut Kernel, rings: &mut Rings) {
+        k.comment("Wait for Q; the last key tile (always masked) starts the pipeline.");
+        rings.q.wait_full(k);
+        let Rings {
+            q: qr,
+            k: kr,
+            v: vr,
+        } = rings;
+        let end = self.b.tiles.end;
+        let last = k.sub(end, 1i32);
+
+        let dc = self.dequant(k, last);
+        let v_scale = self.scale_of(k, offset_of!(Fp8Args, v_scale), last);
+        k.bar_wait_member(self.turns, self.which);
+        kr.wait_full(k);
+        let s = self.scores::<NS>(k, kr);
+        k.wgmma_commit();
+        k.bar_arrive_member(self.turns, self.other);
+        k.wgmma_wait(0);
+        let s = k.wgmma_retire(s);
+        self.release(k, kr);
+        self.mask(k, &s, last);
+        self.softmax
+            .update_scaled(k, &[s.tiles()], dc, P_SHIFT_LOG2, &[self.factors]);
+        k.mov_to(self.p_v_scale, v_scale);
+        pack_probs_e4m3(k, &s.tiles(), &self.p);
+
+        k.comment("Tiles that cross the sequence end or the diagonal, last to first.");
+        let last_masked_end = k.sub(self.b.tiles.mask_from, 1i32);
+        let second_last = k.sub(end, 2i32);
+        k.for_range(second_last, last_masked_end, -1, |k, n| {
+            self.step::<NS, NC>(k, n, true, kr, vr)
+        });
+        k.comment("The remaining tiles need no mask.");
+        let unmasked = k.min(self.b.tiles.mask_from, last);
+        let first_unmasked = k.sub(unmasked, 1i32);
+        k.for_range(first_unmasked, -1i32, -1, |k, n| {
+            self.step::<NS, NC>(k, n, false, kr, vr)
+        });
+        self.release(k, qr);
+
+        k.comment("The last P V.");
+        k.bar_wait_member(self.turns, self.which);
+        vr.wait_full(k);
+        let t = self.pv::<NC>(k, vr, 0);
+        k.wgmma_commit();
+        k.bar_arrive_member(self.turns, self.other);
+        rescale_rows(k, std::slice::from_ref(&self.o), &[self.factors]);
+        self.finish_pv::<NC>(k, t, vr);
+    }
+
+    /// Key tile `n`, with `P·V` of tile `n + 1` overlapping its softmax.
+    fn step<NS: WgmmaN, NC: WgmmaN>(
+        &self,
+        k: &mut Kernel,
+        n: Reg<S32>,
+        masked: bool,
+        kr: &mut StageRing,
+        vr: &mut StageRing,
+    ) {
+        let dc = self.dequant(k, n);
+        let v_scale = self.scale_of(k, offset_of!(Fp8Args, v_scale), n);
+        k.bar_wait_member(self.turns, self.which);
+        kr.wait_full(k);
+        let s = self.scores::<NS>(k, kr);
+        k.wgmma_commit();
+        vr.wait_full(k);
+        let t = self.pv::<NC>(k, vr, 0);
+        k.wgmma_commit();
+        k.bar_arrive_member(self.turns, self.other);
+        // O is no wgmma's accumulator: its rescale runs beside the tensor cores.
+        rescale_rows(k, std::slice::from_ref(&self.o), &[self.factors]);
+        k.wgmma_wait(1);
+        let s = k.wgmma_retire(s);
+        self.release(k, kr);
+        if masked {
+            self.mask(k, &s, n);
+        }
+        self.softmax
+            .update_scaled(k, &[s.tiles()], dc, P_SHIFT_LOG2, &[self.factors]);
+        self.finish_pv::<NC>(k, t, vr);
+        k.mov_to(self.p_v_scale, v_scale);
+        pack_probs_e4m3(k, &s.tiles(), &self.p);
+    }
+
+    /// Waits for chunk 0 of `P·V`, adds it to O, runs the other chunks, and releases
+    /// the V stage.
+    fn finish_pv<NC: WgmmaN>(&self, k: &mut Kernel, t: InFlight<NC>, vr: &mut StageRing) {
+        k.wgmma_wait(0);
+        let t = k.wgmma_retire(t);
+        self.fold(k, &t, 0);
+        for chunk in 1..self.f.s.head_dim / self.f.s.chunk_n {
+            let t = self.pv::<NC>(k, vr, chunk);
+            k.wgmma_commit();
+            k.wgmma_wait(0);
+            let t = k.wgmma_retire(t);
+            self.fold(k, &t, chunk);
+        }
+        self.release(k, vr);
+    }
+
+    /// `O[:, chunk] += v_scale · T`.
+    fn fold<NC: WgmmaN>(&self, k: &mut Kernel, t: &Acc<NC>, chunk: u32) {
+        let first = (chunk * NC::N / 8) as usize;
+        for (o, t) in self.o[first..].iter().zip(t.tiles()) {
+            for (&o, t) in o.iter().zip(t) {
+                k.mad_to(o, t, self.p_v_scale, o);
+            }
+        }
+    }
+
+    /// `S = Q8 K8ᵀ` on the K ring's current stage (d/32 k-steps, SS).
+    fn scores<NS: WgmmaN>(&self, k: &mut Kernel, kr: &StageRing) -> InFlight<NS> {
+        let f = self.f;
+        let (ql, kl) = (f.s.q_layout(), f.s.k_layout());
+        let k_at = kr.slot(k, f.slots.k);
+        let kd = k.smem_desc::<KMajor>(k_at, &kl);
+        let acc = k.acc::<NS>();
+        let mut flying = k.wgmma_ss::<E4m3x4, NS, KMajor, KMajor>(acc, self.q, kd, ScaleD::Zero);
+        for step in 1..f.s.head_dim / 32 {
+            let q = advance(k, self.q, ql.logical_offset(0, 32 * step));
+            let kk = advance(k, kd, kl.logical_offset(0, 32 * step));
+            flying = k.wgmma_ss::<E4m3x4, NS, KMajor, KMajor>(flying, q, kk, ScaleD::Accumulate);
+        }
+        flying
+    }
+
+    /// `T = P8 Vᵀ8[chunk]` into a fresh accumulator: output columns
+    /// `chunk·chunk_n..+chunk_n`, block_n/32 k-steps (RS, `Vᵀ8` K-major).
+    fn pv<NC: WgmmaN>(&self, k: &mut Kernel, vr: &StageRing, chunk: u32) -> InFlight<NC> {
+        let f = self.f;
+        let vl = f.s.vt_layout();
+        let v_at = vr.slot(k, f.slots.vt);
+        let rows = chunk * f.s.chunk_n;
+        let vd = k.smem_desc::<KMajor>(v_at, &vl);
+        let vd = advance(k, vd, vl.logical_offset(rows, 0));
+        let acc = k.acc::<NC>();
+        let mut flying = k.wgmma_rs::<E4m3x4, NC, KMajor>(acc, &self.p[0], vd, ScaleD::Zero);
+        for (j, p) in self.p.iter().enumerate().skip(1) {
+            let v = advance(k, vd, vl.logical_offset(0, 32 * j as u32));
+            flying = k.wgmma_rs::<E4m3x4, NC, KMajor>(flying, p, v, ScaleD::Accumulate);
+        }
+        flying
+    }
+
+    /// Key tile `n`'s dequantization factor in the exponent: `q_scale · k_scale[n] ·
+    /// scale · log2 e`, at least the smallest normal f32 (a zero would turn masked −∞
+    /// scores into NaN).
+    fn dequant(&self, k: &mut Kernel, n: Reg<S32>) -> Reg<F32> {
+        let k_scale = self.scale_of(k, offset_of!(Fp8Args, k_scale), n);
+        let dc = k.mul(k_scale, self.scales.q_log2);
+        k.max(dc, f32::MIN_POSITIVE)
+    }
+
+    /// Key tile `n`'s entry of the per-block scales at parameter offset `field`.
+    fn scale_of(&self, k: &mut Kernel, field: usize, n: Reg<S32>) -> Reg<F32> {
+        let tiles_per_block = SCALE_BLOCK / self.f.s.block_n;
+        let block = k.shr(n.cast::<U32>(), tiles_per_block.trailing_zeros());
+        let index = k.add(self.scales.kv_row, block);
+        let base = k.load_param_at::<U64>(self.f.args, field);
+        let at = k.mad_wide_u32(index, 4u32, base);
+        k.ld_global::<F32>(at, 0)
+    }
+
+    fn mask<NS: WgmmaN>(&self, k: &mut Kernel, s: &Acc<NS>, n: Reg<S32>) {
+        let first_key = k.mul(n, self.f.s.block_n as i32);
+        let causal = self.f.causal.then_some(self.b.causal_offset);
+        apply_mask(
+            k,
+            &self.rows,
+            &[s.tiles()],
+            first_key,
+            self.b.m_start,
+            self.b.seq.seqlen_k,
+            causal,
+        );
+    }
+
+    fn release(&self, k: &mut Kernel, ring: &mut StageRing) {
+        k.guarded(self.leader, true, |k| ring.release(k));
+        ring.advance(k);
+    }
+}
+
+/// Rounds probabilities to e4m3 A fragments: for keys `32j..32j + 32`, score tiles
+/// `4j..4j + 4`. Register 0 takes row g's columns {2c, 2c+1} of tiles 4j and 4j + 1,
+/// register 1 the same of row g + 8, registers 2 and 3 the same from tiles 4j + 2 and
+/// 4j + 3: the MMA reads byte b of register 0 as key `4c + b`, which `Vᵀ8`'s key order
+/// ([`super::fp8::VT_KEY_ORDER`]) makes the right one.
+pub fn pack_probs_e4m3(k: &mut Kernel, scores: &Slab, p: &[[Reg<E4m3x4>; 4]]) {
+    for (quad, dst) in scores.chunks(4).zip(p) {
+        for (r, half, pair) in [(0, 0, 0), (1, 1, 0), (2, 0, 1), (3, 1, 1)] {
+            let a = &quad[2 * pair];
+            let b = &quad[2 * pair + 1];
+            let lo = k.pack_e4m3x2(a[2 * half], a[2 * half + 1]);
+            let hi = k.pack_e4m3x2(b[2 * half], b[2 * half + 1]);
+            let word = k.join_b16x2(lo, hi);
+            k.mov_to(dst[r], word.cast::<E4m3x4>());
+        }
+    }
+}
+
+/// A descriptor moved by `bytes` (nothing emitted for 0).
+fn advance(k: &mut Kernel, d: SmemDesc<KMajor>, bytes: u32) -> SmemDesc<KMajor> {
+    if bytes == 0 {
+        d
+    } else {
+        k.desc_advance(d, bytes)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kernels::attention::fp8::all_fp8_configs;
+
+    #[test]
+    fn tiles_fit_shared_memory_and_scale_blocks() {
+        for cfg in all_fp8_configs()
+            .into_iter()
+            .filter(|c| c.path == super::super::fp8::Fp8Path::Sm90)
+        {
+            let s = Shape::of(&cfg);
+            assert!(SCALE_BLOCK.is_multiple_of(s.block_n), "{cfg:?}");
+            assert!(s.head_dim.is_multiple_of(s.chunk_n));
+            for l in [s.q_layout(), s.k_layout(), s.vt_layout()] {
+                assert!(l.is_valid(), "{cfg:?}: {l:?}");
+            }
+            assert!(tiling(&cfg).smem_bytes <= 227 * 1024, "{cfg:?}");
+        }
+    }
+
+    #[test]
+    fn every_config_generates() {
+        for cfg in all_fp8_configs()
+            .into_iter()
+            .filter(|c| c.path == super::super::fp8::Fp8Path::Sm90)
+        {
+            let m = generate(&cfg).unwrap_or_else(|e| panic!("{}: {e}", cfg.id()));
+            let ptx = m.to_ptx();
+            assert!(ptx.contains("e4m3.e4m3"), "{}", cfg.id());
+        }
+    }
 }

@@ -212,6 +212,57 @@ impl OnlineSoftmax {
         self.exponentiate(k, scores, &maxes, scale_log2);
     }
 
+    /// [`OnlineSoftmax::update`] for scores that reach log2 units only through a per-tile
+    /// factor `dc > 0` (the FP8 kernels' dequantization scale times `scale·log2 e`): the
+    /// running maxima are kept in log2 units, each score becomes
+    /// `exp2(s·dc − m + offset)` in one FMA, and `factors` get `exp2(m − m')`.
+    /// (`dc > 0` keeps the order of the scores, so a tile's largest raw score times `dc`
+    /// is its largest scaled one, and a masked −∞ stays −∞.)
+    pub fn update_scaled(
+        &self,
+        k: &mut Kernel,
+        scores: &[Slab],
+        dc: Reg<F32>,
+        offset: f32,
+        factors: &[[Reg<F32>; 2]],
+    ) {
+        let tile_sums = Self::tile_sums(k, scores.len());
+        for (slab, tiles) in scores.iter().enumerate() {
+            for half in 0..2 {
+                let mut tile_max = {
+                    let [a, b] = half_of(&tiles[0], half);
+                    k.max(a, b)
+                };
+                for tile in &tiles[1..] {
+                    for v in half_of(tile, half) {
+                        tile_max = k.max(tile_max, v);
+                    }
+                }
+                let tile_max = quad_max(k, tile_max);
+                let tile_max = k.mul(tile_max, dc);
+                let old_max = self.max[slab][half];
+                let new_max = k.max(old_max, tile_max);
+                let none = k.setp(Cmp::Eq, new_max, f32::NEG_INFINITY);
+                let usable = k.selp(0f32, new_max, none);
+                let drop = k.sub(old_max, usable);
+                k.ex2_to(factors[slab][half], drop);
+                k.mov_to(old_max, new_max);
+                let sum = self.sum[slab][half];
+                k.mul_to(sum, sum, factors[slab][half]);
+                let bias = k.sub(offset, usable);
+                let tile_sum = tile_sums[slab][half];
+                for tile in tiles {
+                    for v in half_of(tile, half) {
+                        let x = k.mad(v, dc, bias);
+                        k.ex2_to(v, x);
+                        k.add_to(tile_sum, tile_sum, v);
+                    }
+                }
+            }
+        }
+        self.fold(k, &tile_sums);
+    }
+
     /// The whole row's sum (the quad's partial sums added), for slab `slab`, half `half`.
     pub fn row_sum(&self, k: &mut Kernel, slab: usize, half: usize) -> Reg<F32> {
         let mut sum = self.sum[slab][half];
