@@ -9,7 +9,9 @@
 //! non-zero mean (so O itself is not an average of noise near zero). The LSE comes from
 //! the f32 probabilities, but its scores from the tensor cores' FP8 accumulation, which
 //! keeps about 13 fraction bits of the largest term (products of codes up to 448² summed
-//! over d): measured 2.4e-4 to 3.7e-4 on N(0, 1) inputs, checked to 1e-3.
+//! over d), so the error grows with the scores' magnitude: checked to 1e-3 of
+//! `max(1, |LSE|)` (measured on N(0, 1) inputs: 5e-5 to 9e-4 absolute; with keys scaled
+//! 33x in one block: 3.6e-2 on rows whose LSE is in the tens).
 //! A wrong key permutation, scale index or mask fails both by far.
 
 mod common;
@@ -178,7 +180,7 @@ fn run_case(attn: &Attention, s: &Arc<CudaStream>, c: Case, rng: &mut Rng) -> Ou
             continue;
         }
         assert!(g.is_finite(), "{c:?}: LSE row {i} = {g}, want {w}");
-        lse_err = lse_err.max((g as f64 - w).abs());
+        lse_err = lse_err.max((g as f64 - w).abs() / w.abs().max(1.0));
     }
     Outcome {
         o_err: rel_l2(&got, &want.out),
@@ -192,7 +194,7 @@ fn check(attn: &Attention, s: &Arc<CudaStream>, cases: &[Case]) {
         let mut rng = seeds.next_case();
         let r = run_case(attn, s, c, &mut rng);
         println!(
-            "{c:?}: O rel L2 {:.2e}, LSE max err {:.2e}",
+            "{c:?}: O rel L2 {:.2e}, LSE max err {:.2e} (of max(1, |LSE|))",
             r.o_err, r.lse_err
         );
         assert!(

@@ -419,7 +419,15 @@ where
             offset: P_SHIFT_LOG2,
             shift,
         };
-        store_output_lse::<H>(k, f.args, &c.rows, std::slice::from_ref(&c.o), &c.softmax, at, form);
+        store_output_lse::<H>(
+            k,
+            f.args,
+            &c.rows,
+            std::slice::from_ref(&c.o),
+            &c.softmax,
+            at,
+            form,
+        );
     });
 }
 
