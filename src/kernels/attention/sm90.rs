@@ -35,9 +35,9 @@ use super::softmax::{OnlineSoftmax, pack_probs_into, rescale_rows};
 use super::{FwdArgs, FwdConfig, HalfType, Tiling};
 use crate::ptx::{
     Acc, Bf16x2, Cmp, F16x2, F32, Half2, InFlight, KMajor, Kernel, KernelText, MnMajor, Module,
-    N64, N80, N128, N176, N256, NamedBarrier, PtxError, Reg, RingBarriers, S32, ScaleD, Smem,
-    SmemDesc, SmemLayout, SmemPlan, Special, StageRing, Swizzle, Target, TileSlot, TmaDesc, U32,
-    WgmmaD, WgmmaInput, WgmmaN,
+    N64, N80, N128, N176, N256, NamedBarrier, ParamBytes, PtxError, Reg, RingBarriers, S32, ScaleD,
+    Smem, SmemAddr, SmemDesc, SmemLayout, SmemPlan, Special, StageRing, Swizzle, Target, TileSlot,
+    TmaDesc, U32, WgmmaD, WgmmaInput, WgmmaN,
 };
 
 /// Query rows per block: two consumer warpgroups of 64.
@@ -142,15 +142,16 @@ pub(crate) fn generate(cfg: &FwdConfig) -> Result<Module, PtxError> {
     Ok(m)
 }
 
-/// The block's coordinates and the parameters every role reads.
-struct Block {
-    batch: Reg<U32>,
-    head: Reg<U32>,
+/// A work item's coordinates and the parameters every role reads (shared with the FP8
+/// kernel, [`super::sm90_fp8`]).
+pub(super) struct Block {
+    pub batch: Reg<U32>,
+    pub head: Reg<U32>,
     /// The query tile's first row, counted from its sequence's first.
-    m_start: Reg<S32>,
-    seq: Sequence,
-    causal_offset: Reg<S32>,
-    tiles: KeyTiles,
+    pub m_start: Reg<S32>,
+    pub seq: Sequence,
+    pub causal_offset: Reg<S32>,
+    pub tiles: KeyTiles,
 }
 
 /// What the roles share: parameters, shared memory, the kernel's shape.
@@ -212,52 +213,117 @@ where
 }
 
 impl Fwd {
-    /// The persistent loop: this block takes work items `blockIdx.x, + gridDim.x, ...` of
-    /// `q_blocks · heads · batch`, each a (query tile, head, batch), head by head. With
-    /// causal masking each head's heaviest query tiles (the last ones, which see the most
-    /// keys) come first, so the light ones fill in at the end.
     fn for_each_item(&self, k: &mut Kernel, body: impl FnOnce(&mut Kernel, &Block)) {
-        let arg = |k: &mut Kernel, off| k.load_param_at::<U32>(self.args, off);
-        let q_blocks = arg(k, offset_of!(FwdArgs, q_blocks));
-        let heads = arg(k, offset_of!(FwdArgs, heads_q));
-        let batch = arg(k, offset_of!(FwdArgs, batch));
-        let head_batches = k.mul(heads, batch);
-        let items = k.mul(head_batches, q_blocks);
-        let first = k.special(Special::CtaidX);
-        let stride = k.special(Special::NctaidX);
-        let (s, causal, args) = (self.s, self.causal, self.args);
-        k.for_stride(
-            first.cast::<S32>(),
-            items.cast::<S32>(),
-            stride.cast(),
-            |k, item| {
-                let item = item.cast::<U32>();
-                // Item = head-batch · q_blocks + m-index: the blocks running at once share
-                // a few heads, so each head's K and V come from HBM once and then from L2
-                // (taking one query tile of many heads instead re-reads every head's K and
-                // V once per query tile: B8 H16 S2048 D128 ran 20% slower).
-                let m_index = k.rem(item, q_blocks);
-                let hb = k.div(item, q_blocks);
-                let head = k.rem(hb, heads);
-                let b = k.div(hb, heads);
-                let m_block = query_block(k, m_index, q_blocks, causal);
-                let m_start = k.mul(m_block.cast::<S32>(), BLOCK_M as i32);
-                let seq = sequence(k, args, b);
-                let causal_offset = seq.causal_offset(k);
-                let mask = causal.then_some(causal_offset);
-                let (sq, sk) = (seq.seqlen_q, seq.seqlen_k);
-                let tiles = key_tiles(k, sq, sk, m_start, BLOCK_M, s.block_n, mask);
-                let blk = Block {
-                    batch: b,
-                    head,
-                    m_start,
-                    seq,
-                    causal_offset,
-                    tiles,
-                };
-                body(k, &blk);
-            },
-        );
+        for_each_item(k, self.args, self.causal, self.s.block_n, body);
+    }
+}
+
+/// The persistent loop of the sm90a kernels: this block takes work items
+/// `blockIdx.x + i·gridDim.x` of `q_blocks · heads · batch` (read from the [`FwdArgs`] at
+/// the start of `args`), each a (query tile of [`BLOCK_M`] rows, head, batch), head by
+/// head, with `block_n`-key tiles. With causal masking each head's heaviest query tiles (the last
+/// ones, which see the most keys) come first, so the light ones fill in at the end.
+pub(super) fn for_each_item(
+    k: &mut Kernel,
+    args: ParamBytes,
+    causal: bool,
+    block_n: u32,
+    body: impl FnOnce(&mut Kernel, &Block),
+) {
+    let arg = |k: &mut Kernel, off| k.load_param_at::<U32>(args, off);
+    let q_blocks = arg(k, offset_of!(FwdArgs, q_blocks));
+    let heads = arg(k, offset_of!(FwdArgs, heads_q));
+    let batch = arg(k, offset_of!(FwdArgs, batch));
+    let head_batches = k.mul(heads, batch);
+    let items = k.mul(head_batches, q_blocks);
+    let first = k.special(Special::CtaidX);
+    let stride = k.special(Special::NctaidX);
+    k.for_stride(
+        first.cast::<S32>(),
+        items.cast::<S32>(),
+        stride.cast(),
+        |k, item| {
+            let item = item.cast::<U32>();
+            // Item = head-batch · q_blocks + m-index: the blocks running at once share a
+            // few heads, so each head's K and V come from HBM once and then from L2 (taking
+            // one query tile of many heads instead re-reads every head's K and V once per
+            // query tile: B8 H16 S2048 D128 ran 20% slower).
+            let m_index = k.rem(item, q_blocks);
+            let hb = k.div(item, q_blocks);
+            let head = k.rem(hb, heads);
+            let b = k.div(hb, heads);
+            let m_block = query_block(k, m_index, q_blocks, causal);
+            let m_start = k.mul(m_block.cast::<S32>(), BLOCK_M as i32);
+            let seq = sequence(k, args, b);
+            let causal_offset = seq.causal_offset(k);
+            let mask = causal.then_some(causal_offset);
+            let (sq, sk) = (seq.seqlen_q, seq.seqlen_k);
+            let tiles = key_tiles(k, sq, sk, m_start, BLOCK_M, block_n, mask);
+            let blk = Block {
+                batch: b,
+                head,
+                m_start,
+                seq,
+                causal_offset,
+                tiles,
+            };
+            body(k, &blk);
+        },
+    );
+}
+
+/// What a consumer warpgroup thread knows about itself: which of the two consumer
+/// warpgroups it is in, its lane's role, its accumulator rows, and the named-barrier
+/// pair the two warpgroups take turns at the tensor cores with.
+#[derive(Clone, Copy)]
+pub(super) struct ConsumerRoles {
+    /// 0 or 1: which of the two consumer warpgroups.
+    pub which: Reg<U32>,
+    pub other: Reg<U32>,
+    /// Lane 0 of each warp: it arrives on EMPTY barriers for its warp.
+    pub leader: Reg<crate::ptx::Pred>,
+    pub rows: Rows,
+    pub turns: [NamedBarrier; 2],
+}
+
+impl ConsumerRoles {
+    /// The roles of thread `tid` (128..384), after raising its registers to `regs`; the
+    /// second warpgroup lets the first go first.
+    pub fn new(k: &mut Kernel, tid: Reg<U32>, regs: u32) -> ConsumerRoles {
+        k.setmaxnreg_inc(regs);
+        let ct = k.sub(tid, 128u32);
+        let which = k.shr(ct, 7);
+        let other = k.xor(which, 1u32);
+        let in_wg = k.and(ct, 127u32);
+        let warp = k.shr(in_wg, 5);
+        let lane = k.and(ct, 31u32);
+        let leader = k.setp(Cmp::Eq, lane, 0u32);
+        let warp_row0 = k.mul(which, 64u32);
+        let warp_row0 = k.mad(warp, 16u32, warp_row0);
+        let rows = Rows::new(k, lane, warp_row0);
+        let turns = k.named_barrier_pair(256);
+        let second = k.setp(Cmp::Ne, which, 0u32);
+        k.if_(second, |k| k.bar_arrive(turns[0]));
+        ConsumerRoles {
+            which,
+            other,
+            leader,
+            rows,
+            turns,
+        }
+    }
+
+    /// This warpgroup's 64 rows of the Q tile at `q` (stored in `layout`).
+    pub fn q_rows(&self, k: &mut Kernel, q: SmemAddr, layout: &SmemLayout) -> SmemDesc<KMajor> {
+        let q_rows = k.mul(self.which, layout.logical_offset(64, 0));
+        let q_at = k.smem_offset(q, q_rows);
+        k.smem_desc::<KMajor>(q_at, layout)
+    }
+
+    /// Lane 0 of each warp releases the ring's current stage; all move on.
+    pub fn release(&self, k: &mut Kernel, ring: &mut StageRing) {
+        k.guarded(self.leader, true, |k| ring.release(k));
+        ring.advance(k);
     }
 }
 
@@ -316,13 +382,7 @@ fn produce(k: &mut Kernel, f: &Fwd, tid: Reg<U32>) {
 struct Consumer<'a, H: Half2> {
     f: &'a Fwd,
     b: &'a Block,
-    /// 0 or 1: which of the two consumer warpgroups.
-    which: Reg<U32>,
-    other: Reg<U32>,
-    turns: [NamedBarrier; 2],
-    /// Lane 0 of each warp: it arrives on EMPTY barriers for its warp.
-    leader: Reg<crate::ptx::Pred>,
-    rows: Rows,
+    roles: ConsumerRoles,
     /// This warpgroup's 64 rows of the Q tile (the Q ring has one stage).
     q: SmemDesc<KMajor>,
     scale_log2: Reg<F32>,
@@ -348,26 +408,9 @@ where
     NO: WgmmaN,
 {
     k.comment("Consumers: S = Q K^T, online softmax, O += P V, in ping-pong turns.");
-    k.setmaxnreg_inc(CONSUMER_REGS);
-    let ct = k.sub(tid, 128u32);
-    let which = k.shr(ct, 7);
-    let other = k.xor(which, 1u32);
-    let in_wg = k.and(ct, 127u32);
-    let warp = k.shr(in_wg, 5);
-    let lane = k.and(ct, 31u32);
-    let leader = k.setp(Cmp::Eq, lane, 0u32);
-    let warp_row0 = k.mul(which, 64u32);
-    let warp_row0 = k.mad(warp, 16u32, warp_row0);
-    let rows = Rows::new(k, lane, warp_row0);
-    let turns = k.named_barrier_pair(256);
-    // The second warpgroup lets the first go first.
-    let second = k.setp(Cmp::Ne, which, 0u32);
-    k.if_(second, |k| k.bar_arrive(turns[0]));
-
+    let roles = ConsumerRoles::new(k, tid, CONSUMER_REGS);
     let q_at = f.smem.tile(k, f.slots.q, 0);
-    let q_rows = k.mul(which, f.s.q_layout().logical_offset(64, 0));
-    let q_at = k.smem_offset(q_at, q_rows);
-    let q = k.smem_desc::<KMajor>(q_at, &f.s.q_layout());
+    let q = roles.q_rows(k, q_at, &f.s.q_layout());
     let scale_log2 = k.load_param_at::<F32>(f.args, offset_of!(FwdArgs, scale_log2));
     let mut rings = Rings {
         q: f.slots.q_ring.consumer(k, f.smem),
@@ -378,11 +421,7 @@ where
         let c = Consumer {
             f,
             b,
-            which,
-            other,
-            turns,
-            leader,
-            rows,
+            roles,
             q,
             scale_log2,
             softmax: OnlineSoftmax::new(k, 1),
@@ -402,7 +441,7 @@ where
             m_start: b.m_start,
             seq: b.seq,
         };
-        store_output::<H>(k, f.args, &c.rows, &[o.tiles()], &c.softmax, at);
+        store_output::<H>(k, f.args, &c.roles.rows, &[o.tiles()], &c.softmax, at);
     });
 }
 
@@ -424,11 +463,11 @@ impl<H: Half2 + WgmmaInput> Consumer<'_, H> {
         let end = self.b.tiles.end;
         let last = k.sub(end, 1i32);
 
-        k.bar_wait_member(self.turns, self.which);
+        k.bar_wait_member(self.roles.turns, self.roles.which);
         kr.wait_full(k);
         let s = self.scores::<NS>(k, kr);
         k.wgmma_commit();
-        k.bar_arrive_member(self.turns, self.other);
+        k.bar_arrive_member(self.roles.turns, self.roles.other);
         k.wgmma_wait(0);
         let s = k.wgmma_retire(s);
         self.release(k, kr);
@@ -454,9 +493,9 @@ impl<H: Half2 + WgmmaInput> Consumer<'_, H> {
         self.release(k, qr);
 
         k.comment("The last P V.");
-        k.bar_wait_member(self.turns, self.which);
+        k.bar_wait_member(self.roles.turns, self.roles.which);
         let pv = self.rescale_and_pv::<NO>(k, o, vr);
-        k.bar_arrive_member(self.turns, self.other);
+        k.bar_arrive_member(self.roles.turns, self.roles.other);
         k.wgmma_wait(0);
         let o = k.wgmma_retire(pv);
         self.release(k, vr);
@@ -473,12 +512,12 @@ impl<H: Half2 + WgmmaInput> Consumer<'_, H> {
         kr: &mut StageRing,
         vr: &mut StageRing,
     ) -> Acc<NO> {
-        k.bar_wait_member(self.turns, self.which);
+        k.bar_wait_member(self.roles.turns, self.roles.which);
         kr.wait_full(k);
         let s = self.scores::<NS>(k, kr);
         k.wgmma_commit();
         let pv = self.rescale_and_pv::<NO>(k, o, vr);
-        k.bar_arrive_member(self.turns, self.other);
+        k.bar_arrive_member(self.roles.turns, self.roles.other);
         k.wgmma_wait(1);
         let s = k.wgmma_retire(s);
         self.release(k, kr);
@@ -546,7 +585,7 @@ impl<H: Half2 + WgmmaInput> Consumer<'_, H> {
         let scores = [s.tiles()];
         apply_mask(
             k,
-            &self.rows,
+            &self.roles.rows,
             &scores,
             first_key,
             self.b.m_start,
@@ -555,15 +594,17 @@ impl<H: Half2 + WgmmaInput> Consumer<'_, H> {
         );
     }
 
-    /// Lane 0 of each warp releases the ring's current stage; all move on.
     fn release(&self, k: &mut Kernel, ring: &mut StageRing) {
-        k.guarded(self.leader, true, |k| ring.release(k));
-        ring.advance(k);
+        self.roles.release(k, ring);
     }
 }
 
 /// A descriptor moved by `bytes` (nothing emitted for 0).
-fn advance<M: crate::ptx::Major>(k: &mut Kernel, d: SmemDesc<M>, bytes: u32) -> SmemDesc<M> {
+pub(super) fn advance<M: crate::ptx::Major>(
+    k: &mut Kernel,
+    d: SmemDesc<M>,
+    bytes: u32,
+) -> SmemDesc<M> {
     if bytes == 0 {
         d
     } else {

@@ -35,21 +35,22 @@ use std::mem::offset_of;
 
 use super::epilogue::{LseForm, OutputBlock, store_output_lse};
 use super::fp8::{Fp8Args, Fp8Config, P_SHIFT_LOG2, SCALE_BLOCK};
-use super::mask::{KeyTiles, apply_mask, key_tiles, query_block};
-use super::rows::{Rows, Slab, zeroed_slabs};
-use super::sequence::{Sequence, sequence};
+use super::mask::apply_mask;
+use super::rows::{Slab, zeroed_slabs};
+use super::sm90::{Block, ConsumerRoles, advance, for_each_item};
 use super::softmax::{OnlineSoftmax, rescale_rows};
 use super::{FwdArgs, HalfType, Tiling};
 use crate::ptx::{
     Acc, Bf16x2, Cmp, E4m3x4, F16x2, F32, Half2, InFlight, KMajor, Kernel, KernelText, Module, N64,
-    N128, NamedBarrier, ParamBytes, PtxError, Reg, RingBarriers, S32, ScaleD, Smem, SmemDesc,
-    SmemLayout, SmemPlan, Special, StageRing, Swizzle, Target, TileSlot, TmaDesc, U32, U64, WgmmaN,
+    N128, ParamBytes, PtxError, Reg, RingBarriers, S32, ScaleD, Smem, SmemDesc, SmemLayout,
+    SmemPlan, Special, StageRing, Swizzle, Target, TileSlot, TmaDesc, U32, U64, WgmmaN,
 };
 
 /// Head dimensions with a kernel on this path.
 pub const HEAD_DIMS: [u32; 2] = [64, 128];
-/// Query rows per block: two consumer warpgroups of 64.
-pub const BLOCK_M: u32 = 128;
+/// Query rows per block: two consumer warpgroups of 64 (the work-item loop is the
+/// 16-bit kernel's).
+pub const BLOCK_M: u32 = super::sm90::BLOCK_M;
 /// Threads: a producer warpgroup and two consumer warpgroups.
 pub const THREADS: u32 = 384;
 /// Registers per thread after reallocation: 128·24 + 256·240 = 64512 <= 65536.
@@ -155,16 +156,6 @@ pub(crate) fn generate(cfg: &Fp8Config) -> Result<Module, PtxError> {
     Ok(m)
 }
 
-/// The block's coordinates and the parameters every role reads.
-struct Block {
-    batch: Reg<U32>,
-    head: Reg<U32>,
-    m_start: Reg<S32>,
-    seq: Sequence,
-    causal_offset: Reg<S32>,
-    tiles: KeyTiles,
-}
-
 /// What the roles share.
 struct Fwd {
     s: Shape,
@@ -223,47 +214,9 @@ where
 }
 
 impl Fwd {
-    /// The persistent loop over (query tile, head, batch) work items, as in
-    /// [`super::sm90`]: heads grouped so concurrent blocks share K and V in L2, heaviest
-    /// query tiles first with causal masking.
+    /// The 16-bit kernel's persistent loop over (query tile, head, batch) work items.
     fn for_each_item(&self, k: &mut Kernel, body: impl FnOnce(&mut Kernel, &Block)) {
-        let arg = |k: &mut Kernel, off| k.load_param_at::<U32>(self.args, off);
-        let q_blocks = arg(k, offset_of!(FwdArgs, q_blocks));
-        let heads = arg(k, offset_of!(FwdArgs, heads_q));
-        let batch = arg(k, offset_of!(FwdArgs, batch));
-        let head_batches = k.mul(heads, batch);
-        let items = k.mul(head_batches, q_blocks);
-        let first = k.special(Special::CtaidX);
-        let stride = k.special(Special::NctaidX);
-        let (s, causal, args) = (self.s, self.causal, self.args);
-        k.for_stride(
-            first.cast::<S32>(),
-            items.cast::<S32>(),
-            stride.cast(),
-            |k, item| {
-                let item = item.cast::<U32>();
-                let m_index = k.rem(item, q_blocks);
-                let hb = k.div(item, q_blocks);
-                let head = k.rem(hb, heads);
-                let b = k.div(hb, heads);
-                let m_block = query_block(k, m_index, q_blocks, causal);
-                let m_start = k.mul(m_block.cast::<S32>(), BLOCK_M as i32);
-                let seq = sequence(k, args, b);
-                let causal_offset = seq.causal_offset(k);
-                let mask = causal.then_some(causal_offset);
-                let (sq, sk) = (seq.seqlen_q, seq.seqlen_k);
-                let tiles = key_tiles(k, sq, sk, m_start, BLOCK_M, s.block_n, mask);
-                let blk = Block {
-                    batch: b,
-                    head,
-                    m_start,
-                    seq,
-                    causal_offset,
-                    tiles,
-                };
-                body(k, &blk);
-            },
-        );
+        for_each_item(k, self.args, self.causal, self.s.block_n, body);
     }
 }
 
@@ -336,11 +289,7 @@ struct Scales {
 struct Consumer<'a> {
     f: &'a Fwd,
     b: &'a Block,
-    which: Reg<U32>,
-    other: Reg<U32>,
-    turns: [NamedBarrier; 2],
-    leader: Reg<crate::ptx::Pred>,
-    rows: Rows,
+    roles: ConsumerRoles,
     q: SmemDesc<KMajor>,
     scales: Scales,
     softmax: OnlineSoftmax,
@@ -362,25 +311,9 @@ where
     NC: WgmmaN,
 {
     k.comment("Consumers: S = Q8 K8^T, softmax, O += v_scale * (P8 V8), in turns.");
-    k.setmaxnreg_inc(CONSUMER_REGS);
-    let ct = k.sub(tid, 128u32);
-    let which = k.shr(ct, 7);
-    let other = k.xor(which, 1u32);
-    let in_wg = k.and(ct, 127u32);
-    let warp = k.shr(in_wg, 5);
-    let lane = k.and(ct, 31u32);
-    let leader = k.setp(Cmp::Eq, lane, 0u32);
-    let warp_row0 = k.mul(which, 64u32);
-    let warp_row0 = k.mad(warp, 16u32, warp_row0);
-    let rows = Rows::new(k, lane, warp_row0);
-    let turns = k.named_barrier_pair(256);
-    let second = k.setp(Cmp::Ne, which, 0u32);
-    k.if_(second, |k| k.bar_arrive(turns[0]));
-
+    let roles = ConsumerRoles::new(k, tid, CONSUMER_REGS);
     let q_at = f.smem.tile(k, f.slots.q, 0);
-    let q_rows = k.mul(which, f.s.q_layout().logical_offset(64, 0));
-    let q_at = k.smem_offset(q_at, q_rows);
-    let q = k.smem_desc::<KMajor>(q_at, &f.s.q_layout());
+    let q = roles.q_rows(k, q_at, &f.s.q_layout());
     let mut rings = Rings {
         q: f.slots.q_ring.consumer(k, f.smem),
         k: f.slots.k_ring.consumer(k, f.smem),
@@ -391,11 +324,7 @@ where
         let c = Consumer {
             f,
             b,
-            which,
-            other,
-            turns,
-            leader,
-            rows,
+            roles,
             q,
             scales,
             softmax: OnlineSoftmax::new(k, 1),
@@ -422,7 +351,7 @@ where
         store_output_lse::<H>(
             k,
             f.args,
-            &c.rows,
+            &c.roles.rows,
             std::slice::from_ref(&c.o),
             &c.softmax,
             at,
@@ -472,11 +401,11 @@ impl Consumer<'_> {
 
         let dc = self.dequant(k, last);
         let v_scale = self.scale_of(k, offset_of!(Fp8Args, v_scale), last);
-        k.bar_wait_member(self.turns, self.which);
+        k.bar_wait_member(self.roles.turns, self.roles.which);
         kr.wait_full(k);
         let s = self.scores::<NS>(k, kr);
         k.wgmma_commit();
-        k.bar_arrive_member(self.turns, self.other);
+        k.bar_arrive_member(self.roles.turns, self.roles.other);
         k.wgmma_wait(0);
         let s = k.wgmma_retire(s);
         self.release(k, kr);
@@ -501,11 +430,11 @@ impl Consumer<'_> {
         self.release(k, qr);
 
         k.comment("The last P V.");
-        k.bar_wait_member(self.turns, self.which);
+        k.bar_wait_member(self.roles.turns, self.roles.which);
         vr.wait_full(k);
         let t = self.pv::<NC>(k, vr, 0);
         k.wgmma_commit();
-        k.bar_arrive_member(self.turns, self.other);
+        k.bar_arrive_member(self.roles.turns, self.roles.other);
         rescale_rows(k, std::slice::from_ref(&self.o), &[self.factors]);
         self.finish_pv::<NC>(k, t, vr);
     }
@@ -521,14 +450,14 @@ impl Consumer<'_> {
     ) {
         let dc = self.dequant(k, n);
         let v_scale = self.scale_of(k, offset_of!(Fp8Args, v_scale), n);
-        k.bar_wait_member(self.turns, self.which);
+        k.bar_wait_member(self.roles.turns, self.roles.which);
         kr.wait_full(k);
         let s = self.scores::<NS>(k, kr);
         k.wgmma_commit();
         vr.wait_full(k);
         let t = self.pv::<NC>(k, vr, 0);
         k.wgmma_commit();
-        k.bar_arrive_member(self.turns, self.other);
+        k.bar_arrive_member(self.roles.turns, self.roles.other);
         // O is no wgmma's accumulator: its rescale runs beside the tensor cores.
         rescale_rows(k, std::slice::from_ref(&self.o), &[self.factors]);
         k.wgmma_wait(1);
@@ -628,7 +557,7 @@ impl Consumer<'_> {
         let causal = self.f.causal.then_some(self.b.causal_offset);
         apply_mask(
             k,
-            &self.rows,
+            &self.roles.rows,
             &[s.tiles()],
             first_key,
             self.b.m_start,
@@ -638,8 +567,7 @@ impl Consumer<'_> {
     }
 
     fn release(&self, k: &mut Kernel, ring: &mut StageRing) {
-        k.guarded(self.leader, true, |k| ring.release(k));
-        ring.advance(k);
+        self.roles.release(k, ring);
     }
 }
 
@@ -658,15 +586,6 @@ pub fn pack_probs_e4m3(k: &mut Kernel, scores: &Slab, p: &[[Reg<E4m3x4>; 4]]) {
             let word = k.join_b16x2(lo, hi);
             k.mov_to(dst[r], word.cast::<E4m3x4>());
         }
-    }
-}
-
-/// A descriptor moved by `bytes` (nothing emitted for 0).
-fn advance(k: &mut Kernel, d: SmemDesc<KMajor>, bytes: u32) -> SmemDesc<KMajor> {
-    if bytes == 0 {
-        d
-    } else {
-        k.desc_advance(d, bytes)
     }
 }
 
