@@ -64,7 +64,7 @@ pub fn dispatch(
 
 /// (query tile, head, batch) triples: the sm80 grid's blocks, the sm90 kernel's work
 /// items.
-fn work_items(shape: &AttnShape, block_m: u32) -> usize {
+pub(crate) fn work_items(shape: &AttnShape, block_m: u32) -> usize {
     shape.seqlen_q.div_ceil(block_m as usize) * shape.heads_q * shape.batch
 }
 
@@ -380,21 +380,57 @@ impl Attention {
         let none = TensorView { ptr: 0, ..*o };
         let mut args = fwd_args(problem, cfg, [&none, &none, &none, o], lse);
         let dims = grid(problem, cfg, self.device.sm_count());
-        let [mut mq, mut mk, mut mv] = maps;
-        let mut params: [*mut c_void; 4] = [
-            (&mut args as *mut FwdArgs).cast(),
-            (&mut mq as *mut TensorMap).cast(),
-            (&mut mk as *mut TensorMap).cast(),
-            (&mut mv as *mut TensorMap).cast(),
-        ];
-        // SAFETY: the kernel's parameters are the by-value `FwdArgs` block and three
-        // by-value 128-byte tensor maps, which these point at and which outlive the call;
-        // the maps cover exactly the validated extents of Q, K and V (their boxes'
+        // SAFETY: the maps cover exactly the validated extents of Q, K and V (their boxes'
         // out-of-bounds parts are zero-filled by the hardware, never read), and the kernel
         // writes only O's and the LSE's validated extents; this function's contract makes
         // them live memory of this context and `stream` a stream of it.
-        unsafe { launch(&kernel, &dims, stream, &mut params) }
+        unsafe { launch_with_maps(&kernel, &dims, stream, &mut args, maps) }
     }
+}
+
+/// Launches a kernel whose parameters are a by-value argument block followed by three
+/// by-value tensor maps (the sm90a forward kernels).
+///
+/// # Safety
+///
+/// `args` must be the argument block `kernel` expects and `maps` its three maps, and
+/// every address they hold must be live memory of the kernel's context that the kernel
+/// may read or write as its contract says; `stream` is null or a stream of that context.
+pub(crate) unsafe fn launch_with_maps<A>(
+    kernel: &LoadedKernel,
+    dims: &LaunchDims,
+    stream: CUstream,
+    args: &mut A,
+    maps: [TensorMap; 3],
+) -> Result<()> {
+    let [mut mq, mut mk, mut mv] = maps;
+    let mut params: [*mut c_void; 4] = [
+        (args as *mut A).cast(),
+        (&mut mq as *mut TensorMap).cast(),
+        (&mut mk as *mut TensorMap).cast(),
+        (&mut mv as *mut TensorMap).cast(),
+    ];
+    // SAFETY: the parameters are the by-value argument block and three by-value 128-byte
+    // tensor maps, which these point at and which outlive the call; the caller vouches
+    // for their contents and the stream.
+    unsafe { launch(kernel, dims, stream, &mut params) }
+}
+
+/// Blocks of an sm90a forward launch over `items` work items: one per SM (or per item,
+/// when there are fewer), each looping over items; with causal masking one per item.
+///
+/// Causal work items differ in cost (a query tile sees keys up to its diagonal); one
+/// block per item lets the hardware hand the next item to whichever SM frees up first,
+/// which balances them better than a fixed stride (B1 H16 S16384 D128 causal: 684 vs
+/// 452 TFLOP/s). Equal items run persistently, the next item's Q load overlapping this
+/// one's epilogue.
+pub(crate) fn sm90_blocks(items: usize, causal: bool, sm_count: u32) -> u32 {
+    let blocks = if causal {
+        items
+    } else {
+        items.min(sm_count as usize)
+    };
+    blocks as u32
 }
 
 /// The tensor maps of Q, K and V for an sm90 configuration.
@@ -471,17 +507,7 @@ fn grid(problem: &FwdProblem, cfg: &FwdConfig, sm_count: u32) -> LaunchDims {
         Path::Sm80 => (q_blocks as u32, shape.heads_q as u32, shape.batch as u32),
         Path::Sm90 => {
             let items = work_items(&shape, tiling.block_m);
-            // Causal work items differ in cost (a query tile sees keys up to its
-            // diagonal); one block per item lets the hardware hand the next item to
-            // whichever SM frees up first, which balances them better than a fixed
-            // stride (B1 H16 S16384 D128 causal: 684 vs 452 TFLOP/s). Equal items run
-            // persistently, the next item's Q load overlapping this one's epilogue.
-            let blocks = if cfg.causal {
-                items
-            } else {
-                items.min(sm_count as usize)
-            };
-            (blocks as u32, 1, 1)
+            (sm90_blocks(items, cfg.causal, sm_count), 1, 1)
         }
     };
     LaunchDims {

@@ -10,11 +10,11 @@ use std::ffi::c_void;
 
 use cudarc::driver::sys::CUstream;
 
-use super::attention::{Attention, PathChoice};
+use super::attention::{Attention, PathChoice, launch_with_maps, sm90_blocks, work_items};
 use super::launch::{LaunchDims, launch};
 use super::tensor::{AttentionParams, DType, LseView, TensorView};
 use super::validate::{
-    LSE_ALIGN, MAX_GRID_YZ, MAX_SEQLEN, TENSOR_ALIGN, byte_range_of, check_no_self_overlap,
+    LSE_ALIGN, TENSOR_ALIGN, byte_range_of, check_heads_and_sizes, check_no_self_overlap,
     check_not_empty, check_pointer, check_scale, check_strides, lse_byte_range, overlaps,
 };
 use crate::error::{Error, Result};
@@ -158,24 +158,7 @@ pub fn validate_fp8(
     if !HEAD_DIMS.contains(&(head_dim as u32)) {
         return Err(Error::UnsupportedHeadDim(head_dim, FP8_HEAD_DIMS_TEXT));
     }
-    if !heads_q.is_multiple_of(heads_kv) {
-        return Err(Error::HeadRatio {
-            hq: heads_q,
-            hkv: heads_kv,
-        });
-    }
-    for (what, n) in [("seqlen_q", seqlen_q), ("seqlen_k", seqlen_k)] {
-        if n > MAX_SEQLEN {
-            return Err(Error::InvalidArgument(format!(
-                "{what} {n} exceeds the limit of {MAX_SEQLEN} (2^25)"
-            )));
-        }
-    }
-    if batch > MAX_GRID_YZ || heads_q > MAX_GRID_YZ {
-        return Err(Error::InvalidArgument(format!(
-            "batch {batch} or query heads {heads_q} exceed the grid limit {MAX_GRID_YZ}"
-        )));
-    }
+    check_heads_and_sizes(batch, heads_q, heads_kv, seqlen_q, seqlen_k)?;
     check_scale(params)?;
 
     for (name, ptr) in [("q", q.ptr), ("k", k.ptr), ("vt", vt.ptr), ("o", o.ptr)] {
@@ -445,35 +428,22 @@ impl Attention {
             }
             Fp8Path::Sm90 => {
                 let maps = sm90_maps(cfg, ops)?;
-                let items =
-                    shape.seqlen_q.div_ceil(tiling.block_m as usize) * shape.heads_q * shape.batch;
-                // As the 16-bit sm90 kernel: persistent without causal masking, one
-                // block per work item with it (the hardware balances unequal items).
-                let blocks = if cfg.causal {
-                    items
-                } else {
-                    items.min(self.device().sm_count() as usize)
-                };
+                let items = work_items(&shape, tiling.block_m);
                 let dims = LaunchDims {
-                    grid: (blocks as u32, 1, 1),
+                    grid: (
+                        sm90_blocks(items, cfg.causal, self.device().sm_count()),
+                        1,
+                        1,
+                    ),
                     block: (tiling.threads, 1, 1),
                     dynamic_smem: tiling.smem_bytes,
                 };
-                let [mut mq, mut mk, mut mv] = maps;
-                let mut params: [*mut c_void; 4] = [
-                    (&mut args as *mut Fp8Args).cast(),
-                    (&mut mq as *mut TensorMap).cast(),
-                    (&mut mk as *mut TensorMap).cast(),
-                    (&mut mv as *mut TensorMap).cast(),
-                ];
-                // SAFETY: the kernel's parameters are the by-value `Fp8Args` block and
-                // three by-value 128-byte tensor maps, which these point at and which
-                // outlive the call; the maps cover exactly the validated extents of Q8,
-                // K8 and Vᵀ8 (out-of-bounds box parts are zero-filled by the hardware),
-                // and the kernel writes only O's and the LSE's validated extents; this
-                // function's contract makes them live memory of this context and
-                // `stream` a stream of it.
-                unsafe { launch(&kernel, &dims, stream, &mut params) }
+                // SAFETY: `args` is the kernel's `Fp8Args` block and `maps` cover exactly
+                // the validated extents of Q8, K8 and Vᵀ8 (out-of-bounds box parts are
+                // zero-filled by the hardware); the kernel writes only O's and the LSE's
+                // validated extents; this function's contract makes them live memory of
+                // this context and `stream` a stream of it.
+                unsafe { launch_with_maps(&kernel, &dims, stream, &mut args, maps) }
             }
         }
     }

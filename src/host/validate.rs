@@ -132,32 +132,8 @@ pub fn validate_fwd(
         return Err(Error::UnsupportedHeadDim(head_dim, FWD_HEAD_DIMS_TEXT));
     }
 
-    // 5. GQA/MQA ratio
-    if !heads_q.is_multiple_of(heads_kv) {
-        return Err(Error::HeadRatio {
-            hq: heads_q,
-            hkv: heads_kv,
-        });
-    }
-
-    // 6. launch-grid and 32-bit index limits
-    for (what, n) in [("seqlen_q", seqlen_q), ("seqlen_k", seqlen_k)] {
-        if n > MAX_SEQLEN {
-            return Err(Error::InvalidArgument(format!(
-                "{what} {n} exceeds the limit of {MAX_SEQLEN} (2^25)"
-            )));
-        }
-    }
-    if batch > MAX_GRID_YZ {
-        return Err(Error::InvalidArgument(format!(
-            "batch {batch} exceeds the grid limit {MAX_GRID_YZ}"
-        )));
-    }
-    if heads_q > MAX_GRID_YZ {
-        return Err(Error::InvalidArgument(format!(
-            "query heads {heads_q} exceed the grid limit {MAX_GRID_YZ}"
-        )));
-    }
+    // 5. GQA/MQA ratio; 6. launch-grid and 32-bit index limits
+    check_heads_and_sizes(batch, heads_q, heads_kv, seqlen_q, seqlen_k)?;
 
     // 7. softmax scale
     check_scale(params)?;
@@ -219,6 +195,43 @@ pub fn validate_fwd(
         causal: params.causal,
         packed: None,
     })
+}
+
+/// Hq a multiple of Hkv ([`Error::HeadRatio`]), then the size limits
+/// ([`Error::InvalidArgument`]): sequence lengths up to [`MAX_SEQLEN`], batch and Hq up to
+/// [`MAX_GRID_YZ`].
+pub(crate) fn check_heads_and_sizes(
+    batch: usize,
+    heads_q: usize,
+    heads_kv: usize,
+    seqlen_q: usize,
+    seqlen_k: usize,
+) -> Result<()> {
+    if !heads_q.is_multiple_of(heads_kv) {
+        return Err(Error::HeadRatio {
+            hq: heads_q,
+            hkv: heads_kv,
+        });
+    }
+
+    for (what, n) in [("seqlen_q", seqlen_q), ("seqlen_k", seqlen_k)] {
+        if n > MAX_SEQLEN {
+            return Err(Error::InvalidArgument(format!(
+                "{what} {n} exceeds the limit of {MAX_SEQLEN} (2^25)"
+            )));
+        }
+    }
+    if batch > MAX_GRID_YZ {
+        return Err(Error::InvalidArgument(format!(
+            "batch {batch} exceeds the grid limit {MAX_GRID_YZ}"
+        )));
+    }
+    if heads_q > MAX_GRID_YZ {
+        return Err(Error::InvalidArgument(format!(
+            "query heads {heads_q} exceed the grid limit {MAX_GRID_YZ}"
+        )));
+    }
+    Ok(())
 }
 
 /// `t` has no zero-size dimension.
