@@ -289,6 +289,33 @@ pub fn fp8_path_for(arch: (i32, i32), choice: PathChoice) -> Result<Fp8Path, Str
     }
 }
 
+/// The FP8 configuration of `problem` on a GPU of architecture `arch`: the family
+/// [`fp8_path_for`] gives, except that problems the sm90a kernel cannot take (a head dim
+/// it has no kernel for, work items beyond the 31 bits its persistent loop counts in) run
+/// on the sm89 kernel.
+pub fn dispatch_fp8(
+    arch: (i32, i32),
+    choice: PathChoice,
+    problem: &Fp8Problem,
+) -> Result<Fp8Config, String> {
+    let head_dim = problem.shape.head_dim as u32;
+    let path = match fp8_path_for(arch, choice)? {
+        Fp8Path::Sm90
+            if !sm90_fp8::HEAD_DIMS.contains(&head_dim)
+                || work_items(&problem.shape, sm90_fp8::BLOCK_M) >= 1 << 31 =>
+        {
+            Fp8Path::Sm89
+        }
+        p => p,
+    };
+    Ok(Fp8Config {
+        path,
+        out: problem.out,
+        head_dim,
+        causal: problem.causal,
+    })
+}
+
 /// The argument block of a validated problem (pointers of Q8 and K8 included; the sm90
 /// kernel reads them through tensor maps instead).
 pub(crate) fn fp8_args(
@@ -348,22 +375,10 @@ impl Attention {
     /// The FP8 configuration `problem` runs with on this device.
     pub fn plan_fp8(&self, problem: &Fp8Problem) -> Result<Fp8Config> {
         let arch = self.device().compute_capability();
-        let path = fp8_path_for(arch, self.path_choice()).map_err(|why| Error::UnsupportedGpu {
+        dispatch_fp8(arch, self.path_choice(), problem).map_err(|why| Error::UnsupportedGpu {
             name: format!("{} ({why})", self.device().name()),
             major: arch.0,
             minor: arch.1,
-        })?;
-        // Head dims the sm90a path has no kernel for run on the sm89 one.
-        let head_dim = problem.shape.head_dim as u32;
-        let path = match path {
-            Fp8Path::Sm90 if !sm90_fp8::HEAD_DIMS.contains(&head_dim) => Fp8Path::Sm89,
-            p => p,
-        };
-        Ok(Fp8Config {
-            path,
-            out: problem.out,
-            head_dim: problem.shape.head_dim as u32,
-            causal: problem.causal,
         })
     }
 
@@ -405,7 +420,7 @@ impl Attention {
         stream: CUstream,
     ) -> Result<()> {
         let tiling = cfg.tiling();
-        let kernel = self.load(&cfg.id(), tiling.smem_bytes, || cfg.generate())?;
+        let kernel = self.load(cfg.id_static(), tiling.smem_bytes, || cfg.generate())?;
         let mut args = fp8_args(problem, cfg, ops, o, lse);
         let shape = problem.shape;
         match cfg.path {
@@ -496,4 +511,46 @@ fn sm90_maps(cfg: &Fp8Config, ops: &Fp8Operands) -> Result<[TensorMap; 3]> {
         rows_map(&ops.k, shape.k_layout())?,
         TiledMap::new(TmaType::U8, &dims, &strides, &boxes, vl.swizzle).encode(vt.ptr)?,
     ])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn problem(d: usize, batch: usize, heads: usize, seqlen: usize) -> Fp8Problem {
+        Fp8Problem {
+            shape: AttnShape::square(batch, heads, seqlen, d),
+            out: HalfType::Bf16,
+            scale: 0.1,
+            causal: false,
+        }
+    }
+
+    #[test]
+    fn fp8_runs_on_sm89_and_later_and_hopper_takes_sm90a_where_it_can() {
+        let best = PathChoice::Best;
+        let p = problem(128, 4, 16, 4096);
+        assert_eq!(dispatch_fp8((9, 0), best, &p).unwrap().path, Fp8Path::Sm90);
+        assert_eq!(
+            dispatch_fp8((9, 0), PathChoice::Sm80, &p).unwrap().path,
+            Fp8Path::Sm89
+        );
+        for arch in [(8, 9), (10, 0), (12, 0)] {
+            assert_eq!(dispatch_fp8(arch, best, &p).unwrap().path, Fp8Path::Sm89);
+        }
+        for arch in [(8, 0), (8, 6), (7, 5)] {
+            assert!(dispatch_fp8(arch, best, &p).is_err(), "{arch:?}");
+        }
+        // No sm90a kernel for d256; too many work items for its 31-bit loop.
+        let d256 = problem(256, 4, 16, 4096);
+        assert_eq!(
+            dispatch_fp8((9, 0), best, &d256).unwrap().path,
+            Fp8Path::Sm89
+        );
+        let huge = problem(128, 65535, 65535, 256 * 128);
+        assert_eq!(
+            dispatch_fp8((9, 0), best, &huge).unwrap().path,
+            Fp8Path::Sm89
+        );
+    }
 }

@@ -114,6 +114,20 @@ impl Fp8Config {
         )
     }
 
+    /// [`Fp8Config::id`] without allocating (the launch path looks kernels up by it).
+    pub fn id_static(&self) -> &'static str {
+        use std::collections::HashMap;
+        use std::sync::OnceLock;
+        static IDS: OnceLock<HashMap<Fp8Config, &'static str>> = OnceLock::new();
+        let ids = IDS.get_or_init(|| {
+            all_fp8_configs()
+                .into_iter()
+                .map(|c| (c, &*Box::leak(c.id().into_boxed_str())))
+                .collect()
+        });
+        ids.get(self).copied().unwrap_or("attn_fwd_fp8_unknown")
+    }
+
     /// Tile shape and launch geometry.
     pub fn tiling(&self) -> super::Tiling {
         match self.path {
@@ -229,6 +243,9 @@ mod tests {
         let all = all_fp8_configs();
         let ids: std::collections::HashSet<_> = all.iter().map(|c| c.id()).collect();
         assert_eq!(ids.len(), all.len());
+        for c in &all {
+            assert_eq!(c.id_static(), c.id());
+        }
         assert_eq!(all.len(), 20);
     }
 }
