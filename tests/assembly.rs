@@ -324,7 +324,13 @@ fn check(id: &str, a: &Assembled, entries: &[String], expected_sass: &[&str]) ->
             ));
         }
     }
-    for op in expected_sass {
+    for entry in expected_sass {
+        // `sm_NN:OP` is expected on sm_NN only.
+        let op = match entry.split_once(':') {
+            Some((arch, op)) if arch == a.arch => op,
+            Some(_) => continue,
+            None => entry,
+        };
         if !a.sass.contains(op) {
             errs.push(format!(
                 "{id} [{}]: SASS has no {op} (its instruction is missing or was lowered to \
@@ -497,12 +503,22 @@ fn fail_with(dir: &mut TempDir, what: &str, failures: &[String]) -> ! {
 /// Every catalog kernel assembles for every architecture it targets, without spills and
 /// without ptxas' C7508/C7515 warnings, and its SASS shows the instruction classes the
 /// kernel declares (`KernelSpec::expected_sass`: HMMA + LDGSTS for the sm80 path, HGMMA
-/// or QGMMA + UTMALDG + SYNCS for sm_90a kernels).
+/// or QGMMA + UTMALDG + SYNCS for sm_90a kernels, QMMA on sm_89 for the FP8 fallback).
+///
+/// `FLASHCORE_ASSEMBLY_FILTER=text` assembles only the kernels whose id contains `text`.
 #[test]
 fn catalog_kernels_assemble_without_spills() {
     let tools = tools();
-    let specs = kernels::catalog();
+    let mut specs = kernels::catalog();
     assert!(!specs.is_empty(), "the kernel catalog is empty");
+    if let Some(filter) = std::env::var_os("FLASHCORE_ASSEMBLY_FILTER") {
+        let filter = filter.to_string_lossy().into_owned();
+        specs.retain(|s| s.id().contains(&filter));
+        assert!(
+            !specs.is_empty(),
+            "no catalog kernel id contains {filter:?}"
+        );
+    }
 
     let generated = par_map(&specs, |spec| {
         let id = spec.id();
@@ -905,4 +921,27 @@ fn move_budget_counts_opcodes_and_flags_re_pairing() {
     assert!(flags(&assembled(512, 512), &["HMMA"]), "one move per HMMA");
     // Only warp-MMA kernels have the budget (a wgmma kernel moves accumulators freely).
     assert!(!flags(&assembled(512, 512), &["HGMMA"]));
+}
+
+/// An `sm_NN:OP` expectation is checked on sm_NN's machine code and nowhere else.
+#[test]
+fn arch_qualified_expectations_apply_to_their_arch() {
+    let line = |op: &str| format!("        /*0690*/                   {op} ;\n");
+    let on = |arch: &str, sass: &str| Assembled {
+        arch: arch.into(),
+        fns: Vec::new(),
+        sass: line(sass),
+        log: String::new(),
+    };
+    let expect = ["sm_89:QMMA.16832.F32.E4M3", "sm_90:HMMA.16816.F32"];
+    let qmma = "QMMA.16832.F32.E4M3.E4M3 R4, R8, R12, RZ";
+    let hmma = "HMMA.16816.F32 R4, R8, R12, RZ";
+    assert!(check("k", &on("sm_89", qmma), &[], &expect).is_empty());
+    assert!(check("k", &on("sm_90", hmma), &[], &expect).is_empty());
+    let errs = check("k", &on("sm_89", hmma), &[], &expect);
+    assert!(
+        errs.len() == 1 && errs[0].contains("no QMMA.16832.F32.E4M3"),
+        "{errs:?}"
+    );
+    assert_eq!(check("k", &on("sm_90", qmma), &[], &expect).len(), 1);
 }

@@ -65,7 +65,8 @@ impl KernelSpec {
 
     /// SASS instruction classes the kernel exists for: the assembly test requires each
     /// in the kernel's machine code (a kernel that lost its tensor cores or its async
-    /// copies to a silent fallback fails it).
+    /// copies to a silent fallback fails it). An entry `sm_NN:OP` applies only to the
+    /// machine code for `sm_NN`.
     pub fn expected_sass(&self) -> &'static [&'static str] {
         match self {
             // mma.sync and cp.async; or wgmma, TMA loads and mbarrier transactions.
@@ -78,11 +79,17 @@ impl KernelSpec {
                 gemm::GemmType::E4m3 => &["QGMMA", "UTMALDG", "SYNCS"],
                 _ => &["HGMMA", "UTMALDG", "SYNCS"],
             },
-            // e4m3 wgmma (QGMMA) on TMA tiles; or e4m3 mma.sync (HMMA.16832.F32.E4M3)
-            // on cp.async tiles.
+            // e4m3 wgmma (QGMMA) on TMA tiles; or e4m3 mma.sync on cp.async tiles, which
+            // is QMMA.16832.F32.E4M3.E4M3 on Ada. Hopper, which runs the sm_89 module as
+            // its fallback, has no fp8 mma.sync: ptxas unpacks the bytes to f16 and
+            // emulates it with HMMA.16816.
             KernelSpec::Fp8(c) => match c.path {
                 attention::fp8::Fp8Path::Sm90 => &["QGMMA", "UTMALDG", "SYNCS"],
-                attention::fp8::Fp8Path::Sm89 => &["E4M3", "LDGSTS"],
+                attention::fp8::Fp8Path::Sm89 => &[
+                    "sm_89:QMMA.16832.F32.E4M3",
+                    "sm_90:HMMA.16816.F32",
+                    "LDGSTS",
+                ],
             },
             KernelSpec::TmaCopy(_) => &["UTMALDG", "UTMASTG", "SYNCS"],
             // Decode: mma.sync on cp.async tiles. Merge and append are plain loads and
@@ -102,7 +109,6 @@ pub fn catalog() -> Vec<KernelSpec> {
         .map(KernelSpec::Fwd);
     let fp8 = attention::fp8::all_fp8_configs()
         .into_iter()
-        .filter(|c| c.path == attention::fp8::Fp8Path::Sm90)
         .map(KernelSpec::Fp8);
     let decode = attention::decode::all_decode_configs()
         .into_iter()

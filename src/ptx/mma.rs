@@ -22,8 +22,8 @@ fn list<T: PtxType, const N: usize>(r: &[Reg<T>; N]) -> String {
 impl Kernel {
     /// `ldmatrix...x4`: four 8x8 matrices of 16-bit elements; lanes 8j..8j+7 give the row
     /// addresses of matrix j (16-byte aligned), register j receives matrix j. With `trans`,
-    /// each matrix arrives transposed.
-    pub fn ldmatrix_x4<H: Half2>(&mut self, row_addr: SmemAddr, trans: bool) -> [Reg<H>; 4] {
+    /// each matrix arrives transposed (meaningless for e4m3 words: it moves byte pairs).
+    pub fn ldmatrix_x4<H: MatrixWord>(&mut self, row_addr: SmemAddr, trans: bool) -> [Reg<H>; 4] {
         self.requires(Feature::Ampere);
         let d = self.regs::<H, 4>();
         self.check_owner(&[row_addr.owner()]);
@@ -37,7 +37,7 @@ impl Kernel {
     }
 
     /// `ldmatrix...x2`: two 8x8 matrices; lanes 0..15 give the row addresses.
-    pub fn ldmatrix_x2<H: Half2>(&mut self, row_addr: SmemAddr, trans: bool) -> [Reg<H>; 2] {
+    pub fn ldmatrix_x2<H: MatrixWord>(&mut self, row_addr: SmemAddr, trans: bool) -> [Reg<H>; 2] {
         self.requires(Feature::Ampere);
         let d = self.regs::<H, 2>();
         self.check_owner(&[row_addr.owner()]);

@@ -156,8 +156,16 @@ impl Word32 for F16x2 {}
 impl Word32 for Bf16x2 {}
 impl Word32 for E4m3x4 {}
 
+/// The 32-bit words `ldmatrix` delivers: two 16-bit elements of an 8x8 matrix, which
+/// are either two 16-bit floats or four e4m3 bytes (an fp8 row of 16 bytes is 8 such
+/// pairs, so the same instruction loads `mma.sync` m16n8k32 fragments).
+pub trait MatrixWord: Word32 {}
+impl MatrixWord for F16x2 {}
+impl MatrixWord for Bf16x2 {}
+impl MatrixWord for E4m3x4 {}
+
 /// Packed pairs of 16-bit floats: the operand words of `mma.sync` m16n8k16 and `ldmatrix`.
-pub trait Half2: Word32 {
+pub trait Half2: MatrixWord {
     /// The element type's name in `mma` (`f16`, `bf16`).
     const ELEM: &'static str;
 }

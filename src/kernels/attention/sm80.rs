@@ -235,13 +235,13 @@ fn arg<T: PtxType>(k: &mut Kernel, args: ParamBytes, offset: usize) -> Reg<T> {
 /// Read again where needed (the masked steps, the epilogue) rather than kept: these
 /// kernels run at the register limit, and a special-register read is cheap.
 #[derive(Clone, Copy)]
-struct Coords {
-    batch: Reg<U32>,
-    head: Reg<U32>,
-    m_start: Reg<S32>,
+pub(super) struct Coords {
+    pub(super) batch: Reg<U32>,
+    pub(super) head: Reg<U32>,
+    pub(super) m_start: Reg<S32>,
 }
 
-fn coords(k: &mut Kernel, causal: bool, block_m: u32) -> Coords {
+pub(super) fn coords(k: &mut Kernel, causal: bool, block_m: u32) -> Coords {
     let block_x = k.special(Special::CtaidX);
     let head = k.special(Special::CtaidY);
     let batch = k.special(Special::CtaidZ);
@@ -256,7 +256,7 @@ fn coords(k: &mut Kernel, causal: bool, block_m: u32) -> Coords {
 }
 
 /// The thread's accumulator rows (from `%tid.x`; see [`Coords`] for why it is re-read).
-fn thread_rows(k: &mut Kernel, m_tiles: u32) -> (Reg<U32>, Rows) {
+pub(super) fn thread_rows(k: &mut Kernel, m_tiles: u32) -> (Reg<U32>, Rows) {
     let tid = k.special(Special::TidX);
     let lane = k.and(tid, 31u32);
     let warp = k.shr(tid, 5);

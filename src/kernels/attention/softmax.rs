@@ -9,9 +9,14 @@
 //! `m·c` exceeds the float range (a scale of 1e37, say) and would turn every
 //! probability into 0. A row that has only seen masked keys keeps `m = −∞`; 0 stands in
 //! for it so that `exp2` gives 0 rather than NaN.
+//!
+//! The FP8 kernels ([`OnlineSoftmax::step_e4m3`]) keep `m` in log2 units instead: each
+//! key tile has its own dequantisation factor (its K scale block's), so raw scores of
+//! different tiles are not comparable, while `s·dc` (the score's true value times
+//! `scale·log2 e`) is.
 
 use super::rows::{Slab, half_of};
-use crate::ptx::{Cmp, F32, Half2, Kernel, Reg};
+use crate::ptx::{Cmp, E4m3x4, F32, Half2, Kernel, Reg};
 
 /// Running maximum and (per-thread partial) sum of every row half a thread holds.
 #[derive(Debug, Clone)]
@@ -21,6 +26,20 @@ pub struct OnlineSoftmax {
     /// `sum[slab][half]`: this thread's share of the row's sum; the 4 threads of a quad
     /// hold a row together ([`OnlineSoftmax::row_sum`] adds them).
     pub sum: Vec<[Reg<F32>; 2]>,
+}
+
+/// The maximum of row half `half` of a slab's tiles, over its quad.
+fn row_max(k: &mut Kernel, tiles: &Slab, half: usize) -> Reg<F32> {
+    let mut tile_max = {
+        let [a, b] = half_of(&tiles[0], half);
+        k.max(a, b)
+    };
+    for tile in &tiles[1..] {
+        for v in half_of(tile, half) {
+            tile_max = k.max(tile_max, v);
+        }
+    }
+    quad_max(k, tile_max)
 }
 
 /// The maximum of a row half over its quad (the 4 lanes that hold one row).
@@ -80,16 +99,7 @@ impl OnlineSoftmax {
         half: usize,
         scale_log2: Reg<F32>,
     ) -> (Reg<F32>, Reg<F32>) {
-        let mut tile_max = {
-            let [a, b] = half_of(&tiles[0], half);
-            k.max(a, b)
-        };
-        for tile in &tiles[1..] {
-            for v in half_of(tile, half) {
-                tile_max = k.max(tile_max, v);
-            }
-        }
-        let tile_max = quad_max(k, tile_max);
+        let tile_max = row_max(k, tiles, half);
         let old_max = self.max[slab][half];
         let new_max = k.max(old_max, tile_max);
         let none = k.setp(Cmp::Eq, new_max, f32::NEG_INFINITY);
@@ -272,6 +282,117 @@ impl OnlineSoftmax {
         }
         sum
     }
+}
+
+/// FP8 scores: the running maximum in log2 units, probabilities rounded to E4M3.
+impl OnlineSoftmax {
+    /// Folds one tile of raw FP8 scores (`S8 = Q8·K8ᵀ`, f32) into the running state, `max`
+    /// in log2 units: with `dequant` = `q_scale·k_scale·scale·log2 e` of this tile (> 0,
+    /// so it keeps the order of the scores), the row maximum becomes
+    /// `m' = max(m, max(S8)·dequant)`, the sums and the output rows `o` are rescaled by
+    /// `exp2(m − m')`, and the probabilities are `p = exp2(S8·dequant − m' + shift)`, in
+    /// `[0, 2^shift]`. The sums add the f32 probabilities; what is returned is them
+    /// rounded to E4M3 and packed as A fragments of `mma.sync` m16n8k32 ([`pack_e4m3`]),
+    /// each group of four tiles as soon as it is exponentiated.
+    pub fn step_e4m3(
+        &self,
+        k: &mut Kernel,
+        scores: &[Slab],
+        o: &[Slab],
+        dequant: Reg<F32>,
+        shift: f32,
+    ) -> Vec<Vec<[Reg<E4m3x4>; 4]>> {
+        // Per row half, `shift − m'`: the exponent's additive term.
+        let offsets: Vec<[Reg<F32>; 2]> = scores
+            .iter()
+            .enumerate()
+            .map(|(slab, tiles)| {
+                std::array::from_fn(|half| {
+                    let (usable, rescale) = self.raise_row_log2(k, tiles, slab, half, dequant);
+                    for acc in &o[slab] {
+                        for v in half_of(acc, half) {
+                            k.mul_to(v, v, rescale);
+                        }
+                    }
+                    k.sub(shift, usable)
+                })
+            })
+            .collect();
+        let tile_sums = Self::tile_sums(k, scores.len());
+        let p = scores
+            .iter()
+            .zip(&offsets)
+            .zip(&tile_sums)
+            .map(|((tiles, offsets), sums)| {
+                tiles
+                    .chunks(4)
+                    .map(|group| {
+                        for tile in group {
+                            for (half, (&offset, &sum)) in offsets.iter().zip(sums).enumerate() {
+                                for v in half_of(tile, half) {
+                                    let e = k.mad(v, dequant, offset);
+                                    k.ex2_to(v, e);
+                                    k.add_to(sum, sum, v);
+                                }
+                            }
+                        }
+                        pack_e4m3(k, group)
+                    })
+                    .collect()
+            })
+            .collect();
+        self.fold(k, &tile_sums);
+        p
+    }
+
+    /// [`OnlineSoftmax::raise_row`] with the maximum in log2 units: the tile's raw
+    /// maximum times `dequant` (−∞ stays −∞), and the rescale factor `exp2(m − m')`.
+    fn raise_row_log2(
+        &self,
+        k: &mut Kernel,
+        tiles: &Slab,
+        slab: usize,
+        half: usize,
+        dequant: Reg<F32>,
+    ) -> (Reg<F32>, Reg<F32>) {
+        let tile_max = row_max(k, tiles, half);
+        let tile_max = k.mul(tile_max, dequant);
+        let old_max = self.max[slab][half];
+        let new_max = k.max(old_max, tile_max);
+        let none = k.setp(Cmp::Eq, new_max, f32::NEG_INFINITY);
+        let usable = k.selp(0f32, new_max, none);
+        let drop = k.sub(old_max, usable);
+        let rescale = k.ex2(drop);
+        k.mov_to(old_max, new_max);
+        let sum = self.sum[slab][half];
+        k.mul_to(sum, sum, rescale);
+        (usable, rescale)
+    }
+}
+
+/// The E4M3 A fragment of `mma.sync` m16n8k32 for keys `32t..32t + 32` from the f32
+/// accumulator tiles `4t..4t + 3` (`group`), with no data movement between threads.
+///
+/// Thread `c` of a quad holds columns `2c, 2c + 1` of every 8-key tile, so a register
+/// packed from tiles `4t` and `4t + 1` holds keys `2c, 2c + 1, 8 + 2c, 9 + 2c` of the first
+/// 16, in byte order, where the MMA reads k = `4c..4c + 3`: the keys arrive permuted
+/// within each group of 16, which is why `Vᵀ8` stores key
+/// [`VT_KEY_ORDER`](super::fp8::VT_KEY_ORDER)`[p]` at position `p`. Registers: a0 = row g
+/// of tiles 4t, 4t + 1; a1 = row g + 8 of the same; a2, a3 = tiles 4t + 2, 4t + 3.
+pub fn pack_e4m3(k: &mut Kernel, group: &[[Reg<F32>; 4]]) -> [Reg<E4m3x4>; 4] {
+    let word = |k: &mut Kernel, first: &[Reg<F32>; 4], second: &[Reg<F32>; 4], half| {
+        let [a, b] = half_of(first, half);
+        let lo = k.pack_e4m3x2(a, b);
+        let [a, b] = half_of(second, half);
+        let hi = k.pack_e4m3x2(a, b);
+        k.join_b16x2(lo, hi).cast::<E4m3x4>()
+    };
+    [
+        word(k, &group[0], &group[1], 0),
+        word(k, &group[0], &group[1], 1),
+        word(k, &group[2], &group[3], 0),
+        word(k, &group[2], &group[3], 1),
+    ]
 }
 
 /// Multiplies each output row by its factor (from [`OnlineSoftmax::update`]).
