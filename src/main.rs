@@ -9,6 +9,7 @@
 //! flashcore bench [--json FILE]  the benchmark shapes, TFLOP/s (GPU)
 //! flashcore decode [options]     split-KV decode over contiguous and paged caches, GB/s (GPU)
 //! flashcore fp8 [options]        FP8 forward against our FP16 one, TFLOP/s (GPU)
+//! flashcore quantize-bench       the FP8 quantizer (Q, K, V to e4m3), GB/s against a copy (GPU)
 //! ```
 
 use std::process::ExitCode;
@@ -58,7 +59,9 @@ const USAGE: &str = "usage:
                    [--json FILE]
   flashcore varlen [--lens 512,4096,...] [--heads 32] [--kv-heads 8] [--head-dim 128]
                    [--causal] [--dtype f16|bf16] [--path sm80] [--iters N] [--json FILE]
-  flashcore fp8 [--shapes B:H:S:D,...] [--path best|sm80] [--iters N]";
+  flashcore fp8 [--shapes B:H:S:D,...] [--path best|sm80] [--iters N]
+  flashcore quantize-bench [--batch 4] [--heads 32] [--kv-heads H] [--seqlen 8192]
+                           [--head-dim 128] [--dtype f16|bf16] [--iters N] [--json FILE]";
 
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -73,6 +76,7 @@ fn main() -> ExitCode {
         Some("decode") => decode(rest),
         Some("varlen") => varlen(rest),
         Some("fp8") => fp8_bench(rest),
+        Some("quantize-bench") => quantize_bench(rest),
         Some("help" | "--help" | "-h") => {
             out!("{USAGE}");
             Ok(())
@@ -1043,6 +1047,171 @@ fn varlen(args: &[String]) -> Result<(), Failure> {
             dtype.name()
         );
         std::fs::write(path, json).map_err(|e| Failure::Run(format!("writing {path}: {e}")))?;
+    }
+    Ok(())
+}
+
+/// Times the FP8 quantizer (CUDA events, median) on `[B, S, H, D]` Q, K and V with each
+/// option set, and a device-to-device copy of Q's bytes as the bandwidth it is measured
+/// against. GB/s count the bytes the call must move: each 16-bit input read once (K twice
+/// with smoothing: its mean first), each code, scale, mean and `lse_shift` written once.
+fn quantize_bench(args: &[String]) -> Result<(), Failure> {
+    use cudarc::driver::DevicePtr;
+    use flashcore::host::decode::Workspace;
+    use flashcore::host::quantize::{Fp8Layout, QuantizeOptions};
+    use flashcore::host::tensor::TensorView;
+
+    let o = Opts { args };
+    o.check_known(
+        &[
+            "--batch",
+            "--heads",
+            "--kv-heads",
+            "--seqlen",
+            "--head-dim",
+            "--dtype",
+            "--iters",
+            "--json",
+        ],
+        &[],
+    )?;
+    let iters = o.num("--iters", 50)?;
+    let dtype = parse_dtype(o.value("--dtype").unwrap_or("f16"))?;
+    let (b, s, hq, d) = (
+        o.num("--batch", 4)?,
+        o.num("--seqlen", 8192)?,
+        o.num("--heads", 32)?,
+        o.num("--head-dim", 128)?,
+    );
+    let hkv = o.num("--kv-heads", hq)?;
+    let shape = AttnShape {
+        batch: b,
+        seqlen_q: s,
+        seqlen_k: s,
+        heads_q: hq,
+        heads_kv: hkv,
+        head_dim: d,
+    };
+    let dev = open_gpu()?;
+    let stream = dev.context().default_stream();
+    let attn = Attention::new(dev.clone())?;
+    let err = |e: cudarc::driver::DriverError| Failure::Run(format!("CUDA: {e}"));
+    let dt = flashcore::host::tensor::DType::from(dtype);
+    let mut rng = Rng::from_entropy();
+    let (pool, _) = flashcore::reference::random_half(&mut rng, 1 << 16, dtype);
+    let fill = |n: usize| -> Vec<u16> { (0..n).map(|i| pool[(i * 7 + 13) % pool.len()]).collect() };
+    let (nq, nkv) = (shape.q_len(), shape.kv_len());
+    let q = stream.clone_htod(&fill(nq)).map_err(err)?;
+    let k = stream.clone_htod(&fill(nkv)).map_err(err)?;
+    let v = stream.clone_htod(&fill(nkv)).map_err(err)?;
+    let mut copy = stream.alloc_zeros::<u16>(nq).map_err(err)?;
+    let all_options = QuantizeOptions {
+        smooth_k: true,
+        hadamard_seed: Some(1),
+    };
+    let ws_bytes = Fp8Layout::new(&shape, &all_options)?.bytes;
+    let ws = stream
+        .alloc_zeros::<u8>(ws_bytes + Fp8Layout::ALIGN)
+        .map_err(err)?;
+    let workspace = Workspace {
+        ptr: ws
+            .device_ptr(&stream)
+            .0
+            .next_multiple_of(Fp8Layout::ALIGN as u64),
+        bytes: ws_bytes,
+    };
+    let p = |x: &cudarc::driver::CudaSlice<u16>| x.device_ptr(&stream).0;
+    let (qv, kv, vv) = (
+        TensorView::bshd(p(&q), dt, b, s, hq, d),
+        TensorView::bshd(p(&k), dt, b, s, hkv, d),
+        TensorView::bshd(p(&v), dt, b, s, hkv, d),
+    );
+    let mut busy = stream.alloc_zeros::<u8>(1 << 30).map_err(err)?;
+
+    // SAFETY: `q` and `copy` are live buffers of `nq` elements on `stream`.
+    let copy_us = unsafe {
+        median_us_queued(&dev, &stream, &mut busy, iters, |_| {
+            stream
+                .memcpy_dtod(&q, &mut copy)
+                .map_err(|e| flashcore::Error::Driver {
+                    call: "cuMemcpyDtoDAsync",
+                    code: e.to_string(),
+                })
+        })
+    }?;
+    let copy_gbps = (4 * nq) as f64 / (copy_us * 1e3);
+    out!(
+        "{} ({}), flashcore quantize-bench, B{b} S{s} Hq{hq} Hkv{hkv} D{d} {}",
+        dev.name(),
+        dev.arch_name(),
+        dtype.name()
+    );
+    out!("copy of q (device to device): {copy_us:.1} us, {copy_gbps:.0} GB/s read+write");
+    out!(
+        "{:<22} {:>10} {:>9} {:>8}",
+        "options",
+        "us",
+        "GB/s",
+        "of copy"
+    );
+    let mut records = vec![format!(
+        "{{\"op\": \"copy\", \"bytes\": {}, \"us\": {copy_us:.3}, \"gbps\": {copy_gbps:.1}}}",
+        4 * nq
+    )];
+    for (name, options) in [
+        ("none", QuantizeOptions::default()),
+        (
+            "smooth_k",
+            QuantizeOptions {
+                smooth_k: true,
+                hadamard_seed: None,
+            },
+        ),
+        (
+            "hadamard",
+            QuantizeOptions {
+                smooth_k: false,
+                hadamard_seed: Some(1),
+            },
+        ),
+        ("smooth_k+hadamard", all_options),
+    ] {
+        let layout = Fp8Layout::new(&shape, &options)?;
+        // Inputs read (K twice with smoothing) and every output region written.
+        let reads = 2 * (nq + 2 * nkv + if options.smooth_k { nkv } else { 0 });
+        let writes = layout.q.bytes
+            + layout.k.bytes
+            + layout.vt.bytes
+            + layout.q_scale.bytes
+            + layout.k_scale.bytes
+            + layout.v_scale.bytes
+            + layout.k_mean.map_or(0, |r| r.bytes)
+            + layout.lse_shift.map_or(0, |r| r.bytes);
+        let bytes = reads + writes;
+        // SAFETY: the views and the workspace lie in the live buffers above, on `stream`.
+        let us = unsafe {
+            median_us_queued(&dev, &stream, &mut busy, iters, |_| {
+                attn.quantize_fp8(&qv, &kv, &vv, &options, workspace, stream.cu_stream())
+                    .map(|_| ())
+            })
+        }?;
+        let gbps = bytes as f64 / (us * 1e3);
+        out!(
+            "{name:<22} {us:>10.1} {gbps:>9.0} {:>7.0}%",
+            100.0 * gbps / copy_gbps
+        );
+        records.push(format!(
+            "{{\"op\": \"quantize\", \"options\": \"{name}\", \"batch\": {b}, \"seqlen\": {s}, \
+             \"heads_q\": {hq}, \"heads_kv\": {hkv}, \"head_dim\": {d}, \"dtype\": \"{}\", \
+             \"bytes\": {bytes}, \"us\": {us:.3}, \"gbps\": {gbps:.1}, \
+             \"fraction_of_copy\": {:.3}}}",
+            dtype.name(),
+            gbps / copy_gbps
+        ));
+    }
+    if let Some(path) = o.value("--json") {
+        std::fs::write(path, format!("[\n  {}\n]\n", records.join(",\n  ")))
+            .map_err(|e| Failure::Run(format!("writing {path}: {e}")))?;
     }
     Ok(())
 }

@@ -5,6 +5,23 @@
 //! scale per block of [`SCALE_BLOCK`] rows of one (batch, head), `scale = amax / 448`
 //! and `e4m3 = rn_satfinite(x · (448 / amax))`; a block whose `448 / amax` is not finite
 //! (all zeros, or too small to scale) gets scale 1 and all-zero codes.
+//!
+//! # Options (each leaves `softmax(Q Kᵀ) V` unchanged)
+//!
+//! - K smoothing: K's per-channel mean over the sequence ([`key_mean`], f32 `[B, Hkv,
+//!   D]`) is subtracted from every row of K before it is quantized (SageAttention). The
+//!   scores of query `q` all move by `q · mean`, which the softmax ignores but the
+//!   log-sum-exp does not: [`lse_shift`] (f32 `[B, Hq, Sq]`, from the unrotated `q`) is
+//!   what the attention adds back, times the softmax scale.
+//! - Incoherent processing: every row of Q and K becomes `H · diag(s) · x / sqrt(D)`,
+//!   `H` the Sylvester-ordered Walsh-Hadamard matrix and `s` random signs from a seed
+//!   ([`HadamardSigns`]). The rotation is orthogonal, so `q' · k' = q · k`, and it spreads
+//!   an outlier channel over all of them before the block's amax is taken.
+//!
+//! K smoothing subtracts the mean first, then rotates. [`transform_rows`] computes both
+//! in f32 in exactly the GPU quantizer's order of operations, so given the same mean the
+//! codes agree bit for bit; only [`key_mean`] (a sum over the sequence, whose order the
+//! GPU's atomics do not fix) and the rounding of the mean itself can differ.
 
 use crate::kernels::attention::fp8::{E4M3_MAX, SCALE_BLOCK, VT_KEY_ORDER, vt_min_pitch};
 
@@ -174,6 +191,205 @@ pub fn quantize_vt(v: &[f32], shape: [usize; 4], pitch: usize, g: Granularity) -
     }
 }
 
+/// Elements of a row one GPU thread holds (one 16-byte vector of 16-bit values): the
+/// Hadamard transform's stages inside a thread, and the length of the partial dot
+/// products of [`lse_shift`].
+pub const ELEMS_PER_THREAD: usize = 8;
+
+/// One step of SplitMix64 (Steele, Lea and Flood): advances `state` by the golden-ratio
+/// increment and returns the mixed value. The generator of [`HadamardSigns`].
+pub fn splitmix64(state: &mut u64) -> u64 {
+    *state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    let mut z = *state;
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+/// The random signs `s` of the Hadamard option for one head dimension: element `n` of
+/// each row is negated when bit `n` is set. Bits `64·i ..` are the `i`-th output of
+/// [`splitmix64`] started from the seed (state = seed, first output after one step).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HadamardSigns {
+    bits: [u64; 4],
+    head_dim: usize,
+}
+
+impl HadamardSigns {
+    /// The largest head dimension the signs cover.
+    pub const MAX_HEAD_DIM: usize = 256;
+
+    /// The signs for `seed` and `head_dim`.
+    ///
+    /// # Panics
+    /// If `head_dim` is not a power of two between 8 and [`Self::MAX_HEAD_DIM`].
+    pub fn from_seed(seed: u64, head_dim: usize) -> HadamardSigns {
+        assert!(
+            head_dim.is_power_of_two() && (8..=Self::MAX_HEAD_DIM).contains(&head_dim),
+            "the Hadamard option needs a power-of-two head dim in 8..=256, got {head_dim}"
+        );
+        let mut state = seed;
+        let mut bits = [0u64; 4];
+        for word in bits.iter_mut().take(head_dim.div_ceil(64)) {
+            *word = splitmix64(&mut state);
+        }
+        if head_dim < 64 {
+            bits[0] &= (1u64 << head_dim) - 1;
+        }
+        HadamardSigns { bits, head_dim }
+    }
+
+    pub fn head_dim(&self) -> usize {
+        self.head_dim
+    }
+
+    /// Whether element `n` is negated.
+    pub fn negated(&self, n: usize) -> bool {
+        self.bits[n / 64] >> (n % 64) & 1 == 1
+    }
+
+    /// The sign bits as the kernels take them: 32 per word, element `n` in bit `n % 32`
+    /// of word `n / 32`; words past the head dim are zero.
+    pub fn words(&self) -> [u32; 8] {
+        std::array::from_fn(|i| (self.bits[i / 2] >> (32 * (i % 2))) as u32)
+    }
+}
+
+/// `1 / sqrt(d)` rounded to f32: the Hadamard transform's normalization.
+pub fn hadamard_norm(head_dim: usize) -> f32 {
+    (1.0 / (head_dim as f64).sqrt()) as f32
+}
+
+/// Rotates one row in place, `x ← H · diag(s) · x / sqrt(D)`, in the GPU quantizer's f32
+/// order: the signs (exact), the fast Walsh-Hadamard butterflies `(a, b) → (a + b, a − b)`
+/// over the index bits from the lowest up (bits below [`ELEMS_PER_THREAD`] inside a
+/// thread, the rest across lanes), then one multiply by [`hadamard_norm`].
+///
+/// # Panics
+/// If the row's length is not the signs' head dim.
+pub fn rotate_row(x: &mut [f32], signs: &HadamardSigns) {
+    let d = signs.head_dim();
+    assert_eq!(x.len(), d, "row length");
+    for (n, v) in x.iter_mut().enumerate() {
+        if signs.negated(n) {
+            *v = -*v;
+        }
+    }
+    let mut h = 1;
+    while h < d {
+        for n in 0..d {
+            if n & h == 0 {
+                let (a, b) = (x[n], x[n + h]);
+                x[n] = a + b;
+                x[n + h] = a - b;
+            }
+        }
+        h *= 2;
+    }
+    let norm = hadamard_norm(d);
+    x.iter_mut().for_each(|v| *v *= norm);
+}
+
+/// K's mean over the sequence per (batch, head, channel), f32 `[B, H, D]`, of a
+/// contiguous `[B, S, H, D]` tensor (summed in f64, then rounded once).
+pub fn key_mean(k: &[f32], [b, s, h, d]: [usize; 4]) -> Vec<f32> {
+    assert_eq!(k.len(), b * s * h * d, "tensor length");
+    let mut sum = vec![0f64; b * h * d];
+    for bi in 0..b {
+        for si in 0..s {
+            for hi in 0..h {
+                let row = &k[((bi * s + si) * h + hi) * d..][..d];
+                let acc = &mut sum[(bi * h + hi) * d..][..d];
+                for (a, &x) in acc.iter_mut().zip(row) {
+                    *a += x as f64;
+                }
+            }
+        }
+    }
+    sum.iter().map(|&x| (x / s as f64) as f32).collect()
+}
+
+/// `q · mean` of every query row with its KV head's mean (`mean`: f32 `[B, Hkv, D]`), f32
+/// `[B, Hq, Sq]`, from a contiguous `[B, Sq, Hq, D]` `q`, in the GPU quantizer's order:
+/// each run of [`ELEMS_PER_THREAD`] channels by fused multiply-adds from 0, then the runs
+/// summed pairwise as a butterfly (run `c` with run `c ^ 1`, then `c ^ 2`, ...).
+pub fn lse_shift(q: &[f32], [b, s, h, d]: [usize; 4], mean: &[f32], heads_kv: usize) -> Vec<f32> {
+    assert_eq!(q.len(), b * s * h * d, "tensor length");
+    assert_eq!(mean.len(), b * heads_kv * d, "mean length");
+    assert!(heads_kv > 0 && h.is_multiple_of(heads_kv), "head ratio");
+    let group = h / heads_kv;
+    let runs = d / ELEMS_PER_THREAD;
+    let mut out = vec![0f32; b * h * s];
+    let mut partial = vec![0f32; runs];
+    for bi in 0..b {
+        for hi in 0..h {
+            let m = &mean[(bi * heads_kv + hi / group) * d..][..d];
+            for si in 0..s {
+                let row = &q[((bi * s + si) * h + hi) * d..][..d];
+                for (c, p) in partial.iter_mut().enumerate() {
+                    let at = c * ELEMS_PER_THREAD;
+                    *p = row[at..at + ELEMS_PER_THREAD]
+                        .iter()
+                        .zip(&m[at..at + ELEMS_PER_THREAD])
+                        .fold(0f32, |acc, (&x, &y)| x.mul_add(y, acc));
+                }
+                let mut width = 1;
+                while width < runs {
+                    let before = partial.clone();
+                    for (c, p) in partial.iter_mut().enumerate() {
+                        *p = before[c] + before[c ^ width];
+                    }
+                    width *= 2;
+                }
+                out[(bi * h + hi) * s + si] = partial[0];
+            }
+        }
+    }
+    out
+}
+
+/// What the quantizer does to every row of Q or K before scaling it.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct RowTransform<'a> {
+    /// Subtracted from every row of head `h` of batch `b`: f32 `[B, H, D]` with this
+    /// tensor's heads (K smoothing: [`key_mean`], or the mean the GPU computed).
+    pub mean: Option<&'a [f32]>,
+    /// The Hadamard rotation's signs ([`rotate_row`]), applied after the mean.
+    pub hadamard: Option<&'a HadamardSigns>,
+}
+
+/// The rows of a contiguous `[B, S, H, D]` tensor after `t` (the values the quantizer
+/// scales and rounds).
+pub fn transform_rows(x: &[f32], [b, s, h, d]: [usize; 4], t: RowTransform) -> Vec<f32> {
+    assert_eq!(x.len(), b * s * h * d, "tensor length");
+    let mut out = x.to_vec();
+    for bi in 0..b {
+        for si in 0..s {
+            for hi in 0..h {
+                let row = &mut out[((bi * s + si) * h + hi) * d..][..d];
+                if let Some(mean) = t.mean {
+                    let m = &mean[(bi * h + hi) * d..][..d];
+                    row.iter_mut().zip(m).for_each(|(v, &mu)| *v -= mu);
+                }
+                if let Some(signs) = t.hadamard {
+                    rotate_row(row, signs);
+                }
+            }
+        }
+    }
+    out
+}
+
+/// [`quantize_rows`] after [`transform_rows`]: the GPU quantizer's rows with options.
+pub fn quantize_rows_with(
+    x: &[f32],
+    shape: [usize; 4],
+    g: Granularity,
+    t: RowTransform,
+) -> Quantized {
+    quantize_rows(&transform_rows(x, shape, t), shape, g)
+}
+
 /// The real values of `Q8`/`K8` codes, `[B, S, H, D]`.
 pub fn dequantize_rows(q: &Quantized, [b, s, h, d]: [usize; 4]) -> Vec<f64> {
     let blocks = s.div_ceil(SCALE_BLOCK as usize);
@@ -289,6 +505,190 @@ mod tests {
         let back = dequantize_vt(&q, [1, s, 1, d], 32);
         for (b, &x) in back.iter().zip(&v) {
             assert!((b - x as f64).abs() <= 0.07 * x as f64, "{b} vs {x}");
+        }
+    }
+    #[test]
+    fn hadamard_signs_come_from_splitmix64() {
+        let signs = HadamardSigns::from_seed(42, 128);
+        let mut state = 42u64;
+        let (w0, w1) = (splitmix64(&mut state), splitmix64(&mut state));
+        assert_eq!(w0, crate::reference::Rng::new(42).next_u64());
+        for n in 0..128 {
+            let word = if n < 64 { w0 } else { w1 };
+            assert_eq!(signs.negated(n), word >> (n % 64) & 1 == 1);
+        }
+        let words = signs.words();
+        assert_eq!((words[0], words[1]), (w0 as u32, (w0 >> 32) as u32));
+        assert_eq!((words[2], words[3]), (w1 as u32, (w1 >> 32) as u32));
+        assert!(words[4..].iter().all(|&w| w == 0));
+        // A head dim below 64 keeps only its own bits.
+        let small = HadamardSigns::from_seed(42, 32);
+        assert_eq!(small.words()[0], w0 as u32);
+        assert!(small.words()[1..].iter().all(|&w| w == 0));
+        assert_ne!(HadamardSigns::from_seed(43, 128), signs);
+    }
+
+    /// `H[i][j] = (−1)^popcount(i & j)`: the Sylvester-ordered Walsh-Hadamard matrix.
+    fn rotate_by_matrix(x: &[f32], signs: &HadamardSigns) -> Vec<f64> {
+        let d = x.len();
+        (0..d)
+            .map(|i| {
+                let sum: f64 = (0..d)
+                    .map(|j| {
+                        let h = if (i & j).count_ones() % 2 == 0 {
+                            1.0
+                        } else {
+                            -1.0
+                        };
+                        let s = if signs.negated(j) { -1.0 } else { 1.0 };
+                        h * s * x[j] as f64
+                    })
+                    .sum();
+                sum / (d as f64).sqrt()
+            })
+            .collect()
+    }
+
+    #[test]
+    fn rotation_is_the_signed_sylvester_hadamard_and_keeps_dot_products() {
+        let mut rng = crate::reference::Rng::new(7);
+        for d in [64usize, 128, 256] {
+            let signs = HadamardSigns::from_seed(rng.next_u64(), d);
+            let x: Vec<f32> = (0..d).map(|_| rng.normal() as f32).collect();
+            let y: Vec<f32> = (0..d).map(|_| rng.normal() as f32 * 3.0).collect();
+            let (mut rx, mut ry) = (x.clone(), y.clone());
+            rotate_row(&mut rx, &signs);
+            rotate_row(&mut ry, &signs);
+            for (got, want) in rx.iter().zip(rotate_by_matrix(&x, &signs)) {
+                assert!((*got as f64 - want).abs() < 1e-5, "d {d}: {got} vs {want}");
+            }
+            let dot = |a: &[f32], b: &[f32]| -> f64 {
+                a.iter().zip(b).map(|(&p, &q)| p as f64 * q as f64).sum()
+            };
+            let (before, after) = (dot(&x, &y), dot(&rx, &ry));
+            assert!(
+                (before - after).abs() < 1e-4 * d as f64,
+                "{before} vs {after}"
+            );
+        }
+    }
+
+    #[test]
+    fn mean_and_lse_shift_agree_with_float64() {
+        let mut rng = crate::reference::Rng::new(11);
+        let (b, s, hq, hkv, d) = (2, 37, 4, 2, 64);
+        let k: Vec<f32> = (0..b * s * hkv * d)
+            .map(|i| rng.normal() as f32 + (i % d) as f32 * 0.1)
+            .collect();
+        let q: Vec<f32> = (0..b * s * hq * d).map(|_| rng.normal() as f32).collect();
+        let mean = key_mean(&k, [b, s, hkv, d]);
+        // Channel c's mean is about 0.1·c.
+        assert!((mean[5] - 0.5).abs() < 0.5, "{}", mean[5]);
+        let shift = lse_shift(&q, [b, s, hq, d], &mean, hkv);
+        for bi in 0..b {
+            for h in 0..hq {
+                for i in 0..s {
+                    let row = &q[((bi * s + i) * hq + h) * d..][..d];
+                    let m = &mean[(bi * hkv + h / 2) * d..][..d];
+                    let want: f64 = row.iter().zip(m).map(|(&x, &y)| x as f64 * y as f64).sum();
+                    let got = shift[(bi * hq + h) * s + i] as f64;
+                    assert!((got - want).abs() < 1e-4, "{got} vs {want}");
+                }
+            }
+        }
+    }
+
+    /// Attention in float64 on what the quantizer gives, options on, against the
+    /// original values: the same output, and the same log-sum-exp once `lse_shift` is
+    /// added back.
+    #[test]
+    fn options_leave_attention_unchanged() {
+        use crate::reference::attention_f64;
+        use crate::shape::AttnShape;
+        let mut rng = crate::reference::Rng::new(5);
+        let shape = AttnShape {
+            batch: 1,
+            seqlen_q: 40,
+            seqlen_k: 150,
+            heads_q: 4,
+            heads_kv: 2,
+            head_dim: 64,
+        };
+        let (b, sq, sk, hq, hkv, d) = (1, 40, 150, 4, 2, 64);
+        let q: Vec<f32> = (0..shape.q_len()).map(|_| rng.normal() as f32).collect();
+        // Keys with a large per-channel offset, as real models' keys have.
+        let k: Vec<f32> = (0..shape.kv_len())
+            .map(|i| rng.normal() as f32 + 4.0 * ((i % d) as f32 / d as f32 - 0.5))
+            .collect();
+        let v: Vec<f32> = (0..shape.kv_len()).map(|_| rng.normal() as f32).collect();
+        let f64s = |x: &[f32]| x.iter().map(|&v| v as f64).collect::<Vec<_>>();
+        let scale = 1.0 / (d as f64).sqrt();
+        let exact = attention_f64(&shape, &f64s(&q), &f64s(&k), &f64s(&v), scale, false);
+
+        let signs = HadamardSigns::from_seed(99, d);
+        let mean = key_mean(&k, [b, sk, hkv, d]);
+        let shift = lse_shift(&q, [b, sq, hq, d], &mean, hkv);
+        for (smooth, rotate) in [(false, false), (true, false), (false, true), (true, true)] {
+            let hadamard = rotate.then_some(&signs);
+            let q8 = quantize_rows_with(
+                &q,
+                [b, sq, hq, d],
+                Granularity::PerBlock,
+                RowTransform {
+                    mean: None,
+                    hadamard,
+                },
+            );
+            let k8 = quantize_rows_with(
+                &k,
+                [b, sk, hkv, d],
+                Granularity::PerBlock,
+                RowTransform {
+                    mean: smooth.then_some(&mean[..]),
+                    hadamard,
+                },
+            );
+            let v8 = quantize_vt(&v, [b, sk, hkv, d], 160, Granularity::PerBlock);
+            let got = attention_f64(
+                &shape,
+                &dequantize_rows(&q8, [b, sq, hq, d]),
+                &dequantize_rows(&k8, [b, sk, hkv, d]),
+                &dequantize_vt(&v8, [b, sk, hkv, d], 160),
+                scale,
+                false,
+            );
+            let err = crate::reference::rel_l2(&got.out, &exact.out);
+            assert!(
+                err < 0.08,
+                "smooth {smooth} rotate {rotate}: output error {err}"
+            );
+            for (i, (&l, &want)) in got.lse.iter().zip(&exact.lse).enumerate() {
+                let l = if smooth {
+                    l + scale * shift[i] as f64
+                } else {
+                    l
+                };
+                // Smoothing takes the keys' offset out of their scales, so their codes
+                // (and the scores) are finer.
+                let tolerance = if smooth { 0.05 } else { 0.2 };
+                assert!(
+                    (l - want).abs() < tolerance,
+                    "smooth {smooth} rotate {rotate}: lse {l} vs {want}"
+                );
+            }
+            if smooth {
+                // Without the shift the log-sum-exp would be off by far more.
+                let off = got
+                    .lse
+                    .iter()
+                    .zip(&exact.lse)
+                    .map(|(a, b)| (a - b).abs())
+                    .fold(0f64, f64::max);
+                assert!(
+                    off > 0.5,
+                    "the smoothing test's keys need a real mean ({off})"
+                );
+            }
         }
     }
 }

@@ -9,6 +9,7 @@
 //! - [`validate`]: argument checks that return typed errors before anything runs.
 //! - [`attention`]: the forward-attention entry point and dispatch.
 //! - [`fp8`]: FP8 (E4M3) forward attention with per-block scales.
+//! - [`quantize`]: FP8 quantization of 16-bit Q, K, V on the GPU into those operands.
 //! - [`varlen`]: forward attention over packed sequences of different lengths.
 //! - [`kv_cache`]: KV caches (contiguous or paged) and their checks.
 //! - [`decode`]: serving calls: split-KV decode, appending to a cache, merging partial
@@ -24,6 +25,7 @@ pub mod gemm;
 pub mod kv_cache;
 pub mod launch;
 pub mod module;
+pub mod quantize;
 pub mod tensor;
 pub mod timing;
 pub mod validate;

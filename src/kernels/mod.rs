@@ -2,6 +2,7 @@
 
 pub mod attention;
 pub mod gemm;
+pub mod quantize;
 pub mod tma_copy;
 
 use crate::ptx::{Module, PtxError};
@@ -18,6 +19,8 @@ pub enum KernelSpec {
     Merge(attention::merge::MergeConfig),
     /// Appending new tokens' K and V to a cache.
     Append(attention::append::AppendConfig),
+    /// FP8 quantization of 16-bit Q, K, V (and K's mean for smoothing).
+    Quantize(quantize::QuantConfig),
     /// The warp-specialized GEMM that proves the Hopper building blocks (test/bench).
     Gemm(gemm::GemmConfig),
     /// The TMA load/store round trip (test).
@@ -33,6 +36,7 @@ impl KernelSpec {
             KernelSpec::Decode(c) => c.id(),
             KernelSpec::Merge(c) => c.id(),
             KernelSpec::Append(c) => c.id(),
+            KernelSpec::Quantize(c) => c.id(),
             KernelSpec::Gemm(c) => c.id(),
             KernelSpec::TmaCopy(c) => c.id(),
         }
@@ -46,6 +50,7 @@ impl KernelSpec {
             KernelSpec::Decode(c) => c.generate(),
             KernelSpec::Merge(c) => c.generate(),
             KernelSpec::Append(c) => c.generate(),
+            KernelSpec::Quantize(c) => c.generate(),
             KernelSpec::Gemm(c) => c.generate(),
             KernelSpec::TmaCopy(c) => c.generate(),
         }
@@ -58,6 +63,7 @@ impl KernelSpec {
             KernelSpec::Fp8(c) => c.tiling().smem_bytes,
             KernelSpec::Decode(c) => c.smem_bytes(),
             KernelSpec::Merge(_) | KernelSpec::Append(_) => 0,
+            KernelSpec::Quantize(c) => c.smem_bytes(),
             KernelSpec::Gemm(c) => c.smem().0.bytes(),
             KernelSpec::TmaCopy(c) => c.smem().0.bytes(),
         }
@@ -97,6 +103,12 @@ impl KernelSpec {
             KernelSpec::Decode(_) => &["HMMA", "LDGSTS"],
             KernelSpec::Merge(_) => &[],
             KernelSpec::Append(_) => &["LDG.E.128", "STG.E.128"],
+            // The e4m3 conversion (F2FP.SATFINITE.E4M3 on sm_89 and sm_90) between
+            // 16-byte loads and stores; the key mean's atomic adds.
+            KernelSpec::Quantize(c) => match c.kind {
+                quantize::QuantKind::KeyMean => &["LDG.E.128", "RED"],
+                _ => &["F2FP.SATFINITE.E4M3", "LDG.E.128", "STG.E.128"],
+            },
         }
     }
 }
@@ -119,12 +131,16 @@ pub fn catalog() -> Vec<KernelSpec> {
     let append = attention::append::all_append_configs()
         .into_iter()
         .map(KernelSpec::Append);
+    let quantize = quantize::all_quant_configs()
+        .into_iter()
+        .map(KernelSpec::Quantize);
     let gemm = gemm::all_gemm_configs().into_iter().map(KernelSpec::Gemm);
     let copy = tma_copy::all_configs().into_iter().map(KernelSpec::TmaCopy);
     fwd.chain(fp8)
         .chain(decode)
         .chain(merge)
         .chain(append)
+        .chain(quantize)
         .chain(gemm)
         .chain(copy)
         .collect()

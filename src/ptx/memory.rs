@@ -1,4 +1,5 @@
-//! Loads and stores (global and shared, scalar and vector) and `cp.async`.
+//! Loads and stores (global and shared, scalar and vector), `cp.async` and global
+//! reductions (`red`).
 //!
 //! Global addresses are `Reg<U64>` (generic 64-bit), shared addresses [`SmemAddr`]
 //! (the 32-bit shared window). Offsets are byte immediates.
@@ -37,6 +38,19 @@ impl Kernel {
             T::MEM
         ));
         d
+    }
+
+    /// `ld.global.v4` into existing registers: under a guard ([`Kernel::guarded`]) a
+    /// load that does not happen leaves them as they were (zeros set beforehand, say).
+    pub fn ld_global_v4_into<T: Word32>(&mut self, dst: [Reg<T>; 4], base: Reg<U64>, offset: i32) {
+        self.check_owner(&[Src::<U64>::owner(&base)]);
+        self.check_owner(&dst.map(|r| Src::<T>::owner(&r)));
+        let a = addr(base.name(), offset);
+        let [x, y, z, w] = dst.map(|r| r.name());
+        self.emit(format!(
+            "ld.global.v4.{} {{{x}, {y}, {z}, {w}}}, {a};",
+            T::MEM
+        ));
     }
 
     /// `st.global` of one 32-bit word.
@@ -87,6 +101,15 @@ impl Kernel {
         self.emit(format!("st.shared.{} {a}, {};", T::MEM, v.operand()));
     }
 
+    /// `st.shared.v2` of two 32-bit words (8-byte aligned).
+    pub fn st_shared_v2<T: Word32>(&mut self, base: SmemAddr, offset: i32, v: [Reg<T>; 2]) {
+        self.check_owner(&[base.owner()]);
+        self.check_owner(&v.map(|r| Src::<T>::owner(&r)));
+        let a = addr(base.name(), offset);
+        let [x, y] = v.map(|r| r.name());
+        self.emit(format!("st.shared.v2.{} {a}, {{{x}, {y}}};", T::MEM));
+    }
+
     /// `st.shared.v4` of four 32-bit words (16-byte aligned).
     pub fn st_shared_v4<T: Word32>(&mut self, base: SmemAddr, offset: i32, v: [Reg<T>; 4]) {
         self.check_owner(&[base.owner()]);
@@ -97,6 +120,15 @@ impl Kernel {
             "st.shared.v4.{} {a}, {{{x}, {y}, {z}, {w}}};",
             T::MEM
         ));
+    }
+
+    /// `red.global.add.f32`: adds `v` to the f32 at the address, atomically, without
+    /// returning the old value (a reduction over blocks into a zeroed buffer). Subnormal
+    /// inputs and results are flushed to zero, as for every global f32 atomic add.
+    pub fn red_global_add_f32(&mut self, base: Reg<U64>, offset: i32, v: impl Src<F32>) {
+        self.check_owner(&[Src::<U64>::owner(&base), v.owner()]);
+        let a = addr(base.name(), offset);
+        self.emit(format!("red.global.add.f32 {a}, {};", v.operand()));
     }
 
     /// `cp.async.cg.shared.global` of 16 bytes, bypassing L1. Only `src_bytes` bytes are

@@ -1,0 +1,795 @@
+//! FP8 quantization on the GPU: 16-bit Q, K and V to the [`Fp8Operands`] that
+//! [`Attention::forward_fp8`] takes, written into one device workspace the caller
+//! provides. The kernels are [`crate::kernels::quantize`]'s; their results are bit for
+//! bit [`crate::quant`]'s.
+//!
+//! # Workspace ([`Fp8Layout`])
+//!
+//! One region after another, each starting on a [`Fp8Layout::ALIGN`]-byte boundary:
+//!
+//! | region      | contents                                                     |
+//! |-------------|--------------------------------------------------------------|
+//! | `q`         | e4m3 `[B, Sq, Hq, D]`, contiguous                            |
+//! | `k`         | e4m3 `[B, Sk, Hkv, D]`, contiguous                           |
+//! | `vt`        | e4m3 `[B, Hkv, D, pitch]`, pitch = Sk rounded up to 16       |
+//! | `q_scale`   | f32 `[B, Hq, ceil(Sq/128)]`                                  |
+//! | `k_scale`   | f32 `[B, Hkv, ceil(Sk/128)]`                                 |
+//! | `v_scale`   | f32 `[B, Hkv, ceil(Sk/128)]`                                 |
+//! | `k_mean`    | f32 `[B, Hkv, D]` (K smoothing only)                         |
+//! | `lse_shift` | f32 `[B, Hq, Sq]` (K smoothing only)                         |
+//!
+//! # Launches
+//!
+//! Without K smoothing: Q, K, V, one kernel each. With it: the mean is zeroed
+//! (`cuMemsetD32Async`) and K's mean accumulated first, then Q (which writes `lse_shift`
+//! from the unrotated rows), K (minus the mean), V. All on the caller's stream, in that
+//! order, so a CUDA graph can capture them.
+//!
+//! Scales are per block of 128 rows, the FP8 path's scheme. The CPU quantizer's
+//! per-tensor granularity ([`crate::quant::Granularity::PerTensor`]) has no GPU kernel:
+//! it would need a pass over each tensor for its amax before the quantizing one (two
+//! thirds more memory traffic), for scales the FP8 kernels read the same way.
+
+use std::ffi::c_void;
+
+use cudarc::driver::sys::{self, CUstream};
+
+use super::attention::Attention;
+use super::decode::Workspace;
+use super::device::{ContextScope, check};
+use super::fp8::{FP8_HEAD_DIMS_TEXT, Fp8Operands, VtView};
+use super::launch::{LaunchDims, launch};
+use super::tensor::{DType, TensorView};
+use super::validate::{
+    MAX_GRID_YZ, MAX_SEQLEN, TENSOR_ALIGN, byte_range_of, check_not_empty, check_pointer,
+    check_strides, overlaps,
+};
+use crate::error::{Error, Result};
+use crate::kernels::attention::HalfType;
+use crate::kernels::attention::fp8::{HEAD_DIMS, scale_blocks, vt_min_pitch};
+use crate::kernels::quantize::{QuantArgs, QuantConfig, QuantKind, Smoothing};
+use crate::quant::HadamardSigns;
+use crate::shape::AttnShape;
+
+/// The quantizer's options; each is off by default and leaves `softmax(Q Kᵀ) V`
+/// unchanged (see [`crate::quant`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct QuantizeOptions {
+    /// Subtract K's per-channel mean over the sequence before quantizing K; the
+    /// operands then carry `lse_shift` so the attention's log-sum-exp stays exact.
+    pub smooth_k: bool,
+    /// Rotate Q and K by a random-sign Hadamard transform along the head dim, the signs
+    /// drawn from this seed ([`HadamardSigns::from_seed`]).
+    pub hadamard_seed: Option<u64>,
+}
+
+/// A piece of the workspace: `bytes` bytes from `offset`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Region {
+    pub offset: usize,
+    pub bytes: usize,
+}
+
+/// Where the quantizer's outputs go in its workspace (see the module docs).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Fp8Layout {
+    pub q: Region,
+    pub k: Region,
+    pub vt: Region,
+    pub q_scale: Region,
+    pub k_scale: Region,
+    pub v_scale: Region,
+    /// K smoothing only.
+    pub k_mean: Option<Region>,
+    /// K smoothing only.
+    pub lse_shift: Option<Region>,
+    /// Keys per row of `Vᵀ8` (Sk rounded up to 16).
+    pub vt_pitch: usize,
+    /// The workspace's size: the end of the last region.
+    pub bytes: usize,
+}
+
+impl Fp8Layout {
+    /// Alignment of every region (and of the workspace).
+    pub const ALIGN: usize = 256;
+
+    /// The layout for a problem's sizes. Errors: [`Error::InvalidArgument`] when the
+    /// sizes overflow.
+    pub fn new(shape: &AttnShape, options: &QuantizeOptions) -> Result<Fp8Layout> {
+        let &AttnShape {
+            batch: b,
+            seqlen_q: sq,
+            seqlen_k: sk,
+            heads_q: hq,
+            heads_kv: hkv,
+            head_dim: d,
+        } = shape;
+        let too_large = || {
+            Error::InvalidArgument(format!(
+                "the FP8 operands of {shape:?} overflow the address space"
+            ))
+        };
+        let product = |dims: &[usize]| {
+            dims.iter()
+                .try_fold(1usize, |acc, &n| acc.checked_mul(n))
+                .ok_or_else(too_large)
+        };
+        let vt_pitch = vt_min_pitch(sk as u64) as usize;
+        let mut end = 0usize;
+        let mut take = |bytes: usize| -> Result<Region> {
+            let offset = end
+                .checked_next_multiple_of(Self::ALIGN)
+                .ok_or_else(too_large)?;
+            end = offset.checked_add(bytes).ok_or_else(too_large)?;
+            Ok(Region { offset, bytes })
+        };
+        let q_blocks = scale_blocks(sq as u32) as usize;
+        let kv_blocks = scale_blocks(sk as u32) as usize;
+        let q = take(product(&[b, sq, hq, d])?)?;
+        let k = take(product(&[b, sk, hkv, d])?)?;
+        let vt = take(product(&[b, hkv, d, vt_pitch])?)?;
+        let q_scale = take(product(&[b, hq, q_blocks, 4])?)?;
+        let k_scale = take(product(&[b, hkv, kv_blocks, 4])?)?;
+        let v_scale = take(product(&[b, hkv, kv_blocks, 4])?)?;
+        let (k_mean, lse_shift) = if options.smooth_k {
+            (
+                Some(take(product(&[b, hkv, d, 4])?)?),
+                Some(take(product(&[b, hq, sq, 4])?)?),
+            )
+        } else {
+            (None, None)
+        };
+        Ok(Fp8Layout {
+            q,
+            k,
+            vt,
+            q_scale,
+            k_scale,
+            v_scale,
+            k_mean,
+            lse_shift,
+            vt_pitch,
+            bytes: end,
+        })
+    }
+
+    /// The operands this layout puts in a workspace at `base`.
+    pub fn operands(&self, base: u64, shape: &AttnShape) -> Fp8Operands {
+        let at = |r: Region| base + r.offset as u64;
+        let s = shape;
+        Fp8Operands {
+            q: TensorView::bshd(
+                at(self.q),
+                DType::E4m3,
+                s.batch,
+                s.seqlen_q,
+                s.heads_q,
+                s.head_dim,
+            ),
+            k: TensorView::bshd(
+                at(self.k),
+                DType::E4m3,
+                s.batch,
+                s.seqlen_k,
+                s.heads_kv,
+                s.head_dim,
+            ),
+            vt: VtView::contiguous(at(self.vt), s.batch, s.heads_kv, s.head_dim, s.seqlen_k),
+            q_scale: at(self.q_scale),
+            k_scale: at(self.k_scale),
+            v_scale: at(self.v_scale),
+            lse_shift: self.lse_shift.map(at),
+        }
+    }
+}
+
+/// A validated quantization call.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct QuantizeProblem {
+    pub shape: AttnShape,
+    pub input: HalfType,
+    pub options: QuantizeOptions,
+    pub layout: Fp8Layout,
+}
+
+/// Checks a quantization call: dtypes, empty dimensions, shapes, head dim, head ratio,
+/// sizes, pointers, strides and extents, then the workspace (non-null, aligned, large
+/// enough, apart from the inputs). Nothing here touches the driver.
+pub fn validate_quantize(
+    q: &TensorView,
+    k: &TensorView,
+    v: &TensorView,
+    options: &QuantizeOptions,
+    workspace: &Workspace,
+) -> Result<QuantizeProblem> {
+    let input = q.dtype.half_type().ok_or_else(|| {
+        Error::UnsupportedDType(format!("q is {}; the quantizer reads f16 or bf16", q.dtype))
+    })?;
+    if k.dtype != q.dtype || v.dtype != q.dtype {
+        return Err(Error::UnsupportedDType(format!(
+            "q, k and v must share one dtype, got {}, {} and {}",
+            q.dtype, k.dtype, v.dtype
+        )));
+    }
+    for (name, t) in [("q", q), ("k", k), ("v", v)] {
+        check_not_empty(name, t)?;
+    }
+    if v.shape != k.shape {
+        return Err(Error::ShapeMismatch(format!(
+            "v has shape {:?} but k has {:?}; they must be equal",
+            v.shape, k.shape
+        )));
+    }
+    let [batch, seqlen_q, heads_q, head_dim] = q.shape;
+    let [_, seqlen_k, heads_kv, _] = k.shape;
+    if k.batch() != batch || k.head_dim() != head_dim {
+        return Err(Error::ShapeMismatch(format!(
+            "k has shape {:?}, q {:?}: batch and head_dim must agree",
+            k.shape, q.shape
+        )));
+    }
+    if !HEAD_DIMS.contains(&(head_dim as u32)) {
+        return Err(Error::UnsupportedHeadDim(head_dim, FP8_HEAD_DIMS_TEXT));
+    }
+    if !heads_q.is_multiple_of(heads_kv) {
+        return Err(Error::HeadRatio {
+            hq: heads_q,
+            hkv: heads_kv,
+        });
+    }
+    for (what, n) in [("seqlen_q", seqlen_q), ("seqlen_k", seqlen_k)] {
+        if n > MAX_SEQLEN {
+            return Err(Error::InvalidArgument(format!(
+                "{what} {n} exceeds the limit of {MAX_SEQLEN} (2^25)"
+            )));
+        }
+    }
+    if batch > MAX_GRID_YZ || heads_q > MAX_GRID_YZ {
+        return Err(Error::InvalidArgument(format!(
+            "batch {batch} or query heads {heads_q} exceed the grid limit {MAX_GRID_YZ}"
+        )));
+    }
+    for (name, t) in [("q", q), ("k", k), ("v", v)] {
+        check_pointer(name, t.ptr, TENSOR_ALIGN)?;
+    }
+    for (name, t) in [("q", q), ("k", k), ("v", v)] {
+        check_strides(name, t)?;
+    }
+    let inputs = [
+        ("q", byte_range_of("q", q)?),
+        ("k", byte_range_of("k", k)?),
+        ("v", byte_range_of("v", v)?),
+    ];
+    let shape = AttnShape {
+        batch,
+        seqlen_q,
+        seqlen_k,
+        heads_q,
+        heads_kv,
+        head_dim,
+    };
+    let layout = Fp8Layout::new(&shape, options)?;
+    check_pointer("workspace", workspace.ptr, Fp8Layout::ALIGN as u64)?;
+    if workspace.bytes < layout.bytes {
+        return Err(Error::InvalidArgument(format!(
+            "the workspace has {} bytes; quantizing {shape:?} needs {} (Fp8Layout::new)",
+            workspace.bytes, layout.bytes
+        )));
+    }
+    let used = workspace
+        .ptr
+        .checked_add(layout.bytes as u64)
+        .map(|end| (workspace.ptr, end))
+        .ok_or_else(|| {
+            Error::InvalidArgument("the workspace overflows 64-bit addressing".into())
+        })?;
+    for (name, r) in inputs {
+        if overlaps(used, r) {
+            return Err(Error::InvalidArgument(format!(
+                "the workspace [{:#x}, {:#x}) overlaps {name}'s memory [{:#x}, {:#x})",
+                used.0, used.1, r.0, r.1
+            )));
+        }
+    }
+    Ok(QuantizeProblem {
+        shape,
+        input,
+        options: *options,
+        layout,
+    })
+}
+
+/// The (batch, seq, head) strides of a view, in elements.
+fn strides3(t: &TensorView) -> [u64; 3] {
+    [
+        t.strides[0] as u64,
+        t.strides[1] as u64,
+        t.strides[2] as u64,
+    ]
+}
+
+/// One kernel launch of a quantization call, ready to go.
+struct Step {
+    config: QuantConfig,
+    args: QuantArgs,
+    grid: (u32, u32, u32),
+}
+
+/// The launches of a validated call, in order (the mean's zeroing aside), with the
+/// workspace at `base`.
+fn plan_steps(
+    p: &QuantizeProblem,
+    q: &TensorView,
+    k: &TensorView,
+    v: &TensorView,
+    base: u64,
+) -> Vec<Step> {
+    let s = p.shape;
+    let l = &p.layout;
+    let at = |r: Region| base + r.offset as u64;
+    let d = s.head_dim as u64;
+    let signs = p
+        .options
+        .hadamard_seed
+        .map(|seed| HadamardSigns::from_seed(seed, s.head_dim).words())
+        .unwrap_or_default();
+    let hadamard = p.options.hadamard_seed.is_some();
+    let config = |kind| QuantConfig {
+        kind,
+        input: p.input,
+        head_dim: s.head_dim as u32,
+    };
+    let mean = l.k_mean.map_or(0, at);
+    let kv_blocks = scale_blocks(s.seqlen_k as u32);
+    let (smooth_q, smooth_k) = if p.options.smooth_k {
+        (Smoothing::Query, Smoothing::Key)
+    } else {
+        (Smoothing::None, Smoothing::None)
+    };
+    let rows_of = |t: &TensorView, codes: Region, scales: Region, smoothing| {
+        let [b, seqlen, heads, _] = t.shape;
+        let cfg = config(QuantKind::Rows {
+            smoothing,
+            hadamard,
+        });
+        let blocks = scale_blocks(seqlen as u32);
+        Step {
+            config: cfg,
+            args: QuantArgs {
+                src: t.ptr,
+                src_stride: strides3(t),
+                dst: at(codes),
+                dst_stride: [(seqlen * heads) as u64 * d, heads as u64 * d, d],
+                scales: at(scales),
+                mean,
+                lse_shift: l.lse_shift.map_or(0, at),
+                seqlen: seqlen as u32,
+                heads: heads as u32,
+                group: (heads / s.heads_kv) as u32,
+                mean_heads: s.heads_kv as u32,
+                scale_blocks: blocks,
+                inv_seqlen: 0.0,
+                hadamard_signs: signs,
+            },
+            grid: (blocks, heads as u32, b as u32),
+        }
+    };
+    let mut steps = Vec::new();
+    if p.options.smooth_k {
+        let cfg = config(QuantKind::KeyMean);
+        steps.push(Step {
+            config: cfg,
+            args: QuantArgs {
+                src: k.ptr,
+                src_stride: strides3(k),
+                mean,
+                seqlen: s.seqlen_k as u32,
+                heads: s.heads_kv as u32,
+                group: 1,
+                mean_heads: s.heads_kv as u32,
+                scale_blocks: kv_blocks,
+                inv_seqlen: (1.0 / s.seqlen_k as f64) as f32,
+                ..QuantArgs::default()
+            },
+            grid: (
+                (s.seqlen_k as u32).div_ceil(cfg.rows_per_block()),
+                s.heads_kv as u32,
+                s.batch as u32,
+            ),
+        });
+    }
+    steps.push(rows_of(q, l.q, l.q_scale, smooth_q));
+    steps.push(rows_of(k, l.k, l.k_scale, smooth_k));
+    let pitch = l.vt_pitch as u64;
+    let cfg = config(QuantKind::Vt);
+    steps.push(Step {
+        config: cfg,
+        args: QuantArgs {
+            src: v.ptr,
+            src_stride: strides3(v),
+            dst: at(l.vt),
+            dst_stride: [s.heads_kv as u64 * d * pitch, d * pitch, pitch],
+            scales: at(l.v_scale),
+            seqlen: s.seqlen_k as u32,
+            heads: s.heads_kv as u32,
+            group: 1,
+            mean_heads: s.heads_kv as u32,
+            scale_blocks: kv_blocks,
+            ..QuantArgs::default()
+        },
+        grid: (
+            (l.vt_pitch as u32).div_ceil(cfg.rows_per_block()),
+            s.heads_kv as u32,
+            s.batch as u32,
+        ),
+    });
+    steps
+}
+
+impl Attention {
+    /// Quantizes 16-bit `q` (`[B, Sq, Hq, D]`), `k` and `v` (`[B, Sk, Hkv, D]`, any
+    /// strides with the head dim contiguous and the others multiples of 16 bytes) to
+    /// e4m3 with per-block scales, into `workspace` (laid out as [`Fp8Layout::new`] says;
+    /// 256-byte aligned), on `stream`; returns the operands of
+    /// [`Attention::forward_fp8`]. Needs an sm_89 or later GPU.
+    ///
+    /// Everything is checked before anything is launched: on error nothing runs and
+    /// nothing is written. Asynchronous.
+    ///
+    /// # Safety
+    ///
+    /// The views' pointers and the workspace must be device memory of this device's
+    /// context, valid for the extents described until the kernels have run, with nothing
+    /// else writing the inputs or touching the workspace meanwhile; `stream` must be null
+    /// or a live stream of this context.
+    pub unsafe fn quantize_fp8(
+        &self,
+        q: &TensorView,
+        k: &TensorView,
+        v: &TensorView,
+        options: &QuantizeOptions,
+        workspace: Workspace,
+        stream: CUstream,
+    ) -> Result<Fp8Operands> {
+        let problem = validate_quantize(q, k, v, options, &workspace)?;
+        let arch = self.device().compute_capability();
+        if arch < (8, 9) {
+            return Err(Error::UnsupportedGpu {
+                name: format!(
+                    "{} (the e4m3 conversion needs sm_89 or later)",
+                    self.device().name()
+                ),
+                major: arch.0,
+                minor: arch.1,
+            });
+        }
+        let steps = plan_steps(&problem, q, k, v, workspace.ptr);
+        // Every kernel is loaded before the first launch, so a load error launches
+        // nothing.
+        let kernels = steps
+            .iter()
+            .map(|st| {
+                let cfg = st.config;
+                self.load(&cfg.id(), cfg.smem_bytes(), || cfg.generate())
+            })
+            .collect::<Result<Vec<_>>>()?;
+        if let Some(mean) = problem.layout.k_mean {
+            self.zero_f32(workspace.ptr + mean.offset as u64, mean.bytes / 4, stream)?;
+        }
+        for (step, kernel) in steps.iter().zip(&kernels) {
+            let dims = LaunchDims {
+                grid: step.grid,
+                block: (step.config.threads(), 1, 1),
+                dynamic_smem: step.config.smem_bytes(),
+            };
+            let mut args = step.args;
+            let mut params = [(&mut args as *mut QuantArgs).cast::<c_void>()];
+            // SAFETY: the kernel's one parameter is the by-value `QuantArgs`, which
+            // `args` is and which outlives the call. validate_quantize checked the
+            // inputs' pointers and extents (the kernels read rows below `seqlen` only)
+            // and that the workspace holds the layout, apart from them; the kernels
+            // write only their regions of it. This function's contract makes the
+            // memory live and `stream` valid.
+            unsafe { launch(kernel, &dims, stream, &mut params) }?;
+        }
+        Ok(problem.layout.operands(workspace.ptr, &problem.shape))
+    }
+
+    /// Sets `count` f32 at `ptr` to +0, ordered on `stream`.
+    fn zero_f32(&self, ptr: u64, count: usize, stream: CUstream) -> Result<()> {
+        let _scope = ContextScope::enter(self.device().context())?;
+        // SAFETY: the context is current; `ptr .. ptr + 4·count` is a region of the
+        // validated workspace (4-byte aligned) and `stream` is the caller's, null or live
+        // by `quantize_fp8`'s contract.
+        check("cuMemsetD32Async", unsafe {
+            sys::cuMemsetD32Async(ptr, 0, count, stream)
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const GB: u64 = 1 << 30;
+
+    fn views(b: usize, sq: usize, sk: usize, hq: usize, hkv: usize, d: usize) -> [TensorView; 3] {
+        [
+            TensorView::bshd(GB, DType::F16, b, sq, hq, d),
+            TensorView::bshd(2 * GB, DType::F16, b, sk, hkv, d),
+            TensorView::bshd(3 * GB, DType::F16, b, sk, hkv, d),
+        ]
+    }
+
+    fn workspace() -> Workspace {
+        Workspace {
+            ptr: 4 * GB,
+            bytes: 1 << 29,
+        }
+    }
+
+    fn check(
+        views: &[TensorView; 3],
+        opts: &QuantizeOptions,
+        ws: Workspace,
+    ) -> Result<QuantizeProblem> {
+        validate_quantize(&views[0], &views[1], &views[2], opts, &ws)
+    }
+
+    #[test]
+    fn layout_regions_are_aligned_and_disjoint() {
+        let shape = AttnShape {
+            batch: 2,
+            seqlen_q: 129,
+            seqlen_k: 17,
+            heads_q: 8,
+            heads_kv: 2,
+            head_dim: 64,
+        };
+        let plain = Fp8Layout::new(&shape, &QuantizeOptions::default()).unwrap();
+        assert_eq!(plain.k_mean, None);
+        assert_eq!(plain.lse_shift, None);
+        assert_eq!(plain.vt_pitch, 32);
+        assert_eq!(plain.q.bytes, 2 * 129 * 8 * 64);
+        assert_eq!(plain.vt.bytes, 2 * 2 * 64 * 32);
+        assert_eq!(plain.q_scale.bytes, 2 * 8 * 2 * 4);
+        assert_eq!(plain.k_scale.bytes, 2 * 2 * 4);
+        let smooth = QuantizeOptions {
+            smooth_k: true,
+            hadamard_seed: Some(1),
+        };
+        let full = Fp8Layout::new(&shape, &smooth).unwrap();
+        assert_eq!(full.k_mean.unwrap().bytes, 2 * 2 * 64 * 4);
+        assert_eq!(full.lse_shift.unwrap().bytes, 2 * 8 * 129 * 4);
+        let regions = [
+            full.q,
+            full.k,
+            full.vt,
+            full.q_scale,
+            full.k_scale,
+            full.v_scale,
+            full.k_mean.unwrap(),
+            full.lse_shift.unwrap(),
+        ];
+        for pair in regions.windows(2) {
+            assert!(pair[0].offset + pair[0].bytes <= pair[1].offset);
+        }
+        for r in regions {
+            assert_eq!(r.offset % Fp8Layout::ALIGN, 0);
+        }
+        assert_eq!(full.bytes, full.lse_shift.unwrap().offset + 2 * 8 * 129 * 4);
+        let ops = full.operands(4 * GB, &shape);
+        assert_eq!(ops.q.ptr, 4 * GB);
+        assert_eq!(ops.q.dtype, DType::E4m3);
+        assert_eq!(ops.vt.pitch(), 32);
+        assert_eq!(
+            ops.lse_shift,
+            Some(4 * GB + full.lse_shift.unwrap().offset as u64)
+        );
+        let huge = AttnShape {
+            batch: usize::MAX / 2,
+            ..shape
+        };
+        assert!(matches!(
+            Fp8Layout::new(&huge, &smooth),
+            Err(Error::InvalidArgument(_))
+        ));
+    }
+
+    #[test]
+    fn the_operands_are_what_forward_fp8_accepts() {
+        use crate::host::fp8::validate_fp8;
+        use crate::host::tensor::AttentionParams;
+        let shape = AttnShape {
+            batch: 2,
+            seqlen_q: 300,
+            seqlen_k: 1001,
+            heads_q: 8,
+            heads_kv: 2,
+            head_dim: 128,
+        };
+        for smooth_k in [false, true] {
+            let options = QuantizeOptions {
+                smooth_k,
+                hadamard_seed: None,
+            };
+            let ops = Fp8Layout::new(&shape, &options)
+                .unwrap()
+                .operands(4 * GB, &shape);
+            let o = TensorView::bshd(GB, DType::Bf16, 2, 300, 8, 128);
+            let problem = validate_fp8(&ops, &o, None, &AttentionParams::default()).unwrap();
+            assert_eq!(problem.shape, shape);
+            assert_eq!(ops.lse_shift.is_some(), smooth_k);
+        }
+    }
+
+    #[test]
+    fn accepts_strided_views_and_plans_the_launches_in_order() {
+        let opts = QuantizeOptions {
+            smooth_k: true,
+            hadamard_seed: Some(7),
+        };
+        let mut v = views(2, 300, 1000, 8, 2, 128);
+        v[0] = TensorView::bhsd(GB, DType::Bf16, 2, 300, 8, 128);
+        v[1].dtype = DType::Bf16;
+        v[2].dtype = DType::Bf16;
+        let p = check(&v, &opts, workspace()).unwrap();
+        assert_eq!(p.input, HalfType::Bf16);
+        let steps = plan_steps(&p, &v[0], &v[1], &v[2], 4 * GB);
+        let kinds: Vec<_> = steps.iter().map(|s| s.config.kind).collect();
+        assert_eq!(
+            kinds,
+            [
+                QuantKind::KeyMean,
+                QuantKind::Rows {
+                    smoothing: Smoothing::Query,
+                    hadamard: true
+                },
+                QuantKind::Rows {
+                    smoothing: Smoothing::Key,
+                    hadamard: true
+                },
+                QuantKind::Vt
+            ]
+        );
+        assert_eq!(steps[0].grid, (2, 2, 2), "1000 keys in slabs of 512");
+        assert_eq!(steps[1].grid, (3, 8, 2));
+        assert_eq!(steps[1].args.group, 4);
+        assert_eq!(steps[1].args.src_stride, [8 * 300 * 128, 128, 300 * 128]);
+        assert_eq!(steps[3].grid, (8, 2, 2), "pitch 1008 in blocks of 128");
+        assert_eq!(steps[3].args.dst_stride[2], 1008);
+        assert_eq!(
+            steps[1].args.hadamard_signs,
+            HadamardSigns::from_seed(7, 128).words()
+        );
+        let plain = check(&v, &QuantizeOptions::default(), workspace()).unwrap();
+        let steps = plan_steps(&plain, &v[0], &v[1], &v[2], 4 * GB);
+        assert_eq!(steps.len(), 3);
+        assert!(
+            steps
+                .iter()
+                .all(|s| s.args.mean == 0 && s.args.lse_shift == 0)
+        );
+    }
+
+    #[test]
+    fn refuses_bad_input_with_typed_errors() {
+        let opts = QuantizeOptions::default();
+        let ok = views(2, 64, 80, 4, 2, 64);
+        check(&ok, &opts, workspace()).unwrap();
+        let with = |f: &dyn Fn(&mut [TensorView; 3])| {
+            let mut v = ok;
+            f(&mut v);
+            check(&v, &opts, workspace())
+        };
+        assert!(matches!(
+            with(&|v| v[0].dtype = DType::F32),
+            Err(Error::UnsupportedDType(_))
+        ));
+        assert!(matches!(
+            with(&|v| v[2].dtype = DType::Bf16),
+            Err(Error::UnsupportedDType(_))
+        ));
+        assert!(matches!(
+            with(&|v| v[1].dtype = DType::E4m3),
+            Err(Error::UnsupportedDType(_))
+        ));
+        assert!(matches!(
+            with(&|v| v[1].shape[1] = 0),
+            Err(Error::EmptyDimension { tensor: "k", .. })
+        ));
+        assert!(matches!(
+            with(&|v| v[2].shape[1] = 81),
+            Err(Error::ShapeMismatch(_))
+        ));
+        assert!(matches!(
+            with(&|v| *v = views(2, 64, 80, 4, 2, 96)),
+            Err(Error::UnsupportedHeadDim(96, _))
+        ));
+        assert!(matches!(
+            with(&|v| *v = views(2, 64, 80, 3, 2, 64)),
+            Err(Error::HeadRatio { hq: 3, hkv: 2 })
+        ));
+        assert!(matches!(
+            with(&|v| v[0].ptr = 0),
+            Err(Error::NullPointer("q"))
+        ));
+        assert!(matches!(
+            with(&|v| v[2].ptr += 8),
+            Err(Error::Misaligned { tensor: "v", .. })
+        ));
+        assert!(matches!(
+            with(&|v| v[1].strides[3] = 2),
+            Err(Error::BadStrides { tensor: "k", .. })
+        ));
+        assert!(matches!(
+            with(&|v| v[0].strides[1] = 4 * 64 + 4),
+            Err(Error::BadStrides { tensor: "q", .. })
+        ));
+        assert!(matches!(
+            with(&|v| v[0].shape[1] = MAX_SEQLEN + 1),
+            Err(Error::InvalidArgument(_))
+        ));
+        // The workspace: null, misaligned, too small, over an input.
+        let bad = |ws: Workspace| check(&ok, &opts, ws);
+        assert!(matches!(
+            bad(Workspace {
+                ptr: 0,
+                ..workspace()
+            }),
+            Err(Error::NullPointer("workspace"))
+        ));
+        assert!(matches!(
+            bad(Workspace {
+                ptr: 4 * GB + 16,
+                ..workspace()
+            }),
+            Err(Error::Misaligned {
+                tensor: "workspace",
+                ..
+            })
+        ));
+        let needed = Fp8Layout::new(&check(&ok, &opts, workspace()).unwrap().shape, &opts)
+            .unwrap()
+            .bytes;
+        assert!(
+            bad(Workspace {
+                bytes: needed,
+                ..workspace()
+            })
+            .is_ok()
+        );
+        assert!(matches!(
+            bad(Workspace {
+                bytes: needed - 1,
+                ..workspace()
+            }),
+            Err(Error::InvalidArgument(ref m)) if m.contains("needs")
+        ));
+        assert!(matches!(
+            bad(Workspace {
+                ptr: 2 * GB,
+                ..workspace()
+            }),
+            Err(Error::InvalidArgument(ref m)) if m.contains("overlaps k")
+        ));
+        // Smoothing needs room for the mean and lse_shift too.
+        let smooth = QuantizeOptions {
+            smooth_k: true,
+            hadamard_seed: None,
+        };
+        assert!(
+            validate_quantize(
+                &ok[0],
+                &ok[1],
+                &ok[2],
+                &smooth,
+                &Workspace {
+                    bytes: needed,
+                    ..workspace()
+                }
+            )
+            .is_err()
+        );
+    }
+}
