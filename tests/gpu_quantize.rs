@@ -518,8 +518,12 @@ fn options_leave_attention_unchanged() {
             false,
         );
         let err = rel_l2(&got.out, &exact.out);
+        // E4M3's 3 mantissa bits cost about 2.4% (rms) on every operand: on normal draws
+        // the output is off by 4–5% whatever the options. Keys with a 3σ per-channel
+        // offset, unsmoothed, round coarser (8–10% on the CPU quantizer, same codes).
+        let bound = if options.smooth_k { 0.065 } else { 0.15 };
         assert!(
-            err < 0.08,
+            err < bound,
             "{c}: output error {err} ({})",
             seeds.replay(&rng)
         );
