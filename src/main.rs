@@ -10,6 +10,7 @@
 //! flashcore decode [options]     split-KV decode over contiguous and paged caches, GB/s (GPU)
 //! flashcore fp8 [options]        FP8 forward against our FP16 one, TFLOP/s (GPU)
 //! flashcore quantize-bench       the FP8 quantizer (Q, K, V to e4m3), GB/s against a copy (GPU)
+//! flashcore calibrate [options]  FP8 error against float64: per tensor, per block, options (GPU, or --cpu)
 //! ```
 
 use std::process::ExitCode;
@@ -61,7 +62,10 @@ const USAGE: &str = "usage:
                    [--causal] [--dtype f16|bf16] [--path sm80] [--iters N] [--json FILE]
   flashcore fp8 [--shapes B:H:S:D,...] [--path best|sm80] [--iters N]
   flashcore quantize-bench [--batch 4] [--heads 32] [--kv-heads H] [--seqlen 8192]
-                           [--head-dim 128] [--dtype f16|bf16] [--iters N] [--json FILE]";
+                           [--head-dim 128] [--dtype f16|bf16] [--iters N] [--json FILE]
+  flashcore calibrate [--seqlens 512,2048,8192,16384] [--heads 8] [--head-dim 128]
+                      [--rows 512] [--inputs normal,uniform,...] [--path best|sm80] [--cpu]
+                      [--seed N] [--json FILE]";
 
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -77,6 +81,7 @@ fn main() -> ExitCode {
         Some("varlen") => varlen(rest),
         Some("fp8") => fp8_bench(rest),
         Some("quantize-bench") => quantize_bench(rest),
+        Some("calibrate") => calibrate(rest),
         Some("help" | "--help" | "-h") => {
             out!("{USAGE}");
             Ok(())
@@ -1270,9 +1275,9 @@ const FP8_SHAPES: [(usize, usize, usize, usize); 5] = [
 /// and not, in one run.
 fn fp8_bench(args: &[String]) -> Result<(), Failure> {
     use cudarc::driver::DevicePtr;
-    use flashcore::host::fp8::{Fp8Operands, VtView};
+    use flashcore::host::decode::Workspace;
+    use flashcore::host::quantize::{Fp8Layout, QuantizeOptions};
     use flashcore::host::tensor::{AttentionParams, DType, LseView, TensorView};
-    use flashcore::kernels::attention::fp8::{scale_blocks, vt_min_pitch};
 
     let o = Opts { args };
     o.check_known(&["--shapes", "--path", "--iters"], &[])?;
@@ -1296,18 +1301,30 @@ fn fp8_bench(args: &[String]) -> Result<(), Failure> {
     let err = |e: cudarc::driver::DriverError| Failure::Run(format!("CUDA: {e}"));
     let mut busy = stream.alloc_zeros::<u8>(64 << 20).map_err(err)?;
     let mut rng = Rng::from_entropy();
-    // A pool of E4M3 codes of N(0, 1) draws scaled to the format's range.
-    let pool: Vec<u8> = (0..1 << 16)
-        .map(|_| flashcore::quant::e4m3_from_f32(rng.normal() as f32 * 448.0 / 4.0))
-        .collect();
-    let fill = |n: usize, salt: usize| -> Vec<u8> {
+    // N(0, 1) f16 draws, repeated (drawing every element of a 16k-token batch would cost
+    // more than the timing).
+    let (pool, _) = flashcore::reference::random_half(&mut rng, 1 << 16, HalfType::F16);
+    let fill16 = |n: usize, salt: usize| -> Vec<u16> {
         (0..n).map(|i| pool[(i * 7 + salt) % pool.len()]).collect()
     };
     out!(
-        "{}: FP8 (e4m3, per-block scales) against our f16 forward",
+        "{}: FP8 (e4m3, per-block scales) against our f16 forward; quant = the GPU quantizer \
+         (Q, K, V to codes, scales and Vᵀ), e2e = quant + fp8",
         dev.name()
     );
-    out!("shape                      mask    fp8 us  TFLOP/s   f16 us  TFLOP/s  fp8/f16");
+    out!(
+        "{:<26} {:<6} {:>8} {:>8} {:>8} {:>8} {:>8} {:>8} {:>8} {:>8}",
+        "shape",
+        "mask",
+        "fp8 us",
+        "TFLOP/s",
+        "quant us",
+        "e2e TF/s",
+        "f16 us",
+        "TFLOP/s",
+        "fp8/f16",
+        "e2e/f16"
+    );
     for (b, h, s, d) in shapes {
         for causal in [false, true] {
             let shape = AttnShape::square(b, h, s, d);
@@ -1329,29 +1346,43 @@ fn fp8_bench(args: &[String]) -> Result<(), Failure> {
                 median_us_queued(&dev, &stream, &mut busy, iters, |_| f16.run(&attn, &params))
             }?;
             drop(f16);
-            let pitch = vt_min_pitch(s as u64) as usize;
-            let q = stream.clone_htod(&fill(b * s * h * d, 1)).map_err(err)?;
-            let k = stream.clone_htod(&fill(b * s * h * d, 2)).map_err(err)?;
-            let vt = stream
-                .clone_htod(&fill(b * h * d * pitch, 3))
+            // 16-bit inputs, quantized on the GPU with the default options: the FP8
+            // forward runs on real codes and scales, and the quantizer's time is reported.
+            let n = b * s * h * d;
+            let q16 = stream.clone_htod(&fill16(n, 1)).map_err(err)?;
+            let k16 = stream.clone_htod(&fill16(n, 2)).map_err(err)?;
+            let v16 = stream.clone_htod(&fill16(n, 3)).map_err(err)?;
+            let p16 = |x: &cudarc::driver::CudaSlice<u16>| x.device_ptr(&stream).0;
+            let (qv, kv, vv) = (
+                TensorView::bshd(p16(&q16), DType::F16, b, s, h, d),
+                TensorView::bshd(p16(&k16), DType::F16, b, s, h, d),
+                TensorView::bshd(p16(&v16), DType::F16, b, s, h, d),
+            );
+            let options = QuantizeOptions::default();
+            let layout = Fp8Layout::new(&shape, &options)?;
+            let ws = stream
+                .alloc_zeros::<u8>(layout.bytes + Fp8Layout::ALIGN)
                 .map_err(err)?;
-            let blocks = scale_blocks(s as u32) as usize;
-            let scales = stream
-                .clone_htod(&vec![4.0f32 / 448.0; b * h * blocks])
-                .map_err(err)?;
-            let out = stream.alloc_zeros::<u16>(b * s * h * d).map_err(err)?;
-            let lse = stream.alloc_zeros::<f32>(b * h * s).map_err(err)?;
-            let p8 = |x: &cudarc::driver::CudaSlice<u8>| x.device_ptr(&stream).0;
-            let sp = scales.device_ptr(&stream).0;
-            let ops = Fp8Operands {
-                q: TensorView::bshd(p8(&q), DType::E4m3, b, s, h, d),
-                k: TensorView::bshd(p8(&k), DType::E4m3, b, s, h, d),
-                vt: VtView::contiguous(p8(&vt), b, h, d, s),
-                q_scale: sp,
-                k_scale: sp,
-                v_scale: sp,
-                lse_shift: None,
+            let workspace = Workspace {
+                ptr: ws
+                    .device_ptr(&stream)
+                    .0
+                    .next_multiple_of(Fp8Layout::ALIGN as u64),
+                bytes: layout.bytes,
             };
+            let cu = stream.cu_stream();
+            // SAFETY: the views and the workspace are live allocations of this context
+            // sized by the shape; nothing else touches them meanwhile.
+            let quant_us = unsafe {
+                median_us_queued(&dev, &stream, &mut busy, iters, |_| {
+                    attn.quantize_fp8(&qv, &kv, &vv, &options, workspace, cu)
+                        .map(|_| ())
+                })
+            }?;
+            // SAFETY: as above.
+            let ops = unsafe { attn.quantize_fp8(&qv, &kv, &vv, &options, workspace, cu) }?;
+            let out = stream.alloc_zeros::<u16>(n).map_err(err)?;
+            let lse = stream.alloc_zeros::<f32>(b * h * s).map_err(err)?;
             let ov = TensorView::bshd(out.device_ptr(&stream).0, DType::F16, b, s, h, d);
             let lv = LseView {
                 ptr: lse.device_ptr(&stream).0,
@@ -1363,17 +1394,156 @@ fn fp8_bench(args: &[String]) -> Result<(), Failure> {
                 })
             }?;
             let tf = |us: f64| flops / (us * 1e6);
+            let e2e_us = fp8_us + quant_us;
             out!(
-                "B{b:<2} H{h:<3} S{s:<6} D{d:<4}  {:<6} {fp8_us:>8.1} {:>8.1} {f16_us:>8.1} {:>8.1} {:>8.2}",
+                "B{b:<2} H{h:<3} S{s:<6} D{d:<4}  {:<6} {fp8_us:>8.1} {:>8.1} {quant_us:>8.1} {:>8.1} {f16_us:>8.1} {:>8.1} {:>8.2} {:>8.2}",
                 if causal { "causal" } else { "full" },
                 tf(fp8_us),
+                tf(e2e_us),
                 tf(f16_us),
-                f16_us / fp8_us
+                f16_us / fp8_us,
+                f16_us / e2e_us
             );
         }
     }
     for (id, _, regs, local) in attn.loaded_kernels() {
         out!("kernel {id}: {regs} registers, {local} bytes local memory");
+    }
+    Ok(())
+}
+
+/// `flashcore calibrate`: the FP8 calibration suite ([`flashcore::calibrate`]).
+fn calibrate(args: &[String]) -> Result<(), Failure> {
+    use flashcore::calibrate::{self as cal, Distribution, Method, Record};
+    let o = Opts { args };
+    o.check_known(
+        &[
+            "--seqlens",
+            "--heads",
+            "--head-dim",
+            "--rows",
+            "--inputs",
+            "--path",
+            "--seed",
+            "--json",
+        ],
+        &["--cpu"],
+    )?;
+    let list = |name: &str, default: &str| -> Vec<String> {
+        o.value(name)
+            .unwrap_or(default)
+            .split(',')
+            .map(|s| s.trim().to_string())
+            .filter(|s| !s.is_empty())
+            .collect()
+    };
+    let seqlens = list("--seqlens", "512,2048,8192,16384")
+        .iter()
+        .map(|s| {
+            s.parse::<usize>()
+                .ok()
+                .filter(|&n| n > 0)
+                .ok_or_else(|| Failure::Usage(format!("--seqlens: `{s}` is not a length")))
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    let dists = match o.value("--inputs") {
+        None => Distribution::ALL.to_vec(),
+        Some(_) => list("--inputs", "")
+            .iter()
+            .map(|n| {
+                Distribution::ALL
+                    .into_iter()
+                    .find(|d| d.name() == n)
+                    .ok_or_else(|| Failure::Usage(format!("--inputs: unknown input `{n}`")))
+            })
+            .collect::<Result<Vec<_>, _>>()?,
+    };
+    let heads = o.num("--heads", 8)?;
+    let head_dim = o.num("--head-dim", 128)?;
+    let max_rows = o.num("--rows", 512)?;
+    let seed = o.num("--seed", 0x0CA1)? as u64;
+    let cpu = o.flag("--cpu");
+    let gpu = if cpu {
+        None
+    } else {
+        let dev = open_gpu()?;
+        let stream = dev.context().default_stream();
+        let attn = Attention::new(dev.clone())?.with_path(parse_path(o.value("--path"))?);
+        Some((dev, stream, attn))
+    };
+    let context = match &gpu {
+        Some((dev, _, attn)) => format!(
+            "{} ({:?} path), B1 H{heads} D{head_dim}, non-causal, up to {max_rows} sampled rows per head, seed {seed:#x}",
+            dev.name(),
+            attn.path_choice()
+        ),
+        None => format!(
+            "CPU model of the FP8 kernels (128-key tiles, exact sums), B1 H{heads} D{head_dim}, non-causal, up to {max_rows} sampled rows per head, seed {seed:#x}"
+        ),
+    };
+    out!("FP8 calibration: {context}");
+    let mut records = Vec::new();
+    for &seqlen in &seqlens {
+        let shape = AttnShape {
+            batch: 1,
+            seqlen_q: seqlen,
+            seqlen_k: seqlen,
+            heads_q: heads,
+            heads_kv: heads,
+            head_dim,
+        };
+        let rows = cal::sample_rows(seqlen, max_rows);
+        for (di, &dist) in dists.iter().enumerate() {
+            let mut rng = Rng::new(seed ^ ((seqlen as u64) << 8) ^ di as u64);
+            let x = cal::draw(dist, shape, &mut rng);
+            let want = cal::reference(&x, &rows);
+            for method in Method::ALL {
+                let fp8 = cal::quantize(&x, method);
+                let (got, nonfinite) = match (&gpu, &fp8) {
+                    (Some((_, stream, attn)), _) => {
+                        cal::run_gpu(attn, stream, &x, fp8.as_ref(), &rows)?
+                    }
+                    (None, Some(f)) => (cal::fp8_model(&x, f, &rows, 128), 0),
+                    (None, None) => continue,
+                };
+                let measured = cal::measure(&shape, &got, &want, nonfinite);
+                out!(
+                    "{:<16} S{:<6} {:<19} rmse {:.3e}  rel L2 {:.3e}  worst head {:.3e}  lse {:.2e}{}",
+                    dist.name(),
+                    seqlen,
+                    method.name(),
+                    measured.rmse,
+                    measured.rel_l2,
+                    measured.worst_head_rel_l2,
+                    measured.lse_max_abs,
+                    if measured.nonfinite > 0 {
+                        format!("  {} NaN/Inf", measured.nonfinite)
+                    } else {
+                        String::new()
+                    }
+                );
+                records.push(Record {
+                    dist,
+                    seqlen,
+                    method,
+                    measured,
+                });
+            }
+        }
+    }
+    out!("\n{}", cal::table(&records));
+    let verdicts = cal::verdicts(&records);
+    for v in &verdicts {
+        out!(
+            "{} {}: {}",
+            if v.met { "MET " } else { "MISS" },
+            v.target,
+            v.detail
+        );
+    }
+    if let Some(path) = o.value("--json") {
+        std::fs::write(path, cal::json(&records, &verdicts, &context))
+            .map_err(|e| Failure::Run(format!("writing {path}: {e}")))?;
     }
     Ok(())
 }
