@@ -111,8 +111,10 @@ def _forward_fp8(q, k, v, causal, scale, layout, return_lse, smooth_k, hadamard,
             lse.fill_(-math.inf)
         return o, lse
     q, k, v = _aligned(q), _aligned(k), _aligned(v)
-    ops = _quantize(q, k, v, layout, options)
-    _forward_from(ops, o, lse if return_lse else None, layout, scale, causal)
+    # The workspace goes back to torch's allocator on return: later work on this stream
+    # is ordered after the forward that reads it.
+    descriptor, _workspace = _quantize(q, k, v, layout, options)
+    _forward_from(descriptor, q.get_device(), o, lse if return_lse else None, layout, scale, causal)
     return o, lse
 
 
@@ -179,7 +181,8 @@ class Fp8Operands:
 
 
 def _quantize(q, k, v, layout, options):
-    """flashcore_quantize_fp8 on kernel-ready CUDA tensors into a fresh workspace."""
+    """flashcore_quantize_fp8 on kernel-ready CUDA tensors into a fresh workspace: the
+    operands' FlashcoreFp8Operands and the workspace (uint8) they lie in."""
     lib = _capi.library()
     descs = _describe_inputs(q, k, v, layout)
     ws_bytes = lib.fp8_workspace_bytes(*descs, options)
@@ -188,15 +191,15 @@ def _quantize(q, k, v, layout, options):
     descriptor = lib.quantize_fp8(
         _context(index), *descs, options, workspace.data_ptr(), ws_bytes, _current_stream(index)
     )
-    return Fp8Operands(descriptor, workspace, q.dtype)
+    return descriptor, workspace
 
 
-def _forward_from(ops, o, lse, layout, scale, causal):
-    """flashcore_forward_fp8 from `ops` into `o` (in `layout`) and `lse` (or None)."""
-    index = ops.workspace.get_device()
+def _forward_from(descriptor, index, o, lse, layout, scale, causal):
+    """flashcore_forward_fp8 on device `index` from the operands `descriptor` describes into
+    `o` (in `layout`) and `lse` (or None)."""
     _capi.library().forward_fp8(
         _context(index),
-        ops.descriptor,
+        descriptor,
         _describe(o, layout, o.data_ptr()),
         lse.data_ptr() if lse is not None else 0,
         scale,
@@ -261,7 +264,8 @@ def quantize_fp8(q, k, v, *, layout="bhsd", smooth_k=False, hadamard_seed=None):
     if q.device.type != "cuda":
         raise ValueError(f"{fn}: q, k and v must be CUDA tensors, got {q.device}")
     q, k, v = (_aligned(t) if kernel_ready(t) else t.clone(memory_format=torch.contiguous_format) for t in (q, k, v))
-    return _quantize(q, k, v, layout, _capi.quantize_options(smooth_k, seed))
+    descriptor, workspace = _quantize(q, k, v, layout, _capi.quantize_options(smooth_k, seed))
+    return Fp8Operands(descriptor, workspace, q.dtype)
 
 
 def forward_fp8(ops, *, causal=False, scale=None, return_lse=False, layout="bhsd", out_dtype=None):
@@ -289,5 +293,5 @@ def forward_fp8(ops, *, causal=False, scale=None, return_lse=False, layout="bhsd
     device = ops.workspace.device
     o = torch.empty((b, sq, hq, dim) if layout == "bshd" else (b, hq, sq, dim), dtype=out_dtype, device=device)
     lse = torch.empty((b, hq, sq), dtype=torch.float32, device=device) if return_lse else None
-    _forward_from(ops, o, lse, layout, scale, bool(causal))
+    _forward_from(ops.descriptor, device.index, o, lse, layout, scale, bool(causal))
     return (o, lse) if return_lse else o
