@@ -6,7 +6,7 @@
 //! flashcore ptx <id>             that kernel's PTX
 //! flashcore report               each kernel's tiling, and registers/spills if ptxas is on PATH
 //! flashcore run [options]        one forward pass: error against float64 and time (GPU);
-//!                                `--dtype e4m3`: quantize on the GPU, then the FP8 forward
+//!                                (--dtype e4m3: quantized on the GPU, then the FP8 forward)
 //! flashcore bench [--json FILE]  the benchmark shapes, TFLOP/s (GPU)
 //! flashcore decode [options]     split-KV decode over contiguous and paged caches, GB/s (GPU)
 //! flashcore fp8 [options]        FP8 forward against our FP16 one, TFLOP/s (GPU)
