@@ -1,8 +1,9 @@
 /*
- * flashcore.h - C interface of flashcore: FlashAttention forward kernels and the serving
+ * flashcore.h - C interface of flashcore: FlashAttention forward kernels, the serving
  * calls (decode against a contiguous or paged KV cache, appending to it, merging partial
- * results by their log-sum-exp), generated at run time as PTX and launched through the
- * CUDA driver (libcuda, loaded at run time).
+ * results by their log-sum-exp) and FP8 (e4m3) attention with its GPU quantizer,
+ * generated at run time as PTX and launched through the CUDA driver (libcuda, loaded at
+ * run time).
  *
  * Link with -lflashcore (libflashcore.so) or with libflashcore.a plus -lpthread -ldl -lm.
  * Needs an NVIDIA GPU of compute capability 8.0 or newer and its driver at run time only.
@@ -36,6 +37,7 @@ extern "C" {
 #define FLASHCORE_F16 1  /* IEEE binary16 */
 #define FLASHCORE_BF16 2 /* bfloat16 */
 #define FLASHCORE_F32 3  /* float32: describable, but no kernel takes it */
+#define FLASHCORE_E4M3 4 /* FP8 E4M3 (e4m3fn) codes: the q and k of FlashcoreFp8Operands */
 
 /* ---- return codes -------------------------------------------------------------------- */
 /* (src/error.rs holds the table these lines are checked against: values, names, comments) */
@@ -43,12 +45,12 @@ extern "C" {
 #define FLASHCORE_SUCCESS 0                    /* the call succeeded */
 #define FLASHCORE_ERROR_NO_DRIVER 1            /* libcuda could not be loaded */
 #define FLASHCORE_ERROR_NO_DEVICE 2            /* no device with that ordinal */
-#define FLASHCORE_ERROR_UNSUPPORTED_GPU 3      /* below sm_80: no kernel path */
+#define FLASHCORE_ERROR_UNSUPPORTED_GPU 3      /* below sm_80 (FP8: sm_89): no kernel path */
 #define FLASHCORE_ERROR_SHAPE_MISMATCH 4       /* tensors disagree on a dimension */
 #define FLASHCORE_ERROR_BAD_STRIDES 5          /* unusable or negative stride */
 #define FLASHCORE_ERROR_EMPTY_DIMENSION 6      /* a dimension is zero */
-#define FLASHCORE_ERROR_UNSUPPORTED_HEAD_DIM 7 /* head_dim not in 32, 64, 96, 128, 192, 256 */
-#define FLASHCORE_ERROR_UNSUPPORTED_DTYPE 8    /* not f16/bf16, mixed, or unknown code */
+#define FLASHCORE_ERROR_UNSUPPORTED_HEAD_DIM 7 /* head_dim not in 32, 64, 96, 128, 192, 256 (FP8: 64, 128, 256) */
+#define FLASHCORE_ERROR_UNSUPPORTED_DTYPE 8    /* not f16/bf16 (FP8: e4m3 codes), mixed, or unknown code */
 #define FLASHCORE_ERROR_HEAD_RATIO 9           /* q heads not a multiple of k/v heads */
 #define FLASHCORE_ERROR_NULL_POINTER 10        /* a tensor's device pointer is 0 */
 #define FLASHCORE_ERROR_MISALIGNED 11          /* device pointer not aligned (16 B; lse 4 B) */
@@ -70,7 +72,7 @@ typedef struct CUstream_st *flashcore_stream;
  * dtype). Logical dimensions [batch, seq, heads, head_dim]; negative values are errors. */
 typedef struct FlashcoreTensor {
     uint64_t ptr;       /* device address (CUdeviceptr) of element [0, 0, 0, 0] */
-    int32_t dtype;      /* FLASHCORE_F16, FLASHCORE_BF16 or FLASHCORE_F32 */
+    int32_t dtype;      /* FLASHCORE_F16, FLASHCORE_BF16, FLASHCORE_F32 or FLASHCORE_E4M3 */
     int64_t shape[4];   /* [batch, seq, heads, head_dim] */
     int64_t strides[4]; /* in elements; strides[3] must be 1 */
 } FlashcoreTensor;
@@ -111,6 +113,51 @@ typedef struct FlashcoreVarlen {
     int64_t batch;         /* number of sequences, 1 ..= 65535 */
     int64_t max_seqlen_q;  /* at least the longest query sequence, 1 ..= 2^25 */
 } FlashcoreVarlen;
+
+/* The FP8 operands of flashcore_forward_fp8, as flashcore_quantize_fp8 writes them (or any
+ * producer of the same data contract). 256 bytes, 8-byte aligned.
+ *
+ *   q:  e4m3 codes [B, Sq, Hq, D] (dtype FLASHCORE_E4M3), D in {64, 128, 256}; the
+ *       tensor rules of flashcore_forward (16-byte aligned, strides[3] == 1, other strides
+ *       multiples of 16 bytes).
+ *   k:  e4m3 codes [B, Sk, Hkv, D], likewise.
+ *   vt, vt_shape, vt_strides: V transposed, e4m3 [B, Hkv, D, pitch] at device address vt
+ *       (16-byte aligned): row (b, h, d) holds the keys' values of channel d, contiguous,
+ *       rows vt_strides[2] = pitch elements (bytes) apart, pitch a multiple of 16 and at
+ *       least Sk rounded up to 16; vt_strides[0], [1] step batches and heads (multiples of
+ *       16). Inside every group of 16 keys, stored position p holds key
+ *       {0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15}[p] of the group; positions
+ *       of keys >= Sk must hold finite values (the quantizer writes zeros).
+ *       vt_shape is [B, Hkv, D, Sk].
+ *   q_scale: device float32 [B, Hq, ceil(Sq / 128)], contiguous, 4-byte aligned: one scale
+ *       per block of 128 rows of one (batch, head); a value is its code times its scale.
+ *   k_scale, v_scale: device float32 [B, Hkv, ceil(Sk / 128)] each, likewise per 128 keys.
+ *   lse_shift: 0, or device float32 [B, Hq, Sq] (4-byte aligned) added, times the softmax
+ *       scale, to each row's log-sum-exp (the quantizer's q . mean_k with K smoothing, which
+ *       makes the LSE the one of the unsmoothed keys). */
+typedef struct FlashcoreFp8Operands {
+    FlashcoreTensor q;     /* e4m3 [B, Sq, Hq, D] */
+    FlashcoreTensor k;     /* e4m3 [B, Sk, Hkv, D] */
+    uint64_t vt;           /* device address of e4m3 V^T [B, Hkv, D, pitch] */
+    int64_t vt_shape[4];   /* [B, Hkv, D, Sk] */
+    int64_t vt_strides[3]; /* batch, head and row (pitch) strides, in elements (bytes) */
+    uint64_t q_scale;      /* device address of float32 [B, Hq, ceil(Sq / 128)] */
+    uint64_t k_scale;      /* device address of float32 [B, Hkv, ceil(Sk / 128)] */
+    uint64_t v_scale;      /* device address of float32 [B, Hkv, ceil(Sk / 128)] */
+    uint64_t lse_shift;    /* device address of float32 [B, Hq, Sq], or 0 */
+} FlashcoreFp8Operands;
+
+/* Options of the FP8 quantizer (flashcore_quantize_fp8). All zeros: none. Each leaves
+ * softmax(q k^T) v unchanged in exact arithmetic; they change how the rounding falls.
+ * 16 bytes. */
+typedef struct FlashcoreQuantizeOptions {
+    int32_t smooth_k;       /* non-zero: subtract K's per-channel mean over the sequence before
+                               quantizing K (helps keys with per-channel offsets); the operands
+                               then carry lse_shift */
+    int32_t hadamard;       /* non-zero: rotate Q and K by a random-sign Hadamard transform along
+                               the head dim (spreads outlier channels) */
+    uint64_t hadamard_seed; /* the seed the transform's signs are drawn from (when hadamard) */
+} FlashcoreQuantizeOptions;
 
 /* Attention on one device: owns the kernels loaded for it. Opaque. */
 typedef struct FlashcoreContext FlashcoreContext;
@@ -311,6 +358,79 @@ int32_t flashcore_merge(FlashcoreContext *ctx, const FlashcoreTensor *parts, int
  * or a driver; pointers are only checked as numbers. */
 int32_t flashcore_check_merge(const FlashcoreTensor *parts, int64_t count, int64_t shard_stride,
                               uint64_t lse_parts, const FlashcoreTensor *out, uint64_t out_lse);
+
+/* ---- FP8 (e4m3) attention ----------------------------------------------------------------- */
+/* Needs an sm_89 or newer GPU (Ada, Hopper and later); on older ones these calls return
+ * FLASHCORE_ERROR_UNSUPPORTED_GPU. The usual sequence: flashcore_fp8_workspace_bytes, a
+ * device buffer of that size, flashcore_quantize_fp8 into it, flashcore_forward_fp8 on the
+ * operands it describes (as often as the 16-bit inputs stay the same). */
+
+/* The workspace, in bytes, that flashcore_quantize_fp8 needs for these q, k, v and options
+ * into *out: the operands' size plus 255 bytes, so that a buffer of that size works at any
+ * start address. Validates q, k, v as flashcore_quantize_fp8 does (on failure *out is 0).
+ * options NULL: every option off. Needs no context, GPU or driver; reads no device memory. */
+int32_t flashcore_fp8_workspace_bytes(const FlashcoreTensor *q, const FlashcoreTensor *k,
+                                      const FlashcoreTensor *v,
+                                      const FlashcoreQuantizeOptions *options, size_t *out);
+
+/* Quantizes 16-bit q, k, v to e4m3 with one float32 scale per block of 128 rows (scale =
+ * the block's largest magnitude / 448; 1 for a block of zeros), into a workspace,
+ * asynchronously on `stream`, and describes the result in *out for flashcore_forward_fp8.
+ *
+ *   q: [B, Sq, Hq, D]    k, v: [B, Sk, Hkv, D]   f16 or bf16 (one dtype), D in {64, 128, 256},
+ *                  Hq a multiple of Hkv; pointers 16-byte aligned, strides[3] == 1 and other
+ *                  strides multiples of 16 bytes (any memory order: [B, H, S, D] too).
+ *   options:       NULL for none, or see FlashcoreQuantizeOptions.
+ *   workspace, workspace_bytes: a device buffer of at least flashcore_fp8_workspace_bytes(...)
+ *                  bytes, apart from q, k and v. The operands are laid out from its first
+ *                  256-byte aligned address: q8, k8, V^T8, the three scales (and, with
+ *                  smooth_k, K's mean and lse_shift), each region 256-byte aligned. It must
+ *                  stay allocated, and unwritten, as long as the operands are used.
+ *   out:           receives the operands (pointers into the workspace); all zeros on failure.
+ *   stream:        NULL for the default stream. The kernels (3, or with smooth_k 4 and a
+ *                  memset) are ordered on it: a forward on the same stream may follow at once.
+ *                  The first call of a configuration generates and JIT-loads its kernels;
+ *                  later calls only launch and allocate nothing (CUDA graphs can capture them).
+ *
+ * Sq and Sk at most 2^25, B and Hq at most 65535. All arguments are checked before anything
+ * runs; on error nothing is launched and the workspace is not written. */
+int32_t flashcore_quantize_fp8(FlashcoreContext *ctx, const FlashcoreTensor *q, const FlashcoreTensor *k,
+                               const FlashcoreTensor *v, const FlashcoreQuantizeOptions *options,
+                               uint64_t workspace, size_t workspace_bytes, FlashcoreFp8Operands *out,
+                               flashcore_stream stream);
+
+/* Checks the arguments of a flashcore_quantize_fp8 call (same meaning) against every rule it
+ * applies before launching except the GPU's, without a context, a GPU or a driver: the
+ * pointers are only checked as numbers. Returns FLASHCORE_SUCCESS or the code
+ * flashcore_quantize_fp8 would return for them. */
+int32_t flashcore_check_quantize_fp8(const FlashcoreTensor *q, const FlashcoreTensor *k,
+                                     const FlashcoreTensor *v, const FlashcoreQuantizeOptions *options,
+                                     uint64_t workspace, size_t workspace_bytes);
+
+/* o = softmax(q k^T * scale) v from FP8 operands (see FlashcoreFp8Operands), asynchronously
+ * on `stream`: the scores are dequantized inside the softmax, the probabilities rounded to
+ * e4m3 for P V, and the sums kept in float32.
+ *
+ *   ops:           the operands (flashcore_quantize_fp8's, or your own of the same contract).
+ *   o:             [B, Sq, Hq, D], f16 or bf16 (either, whatever the quantized inputs were),
+ *                  apart from every operand; the tensor rules of flashcore_forward.
+ *   lse:           0, or a device pointer to float32 [B, Hq, Sq] (contiguous) that receives
+ *                  each row's natural-log log-sum-exp (with lse_shift added, when given).
+ *   softmax_scale, causal, stream: as for flashcore_forward (causal aligned bottom-right).
+ *
+ * Accuracy: E4M3 keeps 3 mantissa bits, so o differs from 16-bit attention by a few percent
+ * (relative L2 about 4-5% for normal inputs, most of it from rounding Q, K and V). All
+ * arguments are checked before anything runs; on error nothing is launched or written. */
+int32_t flashcore_forward_fp8(FlashcoreContext *ctx, const FlashcoreFp8Operands *ops,
+                              const FlashcoreTensor *o, uint64_t lse, float softmax_scale,
+                              int32_t causal, flashcore_stream stream);
+
+/* Checks the arguments of a flashcore_forward_fp8 call (same meaning) against every rule it
+ * applies before launching except the GPU's, without a context, a GPU or a driver: the
+ * pointers are only checked as numbers. Returns FLASHCORE_SUCCESS or the code
+ * flashcore_forward_fp8 would return for them. */
+int32_t flashcore_check_forward_fp8(const FlashcoreFp8Operands *ops, const FlashcoreTensor *o,
+                                    uint64_t lse, float softmax_scale, int32_t causal);
 
 /* ---- errors and version ---------------------------------------------------------------- */
 

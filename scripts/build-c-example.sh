@@ -51,6 +51,17 @@ _Static_assert(offsetof(FlashcoreKvCache, v) == 80 && offsetof(FlashcoreKvCache,
                    offsetof(FlashcoreKvCache, max_pages) == 176 &&
                    offsetof(FlashcoreKvCache, table_stride) == 184,
                "FlashcoreKvCache fields");
+_Static_assert(sizeof(FlashcoreFp8Operands) == 256 && _Alignof(FlashcoreFp8Operands) == 8,
+               "FlashcoreFp8Operands");
+_Static_assert(offsetof(FlashcoreFp8Operands, k) == 80 && offsetof(FlashcoreFp8Operands, vt) == 160 &&
+                   offsetof(FlashcoreFp8Operands, vt_shape) == 168 &&
+                   offsetof(FlashcoreFp8Operands, vt_strides) == 200 &&
+                   offsetof(FlashcoreFp8Operands, q_scale) == 224 &&
+                   offsetof(FlashcoreFp8Operands, lse_shift) == 248,
+               "FlashcoreFp8Operands fields");
+_Static_assert(sizeof(FlashcoreQuantizeOptions) == 16 && offsetof(FlashcoreQuantizeOptions, hadamard) == 4 &&
+                   offsetof(FlashcoreQuantizeOptions, hadamard_seed) == 8,
+               "FlashcoreQuantizeOptions");
 int main(void) { return 0; }
 EOF
 "$CC" -std=c11 -pedantic -Wall -Wextra -Werror -Iinclude -c "$out/header_layout.c" -o "$out/header_layout.o"

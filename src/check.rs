@@ -1,6 +1,9 @@
 //! End-to-end checks and timing of the forward kernel on a GPU: random inputs, poisoned
 //! outputs, a run, and the comparison with the float64 [`reference`](crate::reference).
-//! Used by the GPU tests, the `flashcore run` / `bench` commands and the benches.
+//! Used by the GPU tests, the `flashcore run` / `bench` commands and the benches. The FP8
+//! path is checked the same way from the same 16-bit inputs: quantized on the GPU
+//! ([`Attention::quantize_fp8`]), then [`Attention::forward_fp8`], against float64
+//! attention on the 16-bit values ([`check_forward_fp8`], [`time_fp8`]).
 //!
 //! Test and benchmark tooling, not the library's API: the uploads and downloads here go
 //! through cudarc's safe API, which leaves the device's primary context current on the
@@ -12,7 +15,10 @@ use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
 
 use crate::error::{Error, Result};
 use crate::host::attention::Attention;
+use crate::host::decode::Workspace;
 use crate::host::device::driver_err;
+use crate::host::fp8::Fp8Operands;
+use crate::host::quantize::{Fp8Layout, QuantizeOptions};
 use crate::host::tensor::{AttentionParams, DType, LseView, TensorView};
 use crate::host::timing::{TimingStats, median_ms};
 use crate::kernels::attention::{FwdConfig, HalfType};
@@ -353,6 +359,42 @@ impl DeviceCase {
         ))
     }
 
+    /// Quantizes this case's Q, K and V into `ws` with `options` (on this case's stream),
+    /// for [`DeviceCase::run_fp8`].
+    pub fn quantize_fp8(
+        &self,
+        attn: &Attention,
+        options: &QuantizeOptions,
+        ws: &mut Fp8Workspace,
+    ) -> Result<()> {
+        let ([q, k, v, _], _) = self.views();
+        ws.operands = None;
+        // SAFETY: the views point into this case's own device buffers and the workspace
+        // into `ws`'s, both alive as long as `self` and `ws` and made with this stream.
+        let ops = unsafe {
+            attn.quantize_fp8(&q, &k, &v, options, ws.workspace, self.stream.cu_stream())
+        }?;
+        ws.operands = Some(ops);
+        Ok(())
+    }
+
+    /// The FP8 forward from the operands in `ws` (quantized there by
+    /// [`DeviceCase::quantize_fp8`]) into this case's O and LSE, on its stream.
+    pub fn run_fp8(
+        &self,
+        attn: &Attention,
+        ws: &Fp8Workspace,
+        params: &AttentionParams,
+    ) -> Result<()> {
+        let ops = ws.operands.as_ref().ok_or_else(|| {
+            Error::InvalidArgument("run_fp8: nothing was quantized into this workspace".into())
+        })?;
+        let ([_, _, _, o], lse) = self.views();
+        // SAFETY: the operands lie in `ws`'s buffer, O and the LSE in this case's; both
+        // are alive as long as the borrows and were made with this stream.
+        unsafe { attn.forward_fp8(ops, &o, Some(&lse), params, self.stream.cu_stream()) }
+    }
+
     /// The float64 reference for this case's inputs, computed on all cores.
     pub fn reference(&self, scale: f64) -> reference::RefOutput {
         parallel_reference(&self.case, &self.host, scale)
@@ -421,6 +463,43 @@ fn parallel_reference(c: &FwdCase, host: &[Vec<f64>; 3], scale: f64) -> referenc
     reference::RefOutput { out, lse }
 }
 
+/// A device workspace for the FP8 operands of one case, and the operands quantized into
+/// it (see [`DeviceCase::quantize_fp8`]).
+pub struct Fp8Workspace {
+    _buf: CudaSlice<u8>,
+    workspace: Workspace,
+    operands: Option<Fp8Operands>,
+}
+
+impl Fp8Workspace {
+    /// A zeroed workspace of the size [`Fp8Layout::new`] gives for `shape` and `options`,
+    /// its start aligned to [`Fp8Layout::ALIGN`].
+    pub fn new(
+        stream: &Arc<CudaStream>,
+        shape: &AttnShape,
+        options: &QuantizeOptions,
+    ) -> Result<Fp8Workspace> {
+        let bytes = Fp8Layout::new(shape, options)?.bytes;
+        let buf = stream
+            .alloc_zeros::<u8>(bytes + Fp8Layout::ALIGN)
+            .map_err(driver_err("cuMemAlloc"))?;
+        let ptr = buf
+            .device_ptr(stream)
+            .0
+            .next_multiple_of(Fp8Layout::ALIGN as u64);
+        Ok(Fp8Workspace {
+            _buf: buf,
+            workspace: Workspace { ptr, bytes },
+            operands: None,
+        })
+    }
+
+    /// The operands last quantized into this workspace.
+    pub fn operands(&self) -> Option<&Fp8Operands> {
+        self.operands.as_ref()
+    }
+}
+
 /// What one checked run measured.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct CheckResult {
@@ -460,6 +539,159 @@ pub fn tolerance(dtype: HalfType) -> f64 {
         HalfType::F16 => 2e-3,
         HalfType::Bf16 => 1.6e-2,
     }
+}
+
+/// Relative L2 bound on the FP8 path's O against float64 attention on the 16-bit inputs:
+/// rounding Q, K and V to E4M3 (3 mantissa bits) costs about 4.6% on normal inputs, P's
+/// rounding and the per-block scales a little more (5-5.5% in all); 8% leaves room for
+/// the options and for shapes whose rows see few keys.
+pub const FP8_TOLERANCE: f64 = 0.08;
+
+/// Bound on the FP8 path's LSE error: the root mean square of its absolute error (natural
+/// log units, the relative error of each row's sum of exponentials) over the rows that see
+/// a key. A row's LSE is off by about its scores' error, 0.03-0.04 on normal inputs of
+/// one key and less the more keys it averages over. (A relative measure would not do: the
+/// LSE of a row of one key is its score, which may be near 0.)
+pub const FP8_LSE_TOLERANCE: f64 = 0.1;
+
+/// What one checked FP8 run measured.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Fp8CheckResult {
+    /// Relative L2 error of O against float64 on the 16-bit inputs (+∞ on NaN or
+    /// unwritten elements).
+    pub out_err: f64,
+    /// RMS absolute error of the LSE over rows that see a key (+∞ on NaN, or when a row
+    /// that sees no key has a finite LSE).
+    pub lse_err: f64,
+    /// Output elements still holding the poison pattern (never written).
+    pub unwritten: usize,
+    pub seed: u64,
+}
+
+impl Fp8CheckResult {
+    /// [`FP8_TOLERANCE`] on O, [`FP8_LSE_TOLERANCE`] on the LSE, every element written.
+    pub fn passes(&self) -> bool {
+        self.unwritten == 0 && self.out_err <= FP8_TOLERANCE && self.lse_err <= FP8_LSE_TOLERANCE
+    }
+}
+
+/// The root mean square of `got − want` over the finite entries of `want`; a non-finite
+/// entry of `want` must be matched exactly, and a NaN or infinite `got` elsewhere makes
+/// the result +∞.
+pub fn rms_abs_error(got: &[f64], want: &[f64]) -> f64 {
+    if got.len() != want.len() {
+        return f64::INFINITY;
+    }
+    let (mut sum, mut n) = (0.0f64, 0usize);
+    for (&g, &w) in got.iter().zip(want) {
+        if !w.is_finite() {
+            if g != w {
+                return f64::INFINITY;
+            }
+            continue;
+        }
+        if !g.is_finite() {
+            return f64::INFINITY;
+        }
+        sum += (g - w) * (g - w);
+        n += 1;
+    }
+    if n == 0 { 0.0 } else { (sum / n as f64).sqrt() }
+}
+
+/// Runs `case` once through the FP8 path on fresh random 16-bit inputs (of `case.dtype`,
+/// which O gets too): quantized on the GPU with `options`, then the FP8 forward, compared
+/// with float64 attention on the 16-bit values. Check with [`Fp8CheckResult::passes`].
+pub fn check_forward_fp8(
+    attn: &Attention,
+    stream: &Arc<CudaStream>,
+    case: FwdCase,
+    options: &QuantizeOptions,
+    rng: &mut Rng,
+) -> Result<Fp8CheckResult> {
+    let dev = DeviceCase::new(stream, case, rng)?;
+    let mut ws = Fp8Workspace::new(stream, &case.shape, options)?;
+    let params = AttentionParams {
+        softmax_scale: None,
+        causal: case.causal,
+    };
+    dev.quantize_fp8(attn, options, &mut ws)?;
+    dev.run_fp8(attn, &ws, &params)?;
+    let (o_bits, lse) = dev.download()?;
+    let poison = reference::poison(case.dtype);
+    let unwritten = o_bits.iter().filter(|&&b| b == poison).count();
+    let want = dev.reference(params.scale_for(case.shape.head_dim) as f64);
+    let got = reference::half_bits_to_f64(&o_bits, case.dtype);
+    let lse: Vec<f64> = lse.iter().map(|&x| x as f64).collect();
+    Ok(Fp8CheckResult {
+        out_err: reference::rel_l2(&got, &want.out),
+        lse_err: rms_abs_error(&lse, &want.lse),
+        unwritten,
+        seed: dev.seed,
+    })
+}
+
+/// Times the FP8 path on `case`: the quantizer (Q, K and V with `options`) and the FP8
+/// forward, each the median of `iters` calls after warm-up, rotating over enough input
+/// sets that together they exceed twice the L2 cache. Returns (quantize, forward).
+pub fn time_fp8(
+    attn: &Attention,
+    stream: &Arc<CudaStream>,
+    case: FwdCase,
+    options: &QuantizeOptions,
+    iters: usize,
+    rng: &mut Rng,
+) -> Result<(TimingStats, TimingStats)> {
+    let l2 = attn.device().l2_bytes() as usize;
+    let sets = (2 * l2).div_ceil(case.bytes().max(1)).clamp(1, 64);
+    let cases = (0..sets)
+        .map(|_| DeviceCase::for_timing(stream, case, rng))
+        .collect::<Result<Vec<_>>>()?;
+    let mut workspaces = (0..sets)
+        .map(|_| Fp8Workspace::new(stream, &case.shape, options))
+        .collect::<Result<Vec<_>>>()?;
+    let params = AttentionParams {
+        softmax_scale: None,
+        causal: case.causal,
+    };
+    let mut next = 0;
+    // SAFETY: `stream` is a live cudarc stream of the device's context (the one every
+    // case's and workspace's buffers were made with), alive for the whole call; the
+    // calls enqueue on it.
+    let quantize = unsafe {
+        median_ms(
+            attn.device().context(),
+            stream.cu_stream(),
+            3,
+            iters,
+            || {
+                next = (next + 1) % cases.len();
+                cases[next].quantize_fp8(attn, options, &mut workspaces[next])
+            },
+        )
+    }?;
+    for (c, ws) in cases.iter().zip(&mut workspaces) {
+        c.quantize_fp8(attn, options, ws)?;
+    }
+    // SAFETY: as above.
+    let forward = unsafe {
+        median_ms(
+            attn.device().context(),
+            stream.cu_stream(),
+            3,
+            iters,
+            || {
+                next = (next + 1) % cases.len();
+                cases[next].run_fp8(attn, &workspaces[next], &params)
+            },
+        )
+    }?;
+    if !(quantize.median_ms.is_finite() && forward.median_ms.is_finite()) {
+        return Err(Error::InvalidArgument(
+            "timing produced no finite sample".into(),
+        ));
+    }
+    Ok((quantize, forward))
 }
 
 /// Runs `case` once on fresh random inputs and compares with the reference.
@@ -533,6 +765,18 @@ pub fn time_forward(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn rms_abs_error_skips_rows_without_keys_but_checks_them() {
+        let inf = f64::NEG_INFINITY;
+        assert_eq!(rms_abs_error(&[1.0, inf, 3.0], &[1.0, inf, 3.0]), 0.0);
+        let e = rms_abs_error(&[1.1, inf, 2.9], &[1.0, inf, 3.0]);
+        assert!((e - 0.1).abs() < 1e-12, "{e}");
+        assert_eq!(rms_abs_error(&[1.0, 0.0], &[1.0, inf]), f64::INFINITY);
+        assert_eq!(rms_abs_error(&[f64::NAN, 0.0], &[1.0, 0.0]), f64::INFINITY);
+        assert_eq!(rms_abs_error(&[1.0], &[1.0, 2.0]), f64::INFINITY);
+        assert_eq!(rms_abs_error(&[inf], &[inf]), 0.0);
+    }
 
     #[test]
     fn seeds_parse_as_decimal_or_hex() {

@@ -146,7 +146,7 @@ return_codes! {
     FLASHCORE_ERROR_NO_DRIVER = 1 for Error::NoDriver, "libcuda could not be loaded";
     FLASHCORE_ERROR_NO_DEVICE = 2 for Error::NoDevice { .. }, "no device with that ordinal";
     FLASHCORE_ERROR_UNSUPPORTED_GPU = 3 for Error::UnsupportedGpu { .. },
-        "below sm_80: no kernel path";
+        "below sm_80 (FP8: sm_89): no kernel path";
     FLASHCORE_ERROR_SHAPE_MISMATCH = 4 for Error::ShapeMismatch(_),
         "tensors disagree on a dimension";
     FLASHCORE_ERROR_BAD_STRIDES = 5 for Error::BadStrides { .. },
@@ -154,9 +154,9 @@ return_codes! {
     FLASHCORE_ERROR_EMPTY_DIMENSION = 6 for Error::EmptyDimension { .. },
         "a dimension is zero";
     FLASHCORE_ERROR_UNSUPPORTED_HEAD_DIM = 7 for Error::UnsupportedHeadDim(..),
-        "head_dim not in 32, 64, 96, 128, 192, 256";
+        "head_dim not in 32, 64, 96, 128, 192, 256 (FP8: 64, 128, 256)";
     FLASHCORE_ERROR_UNSUPPORTED_DTYPE = 8 for Error::UnsupportedDType(_),
-        "not f16/bf16, mixed, or unknown code";
+        "not f16/bf16 (FP8: e4m3 codes), mixed, or unknown code";
     FLASHCORE_ERROR_HEAD_RATIO = 9 for Error::HeadRatio { .. },
         "q heads not a multiple of k/v heads";
     FLASHCORE_ERROR_NULL_POINTER = 10 for Error::NullPointer(_),

@@ -1,6 +1,7 @@
 //! The C ABI: an opaque context, the forward call, the serving calls (decode against a KV
-//! cache, appending to one, merging partial results by their LSE), a validation-only twin
-//! of each call, and error reporting by code and thread-local message.
+//! cache, appending to one, merging partial results by their LSE), FP8 attention (the GPU
+//! quantizer and the FP8 forward), a validation-only twin of each call, and error
+//! reporting by code and thread-local message.
 //! `include/flashcore.h` declares exactly what is here (the `c_header` test checks the two
 //! against each other).
 //!
@@ -30,7 +31,11 @@ use crate::host::decode::{
     validate_merge,
 };
 use crate::host::device::Device;
+use crate::host::fp8::{Fp8Operands, VtView, validate_fp8};
 use crate::host::kv_cache::{CacheLayout, HostMetadata, KvCache};
+use crate::host::quantize::{
+    Fp8Layout, QuantizeOptions, validate_quantize, validate_quantize_inputs,
+};
 use crate::host::tensor::{AttentionParams, DIM_NAMES, DType, LseView, TensorView};
 use crate::host::validate::validate_fwd;
 use crate::host::varlen::{Varlen, VarlenHost, validate_varlen};
@@ -46,14 +51,17 @@ pub const FLASHCORE_F16: i32 = 1;
 pub const FLASHCORE_BF16: i32 = 2;
 /// `FlashcoreTensor::dtype` of float32 (describable, but no kernel takes it).
 pub const FLASHCORE_F32: i32 = 3;
+/// `FlashcoreTensor::dtype` of FP8 E4M3 codes (the `q` and `k` of FP8 operands).
+pub const FLASHCORE_E4M3: i32 = 4;
 
 pub use crate::error::codes::*;
 
 /// The element types, by name: the constants above.
-const DTYPES: [(&str, i32); 3] = [
+const DTYPES: [(&str, i32); 4] = [
     ("FLASHCORE_F16", FLASHCORE_F16),
     ("FLASHCORE_BF16", FLASHCORE_BF16),
     ("FLASHCORE_F32", FLASHCORE_F32),
+    ("FLASHCORE_E4M3", FLASHCORE_E4M3),
 ];
 
 const N_CONSTANTS: usize = DTYPES.len() + RETURN_CODES.len();
@@ -83,11 +91,11 @@ pub const FLASHCORE_CONSTANTS: &[(&str, i32)] = &CONSTANTS;
 /// A device tensor as C passes it: logical dimensions `[batch, seq, heads, head_dim]`,
 /// strides in elements. 80 bytes: 4 bytes of padding follow `dtype`.
 #[repr(C)]
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct FlashcoreTensor {
     /// Device address (`CUdeviceptr`) of element `[0, 0, 0, 0]`.
     pub ptr: u64,
-    /// `FLASHCORE_F16`, `FLASHCORE_BF16` or `FLASHCORE_F32`.
+    /// `FLASHCORE_F16`, `FLASHCORE_BF16`, `FLASHCORE_F32` or `FLASHCORE_E4M3`.
     pub dtype: i32,
     /// `[batch, seq, heads, head_dim]`; negative values are an error.
     pub shape: [i64; 4],
@@ -132,6 +140,45 @@ pub struct FlashcoreVarlen {
     pub batch: i64,
     /// At least the longest query sequence.
     pub max_seqlen_q: i64,
+}
+
+/// FP8 operands as C passes them (see `flashcore_forward_fp8`), the C spelling of
+/// [`Fp8Operands`]: e4m3 codes of Q and K, e4m3 `Vᵀ`, per-block f32 scales and an
+/// optional LSE shift. 256 bytes, 8-byte aligned, no padding between fields.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct FlashcoreFp8Operands {
+    /// e4m3 `[B, Sq, Hq, D]`, dtype `FLASHCORE_E4M3`.
+    pub q: FlashcoreTensor,
+    /// e4m3 `[B, Sk, Hkv, D]`, dtype `FLASHCORE_E4M3`.
+    pub k: FlashcoreTensor,
+    /// Device address of e4m3 `Vt` `[B, Hkv, D, pitch]`: keys contiguous, permuted.
+    pub vt: u64,
+    /// `[batch, heads, head_dim, seqlen]` of `Vt`: `[B, Hkv, D, Sk]`.
+    pub vt_shape: [i64; 4],
+    /// Strides of `Vt`'s batch, head and row in elements (bytes); the row's is the pitch.
+    pub vt_strides: [i64; 3],
+    /// Device address of f32 `[B, Hq, ceil(Sq / 128)]`, contiguous.
+    pub q_scale: u64,
+    /// Device address of f32 `[B, Hkv, ceil(Sk / 128)]`, contiguous.
+    pub k_scale: u64,
+    /// Device address of f32 `[B, Hkv, ceil(Sk / 128)]`, contiguous.
+    pub v_scale: u64,
+    /// Device address of f32 `[B, Hq, Sq]` added to each row's LSE (times the softmax
+    /// scale), or 0 for none.
+    pub lse_shift: u64,
+}
+
+/// The FP8 quantizer's options as C passes them (see `flashcore_quantize_fp8`). 16 bytes.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct FlashcoreQuantizeOptions {
+    /// Non-zero: subtract K's per-channel mean before quantizing K.
+    pub smooth_k: i32,
+    /// Non-zero: rotate Q and K by a random-sign Hadamard transform along the head dim.
+    pub hadamard: i32,
+    /// The seed the Hadamard transform's signs are drawn from (when `hadamard`).
+    pub hadamard_seed: u64,
 }
 
 /// The opaque handle C holds: attention on one device.
@@ -222,10 +269,32 @@ fn dtype_from_code(code: i32, tensor: &str) -> Result<DType, Error> {
         FLASHCORE_F16 => Ok(DType::F16),
         FLASHCORE_BF16 => Ok(DType::Bf16),
         FLASHCORE_F32 => Ok(DType::F32),
+        FLASHCORE_E4M3 => Ok(DType::E4m3),
         _ => Err(Error::UnsupportedDType(format!(
             "{tensor} has dtype code {code}; expected FLASHCORE_F16 ({FLASHCORE_F16}), \
-             FLASHCORE_BF16 ({FLASHCORE_BF16}) or FLASHCORE_F32 ({FLASHCORE_F32})"
+             FLASHCORE_BF16 ({FLASHCORE_BF16}), FLASHCORE_F32 ({FLASHCORE_F32}) or \
+             FLASHCORE_E4M3 ({FLASHCORE_E4M3})"
         ))),
+    }
+}
+
+/// The C code of an element type.
+fn dtype_code(dtype: DType) -> i32 {
+    match dtype {
+        DType::F16 => FLASHCORE_F16,
+        DType::Bf16 => FLASHCORE_BF16,
+        DType::F32 => FLASHCORE_F32,
+        DType::E4m3 => FLASHCORE_E4M3,
+    }
+}
+
+/// A [`TensorView`] as C describes it (the inverse of [`tensor_view`]).
+fn c_tensor(t: &TensorView) -> FlashcoreTensor {
+    FlashcoreTensor {
+        ptr: t.ptr,
+        dtype: dtype_code(t.dtype),
+        shape: t.shape.map(|n| n as i64),
+        strides: t.strides.map(|s| s as i64),
     }
 }
 
@@ -345,6 +414,127 @@ fn kv_cache(c: &FlashcoreKvCache) -> Result<KvCache, Error> {
         seqlens: c.seqlens,
         layout,
     })
+}
+
+/// The dimensions of `Vt` (`FlashcoreFp8Operands::vt_shape`), by name.
+const VT_DIM_NAMES: [&str; 4] = ["batch", "heads", "head_dim", "seqlen"];
+
+/// C FP8 operands as [`Fp8Operands`]: known dtype codes, no negative extent or stride; an
+/// LSE shift address of 0 means none. Validation ([`validate_fp8`]) does the rest.
+fn fp8_operands(c: &FlashcoreFp8Operands) -> Result<Fp8Operands, Error> {
+    let q = tensor_view(&c.q, "q")?;
+    let k = tensor_view(&c.k, "k")?;
+    let mut dims = [0usize; 4];
+    for (i, d) in dims.iter_mut().enumerate() {
+        *d = usize::try_from(c.vt_shape[i]).map_err(|_| {
+            Error::InvalidArgument(format!(
+                "vt_shape[{i}] ({}) is {}, which is not a valid extent",
+                VT_DIM_NAMES[i], c.vt_shape[i]
+            ))
+        })?;
+    }
+    let mut strides = [0usize; 3];
+    for (i, st) in strides.iter_mut().enumerate() {
+        *st = usize::try_from(c.vt_strides[i]).map_err(|_| Error::BadStrides {
+            tensor: "vt",
+            reason: format!(
+                "vt_strides[{i}] ({}) is {}; strides must be non-negative",
+                ["batch", "heads", "row"][i],
+                c.vt_strides[i]
+            ),
+        })?;
+    }
+    Ok(Fp8Operands {
+        q,
+        k,
+        vt: VtView {
+            ptr: c.vt,
+            batch: dims[0],
+            heads: dims[1],
+            head_dim: dims[2],
+            seqlen: dims[3],
+            strides,
+        },
+        q_scale: c.q_scale,
+        k_scale: c.k_scale,
+        v_scale: c.v_scale,
+        lse_shift: (c.lse_shift != 0).then_some(c.lse_shift),
+    })
+}
+
+/// [`Fp8Operands`] as C describes them (the inverse of [`fp8_operands`]).
+fn c_fp8_operands(ops: &Fp8Operands) -> FlashcoreFp8Operands {
+    let vt = &ops.vt;
+    FlashcoreFp8Operands {
+        q: c_tensor(&ops.q),
+        k: c_tensor(&ops.k),
+        vt: vt.ptr,
+        vt_shape: [vt.batch, vt.heads, vt.head_dim, vt.seqlen].map(|n| n as i64),
+        vt_strides: vt.strides.map(|s| s as i64),
+        q_scale: ops.q_scale,
+        k_scale: ops.k_scale,
+        v_scale: ops.v_scale,
+        lse_shift: ops.lse_shift.unwrap_or(0),
+    }
+}
+
+/// Reads the C FP8 operands behind `ops`.
+///
+/// # Safety
+///
+/// `ops` must be null or point to a readable `FlashcoreFp8Operands`.
+unsafe fn read_fp8_operands(ops: *const FlashcoreFp8Operands) -> Result<Fp8Operands, Failure> {
+    // SAFETY: the caller guarantees `ops` is null or valid for reads; `as_ref` handles null.
+    let ops = unsafe { ops.as_ref() }.ok_or_else(|| null_argument("operands"))?;
+    Ok(fp8_operands(ops)?)
+}
+
+/// The quantizer's options behind `options`; null means every option off.
+///
+/// # Safety
+///
+/// `options` must be null or point to a readable `FlashcoreQuantizeOptions`.
+unsafe fn read_quantize_options(options: *const FlashcoreQuantizeOptions) -> QuantizeOptions {
+    // SAFETY: the caller guarantees `options` is null or valid for reads.
+    let o = unsafe { options.as_ref() }.copied().unwrap_or_default();
+    QuantizeOptions {
+        smooth_k: o.smooth_k != 0,
+        hadamard_seed: (o.hadamard != 0).then_some(o.hadamard_seed),
+    }
+}
+
+/// The three 16-bit inputs of a quantization, read from C.
+///
+/// # Safety
+///
+/// Each pointer must be null or point to a readable `FlashcoreTensor`.
+unsafe fn read_qkv(
+    q: *const FlashcoreTensor,
+    k: *const FlashcoreTensor,
+    v: *const FlashcoreTensor,
+) -> Result<[TensorView; 3], Failure> {
+    // SAFETY: forwarded from the caller's guarantee.
+    unsafe {
+        Ok([
+            read_tensor(q, "q")?,
+            read_tensor(k, "k")?,
+            read_tensor(v, "v")?,
+        ])
+    }
+}
+
+/// A caller's workspace buffer of `bytes` bytes at `ptr`, its start rounded up to
+/// [`Fp8Layout::ALIGN`]: what of it is left (0 bytes when the rounding passes its end).
+/// A null pointer, or one the rounding would overflow, stays as it is, for validation to
+/// report.
+fn aligned_workspace(ptr: u64, bytes: usize) -> Workspace {
+    match ptr.checked_next_multiple_of(Fp8Layout::ALIGN as u64) {
+        Some(start) if ptr != 0 => Workspace {
+            ptr: start,
+            bytes: bytes.saturating_sub((start - ptr) as usize),
+        },
+        _ => Workspace { ptr, bytes },
+    }
 }
 
 /// Reads the C cache behind `c`.
@@ -1118,6 +1308,191 @@ pub unsafe extern "C" fn flashcore_check_forward_varlen(
     })
 }
 
+/// The workspace a [`flashcore_quantize_fp8`] call with these inputs and options needs,
+/// in bytes, into `*out` (0 on failure): the FP8 layout's size plus `Fp8Layout::ALIGN − 1`
+/// bytes, so that a buffer of that size holds the layout whatever its start's alignment.
+/// Validates the inputs as `flashcore_quantize_fp8` does; needs no context, device or
+/// driver, and reads no device memory.
+///
+/// # Safety
+///
+/// `out` must be null or valid for writing one `size_t`; `q`, `k`, `v` null or readable
+/// `FlashcoreTensor`s; `options` null (every option off) or a readable
+/// `FlashcoreQuantizeOptions`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn flashcore_fp8_workspace_bytes(
+    q: *const FlashcoreTensor,
+    k: *const FlashcoreTensor,
+    v: *const FlashcoreTensor,
+    options: *const FlashcoreQuantizeOptions,
+    out: *mut usize,
+) -> i32 {
+    guard("flashcore_fp8_workspace_bytes", || {
+        if out.is_null() {
+            return Err(null_argument("out"));
+        }
+        // SAFETY: `out` is non-null and the caller guarantees it is valid for writes.
+        unsafe { out.write(0) };
+        // SAFETY: the caller guarantees each tensor pointer is null or readable.
+        let [q, k, v] = unsafe { read_qkv(q, k, v)? };
+        // SAFETY: the caller guarantees `options` is null or readable.
+        let options = unsafe { read_quantize_options(options) };
+        let problem = validate_quantize_inputs(&q, &k, &v, &options)?;
+        let bytes = problem
+            .layout
+            .bytes
+            .checked_add(Fp8Layout::ALIGN - 1)
+            .ok_or_else(|| {
+                Error::InvalidArgument("the FP8 workspace overflows the address space".into())
+            })?;
+        // SAFETY: as above.
+        unsafe { out.write(bytes) };
+        Ok(())
+    })
+}
+
+/// Quantizes 16-bit Q, K and V to FP8 operands in a caller's workspace, on `stream`, and
+/// describes them in `*out`; see `include/flashcore.h` for the contract.
+///
+/// # Safety
+///
+/// `out` must be null or valid for writing one `FlashcoreFp8Operands`; `ctx` null or a
+/// live handle from [`flashcore_create`]; `q`, `k`, `v` null or readable
+/// `FlashcoreTensor`s and `options` null or a readable `FlashcoreQuantizeOptions`; the
+/// tensors' device memory and the workspace's `workspace_bytes` bytes live memory of the
+/// context's device until the kernels have run; `stream` null or a live stream of the
+/// device's primary context.
+#[allow(clippy::too_many_arguments)]
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn flashcore_quantize_fp8(
+    ctx: *mut FlashcoreContext,
+    q: *const FlashcoreTensor,
+    k: *const FlashcoreTensor,
+    v: *const FlashcoreTensor,
+    options: *const FlashcoreQuantizeOptions,
+    workspace: u64,
+    workspace_bytes: usize,
+    out: *mut FlashcoreFp8Operands,
+    stream: CUstream,
+) -> i32 {
+    guard("flashcore_quantize_fp8", || {
+        if out.is_null() {
+            return Err(null_argument("out"));
+        }
+        // SAFETY: `out` is non-null and the caller guarantees it is valid for writes; a
+        // failing call leaves it all zeros (no usable operands).
+        unsafe { out.write(FlashcoreFp8Operands::default()) };
+        // SAFETY: the caller guarantees `ctx` is null or a live handle; shared access only.
+        let ctx = unsafe { ctx.as_ref() }.ok_or_else(|| null_argument("ctx"))?;
+        // SAFETY: the caller guarantees each tensor pointer is null or readable.
+        let [q, k, v] = unsafe { read_qkv(q, k, v)? };
+        // SAFETY: the caller guarantees `options` is null or readable.
+        let options = unsafe { read_quantize_options(options) };
+        let workspace = aligned_workspace(workspace, workspace_bytes);
+        // SAFETY: the C contract of flashcore_quantize_fp8 (header): the tensors and the
+        // workspace (of which `workspace` is a part) are device memory of the context's
+        // device valid for the described extents, and `stream` is null or a stream of it.
+        let ops = unsafe {
+            ctx.attn
+                .quantize_fp8(&q, &k, &v, &options, workspace, stream)?
+        };
+        // SAFETY: as above.
+        unsafe { out.write(c_fp8_operands(&ops)) };
+        Ok(())
+    })
+}
+
+/// Checks the arguments of a [`flashcore_quantize_fp8`] call without a context, a device
+/// or a driver: every rule `flashcore_quantize_fp8` applies before it launches except
+/// the GPU's (an sm_89 or newer one). Nothing is read through the device pointers.
+///
+/// # Safety
+///
+/// `q`, `k`, `v` must each be null or point to a readable `FlashcoreTensor`, `options` be
+/// null or point to a readable `FlashcoreQuantizeOptions`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn flashcore_check_quantize_fp8(
+    q: *const FlashcoreTensor,
+    k: *const FlashcoreTensor,
+    v: *const FlashcoreTensor,
+    options: *const FlashcoreQuantizeOptions,
+    workspace: u64,
+    workspace_bytes: usize,
+) -> i32 {
+    guard("flashcore_check_quantize_fp8", || {
+        // SAFETY: the caller guarantees each tensor pointer is null or readable.
+        let [q, k, v] = unsafe { read_qkv(q, k, v)? };
+        // SAFETY: the caller guarantees `options` is null or readable.
+        let options = unsafe { read_quantize_options(options) };
+        let workspace = aligned_workspace(workspace, workspace_bytes);
+        validate_quantize(&q, &k, &v, &options, &workspace)?;
+        Ok(())
+    })
+}
+
+/// `o = softmax(q kᵀ · scale) v` from FP8 operands, on `stream`; see
+/// `include/flashcore.h` for the contract.
+///
+/// # Safety
+///
+/// `ctx` must be null or a live handle from [`flashcore_create`]; `ops` null or a
+/// readable `FlashcoreFp8Operands` and `o` null or a readable `FlashcoreTensor`, whose
+/// device memory (and `lse`'s, when non-zero) is live memory of the context's device for
+/// the extents described until the kernel has run; `stream` null or a live stream of the
+/// device's primary context.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn flashcore_forward_fp8(
+    ctx: *mut FlashcoreContext,
+    ops: *const FlashcoreFp8Operands,
+    o: *const FlashcoreTensor,
+    lse: u64,
+    softmax_scale: f32,
+    causal: i32,
+    stream: CUstream,
+) -> i32 {
+    guard("flashcore_forward_fp8", || {
+        // SAFETY: the caller guarantees `ctx` is null or a live handle; shared access only.
+        let ctx = unsafe { ctx.as_ref() }.ok_or_else(|| null_argument("ctx"))?;
+        // SAFETY: the caller guarantees `ops` and `o` are null or readable.
+        let (ops, o) = unsafe { (read_fp8_operands(ops)?, read_tensor(o, "o")?) };
+        let lse = (lse != 0).then_some(LseView { ptr: lse });
+        let params = params(softmax_scale, causal);
+        // SAFETY: the C contract of flashcore_forward_fp8 (header): the pointers are
+        // device memory of the context's device valid for the described extents, and
+        // `stream` is null or a stream of that context.
+        unsafe {
+            ctx.attn
+                .forward_fp8(&ops, &o, lse.as_ref(), &params, stream)?;
+        }
+        Ok(())
+    })
+}
+
+/// Checks the arguments of a [`flashcore_forward_fp8`] call without a context, a device or
+/// a driver: every rule `flashcore_forward_fp8` applies before it launches except the
+/// GPU's (FP8 needs sm_89 or newer). Nothing is read through the device pointers.
+///
+/// # Safety
+///
+/// `ops` must be null or point to a readable `FlashcoreFp8Operands`, `o` null or to a
+/// readable `FlashcoreTensor`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn flashcore_check_forward_fp8(
+    ops: *const FlashcoreFp8Operands,
+    o: *const FlashcoreTensor,
+    lse: u64,
+    softmax_scale: f32,
+    causal: i32,
+) -> i32 {
+    guard("flashcore_check_forward_fp8", || {
+        // SAFETY: the caller guarantees `ops` and `o` are null or readable.
+        let (ops, o) = unsafe { (read_fp8_operands(ops)?, read_tensor(o, "o")?) };
+        let lse = (lse != 0).then_some(LseView { ptr: lse });
+        validate_fp8(&ops, &o, lse.as_ref(), &params(softmax_scale, causal))?;
+        Ok(())
+    })
+}
+
 /// The message of the last failing flashcore call on this thread, `""` if none failed.
 /// The pointer stays valid until the next flashcore call on this thread.
 #[unsafe(no_mangle)]
@@ -1860,7 +2235,16 @@ mod tests {
             DType::F32
         );
 
-        for bad in [0, 4, -1, i32::MAX] {
+        assert_eq!(
+            tensor_view(&tensor(FLASHCORE_E4M3), "q").unwrap().dtype,
+            DType::E4m3
+        );
+        for code in [FLASHCORE_F16, FLASHCORE_BF16, FLASHCORE_F32, FLASHCORE_E4M3] {
+            let t = tensor(code);
+            assert_eq!(c_tensor(&tensor_view(&t, "q").unwrap()), t);
+        }
+
+        for bad in [0, 5, -1, i32::MAX] {
             let e = tensor_view(&tensor(bad), "v").unwrap_err();
             assert_eq!(e.code(), FLASHCORE_ERROR_UNSUPPORTED_DTYPE, "{bad}");
         }
@@ -1956,6 +2340,31 @@ mod tests {
             // SAFETY: `ctx` is live; nothing is launched because count is 0.
             let rc = unsafe { flashcore_merge(ctx, &q, 0, 0, GB, &o, 0, ptr::null_mut()) };
             assert_eq!(rc, FLASHCORE_ERROR_EMPTY_DIMENSION, "{}", last_error());
+            // The FP8 calls through a real context: refusals before launch.
+            let [fq, fk, mut fv] = quantize_inputs();
+            fv.dtype = FLASHCORE_BF16;
+            let mut ops = FlashcoreFp8Operands::default();
+            // SAFETY: `ctx` is live; nothing is launched because v's dtype differs.
+            let rc = unsafe {
+                flashcore_quantize_fp8(
+                    ctx,
+                    &fq,
+                    &fk,
+                    &fv,
+                    ptr::null(),
+                    8 * GB,
+                    1 << 30,
+                    &mut ops,
+                    ptr::null_mut(),
+                )
+            };
+            assert_eq!(rc, FLASHCORE_ERROR_UNSUPPORTED_DTYPE, "{}", last_error());
+            assert_eq!(ops, FlashcoreFp8Operands::default());
+            let (mut ops, o) = fp8_call(false);
+            ops.vt_strides[2] = 8;
+            // SAFETY: `ctx` is live; nothing is launched because Vt's pitch is too short.
+            let rc = unsafe { flashcore_forward_fp8(ctx, &ops, &o, 0, 0.0, 0, ptr::null_mut()) };
+            assert_eq!(rc, FLASHCORE_ERROR_BAD_STRIDES, "{}", last_error());
             // SAFETY: `ctx` came from flashcore_create and is destroyed once.
             unsafe { flashcore_destroy(ctx) };
             return;
@@ -2106,6 +2515,517 @@ mod tests {
         // SAFETY: a static NUL-terminated string.
         let v = unsafe { CStr::from_ptr(flashcore_version()) };
         assert_eq!(v.to_str().unwrap(), env!("CARGO_PKG_VERSION"));
+    }
+
+    /// FP8 operands of `[2, 300, 8, 128]` queries and `[2, 1001, 2, 128]` keys as the
+    /// quantizer lays them out in a workspace at 8 GB (with an LSE shift when `smooth_k`),
+    /// in C, and a bf16 output at 1 GB.
+    fn fp8_call(smooth_k: bool) -> (FlashcoreFp8Operands, FlashcoreTensor) {
+        use crate::shape::AttnShape;
+        let shape = AttnShape {
+            batch: 2,
+            seqlen_q: 300,
+            seqlen_k: 1001,
+            heads_q: 8,
+            heads_kv: 2,
+            head_dim: 128,
+        };
+        let options = QuantizeOptions {
+            smooth_k,
+            hadamard_seed: None,
+        };
+        let ops = Fp8Layout::new(&shape, &options)
+            .unwrap()
+            .operands(8 * GB, &shape);
+        let mut o = bshd(GB, [2, 300, 8, 128]);
+        o.dtype = FLASHCORE_BF16;
+        (c_fp8_operands(&ops), o)
+    }
+
+    fn check_fp8(ops: &FlashcoreFp8Operands, o: &FlashcoreTensor, lse: u64, scale: f32) -> i32 {
+        // SAFETY: both struct pointers point at live locals.
+        unsafe { flashcore_check_forward_fp8(ops, o, lse, scale, 1) }
+    }
+
+    #[test]
+    fn fp8_operands_cross_the_abi_unchanged() {
+        for smooth_k in [false, true] {
+            let (c, _) = fp8_call(smooth_k);
+            assert_eq!(c.q.dtype, FLASHCORE_E4M3);
+            assert_eq!(c.k.dtype, FLASHCORE_E4M3);
+            assert_eq!(c.vt_shape, [2, 2, 128, 1001]);
+            assert_eq!(c.vt_strides, [2 * 128 * 1008, 128 * 1008, 1008]);
+            assert_eq!(c.lse_shift != 0, smooth_k);
+            let ops = fp8_operands(&c).unwrap();
+            assert_eq!(ops.lse_shift.is_some(), smooth_k);
+            assert_eq!(c_fp8_operands(&ops), c);
+        }
+        let (mut c, _) = fp8_call(false);
+        c.vt_shape[3] = -1;
+        let e = fp8_operands(&c).unwrap_err();
+        assert_eq!(e.code(), FLASHCORE_ERROR_INVALID_ARGUMENT);
+        assert!(e.to_string().contains("vt_shape[3] (seqlen) is -1"), "{e}");
+        let (mut c, _) = fp8_call(false);
+        c.vt_strides[2] = -16;
+        let e = fp8_operands(&c).unwrap_err();
+        assert_eq!(e.code(), FLASHCORE_ERROR_BAD_STRIDES);
+        assert!(e.to_string().contains("vt_strides[2] (row) is -16"), "{e}");
+    }
+
+    #[test]
+    fn check_forward_fp8_applies_the_fp8_rules_without_a_device() {
+        for smooth_k in [false, true] {
+            let (ops, o) = fp8_call(smooth_k);
+            assert_eq!(
+                check_fp8(&ops, &o, 0, 0.0),
+                FLASHCORE_SUCCESS,
+                "{}",
+                last_error()
+            );
+            assert_eq!(check_fp8(&ops, &o, 3 * GB, 0.125), FLASHCORE_SUCCESS);
+        }
+        let (ops, o) = fp8_call(true);
+        let code = |f: &dyn Fn(&mut FlashcoreFp8Operands, &mut FlashcoreTensor)| {
+            let (mut ops, mut o) = (ops, o);
+            f(&mut ops, &mut o);
+            check_fp8(&ops, &o, 0, 0.0)
+        };
+        // Wrong dtypes: 16-bit codes, an e4m3 or f32 output, an unknown code.
+        assert_eq!(
+            code(&|ops, _| ops.q.dtype = FLASHCORE_F16),
+            FLASHCORE_ERROR_UNSUPPORTED_DTYPE
+        );
+        assert!(
+            last_error().starts_with("flashcore_check_forward_fp8: "),
+            "{}",
+            last_error()
+        );
+        assert!(last_error().contains("e4m3 codes"), "{}", last_error());
+        assert_eq!(
+            code(&|ops, _| ops.k.dtype = FLASHCORE_BF16),
+            FLASHCORE_ERROR_UNSUPPORTED_DTYPE
+        );
+        assert_eq!(
+            code(&|_, o| o.dtype = FLASHCORE_E4M3),
+            FLASHCORE_ERROR_UNSUPPORTED_DTYPE
+        );
+        assert_eq!(
+            code(&|_, o| o.dtype = FLASHCORE_F32),
+            FLASHCORE_ERROR_UNSUPPORTED_DTYPE
+        );
+        assert_eq!(
+            code(&|ops, _| ops.q.dtype = 9),
+            FLASHCORE_ERROR_UNSUPPORTED_DTYPE
+        );
+        assert!(
+            last_error().contains("q has dtype code 9"),
+            "{}",
+            last_error()
+        );
+        // Shapes: o against q, Vt against K, a head dim without FP8 kernels.
+        assert_eq!(
+            code(&|_, o| o.shape[1] = 301),
+            FLASHCORE_ERROR_SHAPE_MISMATCH
+        );
+        assert_eq!(
+            code(&|ops, _| ops.vt_shape[3] = 1000),
+            FLASHCORE_ERROR_SHAPE_MISMATCH
+        );
+        assert!(
+            last_error().contains("vt is [B, Hkv, D, Sk]"),
+            "{}",
+            last_error()
+        );
+        assert_eq!(
+            code(&|ops, o| {
+                for t in [&mut ops.q, &mut ops.k, o] {
+                    t.shape[3] = 96;
+                }
+                ops.vt_shape[2] = 96;
+            }),
+            FLASHCORE_ERROR_UNSUPPORTED_HEAD_DIM
+        );
+        assert!(last_error().contains("64, 128, 256"), "{}", last_error());
+        assert_eq!(
+            code(&|ops, o| {
+                ops.q.shape[2] = 3;
+                o.shape[2] = 3;
+            }),
+            FLASHCORE_ERROR_HEAD_RATIO
+        );
+        // Pointers: null and misaligned codes and scales.
+        assert_eq!(code(&|ops, _| ops.vt = 0), FLASHCORE_ERROR_NULL_POINTER);
+        assert_eq!(
+            code(&|ops, _| ops.k_scale = 0),
+            FLASHCORE_ERROR_NULL_POINTER
+        );
+        assert!(last_error().contains("k_scale"), "{}", last_error());
+        assert_eq!(code(&|ops, _| ops.q.ptr += 8), FLASHCORE_ERROR_MISALIGNED);
+        assert_eq!(code(&|ops, _| ops.v_scale += 2), FLASHCORE_ERROR_MISALIGNED);
+        assert_eq!(
+            code(&|ops, _| ops.lse_shift += 1),
+            FLASHCORE_ERROR_MISALIGNED
+        );
+        // Vt's pitch: below Sk rounded up to 16, or not a multiple of 16; negative values.
+        assert_eq!(
+            code(&|ops, _| ops.vt_strides[2] = 992),
+            FLASHCORE_ERROR_BAD_STRIDES
+        );
+        assert_eq!(
+            code(&|ops, _| ops.vt_strides[2] = 1009),
+            FLASHCORE_ERROR_BAD_STRIDES
+        );
+        assert_eq!(
+            code(&|ops, _| ops.vt_strides[0] = -1),
+            FLASHCORE_ERROR_BAD_STRIDES
+        );
+        assert_eq!(
+            code(&|ops, _| ops.vt_shape[0] = -2),
+            FLASHCORE_ERROR_INVALID_ARGUMENT
+        );
+        assert_eq!(
+            code(&|ops, _| ops.k.strides[3] = 2),
+            FLASHCORE_ERROR_BAD_STRIDES
+        );
+        // The output may not overlap an input: the scales here.
+        assert_eq!(
+            code(&|ops, o| o.ptr = ops.q_scale),
+            FLASHCORE_ERROR_INVALID_ARGUMENT
+        );
+        assert!(
+            last_error().contains("overlaps q_scale"),
+            "{}",
+            last_error()
+        );
+        // The softmax scale and the LSE.
+        assert_eq!(
+            check_fp8(&ops, &o, 0, f32::NAN),
+            FLASHCORE_ERROR_INVALID_ARGUMENT
+        );
+        assert_eq!(
+            check_fp8(&ops, &o, 3 * GB + 2, 0.0),
+            FLASHCORE_ERROR_MISALIGNED
+        );
+        assert_eq!(
+            check_fp8(&ops, &o, GB, 0.0),
+            FLASHCORE_ERROR_INVALID_ARGUMENT
+        );
+        // Null structs.
+        // SAFETY: null struct pointers are allowed and reported.
+        let rc = unsafe { flashcore_check_forward_fp8(ptr::null(), &o, 0, 0.0, 0) };
+        assert_eq!(rc, FLASHCORE_ERROR_NULL_ARGUMENT);
+        assert_eq!(
+            last_error(),
+            "flashcore_check_forward_fp8: operands is a null pointer"
+        );
+        // SAFETY: as above.
+        let rc = unsafe { flashcore_check_forward_fp8(&ops, ptr::null(), 0, 0.0, 0) };
+        assert_eq!(rc, FLASHCORE_ERROR_NULL_ARGUMENT);
+        assert_eq!(
+            last_error(),
+            "flashcore_check_forward_fp8: o is a null pointer"
+        );
+    }
+
+    /// 16-bit `q` `[2, 300, 8, 128]` at 1 GB, `k`, `v` `[2, 1001, 2, 128]` at 2 and 3 GB.
+    fn quantize_inputs() -> [FlashcoreTensor; 3] {
+        [
+            bshd(GB, [2, 300, 8, 128]),
+            bshd(2 * GB, [2, 1001, 2, 128]),
+            bshd(3 * GB, [2, 1001, 2, 128]),
+        ]
+    }
+
+    fn fp8_workspace_bytes(
+        [q, k, v]: &[FlashcoreTensor; 3],
+        options: Option<&FlashcoreQuantizeOptions>,
+    ) -> (i32, usize) {
+        let mut bytes = usize::MAX;
+        let options = options.map_or(ptr::null(), ptr::from_ref);
+        // SAFETY: every pointer is null or points at a live local.
+        let rc = unsafe { flashcore_fp8_workspace_bytes(q, k, v, options, &mut bytes) };
+        (rc, bytes)
+    }
+
+    fn check_quantize(
+        [q, k, v]: &[FlashcoreTensor; 3],
+        options: &FlashcoreQuantizeOptions,
+        workspace: u64,
+        bytes: usize,
+    ) -> i32 {
+        // SAFETY: every pointer points at a live local.
+        unsafe { flashcore_check_quantize_fp8(q, k, v, options, workspace, bytes) }
+    }
+
+    #[test]
+    fn fp8_workspace_bytes_is_the_layout_with_room_to_align_it() {
+        use crate::shape::AttnShape;
+        let inputs = quantize_inputs();
+        let shape = AttnShape {
+            batch: 2,
+            seqlen_q: 300,
+            seqlen_k: 1001,
+            heads_q: 8,
+            heads_kv: 2,
+            head_dim: 128,
+        };
+        let smooth = FlashcoreQuantizeOptions {
+            smooth_k: 1,
+            hadamard: 1,
+            hadamard_seed: 7,
+        };
+        for (options, opts) in [
+            (None, QuantizeOptions::default()),
+            (
+                Some(&FlashcoreQuantizeOptions::default()),
+                QuantizeOptions::default(),
+            ),
+            (
+                Some(&smooth),
+                QuantizeOptions {
+                    smooth_k: true,
+                    hadamard_seed: Some(7),
+                },
+            ),
+        ] {
+            let want = Fp8Layout::new(&shape, &opts).unwrap().bytes + Fp8Layout::ALIGN - 1;
+            assert_eq!(
+                fp8_workspace_bytes(&inputs, options),
+                (FLASHCORE_SUCCESS, want),
+                "{}",
+                last_error()
+            );
+        }
+        // Bad inputs: an error code, and 0 bytes.
+        let mut e4m3 = inputs;
+        for t in &mut e4m3 {
+            t.dtype = FLASHCORE_E4M3;
+        }
+        assert_eq!(
+            fp8_workspace_bytes(&e4m3, None),
+            (FLASHCORE_ERROR_UNSUPPORTED_DTYPE, 0)
+        );
+        assert!(
+            last_error().starts_with("flashcore_fp8_workspace_bytes: "),
+            "{}",
+            last_error()
+        );
+        let mut mixed = inputs;
+        mixed[2].dtype = FLASHCORE_BF16;
+        assert_eq!(
+            fp8_workspace_bytes(&mixed, None),
+            (FLASHCORE_ERROR_UNSUPPORTED_DTYPE, 0)
+        );
+        let mut d96 = inputs;
+        for t in &mut d96 {
+            t.shape[3] = 96;
+        }
+        assert_eq!(
+            fp8_workspace_bytes(&d96, None),
+            (FLASHCORE_ERROR_UNSUPPORTED_HEAD_DIM, 0)
+        );
+        let mut null_q = inputs;
+        null_q[0].ptr = 0;
+        assert_eq!(
+            fp8_workspace_bytes(&null_q, None),
+            (FLASHCORE_ERROR_NULL_POINTER, 0)
+        );
+        let (q, k) = (inputs[0], inputs[1]);
+        let mut bytes = 5usize;
+        // SAFETY: a null tensor pointer is allowed and reported; the rest are live locals.
+        let rc =
+            unsafe { flashcore_fp8_workspace_bytes(&q, &k, ptr::null(), ptr::null(), &mut bytes) };
+        assert_eq!((rc, bytes), (FLASHCORE_ERROR_NULL_ARGUMENT, 0));
+        assert_eq!(
+            last_error(),
+            "flashcore_fp8_workspace_bytes: v is a null pointer"
+        );
+        // SAFETY: a null `out` is allowed and reported, not written.
+        let rc = unsafe { flashcore_fp8_workspace_bytes(&q, &k, &k, ptr::null(), ptr::null_mut()) };
+        assert_eq!(rc, FLASHCORE_ERROR_NULL_ARGUMENT);
+        assert_eq!(
+            last_error(),
+            "flashcore_fp8_workspace_bytes: out is a null pointer"
+        );
+    }
+
+    #[test]
+    fn check_quantize_applies_the_quantizer_rules_without_a_device() {
+        let inputs = quantize_inputs();
+        let plain = FlashcoreQuantizeOptions::default();
+        let smooth = FlashcoreQuantizeOptions {
+            smooth_k: 1,
+            ..plain
+        };
+        let (_, need) = fp8_workspace_bytes(&inputs, Some(&plain));
+        let (_, need_smooth) = fp8_workspace_bytes(&inputs, Some(&smooth));
+        assert!(need_smooth > need);
+        let ws = 8 * GB;
+        // The reported size fits at any start: aligned, or rounded up by up to 255 bytes.
+        for start in [ws, ws + 1, ws + 16, ws + 255] {
+            assert_eq!(
+                check_quantize(&inputs, &plain, start, need),
+                FLASHCORE_SUCCESS,
+                "{start:#x}: {}",
+                last_error()
+            );
+        }
+        assert_eq!(
+            check_quantize(&inputs, &smooth, ws, need_smooth),
+            FLASHCORE_SUCCESS
+        );
+        // Too small: after the rounding, or for the smoothing's extra regions.
+        assert_eq!(
+            check_quantize(&inputs, &plain, ws + 1, need - 1),
+            FLASHCORE_ERROR_INVALID_ARGUMENT
+        );
+        assert!(
+            last_error().starts_with("flashcore_check_quantize_fp8: "),
+            "{}",
+            last_error()
+        );
+        assert!(last_error().contains("needs"), "{}", last_error());
+        assert_eq!(
+            check_quantize(&inputs, &smooth, ws, need),
+            FLASHCORE_ERROR_INVALID_ARGUMENT
+        );
+        assert_eq!(
+            check_quantize(&inputs, &plain, ws + 17, 16),
+            FLASHCORE_ERROR_INVALID_ARGUMENT
+        );
+        // No workspace, or one over an input.
+        assert_eq!(
+            check_quantize(&inputs, &plain, 0, need),
+            FLASHCORE_ERROR_NULL_POINTER
+        );
+        assert!(last_error().contains("workspace"), "{}", last_error());
+        assert_eq!(
+            check_quantize(&inputs, &plain, 2 * GB + 4096, need),
+            FLASHCORE_ERROR_INVALID_ARGUMENT
+        );
+        assert!(last_error().contains("overlaps k"), "{}", last_error());
+        // The inputs' rules.
+        let with = |f: &dyn Fn(&mut [FlashcoreTensor; 3])| {
+            let mut t = inputs;
+            f(&mut t);
+            check_quantize(&t, &plain, ws, need)
+        };
+        assert_eq!(
+            with(&|t| t[0].dtype = FLASHCORE_F32),
+            FLASHCORE_ERROR_UNSUPPORTED_DTYPE
+        );
+        assert_eq!(
+            with(&|t| t[1].dtype = FLASHCORE_E4M3),
+            FLASHCORE_ERROR_UNSUPPORTED_DTYPE
+        );
+        assert_eq!(
+            with(&|t| t[2].shape[1] = 1000),
+            FLASHCORE_ERROR_SHAPE_MISMATCH
+        );
+        assert_eq!(with(&|t| t[0].shape[2] = 3), FLASHCORE_ERROR_HEAD_RATIO);
+        assert_eq!(with(&|t| t[2].ptr += 2), FLASHCORE_ERROR_MISALIGNED);
+        assert_eq!(with(&|t| t[1].strides[3] = 2), FLASHCORE_ERROR_BAD_STRIDES);
+        assert_eq!(
+            with(&|t| t[0].shape[0] = 0),
+            FLASHCORE_ERROR_EMPTY_DIMENSION
+        );
+        assert_eq!(
+            with(&|t| t[0].shape[1] = -1),
+            FLASHCORE_ERROR_INVALID_ARGUMENT
+        );
+        // Null options are every option off; null tensors are reported.
+        let [q, k, v] = inputs;
+        // SAFETY: every pointer is null or points at a live local.
+        let rc = unsafe { flashcore_check_quantize_fp8(&q, &k, &v, ptr::null(), ws, need) };
+        assert_eq!(rc, FLASHCORE_SUCCESS, "{}", last_error());
+        // SAFETY: as above.
+        let rc =
+            unsafe { flashcore_check_quantize_fp8(ptr::null(), &k, &v, ptr::null(), ws, need) };
+        assert_eq!(rc, FLASHCORE_ERROR_NULL_ARGUMENT);
+        assert_eq!(
+            last_error(),
+            "flashcore_check_quantize_fp8: q is a null pointer"
+        );
+    }
+
+    #[test]
+    fn fp8_calls_refuse_a_null_context_and_null_out() {
+        let [q, k, v] = quantize_inputs();
+        let (ops, o) = fp8_call(false);
+        let mut out = ops; // not zeros: a failure must clear it
+        // SAFETY: a null context is allowed and reported; the rest are live locals.
+        let rc = unsafe {
+            flashcore_quantize_fp8(
+                ptr::null_mut(),
+                &q,
+                &k,
+                &v,
+                ptr::null(),
+                8 * GB,
+                1 << 30,
+                &mut out,
+                ptr::null_mut(),
+            )
+        };
+        assert_eq!(rc, FLASHCORE_ERROR_NULL_ARGUMENT);
+        assert_eq!(
+            last_error(),
+            "flashcore_quantize_fp8: ctx is a null pointer"
+        );
+        assert_eq!(out, FlashcoreFp8Operands::default(), "out not cleared");
+        // SAFETY: a null `out` is allowed and reported, not written.
+        let rc = unsafe {
+            flashcore_quantize_fp8(
+                ptr::null_mut(),
+                &q,
+                &k,
+                &v,
+                ptr::null(),
+                8 * GB,
+                1 << 30,
+                ptr::null_mut(),
+                ptr::null_mut(),
+            )
+        };
+        assert_eq!(rc, FLASHCORE_ERROR_NULL_ARGUMENT);
+        assert_eq!(
+            last_error(),
+            "flashcore_quantize_fp8: out is a null pointer"
+        );
+        // SAFETY: as above.
+        let rc =
+            unsafe { flashcore_forward_fp8(ptr::null_mut(), &ops, &o, 0, 0.0, 0, ptr::null_mut()) };
+        assert_eq!(rc, FLASHCORE_ERROR_NULL_ARGUMENT);
+        assert_eq!(last_error(), "flashcore_forward_fp8: ctx is a null pointer");
+    }
+
+    #[test]
+    fn aligned_workspace_rounds_the_start_up() {
+        let ws = |ptr, bytes| {
+            let w = aligned_workspace(ptr, bytes);
+            (w.ptr, w.bytes)
+        };
+        assert_eq!(ws(4096, 1000), (4096, 1000));
+        assert_eq!(ws(4097, 1000), (4352, 745));
+        assert_eq!(ws(4097, 100), (4352, 0));
+        assert_eq!(ws(0, 1000), (0, 1000));
+        assert_eq!(ws(u64::MAX, 1000), (u64::MAX, 1000));
+    }
+
+    #[test]
+    fn fp8_structs_are_the_c_layout() {
+        use std::mem::{align_of, offset_of, size_of};
+        assert_eq!(size_of::<FlashcoreFp8Operands>(), 256);
+        assert_eq!(align_of::<FlashcoreFp8Operands>(), 8);
+        assert_eq!(offset_of!(FlashcoreFp8Operands, k), 80);
+        assert_eq!(offset_of!(FlashcoreFp8Operands, vt), 160);
+        assert_eq!(offset_of!(FlashcoreFp8Operands, vt_shape), 168);
+        assert_eq!(offset_of!(FlashcoreFp8Operands, vt_strides), 200);
+        assert_eq!(offset_of!(FlashcoreFp8Operands, q_scale), 224);
+        assert_eq!(offset_of!(FlashcoreFp8Operands, lse_shift), 248);
+        assert_eq!(size_of::<FlashcoreQuantizeOptions>(), 16);
+        assert_eq!(offset_of!(FlashcoreQuantizeOptions, hadamard), 4);
+        assert_eq!(offset_of!(FlashcoreQuantizeOptions, hadamard_seed), 8);
     }
 
     #[test]

@@ -5,7 +5,8 @@
 //! flashcore ptx --list           every kernel id the dispatch can choose
 //! flashcore ptx <id>             that kernel's PTX
 //! flashcore report               each kernel's tiling, and registers/spills if ptxas is on PATH
-//! flashcore run [options]        one forward pass: error against float64 and time (GPU)
+//! flashcore run [options]        one forward pass: error against float64 and time (GPU);
+//!                                (--dtype e4m3: quantized on the GPU, then the FP8 forward)
 //! flashcore bench [--json FILE]  the benchmark shapes, TFLOP/s (GPU)
 //! flashcore decode [options]     split-KV decode over contiguous and paged caches, GB/s (GPU)
 //! flashcore fp8 [options]        FP8 forward against our FP16 one, TFLOP/s (GPU)
@@ -36,7 +37,8 @@ fn out_raw(text: &str) {
 use std::sync::Arc;
 
 use flashcore::check::{
-    BENCH_SHAPES, FwdCase, Layout, check_forward, planned_kernel, time_forward,
+    BENCH_SHAPES, FP8_LSE_TOLERANCE, FP8_TOLERANCE, FwdCase, Layout, check_forward,
+    check_forward_fp8, planned_kernel, time_forward, time_fp8,
 };
 use flashcore::host::attention::{Attention, PathChoice, dispatch, path_for_arch};
 use flashcore::host::device::{Device, driver_present};
@@ -50,8 +52,9 @@ const USAGE: &str = "usage:
   flashcore ptx --list | ptx <id>
   flashcore report
   flashcore run [--batch B] [--heads H] [--kv-heads HKV] [--seqlen S | --seqlen-q SQ --seqlen-k SK]
-                [--head-dim D] [--dtype f16|bf16] [--causal] [--layout bshd|bhsd] [--iters N]
+                [--head-dim D] [--dtype f16|bf16|e4m3] [--causal] [--layout bshd|bhsd] [--iters N]
                 [--block-m 64|128] [--path best|sm80]
+                e4m3 only: [--in-dtype f16|bf16] [--smooth-k] [--hadamard SEED]
   flashcore bench [--json FILE] [--iters N] [--dtype f16,bf16] [--path best|sm80]
                   [--shapes default|hopper]
   flashcore gemm [--m M] [--n N] [--k K] [--dtype bf16|f16|e4m3|all] [--iters N] [--json FILE]
@@ -364,9 +367,42 @@ fn run(args: &[String]) -> Result<(), Failure> {
             "--iters",
             "--block-m",
             "--path",
+            "--in-dtype",
+            "--hadamard",
         ],
-        &["--causal"],
+        &["--causal", "--smooth-k"],
     )?;
+    let fp8 = o.value("--dtype") == Some("e4m3");
+    let options = if fp8 {
+        if o.value("--block-m").is_some() {
+            return Err(Failure::Usage(
+                "--block-m chooses a 16-bit kernel's tile; the e4m3 path has its own".into(),
+            ));
+        }
+        let hadamard_seed = match o.value("--hadamard") {
+            None => None,
+            Some(v) => Some(parse_u64(v).ok_or_else(|| {
+                Failure::Usage(format!("--hadamard takes a seed (a number), got `{v}`"))
+            })?),
+        };
+        Some(flashcore::host::quantize::QuantizeOptions {
+            smooth_k: o.flag("--smooth-k"),
+            hadamard_seed,
+        })
+    } else {
+        for name in ["--in-dtype", "--hadamard", "--smooth-k"] {
+            if o.flag(name) {
+                return Err(Failure::Usage(format!("{name} goes with --dtype e4m3")));
+            }
+        }
+        None
+    };
+    // The e4m3 path draws 16-bit inputs (and writes O) in --in-dtype.
+    let dtype = if fp8 {
+        parse_dtype(o.value("--in-dtype").unwrap_or("f16"))?
+    } else {
+        parse_dtype(o.value("--dtype").unwrap_or("f16"))?
+    };
     let seqlen = o.num("--seqlen", 512)?;
     let heads = o.num("--heads", 8)?;
     let case = FwdCase {
@@ -378,7 +414,7 @@ fn run(args: &[String]) -> Result<(), Failure> {
             heads_kv: o.num("--kv-heads", heads)?,
             head_dim: o.num("--head-dim", 64)?,
         },
-        dtype: parse_dtype(o.value("--dtype").unwrap_or("f16"))?,
+        dtype,
         causal: o.flag("--causal"),
         layout: match o.value("--layout").unwrap_or("bshd") {
             "bshd" => Layout::Bshd,
@@ -397,6 +433,9 @@ fn run(args: &[String]) -> Result<(), Failure> {
     let dev = open_gpu()?;
     let stream = dev.context().default_stream();
     let attn = Attention::new(dev.clone())?.with_path(parse_path(o.value("--path"))?);
+    if let Some(options) = options {
+        return run_fp8(&dev, &attn, &stream, case, &options, iters);
+    }
     let mut case = case;
     if let Some(block_m) = o.value("--block-m") {
         // Force a query tile (to compare tiles); otherwise the dispatch chooses.
@@ -434,6 +473,101 @@ fn run(args: &[String]) -> Result<(), Failure> {
         out!("kernel {id}: {regs} registers, {local} bytes local memory");
     }
     if r.passes(case.dtype) {
+        Ok(())
+    } else {
+        Err(Failure::Run("error above tolerance".into()))
+    }
+}
+
+/// A number as `--hadamard` takes it: decimal or `0x` hexadecimal.
+fn parse_u64(s: &str) -> Option<u64> {
+    match s.strip_prefix("0x").or_else(|| s.strip_prefix("0X")) {
+        Some(hex) => u64::from_str_radix(hex, 16).ok(),
+        None => s.parse().ok(),
+    }
+}
+
+/// `flashcore run --dtype e4m3`: 16-bit inputs quantized on the GPU, the FP8 forward,
+/// the error against float64 attention on the 16-bit inputs, and the two steps' times.
+fn run_fp8(
+    dev: &Device,
+    attn: &Attention,
+    stream: &Arc<cudarc::driver::CudaStream>,
+    case: FwdCase,
+    options: &flashcore::host::quantize::QuantizeOptions,
+    iters: usize,
+) -> Result<(), Failure> {
+    use flashcore::host::fp8::Fp8Problem;
+
+    let problem = Fp8Problem {
+        shape: case.shape,
+        out: case.dtype,
+        scale: 1.0,
+        causal: case.causal,
+    };
+    // An unsupported GPU is refused here, before anything is drawn or uploaded.
+    attn.plan_fp8(&problem)?;
+    let mut rng = Rng::from_entropy();
+    let r = check_forward_fp8(attn, stream, case, options, &mut rng)?;
+    let mut opts = Vec::new();
+    if options.smooth_k {
+        opts.push("smooth_k".to_string());
+    }
+    if let Some(seed) = options.hadamard_seed {
+        opts.push(format!("hadamard {seed:#x}"));
+    }
+    if opts.is_empty() {
+        opts.push("none".into());
+    }
+    out!(
+        "{}: {case}, e4m3 (quantized on the GPU from {}; options: {})",
+        dev.name(),
+        case.dtype.name(),
+        opts.join(", ")
+    );
+    out!(
+        "error vs float64 on the {} inputs: out {:.3e} (relative L2; tolerance \
+         {FP8_TOLERANCE:.1e}), lse {:.3e} (rms absolute; tolerance {FP8_LSE_TOLERANCE:.1e}), \
+         unwritten {} (seed {:#x})",
+        case.dtype.name(),
+        r.out_err,
+        r.lse_err,
+        r.unwritten,
+        r.seed
+    );
+    if iters > 0 {
+        let (q, f) = time_fp8(attn, stream, case, options, iters, &mut rng)?;
+        let s = &case.shape;
+        // Bytes the quantizer must move: each 16-bit input read once (K twice with
+        // smoothing), each e4m3 code written once.
+        let kv_reads = if options.smooth_k { 3 } else { 2 };
+        let bytes = 2 * (s.q_len() + kv_reads * s.kv_len()) + s.q_len() + 2 * s.kv_len();
+        out!(
+            "quantize: median {:.3} ms (min {:.3}, max {:.3}, {} runs) = {:.0} GB/s",
+            q.median_ms,
+            q.min_ms,
+            q.max_ms,
+            q.iters,
+            bytes as f64 / (q.median_ms as f64 * 1e6)
+        );
+        out!(
+            "attention: median {:.3} ms (min {:.3}, max {:.3}, {} runs) = {:.1} TFLOP/s",
+            f.median_ms,
+            f.min_ms,
+            f.max_ms,
+            f.iters,
+            case.flops() / (f.median_ms as f64 * 1e9)
+        );
+        out!(
+            "both: {:.3} ms = {:.1} TFLOP/s",
+            q.median_ms + f.median_ms,
+            case.flops() / ((q.median_ms + f.median_ms) as f64 * 1e9)
+        );
+    }
+    for (id, _, regs, local) in attn.loaded_kernels() {
+        out!("kernel {id}: {regs} registers, {local} bytes local memory");
+    }
+    if r.passes() {
         Ok(())
     } else {
         Err(Failure::Run("error above tolerance".into()))

@@ -1,7 +1,8 @@
 //! `include/flashcore.h` against `src/ffi.rs` (and the ctypes bindings of the Python
 //! package, `python/flashcore/_capi.py`): the same constants with the same values, the same functions with
 //! the same parameter types, the same fields of each struct (`FlashcoreTensor`,
-//! `FlashcoreKvCache`), and the same struct layouts (the C layout the header's fields give
+//! `FlashcoreKvCache`, `FlashcoreVarlen`, `FlashcoreFp8Operands`,
+//! `FlashcoreQuantizeOptions`), and the same struct layouts (the C layout the header's fields give
 //! against Rust's offsets, sizes and alignments). Plain text parsing: the header is kept
 //! in a simple, regular style for it. The three files are embedded in the test binary,
 //! which therefore runs anywhere.
@@ -11,10 +12,19 @@ use std::collections::BTreeMap;
 use std::mem::{align_of, offset_of, size_of};
 
 use flashcore::error::RETURN_CODES;
-use flashcore::ffi::{FLASHCORE_CONSTANTS, FlashcoreKvCache, FlashcoreTensor, FlashcoreVarlen};
+use flashcore::ffi::{
+    FLASHCORE_CONSTANTS, FlashcoreFp8Operands, FlashcoreKvCache, FlashcoreQuantizeOptions,
+    FlashcoreTensor, FlashcoreVarlen,
+};
 
 /// The structs of the C ABI, in the order the header defines them.
-const STRUCTS: [&str; 3] = ["FlashcoreTensor", "FlashcoreKvCache", "FlashcoreVarlen"];
+const STRUCTS: [&str; 5] = [
+    "FlashcoreTensor",
+    "FlashcoreKvCache",
+    "FlashcoreVarlen",
+    "FlashcoreFp8Operands",
+    "FlashcoreQuantizeOptions",
+];
 
 /// The files the checks read, embedded at compile time: the test binary needs no source
 /// tree at run time (the GPU bundle runs it on another machine), and cargo rebuilds it
@@ -235,7 +245,12 @@ fn rust_to_c(t: &str) -> String {
         "f32" => "float",
         "c_char" => "char",
         "CUstream" => "flashcore_stream",
-        "FlashcoreContext" | "FlashcoreTensor" | "FlashcoreKvCache" | "FlashcoreVarlen" => t,
+        "FlashcoreContext"
+        | "FlashcoreTensor"
+        | "FlashcoreKvCache"
+        | "FlashcoreVarlen"
+        | "FlashcoreFp8Operands"
+        | "FlashcoreQuantizeOptions" => t,
         other => panic!("no C spelling for Rust type {other}"),
     }
     .to_string()
@@ -425,6 +440,11 @@ fn functions_match() {
         "flashcore_check_append_kv",
         "flashcore_merge",
         "flashcore_check_merge",
+        "flashcore_fp8_workspace_bytes",
+        "flashcore_quantize_fp8",
+        "flashcore_check_quantize_fp8",
+        "flashcore_forward_fp8",
+        "flashcore_check_forward_fp8",
         "flashcore_last_error",
         "flashcore_error_name",
         "flashcore_version",
@@ -465,6 +485,22 @@ fn expected_fields(name: &str) -> Fields {
             ("uint64_t", "cu_seqlens_k"),
             ("int64_t", "batch"),
             ("int64_t", "max_seqlen_q"),
+        ],
+        "FlashcoreFp8Operands" => &[
+            ("FlashcoreTensor", "q"),
+            ("FlashcoreTensor", "k"),
+            ("uint64_t", "vt"),
+            ("int64_t[4]", "vt_shape"),
+            ("int64_t[3]", "vt_strides"),
+            ("uint64_t", "q_scale"),
+            ("uint64_t", "k_scale"),
+            ("uint64_t", "v_scale"),
+            ("uint64_t", "lse_shift"),
+        ],
+        "FlashcoreQuantizeOptions" => &[
+            ("int32_t", "smooth_k"),
+            ("int32_t", "hadamard"),
+            ("uint64_t", "hadamard_seed"),
         ],
         other => panic!("no expected fields for {other}"),
     };
@@ -543,6 +579,33 @@ fn rust_layout(name: &str) -> (Vec<(&'static str, usize)>, usize, usize) {
             size_of::<FlashcoreVarlen>(),
             align_of::<FlashcoreVarlen>(),
         ),
+        "FlashcoreFp8Operands" => (
+            vec![
+                ("q", offset_of!(FlashcoreFp8Operands, q)),
+                ("k", offset_of!(FlashcoreFp8Operands, k)),
+                ("vt", offset_of!(FlashcoreFp8Operands, vt)),
+                ("vt_shape", offset_of!(FlashcoreFp8Operands, vt_shape)),
+                ("vt_strides", offset_of!(FlashcoreFp8Operands, vt_strides)),
+                ("q_scale", offset_of!(FlashcoreFp8Operands, q_scale)),
+                ("k_scale", offset_of!(FlashcoreFp8Operands, k_scale)),
+                ("v_scale", offset_of!(FlashcoreFp8Operands, v_scale)),
+                ("lse_shift", offset_of!(FlashcoreFp8Operands, lse_shift)),
+            ],
+            size_of::<FlashcoreFp8Operands>(),
+            align_of::<FlashcoreFp8Operands>(),
+        ),
+        "FlashcoreQuantizeOptions" => (
+            vec![
+                ("smooth_k", offset_of!(FlashcoreQuantizeOptions, smooth_k)),
+                ("hadamard", offset_of!(FlashcoreQuantizeOptions, hadamard)),
+                (
+                    "hadamard_seed",
+                    offset_of!(FlashcoreQuantizeOptions, hadamard_seed),
+                ),
+            ],
+            size_of::<FlashcoreQuantizeOptions>(),
+            align_of::<FlashcoreQuantizeOptions>(),
+        ),
         other => panic!("no Rust layout for {other}"),
     }
 }
@@ -565,13 +628,17 @@ fn types_match() {
     assert_eq!(size_of::<FlashcoreTensor>(), 80);
     assert_eq!(size_of::<FlashcoreKvCache>(), 192);
     assert_eq!(size_of::<FlashcoreVarlen>(), 32);
+    assert_eq!(size_of::<FlashcoreFp8Operands>(), 256);
+    assert_eq!(size_of::<FlashcoreQuantizeOptions>(), 16);
 
     let mut typedefs = header.typedefs.clone();
     typedefs.sort();
     assert_eq!(
         typedefs,
         [
+            "FlashcoreFp8Operands",
             "FlashcoreKvCache",
+            "FlashcoreQuantizeOptions",
             "FlashcoreTensor",
             "FlashcoreVarlen",
             "struct CUstream_st* flashcore_stream",
@@ -630,6 +697,7 @@ fn c_to_ctypes(t: &str) -> &'static str {
         "uint64_t" => "ctypes.c_uint64",
         "size_t" => "ctypes.c_size_t",
         "int64_t[4]" => "ctypes.c_int64 * 4",
+        "int64_t[3]" => "ctypes.c_int64 * 3",
         "float" => "ctypes.c_float",
         "const char*" => "ctypes.c_char_p",
         "FlashcoreTensor" => "FlashcoreTensor",
@@ -640,6 +708,10 @@ fn c_to_ctypes(t: &str) -> &'static str {
         "const FlashcoreTensor*" => "ctypes.POINTER(FlashcoreTensor)",
         "const FlashcoreKvCache*" => "ctypes.POINTER(FlashcoreKvCache)",
         "const FlashcoreVarlen*" => "ctypes.POINTER(FlashcoreVarlen)",
+        "const FlashcoreFp8Operands*" | "FlashcoreFp8Operands*" => {
+            "ctypes.POINTER(FlashcoreFp8Operands)"
+        }
+        "const FlashcoreQuantizeOptions*" => "ctypes.POINTER(FlashcoreQuantizeOptions)",
         other => panic!("no ctypes spelling for {other}"),
     }
 }

@@ -1,6 +1,8 @@
 /*
  * forward.c - flashcore's C API end to end: one causal fp16 forward pass
- * (B=1, H=2, S=128, D=64), checked against a float64 CPU reference.
+ * (B=1, H=2, S=128, D=64), checked against a float64 CPU reference; then, on an sm_89 or
+ * newer GPU, the same inputs quantized to FP8 on the GPU (flashcore_quantize_fp8) and the
+ * FP8 forward (flashcore_forward_fp8), checked against the same reference.
  *
  * Device memory comes from the CUDA driver, loaded with dlopen("libcuda.so.1"): no CUDA
  * toolkit or cuda.h is needed to build this. On a machine without the driver the program
@@ -149,6 +151,8 @@ static float uniform(void) {
 enum { B = 1, H = 2, S = 128, D = 64 };
 #define N_ELEMS ((size_t)B * S * H * D)
 #define TOLERANCE 1e-2
+/* FP8: relative L2 error of O (E4M3 keeps 3 mantissa bits: about 5% on such inputs). */
+#define FP8_TOLERANCE 8e-2
 
 /* Contiguous [B, S, H, D]: element (b, s, h, d) at ((b*S + s)*H + h)*D + d. */
 static size_t at(int b, int s, int h, int d) {
@@ -176,9 +180,10 @@ int main(void) {
     FlashcoreContext *ctx = NULL;
     CUdevice dev = 0;
     int ctx_retained = 0;
-    CUdeviceptr dq = 0, dk = 0, dv = 0, dout = 0, dlse = 0;
+    CUdeviceptr dq = 0, dk = 0, dv = 0, dout = 0, dlse = 0, dws = 0;
     uint16_t *q = NULL, *k = NULL, *v = NULL, *o = NULL;
     float *lse = NULL;
+    double *ref = NULL; /* the float64 reference O, [B, S, H, D] */
 
     printf("flashcore %s\n", flashcore_version());
 
@@ -209,7 +214,8 @@ int main(void) {
     v = malloc(bytes);
     o = malloc(bytes);
     lse = malloc(lse_bytes);
-    if (!q || !k || !v || !o || !lse) {
+    ref = malloc(N_ELEMS * sizeof(double));
+    if (!q || !k || !v || !o || !lse || !ref) {
         fprintf(stderr, "out of host memory\n");
         goto done;
     }
@@ -279,6 +285,7 @@ int main(void) {
                     double acc = 0.0;
                     for (int j = 0; j <= i; j++)
                         acc += p[j] * f16_to_f64(v[at(b, j, h, d)]);
+                    ref[at(b, i, h, d)] = acc / l;
                     double err = fabs(f16_to_f64(o[at(b, i, h, d)]) - acc / l);
                     if (!(err <= max_err)) /* NaN counts as the largest error */
                         max_err = isnan(err) ? INFINITY : err;
@@ -296,6 +303,49 @@ int main(void) {
         fprintf(stderr, "FAILED: error above tolerance\n");
         goto done;
     }
+
+    /* FP8: the same inputs quantized on the GPU into a workspace, then the FP8 forward. */
+    size_t ws_bytes = 0;
+    rc = flashcore_fp8_workspace_bytes(&tq, &tk, &tv, NULL, &ws_bytes);
+    if (rc != FLASHCORE_SUCCESS) {
+        fprintf(stderr, "flashcore_fp8_workspace_bytes: %s: %s\n", flashcore_error_name(rc),
+                flashcore_last_error());
+        goto done;
+    }
+    CU_CHECK(cu.cuMemAlloc(&dws, ws_bytes));
+    FlashcoreFp8Operands ops;
+    rc = flashcore_quantize_fp8(ctx, &tq, &tk, &tv, NULL, dws, ws_bytes, &ops, NULL);
+    if (rc == FLASHCORE_ERROR_UNSUPPORTED_GPU) {
+        printf("fp8: %s: skipped\nok\n", flashcore_last_error());
+        status = 0;
+        goto done;
+    }
+    if (rc != FLASHCORE_SUCCESS) {
+        fprintf(stderr, "flashcore_quantize_fp8: %s: %s\n", flashcore_error_name(rc), flashcore_last_error());
+        goto done;
+    }
+    CU_CHECK(cu.cuMemsetD8(dout, 0xff, bytes));
+    rc = flashcore_forward_fp8(ctx, &ops, &to, 0, 0.0f, 1, NULL);
+    if (rc != FLASHCORE_SUCCESS) {
+        fprintf(stderr, "flashcore_forward_fp8: %s: %s\n", flashcore_error_name(rc), flashcore_last_error());
+        goto done;
+    }
+    CU_CHECK(cu.cuCtxSynchronize());
+    CU_CHECK(cu.cuMemcpyDtoH(o, dout, bytes));
+    double num = 0.0, den = 0.0;
+    for (size_t i = 0; i < N_ELEMS; i++) {
+        double e = f16_to_f64(o[i]) - ref[i];
+        num += e * e;
+        den += ref[i] * ref[i];
+    }
+    double rel = sqrt(num / den);
+    printf("B%d H%d S%d D%d e4m3 (quantized on the GPU) causal: relative L2 error %.3e (O); "
+           "tolerance %.0e\n",
+           B, H, S, D, rel, FP8_TOLERANCE);
+    if (!(rel <= FP8_TOLERANCE)) { /* NaN fails too */
+        fprintf(stderr, "FAILED: fp8 error above tolerance\n");
+        goto done;
+    }
     printf("ok\n");
     status = 0;
 
@@ -310,6 +360,8 @@ done:
         cu.cuMemFree(dout);
     if (dlse)
         cu.cuMemFree(dlse);
+    if (dws)
+        cu.cuMemFree(dws);
     flashcore_destroy(ctx);
     if (ctx_retained)
         cu.cuDevicePrimaryCtxRelease(dev);
@@ -318,5 +370,6 @@ done:
     free(v);
     free(o);
     free(lse);
+    free(ref);
     return status;
 }

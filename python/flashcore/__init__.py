@@ -5,6 +5,12 @@
     o, lse = flashcore.attention(q, k, v, return_lse=True, layout="bshd")
     name = flashcore.register_transformers()                  # attn_implementation=name
 
+    # FP8 (e4m3, sm_89+): quantized on the GPU, per-block scales; o in q's dtype.
+    o = flashcore.attention_fp8(q, k, v, causal=True)         # smooth_k=, hadamard_seed=
+    ops = flashcore.quantize_fp8(q, k, v)                     # the operands, reusable ...
+    o = flashcore.forward_fp8(ops, causal=True)               # ... by the FP8 forward
+    name = flashcore.register_transformers(fp8=True)          # "fcore-fp8"
+
     # Serving (flashcore.serving): [B, S, H, D] tensors, int32 lengths on the GPU.
     flashcore.append_kv(k_cache, v_cache, seqlens, k_new, v_new)  # at each length ...
     seqlens += k_new.shape[1]                                     # ... then advance them
@@ -18,6 +24,7 @@ ctypes. No CUDA toolkit is needed, only the NVIDIA driver and a GPU of sm_80 or 
 """
 
 from ._capi import FlashcoreError
+from .fp8 import FP8_HEAD_DIMS, Fp8Operands, attention_fp8, forward_fp8, quantize_fp8
 from .ops import HEAD_DIMS, LAYOUTS, attention
 from .serving import append_kv, decode, merge
 from .varlen import attention_varlen
@@ -25,15 +32,20 @@ from .varlen import attention_varlen
 __version__ = "0.1.0"
 
 __all__ = [
+    "FP8_HEAD_DIMS",
     "FlashcoreError",
+    "Fp8Operands",
     "HEAD_DIMS",
     "LAYOUTS",
     "append_kv",
     "attention",
+    "attention_fp8",
     "attention_varlen",
     "decode",
+    "forward_fp8",
     "library_version",
     "merge",
+    "quantize_fp8",
     "register_transformers",
 ]
 
@@ -45,9 +57,11 @@ def library_version():
     return _capi.library().version
 
 
-def register_transformers(name="fcore"):
-    """Makes flashcore an attention implementation of transformers under `name` (returned).
-    See flashcore.transformers_backend for what runs where."""
+def register_transformers(name=None, fp8=False):
+    """Makes flashcore an attention implementation of transformers under `name` (returned):
+    its 16-bit attention under "fcore" by default, or with fp8=True its FP8 attention
+    (flashcore.attention_fp8) under "fcore-fp8". See flashcore.transformers_backend for
+    what runs where."""
     from . import transformers_backend
 
-    return transformers_backend.register(name)
+    return transformers_backend.register(name, fp8=fp8)

@@ -14,6 +14,7 @@ import threading
 FLASHCORE_F16 = 1
 FLASHCORE_BF16 = 2
 FLASHCORE_F32 = 3
+FLASHCORE_E4M3 = 4
 FLASHCORE_SUCCESS = 0
 FLASHCORE_ERROR_NO_DRIVER = 1
 FLASHCORE_ERROR_NO_DEVICE = 2
@@ -48,6 +49,28 @@ class FlashcoreVarlen(ctypes.Structure):
     ]
 
 
+class FlashcoreFp8Operands(ctypes.Structure):
+    _fields_ = [
+        ("q", FlashcoreTensor),
+        ("k", FlashcoreTensor),
+        ("vt", ctypes.c_uint64),
+        ("vt_shape", ctypes.c_int64 * 4),
+        ("vt_strides", ctypes.c_int64 * 3),
+        ("q_scale", ctypes.c_uint64),
+        ("k_scale", ctypes.c_uint64),
+        ("v_scale", ctypes.c_uint64),
+        ("lse_shift", ctypes.c_uint64),
+    ]
+
+
+class FlashcoreQuantizeOptions(ctypes.Structure):
+    _fields_ = [
+        ("smooth_k", ctypes.c_int32),
+        ("hadamard", ctypes.c_int32),
+        ("hadamard_seed", ctypes.c_uint64),
+    ]
+
+
 _I32P = ctypes.POINTER(ctypes.c_int32)
 
 # name: (restype, argtypes), one line each.
@@ -65,6 +88,11 @@ SIGNATURES = {
     "flashcore_check_append_kv": (ctypes.c_int32, [ctypes.POINTER(FlashcoreKvCache), ctypes.POINTER(FlashcoreTensor), ctypes.POINTER(FlashcoreTensor), ctypes.POINTER(ctypes.c_int32), ctypes.POINTER(ctypes.c_int32)]),
     "flashcore_merge": (ctypes.c_int32, [ctypes.c_void_p, ctypes.POINTER(FlashcoreTensor), ctypes.c_int64, ctypes.c_int64, ctypes.c_uint64, ctypes.POINTER(FlashcoreTensor), ctypes.c_uint64, ctypes.c_void_p]),
     "flashcore_check_merge": (ctypes.c_int32, [ctypes.POINTER(FlashcoreTensor), ctypes.c_int64, ctypes.c_int64, ctypes.c_uint64, ctypes.POINTER(FlashcoreTensor), ctypes.c_uint64]),
+    "flashcore_fp8_workspace_bytes": (ctypes.c_int32, [ctypes.POINTER(FlashcoreTensor), ctypes.POINTER(FlashcoreTensor), ctypes.POINTER(FlashcoreTensor), ctypes.POINTER(FlashcoreQuantizeOptions), ctypes.POINTER(ctypes.c_size_t)]),
+    "flashcore_quantize_fp8": (ctypes.c_int32, [ctypes.c_void_p, ctypes.POINTER(FlashcoreTensor), ctypes.POINTER(FlashcoreTensor), ctypes.POINTER(FlashcoreTensor), ctypes.POINTER(FlashcoreQuantizeOptions), ctypes.c_uint64, ctypes.c_size_t, ctypes.POINTER(FlashcoreFp8Operands), ctypes.c_void_p]),
+    "flashcore_check_quantize_fp8": (ctypes.c_int32, [ctypes.POINTER(FlashcoreTensor), ctypes.POINTER(FlashcoreTensor), ctypes.POINTER(FlashcoreTensor), ctypes.POINTER(FlashcoreQuantizeOptions), ctypes.c_uint64, ctypes.c_size_t]),
+    "flashcore_forward_fp8": (ctypes.c_int32, [ctypes.c_void_p, ctypes.POINTER(FlashcoreFp8Operands), ctypes.POINTER(FlashcoreTensor), ctypes.c_uint64, ctypes.c_float, ctypes.c_int32, ctypes.c_void_p]),
+    "flashcore_check_forward_fp8": (ctypes.c_int32, [ctypes.POINTER(FlashcoreFp8Operands), ctypes.POINTER(FlashcoreTensor), ctypes.c_uint64, ctypes.c_float, ctypes.c_int32]),
     "flashcore_last_error": (ctypes.c_char_p, []),
     "flashcore_error_name": (ctypes.c_char_p, [ctypes.c_int32]),
     "flashcore_version": (ctypes.c_char_p, []),
@@ -229,6 +257,68 @@ class Library:
                 ctx, ctypes.byref(parts), count, shard_stride, lse_parts, ctypes.byref(out), out_lse, stream
             )
         )
+
+    # ---- FP8 (e4m3) attention -----------------------------------------------------------------
+    # `options` is a FlashcoreQuantizeOptions (see `quantize_options`) or None for none.
+
+    def fp8_workspace_bytes(self, q, k, v, options):
+        """Bytes of workspace flashcore_quantize_fp8 needs for these descriptors (any start
+        address); validates them as the quantizer does. No GPU needed."""
+        out = ctypes.c_size_t()
+        self.check(
+            self.lib.flashcore_fp8_workspace_bytes(
+                ctypes.byref(q), ctypes.byref(k), ctypes.byref(v), _byref_or_none(options), ctypes.byref(out)
+            )
+        )
+        return out.value
+
+    def check_quantize_fp8(self, q, k, v, options, ws_ptr, ws_bytes):
+        """Validates a quantization as flashcore_quantize_fp8 would; no GPU needed."""
+        self.check(
+            self.lib.flashcore_check_quantize_fp8(
+                ctypes.byref(q), ctypes.byref(k), ctypes.byref(v), _byref_or_none(options), ws_ptr, ws_bytes
+            )
+        )
+
+    def quantize_fp8(self, ctx, q, k, v, options, ws_ptr, ws_bytes, stream):
+        """flashcore_quantize_fp8 on descriptors: returns the FlashcoreFp8Operands it wrote
+        (pointers into the workspace); `stream` is a CUstream address."""
+        out = FlashcoreFp8Operands()
+        self.check(
+            self.lib.flashcore_quantize_fp8(
+                ctx, ctypes.byref(q), ctypes.byref(k), ctypes.byref(v), _byref_or_none(options), ws_ptr, ws_bytes,
+                ctypes.byref(out), stream,
+            )
+        )
+        return out
+
+    def check_forward_fp8(self, ops, o, lse_ptr, scale, causal):
+        """Validates an FP8 forward as flashcore_forward_fp8 would; no GPU needed."""
+        self.check(self.lib.flashcore_check_forward_fp8(ctypes.byref(ops), ctypes.byref(o), lse_ptr, scale, int(causal)))
+
+    def forward_fp8(self, ctx, ops, o, lse_ptr, scale, causal, stream):
+        """flashcore_forward_fp8 on descriptors; `stream` is a CUstream address."""
+        self.check(
+            self.lib.flashcore_forward_fp8(ctx, ctypes.byref(ops), ctypes.byref(o), lse_ptr, scale, int(causal), stream)
+        )
+
+
+def _byref_or_none(x):
+    return None if x is None else ctypes.byref(x)
+
+
+def quantize_options(smooth_k=False, hadamard_seed=None):
+    """A FlashcoreQuantizeOptions: K smoothing on or off, and the Hadamard rotation's seed
+    (None: no rotation; an integer in [0, 2^64))."""
+    o = FlashcoreQuantizeOptions()
+    o.smooth_k = int(bool(smooth_k))
+    if hadamard_seed is not None:
+        seed = int(hadamard_seed)
+        if not 0 <= seed < 1 << 64:
+            raise ValueError(f"flashcore: hadamard_seed must be in [0, 2^64), got {seed}")
+        o.hadamard = 1
+        o.hadamard_seed = seed
+    return o
 
 
 _library = None

@@ -193,32 +193,35 @@ def attention(q, k, v, *, causal=False, scale=None, return_lse=False, layout="bh
     Inference only: there is no backward. Raises FlashcoreError with flashcore's message
     for anything the kernels refuse, ValueError/TypeError for misuse of this function.
     """
+    scale = check_arguments("flashcore.attention", q, k, v, layout, scale)
+    o, lse = launch(q, k, v, bool(causal), scale, layout, layout, bool(return_lse))
+    return (o, lse) if return_lse else o
+
+
+def check_arguments(fn, q, k, v, layout, scale):
+    """The checks of a public function `fn` on its q, k, v, layout and scale before the
+    library sees them; returns the scale as the C ABI takes it (0.0: 1/sqrt(D))."""
     if layout not in LAYOUTS:
-        raise ValueError(f"flashcore.attention: layout must be one of {LAYOUTS}, got {layout!r}")
+        raise ValueError(f"{fn}: layout must be one of {LAYOUTS}, got {layout!r}")
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
-            raise TypeError(f"flashcore.attention: {name} must be a torch.Tensor, got {type(t).__name__}")
+            raise TypeError(f"{fn}: {name} must be a torch.Tensor, got {type(t).__name__}")
         if t.dim() != 4:
-            raise ValueError(f"flashcore.attention: {name} must be 4-d ({layout}), got shape {tuple(t.shape)}")
+            raise ValueError(f"{fn}: {name} must be 4-d ({layout}), got shape {tuple(t.shape)}")
     device = q.device
     if device.type not in ("cuda", "meta") or k.device != device or v.device != device:
-        raise ValueError(
-            "flashcore.attention: q, k and v must be on one CUDA device, got "
-            f"{device}, {k.device} and {v.device}"
-        )
+        raise ValueError(f"{fn}: q, k and v must be on one CUDA device, got {device}, {k.device} and {v.device}")
     if (q.requires_grad or k.requires_grad or v.requires_grad) and torch.is_grad_enabled():
         raise NotImplementedError(
-            "flashcore.attention has no backward pass: call it under torch.no_grad() "
+            f"{fn} has no backward pass: call it under torch.no_grad() "
             "(or torch.inference_mode()), or on tensors that do not require grad"
         )
     if scale is None:
-        scale = 0.0  # flashcore's default, 1/sqrt(D), computed as the Rust API does
-    else:
-        scale = float(scale)
-        if not (math.isfinite(scale) and scale > 0.0):
-            raise ValueError(f"flashcore.attention: scale must be finite and positive, got {scale}")
-    o, lse = launch(q, k, v, bool(causal), scale, layout, layout, bool(return_lse))
-    return (o, lse) if return_lse else o
+        return 0.0  # flashcore's default, 1/sqrt(D), computed as the Rust API does
+    scale = float(scale)
+    if not (math.isfinite(scale) and scale > 0.0):
+        raise ValueError(f"{fn}: scale must be finite and positive, got {scale}")
+    return scale
 
 
 def launch(q, k, v, causal, scale, layout, out_layout, return_lse):

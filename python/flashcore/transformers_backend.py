@@ -5,6 +5,8 @@
     model = AutoModelForCausalLM.from_pretrained(..., attn_implementation=name)
     # or: model.set_attn_implementation(name)
 
+    name = flashcore.register_transformers(fp8=True)  # "fcore-fp8": FP8 attention
+
 The name does not contain "flash": transformers takes such names for FlashAttention builds
 and tries to import them.
 
@@ -16,18 +18,30 @@ query token sees the whole cache). A call that comes with a mask (padded batches
 sliding-window layers, chunked prefill against a cache), a dtype other than float16 or
 bfloat16, or a head dim flashcore has no kernel for is computed by transformers' own SDPA
 path instead, with a warning the first time, so results stay right. `stats` counts both.
+
+FP8 ("fcore-fp8", `register(fp8=True)`): the same rules, but the calls flashcore serves
+go to flashcore.attention_fp8 (q, k and v quantized to e4m3 on the GPU at every call,
+then the FP8 kernel; an sm_89 or newer GPU). A head dim the FP8 kernels lack (only 64,
+128 and 256 have them) runs on flashcore's 16-bit kernel instead, counted in
+`stats["flashcore"]`; FP8 calls are counted in `stats["flashcore_fp8"]`. Every decode step
+quantizes the whole cache again: this backend is for measuring FP8 attention's effect on
+a model (perplexity, generations), not for fast decoding. Set FLASHCORE_FP8_SMOOTH_K=1
+to quantize with K smoothing, FLASHCORE_FP8_HADAMARD_SEED=<seed> to rotate q and k.
 """
 
+import os
 import warnings
 
 import torch
 
+from .fp8 import FP8_HEAD_DIMS, launch_fp8
 from .ops import HEAD_DIMS, launch
 
 NAME = "fcore"
+FP8_NAME = "fcore-fp8"
 
-# Calls served by flashcore and calls handed to SDPA, by reason.
-stats = {"flashcore": 0, "sdpa": {}}
+# Calls served by flashcore (16-bit and FP8) and calls handed to SDPA, by reason.
+stats = {"flashcore": 0, "flashcore_fp8": 0, "sdpa": {}}
 
 _warned = set()
 
@@ -47,6 +61,28 @@ def attention_forward(
 ):
     """transformers' attention-function contract: query [B, Hq, Sq, D], key and value
     [B, Hkv, Sk, D] (Hkv dividing Hq, not repeated); returns ([B, Sq, Hq, D], None)."""
+    return _forward(False, module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs)
+
+
+def attention_forward_fp8(
+    module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs
+):
+    """attention_forward with FP8 attention (flashcore.attention_fp8's op) where it can run."""
+    return _forward(True, module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs)
+
+
+def _fp8_options():
+    """attention_fp8's quantizer options from FLASHCORE_FP8_SMOOTH_K and
+    FLASHCORE_FP8_HADAMARD_SEED (decimal or 0x hex)."""
+    smooth_k = os.environ.get("FLASHCORE_FP8_SMOOTH_K", "0").strip().lower() not in ("", "0", "false", "no")
+    seed = os.environ.get("FLASHCORE_FP8_HADAMARD_SEED", "").strip()
+    seed = int(seed, 0) if seed else None
+    if seed is not None and not 0 <= seed < 1 << 64:
+        raise ValueError(f"flashcore: FLASHCORE_FP8_HADAMARD_SEED must be in [0, 2^64), got {seed}")
+    return smooth_k, seed
+
+
+def _forward(fp8, module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs):
     if dropout and module.training:
         raise NotImplementedError("flashcore: attention dropout in training is not supported (forward only)")
     sdpa_kwargs = dict(kwargs, dropout=dropout, scaling=scaling, is_causal=is_causal)
@@ -61,14 +97,24 @@ def attention_forward(
     # and SDPA's top-left one agree.
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     causal = bool(causal) and query.shape[2] > 1
+    if fp8 and query.shape[-1] in FP8_HEAD_DIMS:
+        stats["flashcore_fp8"] += 1
+        # [B, S, H, D] views in, [B, Sq, Hq, D] contiguous out, as transformers wants it.
+        q, k, v = (t.transpose(1, 2) for t in (query, key, value))
+        smooth_k, seed = _fp8_options()
+        out, _ = launch_fp8(q, k, v, causal, float(scaling) if scaling else 0.0, "bshd", False, smooth_k, seed)
+        return out, None
     stats["flashcore"] += 1
     out, _ = launch(query, key, value, causal, float(scaling) if scaling else 0.0, "bhsd", "bshd", False)
     return out, None
 
 
-def register(name=NAME):
+def register(name=None, fp8=False):
     """Registers flashcore with transformers' attention and mask interfaces under `name`
-    and returns it, for `attn_implementation=name` or `model.set_attn_implementation(name)`."""
+    (default "fcore", or "fcore-fp8" with fp8=True: FP8 attention) and returns it, for
+    `attn_implementation=name` or `model.set_attn_implementation(name)`."""
+    if name is None:
+        name = FP8_NAME if fp8 else NAME
     if "flash" in name.lower():
         raise ValueError(
             f"flashcore: the attention implementation name {name!r} contains 'flash'; transformers "
@@ -82,6 +128,6 @@ def register(name=NAME):
             f"flashcore: registering with transformers needs transformers with AttentionInterface "
             f"and AttentionMaskInterface (4.53 or newer): {e}"
         ) from e
-    AttentionInterface.register(name, attention_forward)
+    AttentionInterface.register(name, attention_forward_fp8 if fp8 else attention_forward)
     AttentionMaskInterface.register(name, sdpa_mask)
     return name

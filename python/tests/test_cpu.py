@@ -436,3 +436,186 @@ def test_varlen_checks_and_fake_shapes():
     with pytest.raises(ValueError, match="both"):
         flashcore.attention_varlen(meta(300, 8, 64), meta(500, 2, 64), meta(500, 2, 64), cu, cu, 200,
                                    host_cu_seqlens_q=[0, 1, 2])
+
+
+# ---- FP8: attention_fp8, quantize_fp8, forward_fp8 ----------------------------------------------
+
+
+def fp8_operands(b, sq, hq, sk, hkv, d, smooth_k=False, base=8 << 40):
+    """FlashcoreFp8Operands of contiguous operands at stand-in addresses, as the quantizer
+    lays them out (pitch = Sk rounded up to 16; regions 256-byte aligned)."""
+    pitch = -(-sk // 16) * 16
+    ops = _capi.FlashcoreFp8Operands()
+    ops.q = _capi.describe(base, _capi.FLASHCORE_E4M3, (b, sq, hq, d), (sq * hq * d, hq * d, d, 1))
+    ops.k = _capi.describe(base + (1 << 32), _capi.FLASHCORE_E4M3, (b, sk, hkv, d), (sk * hkv * d, hkv * d, d, 1))
+    ops.vt = base + (2 << 32)
+    for i, n in enumerate((b, hkv, d, sk)):
+        ops.vt_shape[i] = n
+    for i, n in enumerate((hkv * d * pitch, d * pitch, pitch)):
+        ops.vt_strides[i] = n
+    ops.q_scale, ops.k_scale, ops.v_scale = base + (3 << 32), base + (4 << 32), base + (5 << 32)
+    ops.lse_shift = base + (6 << 32) if smooth_k else 0
+    return ops
+
+
+def test_c_abi_fp8_checks_arrive_as_flashcore_errors():
+    lib = _capi.library()
+    q = describe((2, 300, 8, 128))
+    k = describe((2, 1001, 2, 128), ptr=2 << 40)
+    v = describe((2, 1001, 2, 128), ptr=3 << 40)
+    plain = _capi.quantize_options()
+    need = lib.fp8_workspace_bytes(q, k, v, plain)
+    assert need == lib.fp8_workspace_bytes(q, k, v, None)
+    assert lib.fp8_workspace_bytes(q, k, v, _capi.quantize_options(smooth_k=True)) > need
+    assert lib.fp8_workspace_bytes(q, k, v, _capi.quantize_options(hadamard_seed=2**64 - 1)) == need
+    lib.check_quantize_fp8(q, k, v, plain, 5 << 40, need)  # valid: no exception
+    lib.check_quantize_fp8(q, k, v, plain, (5 << 40) + 1, need)  # any start: the size has room
+    for ws, size, name, words in [
+        (0, need, "FLASHCORE_ERROR_NULL_POINTER", "workspace"),
+        ((5 << 40) + 1, need - 1, "FLASHCORE_ERROR_INVALID_ARGUMENT", "needs"),
+        ((2 << 40) + 4096, need, "FLASHCORE_ERROR_INVALID_ARGUMENT", "overlaps k"),
+    ]:
+        with pytest.raises(FlashcoreError) as e:
+            lib.check_quantize_fp8(q, k, v, plain, ws, size)
+        assert e.value.name == name and words in e.value.message, e.value.message
+        assert e.value.message.startswith("flashcore_check_quantize_fp8: ")
+    with pytest.raises(FlashcoreError) as e:
+        lib.fp8_workspace_bytes(describe((2, 300, 8, 96)), describe((2, 1001, 2, 96), ptr=2 << 40),
+                                describe((2, 1001, 2, 96), ptr=3 << 40), None)
+    assert e.value.name == "FLASHCORE_ERROR_UNSUPPORTED_HEAD_DIM" and "64, 128, 256" in e.value.message
+    e4m3 = describe((2, 1001, 2, 128), dtype=_capi.FLASHCORE_E4M3, ptr=3 << 40)
+    with pytest.raises(FlashcoreError) as e:
+        lib.fp8_workspace_bytes(q, k, e4m3, None)
+    assert e.value.name == "FLASHCORE_ERROR_UNSUPPORTED_DTYPE"
+
+    o = describe((2, 300, 8, 128), dtype=_capi.FLASHCORE_BF16, ptr=1 << 40)
+    for smooth_k in (False, True):
+        lib.check_forward_fp8(fp8_operands(2, 300, 8, 1001, 2, 128, smooth_k), o, 7 << 40, 0.0, True)
+    ops = fp8_operands(2, 300, 8, 1001, 2, 128, smooth_k=True)
+    cases = [
+        (lambda ops, o: setattr(ops.q, "dtype", _capi.FLASHCORE_F16), "FLASHCORE_ERROR_UNSUPPORTED_DTYPE", "e4m3"),
+        (lambda ops, o: setattr(o, "dtype", _capi.FLASHCORE_E4M3), "FLASHCORE_ERROR_UNSUPPORTED_DTYPE", "f16 or bf16"),
+        (lambda ops, o: ops.vt_shape.__setitem__(3, 1000), "FLASHCORE_ERROR_SHAPE_MISMATCH", "vt"),
+        (lambda ops, o: ops.vt_strides.__setitem__(2, 1000), "FLASHCORE_ERROR_BAD_STRIDES", "pitch"),
+        (lambda ops, o: setattr(ops, "k_scale", 0), "FLASHCORE_ERROR_NULL_POINTER", "k_scale"),
+        (lambda ops, o: setattr(ops, "lse_shift", ops.lse_shift + 2), "FLASHCORE_ERROR_MISALIGNED", "lse_shift"),
+        (lambda ops, o: setattr(o, "ptr", ops.v_scale), "FLASHCORE_ERROR_INVALID_ARGUMENT", "overlaps"),
+    ]
+    for change, name, words in cases:
+        bad_ops, bad_o = fp8_operands(2, 300, 8, 1001, 2, 128, smooth_k=True), describe(
+            (2, 300, 8, 128), dtype=_capi.FLASHCORE_BF16, ptr=1 << 40
+        )
+        change(bad_ops, bad_o)
+        with pytest.raises(FlashcoreError) as e:
+            lib.check_forward_fp8(bad_ops, bad_o, 0, 0.0, False)
+        assert e.value.name == name and words in e.value.message, (name, e.value.message)
+        assert e.value.message.startswith("flashcore_check_forward_fp8: ")
+    with pytest.raises(FlashcoreError, match="INVALID_ARGUMENT"):
+        lib.check_forward_fp8(ops, o, 0, math.nan, False)
+
+
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_fp8_fake_shapes(layout, causal):
+    def make(b, h, s, d, dtype=torch.bfloat16):
+        return meta(b, h, s, d, dtype=dtype) if layout == "bhsd" else meta(b, s, h, d, dtype=dtype)
+
+    q, k, v = make(2, 8, 77, 128), make(2, 2, 300, 128), make(2, 2, 300, 128)
+    o = flashcore.attention_fp8(q, k, v, causal=causal, layout=layout)
+    assert o.shape == q.shape and o.dtype == q.dtype and o.device.type == "meta" and o.is_contiguous()
+    o, lse = flashcore.attention_fp8(
+        q, k, v, causal=causal, layout=layout, return_lse=True, smooth_k=True, hadamard_seed=2**64 - 1, scale=0.1
+    )
+    assert o.shape == q.shape and lse.shape == (2, 8, 77) and lse.dtype == torch.float32
+    h = make(1, 4, 64, 64, torch.float16)
+    assert flashcore.attention_fp8(h, h, h, layout=layout).dtype == torch.float16
+
+
+@pytest.mark.parametrize(
+    "q_shape, kv_shape, dtype, kv_dtype, name, words",
+    [
+        ((1, 4, 64, 96), (1, 4, 64, 96), torch.float16, None, "FLASHCORE_ERROR_UNSUPPORTED_HEAD_DIM", "64, 128, 256"),
+        ((1, 4, 64, 32), (1, 4, 64, 32), torch.float16, None, "FLASHCORE_ERROR_UNSUPPORTED_HEAD_DIM", "32"),
+        ((1, 6, 64, 64), (1, 4, 64, 64), torch.float16, None, "FLASHCORE_ERROR_HEAD_RATIO", "6"),
+        ((1, 4, 64, 64), (1, 4, 64, 64), torch.float32, None, "FLASHCORE_ERROR_UNSUPPORTED_DTYPE", "f16 or bf16"),
+        ((1, 4, 64, 64), (1, 4, 64, 64), torch.float16, torch.bfloat16, "FLASHCORE_ERROR_UNSUPPORTED_DTYPE", "share"),
+        ((1, 4, 64, 64), (2, 4, 64, 64), torch.float16, None, "FLASHCORE_ERROR_SHAPE_MISMATCH", "batch"),
+        ((1, 4, (1 << 25) + 1, 64), (1, 4, 64, 64), torch.float16, None, "FLASHCORE_ERROR_INVALID_ARGUMENT", "2^25"),
+    ],
+)
+def test_fp8_fake_calls_apply_flashcore_rules(q_shape, kv_shape, dtype, kv_dtype, name, words):
+    q = meta(*q_shape, dtype=dtype)
+    k = meta(*kv_shape, dtype=kv_dtype or dtype)
+    v = meta(*kv_shape, dtype=kv_dtype or dtype)
+    with pytest.raises(FlashcoreError) as e:
+        flashcore.attention_fp8(q, k, v)
+    assert e.value.name == name
+    assert words in str(e.value)
+    assert e.value.message.startswith("flashcore_fp8_workspace_bytes: ")
+
+
+def test_fp8_misuse_is_refused_before_the_library():
+    q = meta(1, 4, 64, 64)
+    with pytest.raises(ValueError, match="layout"):
+        flashcore.attention_fp8(q, q, q, layout="bsdh")
+    for s in (0.0, -1.0, math.nan, math.inf):
+        with pytest.raises(ValueError, match="scale"):
+            flashcore.attention_fp8(q, q, q, scale=s)
+    for seed in (-1, 2**64):
+        with pytest.raises(ValueError, match="hadamard_seed"):
+            flashcore.attention_fp8(q, q, q, hadamard_seed=seed)
+    for seed in (1.5, "7", True):
+        with pytest.raises(TypeError, match="hadamard_seed"):
+            flashcore.attention_fp8(q, q, q, hadamard_seed=seed)
+    with pytest.raises(ValueError, match="4-d"):
+        flashcore.attention_fp8(meta(4, 64, 64), q, q)
+    with pytest.raises(TypeError):
+        flashcore.attention_fp8(q, q, None)
+    cpu = torch.zeros(1, 4, 64, 64, dtype=torch.float16)
+    with pytest.raises(ValueError, match="CUDA"):
+        flashcore.attention_fp8(cpu, cpu, cpu)
+    with pytest.raises(NotImplementedError, match="backward"):
+        flashcore.attention_fp8(meta(1, 4, 64, 64).requires_grad_(), q, q)
+    # The empty problem: no launch, the rules still apply.
+    assert flashcore.attention_fp8(meta(1, 4, 0, 64), meta(1, 4, 9, 64), meta(1, 4, 9, 64)).shape == (1, 4, 0, 64)
+    with pytest.raises(FlashcoreError, match="UNSUPPORTED_HEAD_DIM"):
+        flashcore.attention_fp8(meta(1, 4, 0, 80), meta(1, 4, 9, 80), meta(1, 4, 9, 80))
+    # quantize_fp8 and forward_fp8 run on real CUDA tensors only.
+    with pytest.raises(ValueError, match="CUDA"):
+        flashcore.quantize_fp8(q, q, q)
+    with pytest.raises(ValueError, match="CUDA"):
+        flashcore.quantize_fp8(cpu, cpu, cpu)
+    with pytest.raises(ValueError, match="hadamard_seed"):
+        flashcore.quantize_fp8(q, q, q, hadamard_seed=-5)
+    with pytest.raises(TypeError, match="Fp8Operands"):
+        flashcore.forward_fp8((q, q, q))
+
+
+def test_fp8_seeds_cross_the_op_as_int64():
+    from flashcore.fp8 import _seed_from_op, _seed_to_op
+
+    for seed in (0, 1, 2**63 - 1, 2**63, 2**64 - 1):
+        op = _seed_to_op(seed)
+        assert -(2**63) <= op < 2**63 and _seed_from_op(op) == seed
+    opts = _capi.quantize_options(True, 2**64 - 1)
+    assert (opts.smooth_k, opts.hadamard, opts.hadamard_seed) == (1, 1, 2**64 - 1)
+    opts = _capi.quantize_options()
+    assert (opts.smooth_k, opts.hadamard, opts.hadamard_seed) == (0, 0, 0)
+
+
+def test_fp8_compiles_to_one_graph():
+    calls = []
+
+    def backend(gm, example_inputs):
+        calls.append(gm)
+        return gm
+
+    def f(q, k, v):
+        return flashcore.attention_fp8(q, k, v, causal=True, layout="bshd", smooth_k=True, hadamard_seed=5) * 2
+
+    compiled = torch.compile(f, backend=backend, fullgraph=True)
+    q, k = meta(2, 64, 8, 128), meta(2, 64, 2, 128)
+    assert compiled(q, k, k).shape == q.shape
+    assert len(calls) == 1
+    ops = [n.target for n in calls[0].graph.nodes if n.op == "call_function"]
+    assert torch.ops.flashcore.attention_fp8 in ops, ops

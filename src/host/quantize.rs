@@ -202,6 +202,43 @@ pub fn validate_quantize(
     options: &QuantizeOptions,
     workspace: &Workspace,
 ) -> Result<QuantizeProblem> {
+    let problem = validate_quantize_inputs(q, k, v, options)?;
+    let (shape, layout) = (problem.shape, problem.layout);
+    check_pointer("workspace", workspace.ptr, Fp8Layout::ALIGN as u64)?;
+    if workspace.bytes < layout.bytes {
+        return Err(Error::InvalidArgument(format!(
+            "the workspace has {} bytes; quantizing {shape:?} needs {} (Fp8Layout::new)",
+            workspace.bytes, layout.bytes
+        )));
+    }
+    let used = workspace
+        .ptr
+        .checked_add(layout.bytes as u64)
+        .map(|end| (workspace.ptr, end))
+        .ok_or_else(|| {
+            Error::InvalidArgument("the workspace overflows 64-bit addressing".into())
+        })?;
+    // validate_quantize_inputs checked that these ranges exist.
+    for (name, t) in [("q", q), ("k", k), ("v", v)] {
+        let r = byte_range_of(name, t)?;
+        if overlaps(used, r) {
+            return Err(Error::InvalidArgument(format!(
+                "the workspace [{:#x}, {:#x}) overlaps {name}'s memory [{:#x}, {:#x})",
+                used.0, used.1, r.0, r.1
+            )));
+        }
+    }
+    Ok(problem)
+}
+
+/// Checks the inputs of a quantization call: everything [`validate_quantize`] checks but
+/// the workspace. The result's layout says how large a workspace the call needs.
+pub fn validate_quantize_inputs(
+    q: &TensorView,
+    k: &TensorView,
+    v: &TensorView,
+    options: &QuantizeOptions,
+) -> Result<QuantizeProblem> {
     let input = q.dtype.half_type().ok_or_else(|| {
         Error::UnsupportedDType(format!("q is {}; the quantizer reads f16 or bf16", q.dtype))
     })?;
@@ -255,11 +292,9 @@ pub fn validate_quantize(
     for (name, t) in [("q", q), ("k", k), ("v", v)] {
         check_strides(name, t)?;
     }
-    let inputs = [
-        ("q", byte_range_of("q", q)?),
-        ("k", byte_range_of("k", k)?),
-        ("v", byte_range_of("v", v)?),
-    ];
+    for (name, t) in [("q", q), ("k", k), ("v", v)] {
+        byte_range_of(name, t)?;
+    }
     let shape = AttnShape {
         batch,
         seqlen_q,
@@ -269,28 +304,6 @@ pub fn validate_quantize(
         head_dim,
     };
     let layout = Fp8Layout::new(&shape, options)?;
-    check_pointer("workspace", workspace.ptr, Fp8Layout::ALIGN as u64)?;
-    if workspace.bytes < layout.bytes {
-        return Err(Error::InvalidArgument(format!(
-            "the workspace has {} bytes; quantizing {shape:?} needs {} (Fp8Layout::new)",
-            workspace.bytes, layout.bytes
-        )));
-    }
-    let used = workspace
-        .ptr
-        .checked_add(layout.bytes as u64)
-        .map(|end| (workspace.ptr, end))
-        .ok_or_else(|| {
-            Error::InvalidArgument("the workspace overflows 64-bit addressing".into())
-        })?;
-    for (name, r) in inputs {
-        if overlaps(used, r) {
-            return Err(Error::InvalidArgument(format!(
-                "the workspace [{:#x}, {:#x}) overlaps {name}'s memory [{:#x}, {:#x})",
-                used.0, used.1, r.0, r.1
-            )));
-        }
-    }
     Ok(QuantizeProblem {
         shape,
         input,
