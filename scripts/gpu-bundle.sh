@@ -12,6 +12,7 @@
 #   gpu-bundle/c/forward_{dynamic,static} the C example (examples/c/forward.c)
 #   gpu-bundle/wheels/flashcore-*.whl    the Python package (python/), over that library
 #   gpu-bundle/llama_bench.py    per-token time of a random Llama, SDPA vs the package's backend
+#   gpu-bundle/fp8_model_check.py  a random Llama with FP8 attention against 16-bit: logits, greedy tokens
 #   gpu-bundle/manifest.txt      commit, build date, file list
 #   gpu-bundle/run.sh            what the GPU machine runs
 #
@@ -106,6 +107,7 @@ cp scripts/gemm_bench.py "$bundle/gemm_bench.py"
 cp scripts/harness.py "$bundle/harness.py"
 cp scripts/profile.sh "$bundle/profile.sh"
 cp scripts/llama_bench.py "$bundle/llama_bench.py"
+cp scripts/fp8_model_check.py "$bundle/fp8_model_check.py"
 cp scripts/decode_sdpa_bench.py "$bundle/decode_sdpa_bench.py"
 timed bash scripts/build-c-example.sh --no-run >&2
 mkdir -p "$bundle/release" "$bundle/c"
@@ -348,6 +350,7 @@ if want python; then
     step python.log "harness through the package" 240 python3 "$bundle/harness.py" --package \
         --lib "$bundle/release/libflashcore.so" --json "$scratch/harness_pkg.json"
     step python.log "llama per-token time" 240 python3 "$bundle/llama_bench.py" --json "$scratch/llama.json"
+    step python.log "llama with FP8 attention" 300 python3 "$bundle/fp8_model_check.py" --json "$scratch/fp8_model.json"
     unset PYTHONPATH
 fi
 
