@@ -13,7 +13,9 @@ the Hadamard rotation), against the 16-bit run ("fcore"):
   flip does not decide every later position).
 Random weights leave near-ties between tokens that any change of summation order can flip:
 the same figures for SDPA against "fcore" (two 16-bit implementations) are printed as the
-noise floor. Needs the flashcore package (the wheel, or python/ on sys.path with
+noise floor. And "e4m3-sim" is SDPA on q, k and v rounded to E4M3 with the same per-block
+scales (one per 128 rows of each batch and head), in PyTorch: what rounding the operands
+alone does to the model, so the FP8 kernel's figures can be told apart from the format's. Needs the flashcore package (the wheel, or python/ on sys.path with
 FLASHCORE_LIB set) and an sm_89 or newer GPU.
 """
 
@@ -49,6 +51,35 @@ def build(hidden, inter, layers, heads, kv_heads, dtype):
     )
     torch.manual_seed(0)
     return LlamaForCausalLM(config).to(device="cuda", dtype=dtype).eval()
+
+
+SIM_NAME = "e4m3-sim"
+
+
+def e4m3_round(x):
+    """x [B, H, S, D] rounded to E4M3 with one scale per 128 rows of each (batch, head):
+    scale = amax / 448 (1 for an all-zero block), round to nearest, saturate."""
+    b, h, s, d = x.shape
+    pad = (-s) % 128
+    xf = torch.nn.functional.pad(x.float(), (0, 0, 0, pad)).view(b, h, -1, 128, d)
+    amax = xf.abs().amax(dim=(-2, -1), keepdim=True)
+    scale = torch.where(amax > 0, amax / 448.0, torch.ones_like(amax))
+    q = (xf / scale).clamp(-448, 448).to(torch.float8_e4m3fn).float() * scale
+    return q.view(b, h, -1, d)[:, :, :s].to(x.dtype)
+
+
+def register_sim():
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    def forward(module, query, key, value, attention_mask, **kwargs):
+        return sdpa_attention_forward(module, e4m3_round(query), e4m3_round(key), e4m3_round(value),
+                                      attention_mask, **kwargs)
+
+    AttentionInterface.register(SIM_NAME, forward)
+    AttentionMaskInterface.register(SIM_NAME, sdpa_mask)
+    return SIM_NAME
 
 
 def set_env(env):
@@ -106,6 +137,7 @@ def main():
 
     name16 = flashcore.register_transformers()
     name8 = flashcore.register_transformers(fp8=True)
+    sim = register_sim()
     dtype = {"f16": torch.float16, "bf16": torch.bfloat16}[args.dtype]
     rows = []
     for label, cfg in CONFIGS.items():
@@ -117,6 +149,7 @@ def main():
         forced = torch.cat([ids, ref[1]], dim=1)
         res = {"model": label, "prompt": args.prompt, "new_tokens": args.new, "dtype": args.dtype}
         res["sdpa"] = compare(ref, run(model, "sdpa", ids, args.new, forced), args.prompt)
+        res[sim] = compare(ref, run(model, sim, ids, args.new, forced), args.prompt)
         for variant, env in VARIANTS.items():
             set_env(env)
             transformers_backend.stats["flashcore_fp8"] = 0
@@ -134,7 +167,7 @@ def main():
           "teacher-forced top-1 | FP8 calls |")
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
-        for variant in ["sdpa", *VARIANTS]:
+        for variant in ["sdpa", sim, *VARIANTS]:
             m = r[variant]
             print(f"| {r['model']} | {variant} | {m['logits_rel_l2']:.2e} | {m['prompt_top1_agreement']:.3f} | "
                   f"{m['greedy_equal_fraction']:.3f} | {m['greedy_identical_prefix']}/{args.new} | "
