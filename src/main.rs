@@ -157,6 +157,7 @@ fn info() -> Result<(), Failure> {
         }
         Some(((major, minor), dev.sm_count()))
     };
+    let detected = arch.map(|(a, _)| a);
     let (arch, sms) = arch.unwrap_or(((8, 0), 108));
     out!(
         "\ndispatch on sm_{}{} with {sms} SMs (dtype, head dim, causal -> kernel; the 64-row \
@@ -196,7 +197,48 @@ fn info() -> Result<(), Failure> {
             }
         }
     }
+    match detected {
+        Some(arch) => fp8_info(arch),
+        // No GPU here: the two architectures with FP8 tensor cores.
+        None => [(8, 9), (9, 0)].into_iter().for_each(fp8_info),
+    }
     Ok(())
+}
+
+/// The FP8 part of `flashcore info`: which kernel family each head dim takes on `arch`.
+fn fp8_info(arch: (i32, i32)) {
+    use flashcore::host::attention::PathChoice;
+    use flashcore::host::fp8::{Fp8Problem, dispatch_fp8};
+    use flashcore::kernels::attention::fp8::{Fp8Path, HEAD_DIMS};
+    out!(
+        "\nFP8 on sm_{}{} (e4m3 operands with per-block scales; f16 output, bf16 alike):",
+        arch.0,
+        arch.1
+    );
+    for d in HEAD_DIMS {
+        for causal in [false, true] {
+            let problem = Fp8Problem {
+                shape: AttnShape::square(8, 32, 4096, d as usize),
+                out: HalfType::F16,
+                scale: 1.0,
+                causal,
+            };
+            let target = match dispatch_fp8(arch, PathChoice::Best, &problem) {
+                Ok(cfg) if arch >= (9, 0) && cfg.path == Fp8Path::Sm89 => format!(
+                    "{} (no sm90a kernel yet: Hopper emulates its FP8 mma.sync, about 0.3x \
+                     the 16-bit kernel)",
+                    cfg.id()
+                ),
+                Ok(cfg) => cfg.id(),
+                Err(why) => format!("unsupported: {why}"),
+            };
+            out!(
+                "  e4m3 d{:<3} {:<6} -> {target}",
+                d,
+                if causal { "causal" } else { "full" }
+            );
+        }
+    }
 }
 
 fn ptx(args: &[String]) -> Result<(), Failure> {
