@@ -350,6 +350,8 @@ if want python; then
     step python.log "harness through the package" 240 python3 "$bundle/harness.py" --package \
         --lib "$bundle/release/libflashcore.so" --json "$scratch/harness_pkg.json"
     step python.log "llama per-token time" 240 python3 "$bundle/llama_bench.py" --json "$scratch/llama.json"
+    step python.log "harness FP8 (attention_fp8 vs SDPA)" 240 python3 "$bundle/harness.py" --fp8 \
+        --lib "$bundle/release/libflashcore.so" --json "$scratch/harness_fp8.json"
     step python.log "llama with FP8 attention" 300 python3 "$bundle/fp8_model_check.py" --json "$scratch/fp8_model.json"
     unset PYTHONPATH
 fi

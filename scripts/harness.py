@@ -5,6 +5,7 @@ Usage (on a GPU machine with PyTorch; no cargo needed):
 
     python3 scripts/harness.py --lib target/release/libflashcore.so [--json OUT.json]
                                [--quick] [--budget-s 0.4] [--no-graph] [--package] [--decode]
+                               [--fp8]
 
 The ctypes spelling of the C ABI comes from the Python package (python/flashcore/_capi.py,
 installed or from this repository). With --package every flashcore call goes through
@@ -42,6 +43,13 @@ pool). SDPA (cuDNN, flash; enable_gqa) gets q and k, v as [B, H, S, D] views of 
 tensors (of the contiguous cache holding the same keys, for the paged case). O is checked
 against float64 and SDPA as above; timing is the same method; the figure of merit is
 GB/s = K+V bytes / median time.
+
+With --fp8 it compares flashcore.attention_fp8 (the Python package: q, k, v quantized to
+e4m3 with per-block scales by flashcore_quantize_fp8, then flashcore_forward_fp8; both
+timed, output allocation included) with SDPA's 16-bit backends on the same 16-bit
+tensors: head dims 64, 128 and 256, causal and not, GQA, Sq > Sk (--quick: two small
+cases). O is checked against float64 at 8e-2 relative L2 (E4M3's rounding of q, k and v
+alone costs about 5%) and for NaN; the time is flashcore's quantize + attention.
 
 Prints progress to stderr and the table to stdout; --json writes everything, including a
 "records" list in the format of scripts/sdpa_bench.py (so `sdpa_bench.py --compare` reads
@@ -821,6 +829,120 @@ def run_decode(torch, fc, timer, env, quick):
     return results, records, all_ok
 
 
+# ---- FP8 -------------------------------------------------------------------------------------
+
+FP8_TOLERANCE = 8e-2  # rel L2 vs float64: E4M3's rounding of q, k and v alone costs ~5%
+
+
+def all_fp8_cases(quick):
+    if quick:
+        return [
+            Case(2, 8, 8, 512, 512, 64, True, "f16"),
+            Case(1, 4, 2, 200, 300, 128, True, "bf16"),
+        ]
+    cases = []
+    for b, h, s, d in ((4, 16, 4096, 128), (2, 16, 8192, 128), (4, 32, 4096, 64), (4, 8, 4096, 256)):
+        for causal in (False, True):
+            cases.append(Case(b, h, h, s, s, d, causal, "f16"))
+    for causal in (False, True):
+        cases.append(Case(4, 32, 8, 4096, 4096, 128, causal, "bf16"))
+    cases.append(Case(2, 16, 16, 3000, 1000, 128, True, "f16"))  # rows that see no key
+    return cases
+
+
+def check_fp8_case(torch, case, q, k, v):
+    import flashcore
+
+    o = flashcore.attention_fp8(q, k, v, causal=case.causal, layout="bhsd")
+    torch.cuda.synchronize()
+    small = case.b * case.hq * case.sq * case.sk <= (1 << 26)
+    batches = list(range(case.b)) if small else [0]
+    heads = list(range(case.hq)) if small else sorted({0, case.hq - 1})
+    want, _ = reference_f64(torch, case, q, k, v, batches, heads)
+    got = o[batches][:, heads]
+    finite = bool(torch.isfinite(o).all().item())
+    err = rel_l2(got, want)
+    return {"rel_l2_vs_f64": err, "finite": finite, "ok": finite and err < FP8_TOLERANCE}
+
+
+def run_fp8(torch, timer, env, quick):
+    """The FP8 comparison; returns (results, records, all_ok)."""
+    import flashcore
+
+    cases = all_fp8_cases(quick)
+    results, records, all_ok = [], [], True
+    for n, case in enumerate(cases, 1):
+        log(f"[{n}/{len(cases)}] fp8 {case.label()}")
+        dtype = {"f16": torch.float16, "bf16": torch.bfloat16}[case.dtype]
+        flops = case.flops()
+        r = {"shape": case.name(), "case": case.key(), "flops": flops}
+        gen = torch.Generator(device="cuda")
+        gen.manual_seed(3000 + n)
+        sets = None
+        try:
+            sets = input_sets(torch, case, dtype, env["l2_bytes"], gen)
+            r["input_sets"] = len(sets)
+            try:
+                r["check"] = check_fp8_case(torch, case, *sets[0][:3])
+                r["ok"] = r["check"]["ok"]
+            except Exception as e:  # noqa: BLE001
+                r["check"] = {"error": first_line(e)}
+                r["ok"] = False
+            for name, backend in (("ours", None), ("cudnn", "CUDNN_ATTENTION"), ("flash", "FLASH_ATTENTION")):
+                try:
+                    if backend is None:
+                        ms, iters = timer.measure(
+                            lambda i: flashcore.attention_fp8(*sets[i][:3], causal=case.causal, layout="bhsd"),
+                            len(sets))
+                    else:
+                        ms, iters = time_sdpa(torch, timer, case, sets, backend)
+                    r[name] = {"median_ms": ms, "iters": iters, "tflops": flops / (ms * 1e-3) / 1e12}
+                except NotAvailable as e:
+                    r[name] = {"na": str(e)}
+                except Exception as e:  # noqa: BLE001
+                    r[name] = {"error": first_line(e)}
+                try:
+                    torch.cuda.synchronize()
+                except Exception as e:  # noqa: BLE001
+                    r[name].setdefault("error", first_line(e))
+        except Exception as e:  # noqa: BLE001
+            r["error"] = first_line(e)
+            r["ok"] = False
+        finally:
+            sets = None
+            torch.cuda.empty_cache()
+        if "tflops" not in (r.get("ours") or {}):
+            r["ok"] = False
+        all_ok = all_ok and r["ok"]
+        for name, backend in (("ours", "flashcore-fp8"), ("cudnn", "cudnn"), ("flash", "flash")):
+            x = r.get(name) or {"error": r.get("error", "not run")}
+            rec = dict(case.key(), backend=backend, flops=flops, device=env["device"],
+                       median_ms=x.get("median_ms"), tflops=x.get("tflops"))
+            if "na" in x or "error" in x:
+                rec["error"] = x.get("na") or x.get("error")
+            if name == "ours" and isinstance(r.get("check", {}).get("rel_l2_vs_f64"), float):
+                rec["rel_err"] = r["check"]["rel_l2_vs_f64"]
+            records.append(rec)
+        chk = r.get("check", {})
+        log(f"    ours {fmt_tf(r.get('ours'))}  cuDNN {fmt_tf(r.get('cudnn'))}  flash {fmt_tf(r.get('flash'))} "
+            f"TFLOP/s; err f64 {fmt_err(chk.get('rel_l2_vs_f64'))}{'' if r['ok'] else '  <-- FAILED'}")
+        results.append(r)
+    return results, records, all_ok
+
+
+def print_fp8_table(results):
+    print("| case | mask | flashcore FP8 (quantize + attention) TFLOP/s | SDPA cuDNN 16-bit | SDPA flash 16-bit "
+          "| FP8 / cuDNN | FP8 / flash | rel L2 vs float64 |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in results:
+        c = r["case"]
+        chk = r.get("check", {})
+        print(f"| {r['shape']} {c['dtype']} | {'causal' if c['causal'] else 'full'} | {fmt_tf(r.get('ours'))} | "
+              f"{fmt_tf(r.get('cudnn'))} | {fmt_tf(r.get('flash'))} | {fmt_ratio(r.get('ours'), r.get('cudnn'))} | "
+              f"{fmt_ratio(r.get('ours'), r.get('flash'))} | {fmt_err(chk.get('rel_l2_vs_f64'))}"
+              f"{'' if r.get('ok') else ' FAILED'} |", flush=True)
+
+
 # ---- main ----------------------------------------------------------------------------------
 
 
@@ -899,6 +1021,9 @@ def main():
     p.add_argument("--decode", action="store_true",
                    help="compare decode against a KV cache (flashcore_decode / flashcore.decode) instead of "
                         "the forward")
+    p.add_argument("--fp8", action="store_true",
+                   help="compare flashcore.attention_fp8 (quantize + FP8 attention, through the Python package) "
+                        "with SDPA's 16-bit backends")
     args = p.parse_args()
 
     try:
@@ -913,7 +1038,7 @@ def main():
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.cuda.init()
     try:
-        fc = (FlashcorePackage if args.package else Flashcore)(args.lib, args.device)
+        fc = (FlashcorePackage if args.package or args.fp8 else Flashcore)(args.lib, args.device)
     except (OSError, FlashcoreError) as e:
         log(f"harness: cannot use {args.lib}: {first_line(e)}")
         return 2
@@ -932,6 +1057,21 @@ def main():
     log(f"harness: {env['device']}, L2 {l2_bytes / 2**20:.0f} MiB, torch {env['torch']}, cuda {env['cuda']}, "
         f"cudnn {env['cudnn']}, flashcore {env['flashcore']}")
     timer = Timer(torch, args.budget_s)
+
+    if args.fp8:
+        results, records, all_ok = run_fp8(torch, timer, env, args.quick)
+        print(f"flashcore.attention_fp8 (Python package) {env['flashcore']} vs PyTorch SDPA 16-bit on {env['device']} "
+              f"(torch {env['torch']}, cuDNN {env['cudnn']}); TFLOP/s = 4*B*Hq*D*visible pairs / median time",
+              flush=True)
+        print_fp8_table(results)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"env": env, "fp8": results, "records": records}, f, indent=1)
+                f.write("\n")
+            log(f"harness: wrote {args.json}")
+        fc.close()
+        log(f"harness: {sum(1 for r in results if r.get('ok'))}/{len(results)} FP8 cases ok")
+        return 0 if all_ok else 1
 
     if args.decode:
         results, records, all_ok = run_decode(torch, fc, timer, env, args.quick)
