@@ -136,7 +136,7 @@ cat >"$bundle/run.sh" <<'RUN_SH'
 # Runs on the GPU machine (no cargo) from the repository root:
 #
 #   bash gpu-bundle/run.sh                 # everything
-#   bash gpu-bundle/run.sh tests bench     # some groups: system hopper tests sanitize decode c python bench criterion profile
+#   bash gpu-bundle/run.sh tests bench     # some groups: system hopper tests sanitize decode fp8 calibrate c python bench criterion profile
 #
 # Writes under $OUT (default ./out), at most 12 files, no subfolders:
 #   system.log     manifest, nvidia-smi, flashcore info
@@ -145,6 +145,8 @@ cat >"$bundle/run.sh" <<'RUN_SH'
 #                  through the package, the Llama per-token benchmark
 #   sanitizer.log  compute-sanitizer memcheck / racecheck / synccheck on `flashcore run`
 #   hopper.log     sm_90a proof kernels: TMA round trip + GEMM tests, GEMM vs cuBLAS, sanitizers
+#   fp8.log        FP8: quantizer + both kernel families under the sanitizers, FP8 vs f16 and SDPA,
+#                  quantizer bandwidth; the calibration table (group calibrate)
 #   decode.log     serving: gpu_decode and gpu_varlen under the sanitizers, decode GB/s against SDPA
 #                  (decode_ours.json, decode_sdpa.json)
 #   bench.log      flashcore bench, SDPA bench, comparison, harness, criterion, ncu profile
@@ -336,6 +338,36 @@ fi
 if want c; then
     step tests.log "c example (dynamic)" 120 "$bundle/c/forward_dynamic"
     step tests.log "c example (static)" 120 "$bundle/c/forward_static"
+fi
+
+# ---- FP8 ---------------------------------------------------------------------------------
+if want fp8; then
+    # The GPU quantizer and both FP8 kernel families (sm90a on Hopper; sm89 for D256 and
+    # with --path sm80) under the sanitizers, through `flashcore run --dtype e4m3`.
+    fp8_shapes=(
+        "--batch 1 --heads 4 --kv-heads 1 --seqlen-q 200 --seqlen-k 513 --head-dim 128 --causal"
+        "--batch 2 --heads 2 --kv-heads 2 --seqlen-q 77 --seqlen-k 333 --head-dim 64 --in-dtype bf16 --smooth-k"
+        "--batch 1 --heads 2 --kv-heads 2 --seqlen-q 113 --seqlen-k 200 --head-dim 256 --hadamard 7"
+        "--batch 1 --heads 2 --kv-heads 1 --seqlen-q 130 --seqlen-k 300 --head-dim 128 --causal --path sm80"
+    )
+    for tool in memcheck racecheck synccheck; do
+        for s in "${fp8_shapes[@]}"; do
+            read -ra shape_args <<<"$s"
+            step fp8.log "$tool e4m3 $s" 180 \
+                compute-sanitizer --tool "$tool" --error-exitcode 1 \
+                "$fc" run --dtype e4m3 --iters 0 "${shape_args[@]}"
+        done
+    done
+    step fp8.log "flashcore fp8 (FP8 vs our f16, quantizer time)" 240 "$fc" fp8
+    step fp8.log "sdpa_bench f16 (Hopper grid, for the FP8 rows)" 240 python3 "$bundle/sdpa_bench.py" \
+        --shapes hopper --dtype f16 --backends cudnn,flash --json "$scratch/sdpa_fp8.json"
+    step fp8.log "flashcore quantize-bench" 120 "$fc" quantize-bench
+    step fp8.log "flashcore quantize-bench --kv-heads 8" 120 "$fc" quantize-bench --kv-heads 8
+fi
+# The calibration suite on its own (about 2.5 minutes): a group of its own so that it fits
+# one call's time limit next to `fp8`.
+if want calibrate; then
+    step fp8.log "flashcore calibrate" 420 "$fc" calibrate --json "$scratch/calibrate.json"
 fi
 
 # ---- the Python package ------------------------------------------------------------------
