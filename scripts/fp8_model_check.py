@@ -26,6 +26,9 @@ import sys
 
 import torch
 
+# The model builder of the per-token benchmark (same folder, here and in the bundle).
+from llama_bench import build
+
 CONFIGS = {
     # name: (hidden, intermediate, layers, heads, kv heads); head dim = hidden / heads
     "small (2 layers, d512, D64)": (512, 1024, 2, 8, 2),
@@ -39,18 +42,6 @@ VARIANTS = {
     "fp8+smooth_k": {"FLASHCORE_FP8_SMOOTH_K": "1"},
     "fp8+hadamard": {"FLASHCORE_FP8_HADAMARD_SEED": "0x5eed"},
 }
-
-
-def build(hidden, inter, layers, heads, kv_heads, dtype):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        vocab_size=32000, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
-        num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=8192,
-        initializer_range=0.05, pad_token_id=0,
-    )
-    torch.manual_seed(0)
-    return LlamaForCausalLM(config).to(device="cuda", dtype=dtype).eval()
 
 
 SIM_NAME = "e4m3-sim"

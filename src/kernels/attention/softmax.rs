@@ -239,26 +239,8 @@ impl OnlineSoftmax {
         let tile_sums = Self::tile_sums(k, scores.len());
         for (slab, tiles) in scores.iter().enumerate() {
             for half in 0..2 {
-                let mut tile_max = {
-                    let [a, b] = half_of(&tiles[0], half);
-                    k.max(a, b)
-                };
-                for tile in &tiles[1..] {
-                    for v in half_of(tile, half) {
-                        tile_max = k.max(tile_max, v);
-                    }
-                }
-                let tile_max = quad_max(k, tile_max);
-                let tile_max = k.mul(tile_max, dc);
-                let old_max = self.max[slab][half];
-                let new_max = k.max(old_max, tile_max);
-                let none = k.setp(Cmp::Eq, new_max, f32::NEG_INFINITY);
-                let usable = k.selp(0f32, new_max, none);
-                let drop = k.sub(old_max, usable);
-                k.ex2_to(factors[slab][half], drop);
-                k.mov_to(old_max, new_max);
-                let sum = self.sum[slab][half];
-                k.mul_to(sum, sum, factors[slab][half]);
+                let (usable, _) =
+                    self.raise_row_log2(k, tiles, slab, half, dc, Some(factors[slab][half]));
                 let bias = k.sub(offset, usable);
                 let tile_sum = tile_sums[slab][half];
                 for tile in tiles {
@@ -308,7 +290,8 @@ impl OnlineSoftmax {
             .enumerate()
             .map(|(slab, tiles)| {
                 std::array::from_fn(|half| {
-                    let (usable, rescale) = self.raise_row_log2(k, tiles, slab, half, dequant);
+                    let (usable, rescale) =
+                        self.raise_row_log2(k, tiles, slab, half, dequant, None);
                     for acc in &o[slab] {
                         for v in half_of(acc, half) {
                             k.mul_to(v, v, rescale);
@@ -346,7 +329,8 @@ impl OnlineSoftmax {
     }
 
     /// [`OnlineSoftmax::raise_row`] with the maximum in log2 units: the tile's raw
-    /// maximum times `dequant` (−∞ stays −∞), and the rescale factor `exp2(m − m')`.
+    /// maximum times `dequant` (−∞ stays −∞), and the rescale factor `exp2(m − m')`
+    /// (written into `rescale_into` when given).
     fn raise_row_log2(
         &self,
         k: &mut Kernel,
@@ -354,6 +338,7 @@ impl OnlineSoftmax {
         slab: usize,
         half: usize,
         dequant: Reg<F32>,
+        rescale_into: Option<Reg<F32>>,
     ) -> (Reg<F32>, Reg<F32>) {
         let tile_max = row_max(k, tiles, half);
         let tile_max = k.mul(tile_max, dequant);
@@ -362,7 +347,13 @@ impl OnlineSoftmax {
         let none = k.setp(Cmp::Eq, new_max, f32::NEG_INFINITY);
         let usable = k.selp(0f32, new_max, none);
         let drop = k.sub(old_max, usable);
-        let rescale = k.ex2(drop);
+        let rescale = match rescale_into {
+            Some(d) => {
+                k.ex2_to(d, drop);
+                d
+            }
+            None => k.ex2(drop),
+        };
         k.mov_to(old_max, new_max);
         let sum = self.sum[slab][half];
         k.mul_to(sum, sum, rescale);
