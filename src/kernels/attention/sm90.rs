@@ -183,17 +183,6 @@ where
     let (plan, slots) = s.plan();
     let smem = k.shared_memory(&plan);
     let tid = k.special(Special::TidX);
-
-    k.comment("One thread initialises the barriers; everyone waits for it.");
-    let first = k.setp(Cmp::Eq, tid, 0u32);
-    k.if_(first, |k| {
-        // FULL: the producer's arrival plus the bytes; EMPTY: one arrival per consumer warp.
-        slots.q_ring.init(k, &smem, 1, 8);
-        slots.k_ring.init(k, &smem, 1, 8);
-        slots.v_ring.init(k, &smem, 1, 8);
-    });
-    k.sync_threads();
-
     let f = Fwd {
         s,
         causal: cfg.causal,
@@ -202,14 +191,41 @@ where
         smem,
         slots,
     };
-    let warpgroup = k.shr(tid, 7);
-    let producer = k.setp(Cmp::Eq, warpgroup, 0u32);
-    k.if_else(
-        producer,
+    let rings = [&f.slots.q_ring, &f.slots.k_ring, &f.slots.v_ring];
+    split_roles(
+        &mut k,
+        &f.smem,
+        rings,
+        tid,
         |k| produce(k, &f, tid),
         |k| consume::<H, NS, NO>(k, &f, tid),
     );
     k.finish()
+}
+
+/// The warp-specialized frame of the sm90a forwards (16-bit and FP8): thread 0
+/// initialises the Q, K and V rings' barriers (FULL: the producer's arrival plus the
+/// bytes; EMPTY: one arrival per consumer warp) while the block waits, then warpgroup 0
+/// runs `produce` and the consumer warpgroups `consume`.
+pub(super) fn split_roles(
+    k: &mut Kernel,
+    smem: &Smem,
+    rings: [&RingBarriers; 3],
+    tid: Reg<U32>,
+    produce: impl FnOnce(&mut Kernel),
+    consume: impl FnOnce(&mut Kernel),
+) {
+    k.comment("One thread initialises the barriers; everyone waits for it.");
+    let first = k.setp(Cmp::Eq, tid, 0u32);
+    k.if_(first, |k| {
+        for ring in rings {
+            ring.init(k, smem, 1, 8);
+        }
+    });
+    k.sync_threads();
+    let warpgroup = k.shr(tid, 7);
+    let producer = k.setp(Cmp::Eq, warpgroup, 0u32);
+    k.if_else(producer, produce, consume);
 }
 
 impl Fwd {

@@ -37,7 +37,7 @@ use super::epilogue::{LseForm, OutputBlock, store_output_lse};
 use super::fp8::{Fp8Args, Fp8Config, P_SHIFT_LOG2, SCALE_BLOCK};
 use super::mask::apply_mask;
 use super::rows::{Slab, zeroed_slabs};
-use super::sm90::{Block, ConsumerRoles, advance, for_each_item};
+use super::sm90::{Block, ConsumerRoles, advance, for_each_item, split_roles};
 use super::softmax::{OnlineSoftmax, rescale_rows};
 use super::{FwdArgs, HalfType, Tiling};
 use crate::ptx::{
@@ -185,16 +185,6 @@ where
     let (plan, slots) = s.plan();
     let smem = k.shared_memory(&plan);
     let tid = k.special(Special::TidX);
-
-    k.comment("One thread initialises the barriers; everyone waits for it.");
-    let first = k.setp(Cmp::Eq, tid, 0u32);
-    k.if_(first, |k| {
-        slots.q_ring.init(k, &smem, 1, 8);
-        slots.k_ring.init(k, &smem, 1, 8);
-        slots.v_ring.init(k, &smem, 1, 8);
-    });
-    k.sync_threads();
-
     let f = Fwd {
         s,
         causal: cfg.causal,
@@ -203,10 +193,12 @@ where
         smem,
         slots,
     };
-    let warpgroup = k.shr(tid, 7);
-    let producer = k.setp(Cmp::Eq, warpgroup, 0u32);
-    k.if_else(
-        producer,
+    let rings = [&f.slots.q_ring, &f.slots.k_ring, &f.slots.v_ring];
+    split_roles(
+        &mut k,
+        &f.smem,
+        rings,
+        tid,
         |k| produce(k, &f, tid),
         |k| consume::<H, NS, NC>(k, &f, tid),
     );
