@@ -36,7 +36,7 @@ use std::marker::PhantomData;
 use std::mem::offset_of;
 
 use super::rows::{Rows, Slab, half_of, zeroed_slabs};
-use super::sm80::frag_addresses;
+use super::sm80::{LaneRoles, frag_addresses};
 use super::softmax::OnlineSoftmax;
 use super::{FWD_HEAD_DIMS, HalfType};
 use crate::ptx::{
@@ -655,11 +655,7 @@ impl<H: Half2> WarpState<H> {
         let o = zeroed_slabs(k, 1, (cfg.head_dim / 8) as usize);
         let softmax = OnlineSoftmax::new(k, 1);
         // ldmatrix lane roles as in the sm80 forward; each warp reads its own 16 keys.
-        let l8 = k.and(lane, 7u32);
-        let l16 = k.and(lane, 15u32);
-        let hi16 = k.shr(lane, 4);
-        let mid = k.shr(lane, 3);
-        let mid = k.and(mid, 1u32);
+        let LaneRoles { l8, l16, hi16, mid } = LaneRoles::of(k, lane);
         let first = k.mul(warp, WARP_KEYS);
         let k_row = k.mad(hi16, 8u32, l8);
         let k_row = k.add(k_row, first);

@@ -434,11 +434,7 @@ impl<H: Half2> Fwd<H> {
         //   Q (A operand):                    row L%16,              column half L/16
         //   K (B operand of S, K-major):      row L%8 + 8·(L/16),    column half (L/8)%2
         //   V (B operand of O, transposed):   row L%16,              column half L/16
-        let l8 = k.and(lane, 7u32);
-        let l16 = k.and(lane, 15u32);
-        let hi16 = k.shr(lane, 4);
-        let mid = k.shr(lane, 3);
-        let mid = k.and(mid, 1u32);
+        let LaneRoles { l8, l16, hi16, mid } = LaneRoles::of(k, lane);
         let q_row = k.add(warp_rows, l16);
         let k_row = k.mad(hi16, 8u32, l8);
         let q_frag = frag_addresses(k, smem, t.q, q_row, hi16);
@@ -546,6 +542,26 @@ impl<H: Half2> Fwd<H> {
                 }
             }
         }
+    }
+}
+
+/// A lane's parts for the ldmatrix roles: `lane % 8`, `lane % 16`, `lane / 16` and
+/// `(lane / 8) % 2`.
+pub(super) struct LaneRoles {
+    pub l8: Reg<U32>,
+    pub l16: Reg<U32>,
+    pub hi16: Reg<U32>,
+    pub mid: Reg<U32>,
+}
+
+impl LaneRoles {
+    pub(super) fn of(k: &mut Kernel, lane: Reg<U32>) -> LaneRoles {
+        let l8 = k.and(lane, 7u32);
+        let l16 = k.and(lane, 15u32);
+        let hi16 = k.shr(lane, 4);
+        let mid = k.shr(lane, 3);
+        let mid = k.and(mid, 1u32);
+        LaneRoles { l8, l16, hi16, mid }
     }
 }
 

@@ -52,7 +52,7 @@ use super::fp8::{Fp8Args, Fp8Config, P_SHIFT_LOG2, SCALE_BLOCK};
 use super::mask::{apply_mask, key_tiles};
 use super::rows::{Slab, zeroed_slabs};
 use super::sequence::sequence;
-use super::sm80::{Coords, coords, frag_addresses, thread_rows};
+use super::sm80::{Coords, LaneRoles, coords, frag_addresses, thread_rows};
 use super::softmax::OnlineSoftmax;
 use super::{FwdArgs, HalfType, Tiling};
 use crate::ptx::{
@@ -498,11 +498,7 @@ impl Fwd {
         //   K8 and Vt8 (B operands, rows = n):    row L%8 + 8·(L/16),  column half (L/8)%2
         // A B-operand ldmatrix.x4 covers 16 n-rows: registers 0, 1 are the fragment of
         // rows 0..7, registers 2, 3 that of rows 8..15.
-        let l8 = k.and(lane, 7u32);
-        let l16 = k.and(lane, 15u32);
-        let hi16 = k.shr(lane, 4);
-        let mid = k.shr(lane, 3);
-        let mid = k.and(mid, 1u32);
+        let LaneRoles { l8, l16, hi16, mid } = LaneRoles::of(k, lane);
         let q_row = k.add(warp_rows, l16);
         let b_row = k.mad(hi16, 8u32, l8);
         let q_frag = frag_addresses(k, smem, tiles.q, q_row, hi16);
