@@ -642,12 +642,8 @@ pub fn time_fp8(
     iters: usize,
     rng: &mut Rng,
 ) -> Result<(TimingStats, TimingStats)> {
-    let l2 = attn.device().l2_bytes() as usize;
-    let sets = (2 * l2).div_ceil(case.bytes().max(1)).clamp(1, 64);
-    let cases = (0..sets)
-        .map(|_| DeviceCase::for_timing(stream, case, rng))
-        .collect::<Result<Vec<_>>>()?;
-    let mut workspaces = (0..sets)
+    let cases = timing_sets(attn, stream, case, rng)?;
+    let mut workspaces = (0..cases.len())
         .map(|_| Fp8Workspace::new(stream, &case.shape, options))
         .collect::<Result<Vec<_>>>()?;
     let params = AttentionParams {
@@ -721,6 +717,21 @@ pub fn check_forward(
     })
 }
 
+/// Enough copies of `case`'s inputs (at most 64) to exceed twice the L2 cache together,
+/// so timed calls rotating over them read from memory.
+fn timing_sets(
+    attn: &Attention,
+    stream: &Arc<CudaStream>,
+    case: FwdCase,
+    rng: &mut Rng,
+) -> Result<Vec<DeviceCase>> {
+    let l2 = attn.device().l2_bytes() as usize;
+    let sets = (2 * l2).div_ceil(case.bytes().max(1)).clamp(1, 64);
+    (0..sets)
+        .map(|_| DeviceCase::for_timing(stream, case, rng))
+        .collect()
+}
+
 /// Times `case`: median of `iters` forward calls after warm-up, rotating over enough
 /// input sets that together they exceed twice the L2 cache.
 pub fn time_forward(
@@ -730,11 +741,7 @@ pub fn time_forward(
     iters: usize,
     rng: &mut Rng,
 ) -> Result<TimingStats> {
-    let l2 = attn.device().l2_bytes() as usize;
-    let sets = (2 * l2).div_ceil(case.bytes().max(1)).clamp(1, 64);
-    let cases = (0..sets)
-        .map(|_| DeviceCase::for_timing(stream, case, rng))
-        .collect::<Result<Vec<_>>>()?;
+    let cases = timing_sets(attn, stream, case, rng)?;
     let params = AttentionParams {
         softmax_scale: None,
         causal: case.causal,
