@@ -41,7 +41,7 @@ use super::fp8::{FP8_HEAD_DIMS_TEXT, Fp8Operands, VtView};
 use super::launch::{LaunchDims, launch};
 use super::tensor::{DType, TensorView};
 use super::validate::{
-    MAX_GRID_YZ, MAX_SEQLEN, TENSOR_ALIGN, byte_range_of, check_not_empty, check_pointer,
+    TENSOR_ALIGN, byte_range_of, check_heads_and_sizes, check_not_empty, check_pointer,
     check_strides, overlaps,
 };
 use crate::error::{Error, Result};
@@ -268,24 +268,7 @@ pub fn validate_quantize_inputs(
     if !HEAD_DIMS.contains(&(head_dim as u32)) {
         return Err(Error::UnsupportedHeadDim(head_dim, FP8_HEAD_DIMS_TEXT));
     }
-    if !heads_q.is_multiple_of(heads_kv) {
-        return Err(Error::HeadRatio {
-            hq: heads_q,
-            hkv: heads_kv,
-        });
-    }
-    for (what, n) in [("seqlen_q", seqlen_q), ("seqlen_k", seqlen_k)] {
-        if n > MAX_SEQLEN {
-            return Err(Error::InvalidArgument(format!(
-                "{what} {n} exceeds the limit of {MAX_SEQLEN} (2^25)"
-            )));
-        }
-    }
-    if batch > MAX_GRID_YZ || heads_q > MAX_GRID_YZ {
-        return Err(Error::InvalidArgument(format!(
-            "batch {batch} or query heads {heads_q} exceed the grid limit {MAX_GRID_YZ}"
-        )));
-    }
+    check_heads_and_sizes(batch, heads_q, heads_kv, seqlen_q, seqlen_k)?;
     for (name, t) in [("q", q), ("k", k), ("v", v)] {
         check_pointer(name, t.ptr, TENSOR_ALIGN)?;
     }
@@ -740,7 +723,7 @@ mod tests {
             Err(Error::BadStrides { tensor: "q", .. })
         ));
         assert!(matches!(
-            with(&|v| v[0].shape[1] = MAX_SEQLEN + 1),
+            with(&|v| v[0].shape[1] = crate::host::validate::MAX_SEQLEN + 1),
             Err(Error::InvalidArgument(_))
         ));
         // The workspace: null, misaligned, too small, over an input.
