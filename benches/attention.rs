@@ -132,6 +132,7 @@ fn decode_group(
                             v: TensorView::bshd(v, DType::F16, b, skv, hkv, d),
                             seqlens,
                             layout: CacheLayout::Contiguous,
+                            scales: None,
                         },
                         Some(max_pages) => KvCache {
                             k: TensorView::bshd(k, DType::F16, b * max_pages, page, hkv, d),
@@ -142,6 +143,7 @@ fn decode_group(
                                 max_pages,
                                 table_stride: max_pages,
                             },
+                            scales: None,
                         },
                     }
                 })

@@ -413,6 +413,7 @@ fn kv_cache(c: &FlashcoreKvCache) -> Result<KvCache, Error> {
         v,
         seqlens: c.seqlens,
         layout,
+        scales: None,
     })
 }
 

@@ -941,6 +941,7 @@ fn decode(args: &[String]) -> Result<(), Failure> {
                             v: TensorView::bshd(v, dt, b, skv, hkv, d),
                             seqlens: lens.device_ptr(&stream).0,
                             layout: CacheLayout::Contiguous,
+                            scales: None,
                         },
                         p => KvCache {
                             k: TensorView::bshd(k, dt, pool_pages, p, hkv, d),
@@ -951,6 +952,7 @@ fn decode(args: &[String]) -> Result<(), Failure> {
                                 max_pages,
                                 table_stride: max_pages,
                             },
+                            scales: None,
                         },
                     }
                 })

@@ -238,6 +238,7 @@ impl DeviceCache {
             v,
             seqlens: ptr(s, &self.seqlens),
             layout,
+            scales: None,
         }
     }
 

@@ -141,9 +141,10 @@ pub fn decode_problem(
     cache: &KvCache,
     params: &AttentionParams,
 ) -> Result<DecodeProblem> {
-    if q.dtype != cache.k.dtype {
+    // An e4m3 cache serves queries of either 16-bit type.
+    if q.dtype != cache.k.dtype && !(cache.is_fp8() && q.dtype.half_type().is_some()) {
         return Err(Error::UnsupportedDType(format!(
-            "q and the cache must share one dtype, got q {}, cache {}",
+            "q and the cache must share one dtype (or the cache be e4m3), got q {}, cache {}",
             dtype_text(q.dtype),
             dtype_text(cache.k.dtype)
         )));
@@ -231,7 +232,8 @@ fn check_outputs(
 /// row_chunks · splits`) fill at least 85% of the last wave of resident blocks, with at
 /// least [`MIN_SPLIT_KEYS`] positions of capacity per split.
 pub fn plan_decode(p: &DecodeProblem, sm_count: u32, smem_optin: u32) -> Result<DecodePlan> {
-    let cfg = DecodeConfig::candidates(p.dtype, p.cache.head_dim as u32, p.cache.page_size > 0)
+    let c = &p.cache;
+    let cfg = DecodeConfig::candidates(p.dtype, c.head_dim as u32, c.page_size > 0, c.fp8)
         .into_iter()
         .find(|c| c.smem_bytes() <= smem_optin)
         .ok_or_else(|| {
@@ -283,6 +285,8 @@ pub fn plan_decode(p: &DecodeProblem, sm_count: u32, smem_optin: u32) -> Result<
 pub struct AppendProblem {
     pub cache: CacheShape,
     pub new_tokens: usize,
+    /// An e4m3 cache: the new tokens' 16-bit type, which the append quantizes.
+    pub fp8_from: Option<HalfType>,
 }
 
 /// Checks an append of `k_new`, `v_new` (`[B, Snew, Hkv, D]`) to `cache`.
@@ -291,12 +295,25 @@ pub fn validate_append(
     k_new: &TensorView,
     v_new: &TensorView,
 ) -> Result<AppendProblem> {
-    if k_new.dtype != cache.k.dtype || v_new.dtype != cache.k.dtype {
+    let fp8_from = if cache.is_fp8() {
+        // An e4m3 cache takes 16-bit tokens and quantizes them.
+        match k_new.dtype.half_type() {
+            Some(t) if v_new.dtype == k_new.dtype => Some(t),
+            _ => {
+                return Err(Error::UnsupportedDType(format!(
+                    "an e4m3 cache takes new tokens of one 16-bit dtype, got k_new {}, v_new {}",
+                    k_new.dtype, v_new.dtype
+                )));
+            }
+        }
+    } else if k_new.dtype != cache.k.dtype || v_new.dtype != cache.k.dtype {
         return Err(Error::UnsupportedDType(format!(
             "k_new and v_new must have the cache's dtype {}, got {} and {}",
             cache.k.dtype, k_new.dtype, v_new.dtype
         )));
-    }
+    } else {
+        None
+    };
     for (name, t) in [("k_new", k_new), ("v_new", v_new)] {
         check_not_empty(name, t)?;
     }
@@ -320,7 +337,8 @@ pub fn validate_append(
     let total = batch
         .checked_mul(new_tokens)
         .and_then(|n| n.checked_mul(heads_kv * head_dim / 8));
-    if total.is_none_or(|t| t >= 1 << 31) || new_tokens > shape.capacity {
+    // Below 2^31 with room for the e4m3 kernel to round up to whole warps.
+    if total.is_none_or(|t| t >= (1 << 31) - 32) || new_tokens > shape.capacity {
         return Err(Error::InvalidArgument(format!(
             "{new_tokens} new tokens of {batch} sequences are too many for one append \
              (capacity {})",
@@ -342,6 +360,7 @@ pub fn validate_append(
     Ok(AppendProblem {
         cache: shape,
         new_tokens,
+        fp8_from,
     })
 }
 
@@ -498,6 +517,34 @@ fn merge_launch(
     (args, dims)
 }
 
+/// The scale fields of the append arguments: an e4m3 cache's, zeros otherwise.
+fn append_scale_args(cache: &KvCache) -> AppendArgs {
+    match &cache.scales {
+        Some(s) => AppendArgs {
+            k_scale: s.k.ptr,
+            v_scale: s.v.ptr,
+            k_scale_stride: strides3(&s.k),
+            v_scale_stride: strides3(&s.v),
+            ..AppendArgs::default()
+        },
+        None => AppendArgs::default(),
+    }
+}
+
+/// The scale fields of the decode arguments: an e4m3 cache's, zeros otherwise.
+fn scale_args(cache: &KvCache) -> DecodeArgs {
+    match &cache.scales {
+        Some(s) => DecodeArgs {
+            k_scale: s.k.ptr,
+            v_scale: s.v.ptr,
+            k_scale_stride: strides3(&s.k),
+            v_scale_stride: strides3(&s.v),
+            ..DecodeArgs::default()
+        },
+        None => DecodeArgs::default(),
+    }
+}
+
 /// (batch, position, head) strides of a view, in elements.
 fn strides3(t: &TensorView) -> [u64; 3] {
     [
@@ -557,6 +604,9 @@ impl Attention {
         if let Some(h) = host {
             h.check(cache, &problem.cache, 0)?;
         }
+        if problem.cache.fp8 {
+            self.check_fp8_cache_gpu()?;
+        }
         let plan = self.decode_plan(&problem)?;
         if let Some(w) = workspace
             && plan.workspace_bytes > 0
@@ -614,6 +664,7 @@ impl Attention {
             scale: problem.scale,
             causal: u32::from(problem.causal),
             row_chunks: problem.row_chunks() as u32,
+            ..scale_args(cache)
         };
         let dims = LaunchDims {
             grid: (
@@ -687,7 +738,11 @@ impl Attention {
         }
         let cfg = AppendConfig {
             paged: problem.cache.page_size > 0,
+            fp8_from: problem.fp8_from,
         };
+        if cfg.fp8_from.is_some() {
+            self.check_fp8_cache_gpu()?;
+        }
         let kernel = self.load(&cfg.id(), 0, || cfg.generate())?;
         let c = &problem.cache;
         let (block_table, table_stride) = cache.layout.table();
@@ -712,6 +767,7 @@ impl Attention {
             page_shift: c.page_shift(),
             total: total as u32,
             _pad: 0,
+            ..append_scale_args(cache)
         };
         let blocks = total
             .div_ceil(APPEND_THREADS as usize)
@@ -751,6 +807,22 @@ impl Attention {
         // shards' validated extents and writes `out` and
         // `out_lse`'s; this function's contract makes the memory live.
         unsafe { launch(&kernel, &dims, stream, &mut params) }
+    }
+
+    /// An e4m3 cache needs sm_89's conversions.
+    fn check_fp8_cache_gpu(&self) -> Result<()> {
+        let arch = self.device().compute_capability();
+        if arch < (8, 9) {
+            return Err(Error::UnsupportedGpu {
+                name: format!(
+                    "{} (an e4m3 KV cache needs sm_89 or later)",
+                    self.device().name()
+                ),
+                major: arch.0,
+                minor: arch.1,
+            });
+        }
+        Ok(())
     }
 
     /// `bytes` of device memory from the stream-ordered allocator, ordered on `stream`.
@@ -815,7 +887,7 @@ fn check_workspace(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::host::kv_cache::CacheLayout;
+    use crate::host::kv_cache::{CacheLayout, KvScales};
 
     const GB: u64 = 1 << 30;
 
@@ -844,11 +916,160 @@ mod tests {
             v,
             seqlens: 3 * GB + (1 << 20),
             layout,
+            scales: None,
         }
     }
 
     fn q(b: usize, sq: usize, hq: usize, d: usize, at: u64) -> TensorView {
         TensorView::bshd(at, DType::F16, b, sq, hq, d)
+    }
+
+    /// `cache(...)` holding e4m3 codes, with scale tensors `[outer, rows, Hkv, 1]` at
+    /// 6 GB and 7 GB.
+    fn fp8_cache(b: usize, cap: usize, hkv: usize, d: usize, paged: Option<usize>) -> KvCache {
+        let mut c = cache(b, cap, hkv, d, paged);
+        for t in [&mut c.k, &mut c.v] {
+            *t = TensorView::bshd(t.ptr, DType::E4m3, t.shape[0], t.shape[1], hkv, d);
+        }
+        let [outer, rows, ..] = c.k.shape;
+        let scale = |at| TensorView::bshd(at, DType::F32, outer, rows, hkv, 1);
+        c.scales = Some(KvScales {
+            k: scale(6 * GB),
+            v: scale(7 * GB),
+        });
+        c
+    }
+
+    #[test]
+    fn fp8_caches_take_16_bit_queries_and_pick_the_e4m3_kernels() {
+        for paged in [None, Some(16)] {
+            for dt in [DType::F16, DType::Bf16] {
+                let c = fp8_cache(2, 1024, 2, 128, paged);
+                let qv = TensorView {
+                    dtype: dt,
+                    ..q(2, 3, 8, 128, 4 * GB)
+                };
+                let p = check(&qv, &c).unwrap();
+                assert!(p.cache.fp8);
+                let plan = plan_decode(&p, 132, 227 * 1024).unwrap();
+                assert!(plan.config.fp8, "{paged:?} {dt}");
+                assert_eq!(plan.config.paged, paged.is_some());
+                assert_eq!(plan.config.stages, 4);
+                // sm_89's 99 KiB still finds a ring.
+                assert!(plan_decode(&p, 58, 99 * 1024).unwrap().config.fp8);
+            }
+        }
+        // The 16-bit cache's plan is unchanged by the new field.
+        let p = check(&q(2, 1, 8, 128, 4 * GB), &cache(2, 1024, 2, 128, None)).unwrap();
+        assert!(!plan_decode(&p, 132, 227 * 1024).unwrap().config.fp8);
+    }
+
+    #[test]
+    fn fp8_caches_refuse_bad_scales_and_dtypes_with_typed_errors() {
+        let good = fp8_cache(2, 1024, 2, 64, Some(16));
+        let q0 = q(2, 1, 4, 64, 4 * GB);
+        assert!(check(&q0, &good).is_ok());
+        let err = |c: &KvCache| check(&q0, c).unwrap_err();
+
+        let mut none = good;
+        none.scales = None;
+        assert!(matches!(err(&none), Error::InvalidArgument(m) if m.contains("scales")));
+        let mut extra = cache(2, 1024, 2, 64, Some(16));
+        extra.scales = good.scales;
+        assert!(matches!(err(&extra), Error::InvalidArgument(m) if m.contains("e4m3")));
+
+        let with = |f: &dyn Fn(&mut KvScales)| {
+            let mut c = good;
+            f(c.scales.as_mut().unwrap());
+            c
+        };
+        assert!(matches!(
+            err(&with(&|s| s.k.dtype = DType::F16)),
+            Error::UnsupportedDType(_)
+        ));
+        assert!(matches!(
+            err(&with(&|s| s.v.shape[1] = 8)),
+            Error::ShapeMismatch(_)
+        ));
+        assert!(matches!(
+            err(&with(&|s| s.v.shape[3] = 2)),
+            Error::ShapeMismatch(_)
+        ));
+        assert!(matches!(
+            err(&with(&|s| s.k.ptr += 2)),
+            Error::Misaligned { .. }
+        ));
+        assert!(matches!(
+            err(&with(&|s| s.k.ptr = 0)),
+            Error::NullPointer("k_scale")
+        ));
+        // Scales inside the codes, on each other, or with elements sharing an address.
+        assert!(matches!(
+            err(&with(&|s| s.k.ptr = GB + 64)),
+            Error::InvalidArgument(m) if m.contains("overlaps")
+        ));
+        assert!(matches!(
+            err(&with(&|s| s.v.ptr = s.k.ptr + 4)),
+            Error::InvalidArgument(m) if m.contains("overlaps")
+        ));
+        assert!(matches!(
+            err(&with(&|s| s.k.strides[1] = 0)),
+            Error::BadStrides { .. }
+        ));
+        // Strided scales (a [.., Hkv] slice of a wider tensor) are fine.
+        assert!(check(&q0, &with(&|s| s.k.strides = [16 * 4, 4, 1, 1])).is_ok());
+
+        // Head dims without e4m3 kernels, a wrong q dtype, codes of mixed types.
+        let d96 = fp8_cache(2, 1024, 2, 96, None);
+        assert!(matches!(
+            check(&q(2, 1, 4, 96, 4 * GB), &d96),
+            Err(Error::UnsupportedHeadDim(96, _))
+        ));
+        let q8 = TensorView {
+            dtype: DType::E4m3,
+            ..q0
+        };
+        assert!(matches!(check(&q8, &good), Err(Error::UnsupportedDType(_))));
+        let mut mixed = good;
+        mixed.v.dtype = DType::F16;
+        assert!(matches!(err(&mixed), Error::UnsupportedDType(_)));
+    }
+
+    #[test]
+    fn fp8_appends_quantize_16_bit_tokens_only() {
+        let c = fp8_cache(2, 1024, 2, 128, None);
+        let new = |dt| TensorView::bshd(4 * GB, dt, 2, 3, 2, 128);
+        let v_new = |dt| TensorView {
+            ptr: 5 * GB,
+            ..new(dt)
+        };
+        for dt in [DType::F16, DType::Bf16] {
+            let p = validate_append(&c, &new(dt), &v_new(dt)).unwrap();
+            assert_eq!(p.fp8_from, dt.half_type());
+        }
+        for (k, v) in [
+            (DType::E4m3, DType::E4m3),
+            (DType::F16, DType::Bf16),
+            (DType::F32, DType::F32),
+        ] {
+            assert!(matches!(
+                validate_append(&c, &new(k), &v_new(v)),
+                Err(Error::UnsupportedDType(_))
+            ));
+        }
+        // New tokens may not overlap the scales they are about to write.
+        let onto = TensorView {
+            ptr: 6 * GB,
+            ..new(DType::F16)
+        };
+        assert!(matches!(
+            validate_append(&c, &onto, &v_new(DType::F16)),
+            Err(Error::InvalidArgument(m)) if m.contains("k_scale")
+        ));
+        // A 16-bit cache still takes its own dtype only.
+        let plain = cache(2, 1024, 2, 128, None);
+        let p = validate_append(&plain, &new(DType::F16), &v_new(DType::F16)).unwrap();
+        assert_eq!(p.fp8_from, None);
     }
 
     fn check(qv: &TensorView, c: &KvCache) -> Result<DecodeProblem> {

@@ -9,11 +9,20 @@
 //! followed. A caller that keeps host copies of the metadata passes them as
 //! [`HostMetadata`] and gets a typed error, with nothing launched, for a length beyond
 //! the capacity or an entry outside the pool.
+//!
+//! A cache may hold FP8: E4M3 codes in `k` and `v` and, in [`KvScales`], one float32
+//! scale per (position, KV head) for each, written by [`crate::Attention::append_kv`]
+//! from the new tokens' own maxima (a value is its code times its scale). A scale
+//! covers one block of `D` values, the finest block there is: an append never has to
+//! requantize what is already cached, as a scale shared by several positions would
+//! when a later token raised its maximum, and an outlier token costs precision only in
+//! its own row.
 
 use crate::error::{Error, Result};
-use crate::host::tensor::TensorView;
+use crate::host::tensor::{DType, TensorView};
 use crate::host::validate::{
-    TENSOR_ALIGN, byte_range_of, check_not_empty, check_pointer, check_strides,
+    TENSOR_ALIGN, byte_range_of, check_no_self_overlap, check_not_empty, check_pointer,
+    check_strides, overlaps,
 };
 
 /// Page sizes a paged cache may use: powers of two from 1 to 1024 tokens.
@@ -54,11 +63,35 @@ impl CacheLayout {
 /// A KV cache of a batch of sequences.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct KvCache {
+    /// f16, bf16 or (with `scales`) e4m3.
     pub k: TensorView,
     pub v: TensorView,
     /// Device int32 `[B]`: each sequence's length.
     pub seqlens: u64,
     pub layout: CacheLayout,
+    /// The dequantization scales of an e4m3 cache; `None` for a 16-bit one.
+    pub scales: Option<KvScales>,
+}
+
+/// The scales of an FP8 cache: float32 views of shape `[outer, rows, Hkv, 1]`, the
+/// cache's own first three dimensions (`[B, capacity, Hkv]` contiguous, `[pages,
+/// page_size, Hkv]` paged), so a position's scales live where its codes do. Element
+/// `(·, p, h, 0)` of `k` is the scale of key `p`'s head `h`: its values are its codes
+/// times it. Strides are free (in elements); pointers 4-byte aligned.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KvScales {
+    pub k: TensorView,
+    pub v: TensorView,
+}
+
+/// Head dims an FP8 cache may have (those of the FP8 forward).
+pub const FP8_HEAD_DIMS: [usize; 3] = [64, 128, 256];
+
+impl KvCache {
+    /// Whether the cache holds e4m3 codes and scales.
+    pub fn is_fp8(&self) -> bool {
+        self.k.dtype == DType::E4m3
+    }
 }
 
 /// Host copies of a cache's device metadata, checked before a launch when given.
@@ -82,6 +115,8 @@ pub struct CacheShape {
     pub page_size: usize,
     /// Pages in the pool (paged caches), else 0.
     pub pool_pages: usize,
+    /// e4m3 codes with per-(position, head) scales.
+    pub fp8: bool,
 }
 
 impl CacheShape {
@@ -96,16 +131,31 @@ impl CacheShape {
 
 impl KvCache {
     /// Checks the cache of a batch of `batch` sequences (every rule but those on the
-    /// device metadata's contents): dtypes equal and 16-bit, k and v of one shape, no
-    /// empty dimension, strides and pointers as the kernels need, the page size, the
-    /// capacity, the metadata pointers.
+    /// device metadata's contents): dtypes equal and 16-bit (or e4m3 with scales), k and
+    /// v of one shape, no empty dimension, strides and pointers as the kernels need, the
+    /// page size, the capacity, the metadata pointers.
     pub fn validate(&self, batch: usize) -> Result<CacheShape> {
         let (k, v) = (&self.k, &self.v);
-        if k.dtype != v.dtype || k.dtype.half_type().is_none() {
+        let fp8 = k.dtype == DType::E4m3;
+        if k.dtype != v.dtype || !(fp8 || k.dtype.half_type().is_some()) {
             return Err(Error::UnsupportedDType(format!(
-                "the cache's k and v must share one dtype, f16 or bf16; got k {}, v {}",
+                "the cache's k and v must share one dtype, f16, bf16 or e4m3; got k {}, v {}",
                 k.dtype, v.dtype
             )));
+        }
+        match (fp8, &self.scales) {
+            (true, None) => {
+                return Err(Error::InvalidArgument(
+                    "an e4m3 cache needs its scales (KvScales)".into(),
+                ));
+            }
+            (false, Some(_)) => {
+                return Err(Error::InvalidArgument(format!(
+                    "scales belong to an e4m3 cache, this one is {}",
+                    k.dtype
+                )));
+            }
+            _ => {}
         }
         for (name, t) in [("k_cache", k), ("v_cache", v)] {
             check_not_empty(name, t)?;
@@ -174,6 +224,15 @@ impl KvCache {
             byte_range_of(name, t)?;
         }
         check_pointer("seqlens", self.seqlens, 4)?;
+        if let Some(scales) = &self.scales {
+            if !FP8_HEAD_DIMS.contains(&head_dim) {
+                return Err(Error::UnsupportedHeadDim(
+                    head_dim,
+                    "64, 128, 256 (e4m3 cache)",
+                ));
+            }
+            scales.validate([outer, rows, heads_kv, 1], self)?;
+        }
         Ok(CacheShape {
             batch,
             heads_kv,
@@ -181,6 +240,7 @@ impl KvCache {
             capacity,
             page_size,
             pool_pages,
+            fp8,
         })
     }
 
@@ -191,6 +251,13 @@ impl KvCache {
         for (name, t) in [("k_cache", &self.k), ("v_cache", &self.v)] {
             if let Some(r) = t.byte_range() {
                 v.push((name, r));
+            }
+        }
+        if let Some(scales) = &self.scales {
+            for (name, t) in [("k_scale", &scales.k), ("v_scale", &scales.v)] {
+                if let Some(r) = t.byte_range() {
+                    v.push((name, r));
+                }
             }
         }
         v.push(("seqlens", (self.seqlens, self.seqlens + 4 * batch as u64)));
@@ -207,6 +274,46 @@ impl KvCache {
             ));
         }
         v
+    }
+}
+
+impl KvScales {
+    /// Both views are float32 of `shape` (the cache's first three dims and 1), 4-byte
+    /// aligned, addressable, each element its own, apart from the codes and each other:
+    /// appends write them.
+    fn validate(&self, shape: [usize; 4], cache: &KvCache) -> Result<()> {
+        let codes = [
+            ("k_cache", byte_range_of("k_cache", &cache.k)?),
+            ("v_cache", byte_range_of("v_cache", &cache.v)?),
+        ];
+        let mut ranges = Vec::with_capacity(2);
+        for (name, t) in [("k_scale", &self.k), ("v_scale", &self.v)] {
+            if t.dtype != DType::F32 {
+                return Err(Error::UnsupportedDType(format!(
+                    "{name} must be f32, got {}",
+                    t.dtype
+                )));
+            }
+            if t.shape != shape {
+                return Err(Error::ShapeMismatch(format!(
+                    "{name} has shape {:?}, the cache needs {shape:?} (its first three \
+                     dimensions and 1)",
+                    t.shape
+                )));
+            }
+            check_pointer(name, t.ptr, 4)?;
+            let r = byte_range_of(name, t)?;
+            check_no_self_overlap(name, t)?;
+            for (other, o) in codes.iter().chain(&ranges) {
+                if overlaps(r, *o) {
+                    return Err(Error::InvalidArgument(format!(
+                        "{name}'s memory overlaps {other}'s"
+                    )));
+                }
+            }
+            ranges.push((name, r));
+        }
+        Ok(())
     }
 }
 

@@ -98,10 +98,16 @@ impl KernelSpec {
                 ],
             },
             KernelSpec::TmaCopy(_) => &["UTMALDG", "UTMASTG", "SYNCS"],
-            // Decode: mma.sync on cp.async tiles. Merge and append are plain loads and
-            // stores: 128-bit where the rows allow.
+            // Decode: mma.sync on cp.async tiles (an e4m3 cache's codes widened to f16
+            // by F2FP unpacks first). Merge and append are plain loads and stores:
+            // 128-bit where the rows allow; an e4m3 append agrees on each row's maximum
+            // by shuffles and converts with F2FP.
+            KernelSpec::Decode(c) if c.fp8 => &["HMMA", "LDGSTS", "F2FP.F16.E4M3.UNPACK_B"],
             KernelSpec::Decode(_) => &["HMMA", "LDGSTS"],
             KernelSpec::Merge(_) => &[],
+            KernelSpec::Append(c) if c.fp8_from.is_some() => {
+                &["LDG.E.128", "SHFL.BFLY", "F2FP.SATFINITE.E4M3"]
+            }
             KernelSpec::Append(_) => &["LDG.E.128", "STG.E.128"],
             // The e4m3 conversion (F2FP.SATFINITE.E4M3 on sm_89 and sm_90) between
             // 16-byte loads and stores; the key mean's atomic adds.

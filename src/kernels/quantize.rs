@@ -400,7 +400,7 @@ fn block_max(
 /// A block's scale and multiplier from its amax, as [`crate::quant::block_scale`]:
 /// `amax / 448` and `448 / amax` (correctly rounded divisions), or (1, 0) when the scale
 /// is 0 or the multiplier not finite.
-fn block_scale(k: &mut Kernel, amax: Reg<F32>) -> (Reg<F32>, Reg<F32>) {
+pub(crate) fn block_scale(k: &mut Kernel, amax: Reg<F32>) -> (Reg<F32>, Reg<F32>) {
     let max = k.mov(E4M3_MAX);
     let scale = k.div(amax, max);
     let inv = k.div(max, amax);

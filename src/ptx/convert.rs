@@ -90,6 +90,55 @@ impl Kernel {
         d
     }
 
+    /// Widens four e4m3 codes (byte `i` of `w` is element `i`) into two 16-bit pairs,
+    /// exactly: every e4m3 value is an f16 and a bf16. f16 takes one `cvt` per pair; bf16
+    /// goes through f32, as no `cvt` from e4m3 to bf16 exists before sm_100. Needs sm_89.
+    pub fn unpack_e4m3x4<H: Half2>(&mut self, w: Reg<B32>) -> [Reg<H>; 2] {
+        self.requires(Feature::Fp8);
+        self.check_owner(&[Src::<B32>::owner(&w)]);
+        let [lo, hi] = self.regs::<B16, 2>();
+        self.emit(format!(
+            "mov.b32 {{{}, {}}}, {};",
+            lo.name(),
+            hi.name(),
+            w.name()
+        ));
+        [lo, hi].map(|pair| {
+            let d = self.reg::<H>();
+            if H::ELEM == "f16" {
+                self.emit(format!(
+                    "cvt.rn.f16x2.e4m3x2 {}, {};",
+                    d.name(),
+                    pair.name()
+                ));
+            } else {
+                let h = self.reg::<B32>();
+                let [a, b] = self.regs::<B16, 2>();
+                let [x, y] = self.regs::<F32, 2>();
+                self.emit(format!(
+                    "cvt.rn.f16x2.e4m3x2 {}, {};",
+                    h.name(),
+                    pair.name()
+                ));
+                self.emit(format!(
+                    "mov.b32 {{{}, {}}}, {};",
+                    a.name(),
+                    b.name(),
+                    h.name()
+                ));
+                self.emit(format!("cvt.f32.f16 {}, {};", x.name(), a.name()));
+                self.emit(format!("cvt.f32.f16 {}, {};", y.name(), b.name()));
+                self.emit(format!(
+                    "cvt.rn.bf16x2.f32 {}, {}, {};",
+                    d.name(),
+                    y.name(),
+                    x.name()
+                ));
+            }
+            d
+        })
+    }
+
     /// Joins two 16-bit halves into one 32-bit word (`lo` in the low half).
     pub fn join_b16x2(&mut self, lo: Reg<B16>, hi: Reg<B16>) -> Reg<B32> {
         let d = self.reg::<B32>();

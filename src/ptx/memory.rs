@@ -145,6 +145,19 @@ impl Kernel {
         ));
     }
 
+    /// `cp.async.ca.shared.global` of 4 bytes (one float, say), zero-filled when
+    /// `src_bytes` is 0.
+    pub fn cp_async_4(&mut self, dst: SmemAddr, src: Reg<U64>, src_bytes: impl Src<U32>) {
+        self.requires(Feature::Ampere);
+        self.check_owner(&[dst.owner(), Src::<U64>::owner(&src), src_bytes.owner()]);
+        let n = src_bytes.operand();
+        self.emit(format!(
+            "cp.async.ca.shared.global [{}], [{}], 4, {n};",
+            dst.name(),
+            src.name()
+        ));
+    }
+
     /// Closes the current group of `cp.async` copies.
     pub fn cp_async_commit(&mut self) {
         self.requires(Feature::Ampere);

@@ -41,6 +41,12 @@ impl Kernel {
         }
     }
 
+    /// `bar.warp.sync`: orders the lanes of this warp (all of them) at this point, so
+    /// shared memory one lane wrote is seen by the others, and reads finish before writes.
+    pub fn sync_warp(&mut self) {
+        self.emit("bar.warp.sync 0xffffffff;".to_string());
+    }
+
     /// `bar.sync 0`: every thread of the block.
     pub fn sync_threads(&mut self) {
         self.bar_sync(0, None);

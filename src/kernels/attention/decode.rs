@@ -27,7 +27,17 @@
 //! ```
 //!
 //! The cache is contiguous `[B, capacity, Hkv, D]` or paged: a pool `[pages, page_size,
-//! Hkv, D]` and a block table `[B, max_pages]` of page indices. Keys a block table entry
+//! Hkv, D]` and a block table `[B, max_pages]` of page indices.
+//!
+//! **FP8 caches** (`.target sm_89`): the ring holds e4m3 codes and their per-(position,
+//! head) scales, half the bytes of a 16-bit ring. Each warp widens its own 16 keys of K
+//! and V into a 16-bit tile (`cvt` from e4m3 is exact), so the MMAs and the softmax are
+//! the 16-bit kernel's. The scales are applied in f32 where they cost least: K's to the
+//! scores' columns (`S = (Q·codesᵀ)·scale`), V's to the probabilities, relative to the
+//! largest V scale the warp has met so far, `u`, so that `P·(scale/u)` stays in
+//! `[0, 1]` and keeps the 16-bit precision of `P`; the output is carried in units of `u`
+//! (rescaled with the softmax's own factor when `u` grows) and multiplied by it at the
+//! end. Keys a block table entry
 //! outside the pool would name are never read (zero-filled instead); lengths are clamped
 //! to the capacity. Queries sit at the end of their sequence: query `qi` of `Sq` is
 //! position `len − Sq + qi`, and with causal masking sees keys up to that position.
@@ -37,12 +47,12 @@ use std::mem::offset_of;
 
 use super::rows::{Rows, Slab, half_of, zeroed_slabs};
 use super::sm80::{LaneRoles, frag_addresses};
-use super::softmax::OnlineSoftmax;
+use super::softmax::{OnlineSoftmax, pack_probs, rescale_rows};
 use super::{FWD_HEAD_DIMS, HalfType};
 use crate::ptx::{
-    Bf16x2, Cmp, F16x2, F32, Half2, Kernel, KernelText, Module, ParamBytes, Pred, PtxError,
-    PtxType, Reg, S32, Smem, SmemAddr, SmemLayout, SmemPlan, Special, Swizzle, Target, TileSlot,
-    U32, U64,
+    B32, Bf16x2, Cmp, F16x2, F32, Half2, Kernel, KernelText, Module, ParamBytes, Pred, PtxError,
+    PtxType, RawSlot, Reg, S32, Smem, SmemAddr, SmemLayout, SmemPlan, Special, Swizzle, Target,
+    TileSlot, U32, U64,
 };
 
 /// Packed query rows per block (one MMA tile).
@@ -67,41 +77,51 @@ pub struct DecodeConfig {
     /// Warps per block (4, or 2 where shared memory is short): each takes 16 keys of
     /// every stage.
     pub warps: u32,
+    /// The cache holds e4m3 codes with per-(position, head) scales.
+    pub fp8: bool,
 }
 
 impl DecodeConfig {
     /// The ring depth a head dim gets when shared memory allows: about 96 KiB of K/V
-    /// tiles, so two blocks fit an sm_90 SM and each keeps 64 KiB of reads in flight.
-    pub fn preferred_stages(head_dim: u32) -> u32 {
-        match head_dim {
-            0..=64 => 4,
-            65..=128 => 3,
-            _ => 2,
+    /// tiles, so two blocks fit an sm_90 SM and each keeps 64 KiB of reads in flight
+    /// (e4m3 codes: the same bytes in flight from twice the stages, with room left for
+    /// the widened tiles).
+    pub fn preferred_stages(head_dim: u32, fp8: bool) -> u32 {
+        match (head_dim, fp8) {
+            (0..=64, false) => 4,
+            (65..=128, false) => 3,
+            (_, false) => 2,
+            (0..=64, true) => 6,
+            (65..=128, true) => 4,
+            (_, true) => 2,
         }
     }
 
     /// The ring shapes to try, best first, on a GPU whose blocks may use `smem_optin`
     /// bytes: the preferred ring, two stages, two stages of half the keys.
-    pub fn candidates(dtype: HalfType, head_dim: u32, paged: bool) -> [DecodeConfig; 3] {
+    pub fn candidates(dtype: HalfType, head_dim: u32, paged: bool, fp8: bool) -> [DecodeConfig; 3] {
         let cfg = |stages, warps| DecodeConfig {
             dtype,
             head_dim,
             paged,
             stages,
             warps,
+            fp8,
         };
         [
-            cfg(Self::preferred_stages(head_dim), 4),
+            cfg(Self::preferred_stages(head_dim, fp8), 4),
             cfg(2, 4),
             cfg(2, 2),
         ]
     }
 
-    /// The kernel id, also its PTX entry name: `attn_decode_f16_d128_s3w4_paged`.
+    /// The kernel id, also its PTX entry name: `attn_decode_f16_d128_s3w4_paged`,
+    /// `attn_decode_bf16_kv_e4m3_d128_s4w4` (an e4m3 cache, bf16 queries).
     pub fn id(&self) -> String {
         format!(
-            "attn_decode_{}_d{}_s{}w{}{}",
+            "attn_decode_{}{}_d{}_s{}w{}{}",
             self.dtype.name(),
+            if self.fp8 { "_kv_e4m3" } else { "" },
             self.head_dim,
             self.stages,
             self.warps,
@@ -131,12 +151,52 @@ impl DecodeConfig {
         SmemLayout::new(self.block_n(), self.head_dim, 2, Swizzle::B128)
     }
 
-    fn plan(&self) -> (SmemPlan, [TileSlot; 3]) {
+    /// A stage of e4m3 codes: dense rows of `D` bytes (the warps read them as 16-byte
+    /// chunks in order, which no swizzle would improve).
+    fn code_layout(&self) -> SmemLayout {
+        SmemLayout::new(self.block_n(), self.head_dim, 1, Swizzle::None)
+    }
+
+    fn plan(&self) -> (SmemPlan, Slots) {
         let mut plan = SmemPlan::new();
         let q = plan.tile(self.q_layout(), 1);
-        let k = plan.tile(self.kv_layout(), self.stages);
-        let v = plan.tile(self.kv_layout(), self.stages);
-        (plan, [q, k, v])
+        if !self.fp8 {
+            let k = plan.tile(self.kv_layout(), self.stages);
+            let v = plan.tile(self.kv_layout(), self.stages);
+            return (
+                plan,
+                Slots {
+                    q,
+                    k,
+                    v,
+                    codes: None,
+                },
+            );
+        }
+        let code_k = plan.tile(self.code_layout(), self.stages);
+        let code_v = plan.tile(self.code_layout(), self.stages);
+        let k = plan.tile(self.kv_layout(), 1);
+        let v = plan.tile(self.kv_layout(), 1);
+        let scales = plan.raw(self.stages * self.scale_stage_bytes(), 16);
+        let codes = Codes {
+            k: code_k,
+            v: code_v,
+            scales,
+        };
+        (
+            plan,
+            Slots {
+                q,
+                k,
+                v,
+                codes: Some(codes),
+            },
+        )
+    }
+
+    /// Bytes of one stage's scales: K's `block_n` floats, then V's.
+    fn scale_stage_bytes(&self) -> u32 {
+        self.block_n() * 8
     }
 
     /// Dynamic shared memory per block, bytes.
@@ -149,22 +209,55 @@ impl DecodeConfig {
             HalfType::F16 => build::<F16x2>(self)?,
             HalfType::Bf16 => build::<Bf16x2>(self)?,
         };
-        let mut module = Module::new(Target::Sm80);
+        let mut module = Module::new(if self.fp8 { Target::Sm89 } else { Target::Sm80 });
         module.push(kernel)?;
         Ok(module)
     }
 }
 
+/// Head dims of the e4m3-cache kernels (those of the FP8 forward).
+pub const FP8_HEAD_DIMS: [u32; 3] = [64, 128, 256];
+
+/// Where a decode kernel's shared memory goes.
+struct Slots {
+    q: TileSlot,
+    /// The tiles the MMAs read: the ring itself (16-bit cache), or one tile each that
+    /// the warps widen their codes into (e4m3 cache).
+    k: TileSlot,
+    v: TileSlot,
+    /// The e4m3 cache's rings.
+    codes: Option<Codes>,
+}
+
+/// The rings of an e4m3 cache: codes, and per stage the keys' K and V scales.
+struct Codes {
+    k: TileSlot,
+    v: TileSlot,
+    scales: RawSlot,
+}
+
+impl Slots {
+    /// The start of the rings: scratch for the warps' merge at the end.
+    fn scratch(&self) -> TileSlot {
+        self.codes.as_ref().map_or(self.k, |c| c.k)
+    }
+}
+
 /// Every decode configuration the dispatch can choose: each head dim's
-/// [`DecodeConfig::candidates`].
+/// [`DecodeConfig::candidates`], for 16-bit caches and (head dims 64, 128, 256) e4m3.
 pub fn all_decode_configs() -> Vec<DecodeConfig> {
     let mut v = Vec::new();
-    for dtype in [HalfType::F16, HalfType::Bf16] {
-        for head_dim in HEAD_DIMS {
-            for paged in [false, true] {
-                for cfg in DecodeConfig::candidates(dtype, head_dim, paged) {
-                    if !v.contains(&cfg) {
-                        v.push(cfg);
+    for fp8 in [false, true] {
+        for dtype in [HalfType::F16, HalfType::Bf16] {
+            for head_dim in HEAD_DIMS {
+                if fp8 && !FP8_HEAD_DIMS.contains(&head_dim) {
+                    continue;
+                }
+                for paged in [false, true] {
+                    for cfg in DecodeConfig::candidates(dtype, head_dim, paged, fp8) {
+                        if !v.contains(&cfg) {
+                            v.push(cfg);
+                        }
                     }
                 }
             }
@@ -214,6 +307,12 @@ pub struct DecodeArgs {
     pub causal: u32,
     /// 16-row chunks of the packed `Sq · group` rows.
     pub row_chunks: u32,
+    /// e4m3 cache: float32 scales, one per (position, head), strided like the cache's
+    /// first three dims (elements); 0 for a 16-bit cache.
+    pub k_scale: u64,
+    pub v_scale: u64,
+    pub k_scale_stride: [u64; 3],
+    pub v_scale_stride: [u64; 3],
 }
 
 impl DecodeArgs {
@@ -286,11 +385,13 @@ fn work(k: &mut Kernel, args: ParamBytes, block_n: u32) -> Work {
     }
 }
 
-/// One thread's part in filling the Q tile and the K/V ring with `cp.async`: thread `t`
-/// copies 16-byte chunk `t % cpb` of rows `t / cpb + i · rows_per_pass` of every column
-/// block (`cpb` chunks per column-block row).
+/// One thread's part in filling a tile of `layout` with `cp.async`: thread `t` copies
+/// 16-byte chunk `t % cpb` of rows `t / cpb + i · rows_per_pass` of every column block
+/// (`cpb` chunks per column-block row).
+#[derive(Clone, Copy)]
 struct Loader {
-    cfg: DecodeConfig,
+    layout: SmemLayout,
+    threads: u32,
     chunk: Reg<U32>,
     thread_row: Reg<U32>,
     /// Swizzled shared offset of this thread's chunk in its first row (column block 0).
@@ -298,16 +399,17 @@ struct Loader {
 }
 
 impl Loader {
-    fn new(k: &mut Kernel, cfg: DecodeConfig, tid: Reg<U32>) -> Loader {
-        let row_bytes = cfg.kv_layout().block_bytes;
+    fn new(k: &mut Kernel, layout: SmemLayout, threads: u32, tid: Reg<U32>) -> Loader {
+        let row_bytes = layout.block_bytes;
         let cpb = row_bytes / 16;
         let chunk = k.and(tid, cpb - 1);
         let thread_row = k.shr(tid, cpb.trailing_zeros());
         let line = k.mul(thread_row, row_bytes);
         let line = k.mad(chunk, 16u32, line);
-        let line = Swizzle::B128.apply_in(k, line);
+        let line = layout.swizzle.apply_in(k, line);
         Loader {
-            cfg,
+            layout,
+            threads,
             chunk,
             thread_row,
             line,
@@ -315,15 +417,20 @@ impl Loader {
     }
 
     fn row_bytes(&self) -> u32 {
-        self.cfg.kv_layout().block_bytes
+        self.layout.block_bytes
     }
 
     fn rows_per_pass(&self) -> u32 {
-        self.cfg.threads() / (self.row_bytes() / 16)
+        self.threads / (self.row_bytes() / 16)
     }
 
     fn col_blocks(&self) -> u32 {
-        self.cfg.head_dim * 2 / self.row_bytes()
+        self.layout.col_blocks()
+    }
+
+    /// Elements of one 16-byte chunk.
+    fn chunk_elems(&self) -> u32 {
+        16 / self.layout.elem_bytes
     }
 
     /// Copies one row (this thread's chunk of each column block) from `src` to the
@@ -348,6 +455,8 @@ struct Cache {
     /// batch) in K and V.
     k_fixed: Reg<U64>,
     v_fixed: Reg<U64>,
+    /// log2 of the bytes per element: 1 (16-bit) or 0 (e4m3).
+    elem_shift: u32,
     /// This sequence's row of the block table (paged).
     table_row: Reg<U64>,
     pool_pages: Reg<U32>,
@@ -361,15 +470,15 @@ impl Cache {
         args: ParamBytes,
         cfg: &DecodeConfig,
         w: &Work,
-        chunk: Reg<U32>,
+        loader: &Loader,
     ) -> Cache {
         let kp = arg::<U64>(k, args, offset_of!(DecodeArgs, k));
         let vp = arg::<U64>(k, args, offset_of!(DecodeArgs, v));
         let k_stride = strides(k, args, offset_of!(DecodeArgs, k_stride));
         let v_stride = strides(k, args, offset_of!(DecodeArgs, v_stride));
         let h = k.cvt_u64_u32(w.kv_head);
-        let c = k.cvt_u64_u32(chunk);
-        let c = k.shl(c, 3);
+        let c = k.cvt_u64_u32(loader.chunk);
+        let c = k.shl(c, loader.chunk_elems().trailing_zeros());
         let fixed = |k: &mut Kernel, s: [Reg<U64>; 3]| {
             let e = k.mad(h, s[2], c);
             if cfg.paged {
@@ -400,6 +509,7 @@ impl Cache {
             v_stride,
             k_fixed,
             v_fixed,
+            elem_shift: loader.layout.elem_bytes.trailing_zeros(),
             table_row,
             pool_pages,
             page_shift,
@@ -417,6 +527,30 @@ impl Cache {
         key: Reg<S32>,
         end: Reg<S32>,
     ) -> (Reg<U64>, Reg<U64>, Reg<Pred>) {
+        let (page, pos, valid) = self.locate(k, key, end);
+        let addr = |k: &mut Kernel, base: Reg<U64>, s: &[Reg<U64>; 3], fixed: Reg<U64>| {
+            let e = k.mad(pos, s[1], fixed);
+            let e = match page {
+                Some(p) => k.mad(p, s[0], e),
+                None => e,
+            };
+            let bytes = k.shl(e, self.elem_shift);
+            let a = k.add(base, bytes);
+            k.selp(a, base, valid)
+        };
+        let ka = addr(k, self.k, &self.k_stride, self.k_fixed);
+        let va = addr(k, self.v, &self.v_stride, self.v_fixed);
+        (ka, va, valid)
+    }
+
+    /// Where key `key` lives: its page (paged caches), its row in the page or the
+    /// sequence, and whether it may be read (as for [`Cache::rows`]).
+    fn locate(
+        &self,
+        k: &mut Kernel,
+        key: Reg<S32>,
+        end: Reg<S32>,
+    ) -> (Option<Reg<U64>>, Reg<U64>, Reg<Pred>) {
         let mut valid = k.setp(Cmp::Lt, key, end);
         let last = k.sub(end, 1i32);
         let key = k.min(key, last);
@@ -434,25 +568,92 @@ impl Cache {
             (None, key)
         };
         let pos = k.cvt_u64_u32(pos.cast::<U32>());
-        let addr = |k: &mut Kernel, base: Reg<U64>, s: &[Reg<U64>; 3], fixed: Reg<U64>| {
-            let e = k.mad(pos, s[1], fixed);
-            let e = match page {
-                Some(p) => k.mad(p, s[0], e),
-                None => e,
-            };
-            let bytes = k.shl(e, 1);
-            let a = k.add(base, bytes);
-            k.selp(a, base, valid)
+        (page, pos, valid)
+    }
+}
+
+/// One thread's part in filling the scale ring of an e4m3 cache: thread `t` copies the
+/// scale of key `t % block_n` of the stage, K's for `t < block_n`, V's after (the
+/// threads are exactly twice the keys).
+struct ScaleLoader {
+    base: Reg<U64>,
+    stride: [Reg<U64>; 3],
+    /// Element offset of head `kv_head` (plus, contiguous, the batch).
+    fixed: Reg<U64>,
+    /// This thread's key in the stage.
+    key: Reg<S32>,
+    /// Shared offset of this thread's float in a stage.
+    line: Reg<U32>,
+}
+
+impl ScaleLoader {
+    fn new(
+        k: &mut Kernel,
+        args: ParamBytes,
+        cfg: &DecodeConfig,
+        w: &Work,
+        tid: Reg<U32>,
+    ) -> ScaleLoader {
+        let for_v = k.setp(Cmp::Ge, tid, cfg.block_n());
+        let pick = |k: &mut Kernel, kf: usize, vf: usize| {
+            let a = arg::<U64>(k, args, kf);
+            let b = arg::<U64>(k, args, vf);
+            k.selp(b, a, for_v)
         };
-        let ka = addr(k, self.k, &self.k_stride, self.k_fixed);
-        let va = addr(k, self.v, &self.v_stride, self.v_fixed);
-        (ka, va, valid)
+        let base = pick(
+            k,
+            offset_of!(DecodeArgs, k_scale),
+            offset_of!(DecodeArgs, v_scale),
+        );
+        let stride = std::array::from_fn(|i| {
+            pick(
+                k,
+                offset_of!(DecodeArgs, k_scale_stride) + 8 * i,
+                offset_of!(DecodeArgs, v_scale_stride) + 8 * i,
+            )
+        });
+        let h = k.cvt_u64_u32(w.kv_head);
+        let fixed = k.mul(h, stride[2]);
+        let fixed = if cfg.paged {
+            fixed
+        } else {
+            let b = k.cvt_u64_u32(w.batch);
+            k.mad(b, stride[0], fixed)
+        };
+        let key = k.and(tid, cfg.block_n() - 1).cast::<S32>();
+        let line = k.shl(tid, 2);
+        ScaleLoader {
+            base,
+            stride,
+            fixed,
+            key,
+            line,
+        }
+    }
+
+    /// Issues this thread's scale of the stage whose first key is `key0` into the
+    /// stage at `dst` (zero for keys that may not be read).
+    fn issue(&self, k: &mut Kernel, cache: &Cache, key0: Reg<S32>, end: Reg<S32>, dst: SmemAddr) {
+        let key = k.add(key0, self.key);
+        let (page, pos, valid) = cache.locate(k, key, end);
+        let e = k.mad(pos, self.stride[1], self.fixed);
+        let e = match page {
+            Some(p) => k.mad(p, self.stride[0], e),
+            None => e,
+        };
+        let bytes = k.shl(e, 2);
+        let src = k.add(self.base, bytes);
+        let src = k.selp(src, self.base, valid);
+        let n = k.selp(4u32, 0u32, valid);
+        let dst = k.smem_offset(dst, self.line);
+        k.cp_async_4(dst, src, n);
     }
 }
 
 fn build<H: Half2>(cfg: &DecodeConfig) -> Result<KernelText, PtxError> {
-    let (plan, [q_slot, k_slot, v_slot]) = cfg.plan();
-    let kv_rows = k_slot.layout.rows;
+    let (plan, slots) = cfg.plan();
+    let (q_slot, k_slot, v_slot) = (slots.q, slots.k, slots.v);
+    let kv_rows = cfg.block_n();
     let mut k = Kernel::new(&cfg.id());
     // Two blocks per SM where shared memory allows; the register budget is set by O
     // (d/2 per thread) and must not make ptxas spill.
@@ -470,8 +671,17 @@ fn build<H: Half2>(cfg: &DecodeConfig) -> Result<KernelText, PtxError> {
     let packed_rows = k.mul(seqlen_q, group);
     let row_base = k.mul(w.chunk, ROWS);
 
-    let loader = Loader::new(&mut k, *cfg, tid);
-    let cache = Cache::new(&mut k, args, cfg, &w, loader.chunk);
+    let loader = Loader::new(&mut k, cfg.kv_layout(), cfg.threads(), tid);
+    // The ring's loader: the 16-bit one, or one for rows of e4m3 codes.
+    let ring_loader = match &slots.codes {
+        Some(_) => Loader::new(&mut k, cfg.code_layout(), cfg.threads(), tid),
+        None => loader,
+    };
+    let cache = Cache::new(&mut k, args, cfg, &w, &ring_loader);
+    let scale_loader = slots
+        .codes
+        .as_ref()
+        .map(|_| ScaleLoader::new(&mut k, args, cfg, &w, tid));
 
     k.comment("Q: the 16 packed rows (query qi of head kv_head*group + g at row qi*group + g).");
     let rpp = loader.rows_per_pass();
@@ -508,23 +718,35 @@ fn build<H: Half2>(cfg: &DecodeConfig) -> Result<KernelText, PtxError> {
     }
     k.cp_async_commit();
 
+    // The ring's slots: the 16-bit tiles themselves, or the codes.
+    let (ring_k, ring_v) = slots
+        .codes
+        .as_ref()
+        .map_or((k_slot, v_slot), |c| (c.k, c.v));
+    let ring_rpp = ring_loader.rows_per_pass();
     let issue = |k: &mut Kernel, tile: Reg<S32>, slot: Reg<U32>| {
         let key0 = k.mul(tile, cfg.block_n() as i32);
         let key0 = k.add(key0, w.start);
-        let slot_bytes = k.mul(slot, k_slot.stride);
-        let line = k.add(loader.line, slot_bytes);
-        let k_dst = smem.tile_byte(k, k_slot, line);
-        let v_dst = smem.tile_byte(k, v_slot, line);
-        for pass in 0..kv_rows / rpp {
-            let key = k.add(key0, loader.thread_row.cast::<S32>());
-            let key = k.add(key, (pass * rpp) as i32);
+        let slot_bytes = k.mul(slot, ring_k.stride);
+        let line = k.add(ring_loader.line, slot_bytes);
+        let k_dst = smem.tile_byte(k, ring_k, line);
+        let v_dst = smem.tile_byte(k, ring_v, line);
+        for pass in 0..kv_rows / ring_rpp {
+            let key = k.add(key0, ring_loader.thread_row.cast::<S32>());
+            let key = k.add(key, (pass * ring_rpp) as i32);
             let (ka, va, valid) = cache.rows(k, key, w.end);
             let bytes = k.selp(16u32, 0u32, valid);
-            let at = pass * rpp * loader.row_bytes();
+            let at = pass * ring_rpp * ring_loader.row_bytes();
             let kd = k.smem_offset(k_dst, at);
             let vd = k.smem_offset(v_dst, at);
-            loader.copy_row(k, kd, kv_rows, ka, bytes);
-            loader.copy_row(k, vd, kv_rows, va, bytes);
+            ring_loader.copy_row(k, kd, kv_rows, ka, bytes);
+            ring_loader.copy_row(k, vd, kv_rows, va, bytes);
+        }
+        if let (Some(codes), Some(sl)) = (&slots.codes, &scale_loader) {
+            let stage = k.mul(slot, cfg.scale_stage_bytes());
+            let dst = smem.raw(k, codes.scales);
+            let dst = k.smem_offset(dst, stage);
+            sl.issue(k, &cache, key0, w.end, dst);
         }
     };
 
@@ -545,6 +767,10 @@ fn build<H: Half2>(cfg: &DecodeConfig) -> Result<KernelText, PtxError> {
     let g4 = k.and(lane, 3u32);
     let col = k.shl(g4, 1);
     let warp_keys = k.mad(warp, WARP_KEYS, col).cast::<S32>();
+    let widen = slots
+        .codes
+        .as_ref()
+        .map(|codes| Widen::new(&mut k, cfg, &smem, codes, [k_slot, v_slot], lane, warp, col));
 
     k.comment("The key loop: tile t from the ring, tile t + stages - 1 issued behind it.");
     k.for_range(0i32, w.tiles, 1, |k, t| {
@@ -559,26 +785,54 @@ fn build<H: Half2>(cfg: &DecodeConfig) -> Result<KernelText, PtxError> {
         k.cp_async_commit();
 
         let slot = k.rem(t.cast::<U32>(), cfg.stages);
-        let slot_bytes = k.mul(slot, k_slot.stride);
-        let scores = f.scores(k, slot_bytes);
-        let key0 = k.mul(t, cfg.block_n() as i32);
-        let key0 = k.add(key0, w.start);
-        let key0 = k.add(key0, warp_keys);
-        mask_scores(k, &scores, limits, key0);
-        let p = f
-            .softmax
-            .step_packed::<H>(k, std::slice::from_ref(&scores), &f.o, scale_log2);
-        f.accumulate_pv(k, &p[0][0], slot_bytes);
+        // The key of the thread's column 0 in this tile.
+        let first_key = |k: &mut Kernel| {
+            let key0 = k.mul(t, cfg.block_n() as i32);
+            let key0 = k.add(key0, w.start);
+            k.add(key0, warp_keys)
+        };
+        match &widen {
+            None => {
+                let slot_bytes = k.mul(slot, k_slot.stride);
+                let scores = f.scores(k, slot_bytes);
+                let key0 = first_key(k);
+                mask_scores(k, &scores, limits, key0);
+                let p =
+                    f.softmax
+                        .step_packed::<H>(k, std::slice::from_ref(&scores), &f.o, scale_log2);
+                f.accumulate_pv(k, &p[0][0], slot_bytes);
+            }
+            Some(widen) => {
+                let [k_scales, v_scales] = widen.stage::<H>(k, slot);
+                let tile = k.mov(0u32);
+                let scores = f.scores(k, tile);
+                scale_columns(k, &scores, k_scales);
+                let key0 = first_key(k);
+                mask_scores(k, &scores, limits, key0);
+                let scores = std::slice::from_ref(&scores);
+                let factors = [[k.mov(1f32), k.mov(1f32)]];
+                f.softmax.update(k, scores, scale_log2, &factors);
+                widen.apply_v_scales(k, &scores[0], v_scales, &factors[0]);
+                rescale_rows(k, &f.o, &factors);
+                let p = pack_probs::<H>(k, &scores[0]);
+                f.accumulate_pv(k, &p[0], tile);
+            }
+        }
     });
     k.cp_async_wait(0);
     k.sync_threads();
+    if let Some(widen) = &widen {
+        k.comment("The output leaves the units of the largest V scale.");
+        let unit = [[widen.unit, widen.unit]];
+        rescale_rows(&mut k, &f.o, &unit);
+    }
 
     merge_warps_and_store::<H>(
         &mut k,
         cfg,
         args,
         &smem,
-        k_slot,
+        slots.scratch(),
         &f,
         &w,
         tid,
@@ -588,6 +842,159 @@ fn build<H: Half2>(cfg: &DecodeConfig) -> Result<KernelText, PtxError> {
         packed_rows,
     );
     k.finish()
+}
+
+/// An e4m3 cache's per-warp work on each stage: the warp's 16 keys of K and V widened
+/// from codes into its rows of the 16-bit tiles, and those keys' scales.
+///
+/// Lane `l` widens 16-byte chunks `l, l + 32, ...` of the warp's `16·D` code bytes (in
+/// order, so the warp's loads are conflict-free); chunk `i` is row `i / (D/16)`,
+/// elements `16·(i % (D/16))` on, and lands as two 16-byte chunks of the swizzled
+/// 16-bit row.
+struct Widen {
+    /// This lane's first code chunk in stage 0 of the K ring.
+    src: SmemAddr,
+    /// From the K ring to the V ring, and from one stage to the next.
+    v_ring: u32,
+    ring_stride: u32,
+    /// Per chunk, its two destinations in the K tile.
+    dst: Vec<[SmemAddr; 2]>,
+    /// From the K tile to the V tile.
+    v_tile: u32,
+    /// This thread's four keys' K scales in stage 0 (V's are `block_n` floats on).
+    scales: SmemAddr,
+    scale_stage: u32,
+    block_n: u32,
+    /// The largest V scale this warp has met: the unit the output is carried in
+    /// (starting at the smallest normal float, so a cache of zeros divides by nothing).
+    unit: Reg<F32>,
+}
+
+impl Widen {
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        k: &mut Kernel,
+        cfg: &DecodeConfig,
+        smem: &Smem,
+        codes: &Codes,
+        [k_tile, v_tile]: [TileSlot; 2],
+        lane: Reg<U32>,
+        warp: Reg<U32>,
+        col: Reg<U32>,
+    ) -> Widen {
+        let d = cfg.head_dim;
+        let per_row = d / 16;
+        let lane16 = k.shl(lane, 4);
+        let src = k.mad(warp, WARP_KEYS * d, lane16);
+        let src = smem.tile_byte(k, codes.k, src);
+        let first_row = k.mul(warp, WARP_KEYS);
+        let row_bytes = k_tile.layout.block_bytes;
+        let dst = (0..d / 32)
+            .map(|i| {
+                let chunk = k.add(lane, 32 * i);
+                let row = k.shr(chunk, per_row.trailing_zeros());
+                let row = k.add(row, first_row);
+                let c16 = k.and(chunk, per_row - 1);
+                // 16 codes make 32 bytes: chunks 2·(c16 % 4) and the next of column block
+                // c16 / 4 (64 elements a block).
+                let block = k.shr(c16, 2);
+                let block = k.mul(block, k_tile.layout.block_stride());
+                let pair = k.and(c16, 3u32);
+                let line = k.mul(row, row_bytes);
+                let line = k.mad(pair, 32u32, line);
+                std::array::from_fn(|half| {
+                    let at = k.add(line, 16 * half as u32);
+                    let at = Swizzle::B128.apply_in(k, at);
+                    let at = k.add(at, block);
+                    smem.tile_byte(k, k_tile, at)
+                })
+            })
+            .collect();
+        let key = k.mad(warp, WARP_KEYS, col);
+        let key = k.shl(key, 2);
+        let scales = smem.raw(k, codes.scales);
+        let scales = k.smem_offset(scales, key);
+        Widen {
+            src,
+            v_ring: codes.v.offset - codes.k.offset,
+            ring_stride: codes.k.stride,
+            dst,
+            v_tile: v_tile.offset - k_tile.offset,
+            scales,
+            scale_stage: cfg.scale_stage_bytes(),
+            block_n: cfg.block_n(),
+            unit: k.mov(f32::MIN_POSITIVE),
+        }
+    }
+
+    /// Widens the warp's keys of the stage in ring slot `slot` and returns this thread's
+    /// four keys' K and V scales (keys `2c`, `2c + 1`, `2c + 8`, `2c + 9` of the warp's
+    /// 16: the score columns and probability columns the thread holds).
+    fn stage<H: Half2>(&self, k: &mut Kernel, slot: Reg<U32>) -> [[Reg<F32>; 4]; 2] {
+        let ring = k.mul(slot, self.ring_stride);
+        let src = k.smem_offset(self.src, ring);
+        for (from, to) in [(0, 0), (self.v_ring, self.v_tile)] {
+            for (i, dst) in self.dst.iter().enumerate() {
+                let words = k.ld_shared_v4::<B32>(src, (from + 512 * i as u32) as i32);
+                let h: Vec<Reg<H>> = words
+                    .into_iter()
+                    .flat_map(|w| k.unpack_e4m3x4::<H>(w))
+                    .collect();
+                k.st_shared_v4(dst[0], to as i32, [h[0], h[1], h[2], h[3]]);
+                k.st_shared_v4(dst[1], to as i32, [h[4], h[5], h[6], h[7]]);
+            }
+        }
+        k.sync_warp();
+        let stage = k.mul(slot, self.scale_stage);
+        let at = k.smem_offset(self.scales, stage);
+        std::array::from_fn(|tensor| {
+            let base = (tensor as u32 * self.block_n * 4) as i32;
+            [0, 4, 32, 36].map(|off| k.ld_shared::<F32>(at, base + off))
+        })
+    }
+
+    /// Multiplies the probabilities by their keys' V scales over the warp's unit, first
+    /// raising the unit to the tile's largest V scale and folding the change into the
+    /// output's rescale `factors`.
+    fn apply_v_scales(
+        &self,
+        k: &mut Kernel,
+        probs: &Slab,
+        v_scales: [Reg<F32>; 4],
+        factors: &[Reg<F32>; 2],
+    ) {
+        let m = k.max(v_scales[0], v_scales[1]);
+        let m2 = k.max(v_scales[2], v_scales[3]);
+        let m = k.max(m, m2);
+        // The quad's four threads hold the warp's 16 keys.
+        for mask in [1, 2] {
+            let other = k.shfl_bfly(m, mask);
+            k.max_to(m, m, other);
+        }
+        let unit = k.max(self.unit, m);
+        let inv = k.rcp(unit);
+        let same = k.setp(Cmp::Eq, unit, self.unit);
+        let ratio = k.mul(self.unit, inv);
+        let ratio = k.selp(1f32, ratio, same);
+        for &f in factors {
+            k.mul_to(f, f, ratio);
+        }
+        let r = v_scales.map(|s| k.mul(s, inv));
+        scale_columns(k, probs, r);
+        k.mov_to(self.unit, unit);
+    }
+}
+
+/// Multiplies the thread's score (or probability) columns by per-key factors: `f[2·nt +
+/// j]` for column `j` of n-tile `nt`.
+fn scale_columns(k: &mut Kernel, scores: &Slab, f: [Reg<F32>; 4]) {
+    for (nt, tile) in scores.iter().enumerate() {
+        for half in 0..2 {
+            for (j, v) in half_of(tile, half).into_iter().enumerate() {
+                k.mul_to(v, v, f[2 * nt + j]);
+            }
+        }
+    }
 }
 
 /// Per row half of this thread (rows `g` and `g + 8` of the tile): the first key the row
@@ -912,7 +1319,8 @@ mod tests {
     fn every_config_fits_and_keeps_its_tiles_atom_aligned() {
         for cfg in all_decode_configs() {
             let id = cfg.id();
-            let (plan, [q, kt, vt]) = cfg.plan();
+            let (plan, slots) = cfg.plan();
+            let (q, kt, vt) = (slots.q, slots.k, slots.v);
             let rb = kt.layout.block_bytes;
             assert!(q.layout.is_valid() && kt.layout.is_valid(), "{id}");
             // The warps' 16-key slices, the Q tile's column blocks and a pass of the
@@ -922,21 +1330,55 @@ mod tests {
             assert_eq!(ROWS * rb % 1024, 0, "{id}");
             assert_eq!(rpp * rb % 1024, 0, "{id}");
             assert_eq!(kt.layout.rows % rpp, 0, "{id}: whole passes per stage");
-            // The merge scratch fits in the ring, and each thread merges whole float4s.
+            // The merge scratch fits from the start of the rings to the end of shared
+            // memory, and each thread merges whole float4s.
             let scratch = cfg.stats_bytes() + cfg.warps * ROWS * cfg.head_dim * 4;
-            assert!(scratch <= (kt.stride + vt.stride) * cfg.stages, "{id}");
-            assert_eq!(vt.offset, kt.offset + kt.stride * cfg.stages, "{id}");
+            assert!(scratch <= plan.bytes() - slots.scratch().offset, "{id}");
             assert_eq!((cfg.head_dim / (cfg.threads() / ROWS)) % 4, 0, "{id}");
             assert!(plan.bytes() <= 227 * 1024, "{id}");
+            match &slots.codes {
+                None => {
+                    assert_eq!(kt.copies, cfg.stages, "{id}");
+                    assert_eq!(vt.offset, kt.offset + kt.stride * cfg.stages, "{id}");
+                }
+                Some(codes) => {
+                    // One widened tile each; code rows of whole 16-byte chunks, a
+                    // power of two of them, whole passes of the ring's loader; the
+                    // scale ring has one float per thread per stage.
+                    assert_eq!((kt.copies, vt.copies), (1, 1), "{id}");
+                    assert_eq!(codes.k.copies, cfg.stages, "{id}");
+                    let row = codes.k.layout.block_bytes;
+                    assert_eq!(row, cfg.head_dim, "{id}");
+                    assert!((row / 16).is_power_of_two(), "{id}");
+                    assert_eq!(cfg.block_n() % (cfg.threads() / (row / 16)), 0, "{id}");
+                    assert_eq!(cfg.scale_stage_bytes(), cfg.threads() * 4, "{id}");
+                    assert_eq!(codes.scales.bytes, cfg.stages * cfg.threads() * 4, "{id}");
+                    // The widened tile's column blocks hold 64 elements (4 chunks of 16
+                    // codes).
+                    assert_eq!(kt.layout.block_cols(), 64, "{id}");
+                }
+            }
         }
-        // Every head dim has a ring that fits the 99 KiB of sm_86/sm_89.
+        // Every head dim has a ring that fits the 99 KiB of sm_86/sm_89, and two blocks
+        // of the preferred e4m3 ring fit an sm_90 SM at head dims 64 and 128.
         for d in HEAD_DIMS {
-            let [.., last] = DecodeConfig::candidates(HalfType::F16, d, true);
+            let [.., last] = DecodeConfig::candidates(HalfType::F16, d, true, false);
             assert!(
                 last.smem_bytes() <= 99 * 1024,
                 "d{d}: {}",
                 last.smem_bytes()
             );
+        }
+        for d in FP8_HEAD_DIMS {
+            let [first, .., last] = DecodeConfig::candidates(HalfType::F16, d, true, true);
+            assert!(
+                last.smem_bytes() <= 99 * 1024,
+                "d{d}: {}",
+                last.smem_bytes()
+            );
+            if d <= 128 {
+                assert!(2 * (first.smem_bytes() + 1024) <= 228 * 1024, "d{d}");
+            }
         }
     }
 }
