@@ -230,6 +230,32 @@ def run(args):
     return 0 if ok else 1
 
 
+def compare_fp8(ours, by_shape, peak, graph):
+    """An e4m3 cache reads half the bytes: its figures are step times against SDPA's on
+    the 16-bit cache of the same shape, and the bandwidth of what it does read (codes
+    and scales)."""
+    print(f"{'shape':<26} {'layout':<10} {'ours us':>8} {'cuDNN us':>8} {'flash us':>8} "
+          f"{'x cuDNN':>7} {'x flash':>7} {'GB/s':>6} {'/read':>6} {'splits':>6}")
+    for r in ours:
+        if r.get("graph"):
+            continue
+        peer = by_shape.get((r["batch"], r["seqlen_k"]), {})
+        cud = peer.get("sdpa_cudnn", {}).get("us", float("nan"))
+        fla = peer.get("sdpa_flash", {}).get("us", float("nan"))
+        layout = "contiguous" if r["page"] == 0 else f"page {r['page']}"
+        shape = f"B{r['batch']} Hq{r['heads_q']} Hkv{r['heads_kv']} Skv{r['seqlen_k']}"
+        print(f"{shape:<26} {layout:<10} {r['us']:>8.1f} {cud:>8.1f} {fla:>8.1f} "
+              f"{cud / r['us']:>7.2f} {fla / r['us']:>7.2f} {r['gbps']:>6.0f} "
+              f"{r['gbps'] / peak:>6.2f} {r['splits']:>6}")
+    for r in ours:
+        if r.get("graph"):
+            cud = graph.get("sdpa_cudnn", {}).get("us", float("nan"))
+            fla = graph.get("sdpa_flash", {}).get("us", float("nan"))
+            print(f"CUDA graph B1 Skv8192 (e4m3 cache): ours {r['us']:.1f} us, cuDNN (f16) "
+                  f"{cud:.1f} us, flash (f16) {fla:.1f} us")
+    return 0
+
+
 def compare(ours_path, sdpa_path):
     """Prints flashcore's decode figures (`flashcore decode --json`) beside this script's
     SDPA figures from the same run: GB/s of K+V, ratios, fraction of the read bandwidth."""
@@ -242,6 +268,8 @@ def compare(ours_path, sdpa_path):
     print(f"{'shape':<26} {'layout':<10} {'ours GB/s':>9} {'cuDNN':>7} {'flash':>7} "
           f"{'/cuDNN':>7} {'/flash':>7} {'/read':>6} {'splits':>6}")
     by_shape = {(r["batch"], r["seqlen_k"]): r for r in sdpa["shapes"]}
+    if any(r.get("kv_dtype") == "e4m3" for r in ours):
+        return compare_fp8(ours, by_shape, peak, sdpa.get("graph", {}))
     for r in ours:
         if r.get("graph"):
             continue

@@ -315,7 +315,8 @@ if want decode; then
             compute-sanitizer --tool "$tool" --error-exitcode 1 \
             "$t" --include-ignored --test-threads=1 \
             decode_small_for_sanitizers device_metadata_never_leaves_the_cache \
-            append_writes_the_new_rows_where_they_belong merge_of_shards_matches_one_shot_attention
+            append_writes_the_new_rows_where_they_belong merge_of_shards_matches_one_shot_attention \
+            decode_fp8_cache_small_for_sanitizers fp8_append_quantizes_rows_where_they_belong
     done
     t="$bundle/tests/gpu_varlen"
     [[ -x $t ]] && ! want tests && step decode.log "test gpu_varlen" 300 "$t" --include-ignored --test-threads=1 --nocapture
@@ -330,6 +331,8 @@ if want decode; then
     step decode.log "flashcore decode" 240 "$fc" decode --json "$OUT/decode_ours.json"
     step decode.log "decode_sdpa_bench" 240 python3 "$bundle/decode_sdpa_bench.py" --json "$OUT/decode_sdpa.json"
     step decode.log "decode compare" 30 python3 "$bundle/decode_sdpa_bench.py" --compare "$OUT/decode_ours.json" "$OUT/decode_sdpa.json"
+    step decode.log "flashcore decode (e4m3 cache)" 240 "$fc" decode --kv-dtype e4m3 --json "$OUT/decode_ours_e4m3.json"
+    step decode.log "decode compare (e4m3 cache)" 30 python3 "$bundle/decode_sdpa_bench.py" --compare "$OUT/decode_ours_e4m3.json" "$OUT/decode_sdpa.json"
     step decode.log "harness --decode (C ABI vs SDPA)" 120 python3 "$bundle/harness.py" --decode \
         --lib "$bundle/release/libflashcore.so" --json "$scratch/harness_decode.json"
 fi

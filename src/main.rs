@@ -814,11 +814,12 @@ fn gemm(args: &[String]) -> Result<(), Failure> {
 const DECODE_SHAPES: [(usize, usize); 4] = [(1, 8192), (1, 32768), (16, 8192), (64, 4096)];
 
 /// Times split-KV decode (CUDA events, median; caches rotated past L2), contiguous and
-/// paged; then one decode step with its merge captured in a CUDA graph. (Correctness is
-/// `tests/gpu_decode.rs`'s.)
+/// paged; then one decode step with its merge captured in a CUDA graph. `--kv-dtype
+/// e4m3` runs an FP8 cache (codes and per-(position, head) scales; GB/s count both).
+/// (Correctness is `tests/gpu_decode.rs`'s.)
 fn decode(args: &[String]) -> Result<(), Failure> {
     use flashcore::host::decode::Workspace;
-    use flashcore::host::kv_cache::{CacheLayout, KvCache};
+    use flashcore::host::kv_cache::{CacheLayout, KvCache, KvScales};
     use flashcore::host::tensor::{AttentionParams, LseView, TensorView};
 
     let o = Opts { args };
@@ -833,10 +834,21 @@ fn decode(args: &[String]) -> Result<(), Failure> {
             "--seqlen-q",
             "--shapes",
             "--pages",
+            "--kv-dtype",
         ],
         &["--causal"],
     )?;
     let iters = o.num("--iters", 100)?;
+    let fp8 = match o.value("--kv-dtype") {
+        None => false,
+        Some("e4m3") => true,
+        Some(t) if parse_dtype(t).is_ok() => false,
+        Some(t) => {
+            return Err(Failure::Usage(format!(
+                "--kv-dtype takes e4m3 (or the query dtype), got `{t}`"
+            )));
+        }
+    };
     let dtype = parse_dtype(o.value("--dtype").unwrap_or("f16"))?;
     let (hq, hkv, d) = (
         o.num("--heads", 32)?,
@@ -874,13 +886,23 @@ fn decode(args: &[String]) -> Result<(), Failure> {
     let attn = Attention::new(dev.clone())?;
     let mut rng = Rng::from_entropy();
     let dt = flashcore::host::tensor::DType::from(dtype);
-    let elem = 2usize;
+    let cache_dt = if fp8 {
+        flashcore::host::tensor::DType::E4m3
+    } else {
+        dt
+    };
+    let elem = cache_dt.size_bytes();
     let err = |e: cudarc::driver::DriverError| Failure::Run(format!("CUDA: {e}"));
     let params = AttentionParams {
         softmax_scale: None,
         causal,
     };
-    out!("{} ({}), flashcore decode", dev.name(), dev.arch_name());
+    out!(
+        "{} ({}), flashcore decode, {} cache",
+        dev.name(),
+        dev.arch_name(),
+        cache_dt.name()
+    );
     out!(
         "{:<34} {:>6} {:>10} {:>9}  kernel",
         "shape",
@@ -893,7 +915,9 @@ fn decode(args: &[String]) -> Result<(), Failure> {
     for &(b, skv) in &shapes {
         for &page in &pages {
             let kv_elems = b * skv * hkv * d;
-            let kv_bytes = 2 * kv_elems * elem;
+            // Bytes a step reads: K and V, and an e4m3 cache's scales (4 bytes a row).
+            let scale_bytes = if fp8 { kv_elems / d * 4 } else { 0 };
+            let kv_bytes = 2 * (kv_elems * elem + scale_bytes);
             // Enough copies of the cache that one call's K/V is never in L2.
             let copies = (3 * dev.l2_bytes() as usize).div_ceil(kv_bytes).max(1) + 1;
             let (pool_pages, max_pages) = if page == 0 {
@@ -907,11 +931,29 @@ fn decode(args: &[String]) -> Result<(), Failure> {
                 pool_pages * page * hkv * d
             };
             let (pool, _) = flashcore::reference::random_half(&mut rng, 1 << 16, dtype);
-            let fill: Vec<u16> = (0..n).map(|i| pool[(i * 7 + 13) % pool.len()]).collect();
+            // The cache as bytes: 16-bit values, or e4m3 codes (no NaN: 0x7f, 0xff)
+            // with scales near those of N(0, 1) rows.
+            let fill: Vec<u8> = if fp8 {
+                (0..n)
+                    .map(|i| (pool[(i * 7 + 13) % pool.len()] % 0xfe) as u8 & 0xfe)
+                    .collect()
+            } else {
+                (0..n)
+                    .flat_map(|i| pool[(i * 7 + 13) % pool.len()].to_le_bytes())
+                    .collect()
+            };
+            let scale_fill: Vec<f32> = (0..n / d).map(|i| 0.005 + (i % 7) as f32 * 1e-3).collect();
             let mut caches = Vec::new();
+            let mut scales = Vec::new();
             for _ in 0..copies {
                 let k = stream.clone_htod(&fill).map_err(err)?;
                 let v = stream.clone_htod(&fill).map_err(err)?;
+                if fp8 {
+                    scales.push((
+                        stream.clone_htod(&scale_fill).map_err(err)?,
+                        stream.clone_htod(&scale_fill).map_err(err)?,
+                    ));
+                }
                 // Pages in random order over the pool.
                 let mut order: Vec<i32> = (0..pool_pages as i32).collect();
                 for i in (1..order.len()).rev() {
@@ -933,27 +975,42 @@ fn decode(args: &[String]) -> Result<(), Failure> {
             use cudarc::driver::DevicePtr;
             let views: Vec<KvCache> = caches
                 .iter()
-                .map(|(k, v, t)| {
+                .enumerate()
+                .map(|(i, (k, v, t))| {
                     let (k, v) = (k.device_ptr(&stream).0, v.device_ptr(&stream).0);
-                    match page {
-                        0 => KvCache {
-                            k: TensorView::bshd(k, dt, b, skv, hkv, d),
-                            v: TensorView::bshd(v, dt, b, skv, hkv, d),
-                            seqlens: lens.device_ptr(&stream).0,
-                            layout: CacheLayout::Contiguous,
-                            scales: None,
-                        },
-                        p => KvCache {
-                            k: TensorView::bshd(k, dt, pool_pages, p, hkv, d),
-                            v: TensorView::bshd(v, dt, pool_pages, p, hkv, d),
-                            seqlens: lens.device_ptr(&stream).0,
-                            layout: CacheLayout::Paged {
+                    let (outer, rows) = match page {
+                        0 => (b, skv),
+                        p => (pool_pages, p),
+                    };
+                    let scales = scales.get(i).map(|(ks, vs)| {
+                        let view = |x: &cudarc::driver::CudaSlice<f32>| {
+                            TensorView::bshd(
+                                x.device_ptr(&stream).0,
+                                flashcore::host::tensor::DType::F32,
+                                outer,
+                                rows,
+                                hkv,
+                                1,
+                            )
+                        };
+                        KvScales {
+                            k: view(ks),
+                            v: view(vs),
+                        }
+                    });
+                    KvCache {
+                        k: TensorView::bshd(k, cache_dt, outer, rows, hkv, d),
+                        v: TensorView::bshd(v, cache_dt, outer, rows, hkv, d),
+                        seqlens: lens.device_ptr(&stream).0,
+                        layout: match page {
+                            0 => CacheLayout::Contiguous,
+                            _ => CacheLayout::Paged {
                                 block_table: t.device_ptr(&stream).0,
                                 max_pages,
                                 table_stride: max_pages,
                             },
-                            scales: None,
                         },
+                        scales,
                     }
                 })
                 .collect();
@@ -1004,8 +1061,9 @@ fn decode(args: &[String]) -> Result<(), Failure> {
                 "{{\"batch\": {b}, \"heads_q\": {hq}, \"heads_kv\": {hkv}, \"seqlen_q\": {sq}, \
                  \"seqlen_k\": {skv}, \"head_dim\": {d}, \"dtype\": \"{}\", \"page\": {page}, \
                  \"causal\": {causal}, \"splits\": {}, \"us\": {us:.3}, \"gbps\": {gbps:.1}, \
-                 \"kv_bytes\": {kv_bytes}, \"kernel\": \"{}\"}}",
+                 \"kv_bytes\": {kv_bytes}, \"kv_dtype\": \"{}\", \"kernel\": \"{}\"}}",
                 dtype.name(),
+                cache_dt.name(),
                 plan.splits,
                 plan.config.id()
             ));

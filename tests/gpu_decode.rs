@@ -18,9 +18,10 @@ use flashcore::check::tolerance;
 use flashcore::host::attention::Attention;
 use flashcore::host::decode::{MergeParts, Workspace};
 use flashcore::host::device::Device;
-use flashcore::host::kv_cache::{CacheLayout, HostMetadata, KvCache};
+use flashcore::host::kv_cache::{CacheLayout, HostMetadata, KvCache, KvScales};
 use flashcore::host::tensor::{AttentionParams, DType, LseView, TensorView};
 use flashcore::kernels::attention::HalfType;
+use flashcore::quant;
 use flashcore::reference::{self, Rng, attention_f64, half_bits_to_f64, rel_l2};
 use flashcore::shape::AttnShape;
 
@@ -786,4 +787,418 @@ fn decode_small_for_sanitizers() {
         cases.push(case(HalfType::F16, (2, 1), d, 2, &[70, 3], 64, true));
     }
     run_all(&cases);
+}
+
+/// Rows of `d` values quantized to e4m3 as the append kernel does: scale `amax / 448`,
+/// codes `rn(x · 448 / amax)` saturated. Returns the codes, one scale per row and the
+/// dequantized values (code × scale, exact in f64).
+fn quantize_rows_e4m3(x: &[f64], d: usize) -> (Vec<u8>, Vec<f32>, Vec<f64>) {
+    let mut codes = Vec::with_capacity(x.len());
+    let mut scales = Vec::with_capacity(x.len() / d);
+    let mut deq = Vec::with_capacity(x.len());
+    for row in x.chunks(d) {
+        let amax = row.iter().fold(0f32, |m, &v| m.max((v as f32).abs()));
+        let (scale, inv) = quant::block_scale(amax);
+        for &v in row {
+            let c = quant::e4m3_from_f32(v as f32 * inv);
+            codes.push(c);
+            deq.push(f64::from(quant::e4m3_to_f32(c)) * f64::from(scale));
+        }
+        scales.push(scale);
+    }
+    (codes, scales, deq)
+}
+
+/// An e4m3 copy of a 16-bit [`DeviceCache`], every row of its memory (the slots no call
+/// may read included: their ±200 stay large) quantized by [`quantize_rows_e4m3`].
+struct Fp8DeviceCache {
+    k: CudaSlice<u8>,
+    v: CudaSlice<u8>,
+    k_scale: CudaSlice<f32>,
+    v_scale: CudaSlice<f32>,
+    /// `keys[b]`, `values[b]`: the dequantized values each sequence holds.
+    keys: Vec<Vec<f64>>,
+    values: Vec<Vec<f64>>,
+}
+
+impl Fp8DeviceCache {
+    fn new(s: &Arc<CudaStream>, c: &Case, cache: &DeviceCache) -> Fp8DeviceCache {
+        let d = c.head_dim;
+        let all = |x: &CudaSlice<u16>| {
+            let (codes, scales, _) = quantize_rows_e4m3(&half_bits_to_f64(&down(s, x), c.dtype), d);
+            (up(s, &codes), up(s, &scales))
+        };
+        let (k, k_scale) = all(&cache.k);
+        let (v, v_scale) = all(&cache.v);
+        let deq = |x: &Vec<Vec<f64>>| -> Vec<Vec<f64>> {
+            x.iter().map(|seq| quantize_rows_e4m3(seq, d).2).collect()
+        };
+        Fp8DeviceCache {
+            k,
+            v,
+            k_scale,
+            v_scale,
+            keys: deq(&cache.keys),
+            values: deq(&cache.values),
+        }
+    }
+
+    /// The 16-bit cache's view with these codes and scales in place of its data.
+    fn view(&self, s: &Arc<CudaStream>, c: &Case, cache: &DeviceCache) -> KvCache {
+        let base = cache.view(s, c);
+        let codes = |t: TensorView, at| TensorView {
+            ptr: at,
+            dtype: DType::E4m3,
+            ..t
+        };
+        let [outer, rows, hkv, _] = base.k.shape;
+        let scale = |at| TensorView::bshd(at, DType::F32, outer, rows, hkv, 1);
+        KvCache {
+            k: codes(base.k, ptr(s, &self.k)),
+            v: codes(base.v, ptr(s, &self.v)),
+            scales: Some(KvScales {
+                k: scale(ptr(s, &self.k_scale)),
+                v: scale(ptr(s, &self.v_scale)),
+            }),
+            ..base
+        }
+    }
+}
+
+/// Runs one decode case on an e4m3 copy of its cache. Returns the output's error against
+/// the float64 reference on the dequantized cache (the kernel's own arithmetic), the
+/// LSE's, and the output's error against the unquantized cache (what FP8 costs).
+fn run_fp8_case(attn: &Attention, s: &Arc<CudaStream>, rng: &mut Rng, c: &Case) -> (f64, f64, f64) {
+    let b = c.lens.len();
+    let capacity = c
+        .lens
+        .iter()
+        .copied()
+        .max()
+        .unwrap_or(1)
+        .max(1)
+        .next_multiple_of(c.page.max(1));
+    let cache = DeviceCache::new(s, rng, c, capacity, &c.lens);
+    let fp8 = Fp8DeviceCache::new(s, c, &cache);
+    let nq = b * c.seqlen_q * c.heads_q * c.head_dim;
+    let (q_bits, q) = reference::random_half(rng, nq, c.dtype);
+    let dq = up(s, &q_bits);
+    let o = up(s, &vec![reference::poison(c.dtype); nq]);
+    let lse = up(s, &vec![f32::NAN; b * c.heads_q * c.seqlen_q]);
+    let dt = dtype_of(c.dtype);
+    let qv = TensorView::bshd(ptr(s, &dq), dt, b, c.seqlen_q, c.heads_q, c.head_dim);
+    let ov = TensorView::bshd(ptr(s, &o), dt, b, c.seqlen_q, c.heads_q, c.head_dim);
+    let kv = fp8.view(s, c, &cache);
+    let params = AttentionParams {
+        softmax_scale: None,
+        causal: c.causal,
+    };
+    let host = cache.host();
+    // SAFETY: every view points into this function's live device buffers, sized for it.
+    unsafe {
+        attn.decode(
+            &qv,
+            &kv,
+            c.host_check.then_some(&host),
+            &ov,
+            Some(&LseView { ptr: ptr(s, &lse) }),
+            &params,
+            None,
+            s.cu_stream(),
+        )
+    }
+    .unwrap_or_else(|e| panic!("{c} e4m3 cache: {e}"));
+    let got = half_bits_to_f64(&down(s, &o), c.dtype);
+    let got_lse: Vec<f64> = down(s, &lse).into_iter().map(f64::from).collect();
+    let scale = (1.0 / (c.head_dim as f64).sqrt()) as f32 as f64;
+    let (exact, _) = reference_decode(c, &q, &cache, scale);
+    let dequantized = DeviceCache {
+        keys: fp8.keys.clone(),
+        values: fp8.values.clone(),
+        ..cache
+    };
+    let (want, want_lse) = reference_decode(c, &q, &dequantized, scale);
+    let lse_err = got_lse
+        .iter()
+        .zip(&want_lse)
+        .map(|(g, w)| match (w.is_finite(), g == w) {
+            (true, _) => (g - w).abs(),
+            (false, true) => 0.0,
+            (false, false) => f64::INFINITY,
+        })
+        .fold(0.0, f64::max);
+    (rel_l2(&got, &want), lse_err, rel_l2(&got, &exact))
+}
+
+/// FP8 costs at most this much relative L2 against the unquantized cache on N(0, 1)
+/// data (per-row E4M3 keeps 3 mantissa bits: about 2-4% in practice).
+const FP8_CACHE_VS_EXACT: f64 = 8e-2;
+
+fn run_all_fp8(cases: &[Case]) {
+    let (attn, s) = setup();
+    if attn.device().compute_capability() < (8, 9) {
+        eprintln!("skipped: e4m3 caches need sm_89");
+        return;
+    }
+    let mut seeds = seeds();
+    let mut failures = Vec::new();
+    for c in cases {
+        let mut rng = seeds.next_case();
+        let replay = seeds.replay(&rng);
+        let (err, lse_err, vs_exact) = run_fp8_case(&attn, &s, &mut rng, c);
+        let line = format!(
+            "{c} e4m3 cache: out {err:.2e} lse {lse_err:.2e} vs unquantized {vs_exact:.2e} \
+             ({replay})"
+        );
+        println!("{line}");
+        let bad = |e: f64, bound: f64| e.is_nan() || e > bound;
+        if bad(err, tolerance(c.dtype)) || bad(lse_err, 1e-2) || bad(vs_exact, FP8_CACHE_VS_EXACT) {
+            failures.push(line);
+        }
+    }
+    assert!(
+        failures.is_empty(),
+        "{} of {} cases failed:\n{}",
+        failures.len(),
+        cases.len(),
+        failures.join("\n")
+    );
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn decode_fp8_cache_layouts_head_dims_and_ratios() {
+    let mut cases = Vec::new();
+    for dtype in [HalfType::F16, HalfType::Bf16] {
+        // Contiguous ragged batches, GQA 1, 4 and 8, 1 to 16 queries.
+        cases.push(case(dtype, (8, 8), 128, 1, &[1, 7, 4097, 300], 0, true));
+        cases.push(case(dtype, (32, 8), 128, 1, &[1000, 16, 0], 0, false));
+        cases.push(case(dtype, (16, 4), 64, 4, &[33, 2049], 0, true));
+        cases.push(case(dtype, (8, 1), 256, 16, &[600, 17], 0, true));
+        // Paged, page sizes 1 to 256.
+        for page in [1, 16, 64, 256] {
+            cases.push(case(
+                dtype,
+                (32, 8),
+                128,
+                1,
+                &[1, 7, 4097, 513],
+                page,
+                false,
+            ));
+            cases.push(case(dtype, (8, 2), 64, 5, &[5, 1000, 64], page, true));
+        }
+    }
+    // One long sequence: many splits.
+    cases.push(case(HalfType::F16, (32, 8), 128, 1, &[32768], 64, false));
+    cases.push(case(HalfType::Bf16, (8, 1), 128, 2, &[32768, 3], 0, true));
+    run_all_fp8(&cases);
+}
+
+/// Values far apart in magnitude: one outlier row per sequence and rows of zeros. Per-row
+/// scales keep the small rows' precision; a row of zeros (scale 1, codes 0) divides by
+/// nothing.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn decode_fp8_cache_survives_outliers_and_zero_rows() {
+    let (attn, s) = setup();
+    if attn.device().compute_capability() < (8, 9) {
+        return;
+    }
+    let c = case(HalfType::F16, (8, 2), 128, 1, &[700, 300], 16, false);
+    let mut rng = seeds().next_case();
+    let mut cache = DeviceCache::new(&s, &mut rng, &c, 704, &c.lens);
+    // Rewrite the sequences' values on the host and in the pool: row 5 of each ×1000
+    // (V) and ×30 (K), rows 10..20 zero.
+    let row = c.heads_kv * c.head_dim;
+    let mut kb = half_bits_to_f64(&down(&s, &cache.k), c.dtype);
+    let mut vb = half_bits_to_f64(&down(&s, &cache.v), c.dtype);
+    for (b, &len) in c.lens.iter().enumerate() {
+        for pos in 0..len {
+            let (kf, vf) = match pos {
+                5 => (30.0, 1000.0),
+                10..20 => (0.0, 0.0),
+                _ => continue,
+            };
+            let page = cache.host_table[b * cache.max_pages + pos / c.page] as usize;
+            let at = (page * c.page + pos % c.page) * row;
+            for i in 0..row {
+                let kv = reference::f64_to_half_bits(&[cache.keys[b][pos * row + i] * kf], c.dtype);
+                let vv =
+                    reference::f64_to_half_bits(&[cache.values[b][pos * row + i] * vf], c.dtype);
+                let (kx, vx) = (
+                    half_bits_to_f64(&kv, c.dtype)[0],
+                    half_bits_to_f64(&vv, c.dtype)[0],
+                );
+                cache.keys[b][pos * row + i] = kx;
+                cache.values[b][pos * row + i] = vx;
+                kb[at + i] = kx;
+                vb[at + i] = vx;
+            }
+        }
+    }
+    cache.k = up(&s, &reference::f64_to_half_bits(&kb, c.dtype));
+    cache.v = up(&s, &reference::f64_to_half_bits(&vb, c.dtype));
+    let fp8 = Fp8DeviceCache::new(&s, &c, &cache);
+    let b = c.lens.len();
+    let nq = b * c.heads_q * c.head_dim;
+    let (q_bits, q) = reference::random_half(&mut rng, nq, c.dtype);
+    let dq = up(&s, &q_bits);
+    let o = up(&s, &vec![reference::poison(c.dtype); nq]);
+    let dt = dtype_of(c.dtype);
+    let qv = TensorView::bshd(ptr(&s, &dq), dt, b, 1, c.heads_q, c.head_dim);
+    let ov = TensorView::bshd(ptr(&s, &o), dt, b, 1, c.heads_q, c.head_dim);
+    // SAFETY: every view points into this function's live device buffers, sized for it.
+    unsafe {
+        attn.decode(
+            &qv,
+            &fp8.view(&s, &c, &cache),
+            None,
+            &ov,
+            None,
+            &AttentionParams::default(),
+            None,
+            s.cu_stream(),
+        )
+    }
+    .unwrap();
+    let got = half_bits_to_f64(&down(&s, &o), c.dtype);
+    let scale = (1.0 / (c.head_dim as f64).sqrt()) as f32 as f64;
+    let dequantized = DeviceCache {
+        keys: fp8.keys.clone(),
+        values: fp8.values.clone(),
+        ..cache
+    };
+    let (want, _) = reference_decode(&c, &q, &dequantized, scale);
+    let err = rel_l2(&got, &want);
+    println!("e4m3 cache with outlier and zero rows: out {err:.2e}");
+    assert!(got.iter().all(|x| x.is_finite()), "non-finite output");
+    assert!(err <= tolerance(c.dtype), "{err:.2e}");
+}
+
+/// Appending 16-bit tokens to an e4m3 cache writes exactly the CPU quantizer's codes and
+/// scales at each sequence's next positions, contiguous and paged, and nothing else.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn fp8_append_quantizes_rows_where_they_belong() {
+    let (attn, s) = setup();
+    if attn.device().compute_capability() < (8, 9) {
+        return;
+    }
+    let mut seeds = seeds();
+    for dtype in [HalfType::F16, HalfType::Bf16] {
+        for (d, page) in [(128, 0), (64, 16), (256, 1), (128, 64)] {
+            let mut rng = seeds.next_case();
+            let (hkv, new_tokens, lens) = (2usize, 3usize, [0usize, 5, 17, 100]);
+            let b = lens.len();
+            let capacity = 128usize;
+            let row = hkv * d;
+            // Pool (or batch) of rows, filled with codes of garbage and scales of 7.
+            let max_pages = capacity.checked_div(page).unwrap_or(0);
+            let (outer, rows) = if max_pages == 0 {
+                (b, capacity)
+            } else {
+                (b * max_pages + 3, page)
+            };
+            let n = outer * rows * row;
+            let init: Vec<u8> = (0..n).map(|_| (rng.next_u64() % 0x7e) as u8).collect();
+            let (k, v) = (up(&s, &init), up(&s, &init));
+            let k_scale = up(&s, &vec![7f32; outer * rows * hkv]);
+            let v_scale = up(&s, &vec![7f32; outer * rows * hkv]);
+            // Page p of sequence b is pool page table[b][p] (reversed order).
+            let table: Vec<i32> = (0..b * max_pages)
+                .map(|i| (b * max_pages - 1 - i) as i32)
+                .collect();
+            let dtable = up(&s, &table.iter().map(|&x| x.max(0)).collect::<Vec<_>>());
+            let host_lens: Vec<i32> = lens.iter().map(|&l| l as i32).collect();
+            let seqlens = up(&s, &host_lens);
+            let layout = if page == 0 {
+                CacheLayout::Contiguous
+            } else {
+                CacheLayout::Paged {
+                    block_table: ptr(&s, &dtable),
+                    max_pages,
+                    table_stride: max_pages,
+                }
+            };
+            let codes =
+                |x: &CudaSlice<u8>| TensorView::bshd(ptr(&s, x), DType::E4m3, outer, rows, hkv, d);
+            let scales =
+                |x: &CudaSlice<f32>| TensorView::bshd(ptr(&s, x), DType::F32, outer, rows, hkv, 1);
+            let cache = KvCache {
+                k: codes(&k),
+                v: codes(&v),
+                seqlens: ptr(&s, &seqlens),
+                layout,
+                scales: Some(KvScales {
+                    k: scales(&k_scale),
+                    v: scales(&v_scale),
+                }),
+            };
+            let nn = b * new_tokens * row;
+            let (kb, kx) = reference::random_half(&mut rng, nn, dtype);
+            let (vb, vx) = reference::random_half(&mut rng, nn, dtype);
+            let (dk, dv) = (up(&s, &kb), up(&s, &vb));
+            let dt = dtype_of(dtype);
+            let kn = TensorView::bshd(ptr(&s, &dk), dt, b, new_tokens, hkv, d);
+            let vn = TensorView::bshd(ptr(&s, &dv), dt, b, new_tokens, hkv, d);
+            let host = HostMetadata {
+                seqlens: &host_lens,
+                block_table: (page > 0).then_some(table.as_slice()),
+            };
+            // SAFETY: every view points into this function's live device buffers.
+            unsafe { attn.append_kv(&cache, &kn, &vn, Some(&host), s.cu_stream()) }
+                .unwrap_or_else(|e| panic!("{dtype:?} d{d} page {page}: {e}"));
+            for (name, dev, dev_scale, x) in [("k", &k, &k_scale, &kx), ("v", &v, &v_scale, &vx)] {
+                let mut want = init.clone();
+                let mut want_scale = vec![7f32; outer * rows * hkv];
+                let (qc, qs, _) = quantize_rows_e4m3(x, d);
+                for (bi, &len) in lens.iter().enumerate() {
+                    for j in 0..new_tokens {
+                        let pos = len + j;
+                        let slot = if max_pages == 0 {
+                            bi * capacity + pos
+                        } else {
+                            table[bi * max_pages + pos / page] as usize * page + pos % page
+                        };
+                        for h in 0..hkv {
+                            let src = (bi * new_tokens + j) * hkv + h;
+                            let dst = slot * hkv + h;
+                            want[dst * d..(dst + 1) * d]
+                                .copy_from_slice(&qc[src * d..(src + 1) * d]);
+                            want_scale[dst] = qs[src];
+                        }
+                    }
+                }
+                let got = down(&s, dev);
+                let got_scale = down(&s, dev_scale);
+                let what = format!("{dtype:?} d{d} page {page} {name}");
+                assert!(
+                    got == want,
+                    "{what}: codes differ from the CPU quantizer's or stray writes"
+                );
+                assert!(
+                    got_scale
+                        .iter()
+                        .zip(&want_scale)
+                        .all(|(a, b)| a.to_bits() == b.to_bits()),
+                    "{what}: scales differ"
+                );
+            }
+            println!("e4m3 append {dtype:?} d{d} page {page}: bit-exact");
+        }
+    }
+}
+
+/// Small e4m3-cache calls for compute-sanitizer: paged with splits, contiguous with
+/// one, each head dim.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn decode_fp8_cache_small_for_sanitizers() {
+    let cases = vec![
+        case(HalfType::F16, (8, 2), 128, 3, &[1, 7, 300], 16, true),
+        case(HalfType::Bf16, (4, 4), 64, 1, &[5, 40], 0, false),
+        case(HalfType::F16, (2, 1), 256, 2, &[70, 3], 64, true),
+    ];
+    run_all_fp8(&cases);
 }
