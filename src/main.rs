@@ -1063,8 +1063,8 @@ fn decode(args: &[String]) -> Result<(), Failure> {
                  \"causal\": {causal}, \"splits\": {}, \"us\": {us:.3}, \"gbps\": {gbps:.1}, \
                  \"kv_bytes\": {kv_bytes}, \"kv_dtype\": \"{}\", \"kernel\": \"{}\"}}",
                 dtype.name(),
-                cache_dt.name(),
                 plan.splits,
+                cache_dt.name(),
                 plan.config.id()
             ));
             // One decode step (and its merge) captured in a CUDA graph per cache copy;

@@ -84,15 +84,16 @@ pub struct DecodeConfig {
 impl DecodeConfig {
     /// The ring depth a head dim gets when shared memory allows: about 96 KiB of K/V
     /// tiles, so two blocks fit an sm_90 SM and each keeps 64 KiB of reads in flight
-    /// (e4m3 codes: the same bytes in flight from twice the stages, with room left for
-    /// the widened tiles).
+    /// (e4m3 codes: a stage is half the bytes, and the ring is kept short so that three
+    /// blocks (head dim 128) share an SM: widening the codes lengthens each tile's
+    /// chain of dependent steps, which more warps per SM hide).
     pub fn preferred_stages(head_dim: u32, fp8: bool) -> u32 {
         match (head_dim, fp8) {
             (0..=64, false) => 4,
             (65..=128, false) => 3,
             (_, false) => 2,
-            (0..=64, true) => 6,
-            (65..=128, true) => 4,
+            (0..=64, true) => 4,
+            (65..=128, true) => 3,
             (_, true) => 2,
         }
     }
@@ -175,8 +176,10 @@ impl DecodeConfig {
         }
         let code_k = plan.tile(self.code_layout(), self.stages);
         let code_v = plan.tile(self.code_layout(), self.stages);
+        // One 16-bit tile for K and then V: each warp widens its keys of K, computes
+        // the scores, then widens V into the same rows.
         let k = plan.tile(self.kv_layout(), 1);
-        let v = plan.tile(self.kv_layout(), 1);
+        let v = k;
         let scales = plan.raw(self.stages * self.scale_stage_bytes(), 16);
         let codes = Codes {
             k: code_k,
@@ -221,8 +224,8 @@ pub const FP8_HEAD_DIMS: [u32; 3] = [64, 128, 256];
 /// Where a decode kernel's shared memory goes.
 struct Slots {
     q: TileSlot,
-    /// The tiles the MMAs read: the ring itself (16-bit cache), or one tile each that
-    /// the warps widen their codes into (e4m3 cache).
+    /// The tiles the MMAs read: the ring itself (16-bit cache), or the one tile the
+    /// warps widen their codes of K, then of V, into (e4m3 cache).
     k: TileSlot,
     v: TileSlot,
     /// The e4m3 cache's rings.
@@ -770,7 +773,7 @@ fn build<H: Half2>(cfg: &DecodeConfig) -> Result<KernelText, PtxError> {
     let widen = slots
         .codes
         .as_ref()
-        .map(|codes| Widen::new(&mut k, cfg, &smem, codes, [k_slot, v_slot], lane, warp, col));
+        .map(|codes| Widen::new(&mut k, cfg, &smem, codes, k_slot, lane, warp, col));
 
     k.comment("The key loop: tile t from the ring, tile t + stages - 1 issued behind it.");
     k.for_range(0i32, w.tiles, 1, |k, t| {
@@ -803,7 +806,8 @@ fn build<H: Half2>(cfg: &DecodeConfig) -> Result<KernelText, PtxError> {
                 f.accumulate_pv(k, &p[0][0], slot_bytes);
             }
             Some(widen) => {
-                let [k_scales, v_scales] = widen.stage::<H>(k, slot);
+                let [k_scales, v_scales] = widen.scales(k, slot);
+                widen.widen::<H>(k, slot, false);
                 let tile = k.mov(0u32);
                 let scores = f.scores(k, tile);
                 scale_columns(k, &scores, k_scales);
@@ -815,6 +819,7 @@ fn build<H: Half2>(cfg: &DecodeConfig) -> Result<KernelText, PtxError> {
                 widen.apply_v_scales(k, &scores[0], v_scales, &factors[0]);
                 rescale_rows(k, &f.o, &factors);
                 let p = pack_probs::<H>(k, &scores[0]);
+                widen.widen::<H>(k, slot, true);
                 f.accumulate_pv(k, &p[0], tile);
             }
         }
@@ -844,8 +849,8 @@ fn build<H: Half2>(cfg: &DecodeConfig) -> Result<KernelText, PtxError> {
     k.finish()
 }
 
-/// An e4m3 cache's per-warp work on each stage: the warp's 16 keys of K and V widened
-/// from codes into its rows of the 16-bit tiles, and those keys' scales.
+/// An e4m3 cache's per-warp work on each stage: the warp's 16 keys of K, then of V,
+/// widened from codes into its rows of the 16-bit tile, and those keys' scales.
 ///
 /// Lane `l` widens 16-byte chunks `l, l + 32, ...` of the warp's `16·D` code bytes (in
 /// order, so the warp's loads are conflict-free); chunk `i` is row `i / (D/16)`,
@@ -857,10 +862,8 @@ struct Widen {
     /// From the K ring to the V ring, and from one stage to the next.
     v_ring: u32,
     ring_stride: u32,
-    /// Per chunk, its two destinations in the K tile.
+    /// Per chunk, its two destinations in the 16-bit tile.
     dst: Vec<[SmemAddr; 2]>,
-    /// From the K tile to the V tile.
-    v_tile: u32,
     /// This thread's four keys' K scales in stage 0 (V's are `block_n` floats on).
     scales: SmemAddr,
     scale_stage: u32,
@@ -877,7 +880,7 @@ impl Widen {
         cfg: &DecodeConfig,
         smem: &Smem,
         codes: &Codes,
-        [k_tile, v_tile]: [TileSlot; 2],
+        tile: TileSlot,
         lane: Reg<U32>,
         warp: Reg<U32>,
         col: Reg<U32>,
@@ -888,7 +891,7 @@ impl Widen {
         let src = k.mad(warp, WARP_KEYS * d, lane16);
         let src = smem.tile_byte(k, codes.k, src);
         let first_row = k.mul(warp, WARP_KEYS);
-        let row_bytes = k_tile.layout.block_bytes;
+        let row_bytes = tile.layout.block_bytes;
         let dst = (0..d / 32)
             .map(|i| {
                 let chunk = k.add(lane, 32 * i);
@@ -898,7 +901,7 @@ impl Widen {
                 // 16 codes make 32 bytes: chunks 2·(c16 % 4) and the next of column block
                 // c16 / 4 (64 elements a block).
                 let block = k.shr(c16, 2);
-                let block = k.mul(block, k_tile.layout.block_stride());
+                let block = k.mul(block, tile.layout.block_stride());
                 let pair = k.and(c16, 3u32);
                 let line = k.mul(row, row_bytes);
                 let line = k.mad(pair, 32u32, line);
@@ -906,7 +909,7 @@ impl Widen {
                     let at = k.add(line, 16 * half as u32);
                     let at = Swizzle::B128.apply_in(k, at);
                     let at = k.add(at, block);
-                    smem.tile_byte(k, k_tile, at)
+                    smem.tile_byte(k, tile, at)
                 })
             })
             .collect();
@@ -919,7 +922,6 @@ impl Widen {
             v_ring: codes.v.offset - codes.k.offset,
             ring_stride: codes.k.stride,
             dst,
-            v_tile: v_tile.offset - k_tile.offset,
             scales,
             scale_stage: cfg.scale_stage_bytes(),
             block_n: cfg.block_n(),
@@ -927,24 +929,30 @@ impl Widen {
         }
     }
 
-    /// Widens the warp's keys of the stage in ring slot `slot` and returns this thread's
-    /// four keys' K and V scales (keys `2c`, `2c + 1`, `2c + 8`, `2c + 9` of the warp's
-    /// 16: the score columns and probability columns the thread holds).
-    fn stage<H: Half2>(&self, k: &mut Kernel, slot: Reg<U32>) -> [[Reg<F32>; 4]; 2] {
+    /// Widens the warp's keys of K (`v` false) or V of the stage in ring slot `slot`
+    /// into its rows of the 16-bit tile. The warp must be done reading what the tile
+    /// held (`bar.warp.sync` before); the rows are ready for `ldmatrix` on return.
+    fn widen<H: Half2>(&self, k: &mut Kernel, slot: Reg<U32>, v: bool) {
+        k.sync_warp();
         let ring = k.mul(slot, self.ring_stride);
         let src = k.smem_offset(self.src, ring);
-        for (from, to) in [(0, 0), (self.v_ring, self.v_tile)] {
-            for (i, dst) in self.dst.iter().enumerate() {
-                let words = k.ld_shared_v4::<B32>(src, (from + 512 * i as u32) as i32);
-                let h: Vec<Reg<H>> = words
-                    .into_iter()
-                    .flat_map(|w| k.unpack_e4m3x4::<H>(w))
-                    .collect();
-                k.st_shared_v4(dst[0], to as i32, [h[0], h[1], h[2], h[3]]);
-                k.st_shared_v4(dst[1], to as i32, [h[4], h[5], h[6], h[7]]);
-            }
+        let from = if v { self.v_ring } else { 0 };
+        for (i, dst) in self.dst.iter().enumerate() {
+            let words = k.ld_shared_v4::<B32>(src, (from + 512 * i as u32) as i32);
+            let h: Vec<Reg<H>> = words
+                .into_iter()
+                .flat_map(|w| k.unpack_e4m3x4::<H>(w))
+                .collect();
+            k.st_shared_v4(dst[0], 0, [h[0], h[1], h[2], h[3]]);
+            k.st_shared_v4(dst[1], 0, [h[4], h[5], h[6], h[7]]);
         }
         k.sync_warp();
+    }
+
+    /// This thread's four keys' K and V scales in ring slot `slot` (keys `2c`, `2c + 1`,
+    /// `2c + 8`, `2c + 9` of the warp's 16: the score columns and probability columns
+    /// the thread holds).
+    fn scales(&self, k: &mut Kernel, slot: Reg<U32>) -> [[Reg<F32>; 4]; 2] {
         let stage = k.mul(slot, self.scale_stage);
         let at = k.smem_offset(self.scales, stage);
         std::array::from_fn(|tensor| {
