@@ -1,7 +1,8 @@
 /*
  * flashcore.h - C interface of flashcore: FlashAttention forward kernels, the serving
- * calls (decode against a contiguous or paged KV cache, appending to it, merging partial
- * results by their log-sum-exp) and FP8 (e4m3) attention with its GPU quantizer,
+ * calls (decode against a contiguous or paged KV cache of 16-bit or FP8 values, appending
+ * to it, merging partial results by their log-sum-exp) and FP8 (e4m3) attention with its
+ * GPU quantizer,
  * generated at run time as PTX and launched through the CUDA driver (libcuda, loaded at
  * run time).
  *
@@ -36,8 +37,8 @@ extern "C" {
 
 #define FLASHCORE_F16 1  /* IEEE binary16 */
 #define FLASHCORE_BF16 2 /* bfloat16 */
-#define FLASHCORE_F32 3  /* float32: describable, but no kernel takes it */
-#define FLASHCORE_E4M3 4 /* FP8 E4M3 (e4m3fn) codes: the q and k of FlashcoreFp8Operands */
+#define FLASHCORE_F32 3  /* float32: merge parts and outputs, FP8 KV cache scales */
+#define FLASHCORE_E4M3 4 /* FP8 E4M3 (e4m3fn) codes: FlashcoreFp8Operands' q and k, FP8 KV caches */
 
 /* ---- return codes -------------------------------------------------------------------- */
 /* (src/error.rs holds the table these lines are checked against: values, names, comments) */
@@ -86,7 +87,8 @@ typedef struct FlashcoreTensor {
  *   (4-byte aligned) whose rows are table_stride (>= max_pages) elements apart: position
  *   p of sequence b is row p % page_size of page block_table[b * table_stride +
  *   p / page_size]. The capacity is max_pages * page_size.
- * Either way k and v share one dtype (f16 or bf16) and shape, with pointers 16-byte
+ * Either way k and v share one dtype (f16 or bf16; or FLASHCORE_E4M3 codes, with their
+ * FlashcoreKvScales, in the _fp8kv calls) and shape, with pointers 16-byte
  * aligned, strides[3] == 1 and other strides multiples of 16 bytes; the capacity is at
  * most 2^30; seqlens is a device int32 array [B] (4-byte aligned) holding each sequence's
  * length. The lengths and the block table are read by the kernels on the device (so a
@@ -102,6 +104,22 @@ typedef struct FlashcoreKvCache {
     int64_t max_pages;     /* pages per sequence (paged), or 0 */
     int64_t table_stride;  /* elements between block-table rows, >= max_pages (paged), or 0 */
 } FlashcoreKvCache;
+
+/* The scales of an FP8 KV cache (the _fp8kv serving calls), whose k and v then hold e4m3
+ * codes (dtype FLASHCORE_E4M3) of head dim 64, 128 or 256. 160 bytes, 8-byte aligned.
+ *
+ *   k_scale, v_scale: dtype FLASHCORE_F32, shape the cache's first three dimensions and 1:
+ *       [B, capacity, Hkv, 1] (contiguous cache) or [pages, page_size, Hkv, 1] (paged),
+ *       so a position's scales live where its codes do: element (i, p, h, 0) is the scale
+ *       of row (i, p, h) of k (of v): each value of that row is its code times the scale.
+ *       Pointers 4-byte aligned; strides free (in elements; strides[3] is not used), but no
+ *       two elements may share an address, and neither tensor may overlap the other or the
+ *       codes. flashcore_append_kv_fp8kv writes one scale per (position, KV head) row, the
+ *       row's largest magnitude / 448 (the e4m3 maximum), then the row's codes. */
+typedef struct FlashcoreKvScales {
+    FlashcoreTensor k_scale; /* float32 [B, capacity, Hkv, 1] or [pages, page_size, Hkv, 1] */
+    FlashcoreTensor v_scale; /* float32, k_scale's shape */
+} FlashcoreKvScales;
 
 /* A batch of sequences of different lengths packed without padding (flashcore_forward_varlen):
  * sequence b is query rows cu_seqlens_q[b] .. cu_seqlens_q[b + 1] of q and o and key rows
@@ -250,7 +268,7 @@ int32_t flashcore_check_forward_varlen(const FlashcoreTensor *q, const Flashcore
                                        int32_t causal);
 
 /* ---- serving: decode, append, merge -------------------------------------------------- */
-/* Host metadata, in the three calls that take it: host_seqlens is NULL or a host int32
+/* Host metadata, in the calls that take it: host_seqlens is NULL or a host int32
  * array of B lengths equal to the device's cache->seqlens; host_block_table is NULL or a
  * host int32 array of (B - 1) * table_stride + max_pages entries equal to the device's
  * block table. When host_seqlens is given, each length (plus the new tokens, for an
@@ -291,11 +309,32 @@ int32_t flashcore_decode(FlashcoreContext *ctx, const FlashcoreTensor *q, const 
                          const FlashcoreTensor *o, uint64_t lse, float softmax_scale, int32_t causal,
                          uint64_t workspace, size_t workspace_bytes, flashcore_stream stream);
 
+/* flashcore_decode against a cache that may hold FP8: the same parameters, with `scales`
+ * after `cache`. scales NULL: a 16-bit cache, and the call is flashcore_decode's. Else the
+ * cache's k and v are e4m3 codes (FLASHCORE_E4M3) with these scales (see
+ * FlashcoreKvScales), D in {64, 128, 256}, and q and o are f16 or bf16 (either): keys and
+ * values are dequantized (code times scale) as they are read. Needs an sm_89 or newer GPU
+ * (FLASHCORE_ERROR_UNSUPPORTED_GPU otherwise). An e4m3 cache with scales NULL, or scales
+ * with a 16-bit cache, is FLASHCORE_ERROR_INVALID_ARGUMENT; scales not float32 is
+ * FLASHCORE_ERROR_UNSUPPORTED_DTYPE, of another shape FLASHCORE_ERROR_SHAPE_MISMATCH. */
+int32_t flashcore_decode_fp8kv(FlashcoreContext *ctx, const FlashcoreTensor *q, const FlashcoreKvCache *cache,
+                               const FlashcoreKvScales *scales, const int32_t *host_seqlens,
+                               const int32_t *host_block_table, const FlashcoreTensor *o, uint64_t lse,
+                               float softmax_scale, int32_t causal, uint64_t workspace,
+                               size_t workspace_bytes, flashcore_stream stream);
+
 /* The workspace, in bytes, that flashcore_decode needs for these q and cache on the
  * context's device (0: the call runs in one split and needs none) into *out. Validates q
  * and the cache as flashcore_decode does; on failure *out is 0. Reads no device memory. */
 int32_t flashcore_decode_workspace_bytes(FlashcoreContext *ctx, const FlashcoreTensor *q,
                                          const FlashcoreKvCache *cache, size_t *out);
+
+/* The workspace, in bytes, that flashcore_decode_fp8kv needs for these q, cache and scales
+ * (scales NULL: flashcore_decode_workspace_bytes), as flashcore_decode_workspace_bytes
+ * says it: an FP8 cache's kernels may split differently from a 16-bit one's. */
+int32_t flashcore_decode_workspace_bytes_fp8kv(FlashcoreContext *ctx, const FlashcoreTensor *q,
+                                               const FlashcoreKvCache *cache,
+                                               const FlashcoreKvScales *scales, size_t *out);
 
 /* Checks the arguments of a flashcore_decode call (same meaning) against every rule
  * flashcore_decode applies before launching, except the workspace's (its size depends on
@@ -306,6 +345,14 @@ int32_t flashcore_check_decode(const FlashcoreTensor *q, const FlashcoreKvCache 
                                const int32_t *host_seqlens, const int32_t *host_block_table,
                                const FlashcoreTensor *o, uint64_t lse, float softmax_scale,
                                int32_t causal);
+
+/* Checks the arguments of a flashcore_decode_fp8kv call (same meaning) as
+ * flashcore_check_decode does, the scales' rules included (the GPU's, sm_89 for an FP8
+ * cache, excepted). */
+int32_t flashcore_check_decode_fp8kv(const FlashcoreTensor *q, const FlashcoreKvCache *cache,
+                                     const FlashcoreKvScales *scales, const int32_t *host_seqlens,
+                                     const int32_t *host_block_table, const FlashcoreTensor *o,
+                                     uint64_t lse, float softmax_scale, int32_t causal);
 
 /* Appends Snew tokens per sequence, asynchronously on `stream`: k_new[b, j] and
  * v_new[b, j] (j < Snew) go to position len_b + j of sequence b, with len_b the length the
@@ -325,11 +372,30 @@ int32_t flashcore_append_kv(FlashcoreContext *ctx, const FlashcoreKvCache *cache
                             const FlashcoreTensor *v_new, const int32_t *host_seqlens,
                             const int32_t *host_block_table, flashcore_stream stream);
 
+/* flashcore_append_kv to a cache that may hold FP8: the same parameters, with `scales`
+ * after `cache`. scales NULL: a 16-bit cache, and the call is flashcore_append_kv's. Else
+ * the cache holds e4m3 codes with these scales (see FlashcoreKvScales) and k_new, v_new
+ * are f16 or bf16 (one dtype for both, either one) of the cache's Hkv and D: each new
+ * (position, KV head) row of D values gets the scale max|x| / 448 (1 for a row of zeros)
+ * and the codes x / scale rounded to the nearest e4m3 value (saturating), at that
+ * position. Needs an sm_89 or newer GPU. The rules and errors of flashcore_append_kv and
+ * flashcore_decode_fp8kv apply; k_new and v_new may not overlap the scales either. */
+int32_t flashcore_append_kv_fp8kv(FlashcoreContext *ctx, const FlashcoreKvCache *cache,
+                                  const FlashcoreKvScales *scales, const FlashcoreTensor *k_new,
+                                  const FlashcoreTensor *v_new, const int32_t *host_seqlens,
+                                  const int32_t *host_block_table, flashcore_stream stream);
+
 /* Checks the arguments of a flashcore_append_kv call (same meaning) without a context, a
  * GPU or a driver, as flashcore_check_decode does for a decode. */
 int32_t flashcore_check_append_kv(const FlashcoreKvCache *cache, const FlashcoreTensor *k_new,
                                   const FlashcoreTensor *v_new, const int32_t *host_seqlens,
                                   const int32_t *host_block_table);
+
+/* Checks the arguments of a flashcore_append_kv_fp8kv call (same meaning) as
+ * flashcore_check_append_kv does, the scales' rules included (the GPU's excepted). */
+int32_t flashcore_check_append_kv_fp8kv(const FlashcoreKvCache *cache, const FlashcoreKvScales *scales,
+                                        const FlashcoreTensor *k_new, const FlashcoreTensor *v_new,
+                                        const int32_t *host_seqlens, const int32_t *host_block_table);
 
 /* Merges attention results over `count` disjoint key shards into what attention over all
  * their keys gives, asynchronously on `stream`:

@@ -51,6 +51,9 @@ _Static_assert(offsetof(FlashcoreKvCache, v) == 80 && offsetof(FlashcoreKvCache,
                    offsetof(FlashcoreKvCache, max_pages) == 176 &&
                    offsetof(FlashcoreKvCache, table_stride) == 184,
                "FlashcoreKvCache fields");
+_Static_assert(sizeof(FlashcoreKvScales) == 160 && _Alignof(FlashcoreKvScales) == 8 &&
+                   offsetof(FlashcoreKvScales, v_scale) == 80,
+               "FlashcoreKvScales");
 _Static_assert(sizeof(FlashcoreFp8Operands) == 256 && _Alignof(FlashcoreFp8Operands) == 8,
                "FlashcoreFp8Operands");
 _Static_assert(offsetof(FlashcoreFp8Operands, k) == 80 && offsetof(FlashcoreFp8Operands, vt) == 160 &&

@@ -5,7 +5,7 @@ Usage (on a GPU machine with PyTorch; no cargo needed):
 
     python3 scripts/harness.py --lib target/release/libflashcore.so [--json OUT.json]
                                [--quick] [--budget-s 0.4] [--no-graph] [--package] [--decode]
-                               [--fp8]
+                               [--kv-dtype e4m3] [--fp8]
 
 The ctypes spelling of the C ABI comes from the Python package (python/flashcore/_capi.py,
 installed or from this repository). With --package every flashcore call goes through
@@ -44,6 +44,14 @@ tensors (of the contiguous cache holding the same keys, for the paged case). O i
 against float64 and SDPA as above; timing is the same method; the figure of merit is
 GB/s = K+V bytes / median time.
 
+With --decode --kv-dtype e4m3 the cache flashcore reads is an FP8 one (sm_89+): e4m3 codes
+and one float32 scale per (position, KV head), written by flashcore's own append
+(flashcore_append_kv_fp8kv, or flashcore.append_kv with --package) from the same 16-bit
+keys and values SDPA reads, and decoded by flashcore_decode_fp8kv (flashcore.decode). O is
+checked against float64 on the dequantized cache (codes times scales; 2e-2) and on the
+original 16-bit data (E4M3's rounding: 8e-2), and against SDPA on the 16-bit data; our GB/s
+counts the codes and scales read, SDPA's the 16-bit K and V.
+
 With --fp8 it compares flashcore.attention_fp8 (the Python package: q, k, v quantized to
 e4m3 with per-block scales by flashcore_quantize_fp8, then flashcore_forward_fp8; both
 timed, output allocation included) with SDPA's 16-bit backends on the same 16-bit
@@ -72,10 +80,12 @@ import warnings
 # ---- the C ABI: spelled once, in the package (python/flashcore/_capi.py) -----------------
 
 try:  # the installed package, else the one in this repository
-    from flashcore._capi import FLASHCORE_SUCCESS, FlashcoreError, Library, describe, describe_cache
-except ImportError:
+    from flashcore._capi import FLASHCORE_SUCCESS, FlashcoreError, Library, describe, describe_cache, describe_scales
+except ImportError:  # none installed, or an older one: this repository's, imported afresh
+    for _name in [m for m in sys.modules if m == "flashcore" or m.startswith("flashcore.")]:
+        del sys.modules[_name]
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
-    from flashcore._capi import FLASHCORE_SUCCESS, FlashcoreError, Library, describe, describe_cache
+    from flashcore._capi import FLASHCORE_SUCCESS, FlashcoreError, Library, describe, describe_cache, describe_scales
 
 
 class Flashcore:
@@ -124,33 +134,57 @@ class Flashcore:
 
     @staticmethod
     def describe_bshd(t):
-        """A 4-d tensor already in flashcore's logical [B, S, H, D] order as a FlashcoreTensor."""
+        """A 4-d tensor already in flashcore's logical [B, S, H, D] order as a FlashcoreTensor
+        (float8_e4m3fn as FLASHCORE_E4M3)."""
         import torch
 
-        codes = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3}
+        codes = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3, getattr(torch, "float8_e4m3fn", None): 4}
         return describe(t.data_ptr(), codes.get(t.dtype, -1), list(t.shape), list(t.stride()))
 
-    def prepare_decode(self, q, k, v, seqlens, block_table, o):
+    @classmethod
+    def describe_cache(cls, k, v, seqlens, block_table, k_scale=None, v_scale=None):
+        """(FlashcoreKvCache, FlashcoreKvScales or None): scales [outer, rows, Hkv] float32
+        described as [outer, rows, Hkv, 1]."""
+        if block_table is None:
+            cache = describe_cache(cls.describe_bshd(k), cls.describe_bshd(v), seqlens.data_ptr())
+        else:
+            cache = describe_cache(cls.describe_bshd(k), cls.describe_bshd(v), seqlens.data_ptr(),
+                                   block_table.data_ptr(), block_table.shape[1], block_table.stride(0))
+        scales = None
+        if k_scale is not None:
+            scales = describe_scales(*(cls.describe_bshd(t.unsqueeze(-1)) for t in (k_scale, v_scale)))
+        return cache, scales
+
+    def prepare_decode(self, q, k, v, seqlens, block_table, o, k_scale=None, v_scale=None):
         """Arguments built once for calling decode_raw in a loop: q, o [B, Sq, Hq, D]; k, v a
-        contiguous cache [B, Skv, Hkv, D] or page pools; int32 seqlens [B]; block_table None
-        or int32 [B, max_pages]. The workspace the plan needs comes from torch. The last
-        element is the output tensor (after decode_raw)."""
+        contiguous cache [B, Skv, Hkv, D] or page pools (e4m3 with k_scale, v_scale
+        [outer, rows, Hkv]); int32 seqlens [B]; block_table None or int32 [B, max_pages].
+        The workspace the plan needs comes from torch. The last element is the output
+        tensor (after decode_raw)."""
         import torch
 
         qd, od = self.describe_bshd(q), self.describe_bshd(o)
-        if block_table is None:
-            cache = describe_cache(self.describe_bshd(k), self.describe_bshd(v), seqlens.data_ptr())
-        else:
-            cache = describe_cache(self.describe_bshd(k), self.describe_bshd(v), seqlens.data_ptr(),
-                                   block_table.data_ptr(), block_table.shape[1], block_table.stride(0))
-        ws_bytes = self.capi.decode_workspace_bytes(self.ctx, qd, cache)
+        cache, scales = self.describe_cache(k, v, seqlens, block_table, k_scale, v_scale)
+        ws_bytes = self.capi.decode_workspace_bytes(self.ctx, qd, cache, scales)
         ws = torch.empty(ws_bytes + 256, dtype=torch.uint8, device=q.device)
         ws_ptr = -(-ws.data_ptr() // 256) * 256 if ws_bytes else 0
-        return (ctypes.byref(qd), ctypes.byref(cache), ctypes.byref(od), ws_ptr, ws_bytes, (qd, cache, od, ws), o)
+        return (ctypes.byref(qd), ctypes.byref(cache), None if scales is None else ctypes.byref(scales),
+                ctypes.byref(od), ws_ptr, ws_bytes, (qd, cache, scales, od, ws), o)
 
     def decode_raw(self, prepared, stream):
-        q, cache, o, ws_ptr, ws_bytes, _keep, _out = prepared
-        return self.lib.flashcore_decode(self.ctx, q, cache, None, None, o, 0, 0.0, 0, ws_ptr, ws_bytes, stream)
+        q, cache, scales, o, ws_ptr, ws_bytes, _keep, _out = prepared
+        if scales is None:
+            return self.lib.flashcore_decode(self.ctx, q, cache, None, None, o, 0, 0.0, 0, ws_ptr, ws_bytes, stream)
+        return self.lib.flashcore_decode_fp8kv(self.ctx, q, cache, scales, None, None, o, 0, 0.0, 0, ws_ptr, ws_bytes,
+                                               stream)
+
+    def append_kv(self, k, v, seqlens, k_new, v_new, block_table, k_scale=None, v_scale=None):
+        """flashcore_append_kv (_fp8kv with scales) on torch's current stream."""
+        import torch
+
+        cache, scales = self.describe_cache(k, v, seqlens, block_table, k_scale, v_scale)
+        self.capi.append_kv(self.ctx, cache, self.describe_bshd(k_new), self.describe_bshd(v_new), None, None,
+                            torch.cuda.current_stream().cuda_stream, scales=scales)
 
 
 class FlashcorePackage(Flashcore):
@@ -183,15 +217,21 @@ class FlashcorePackage(Flashcore):
         if lse is not None:
             lse.copy_(l)
 
-    def prepare_decode(self, q, k, v, seqlens, block_table, o):
-        return [q, k, v, seqlens, block_table, o]
+    def prepare_decode(self, q, k, v, seqlens, block_table, o, k_scale=None, v_scale=None):
+        return [q, k, v, seqlens, block_table, k_scale, v_scale, o]
 
     def decode_raw(self, prepared, stream):
         import flashcore
 
-        q, k, v, seqlens, block_table, _ = prepared
-        prepared[-1] = flashcore.decode(q, k, v, seqlens, block_table=block_table)  # it allocates its output
+        q, k, v, seqlens, block_table, k_scale, v_scale, _ = prepared
+        # It allocates its output.
+        prepared[-1] = flashcore.decode(q, k, v, seqlens, block_table=block_table, k_scale=k_scale, v_scale=v_scale)
         return FLASHCORE_SUCCESS
+
+    def append_kv(self, k, v, seqlens, k_new, v_new, block_table, k_scale=None, v_scale=None):
+        import flashcore
+
+        flashcore.append_kv(k, v, seqlens, k_new, v_new, block_table=block_table, k_scale=k_scale, v_scale=v_scale)
 
 
 # ---- cases -------------------------------------------------------------------------------
@@ -589,41 +629,53 @@ DECODE_PAGES = (0, 16)
 class DecodeCase:
     """One decode step: Sq = 1 against a cache whose every sequence holds Skv positions."""
 
-    def __init__(self, b, skv, page, hq=32, hkv=8, d=128, dtype="f16"):
+    def __init__(self, b, skv, page, hq=32, hkv=8, d=128, dtype="f16", kv="f16"):
         self.b, self.skv, self.page, self.hq, self.hkv, self.d, self.dtype = b, skv, page, hq, hkv, d, dtype
+        self.kv = kv  # flashcore's cache: "f16" (the dtype's) or "e4m3" (codes and scales)
 
     def name(self):
         return f"B{self.b} Hq{self.hq} Hkv{self.hkv} Skv{self.skv} D{self.d}"
 
     def layout(self):
-        return "contiguous" if self.page == 0 else f"page{self.page}"
+        return ("contiguous" if self.page == 0 else f"page{self.page}") + (" e4m3" if self.kv == "e4m3" else "")
+
+    def kv_bytes_16(self):
+        """Bytes of a 16-bit K and V (what SDPA reads)."""
+        return 2 * self.b * self.skv * self.hkv * self.d * 2
 
     def kv_bytes(self):
-        return 2 * self.b * self.skv * self.hkv * self.d * 2
+        """Bytes of the cache flashcore reads: 16-bit K and V, or e4m3 codes and f32 scales."""
+        if self.kv == "e4m3":
+            return 2 * self.b * self.skv * self.hkv * (self.d + 4)
+        return self.kv_bytes_16()
 
     def forward_case(self):
         """The same attention as a forward Case (what the references compute)."""
         return Case(self.b, self.hq, self.hkv, 1, self.skv, self.d, False, self.dtype)
 
     def key(self):
-        return {
+        key = {
             "batch": self.b, "heads": self.hq, "kv_heads": self.hkv, "seqlen_q": 1, "seqlen_k": self.skv,
             "head_dim": self.d, "causal": False, "dtype": self.dtype, "page": self.page,
         }
+        if self.kv != "f16":
+            key["kv_dtype"] = self.kv
+        return key
 
 
-def all_decode_cases(quick):
+def all_decode_cases(quick, kv="f16"):
     shapes = DECODE_SHAPES[:1] if quick else DECODE_SHAPES
-    return [DecodeCase(b, skv, page) for b, skv in shapes for page in DECODE_PAGES]
+    return [DecodeCase(b, skv, page, kv=kv) for b, skv in shapes for page in DECODE_PAGES]
 
 
-def decode_sets(torch, case, dtype, l2_bytes, gen):
+def decode_sets(torch, fc, case, dtype, l2_bytes, gen):
     """Input sets whose caches together exceed twice the L2 cache. Each is a dict: q, o
     [B, 1, Hq, D]; k, v the caches the kernels read (contiguous, or pools of shuffled
-    pages); keys, values the same contents as contiguous [B, Skv, Hkv, D]; seqlens;
-    block_table (None when contiguous)."""
+    pages; e4m3 codes for an FP8 case, with k_scale, v_scale [outer, rows, Hkv] float32,
+    quantized by flashcore's append); keys, values the same (16-bit) contents as
+    contiguous [B, Skv, Hkv, D]; seqlens; block_table (None when contiguous)."""
     n_sets = max(1, math.ceil(2 * l2_bytes / case.kv_bytes()))
-    n_sets = min(n_sets, max(1, int(8e9 // (case.kv_bytes() * (2 if case.page else 1)))))
+    n_sets = min(n_sets, max(1, int(8e9 // (case.kv_bytes_16() * (2 if case.page else 1)))))
     sets = []
     for _ in range(n_sets):
         keys = torch.randn(case.b, case.skv, case.hkv, case.d, device="cuda", dtype=dtype, generator=gen)
@@ -642,8 +694,34 @@ def decode_sets(torch, case, dtype, l2_bytes, gen):
             x["v"] = torch.empty_like(x["k"])
             x["k"][perm] = keys.view(pages, case.page, case.hkv, case.d)
             x["v"][perm] = values.view(pages, case.page, case.hkv, case.d)
+        x["k_scale"] = x["v_scale"] = None
+        if case.kv == "e4m3":
+            # flashcore's own quantization: every position appended from length 0.
+            outer, rows = x["k"].shape[:2]
+            x["k"], x["v"] = (torch.empty(outer, rows, case.hkv, case.d, device="cuda", dtype=torch.float8_e4m3fn)
+                              for _ in range(2))
+            x["k_scale"], x["v_scale"] = (torch.empty(outer, rows, case.hkv, device="cuda", dtype=torch.float32)
+                                          for _ in range(2))
+            start = torch.zeros_like(x["seqlens"])
+            fc.append_kv(x["k"], x["v"], start, keys, values, x["block_table"], x["k_scale"], x["v_scale"])
+            torch.cuda.synchronize()
         sets.append(x)
     return sets
+
+
+def dequantized(torch, case, x, batches):
+    """An FP8 set's cache as float32 [len(batches), Skv, Hkv, D] (codes times scales), for
+    the sequences `batches`."""
+    out = []
+    for codes, scales in ((x["k"], x["k_scale"]), (x["v"], x["v_scale"])):
+        if case.page:
+            pages = x["block_table"][batches].flatten().long()
+            codes, scales = codes[pages], scales[pages]
+        else:
+            codes, scales = codes[batches], scales[batches]
+        deq = codes.float() * scales[..., None]
+        out.append(deq.reshape(len(batches), case.skv, case.hkv, case.d))
+    return out
 
 
 def bhsd(t):
@@ -656,7 +734,8 @@ def check_decode_case(torch, fc, case, x):
     F = torch.nn.functional
     fcase = case.forward_case()
     x["o"].fill_(float("nan"))
-    prepared = fc.prepare_decode(x["q"], x["k"], x["v"], x["seqlens"], x["block_table"], x["o"])
+    prepared = fc.prepare_decode(x["q"], x["k"], x["v"], x["seqlens"], x["block_table"], x["o"], x["k_scale"],
+                                 x["v_scale"])
     rc = fc.decode_raw(prepared, torch.cuda.current_stream().cuda_stream)
     if rc != FLASHCORE_SUCCESS:
         fc.check(rc)
@@ -672,6 +751,12 @@ def check_decode_case(torch, fc, case, x):
         res["checked_slice"] = f"batches {batches}, heads {heads}"
     o_ref, _ = reference_f64(torch, fcase, q, k, v, batches, heads)
     res["rel_l2_vs_f64"] = rel_l2(o[batches][:, heads], o_ref)
+    if case.kv == "e4m3":
+        # The kernel's own error: against float64 on the cache as it holds the values.
+        kd, vd = (bhsd(t) for t in dequantized(torch, case, x, batches))
+        o_deq, _ = reference_f64(torch, fcase, q[batches], kd, vd, list(range(len(batches))), heads)
+        res["rel_l2_vs_dequantized_f64"] = rel_l2(o[batches][:, heads], o_deq)
+        del kd, vd, o_deq
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -681,12 +766,19 @@ def check_decode_case(torch, fc, case, x):
         del o_sdpa
     except Exception as e:  # noqa: BLE001
         res["sdpa_error"] = first_line(e)
-    res["ok"] = bool(res["nonfinite_outputs"] == 0 and res["rel_l2_vs_f64"] <= TOLERANCE[case.dtype])
+    if case.kv == "e4m3":
+        res["ok"] = bool(
+            res["nonfinite_outputs"] == 0 and res["rel_l2_vs_f64"] <= FP8_TOLERANCE
+            and res["rel_l2_vs_dequantized_f64"] <= max(FP8_CACHE_TOLERANCE, TOLERANCE[case.dtype])
+        )
+    else:
+        res["ok"] = bool(res["nonfinite_outputs"] == 0 and res["rel_l2_vs_f64"] <= TOLERANCE[case.dtype])
     return res
 
 
 def time_decode_ours(torch, fc, timer, sets):
-    prepared = [fc.prepare_decode(x["q"], x["k"], x["v"], x["seqlens"], x["block_table"], x["o"]) for x in sets]
+    prepared = [fc.prepare_decode(x["q"], x["k"], x["v"], x["seqlens"], x["block_table"], x["o"], x["k_scale"],
+                                  x["v_scale"]) for x in sets]
     stream = torch.cuda.current_stream().cuda_stream
     failures = []
 
@@ -769,9 +861,9 @@ def print_decode_table(results):
             print(f"  {r['shape']} {r['cache']}: SDPA reference: {r['check']['sdpa_error']}"[:300], flush=True)
 
 
-def run_decode(torch, fc, timer, env, quick):
+def run_decode(torch, fc, timer, env, quick, kv="f16"):
     """The decode comparison; returns (results, records, all_ok)."""
-    cases = all_decode_cases(quick)
+    cases = all_decode_cases(quick, kv)
     results, records, all_ok = [], [], True
     for n, case in enumerate(cases, 1):
         log(f"[{n}/{len(cases)}] decode {case.name()} {case.layout()}")
@@ -780,7 +872,7 @@ def run_decode(torch, fc, timer, env, quick):
         gen.manual_seed(2000 + n)
         sets = None
         try:
-            sets = decode_sets(torch, case, torch.float16, env["l2_bytes"], gen)
+            sets = decode_sets(torch, fc, case, torch.float16, env["l2_bytes"], gen)
             r["input_sets"] = len(sets)
             try:
                 r["check"] = check_decode_case(torch, fc, case, sets[0])
@@ -794,7 +886,8 @@ def run_decode(torch, fc, timer, env, quick):
                         ms, iters = time_decode_ours(torch, fc, timer, sets)
                     else:
                         ms, iters = time_decode_sdpa(torch, timer, sets, backend)
-                    r[name] = {"median_ms": ms, "iters": iters, "us": ms * 1e3, "gbps": case.kv_bytes() / (ms * 1e6)}
+                    read = case.kv_bytes() if backend is None else case.kv_bytes_16()  # SDPA reads 16-bit K, V
+                    r[name] = {"median_ms": ms, "iters": iters, "us": ms * 1e3, "gbps": read / (ms * 1e6)}
                 except NotAvailable as e:
                     r[name] = {"na": str(e)}
                 except Exception as e:  # noqa: BLE001
@@ -832,6 +925,7 @@ def run_decode(torch, fc, timer, env, quick):
 # ---- FP8 -------------------------------------------------------------------------------------
 
 FP8_TOLERANCE = 8e-2  # rel L2 vs float64: E4M3's rounding of q, k and v alone costs ~5%
+FP8_CACHE_TOLERANCE = 2e-2  # rel L2 vs float64 on the dequantized FP8 cache (the kernel's own error)
 
 
 def all_fp8_cases(quick):
@@ -1021,10 +1115,15 @@ def main():
     p.add_argument("--decode", action="store_true",
                    help="compare decode against a KV cache (flashcore_decode / flashcore.decode) instead of "
                         "the forward")
+    p.add_argument("--kv-dtype", choices=("f16", "e4m3"), default="f16",
+                   help="with --decode: the cache flashcore reads, 16-bit (default) or FP8 (e4m3 codes with "
+                        "per-(position, head) scales, quantized by flashcore's append; sm_89+)")
     p.add_argument("--fp8", action="store_true",
                    help="compare flashcore.attention_fp8 (quantize + FP8 attention, through the Python package) "
                         "with SDPA's 16-bit backends")
     args = p.parse_args()
+    if args.kv_dtype != "f16" and not args.decode:
+        p.error("--kv-dtype applies to --decode")
 
     try:
         import torch
@@ -1074,10 +1173,14 @@ def main():
         return 0 if all_ok else 1
 
     if args.decode:
-        results, records, all_ok = run_decode(torch, fc, timer, env, args.quick)
-        via = "flashcore.decode (Python package)" if args.package else "flashcore_decode (C ABI)"
+        results, records, all_ok = run_decode(torch, fc, timer, env, args.quick, args.kv_dtype)
+        fp8kv = args.kv_dtype == "e4m3"
+        via = "flashcore.decode (Python package)" if args.package else (
+            "flashcore_decode_fp8kv (C ABI)" if fp8kv else "flashcore_decode (C ABI)")
+        what = ("ours: FP8 cache, GB/s = codes + scales bytes / median time; SDPA: the 16-bit K, V" if fp8kv
+                else "GB/s = K+V bytes / median time")
         print(f"{via} {env['flashcore']} vs PyTorch SDPA on {env['device']} (torch {env['torch']}, "
-              f"cuDNN {env['cudnn']}); decode Sq=1, GB/s = K+V bytes / median time", flush=True)
+              f"cuDNN {env['cudnn']}); decode Sq=1, {what}", flush=True)
         print_decode_table(results)
         if args.json:
             with open(args.json, "w") as f:

@@ -1,5 +1,6 @@
 //! The C ABI: an opaque context, the forward call, the serving calls (decode against a KV
-//! cache, appending to one, merging partial results by their LSE), FP8 attention (the GPU
+//! cache, appending to one, merging partial results by their LSE; the `_fp8kv` spellings
+//! of decode and append also take an FP8 cache's scales), FP8 attention (the GPU
 //! quantizer and the FP8 forward), a validation-only twin of each call, and error
 //! reporting by code and thread-local message.
 //! `include/flashcore.h` declares exactly what is here (the `c_header` test checks the two
@@ -32,7 +33,7 @@ use crate::host::decode::{
 };
 use crate::host::device::Device;
 use crate::host::fp8::{Fp8Operands, VtView, validate_fp8};
-use crate::host::kv_cache::{CacheLayout, HostMetadata, KvCache};
+use crate::host::kv_cache::{CacheLayout, HostMetadata, KvCache, KvScales};
 use crate::host::quantize::{
     Fp8Layout, QuantizeOptions, validate_quantize, validate_quantize_inputs,
 };
@@ -49,9 +50,10 @@ use crate::host::varlen::{Varlen, VarlenHost, validate_varlen};
 pub const FLASHCORE_F16: i32 = 1;
 /// `FlashcoreTensor::dtype` of bfloat16.
 pub const FLASHCORE_BF16: i32 = 2;
-/// `FlashcoreTensor::dtype` of float32 (describable, but no kernel takes it).
+/// `FlashcoreTensor::dtype` of float32 (merge inputs and outputs, FP8 KV cache scales).
 pub const FLASHCORE_F32: i32 = 3;
-/// `FlashcoreTensor::dtype` of FP8 E4M3 codes (the `q` and `k` of FP8 operands).
+/// `FlashcoreTensor::dtype` of FP8 E4M3 codes (the `q` and `k` of FP8 operands, the `k`
+/// and `v` of an FP8 KV cache).
 pub const FLASHCORE_E4M3: i32 = 4;
 
 pub use crate::error::codes::*;
@@ -125,6 +127,20 @@ pub struct FlashcoreKvCache {
     pub max_pages: i64,
     /// Elements from one block-table row to the next, at least `max_pages` (paged), or 0.
     pub table_stride: i64,
+}
+
+/// The dequantization scales of an FP8 (e4m3) KV cache as C passes them (see
+/// `flashcore_decode_fp8kv`), the C spelling of [`KvScales`]: float32 views of shape
+/// `[B, capacity, Hkv, 1]` (contiguous cache) or `[pages, page_size, Hkv, 1]` (paged),
+/// one scale per (position, KV head) of the keys and of the values: a value is its code
+/// times its scale. 160 bytes, 8-byte aligned, no padding between fields.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct FlashcoreKvScales {
+    /// The keys' scales: float32 `[B, capacity, Hkv, 1]` or `[pages, page_size, Hkv, 1]`.
+    pub k_scale: FlashcoreTensor,
+    /// The values' scales, of k_scale's shape.
+    pub v_scale: FlashcoreTensor,
 }
 
 /// A packed variable-length batch as C passes it (see `flashcore_forward_varlen`).
@@ -379,11 +395,13 @@ fn params(softmax_scale: f32, causal: i32) -> AttentionParams {
     }
 }
 
-/// A C cache as a [`KvCache`]: its tensors as [`tensor_view`] reads them, no negative page
-/// count or table stride. `block_table`, `max_pages` and `table_stride` all 0 is a
-/// contiguous cache; anything else a paged one, whose rules validation then applies (a
-/// null block table, no pages, a short row stride).
-fn kv_cache(c: &FlashcoreKvCache) -> Result<KvCache, Error> {
+/// A C cache (and, for an e4m3 one, its scales) as a [`KvCache`]: its tensors as
+/// [`tensor_view`] reads them, no negative page count or table stride. `block_table`,
+/// `max_pages` and `table_stride` all 0 is a contiguous cache; anything else a paged one,
+/// whose rules validation then applies (a null block table, no pages, a short row
+/// stride). No scales is a 16-bit cache; validation refuses an e4m3 cache without them
+/// and scales with a 16-bit one.
+fn kv_cache(c: &FlashcoreKvCache, scales: Option<&FlashcoreKvScales>) -> Result<KvCache, Error> {
     let k = tensor_view(&c.k, "k_cache")?;
     let v = tensor_view(&c.v, "v_cache")?;
     let max_pages = usize::try_from(c.max_pages).map_err(|_| {
@@ -413,7 +431,16 @@ fn kv_cache(c: &FlashcoreKvCache) -> Result<KvCache, Error> {
         v,
         seqlens: c.seqlens,
         layout,
-        scales: None,
+        scales: scales.map(kv_scales).transpose()?,
+    })
+}
+
+/// C scales as [`KvScales`]: known dtype codes, no negative extent or stride. Validation
+/// ([`KvCache::validate`]) does the rest.
+fn kv_scales(s: &FlashcoreKvScales) -> Result<KvScales, Error> {
+    Ok(KvScales {
+        k: tensor_view(&s.k_scale, "k_scale")?,
+        v: tensor_view(&s.v_scale, "v_scale")?,
     })
 }
 
@@ -538,15 +565,22 @@ fn aligned_workspace(ptr: u64, bytes: usize) -> Workspace {
     }
 }
 
-/// Reads the C cache behind `c`.
+/// Reads the C cache behind `c` and the scales behind `scales` (null: none, a 16-bit
+/// cache).
 ///
 /// # Safety
 ///
-/// `c` must be null or point to a readable `FlashcoreKvCache`.
-unsafe fn read_cache(c: *const FlashcoreKvCache) -> Result<KvCache, Failure> {
+/// `c` must be null or point to a readable `FlashcoreKvCache`, `scales` null or point to
+/// a readable `FlashcoreKvScales`.
+unsafe fn read_cache(
+    c: *const FlashcoreKvCache,
+    scales: *const FlashcoreKvScales,
+) -> Result<KvCache, Failure> {
     // SAFETY: the caller guarantees `c` is null or valid for reads; `as_ref` handles null.
     let c = unsafe { c.as_ref() }.ok_or_else(|| null_argument("cache"))?;
-    Ok(kv_cache(c)?)
+    // SAFETY: the caller guarantees `scales` is null or valid for reads; null is none.
+    let scales = unsafe { scales.as_ref() };
+    Ok(kv_cache(c, scales)?)
 }
 
 /// `len` int32s at the host address `ptr`, or an error when no host array can hold that
@@ -656,18 +690,21 @@ struct DecodeCall<'a> {
 
 impl DecodeCall<'_> {
     /// Reads the C arguments and applies the rules on them (an LSE address of 0 means
-    /// none); the host metadata is converted, not yet checked against the cache.
+    /// none, null scales a 16-bit cache); the host metadata is converted, not yet checked
+    /// against the cache.
     ///
     /// # Safety
     ///
     /// `q`, `o` null or readable `FlashcoreTensor`s, `cache` null or a readable
-    /// `FlashcoreKvCache`; `host_seqlens` null or `B` readable int32s, `host_block_table`
-    /// null or `(B − 1) · table_stride + max_pages` readable int32s (`B` = q's batch), for
-    /// as long as the result lives.
+    /// `FlashcoreKvCache`, `scales` null or a readable `FlashcoreKvScales`;
+    /// `host_seqlens` null or `B` readable int32s, `host_block_table` null or
+    /// `(B − 1) · table_stride + max_pages` readable int32s (`B` = q's batch), for as long
+    /// as the result lives.
     #[allow(clippy::too_many_arguments)]
     unsafe fn read<'a>(
         q: *const FlashcoreTensor,
         cache: *const FlashcoreKvCache,
+        scales: *const FlashcoreKvScales,
         host_seqlens: *const i32,
         host_block_table: *const i32,
         o: *const FlashcoreTensor,
@@ -679,7 +716,7 @@ impl DecodeCall<'_> {
         let (q, cache, o) = unsafe {
             (
                 read_tensor(q, "q")?,
-                read_cache(cache)?,
+                read_cache(cache, scales)?,
                 read_tensor(o, "o")?,
             )
         };
@@ -723,6 +760,7 @@ impl AppendCall<'_> {
     /// As for [`DecodeCall::read`], with `B` the batch of `k_new`.
     unsafe fn read<'a>(
         cache: *const FlashcoreKvCache,
+        scales: *const FlashcoreKvScales,
         k_new: *const FlashcoreTensor,
         v_new: *const FlashcoreTensor,
         host_seqlens: *const i32,
@@ -731,7 +769,7 @@ impl AppendCall<'_> {
         // SAFETY: forwarded from the caller's guarantee.
         let (cache, k_new, v_new) = unsafe {
             (
-                read_cache(cache)?,
+                read_cache(cache, scales)?,
                 read_tensor(k_new, "k_new")?,
                 read_tensor(v_new, "v_new")?,
             )
@@ -965,6 +1003,42 @@ pub unsafe extern "C" fn flashcore_check_forward(
     })
 }
 
+// The serving entry points that read a cache come in two spellings: the original one
+// (`flashcore_decode`, ...) for 16-bit caches, and an `_fp8kv` one that also takes the
+// scales of an e4m3 cache (null: a 16-bit cache, and then the same call). Both run one
+// shared body, which reports under the name the caller used.
+
+/// The body of [`flashcore_decode_workspace_bytes`] and
+/// [`flashcore_decode_workspace_bytes_fp8kv`], reporting as `name`.
+///
+/// # Safety
+///
+/// As for [`flashcore_decode_workspace_bytes_fp8kv`].
+unsafe fn decode_workspace_bytes_entry(
+    name: &str,
+    ctx: *mut FlashcoreContext,
+    q: *const FlashcoreTensor,
+    cache: *const FlashcoreKvCache,
+    scales: *const FlashcoreKvScales,
+    out: *mut usize,
+) -> i32 {
+    guard(name, || {
+        if out.is_null() {
+            return Err(null_argument("out"));
+        }
+        // SAFETY: `out` is non-null and the caller guarantees it is valid for writes.
+        unsafe { out.write(0) };
+        // SAFETY: the caller guarantees `ctx` is null or a live handle; shared access only.
+        let ctx = unsafe { ctx.as_ref() }.ok_or_else(|| null_argument("ctx"))?;
+        // SAFETY: the caller guarantees `q`, `cache` and `scales` are null or readable.
+        let (q, cache) = unsafe { (read_tensor(q, "q")?, read_cache(cache, scales)?) };
+        let bytes = ctx.attn.decode_workspace_bytes(&q, &cache)?;
+        // SAFETY: as above.
+        unsafe { out.write(bytes) };
+        Ok(())
+    })
+}
+
 /// The workspace a [`flashcore_decode`] call with these `q` and `cache` needs on the
 /// context's device, in bytes, into `*out` (0 when the call runs in one split, and on
 /// failure).
@@ -981,19 +1055,106 @@ pub unsafe extern "C" fn flashcore_decode_workspace_bytes(
     cache: *const FlashcoreKvCache,
     out: *mut usize,
 ) -> i32 {
-    guard("flashcore_decode_workspace_bytes", || {
-        if out.is_null() {
-            return Err(null_argument("out"));
-        }
-        // SAFETY: `out` is non-null and the caller guarantees it is valid for writes.
-        unsafe { out.write(0) };
+    // SAFETY: the caller's guarantees are the shared body's, without scales.
+    unsafe {
+        decode_workspace_bytes_entry(
+            "flashcore_decode_workspace_bytes",
+            ctx,
+            q,
+            cache,
+            std::ptr::null(),
+            out,
+        )
+    }
+}
+
+/// [`flashcore_decode_workspace_bytes`] for a cache that may hold FP8: `scales` null (a
+/// 16-bit cache) or an e4m3 cache's scales.
+///
+/// # Safety
+///
+/// As for [`flashcore_decode_workspace_bytes`]; `scales` must be null or point to a
+/// readable `FlashcoreKvScales`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn flashcore_decode_workspace_bytes_fp8kv(
+    ctx: *mut FlashcoreContext,
+    q: *const FlashcoreTensor,
+    cache: *const FlashcoreKvCache,
+    scales: *const FlashcoreKvScales,
+    out: *mut usize,
+) -> i32 {
+    // SAFETY: forwarded from the caller's guarantees.
+    unsafe {
+        decode_workspace_bytes_entry(
+            "flashcore_decode_workspace_bytes_fp8kv",
+            ctx,
+            q,
+            cache,
+            scales,
+            out,
+        )
+    }
+}
+
+/// The body of [`flashcore_decode`] and [`flashcore_decode_fp8kv`], reporting as `name`.
+///
+/// # Safety
+///
+/// As for [`flashcore_decode_fp8kv`].
+#[allow(clippy::too_many_arguments)]
+unsafe fn decode_entry(
+    name: &str,
+    ctx: *mut FlashcoreContext,
+    q: *const FlashcoreTensor,
+    cache: *const FlashcoreKvCache,
+    scales: *const FlashcoreKvScales,
+    host_seqlens: *const i32,
+    host_block_table: *const i32,
+    o: *const FlashcoreTensor,
+    lse: u64,
+    softmax_scale: f32,
+    causal: i32,
+    workspace: u64,
+    workspace_bytes: usize,
+    stream: CUstream,
+) -> i32 {
+    guard(name, || {
         // SAFETY: the caller guarantees `ctx` is null or a live handle; shared access only.
         let ctx = unsafe { ctx.as_ref() }.ok_or_else(|| null_argument("ctx"))?;
-        // SAFETY: the caller guarantees `q` and `cache` are null or readable.
-        let (q, cache) = unsafe { (read_tensor(q, "q")?, read_cache(cache)?) };
-        let bytes = ctx.attn.decode_workspace_bytes(&q, &cache)?;
-        // SAFETY: as above.
-        unsafe { out.write(bytes) };
+        // SAFETY: the caller guarantees the struct pointers are null or readable and the
+        // host arrays' extents; the result is dropped before this call returns.
+        let call = unsafe {
+            DecodeCall::read(
+                q,
+                cache,
+                scales,
+                host_seqlens,
+                host_block_table,
+                o,
+                lse,
+                softmax_scale,
+                causal,
+            )?
+        };
+        let workspace = (workspace != 0 || workspace_bytes != 0).then_some(Workspace {
+            ptr: workspace,
+            bytes: workspace_bytes,
+        });
+        // SAFETY: the C contract of flashcore_decode (header): the pointers are device
+        // memory of the context's device valid for the described extents (the scales' and
+        // the workspace's included), and `stream` is null or a stream of that context.
+        unsafe {
+            ctx.attn.decode(
+                &call.q,
+                &call.cache,
+                call.host.as_ref(),
+                &call.o,
+                call.lse.as_ref(),
+                &call.params,
+                workspace,
+                stream,
+            )?;
+        }
         Ok(())
     })
 }
@@ -1025,15 +1186,100 @@ pub unsafe extern "C" fn flashcore_decode(
     workspace_bytes: usize,
     stream: CUstream,
 ) -> i32 {
-    guard("flashcore_decode", || {
-        // SAFETY: the caller guarantees `ctx` is null or a live handle; shared access only.
-        let ctx = unsafe { ctx.as_ref() }.ok_or_else(|| null_argument("ctx"))?;
+    // SAFETY: the caller's guarantees are the shared body's, without scales.
+    unsafe {
+        decode_entry(
+            "flashcore_decode",
+            ctx,
+            q,
+            cache,
+            std::ptr::null(),
+            host_seqlens,
+            host_block_table,
+            o,
+            lse,
+            softmax_scale,
+            causal,
+            workspace,
+            workspace_bytes,
+            stream,
+        )
+    }
+}
+
+/// [`flashcore_decode`] against a cache that may hold FP8: `scales` null (a 16-bit cache,
+/// the same call) or an e4m3 cache's scales; see `include/flashcore.h`.
+///
+/// # Safety
+///
+/// As for [`flashcore_decode`]; `scales` must be null or point to a readable
+/// `FlashcoreKvScales` whose device memory is live memory of the context's device for
+/// the extents it describes until the kernels have run.
+#[allow(clippy::too_many_arguments)]
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn flashcore_decode_fp8kv(
+    ctx: *mut FlashcoreContext,
+    q: *const FlashcoreTensor,
+    cache: *const FlashcoreKvCache,
+    scales: *const FlashcoreKvScales,
+    host_seqlens: *const i32,
+    host_block_table: *const i32,
+    o: *const FlashcoreTensor,
+    lse: u64,
+    softmax_scale: f32,
+    causal: i32,
+    workspace: u64,
+    workspace_bytes: usize,
+    stream: CUstream,
+) -> i32 {
+    // SAFETY: forwarded from the caller's guarantees.
+    unsafe {
+        decode_entry(
+            "flashcore_decode_fp8kv",
+            ctx,
+            q,
+            cache,
+            scales,
+            host_seqlens,
+            host_block_table,
+            o,
+            lse,
+            softmax_scale,
+            causal,
+            workspace,
+            workspace_bytes,
+            stream,
+        )
+    }
+}
+
+/// The body of [`flashcore_check_decode`] and [`flashcore_check_decode_fp8kv`],
+/// reporting as `name`.
+///
+/// # Safety
+///
+/// As for [`flashcore_check_decode_fp8kv`].
+#[allow(clippy::too_many_arguments)]
+unsafe fn check_decode_entry(
+    name: &str,
+    q: *const FlashcoreTensor,
+    cache: *const FlashcoreKvCache,
+    scales: *const FlashcoreKvScales,
+    host_seqlens: *const i32,
+    host_block_table: *const i32,
+    o: *const FlashcoreTensor,
+    lse: u64,
+    softmax_scale: f32,
+    causal: i32,
+) -> i32 {
+    guard(name, || {
         // SAFETY: the caller guarantees the struct pointers are null or readable and the
-        // host arrays' extents; the result is dropped before this call returns.
+        // host arrays' extents.
         let call = unsafe {
             DecodeCall::read(
                 q,
                 cache,
+                scales,
                 host_seqlens,
                 host_block_table,
                 o,
@@ -1042,24 +1288,8 @@ pub unsafe extern "C" fn flashcore_decode(
                 causal,
             )?
         };
-        let workspace = (workspace != 0 || workspace_bytes != 0).then_some(Workspace {
-            ptr: workspace,
-            bytes: workspace_bytes,
-        });
-        // SAFETY: the C contract of flashcore_decode (header): the pointers are device
-        // memory of the context's device valid for the described extents (the workspace
-        // for `workspace_bytes`), and `stream` is null or a stream of that context.
-        unsafe {
-            ctx.attn.decode(
-                &call.q,
-                &call.cache,
-                call.host.as_ref(),
-                &call.o,
-                call.lse.as_ref(),
-                &call.params,
-                workspace,
-                stream,
-            )?;
+        if let Some(h) = &call.host {
+            h.check(&call.cache, &call.problem.cache, 0)?;
         }
         Ok(())
     })
@@ -1085,23 +1315,97 @@ pub unsafe extern "C" fn flashcore_check_decode(
     softmax_scale: f32,
     causal: i32,
 ) -> i32 {
-    guard("flashcore_check_decode", || {
+    // SAFETY: the caller's guarantees are the shared body's, without scales.
+    unsafe {
+        check_decode_entry(
+            "flashcore_check_decode",
+            q,
+            cache,
+            std::ptr::null(),
+            host_seqlens,
+            host_block_table,
+            o,
+            lse,
+            softmax_scale,
+            causal,
+        )
+    }
+}
+
+/// Checks the arguments of a [`flashcore_decode_fp8kv`] call without a context, a device
+/// or a driver, as [`flashcore_check_decode`] does (the GPU's rule, sm_89 for an e4m3
+/// cache, excepted).
+///
+/// # Safety
+///
+/// As for [`flashcore_decode_fp8kv`], except that no device memory need exist.
+#[allow(clippy::too_many_arguments)]
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn flashcore_check_decode_fp8kv(
+    q: *const FlashcoreTensor,
+    cache: *const FlashcoreKvCache,
+    scales: *const FlashcoreKvScales,
+    host_seqlens: *const i32,
+    host_block_table: *const i32,
+    o: *const FlashcoreTensor,
+    lse: u64,
+    softmax_scale: f32,
+    causal: i32,
+) -> i32 {
+    // SAFETY: forwarded from the caller's guarantees.
+    unsafe {
+        check_decode_entry(
+            "flashcore_check_decode_fp8kv",
+            q,
+            cache,
+            scales,
+            host_seqlens,
+            host_block_table,
+            o,
+            lse,
+            softmax_scale,
+            causal,
+        )
+    }
+}
+
+/// The body of [`flashcore_append_kv`] and [`flashcore_append_kv_fp8kv`], reporting as
+/// `name`.
+///
+/// # Safety
+///
+/// As for [`flashcore_append_kv_fp8kv`].
+#[allow(clippy::too_many_arguments)]
+unsafe fn append_entry(
+    name: &str,
+    ctx: *mut FlashcoreContext,
+    cache: *const FlashcoreKvCache,
+    scales: *const FlashcoreKvScales,
+    k_new: *const FlashcoreTensor,
+    v_new: *const FlashcoreTensor,
+    host_seqlens: *const i32,
+    host_block_table: *const i32,
+    stream: CUstream,
+) -> i32 {
+    guard(name, || {
+        // SAFETY: the caller guarantees `ctx` is null or a live handle; shared access only.
+        let ctx = unsafe { ctx.as_ref() }.ok_or_else(|| null_argument("ctx"))?;
         // SAFETY: the caller guarantees the struct pointers are null or readable and the
-        // host arrays' extents.
+        // host arrays' extents; the result is dropped before this call returns.
         let call = unsafe {
-            DecodeCall::read(
-                q,
-                cache,
-                host_seqlens,
-                host_block_table,
-                o,
-                lse,
-                softmax_scale,
-                causal,
-            )?
+            AppendCall::read(cache, scales, k_new, v_new, host_seqlens, host_block_table)?
         };
-        if let Some(h) = &call.host {
-            h.check(&call.cache, &call.problem.cache, 0)?;
+        // SAFETY: the C contract of flashcore_append_kv (header): the pointers are device
+        // memory of the context's device valid for the described extents (the scales'
+        // included), and `stream` is null or a stream of that context.
+        unsafe {
+            ctx.attn.append_kv(
+                &call.cache,
+                &call.k_new,
+                &call.v_new,
+                call.host.as_ref(),
+                stream,
+            )?;
         }
         Ok(())
     })
@@ -1123,24 +1427,82 @@ pub unsafe extern "C" fn flashcore_append_kv(
     host_block_table: *const i32,
     stream: CUstream,
 ) -> i32 {
-    guard("flashcore_append_kv", || {
-        // SAFETY: the caller guarantees `ctx` is null or a live handle; shared access only.
-        let ctx = unsafe { ctx.as_ref() }.ok_or_else(|| null_argument("ctx"))?;
+    // SAFETY: the caller's guarantees are the shared body's, without scales.
+    unsafe {
+        append_entry(
+            "flashcore_append_kv",
+            ctx,
+            cache,
+            std::ptr::null(),
+            k_new,
+            v_new,
+            host_seqlens,
+            host_block_table,
+            stream,
+        )
+    }
+}
+
+/// [`flashcore_append_kv`] to a cache that may hold FP8: `scales` null (a 16-bit cache,
+/// the same call) or an e4m3 cache's scales, and then 16-bit new tokens are quantized
+/// into codes and scales; see `include/flashcore.h`.
+///
+/// # Safety
+///
+/// As for [`flashcore_append_kv`]; `scales` must be null or point to a readable
+/// `FlashcoreKvScales` whose device memory is live memory of the context's device for
+/// the extents it describes until the kernel has run.
+#[allow(clippy::too_many_arguments)]
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn flashcore_append_kv_fp8kv(
+    ctx: *mut FlashcoreContext,
+    cache: *const FlashcoreKvCache,
+    scales: *const FlashcoreKvScales,
+    k_new: *const FlashcoreTensor,
+    v_new: *const FlashcoreTensor,
+    host_seqlens: *const i32,
+    host_block_table: *const i32,
+    stream: CUstream,
+) -> i32 {
+    // SAFETY: forwarded from the caller's guarantees.
+    unsafe {
+        append_entry(
+            "flashcore_append_kv_fp8kv",
+            ctx,
+            cache,
+            scales,
+            k_new,
+            v_new,
+            host_seqlens,
+            host_block_table,
+            stream,
+        )
+    }
+}
+
+/// The body of [`flashcore_check_append_kv`] and [`flashcore_check_append_kv_fp8kv`],
+/// reporting as `name`.
+///
+/// # Safety
+///
+/// As for [`flashcore_check_append_kv_fp8kv`].
+unsafe fn check_append_entry(
+    name: &str,
+    cache: *const FlashcoreKvCache,
+    scales: *const FlashcoreKvScales,
+    k_new: *const FlashcoreTensor,
+    v_new: *const FlashcoreTensor,
+    host_seqlens: *const i32,
+    host_block_table: *const i32,
+) -> i32 {
+    guard(name, || {
         // SAFETY: the caller guarantees the struct pointers are null or readable and the
-        // host arrays' extents; the result is dropped before this call returns.
-        let call =
-            unsafe { AppendCall::read(cache, k_new, v_new, host_seqlens, host_block_table)? };
-        // SAFETY: the C contract of flashcore_append_kv (header): the pointers are device
-        // memory of the context's device valid for the described extents, and `stream` is
-        // null or a stream of that context.
-        unsafe {
-            ctx.attn.append_kv(
-                &call.cache,
-                &call.k_new,
-                &call.v_new,
-                call.host.as_ref(),
-                stream,
-            )?;
+        // host arrays' extents.
+        let call = unsafe {
+            AppendCall::read(cache, scales, k_new, v_new, host_seqlens, host_block_table)?
+        };
+        if let Some(h) = &call.host {
+            h.check(&call.cache, &call.problem.cache, call.problem.new_tokens)?;
         }
         Ok(())
     })
@@ -1161,16 +1523,48 @@ pub unsafe extern "C" fn flashcore_check_append_kv(
     host_seqlens: *const i32,
     host_block_table: *const i32,
 ) -> i32 {
-    guard("flashcore_check_append_kv", || {
-        // SAFETY: the caller guarantees the struct pointers are null or readable and the
-        // host arrays' extents.
-        let call =
-            unsafe { AppendCall::read(cache, k_new, v_new, host_seqlens, host_block_table)? };
-        if let Some(h) = &call.host {
-            h.check(&call.cache, &call.problem.cache, call.problem.new_tokens)?;
-        }
-        Ok(())
-    })
+    // SAFETY: the caller's guarantees are the shared body's, without scales.
+    unsafe {
+        check_append_entry(
+            "flashcore_check_append_kv",
+            cache,
+            std::ptr::null(),
+            k_new,
+            v_new,
+            host_seqlens,
+            host_block_table,
+        )
+    }
+}
+
+/// Checks the arguments of a [`flashcore_append_kv_fp8kv`] call without a context, a
+/// device or a driver, as [`flashcore_check_append_kv`] does (the GPU's rule, sm_89 for
+/// an e4m3 cache, excepted).
+///
+/// # Safety
+///
+/// As for [`flashcore_append_kv_fp8kv`], except that no device memory need exist.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn flashcore_check_append_kv_fp8kv(
+    cache: *const FlashcoreKvCache,
+    scales: *const FlashcoreKvScales,
+    k_new: *const FlashcoreTensor,
+    v_new: *const FlashcoreTensor,
+    host_seqlens: *const i32,
+    host_block_table: *const i32,
+) -> i32 {
+    // SAFETY: forwarded from the caller's guarantees.
+    unsafe {
+        check_append_entry(
+            "flashcore_check_append_kv_fp8kv",
+            cache,
+            scales,
+            k_new,
+            v_new,
+            host_seqlens,
+            host_block_table,
+        )
+    }
 }
 
 /// Merges attention results over disjoint key shards on `stream`; see
@@ -2049,6 +2443,484 @@ mod tests {
         );
     }
 
+    /// [`cache`] holding e4m3 codes (rows of 64 codes: 64-byte strides), with its scales:
+    /// f32 `[outer, rows, 2, 1]` at 6 GB (keys) and 7 GB (values).
+    fn fp8_cache(paged: bool) -> (FlashcoreKvCache, FlashcoreKvScales) {
+        let mut c = cache(paged);
+        c.k.dtype = FLASHCORE_E4M3;
+        c.v.dtype = FLASHCORE_E4M3;
+        let [outer, rows, heads, _] = c.k.shape;
+        let scale = |ptr| FlashcoreTensor {
+            ptr,
+            dtype: FLASHCORE_F32,
+            shape: [outer, rows, heads, 1],
+            strides: [rows * heads, heads, 1, 1],
+        };
+        let scales = FlashcoreKvScales {
+            k_scale: scale(6 * GB),
+            v_scale: scale(7 * GB),
+        };
+        (c, scales)
+    }
+
+    /// flashcore_check_decode_fp8kv on `q` (its `o` at 5 GB, causal), `c` and `s` (None:
+    /// a null pointer), with host arrays.
+    fn check_decode8(
+        q: &FlashcoreTensor,
+        c: &FlashcoreKvCache,
+        s: Option<&FlashcoreKvScales>,
+        lens: Option<&[i32]>,
+        table: Option<&[i32]>,
+    ) -> i32 {
+        let o = FlashcoreTensor { ptr: 5 * GB, ..*q };
+        let ptr_of = |a: Option<&[i32]>| a.map_or(ptr::null(), <[i32]>::as_ptr);
+        let s = s.map_or(ptr::null(), ptr::from_ref);
+        // SAFETY: every struct pointer points at a live local or is null; the host arrays
+        // are null or live slices, which the callers size for the batch and the table.
+        unsafe { flashcore_check_decode_fp8kv(q, c, s, ptr_of(lens), ptr_of(table), &o, 0, 0.0, 1) }
+    }
+
+    #[test]
+    fn check_decode_fp8kv_takes_an_e4m3_cache_with_its_scales() {
+        let table: Vec<i32> = (0..8).collect();
+        for paged in [false, true] {
+            let (c, s) = fp8_cache(paged);
+            let t = paged.then_some(table.as_slice());
+            for dtype in [FLASHCORE_F16, FLASHCORE_BF16] {
+                let q = FlashcoreTensor {
+                    dtype,
+                    ..query(1, 4, 4 * GB)
+                };
+                assert_eq!(
+                    check_decode8(&q, &c, Some(&s), None, None),
+                    FLASHCORE_SUCCESS,
+                    "{}",
+                    last_error()
+                );
+                assert_eq!(
+                    check_decode8(&q, &c, Some(&s), Some(&[64, 0]), t),
+                    FLASHCORE_SUCCESS,
+                    "{}",
+                    last_error()
+                );
+                // Host metadata is checked as for a 16-bit cache.
+                assert_eq!(
+                    check_decode8(&q, &c, Some(&s), Some(&[65, 0]), t),
+                    FLASHCORE_ERROR_INVALID_ARGUMENT
+                );
+                assert!(last_error().contains("capacity"), "{}", last_error());
+            }
+            assert_eq!(
+                check_decode8(&query(16, 8, 4 * GB), &c, Some(&s), None, None),
+                FLASHCORE_SUCCESS
+            );
+            // Scales sliced out of a wider tensor (free strides) are fine.
+            let mut wide = s;
+            let rows = wide.k_scale.shape[1];
+            wide.k_scale.strides = [rows * 16, 16, 1, 1];
+            wide.v_scale.strides = [rows * 16, 16, 1, 1];
+            assert_eq!(
+                check_decode8(&query(1, 4, 4 * GB), &c, Some(&wide), None, None),
+                FLASHCORE_SUCCESS,
+                "{}",
+                last_error()
+            );
+        }
+    }
+
+    #[test]
+    fn check_decode_fp8kv_refuses_missing_and_ill_shaped_scales_with_typed_codes() {
+        let q = query(1, 4, 4 * GB);
+        let (c8, s) = fp8_cache(true);
+        let code = |c: &FlashcoreKvCache, s: Option<&FlashcoreKvScales>| {
+            check_decode8(&q, c, s, None, None)
+        };
+
+        // An e4m3 cache without scales: the Rust API's error, from either spelling.
+        assert_eq!(code(&c8, None), FLASHCORE_ERROR_INVALID_ARGUMENT);
+        let message = last_error();
+        assert!(
+            message.starts_with("flashcore_check_decode_fp8kv: ") && message.contains("scales"),
+            "{message}"
+        );
+        assert_eq!(
+            check_decode(&q, &c8, None, None, 0, 0.0),
+            FLASHCORE_ERROR_INVALID_ARGUMENT
+        );
+        assert_eq!(
+            last_error().strip_prefix("flashcore_check_decode: "),
+            message.strip_prefix("flashcore_check_decode_fp8kv: ")
+        );
+        // Scales with a 16-bit cache.
+        assert_eq!(
+            code(&cache(true), Some(&s)),
+            FLASHCORE_ERROR_INVALID_ARGUMENT
+        );
+        assert!(last_error().contains("e4m3"), "{}", last_error());
+
+        // One typed code for each kind of bad scales.
+        let with = |f: &dyn Fn(&mut FlashcoreKvScales)| {
+            let mut s = s;
+            f(&mut s);
+            code(&c8, Some(&s))
+        };
+        assert_eq!(
+            with(&|s| s.k_scale.dtype = FLASHCORE_F16),
+            FLASHCORE_ERROR_UNSUPPORTED_DTYPE
+        );
+        assert!(last_error().contains("k_scale"), "{}", last_error());
+        assert_eq!(
+            with(&|s| s.v_scale.dtype = 9),
+            FLASHCORE_ERROR_UNSUPPORTED_DTYPE
+        );
+        assert!(
+            last_error().contains("v_scale has dtype code 9"),
+            "{}",
+            last_error()
+        );
+        assert_eq!(
+            with(&|s| s.v_scale.shape[1] = 8),
+            FLASHCORE_ERROR_SHAPE_MISMATCH
+        );
+        assert!(last_error().contains("v_scale"), "{}", last_error());
+        assert_eq!(
+            with(&|s| s.k_scale.shape[3] = 64),
+            FLASHCORE_ERROR_SHAPE_MISMATCH
+        );
+        assert_eq!(
+            with(&|s| s.k_scale.shape[2] = 1),
+            FLASHCORE_ERROR_SHAPE_MISMATCH
+        );
+        assert_eq!(
+            with(&|s| s.k_scale.shape[0] = -1),
+            FLASHCORE_ERROR_INVALID_ARGUMENT
+        );
+        assert!(
+            last_error().contains("k_scale.shape[0] (batch) is -1"),
+            "{}",
+            last_error()
+        );
+        assert_eq!(
+            with(&|s| s.v_scale.strides[1] = -2),
+            FLASHCORE_ERROR_BAD_STRIDES
+        );
+        assert_eq!(
+            with(&|s| s.k_scale.strides[1] = 0),
+            FLASHCORE_ERROR_BAD_STRIDES
+        );
+        assert_eq!(with(&|s| s.k_scale.ptr += 2), FLASHCORE_ERROR_MISALIGNED);
+        assert_eq!(with(&|s| s.v_scale.ptr = 0), FLASHCORE_ERROR_NULL_POINTER);
+        assert!(last_error().contains("v_scale"), "{}", last_error());
+        // Scales inside the codes, or on each other.
+        assert_eq!(
+            with(&|s| s.k_scale.ptr = GB + 64),
+            FLASHCORE_ERROR_INVALID_ARGUMENT
+        );
+        assert!(last_error().contains("overlaps"), "{}", last_error());
+        assert_eq!(
+            with(&|s| s.v_scale.ptr = s.k_scale.ptr + 4),
+            FLASHCORE_ERROR_INVALID_ARGUMENT
+        );
+        assert!(last_error().contains("overlaps"), "{}", last_error());
+        // The output may not overlap the scales.
+        let o = FlashcoreTensor { ptr: 6 * GB, ..q };
+        // SAFETY: every pointer points at a live local or is null.
+        let rc = unsafe {
+            flashcore_check_decode_fp8kv(&q, &c8, &s, ptr::null(), ptr::null(), &o, 0, 0.0, 0)
+        };
+        assert_eq!(rc, FLASHCORE_ERROR_INVALID_ARGUMENT);
+        assert!(last_error().contains("k_scale"), "{}", last_error());
+
+        // An e4m3 cache's own rules: its head dims, 16-bit queries, codes of one type.
+        let (mut d96, mut s96) = fp8_cache(false);
+        for t in [&mut d96.k, &mut d96.v] {
+            *t = FlashcoreTensor {
+                dtype: FLASHCORE_E4M3,
+                ..bshd(t.ptr, [2, 64, 2, 96])
+            };
+        }
+        s96.k_scale.shape = [2, 64, 2, 1];
+        s96.v_scale.shape = [2, 64, 2, 1];
+        assert_eq!(
+            check_decode8(&bshd(4 * GB, [2, 1, 4, 96]), &d96, Some(&s96), None, None),
+            FLASHCORE_ERROR_UNSUPPORTED_HEAD_DIM
+        );
+        let q8 = FlashcoreTensor {
+            dtype: FLASHCORE_E4M3,
+            ..q
+        };
+        assert_eq!(
+            check_decode8(&q8, &c8, Some(&s), None, None),
+            FLASHCORE_ERROR_UNSUPPORTED_DTYPE
+        );
+        let mut mixed = c8;
+        mixed.v.dtype = FLASHCORE_F16;
+        assert_eq!(code(&mixed, Some(&s)), FLASHCORE_ERROR_UNSUPPORTED_DTYPE);
+    }
+
+    #[test]
+    fn the_fp8kv_spellings_without_scales_are_the_16_bit_calls() {
+        // The same code and message (but for the name) as the plain calls, on good and bad
+        // 16-bit input alike.
+        let table: Vec<i32> = (0..8).collect();
+        let q = query(1, 4, 4 * GB);
+        let mut odd = cache(true);
+        odd.k.shape[1] = 48;
+        odd.v.shape[1] = 48;
+        let mut no_lens = cache(false);
+        no_lens.seqlens = 0;
+        let (lens_ok, lens_over, t): (&[i32], &[i32], &[i32]) = (&[64, 3], &[65, 3], &table);
+        let cases = [
+            (q, cache(false), None, None),
+            (q, cache(true), Some(lens_ok), Some(t)),
+            (q, cache(true), Some(lens_over), Some(t)),
+            (query(17, 4, 4 * GB), cache(false), None, None),
+            (q, odd, None, None),
+            (q, no_lens, None, None),
+        ];
+        let strip = |m: String, name: &str| m.strip_prefix(name).map(str::to_owned);
+        for (q, c, lens, t) in cases {
+            let plain = check_decode(&q, &c, lens, t, 0, 0.0);
+            let plain_msg = strip(last_error(), "flashcore_check_decode: ");
+            let kv8 = check_decode8(&q, &c, None, lens, t);
+            let kv8_msg = strip(last_error(), "flashcore_check_decode_fp8kv: ");
+            assert_eq!(plain, kv8, "{c:?}");
+            if plain != FLASHCORE_SUCCESS {
+                assert_eq!(plain_msg, kv8_msg);
+            }
+        }
+        let new = bshd(4 * GB, [2, 3, 2, 64]);
+        let vnew = FlashcoreTensor { ptr: 5 * GB, ..new };
+        let heads = bshd(4 * GB, [2, 3, 4, 64]);
+        for (c, k, lens) in [
+            (cache(false), new, None),
+            (cache(false), new, Some([62, 0])),
+            (cache(false), heads, None),
+        ] {
+            let lens = lens.as_ref().map_or(ptr::null(), |l| l.as_ptr());
+            // SAFETY: the structs are live locals; `lens` null or two int32s (B = 2).
+            let plain = unsafe { flashcore_check_append_kv(&c, &k, &vnew, lens, ptr::null()) };
+            // SAFETY: as above; null scales.
+            let kv8 = unsafe {
+                flashcore_check_append_kv_fp8kv(&c, ptr::null(), &k, &vnew, lens, ptr::null())
+            };
+            assert_eq!(plain, kv8);
+        }
+    }
+
+    #[test]
+    fn check_append_fp8kv_quantizes_16_bit_tokens_into_an_e4m3_cache() {
+        let table: Vec<i32> = (0..8).collect();
+        let check = |c: &FlashcoreKvCache,
+                     s: Option<&FlashcoreKvScales>,
+                     k: &FlashcoreTensor,
+                     v: &FlashcoreTensor,
+                     lens: Option<&[i32]>,
+                     t: Option<&[i32]>| {
+            let p = |a: Option<&[i32]>| a.map_or(ptr::null(), <[i32]>::as_ptr);
+            let s = s.map_or(ptr::null(), ptr::from_ref);
+            // SAFETY: the structs are live locals or null; the host arrays null or sized
+            // for B = 2 and the [2, 4] table.
+            unsafe { flashcore_check_append_kv_fp8kv(c, s, k, v, p(lens), p(t)) }
+        };
+        let new = |dtype| FlashcoreTensor {
+            dtype,
+            ..bshd(4 * GB, [2, 3, 2, 64])
+        };
+        let vnew = |dtype| FlashcoreTensor {
+            ptr: 5 * GB,
+            ..new(dtype)
+        };
+        for paged in [false, true] {
+            let (c, s) = fp8_cache(paged);
+            let t = paged.then_some(table.as_slice());
+            for dt in [FLASHCORE_F16, FLASHCORE_BF16] {
+                assert_eq!(
+                    check(&c, Some(&s), &new(dt), &vnew(dt), None, None),
+                    FLASHCORE_SUCCESS,
+                    "{}",
+                    last_error()
+                );
+                assert_eq!(
+                    check(&c, Some(&s), &new(dt), &vnew(dt), Some(&[61, 0]), t),
+                    FLASHCORE_SUCCESS
+                );
+            }
+            // 62 + 3 new tokens pass the capacity of 64.
+            assert_eq!(
+                check(&c, Some(&s), &new(1), &vnew(1), Some(&[62, 0]), t),
+                FLASHCORE_ERROR_INVALID_ARGUMENT
+            );
+            assert!(
+                last_error().starts_with("flashcore_check_append_kv_fp8kv: "),
+                "{}",
+                last_error()
+            );
+        }
+        let (c, s) = fp8_cache(true);
+        let f16 = FLASHCORE_F16;
+        // New tokens of one 16-bit dtype only.
+        for (k, v) in [
+            (FLASHCORE_E4M3, FLASHCORE_E4M3),
+            (FLASHCORE_F16, FLASHCORE_BF16),
+            (FLASHCORE_F32, FLASHCORE_F32),
+        ] {
+            assert_eq!(
+                check(&c, Some(&s), &new(k), &vnew(v), None, None),
+                FLASHCORE_ERROR_UNSUPPORTED_DTYPE
+            );
+        }
+        // Missing scales, from either spelling; scales with a 16-bit cache.
+        assert_eq!(
+            check(&c, None, &new(f16), &vnew(f16), None, None),
+            FLASHCORE_ERROR_INVALID_ARGUMENT
+        );
+        assert!(last_error().contains("scales"), "{}", last_error());
+        // SAFETY: the structs are live locals.
+        let rc = unsafe {
+            flashcore_check_append_kv(&c, &new(f16), &vnew(f16), ptr::null(), ptr::null())
+        };
+        assert_eq!(rc, FLASHCORE_ERROR_INVALID_ARGUMENT);
+        assert_eq!(
+            check(&cache(true), Some(&s), &new(f16), &vnew(f16), None, None),
+            FLASHCORE_ERROR_INVALID_ARGUMENT
+        );
+        // Ill-shaped scales; new tokens onto the scales they are about to write.
+        let mut short = s;
+        short.k_scale.shape[1] = 8;
+        assert_eq!(
+            check(&c, Some(&short), &new(f16), &vnew(f16), None, None),
+            FLASHCORE_ERROR_SHAPE_MISMATCH
+        );
+        let onto = FlashcoreTensor {
+            ptr: 7 * GB,
+            ..vnew(f16)
+        };
+        assert_eq!(
+            check(&c, Some(&s), &new(f16), &onto, None, None),
+            FLASHCORE_ERROR_INVALID_ARGUMENT
+        );
+        assert!(last_error().contains("v_scale"), "{}", last_error());
+        // SAFETY: a null cache is allowed and reported, whatever the scales.
+        let rc = unsafe {
+            flashcore_check_append_kv_fp8kv(
+                ptr::null(),
+                &s,
+                &new(f16),
+                &vnew(f16),
+                ptr::null(),
+                ptr::null(),
+            )
+        };
+        assert_eq!(rc, FLASHCORE_ERROR_NULL_ARGUMENT);
+        assert_eq!(
+            last_error(),
+            "flashcore_check_append_kv_fp8kv: cache is a null pointer"
+        );
+    }
+
+    #[test]
+    fn fp8kv_calls_refuse_a_null_context_and_null_out() {
+        let q = query(1, 4, 4 * GB);
+        let (c, s) = fp8_cache(false);
+        let o = FlashcoreTensor { ptr: 5 * GB, ..q };
+        let null = ptr::null();
+        // SAFETY: a null context is allowed and reported; the rest are live locals.
+        let rc = unsafe {
+            flashcore_decode_fp8kv(
+                ptr::null_mut(),
+                &q,
+                &c,
+                &s,
+                null,
+                null,
+                &o,
+                0,
+                0.0,
+                0,
+                0,
+                0,
+                ptr::null_mut(),
+            )
+        };
+        assert_eq!(rc, FLASHCORE_ERROR_NULL_ARGUMENT);
+        assert_eq!(
+            last_error(),
+            "flashcore_decode_fp8kv: ctx is a null pointer"
+        );
+        let new = bshd(4 * GB, [2, 3, 2, 64]);
+        // SAFETY: as above.
+        let rc = unsafe {
+            flashcore_append_kv_fp8kv(
+                ptr::null_mut(),
+                &c,
+                &s,
+                &new,
+                &o,
+                null,
+                null,
+                ptr::null_mut(),
+            )
+        };
+        assert_eq!(rc, FLASHCORE_ERROR_NULL_ARGUMENT);
+        assert_eq!(
+            last_error(),
+            "flashcore_append_kv_fp8kv: ctx is a null pointer"
+        );
+        let mut bytes = 7usize;
+        // SAFETY: as above; `bytes` is a live local.
+        let rc = unsafe {
+            flashcore_decode_workspace_bytes_fp8kv(ptr::null_mut(), &q, &c, &s, &mut bytes)
+        };
+        assert_eq!(rc, FLASHCORE_ERROR_NULL_ARGUMENT);
+        assert_eq!(bytes, 0, "out not cleared on failure");
+        assert_eq!(
+            last_error(),
+            "flashcore_decode_workspace_bytes_fp8kv: ctx is a null pointer"
+        );
+        // SAFETY: a null `out` is allowed and reported, not written.
+        let rc = unsafe {
+            flashcore_decode_workspace_bytes_fp8kv(ptr::null_mut(), &q, &c, &s, ptr::null_mut())
+        };
+        assert_eq!(rc, FLASHCORE_ERROR_NULL_ARGUMENT);
+        assert_eq!(
+            last_error(),
+            "flashcore_decode_workspace_bytes_fp8kv: out is a null pointer"
+        );
+    }
+
+    #[test]
+    fn kv_scales_conversion_and_c_layout() {
+        use std::mem::{align_of, offset_of, size_of};
+        assert_eq!(size_of::<FlashcoreKvScales>(), 160);
+        assert_eq!(align_of::<FlashcoreKvScales>(), 8);
+        assert_eq!(offset_of!(FlashcoreKvScales, k_scale), 0);
+        assert_eq!(offset_of!(FlashcoreKvScales, v_scale), 80);
+        let (c, s) = fp8_cache(true);
+        let kv = kv_cache(&c, Some(&s)).unwrap();
+        let scales = kv.scales.expect("scales");
+        assert_eq!(scales.k.dtype, DType::F32);
+        assert_eq!(
+            (scales.k.shape, scales.k.strides, scales.v.ptr),
+            ([8, 16, 2, 1], [32, 2, 1, 1], 7 * GB)
+        );
+        assert!(kv.is_fp8());
+        assert_eq!(kv_cache(&c, None).unwrap().scales, None);
+        let mut bad = s;
+        bad.k_scale.strides[2] = -1;
+        let e = kv_cache(&c, Some(&bad)).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                Error::BadStrides {
+                    tensor: "k_scale",
+                    ..
+                }
+            ),
+            "{e}"
+        );
+    }
+
     #[test]
     fn check_merge_applies_the_merge_rules_without_a_device() {
         let parts = bshd(GB, [2, 5, 4, 128]);
@@ -2179,13 +3051,13 @@ mod tests {
 
     #[test]
     fn kv_cache_conversion() {
-        let c = kv_cache(&cache(false)).unwrap();
+        let c = kv_cache(&cache(false), None).unwrap();
         assert_eq!(c.layout, CacheLayout::Contiguous);
         assert_eq!(
             (c.k.shape, c.v.ptr, c.seqlens),
             ([2, 64, 2, 64], 2 * GB, 3 * GB)
         );
-        let p = kv_cache(&cache(true)).unwrap();
+        let p = kv_cache(&cache(true), None).unwrap();
         assert_eq!(
             p.layout,
             CacheLayout::Paged {
@@ -2199,12 +3071,12 @@ mod tests {
         let mut half = cache(false);
         half.table_stride = 4;
         assert!(matches!(
-            kv_cache(&half).unwrap().layout,
+            kv_cache(&half, None).unwrap().layout,
             CacheLayout::Paged { block_table: 0, .. }
         ));
         let mut bad = cache(false);
         bad.v.shape[0] = -1;
-        let e = kv_cache(&bad).unwrap_err();
+        let e = kv_cache(&bad, None).unwrap_err();
         assert!(
             e.to_string().contains("v_cache.shape[0] (batch) is -1"),
             "{e}"

@@ -1,7 +1,7 @@
 //! `include/flashcore.h` against `src/ffi.rs` (and the ctypes bindings of the Python
 //! package, `python/flashcore/_capi.py`): the same constants with the same values, the same functions with
 //! the same parameter types, the same fields of each struct (`FlashcoreTensor`,
-//! `FlashcoreKvCache`, `FlashcoreVarlen`, `FlashcoreFp8Operands`,
+//! `FlashcoreKvCache`, `FlashcoreKvScales`, `FlashcoreVarlen`, `FlashcoreFp8Operands`,
 //! `FlashcoreQuantizeOptions`), and the same struct layouts (the C layout the header's fields give
 //! against Rust's offsets, sizes and alignments). Plain text parsing: the header is kept
 //! in a simple, regular style for it. The three files are embedded in the test binary,
@@ -13,14 +13,15 @@ use std::mem::{align_of, offset_of, size_of};
 
 use flashcore::error::RETURN_CODES;
 use flashcore::ffi::{
-    FLASHCORE_CONSTANTS, FlashcoreFp8Operands, FlashcoreKvCache, FlashcoreQuantizeOptions,
-    FlashcoreTensor, FlashcoreVarlen,
+    FLASHCORE_CONSTANTS, FlashcoreFp8Operands, FlashcoreKvCache, FlashcoreKvScales,
+    FlashcoreQuantizeOptions, FlashcoreTensor, FlashcoreVarlen,
 };
 
 /// The structs of the C ABI, in the order the header defines them.
-const STRUCTS: [&str; 5] = [
+const STRUCTS: [&str; 6] = [
     "FlashcoreTensor",
     "FlashcoreKvCache",
+    "FlashcoreKvScales",
     "FlashcoreVarlen",
     "FlashcoreFp8Operands",
     "FlashcoreQuantizeOptions",
@@ -248,6 +249,7 @@ fn rust_to_c(t: &str) -> String {
         "FlashcoreContext"
         | "FlashcoreTensor"
         | "FlashcoreKvCache"
+        | "FlashcoreKvScales"
         | "FlashcoreVarlen"
         | "FlashcoreFp8Operands"
         | "FlashcoreQuantizeOptions" => t,
@@ -438,6 +440,11 @@ fn functions_match() {
         "flashcore_check_decode",
         "flashcore_append_kv",
         "flashcore_check_append_kv",
+        "flashcore_decode_fp8kv",
+        "flashcore_decode_workspace_bytes_fp8kv",
+        "flashcore_check_decode_fp8kv",
+        "flashcore_append_kv_fp8kv",
+        "flashcore_check_append_kv_fp8kv",
         "flashcore_merge",
         "flashcore_check_merge",
         "flashcore_fp8_workspace_bytes",
@@ -479,6 +486,10 @@ fn expected_fields(name: &str) -> Fields {
             ("uint64_t", "block_table"),
             ("int64_t", "max_pages"),
             ("int64_t", "table_stride"),
+        ],
+        "FlashcoreKvScales" => &[
+            ("FlashcoreTensor", "k_scale"),
+            ("FlashcoreTensor", "v_scale"),
         ],
         "FlashcoreVarlen" => &[
             ("uint64_t", "cu_seqlens_q"),
@@ -569,6 +580,14 @@ fn rust_layout(name: &str) -> (Vec<(&'static str, usize)>, usize, usize) {
             size_of::<FlashcoreKvCache>(),
             align_of::<FlashcoreKvCache>(),
         ),
+        "FlashcoreKvScales" => (
+            vec![
+                ("k_scale", offset_of!(FlashcoreKvScales, k_scale)),
+                ("v_scale", offset_of!(FlashcoreKvScales, v_scale)),
+            ],
+            size_of::<FlashcoreKvScales>(),
+            align_of::<FlashcoreKvScales>(),
+        ),
         "FlashcoreVarlen" => (
             vec![
                 ("cu_seqlens_q", offset_of!(FlashcoreVarlen, cu_seqlens_q)),
@@ -627,6 +646,7 @@ fn types_match() {
     }
     assert_eq!(size_of::<FlashcoreTensor>(), 80);
     assert_eq!(size_of::<FlashcoreKvCache>(), 192);
+    assert_eq!(size_of::<FlashcoreKvScales>(), 160);
     assert_eq!(size_of::<FlashcoreVarlen>(), 32);
     assert_eq!(size_of::<FlashcoreFp8Operands>(), 256);
     assert_eq!(size_of::<FlashcoreQuantizeOptions>(), 16);
@@ -638,6 +658,7 @@ fn types_match() {
         [
             "FlashcoreFp8Operands",
             "FlashcoreKvCache",
+            "FlashcoreKvScales",
             "FlashcoreQuantizeOptions",
             "FlashcoreTensor",
             "FlashcoreVarlen",
@@ -707,6 +728,7 @@ fn c_to_ctypes(t: &str) -> &'static str {
         "const int32_t*" => "ctypes.POINTER(ctypes.c_int32)",
         "const FlashcoreTensor*" => "ctypes.POINTER(FlashcoreTensor)",
         "const FlashcoreKvCache*" => "ctypes.POINTER(FlashcoreKvCache)",
+        "const FlashcoreKvScales*" => "ctypes.POINTER(FlashcoreKvScales)",
         "const FlashcoreVarlen*" => "ctypes.POINTER(FlashcoreVarlen)",
         "const FlashcoreFp8Operands*" | "FlashcoreFp8Operands*" => {
             "ctypes.POINTER(FlashcoreFp8Operands)"

@@ -16,6 +16,8 @@
     seqlens += k_new.shape[1]                                     # ... then advance them
     o = flashcore.decode(q, k_cache, v_cache, seqlens)            # block_table=... if paged
     o = flashcore.merge(o_parts, lse_parts)                       # shards merged by LSE
+    o = flashcore.decode(q, k8, v8, seqlens, k_scale=ks, v_scale=vs)  # FP8 cache (sm_89+):
+    # float8_e4m3fn codes, float32 scales [B, capacity, Hkv]; append_kv(..., k_scale=, v_scale=)
     o = flashcore.attention_varlen(q, k, v, cu_q, cu_k, max_q)    # packed prompts, no padding
 
 The kernels are generated at run time and loaded through the CUDA driver; the wheel

@@ -40,6 +40,13 @@ class FlashcoreKvCache(ctypes.Structure):
     ]
 
 
+class FlashcoreKvScales(ctypes.Structure):
+    _fields_ = [
+        ("k_scale", FlashcoreTensor),
+        ("v_scale", FlashcoreTensor),
+    ]
+
+
 class FlashcoreVarlen(ctypes.Structure):
     _fields_ = [
         ("cu_seqlens_q", ctypes.c_uint64),
@@ -86,6 +93,11 @@ SIGNATURES = {
     "flashcore_check_decode": (ctypes.c_int32, [ctypes.POINTER(FlashcoreTensor), ctypes.POINTER(FlashcoreKvCache), ctypes.POINTER(ctypes.c_int32), ctypes.POINTER(ctypes.c_int32), ctypes.POINTER(FlashcoreTensor), ctypes.c_uint64, ctypes.c_float, ctypes.c_int32]),
     "flashcore_append_kv": (ctypes.c_int32, [ctypes.c_void_p, ctypes.POINTER(FlashcoreKvCache), ctypes.POINTER(FlashcoreTensor), ctypes.POINTER(FlashcoreTensor), ctypes.POINTER(ctypes.c_int32), ctypes.POINTER(ctypes.c_int32), ctypes.c_void_p]),
     "flashcore_check_append_kv": (ctypes.c_int32, [ctypes.POINTER(FlashcoreKvCache), ctypes.POINTER(FlashcoreTensor), ctypes.POINTER(FlashcoreTensor), ctypes.POINTER(ctypes.c_int32), ctypes.POINTER(ctypes.c_int32)]),
+    "flashcore_decode_fp8kv": (ctypes.c_int32, [ctypes.c_void_p, ctypes.POINTER(FlashcoreTensor), ctypes.POINTER(FlashcoreKvCache), ctypes.POINTER(FlashcoreKvScales), ctypes.POINTER(ctypes.c_int32), ctypes.POINTER(ctypes.c_int32), ctypes.POINTER(FlashcoreTensor), ctypes.c_uint64, ctypes.c_float, ctypes.c_int32, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p]),
+    "flashcore_decode_workspace_bytes_fp8kv": (ctypes.c_int32, [ctypes.c_void_p, ctypes.POINTER(FlashcoreTensor), ctypes.POINTER(FlashcoreKvCache), ctypes.POINTER(FlashcoreKvScales), ctypes.POINTER(ctypes.c_size_t)]),
+    "flashcore_check_decode_fp8kv": (ctypes.c_int32, [ctypes.POINTER(FlashcoreTensor), ctypes.POINTER(FlashcoreKvCache), ctypes.POINTER(FlashcoreKvScales), ctypes.POINTER(ctypes.c_int32), ctypes.POINTER(ctypes.c_int32), ctypes.POINTER(FlashcoreTensor), ctypes.c_uint64, ctypes.c_float, ctypes.c_int32]),
+    "flashcore_append_kv_fp8kv": (ctypes.c_int32, [ctypes.c_void_p, ctypes.POINTER(FlashcoreKvCache), ctypes.POINTER(FlashcoreKvScales), ctypes.POINTER(FlashcoreTensor), ctypes.POINTER(FlashcoreTensor), ctypes.POINTER(ctypes.c_int32), ctypes.POINTER(ctypes.c_int32), ctypes.c_void_p]),
+    "flashcore_check_append_kv_fp8kv": (ctypes.c_int32, [ctypes.POINTER(FlashcoreKvCache), ctypes.POINTER(FlashcoreKvScales), ctypes.POINTER(FlashcoreTensor), ctypes.POINTER(FlashcoreTensor), ctypes.POINTER(ctypes.c_int32), ctypes.POINTER(ctypes.c_int32)]),
     "flashcore_merge": (ctypes.c_int32, [ctypes.c_void_p, ctypes.POINTER(FlashcoreTensor), ctypes.c_int64, ctypes.c_int64, ctypes.c_uint64, ctypes.POINTER(FlashcoreTensor), ctypes.c_uint64, ctypes.c_void_p]),
     "flashcore_check_merge": (ctypes.c_int32, [ctypes.POINTER(FlashcoreTensor), ctypes.c_int64, ctypes.c_int64, ctypes.c_uint64, ctypes.POINTER(FlashcoreTensor), ctypes.c_uint64]),
     "flashcore_fp8_workspace_bytes": (ctypes.c_int32, [ctypes.POINTER(FlashcoreTensor), ctypes.POINTER(FlashcoreTensor), ctypes.POINTER(FlashcoreTensor), ctypes.POINTER(FlashcoreQuantizeOptions), ctypes.POINTER(ctypes.c_size_t)]),
@@ -201,48 +213,77 @@ class Library:
     # ---- serving: decode, append, merge -----------------------------------------------------
     # Host arrays (host_seqlens, host_block_table) are None or anything ctypes passes as an
     # int32 pointer (a ctypes int32 array, or `host_ptr` of an address); the caller keeps
-    # them alive and sized as include/flashcore.h says.
+    # them alive and sized as include/flashcore.h says. `scales` is None (a 16-bit cache:
+    # the plain C calls) or a FlashcoreKvScales (see `describe_scales`) for an FP8 cache
+    # (the C calls' _fp8kv spellings).
 
-    def decode_workspace_bytes(self, ctx, q, cache):
+    def decode_workspace_bytes(self, ctx, q, cache, scales=None):
         """Bytes of workspace flashcore_decode needs for these descriptors (0: none)."""
         out = ctypes.c_size_t()
-        self.check(self.lib.flashcore_decode_workspace_bytes(ctx, ctypes.byref(q), ctypes.byref(cache), ctypes.byref(out)))
+        if scales is None:
+            rc = self.lib.flashcore_decode_workspace_bytes(ctx, ctypes.byref(q), ctypes.byref(cache), ctypes.byref(out))
+        else:
+            rc = self.lib.flashcore_decode_workspace_bytes_fp8kv(
+                ctx, ctypes.byref(q), ctypes.byref(cache), ctypes.byref(scales), ctypes.byref(out)
+            )
+        self.check(rc)
         return out.value
 
-    def check_decode(self, q, cache, host_seqlens, host_block_table, o, lse_ptr, scale, causal):
+    def check_decode(self, q, cache, host_seqlens, host_block_table, o, lse_ptr, scale, causal, scales=None):
         """Validates a decode as flashcore_decode would (but for the workspace); no GPU needed."""
-        self.check(
-            self.lib.flashcore_check_decode(
+        if scales is None:
+            rc = self.lib.flashcore_check_decode(
                 ctypes.byref(q), ctypes.byref(cache), host_seqlens, host_block_table, ctypes.byref(o), lse_ptr, scale,
                 int(causal),
             )
-        )
+        else:
+            rc = self.lib.flashcore_check_decode_fp8kv(
+                ctypes.byref(q), ctypes.byref(cache), ctypes.byref(scales), host_seqlens, host_block_table,
+                ctypes.byref(o), lse_ptr, scale, int(causal),
+            )
+        self.check(rc)
 
-    def decode(self, ctx, q, cache, host_seqlens, host_block_table, o, lse_ptr, scale, causal, ws_ptr, ws_bytes, stream):
+    def decode(self, ctx, q, cache, host_seqlens, host_block_table, o, lse_ptr, scale, causal, ws_ptr, ws_bytes, stream,
+               scales=None):
         """flashcore_decode on descriptors; `stream` is a CUstream address."""
-        self.check(
-            self.lib.flashcore_decode(
+        if scales is None:
+            rc = self.lib.flashcore_decode(
                 ctx, ctypes.byref(q), ctypes.byref(cache), host_seqlens, host_block_table, ctypes.byref(o), lse_ptr,
                 scale, int(causal), ws_ptr, ws_bytes, stream,
             )
-        )
+        else:
+            rc = self.lib.flashcore_decode_fp8kv(
+                ctx, ctypes.byref(q), ctypes.byref(cache), ctypes.byref(scales), host_seqlens, host_block_table,
+                ctypes.byref(o), lse_ptr, scale, int(causal), ws_ptr, ws_bytes, stream,
+            )
+        self.check(rc)
 
-    def check_append_kv(self, cache, k_new, v_new, host_seqlens, host_block_table):
+    def check_append_kv(self, cache, k_new, v_new, host_seqlens, host_block_table, scales=None):
         """Validates an append as flashcore_append_kv would; no GPU needed."""
-        self.check(
-            self.lib.flashcore_check_append_kv(
+        if scales is None:
+            rc = self.lib.flashcore_check_append_kv(
                 ctypes.byref(cache), ctypes.byref(k_new), ctypes.byref(v_new), host_seqlens, host_block_table
             )
-        )
+        else:
+            rc = self.lib.flashcore_check_append_kv_fp8kv(
+                ctypes.byref(cache), ctypes.byref(scales), ctypes.byref(k_new), ctypes.byref(v_new), host_seqlens,
+                host_block_table,
+            )
+        self.check(rc)
 
-    def append_kv(self, ctx, cache, k_new, v_new, host_seqlens, host_block_table, stream):
+    def append_kv(self, ctx, cache, k_new, v_new, host_seqlens, host_block_table, stream, scales=None):
         """flashcore_append_kv on descriptors; `stream` is a CUstream address."""
-        self.check(
-            self.lib.flashcore_append_kv(
+        if scales is None:
+            rc = self.lib.flashcore_append_kv(
                 ctx, ctypes.byref(cache), ctypes.byref(k_new), ctypes.byref(v_new), host_seqlens, host_block_table,
                 stream,
             )
-        )
+        else:
+            rc = self.lib.flashcore_append_kv_fp8kv(
+                ctx, ctypes.byref(cache), ctypes.byref(scales), ctypes.byref(k_new), ctypes.byref(v_new), host_seqlens,
+                host_block_table, stream,
+            )
+        self.check(rc)
 
     def check_merge(self, parts, count, shard_stride, lse_parts, out, out_lse):
         """Validates a merge as flashcore_merge would; no GPU needed."""
@@ -356,6 +397,15 @@ def describe_cache(k, v, seqlens_ptr, block_table_ptr=0, max_pages=0, table_stri
     c.max_pages = max_pages
     c.table_stride = table_stride
     return c
+
+
+def describe_scales(k_scale, v_scale):
+    """A FlashcoreKvScales from two FlashcoreTensors: an FP8 cache's float32 scales, each
+    [outer, rows, Hkv, 1] (the cache's first three dimensions and 1)."""
+    s = FlashcoreKvScales()
+    s.k_scale = k_scale
+    s.v_scale = v_scale
+    return s
 
 
 def int32_array(values):

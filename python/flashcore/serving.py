@@ -7,6 +7,12 @@ log-sum-exp.
     flashcore.append_kv(k_cache, v_cache, seqlens, k_new, v_new); seqlens += k_new.shape[1]
     o, lse = flashcore.merge(o_parts, lse_parts, return_lse=True)
 
+    # FP8 cache (sm_89+): e4m3 codes and one float32 scale per (position, KV head) row.
+    k8 = torch.empty(B, capacity, Hkv, D, dtype=torch.float8_e4m3fn, device="cuda")  # v8 too
+    k_scale = torch.empty(B, capacity, Hkv, dtype=torch.float32, device="cuda")      # v_scale too
+    flashcore.append_kv(k8, v8, seqlens, k_new, v_new, k_scale=k_scale, v_scale=v_scale)  # 16-bit in
+    o = flashcore.decode(q, k8, v8, seqlens, k_scale=k_scale, v_scale=v_scale)    # 16-bit q, o
+
 Tensors are in FlashAttention's [B, S, H, D] order (q [B, Sq, Hq, D], caches
 [B, capacity, Hkv, D] or page pools [pages, page_size, Hkv, D]), as flash_attn_with_kvcache
 takes them. Each function is a `torch.library` custom op (`torch.ops.flashcore.decode`,
@@ -23,6 +29,13 @@ kernels never read or write outside the cache (lengths are clamped to the capaci
 outside the pool are skipped). Host copies (`host_seqlens`, `host_block_table`: CPU
 tensors or sequences of ints), when given, are checked first and turn such values into a
 FlashcoreError before anything runs.
+
+An FP8 cache holds torch.float8_e4m3fn codes in k_cache and v_cache and, in k_scale and
+v_scale, float32 scales shaped like the cache's first three dimensions ([B, capacity, Hkv],
+or [pages, page_size, Hkv] for a paged pool): a cached value is its code times the scale
+of its (position, KV head) row. append_kv writes both from 16-bit new tokens (scale = the
+row's largest magnitude / 448); decode reads them with 16-bit queries. Head dims 64, 128
+and 256, GPUs of sm_89 and newer (FlashcoreError UNSUPPORTED_GPU on older ones).
 """
 
 import math
@@ -43,12 +56,18 @@ _STAND_IN = 1 << 44
 # The workspace's alignment (flashcore_decode's contract).
 _WORKSPACE_ALIGN = 256
 
+# The element types of the serving calls' tensors: the forward's, and FP8 cache codes.
+_FP8 = getattr(torch, "float8_e4m3fn", None)
+_CODES = dict(_DTYPE_CODES)
+if _FP8 is not None:
+    _CODES[_FP8] = _capi.FLASHCORE_E4M3
+
 
 # ---- descriptors ----------------------------------------------------------------------------
 
 
 def _desc(sizes, strides, dtype, ptr):
-    return _capi.FlashcoreTensor(ptr, _DTYPE_CODES.get(dtype, -1), tuple(sizes), tuple(strides))
+    return _capi.FlashcoreTensor(ptr, _CODES.get(dtype, -1), tuple(sizes), tuple(strides))
 
 
 def _describe(t, ptr=None, at_least_one=False):
@@ -56,6 +75,23 @@ def _describe(t, ptr=None, at_least_one=False):
     dimensions as 1 (so the checks other than "not empty" run on them)."""
     sizes = [max(n, 1) for n in t.shape] if at_least_one else t.shape
     return _desc(sizes, t.stride(), t.dtype, t.data_ptr() if ptr is None else ptr)
+
+
+def _describe_scale(t, ptr=None, at_least_one=False):
+    """An FP8 cache's scales, [outer, rows, Hkv] (or [outer, rows, Hkv, 1]), as the 4-d
+    FlashcoreTensor [outer, rows, Hkv, 1] the C ABI takes (the last dim's stride unused)."""
+    sizes = [*t.shape[:3], 1]
+    sizes = [max(n, 1) for n in sizes] if at_least_one else sizes
+    return _desc(sizes, [*t.stride()[:3], 1], t.dtype, t.data_ptr() if ptr is None else ptr)
+
+
+def _describe_scales(k_scale, v_scale, ptrs=(None, None), at_least_one=False):
+    """A FlashcoreKvScales for an FP8 cache's scales, or None for a 16-bit cache (no scales)."""
+    if k_scale is None:
+        return None
+    return _capi.describe_scales(
+        _describe_scale(k_scale, ptrs[0], at_least_one), _describe_scale(v_scale, ptrs[1], at_least_one)
+    )
 
 
 def _table_layout(block_table):
@@ -150,6 +186,29 @@ def _check_metadata(fn, batch, k_cache, v_cache, seqlens, block_table):
             )
 
 
+def _check_scales(fn, k_cache, k_scale, v_scale):
+    """What the C ABI cannot say in Python's terms: an FP8 cache comes with its scales, both
+    of them, each 3-d (or 4-d with a last dim of 1). Their dtype, shape, strides and memory
+    are the library's rules."""
+    if (k_scale is None) != (v_scale is None):
+        raise ValueError(f"flashcore.{fn}: give both k_scale and v_scale, or neither")
+    if k_scale is None:
+        if _FP8 is not None and k_cache.dtype == _FP8:
+            raise ValueError(
+                f"flashcore.{fn}: an FP8 (float8_e4m3fn) cache needs its scales: k_scale and v_scale, float32 "
+                f"shaped like the cache's first three dimensions {tuple(k_cache.shape[:3])}"
+            )
+        return
+    for name, t in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"flashcore.{fn}: {name} must be a torch.Tensor, got {type(t).__name__}")
+        if not (t.dim() == 3 or (t.dim() == 4 and t.shape[3] == 1)):
+            raise ValueError(
+                f"flashcore.{fn}: {name} must be [outer, rows, Hkv] (or [outer, rows, Hkv, 1]), got shape "
+                f"{tuple(t.shape)}"
+            )
+
+
 def _prepare_host(fn, batch, block_table, host_seqlens, host_block_table):
     """Host copies as contiguous CPU int32 tensors laid out as the C ABI reads them: lengths
     [batch], the block table [batch, table_stride] (the device table's row stride)."""
@@ -200,12 +259,12 @@ def _decode_outputs(q, return_lse):
     return o, lse
 
 
-def _check_decode(q, k_cache, v_cache, block_table, o, return_lse, scale, causal):
+def _check_decode(q, k_cache, v_cache, block_table, o, return_lse, scale, causal, k_scale=None, v_scale=None):
     """flashcore_check_decode on the tensors' sizes and strides at stand-in addresses (fake
     tensors have none); host metadata is the real call's. For an empty q (nothing to
     compute, which is no error) empty dimensions are described as 1, so that every other
     rule still applies."""
-    if not _static(q, k_cache, v_cache, block_table, o):
+    if not _static(q, k_cache, v_cache, block_table, o, k_scale, v_scale):
         return
     empty = q.numel() == 0
     cache = _describe_cache(
@@ -224,19 +283,23 @@ def _check_decode(q, k_cache, v_cache, block_table, o, return_lse, scale, causal
         7 * _STAND_IN if return_lse else 0,
         scale,
         causal,
+        scales=_describe_scales(k_scale, v_scale, (8 * _STAND_IN, 9 * _STAND_IN), empty),
     )
 
 
-# Workspace bytes by (device, q's dtype and shape, the cache's shape, block-table width):
-# what the plan depends on. Filled by successful queries only.
+# Workspace bytes by (device, q's dtype and shape, the cache's dtype and shape, block-table
+# width): what the plan depends on. Filled by successful queries only.
 _workspace_sizes = {}
 
 
-def _workspace_bytes(lib, ctx, index, q, k_cache, block_table, q_desc, cache_desc):
-    key = (index, q.dtype, tuple(q.shape), tuple(k_cache.shape), None if block_table is None else block_table.shape[1])
+def _workspace_bytes(lib, ctx, index, q, k_cache, block_table, q_desc, cache_desc, scales_desc):
+    key = (
+        index, q.dtype, tuple(q.shape), k_cache.dtype, tuple(k_cache.shape),
+        None if block_table is None else block_table.shape[1],
+    )
     n = _workspace_sizes.get(key)
     if n is None:
-        n = lib.decode_workspace_bytes(ctx, q_desc, cache_desc)
+        n = lib.decode_workspace_bytes(ctx, q_desc, cache_desc, scales_desc)
         _workspace_sizes[key] = n
     return n
 
@@ -253,18 +316,23 @@ def _decode_op(
     causal: bool,
     scale: float,
     return_lse: bool,
+    k_scale: Optional[torch.Tensor] = None,
+    v_scale: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Decode against a KV cache with flashcore (scale 0: 1/sqrt(D)). Returns (o, lse): o
-    [B, Sq, Hq, D] contiguous, lse float32 [B, Hq, Sq] when return_lse, else empty."""
-    return _decode(q, k_cache, v_cache, seqlens, block_table, host_seqlens, host_block_table, causal, scale, return_lse)
+    """Decode against a KV cache with flashcore (scale 0: 1/sqrt(D); k_scale, v_scale: an
+    FP8 cache's scales). Returns (o, lse): o [B, Sq, Hq, D] contiguous, lse float32
+    [B, Hq, Sq] when return_lse, else empty."""
+    return _decode(q, k_cache, v_cache, seqlens, block_table, host_seqlens, host_block_table, causal, scale, return_lse,
+                   k_scale, v_scale)
 
 
-def _decode(q, k_cache, v_cache, seqlens, block_table, host_seqlens, host_block_table, causal, scale, return_lse):
+def _decode(q, k_cache, v_cache, seqlens, block_table, host_seqlens, host_block_table, causal, scale, return_lse,
+            k_scale=None, v_scale=None):
     """The op's CUDA implementation (also called directly in plain eager mode)."""
     o, lse = _decode_outputs(q, return_lse)
     if q.numel() == 0:
         # Nothing to compute; flashcore's rules still apply to what was passed.
-        _check_decode(q, k_cache, v_cache, block_table, o, return_lse, scale, causal)
+        _check_decode(q, k_cache, v_cache, block_table, o, return_lse, scale, causal, k_scale, v_scale)
         return o, lse
     q = _aligned(q)
     index = q.get_device()
@@ -278,7 +346,8 @@ def _decode(q, k_cache, v_cache, seqlens, block_table, host_seqlens, host_block_
         block_table,
         block_table.data_ptr() if block_table is not None else 0,
     )
-    ws_bytes = _workspace_bytes(lib, ctx, index, q, k_cache, block_table, q_desc, cache)
+    scales = _describe_scales(k_scale, v_scale)
+    ws_bytes = _workspace_bytes(lib, ctx, index, q, k_cache, block_table, q_desc, cache, scales)
     workspace, ws_ptr = None, 0
     if ws_bytes:
         # From torch's allocator (graph-safe), on the current stream, alive past the call.
@@ -298,15 +367,17 @@ def _decode(q, k_cache, v_cache, seqlens, block_table, host_seqlens, host_block_
         ws_ptr,
         ws_bytes,
         _current_stream(index),
+        scales=scales,
     )
     del workspace  # freed in stream order: later work on this stream runs after the kernels
     return o, lse
 
 
 @_decode_op.register_fake
-def _decode_fake(q, k_cache, v_cache, seqlens, block_table, host_seqlens, host_block_table, causal, scale, return_lse):
+def _decode_fake(q, k_cache, v_cache, seqlens, block_table, host_seqlens, host_block_table, causal, scale, return_lse,
+                 k_scale=None, v_scale=None):
     o, lse = _decode_outputs(q, return_lse)
-    _check_decode(q, k_cache, v_cache, block_table, o, return_lse, scale, causal)
+    _check_decode(q, k_cache, v_cache, block_table, o, return_lse, scale, causal, k_scale, v_scale)
     return o, lse
 
 
@@ -322,12 +393,16 @@ def decode(
     return_lse=False,
     host_seqlens=None,
     host_block_table=None,
+    k_scale=None,
+    v_scale=None,
 ):
     """Attention of a few new query tokens per sequence against a KV cache (split-KV decode).
 
     q: [B, Sq, Hq, D], 1 <= Sq <= 16 new tokens per sequence; float16 or bfloat16; D in
         32, 64, 96, 128, 192, 256; Hq a multiple of Hkv (GQA/MQA by head count).
-    k_cache, v_cache: q's dtype. Contiguous cache (block_table None): [B, capacity, Hkv, D].
+    k_cache, v_cache: q's dtype, or torch.float8_e4m3fn codes with k_scale and v_scale (an
+        FP8 cache: D in 64, 128, 256, a GPU of sm_89 or newer; q either 16-bit dtype).
+        Contiguous cache (block_table None): [B, capacity, Hkv, D].
         Paged cache: pools [pages, page_size, Hkv, D], page_size a power of two from 1 to
         1024. The cache is read in place: last dim contiguous, other strides multiples of
         16 bytes (else FlashcoreError BAD_STRIDES). Capacity at most 2^30.
@@ -343,6 +418,11 @@ def decode(
     host_seqlens, host_block_table: optional host copies of seqlens and block_table (CPU
         tensors or sequences of ints): checked against the capacity and the pool before
         anything runs (not under torch.compile's fake tensors, where they are not read).
+    k_scale, v_scale: an FP8 cache's scales (required with one, refused without): float32
+        [B, capacity, Hkv] (contiguous) or [pages, page_size, Hkv] (paged), the caches'
+        first three dimensions ([..., 1] 4-d tensors are taken too; any strides): each
+        cached value is its code times the scale of its (position, KV head) row, as
+        append_kv writes them.
 
     Returns o ([B, Sq, Hq, D], contiguous), or (o, lse). The split count (and so the
     workspace, taken from torch's allocator) depends on the shapes and the GPU only, never
@@ -352,11 +432,14 @@ def decode(
     """
     _check_tensor("decode", "q", q, 4)
     _check_metadata("decode", q.shape[0], k_cache, v_cache, seqlens, block_table)
+    _check_scales("decode", k_cache, k_scale, v_scale)
     named = [("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("seqlens", seqlens)]
     if block_table is not None:
         named.append(("block_table", block_table))
+    scales = () if k_scale is None else (k_scale, v_scale)
+    named += list(zip(("k_scale", "v_scale"), scales))
     _check_device("decode", named)
-    _check_no_grad("decode", (q, k_cache, v_cache))
+    _check_no_grad("decode", (q, k_cache, v_cache, *scales))
     scale = _scale_arg("decode", scale)
     host_seqlens, host_block_table = _prepare_host(
         "decode", q.shape[0], block_table, host_seqlens, host_block_table
@@ -364,8 +447,8 @@ def decode(
     if not kernel_ready(q):
         q = q.clone(memory_format=torch.contiguous_format)
     args = (q, k_cache, v_cache, seqlens, block_table, host_seqlens, host_block_table, bool(causal), scale,
-            bool(return_lse))
-    if _plain_eager(args[:5]):
+            bool(return_lse), k_scale, v_scale)
+    if _plain_eager(args[:5] + args[10:]):
         o, lse = _decode(*args)
     else:
         o, lse = torch.ops.flashcore.decode(*args)
@@ -375,8 +458,8 @@ def decode(
 # ---- append -----------------------------------------------------------------------------------
 
 
-def _check_append(k_cache, v_cache, block_table, k_new, v_new):
-    if not _static(k_cache, v_cache, block_table, k_new, v_new):
+def _check_append(k_cache, v_cache, block_table, k_new, v_new, k_scale=None, v_scale=None):
+    if not _static(k_cache, v_cache, block_table, k_new, v_new, k_scale, v_scale):
         return
     empty = k_new.numel() == 0  # nothing to write: the other rules still apply
     cache = _describe_cache(
@@ -387,11 +470,14 @@ def _check_append(k_cache, v_cache, block_table, k_new, v_new):
         6 * _STAND_IN,
     )
     _capi.library().check_append_kv(
-        cache, _describe(k_new, 1 * _STAND_IN, empty), _describe(v_new, 2 * _STAND_IN, empty), None, None
+        cache, _describe(k_new, 1 * _STAND_IN, empty), _describe(v_new, 2 * _STAND_IN, empty), None, None,
+        scales=_describe_scales(k_scale, v_scale, (8 * _STAND_IN, 9 * _STAND_IN), empty),
     )
 
 
-@torch.library.custom_op("flashcore::append_kv", mutates_args=("k_cache", "v_cache"), device_types="cuda")
+@torch.library.custom_op(
+    "flashcore::append_kv", mutates_args=("k_cache", "v_cache", "k_scale", "v_scale"), device_types="cuda"
+)
 def _append_op(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
@@ -401,15 +487,19 @@ def _append_op(
     block_table: Optional[torch.Tensor],
     host_seqlens: Optional[torch.Tensor],
     host_block_table: Optional[torch.Tensor],
+    k_scale: Optional[torch.Tensor],
+    v_scale: Optional[torch.Tensor],
 ) -> None:
-    """Writes k_new, v_new into the caches at each sequence's length (not advanced)."""
-    _append(k_cache, v_cache, seqlens, k_new, v_new, block_table, host_seqlens, host_block_table)
+    """Writes k_new, v_new into the caches at each sequence's length (not advanced); an FP8
+    cache's codes and scales (k_scale, v_scale) from 16-bit new tokens."""
+    _append(k_cache, v_cache, seqlens, k_new, v_new, block_table, host_seqlens, host_block_table, k_scale, v_scale)
 
 
-def _append(k_cache, v_cache, seqlens, k_new, v_new, block_table, host_seqlens, host_block_table):
+def _append(k_cache, v_cache, seqlens, k_new, v_new, block_table, host_seqlens, host_block_table, k_scale=None,
+            v_scale=None):
     """The op's CUDA implementation (also called directly in plain eager mode)."""
     if k_new.numel() == 0:
-        _check_append(k_cache, v_cache, block_table, k_new, v_new)
+        _check_append(k_cache, v_cache, block_table, k_new, v_new, k_scale, v_scale)
         return
     k_new, v_new = _aligned(k_new), _aligned(v_new)
     index = k_cache.get_device()
@@ -423,13 +513,15 @@ def _append(k_cache, v_cache, seqlens, k_new, v_new, block_table, host_seqlens, 
     )
     lens_ptr, table_ptr = _host_arrays(host_seqlens, host_block_table)
     lib.append_kv(
-        _context(index), cache, _describe(k_new), _describe(v_new), lens_ptr, table_ptr, _current_stream(index)
+        _context(index), cache, _describe(k_new), _describe(v_new), lens_ptr, table_ptr, _current_stream(index),
+        scales=_describe_scales(k_scale, v_scale),
     )
 
 
 @_append_op.register_fake
-def _append_fake(k_cache, v_cache, seqlens, k_new, v_new, block_table, host_seqlens, host_block_table):
-    _check_append(k_cache, v_cache, block_table, k_new, v_new)
+def _append_fake(k_cache, v_cache, seqlens, k_new, v_new, block_table, host_seqlens, host_block_table, k_scale,
+                 v_scale):
+    _check_append(k_cache, v_cache, block_table, k_new, v_new, k_scale, v_scale)
 
 
 def append_kv(
@@ -442,6 +534,8 @@ def append_kv(
     block_table=None,
     host_seqlens=None,
     host_block_table=None,
+    k_scale=None,
+    v_scale=None,
 ):
     """Writes new tokens' keys and values into a KV cache, in place.
 
@@ -456,6 +550,11 @@ def append_kv(
     host_seqlens, host_block_table: optional host copies of the lengths before the append
         and of the block table, checked first: seqlens[b] + Snew must not exceed the
         capacity, and every page it reaches must lie in the pool.
+    k_scale, v_scale: an FP8 cache's scales, as for `decode` (written in place too). The
+        cache's k and v are then torch.float8_e4m3fn and k_new, v_new float16 or bfloat16
+        (one dtype for both): each new (position, KV head) row of D values is quantized on
+        the GPU with the scale max|x| / 448 (1 for a row of zeros), codes rounded to the
+        nearest e4m3 value.
 
     Positions past the capacity (and pages outside the pool) are never written, whatever
     the device metadata holds. Snew <= capacity. Returns None. Raises FlashcoreError with
@@ -465,20 +564,23 @@ def append_kv(
     _check_tensor("append_kv", "v_new", v_new, 4)
     batch = k_new.shape[0]
     _check_metadata("append_kv", batch, k_cache, v_cache, seqlens, block_table)
+    _check_scales("append_kv", k_cache, k_scale, v_scale)
     named = [("k_cache", k_cache), ("v_cache", v_cache), ("seqlens", seqlens), ("k_new", k_new), ("v_new", v_new)]
     if block_table is not None:
         named.append(("block_table", block_table))
+    scales = () if k_scale is None else (k_scale, v_scale)
+    named += list(zip(("k_scale", "v_scale"), scales))
     _check_device("append_kv", named)
-    _check_no_grad("append_kv", (k_cache, v_cache, k_new, v_new))
+    _check_no_grad("append_kv", (k_cache, v_cache, k_new, v_new, *scales))
     host_seqlens, host_block_table = _prepare_host("append_kv", batch, block_table, host_seqlens, host_block_table)
     k_new, v_new = (t if kernel_ready(t) else t.clone(memory_format=torch.contiguous_format) for t in (k_new, v_new))
-    args = (k_cache, v_cache, seqlens, k_new, v_new, block_table, host_seqlens, host_block_table)
-    if _plain_eager(args[:6]):
+    args = (k_cache, v_cache, seqlens, k_new, v_new, block_table, host_seqlens, host_block_table, k_scale, v_scale)
+    if _plain_eager(args[:6] + args[8:]):
         _append(*args)
         # What the op's own wrapper does for its mutated arguments: autograd sees the writes.
         bump = getattr(torch.autograd.graph, "increment_version", None)
         if bump is not None:
-            bump((k_cache, v_cache))
+            bump((k_cache, v_cache, *scales))
     else:
         torch.ops.flashcore.append_kv(*args)
 

@@ -403,6 +403,207 @@ def test_serving_calls_compile_to_one_graph():
         assert op in ops, ops
 
 
+# ---- serving with an FP8 (e4m3) KV cache -----------------------------------------------------
+
+E4M3 = torch.float8_e4m3fn
+
+
+def fp8_cache_descs(paged, d=64):
+    """cache_descs' caches holding e4m3 codes, and their scales: float32 [outer, rows, 2, 1]."""
+    shape = (8, 16, 2, d) if paged else (2, 64, 2, d)
+    k, v = (describe(shape, dtype=_capi.FLASHCORE_E4M3, ptr=p) for p in (1 << 40, 2 << 40))
+    paging = ((3 << 40) + 4096, 4, 4) if paged else ()
+    cache = _capi.describe_cache(k, v, 3 << 40, *paging)
+    o, r, h = shape[0], shape[1], shape[2]
+    scale = [_capi.describe(p, _capi.FLASHCORE_F32, (o, r, h, 1), (r * h, h, 1, 1)) for p in (6 << 40, 7 << 40)]
+    return cache, _capi.describe_scales(*scale)
+
+
+def test_c_abi_fp8_cache_checks_arrive_as_flashcore_errors():
+    lib = _capi.library()
+    o = describe((2, 1, 4, 64), ptr=5 << 40)
+    table = _capi.int32_array(range(8))
+    for paged in (False, True):
+        c, s = fp8_cache_descs(paged)
+        for dtype in (_capi.FLASHCORE_F16, _capi.FLASHCORE_BF16):
+            q = describe((2, 1, 4, 64), dtype=dtype, ptr=4 << 40)
+            qo = describe((2, 1, 4, 64), dtype=dtype, ptr=5 << 40)
+            lib.check_decode(q, c, None, None, qo, 0, 0.0, True, scales=s)  # valid: no exception
+            lib.check_decode(q, c, _capi.int32_array([64, 0]), table if paged else None, qo, 8 << 40, 0.5, False,
+                             scales=s)
+        new = describe((2, 3, 2, 64), ptr=4 << 40)
+        lib.check_append_kv(c, new, describe((2, 3, 2, 64), ptr=5 << 40), None, None, scales=s)
+    q = describe((2, 1, 4, 64), ptr=4 << 40)
+    c, s = fp8_cache_descs(True)
+
+    def scales_with(tensor=None, field=None, value=None, index=None):
+        """Fresh scales with one field of one tensor changed (an array field: entry `index`)."""
+        bad = fp8_cache_descs(True)[1]
+        if tensor is not None:
+            t = getattr(bad, tensor)
+            if index is None:
+                setattr(t, field, value)
+            else:
+                getattr(t, field)[index] = value
+        return bad
+
+    cases = [
+        (scales_with(), None, None),
+        (scales_with("k_scale", "dtype", _capi.FLASHCORE_F16), "FLASHCORE_ERROR_UNSUPPORTED_DTYPE", "k_scale"),
+        (scales_with("v_scale", "shape", 8, 1), "FLASHCORE_ERROR_SHAPE_MISMATCH", "v_scale"),
+        (scales_with("k_scale", "shape", 64, 3), "FLASHCORE_ERROR_SHAPE_MISMATCH", "k_scale"),
+        (scales_with("k_scale", "ptr", (6 << 40) + 2), "FLASHCORE_ERROR_MISALIGNED", "k_scale"),
+        (scales_with("v_scale", "ptr", 0), "FLASHCORE_ERROR_NULL_POINTER", "v_scale"),
+        (scales_with("v_scale", "ptr", (6 << 40) + 4), "FLASHCORE_ERROR_INVALID_ARGUMENT", "overlaps"),
+        (scales_with("k_scale", "strides", -1, 1), "FLASHCORE_ERROR_BAD_STRIDES", "k_scale"),
+    ]
+    for scales, name, words in cases:
+        if name is None:
+            lib.check_decode(q, c, None, None, o, 0, 0.0, False, scales=scales)
+            continue
+        with pytest.raises(FlashcoreError) as e:
+            lib.check_decode(q, c, None, None, o, 0, 0.0, False, scales=scales)
+        assert e.value.name == name, words
+        assert words in e.value.message, e.value.message
+        assert e.value.message.startswith("flashcore_check_decode_fp8kv: ")
+    # An e4m3 cache without scales (either spelling), scales with a 16-bit cache.
+    for call in (lambda: lib.check_decode(q, c, None, None, o, 0, 0.0, False),
+                 lambda: lib.check_decode(q, cache_descs(True), None, None, o, 0, 0.0, False, scales=s)):
+        with pytest.raises(FlashcoreError) as e:
+            call()
+        assert e.value.name == "FLASHCORE_ERROR_INVALID_ARGUMENT" and "scales" in e.value.message
+    # The append quantizes 16-bit tokens (one dtype) and may not write onto its inputs.
+    new = describe((2, 3, 2, 64), ptr=4 << 40)
+    e4m3 = _capi.FLASHCORE_E4M3
+    for k_new, v_new, name in [
+        (new, describe((2, 3, 2, 64), dtype=_capi.FLASHCORE_BF16, ptr=5 << 40), "FLASHCORE_ERROR_UNSUPPORTED_DTYPE"),
+        (describe((2, 3, 2, 64), dtype=e4m3), describe((2, 3, 2, 64), dtype=e4m3, ptr=5 << 40),
+         "FLASHCORE_ERROR_UNSUPPORTED_DTYPE"),
+        (new, describe((2, 3, 2, 64), ptr=7 << 40), "FLASHCORE_ERROR_INVALID_ARGUMENT"),  # onto v_scale
+    ]:
+        with pytest.raises(FlashcoreError) as e:
+            lib.check_append_kv(c, k_new, v_new, None, None, scales=s)
+        assert e.value.name == name
+        assert e.value.message.startswith("flashcore_check_append_kv_fp8kv: ")
+    with pytest.raises(FlashcoreError) as e:
+        lib.check_append_kv(c, new, describe((2, 3, 2, 64), ptr=5 << 40), _capi.int32_array([62, 0]), table, scales=s)
+    assert e.value.name == "FLASHCORE_ERROR_INVALID_ARGUMENT" and "3 new tokens" in e.value.message
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["f16", "bf16"])
+def test_fp8_cache_fake_shapes(paged, dtype):
+    q, lens = meta(3, 4, 32, 128, dtype=dtype), i32(3)
+    if paged:
+        k, v, table = meta(96, 16, 8, 128, dtype=E4M3), meta(96, 16, 8, 128, dtype=E4M3), i32(3, 32)
+        ks, vs = meta(96, 16, 8, dtype=torch.float32), meta(96, 16, 8, dtype=torch.float32)
+    else:
+        k, v, table = meta(3, 512, 8, 128, dtype=E4M3), meta(3, 512, 8, 128, dtype=E4M3), None
+        ks, vs = meta(3, 512, 8, dtype=torch.float32), meta(3, 512, 8, dtype=torch.float32)
+    o = flashcore.decode(q, k, v, lens, block_table=table, causal=True, k_scale=ks, v_scale=vs)
+    assert o.shape == q.shape and o.dtype == dtype and o.device.type == "meta" and o.is_contiguous()
+    o, lse = flashcore.decode(q, k, v, lens, block_table=table, return_lse=True, k_scale=ks, v_scale=vs)
+    assert lse.shape == (3, 32, 4) and lse.dtype == torch.float32
+    # [.., 1] 4-d scales, and scales sliced out of a wider tensor, are taken too.
+    o = flashcore.decode(q, k, v, lens, block_table=table, k_scale=ks[..., None], v_scale=vs.unsqueeze(-1))
+    wide = meta(*ks.shape[:2], 16, dtype=torch.float32)
+    o = flashcore.decode(q, k, v, lens, block_table=table, k_scale=wide[:, :, :8], v_scale=wide[:, :, 8:])
+    assert o.shape == q.shape
+    new = meta(3, 2, 8, 128, dtype=dtype)
+    assert flashcore.append_kv(k, v, lens, new, new.clone(), block_table=table, k_scale=ks, v_scale=vs) is None
+
+
+@pytest.mark.parametrize(
+    "q_dtype, cache_shape, scale_shape, scale_dtype, name, words",
+    [
+        (torch.float16, (2, 64, 8, 128), (2, 64, 8), torch.float16, "FLASHCORE_ERROR_UNSUPPORTED_DTYPE", "k_scale"),
+        (torch.float16, (2, 64, 8, 128), (2, 32, 8), torch.float32, "FLASHCORE_ERROR_SHAPE_MISMATCH", "k_scale"),
+        (torch.float16, (2, 64, 8, 128), (2, 64, 4), torch.float32, "FLASHCORE_ERROR_SHAPE_MISMATCH", "k_scale"),
+        (torch.float16, (2, 64, 8, 96), (2, 64, 8), torch.float32, "FLASHCORE_ERROR_UNSUPPORTED_HEAD_DIM", "96"),
+        (E4M3, (2, 64, 8, 128), (2, 64, 8), torch.float32, "FLASHCORE_ERROR_UNSUPPORTED_DTYPE", "f16 or bf16"),
+    ],
+)
+def test_fake_fp8_cache_decode_applies_flashcore_rules(q_dtype, cache_shape, scale_shape, scale_dtype, name, words):
+    q = meta(2, 1, 16, cache_shape[3], dtype=q_dtype)
+    k = meta(*cache_shape, dtype=E4M3)
+    ks = meta(*scale_shape, dtype=scale_dtype)
+    with pytest.raises(FlashcoreError) as e:
+        flashcore.decode(q, k, k.clone(), i32(2), k_scale=ks, v_scale=ks.clone())
+    assert e.value.name == name
+    assert words in str(e.value)
+    assert e.value.message.startswith("flashcore_check_decode_fp8kv: ")
+
+
+def test_fake_fp8_cache_append_applies_flashcore_rules():
+    k, lens = meta(2, 64, 8, 64, dtype=E4M3), i32(2)
+    ks = meta(2, 64, 8, dtype=torch.float32)
+    args = (k, k.clone(), lens)
+    scales = dict(k_scale=ks, v_scale=ks.clone())
+    with pytest.raises(FlashcoreError, match="UNSUPPORTED_DTYPE"):
+        flashcore.append_kv(*args, meta(2, 3, 8, 64, dtype=E4M3), meta(2, 3, 8, 64, dtype=E4M3), **scales)
+    with pytest.raises(FlashcoreError, match="UNSUPPORTED_DTYPE"):
+        flashcore.append_kv(*args, meta(2, 3, 8, 64), meta(2, 3, 8, 64, dtype=torch.bfloat16), **scales)
+    with pytest.raises(FlashcoreError, match="SHAPE_MISMATCH"):
+        flashcore.append_kv(*args, meta(2, 3, 8, 64), meta(2, 3, 8, 64), k_scale=meta(2, 64, 4, dtype=torch.float32),
+                            v_scale=ks)
+    # Scales with a 16-bit cache.
+    with pytest.raises(FlashcoreError) as e:
+        flashcore.append_kv(meta(2, 64, 8, 64), meta(2, 64, 8, 64), lens, meta(2, 3, 8, 64), meta(2, 3, 8, 64),
+                            **scales)
+    assert e.value.name == "FLASHCORE_ERROR_INVALID_ARGUMENT" and "e4m3" in e.value.message
+
+
+def test_fp8_cache_misuse_is_refused_before_the_library():
+    q, lens = meta(2, 1, 8, 64), i32(2)
+    k8 = meta(2, 64, 8, 64, dtype=E4M3)
+    ks = meta(2, 64, 8, dtype=torch.float32)
+    new = meta(2, 1, 8, 64)
+    with pytest.raises(ValueError, match="needs its scales"):
+        flashcore.decode(q, k8, k8, lens)
+    with pytest.raises(ValueError, match="needs its scales"):
+        flashcore.append_kv(k8, k8, lens, new, new)
+    with pytest.raises(ValueError, match="both k_scale and v_scale"):
+        flashcore.decode(q, k8, k8, lens, k_scale=ks)
+    with pytest.raises(ValueError, match="both k_scale and v_scale"):
+        flashcore.append_kv(k8, k8, lens, new, new, v_scale=ks)
+    with pytest.raises(ValueError, match=r"\[outer, rows, Hkv\]"):
+        flashcore.decode(q, k8, k8, lens, k_scale=ks[0], v_scale=ks[0])
+    with pytest.raises(ValueError, match=r"\[outer, rows, Hkv\]"):
+        flashcore.decode(q, k8, k8, lens, k_scale=meta(2, 64, 8, 2, dtype=torch.float32), v_scale=ks)
+    with pytest.raises(TypeError, match="k_scale"):
+        flashcore.decode(q, k8, k8, lens, k_scale=[1.0], v_scale=ks)
+    with pytest.raises(ValueError, match="CUDA"):
+        flashcore.decode(q, k8, k8, lens, k_scale=torch.zeros(2, 64, 8), v_scale=ks)
+    with pytest.raises(NotImplementedError, match="backward"):
+        flashcore.decode(q, k8, k8, lens, k_scale=ks.clone().requires_grad_(), v_scale=ks)
+
+
+def test_fp8_cache_serving_calls_compile_to_one_graph():
+    calls = []
+
+    def backend(gm, example_inputs):
+        calls.append(gm)
+        return gm
+
+    def step(q, k_new, v_new, k_pool, v_pool, k_scale, v_scale, seqlens, table):
+        flashcore.append_kv(k_pool, v_pool, seqlens, k_new, v_new, block_table=table, k_scale=k_scale,
+                            v_scale=v_scale)
+        o = flashcore.decode(q, k_pool, v_pool, seqlens + 1, block_table=table, causal=True, k_scale=k_scale,
+                             v_scale=v_scale)
+        return o * 2
+
+    compiled = torch.compile(step, backend=backend, fullgraph=True)
+    pool, scales = meta(64, 16, 8, 128, dtype=E4M3), meta(64, 16, 8, dtype=torch.float32)
+    new = meta(2, 1, 8, 128, dtype=torch.bfloat16)
+    out = compiled(meta(2, 1, 32, 128, dtype=torch.bfloat16), new, new.clone(), pool, pool.clone(), scales,
+                   scales.clone(), i32(2), i32(2, 32))
+    assert out.shape == (2, 1, 32, 128) and out.dtype == torch.bfloat16
+    assert len(calls) == 1
+    ops = [n.target for n in calls[0].graph.nodes if n.op == "call_function"]
+    for op in (torch.ops.flashcore.append_kv, torch.ops.flashcore.decode):
+        assert op in ops, ops
+
+
 def test_varlen_checks_and_fake_shapes():
     lib = _capi.library()
     q, o = describe((1, 300, 8, 64), ptr=1 << 40), describe((1, 300, 8, 64), ptr=4 << 40)

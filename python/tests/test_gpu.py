@@ -505,6 +505,170 @@ def test_decode_torch_compile(seed):
     assert rel_l2(compiled, eager) <= 1e-3
 
 
+# ---- FP8 (e4m3) KV cache ---------------------------------------------------------------------
+
+needs_fp8 = pytest.mark.skipif(
+    not (torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)),
+    reason="an FP8 KV cache needs an sm_89 or newer GPU",
+)
+
+FP8_CACHE_TOLERANCE = 2e-2  # rel L2 of O vs attention on the dequantized cache (16-bit kernel error only)
+FP8_CACHE_QUANT_TOLERANCE = 8e-2  # vs the unquantized 16-bit cache: E4M3's rounding of K and V
+
+
+class Fp8Cache:
+    """An FP8 KV cache on the GPU holding what a 16-bit `Cache` holds, quantized by
+    flashcore.append_kv: codes k, v (the 16-bit cache's shapes: contiguous or a page pool,
+    same block table) and float32 scales k_scale, v_scale [outer, rows, Hkv]. Pool pages no
+    sequence uses keep finite garbage codes and scales."""
+
+    def __init__(self, b, capacity, hkv, d, dtype, lens, page=0):
+        self.ref = Cache(b, capacity, hkv, d, dtype, lens, page)  # keys/values: garbage past lens
+        self.block_table, self.page, self.lens = self.ref.block_table, page, list(lens)
+        pool = self.ref.k.shape
+        self.k, self.v = (torch.randn(pool, device="cuda").to(torch.float8_e4m3fn) for _ in range(2))
+        self.k_scale, self.v_scale = (torch.rand(pool[:3], device="cuda") * 10 + 1 for _ in range(2))
+        # Every position of every sequence, quantized by one append from length 0.
+        zeros = torch.zeros(b, dtype=torch.int32, device="cuda")
+        flashcore.append_kv(self.k, self.v, zeros, self.ref.keys, self.ref.values, **self.kw())
+        self.seqlens = self.ref.seqlens
+
+    def kw(self):
+        return dict(block_table=self.block_table, k_scale=self.k_scale, v_scale=self.v_scale)
+
+    def rows(self, i, positions):
+        """(outer, row) pool indices of sequence i's positions."""
+        p = torch.as_tensor(positions, device="cuda")
+        if self.page == 0:
+            return torch.full_like(p, i), p
+        return self.block_table[i].long()[p // self.page], p % self.page
+
+    def dequantized(self):
+        """(keys, values) [B, capacity, Hkv, D] float32 as the cache holds them: codes times scales."""
+        b, cap = self.ref.keys.shape[:2]
+        out = []
+        for codes, scales in ((self.k, self.k_scale), (self.v, self.v_scale)):
+            x = codes.float() * scales[..., None]
+            if self.page:
+                x = x[self.block_table.flatten().long()].view(b, cap, *x.shape[2:])
+            out.append(x)
+        return out
+
+
+def sdpa_decode(q, keys, values, lens, causal):
+    """O [B, Sq, Hq, D] float32 of decode by torch SDPA in float32: sequence b attends to
+    positions 0 .. lens[b] - 1 of keys[b], values[b] ([capacity, Hkv, D]); causal: query i
+    of Sq is position lens[b] - Sq + i."""
+    b, sq, hq, d = q.shape
+    o = torch.zeros(b, sq, hq, d, dtype=torch.float32, device=q.device)
+    for i, n in enumerate(lens):
+        if n == 0:
+            continue
+        group = hq // keys.shape[2]
+        qi = q[i : i + 1].transpose(1, 2).float()
+        ki, vi = (t[i : i + 1, :n].transpose(1, 2).float().repeat_interleave(group, dim=1) for t in (keys, values))
+        mask = None
+        if causal:
+            mask = torch.arange(n, device=q.device)[None, :] <= torch.arange(sq, device=q.device)[:, None] + (n - sq)
+        o[i] = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask)[0].transpose(0, 1)
+    return o
+
+
+@needs_fp8
+@pytest.mark.parametrize("d", [64, 128, 256], ids=["d64", "d128", "d256"])
+@pytest.mark.parametrize("capacity", [128, 4096], ids=["cap128", "cap4096"])
+@pytest.mark.parametrize("page", [0, 16], ids=["contiguous", "page16"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["f16", "bf16"])
+def test_fp8_cache_append_then_decode(d, capacity, page, dtype, seed):
+    # Quantize a 16-bit cache into an FP8 one, append 16-bit tokens, decode them: against
+    # SDPA on the dequantized cache (tight) and on the 16-bit data (E4M3's rounding).
+    b, hq, hkv, snew = 3, 8, 2, 3
+    lens = [0, capacity // 2 + 5, 37]
+    causal = d != 128
+    cache = Fp8Cache(b, capacity, hkv, d, dtype, lens, page)
+    before = [t.clone() for t in (cache.k.view(torch.uint8), cache.v.view(torch.uint8), cache.k_scale, cache.v_scale)]
+    k_new = torch.randn(b, snew, hkv, d, device="cuda", dtype=dtype)
+    v_new = torch.randn(b, snew, hkv, d, device="cuda", dtype=dtype) * 3
+    k_new[0, 1] = 0  # a row of zeros: scale 1, codes 0
+    flashcore.append_kv(cache.k, cache.v, cache.seqlens, k_new, v_new, **cache.kw(), **cache.ref.host())
+    assert cache.seqlens.tolist() == lens
+
+    # The new rows: scale = the row's largest magnitude / 448, codes within E4M3's rounding
+    # (3 mantissa bits; subnormals below 2^-6 of the scale); every other row untouched.
+    written = torch.zeros(cache.k.shape[:2], dtype=torch.bool, device="cuda")
+    for i, n in enumerate(lens):
+        outer, row = cache.rows(i, range(n, n + snew))
+        written[outer, row] = True
+        for new, codes, scales in ((k_new, cache.k, cache.k_scale), (v_new, cache.v, cache.v_scale)):
+            x = new[i].float()  # [Snew, Hkv, D]
+            want = x.abs().amax(-1) / 448
+            want = torch.where(want > 0, want, torch.ones_like(want))
+            got = scales[outer, row]
+            assert torch.allclose(got, want, rtol=1e-6, atol=0), (got, want)
+            deq = codes[outer, row].float() * got[..., None]
+            assert ((deq - x).abs() <= x.abs() / 16 + got[..., None] / 512).all()
+        cache.ref.keys[i, n : n + snew] = k_new[i]
+        cache.ref.values[i, n : n + snew] = v_new[i]
+    outer, row = cache.rows(0, [lens[0] + 1])  # k_new[0, 1], the row of zeros
+    assert (cache.k_scale[outer, row] == 1).all() and (cache.k[outer, row].float() == 0).all()
+    for old, new in zip(before, (cache.k.view(torch.uint8), cache.v.view(torch.uint8), cache.k_scale, cache.v_scale)):
+        assert torch.equal(old[~written], new[~written]), "the append wrote outside its rows"
+
+    cache.seqlens += snew
+    new_lens = [n + snew for n in lens]
+    q = torch.randn(b, snew, hq, d, device="cuda", dtype=dtype)
+    poison_allocator(((b, snew, hq, d), dtype), ((b, hq, snew), torch.float32))
+    o, lse = flashcore.decode(q, cache.k, cache.v, cache.seqlens, causal=causal, return_lse=True, **cache.kw())
+    assert o.shape == q.shape and o.dtype == dtype and torch.isfinite(o).all()
+    keys, values = cache.dequantized()
+    err = rel_l2(o, sdpa_decode(q, keys, values, new_lens, causal))
+    assert err <= max(FP8_CACHE_TOLERANCE, TOLERANCE[dtype]), f"vs the dequantized cache: rel L2 {err:.2e}"
+    _, lse_ref = decode_reference(q, keys, values, new_lens, causal)
+    assert (lse.double() - lse_ref).abs().max().item() <= 1e-2
+    err16 = rel_l2(o, sdpa_decode(q, cache.ref.keys, cache.ref.values, new_lens, causal))
+    assert err16 <= FP8_CACHE_QUANT_TOLERANCE, f"vs the 16-bit cache: rel L2 {err16:.2e}"
+
+
+@needs_fp8
+def test_fp8_cache_errors_graphs_and_the_registered_op(seed):
+    cache = Fp8Cache(2, 2048, 2, 128, torch.bfloat16, (1500, 9), 64)
+    q = torch.randn(2, 1, 8, 128, device="cuda", dtype=torch.bfloat16)
+    args = (q, cache.k, cache.v, cache.seqlens)
+    o = flashcore.decode(*args, **cache.kw())
+    # The op, called directly, and eager agree; so does a 16-bit q of the other type on the same cache.
+    via_op = torch.ops.flashcore.decode(q, cache.k, cache.v, cache.seqlens, cache.block_table, None, None, False, 0.0,
+                                        False, cache.k_scale, cache.v_scale)
+    assert torch.equal(via_op[0], o)
+    o16 = flashcore.decode(q.half(), *args[1:], **cache.kw())
+    assert o16.dtype == torch.float16 and rel_l2(o16, o) <= 2e-2
+    # Host metadata is checked as for a 16-bit cache; the scales are required.
+    with pytest.raises(FlashcoreError, match="capacity"):
+        flashcore.decode(*args, host_seqlens=[2049, 9], host_block_table=cache.block_table.cpu(), **cache.kw())
+    with pytest.raises(ValueError, match="scales"):
+        flashcore.decode(*args, block_table=cache.block_table)
+    # One decode step (append one token, advance, decode) captured in a CUDA graph and replayed.
+    k_new = torch.randn(2, 1, 2, 128, device="cuda", dtype=torch.bfloat16)
+    v_new = torch.randn(2, 1, 2, 128, device="cuda", dtype=torch.bfloat16)
+
+    def step():
+        flashcore.append_kv(cache.k, cache.v, cache.seqlens, k_new, v_new, **cache.kw())
+        cache.seqlens.add_(1)
+        return flashcore.decode(q, cache.k, cache.v, cache.seqlens, causal=True, **cache.kw())
+
+    step()  # the kernels are generated and loaded before capture (capture runs nothing)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    lens = cache.seqlens.tolist()
+    assert lens == [1500 + 4, 9 + 4]
+    keys, values = cache.dequantized()
+    assert rel_l2(out, sdpa_decode(q, keys, values, lens, True)) <= max(FP8_CACHE_TOLERANCE, TOLERANCE[torch.bfloat16])
+
+
 # ---- variable-length prefill -------------------------------------------------------------------
 
 VARLEN_LENS = [(1, 1), (7, 7), (0, 5), (5, 0), (17, 300), (300, 17), (1023, 1023), (64, 4097)]
