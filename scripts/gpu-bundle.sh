@@ -335,6 +335,8 @@ if want decode; then
     step decode.log "decode compare (e4m3 cache)" 30 python3 "$bundle/decode_sdpa_bench.py" --compare "$OUT/decode_ours_e4m3.json" "$OUT/decode_sdpa.json"
     step decode.log "harness --decode (C ABI vs SDPA)" 120 python3 "$bundle/harness.py" --decode \
         --lib "$bundle/release/libflashcore.so" --json "$scratch/harness_decode.json"
+    step decode.log "harness --decode --kv-dtype e4m3 (C ABI vs SDPA)" 120 python3 "$bundle/harness.py" \
+        --decode --kv-dtype e4m3 --lib "$bundle/release/libflashcore.so" --json "$scratch/harness_decode_e4m3.json"
 fi
 
 # ---- the C example ----
