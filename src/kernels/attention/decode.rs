@@ -634,15 +634,9 @@ impl ScaleLoader {
         }
     }
 
-    /// The global address of this thread's scale of the stage whose first key is
-    /// `key0`, and the bytes to copy (0 for a key that may not be read: zero-filled).
-    fn locate(
-        &self,
-        k: &mut Kernel,
-        cache: &Cache,
-        key0: Reg<S32>,
-        end: Reg<S32>,
-    ) -> (Reg<U64>, Reg<U32>) {
+    /// Issues this thread's scale of the stage whose first key is `key0` into the
+    /// stage at `dst` (zero for keys that may not be read).
+    fn issue(&self, k: &mut Kernel, cache: &Cache, key0: Reg<S32>, end: Reg<S32>, dst: SmemAddr) {
         let key = k.add(key0, self.key);
         let (page, pos, valid) = cache.locate(k, key, end);
         let e = k.mad(pos, self.stride[1], self.fixed);
@@ -654,11 +648,6 @@ impl ScaleLoader {
         let src = k.add(self.base, bytes);
         let src = k.selp(src, self.base, valid);
         let n = k.selp(4u32, 0u32, valid);
-        (src, n)
-    }
-
-    /// Copies the located scale into the stage at `dst`.
-    fn copy(&self, k: &mut Kernel, dst: SmemAddr, (src, n): (Reg<U64>, Reg<U32>)) {
         let dst = k.smem_offset(dst, self.line);
         k.cp_async_4(dst, src, n);
     }
@@ -738,52 +727,30 @@ fn build<H: Half2>(cfg: &DecodeConfig) -> Result<KernelText, PtxError> {
         .as_ref()
         .map_or((k_slot, v_slot), |c| (c.k, c.v));
     let ring_rpp = ring_loader.rows_per_pass();
-    // Filling a ring slot in two halves: where tile `tile`'s rows (and scales) are,
-    // which for a paged cache means loads of the block table, then the copies. The
-    // e4m3 kernel locates the next tile before working on the current one and copies
-    // after, so the table loads' latency hides behind the work.
-    let locate = |k: &mut Kernel, tile: Reg<S32>| {
+    let issue = |k: &mut Kernel, tile: Reg<S32>, slot: Reg<U32>| {
         let key0 = k.mul(tile, cfg.block_n() as i32);
         let key0 = k.add(key0, w.start);
-        let rows: Vec<_> = (0..kv_rows / ring_rpp)
-            .map(|pass| {
-                let key = k.add(key0, ring_loader.thread_row.cast::<S32>());
-                let key = k.add(key, (pass * ring_rpp) as i32);
-                let (ka, va, valid) = cache.rows(k, key, w.end);
-                (ka, va, k.selp(16u32, 0u32, valid))
-            })
-            .collect();
-        let scales = scale_loader
-            .as_ref()
-            .map(|sl| sl.locate(k, &cache, key0, w.end));
-        (rows, scales)
-    };
-    type Located = (
-        Vec<(Reg<U64>, Reg<U64>, Reg<U32>)>,
-        Option<(Reg<U64>, Reg<U32>)>,
-    );
-    let copy = |k: &mut Kernel, (rows, scales): &Located, slot: Reg<U32>| {
         let slot_bytes = k.mul(slot, ring_k.stride);
         let line = k.add(ring_loader.line, slot_bytes);
         let k_dst = smem.tile_byte(k, ring_k, line);
         let v_dst = smem.tile_byte(k, ring_v, line);
-        for (pass, &(ka, va, bytes)) in rows.iter().enumerate() {
-            let at = pass as u32 * ring_rpp * ring_loader.row_bytes();
+        for pass in 0..kv_rows / ring_rpp {
+            let key = k.add(key0, ring_loader.thread_row.cast::<S32>());
+            let key = k.add(key, (pass * ring_rpp) as i32);
+            let (ka, va, valid) = cache.rows(k, key, w.end);
+            let bytes = k.selp(16u32, 0u32, valid);
+            let at = pass * ring_rpp * ring_loader.row_bytes();
             let kd = k.smem_offset(k_dst, at);
             let vd = k.smem_offset(v_dst, at);
             ring_loader.copy_row(k, kd, kv_rows, ka, bytes);
             ring_loader.copy_row(k, vd, kv_rows, va, bytes);
         }
-        if let (Some(codes), Some(sl), Some(src)) = (&slots.codes, &scale_loader, scales) {
+        if let (Some(codes), Some(sl)) = (&slots.codes, &scale_loader) {
             let stage = k.mul(slot, cfg.scale_stage_bytes());
             let dst = smem.raw(k, codes.scales);
             let dst = k.smem_offset(dst, stage);
-            sl.copy(k, dst, *src);
+            sl.issue(k, &cache, key0, w.end, dst);
         }
-    };
-    let issue = |k: &mut Kernel, tile: Reg<S32>, slot: Reg<U32>| {
-        let located = locate(k, tile);
-        copy(k, &located, slot)
     };
 
     k.comment("Fill the ring: tiles 0 .. stages-2, one commit group each.");
@@ -814,19 +781,11 @@ fn build<H: Half2>(cfg: &DecodeConfig) -> Result<KernelText, PtxError> {
         k.sync_threads();
         let ahead = k.add(t, (cfg.stages - 1) as i32);
         let more = k.setp(Cmp::Lt, ahead, w.tiles);
-        // The e4m3 kernel's next tile, located now and copied after this one's work
-        // (every tile of the loop has a key, so locating past the last tile is safe).
-        // (Head dim 256 has too many rows per thread to hold their addresses across
-        // the work without spilling: it copies at once.)
-        let hoist = widen.is_some() && cfg.head_dim <= 128;
-        let located = hoist.then(|| locate(k, ahead));
-        if !hoist {
-            k.if_(more, |k| {
-                let slot = k.rem(ahead.cast::<U32>(), cfg.stages);
-                issue(k, ahead, slot)
-            });
-            k.cp_async_commit();
-        }
+        k.if_(more, |k| {
+            let slot = k.rem(ahead.cast::<U32>(), cfg.stages);
+            issue(k, ahead, slot)
+        });
+        k.cp_async_commit();
 
         let slot = k.rem(t.cast::<U32>(), cfg.stages);
         // The key of the thread's column 0 in this tile.
@@ -863,13 +822,6 @@ fn build<H: Half2>(cfg: &DecodeConfig) -> Result<KernelText, PtxError> {
                 widen.widen::<H>(k, slot, true);
                 f.accumulate_pv(k, &p[0], tile);
             }
-        }
-        if let Some(located) = &located {
-            k.if_(more, |k| {
-                let slot = k.rem(ahead.cast::<U32>(), cfg.stages);
-                copy(k, located, slot)
-            });
-            k.cp_async_commit();
         }
     });
     k.cp_async_wait(0);
