@@ -839,17 +839,19 @@ fn decode(args: &[String]) -> Result<(), Failure> {
         &["--causal"],
     )?;
     let iters = o.num("--iters", 100)?;
+    let dtype = parse_dtype(o.value("--dtype").unwrap_or("f16"))?;
+    // A 16-bit cache has the queries' dtype; e4m3 serves either.
     let fp8 = match o.value("--kv-dtype") {
         None => false,
         Some("e4m3") => true,
-        Some(t) if parse_dtype(t).is_ok() => false,
+        Some(t) if t == dtype.name() => false,
         Some(t) => {
             return Err(Failure::Usage(format!(
-                "--kv-dtype takes e4m3 (or the query dtype), got `{t}`"
+                "--kv-dtype takes e4m3 or the query dtype {}, got `{t}`",
+                dtype.name()
             )));
         }
     };
-    let dtype = parse_dtype(o.value("--dtype").unwrap_or("f16"))?;
     let (hq, hkv, d) = (
         o.num("--heads", 32)?,
         o.num("--kv-heads", 8)?,

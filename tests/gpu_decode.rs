@@ -286,17 +286,33 @@ fn reference_decode(c: &Case, q: &[f64], cache: &DeviceCache, scale: f64) -> (Ve
     (out, lse)
 }
 
-/// Runs one case; returns (output error, LSE error) or panics with the case.
-fn run_case(attn: &Attention, s: &Arc<CudaStream>, rng: &mut Rng, c: &Case) -> (f64, f64) {
-    let b = c.lens.len();
-    let capacity = c
-        .lens
+/// A case's cache capacity: its longest sequence (at least 1), in whole pages.
+fn capacity_for(c: &Case) -> usize {
+    c.lens
         .iter()
         .copied()
         .max()
         .unwrap_or(1)
         .max(1)
-        .next_multiple_of(c.page.max(1));
+        .next_multiple_of(c.page.max(1))
+}
+
+/// The largest LSE difference; a row the reference gives −∞ must be −∞ exactly.
+fn lse_error(got: &[f64], want: &[f64]) -> f64 {
+    got.iter()
+        .zip(want)
+        .map(|(g, w)| match (w.is_finite(), g == w) {
+            (true, _) => (g - w).abs(),
+            (false, true) => 0.0,
+            (false, false) => f64::INFINITY,
+        })
+        .fold(0.0, f64::max)
+}
+
+/// Runs one case; returns (output error, LSE error) or panics with the case.
+fn run_case(attn: &Attention, s: &Arc<CudaStream>, rng: &mut Rng, c: &Case) -> (f64, f64) {
+    let b = c.lens.len();
+    let capacity = capacity_for(c);
     let cache = DeviceCache::new(s, rng, c, capacity, &c.lens);
     let nq = b * c.seqlen_q * c.heads_q * c.head_dim;
     let (q_bits, q) = reference::random_half(rng, nq, c.dtype);
@@ -337,20 +353,7 @@ fn run_case(attn: &Attention, s: &Arc<CudaStream>, rng: &mut Rng, c: &Case) -> (
     let got_lse: Vec<f64> = down(s, &lse).into_iter().map(f64::from).collect();
     let scale = 1.0 / (c.head_dim as f64).sqrt();
     let (want, want_lse) = reference_decode(c, &q, &cache, scale as f32 as f64);
-    let lse_err = got_lse
-        .iter()
-        .zip(&want_lse)
-        .map(|(g, w)| {
-            if w.is_finite() {
-                (g - w).abs()
-            } else if g == w {
-                0.0
-            } else {
-                f64::INFINITY
-            }
-        })
-        .fold(0.0, f64::max);
-    (rel_l2(&got, &want), lse_err)
+    (rel_l2(&got, &want), lse_error(&got_lse, &want_lse))
 }
 
 fn run_all(cases: &[Case]) {
@@ -870,14 +873,7 @@ impl Fp8DeviceCache {
 /// LSE's, and the output's error against the unquantized cache (what FP8 costs).
 fn run_fp8_case(attn: &Attention, s: &Arc<CudaStream>, rng: &mut Rng, c: &Case) -> (f64, f64, f64) {
     let b = c.lens.len();
-    let capacity = c
-        .lens
-        .iter()
-        .copied()
-        .max()
-        .unwrap_or(1)
-        .max(1)
-        .next_multiple_of(c.page.max(1));
+    let capacity = capacity_for(c);
     let cache = DeviceCache::new(s, rng, c, capacity, &c.lens);
     let fp8 = Fp8DeviceCache::new(s, c, &cache);
     let nq = b * c.seqlen_q * c.heads_q * c.head_dim;
@@ -918,16 +914,11 @@ fn run_fp8_case(attn: &Attention, s: &Arc<CudaStream>, rng: &mut Rng, c: &Case) 
         ..cache
     };
     let (want, want_lse) = reference_decode(c, &q, &dequantized, scale);
-    let lse_err = got_lse
-        .iter()
-        .zip(&want_lse)
-        .map(|(g, w)| match (w.is_finite(), g == w) {
-            (true, _) => (g - w).abs(),
-            (false, true) => 0.0,
-            (false, false) => f64::INFINITY,
-        })
-        .fold(0.0, f64::max);
-    (rel_l2(&got, &want), lse_err, rel_l2(&got, &exact))
+    (
+        rel_l2(&got, &want),
+        lse_error(&got_lse, &want_lse),
+        rel_l2(&got, &exact),
+    )
 }
 
 /// FP8 costs at most this much relative L2 against the unquantized cache on N(0, 1)

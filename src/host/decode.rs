@@ -517,31 +517,12 @@ fn merge_launch(
     (args, dims)
 }
 
-/// The scale fields of the append arguments: an e4m3 cache's, zeros otherwise.
-fn append_scale_args(cache: &KvCache) -> AppendArgs {
+/// An e4m3 cache's scale pointers and strides as the decode and append arguments take
+/// them (`k_scale`, `v_scale`, `k_scale_stride`, `v_scale_stride`); zeros otherwise.
+fn scale_fields(cache: &KvCache) -> (u64, u64, [u64; 3], [u64; 3]) {
     match &cache.scales {
-        Some(s) => AppendArgs {
-            k_scale: s.k.ptr,
-            v_scale: s.v.ptr,
-            k_scale_stride: strides3(&s.k),
-            v_scale_stride: strides3(&s.v),
-            ..AppendArgs::default()
-        },
-        None => AppendArgs::default(),
-    }
-}
-
-/// The scale fields of the decode arguments: an e4m3 cache's, zeros otherwise.
-fn scale_args(cache: &KvCache) -> DecodeArgs {
-    match &cache.scales {
-        Some(s) => DecodeArgs {
-            k_scale: s.k.ptr,
-            v_scale: s.v.ptr,
-            k_scale_stride: strides3(&s.k),
-            v_scale_stride: strides3(&s.v),
-            ..DecodeArgs::default()
-        },
-        None => DecodeArgs::default(),
+        Some(s) => (s.k.ptr, s.v.ptr, strides3(&s.k), strides3(&s.v)),
+        None => (0, 0, [0; 3], [0; 3]),
     }
 }
 
@@ -637,6 +618,7 @@ impl Attention {
         let lse_part = ws + (rows * problem.cache.head_dim * 4).next_multiple_of(256) as u64;
         let c = &problem.cache;
         let (block_table, table_stride) = cache.layout.table();
+        let (k_scale, v_scale, k_scale_stride, v_scale_stride) = scale_fields(cache);
         let mut args = DecodeArgs {
             q: q.ptr,
             k: cache.k.ptr,
@@ -664,7 +646,10 @@ impl Attention {
             scale: problem.scale,
             causal: u32::from(problem.causal),
             row_chunks: problem.row_chunks() as u32,
-            ..scale_args(cache)
+            k_scale,
+            v_scale,
+            k_scale_stride,
+            v_scale_stride,
         };
         let dims = LaunchDims {
             grid: (
@@ -747,6 +732,7 @@ impl Attention {
         let c = &problem.cache;
         let (block_table, table_stride) = cache.layout.table();
         let total = c.batch * problem.new_tokens * c.heads_kv * c.head_dim / 8;
+        let (k_scale, v_scale, k_scale_stride, v_scale_stride) = scale_fields(cache);
         let mut args = AppendArgs {
             k_new: k_new.ptr,
             v_new: v_new.ptr,
@@ -767,7 +753,10 @@ impl Attention {
             page_shift: c.page_shift(),
             total: total as u32,
             _pad: 0,
-            ..append_scale_args(cache)
+            k_scale,
+            v_scale,
+            k_scale_stride,
+            v_scale_stride,
         };
         let blocks = total
             .div_ceil(APPEND_THREADS as usize)

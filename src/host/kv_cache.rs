@@ -286,8 +286,12 @@ impl KvScales {
             ("k_cache", byte_range_of("k_cache", &cache.k)?),
             ("v_cache", byte_range_of("v_cache", &cache.v)?),
         ];
-        let mut ranges = Vec::with_capacity(2);
-        for (name, t) in [("k_scale", &self.k), ("v_scale", &self.v)] {
+        // A fixed array, not a Vec: decode and append validate on every call.
+        let mut ranges = [("", (0u64, 0u64)); 2];
+        for (i, (name, t)) in [("k_scale", &self.k), ("v_scale", &self.v)]
+            .into_iter()
+            .enumerate()
+        {
             if t.dtype != DType::F32 {
                 return Err(Error::UnsupportedDType(format!(
                     "{name} must be f32, got {}",
@@ -304,14 +308,14 @@ impl KvScales {
             check_pointer(name, t.ptr, 4)?;
             let r = byte_range_of(name, t)?;
             check_no_self_overlap(name, t)?;
-            for (other, o) in codes.iter().chain(&ranges) {
+            for (other, o) in codes.iter().chain(&ranges[..i]) {
                 if overlaps(r, *o) {
                     return Err(Error::InvalidArgument(format!(
                         "{name}'s memory overlaps {other}'s"
                     )));
                 }
             }
-            ranges.push((name, r));
+            ranges[i] = (name, r);
         }
         Ok(())
     }

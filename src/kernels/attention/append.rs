@@ -20,8 +20,8 @@ use std::mem::offset_of;
 use super::HalfType;
 use crate::kernels::quantize::block_scale;
 use crate::ptx::{
-    B32, Bf16x2, Cmp, F16x2, F32, Half2, Kernel, KernelText, Module, ParamBytes, PtxError, PtxType,
-    Reg, S32, Special, Target, U32, U64,
+    B32, Bf16x2, Cmp, F16x2, F32, Half2, Kernel, KernelText, Module, ParamBytes, Pred, PtxError,
+    PtxType, Reg, S32, Special, Target, U32, U64,
 };
 
 /// Threads per block.
@@ -116,6 +116,90 @@ fn strides(k: &mut Kernel, args: ParamBytes, at: usize) -> [Reg<U64>; 3] {
     std::array::from_fn(|i| arg::<U64>(k, args, at + 8 * i))
 }
 
+/// The launch's geometry and cache metadata, read once from the argument block.
+struct Geometry {
+    chunks: Reg<U32>,
+    heads: Reg<U32>,
+    new_tokens: Reg<U32>,
+    capacity: Reg<S32>,
+    seqlens: Reg<U64>,
+    page_shift: Reg<U32>,
+    pool_pages: Reg<U32>,
+    table: Reg<U64>,
+    table_stride: Reg<U64>,
+    page_mask: Reg<S32>,
+}
+
+/// Where chunk `i` of the grid belongs: chunk `c` of head `h` of new token `j` of
+/// sequence `b`, at cache position `pos`, which `ok` says is inside `[0, capacity)`.
+struct Chunk {
+    c: Reg<U32>,
+    h: Reg<U32>,
+    b: Reg<U32>,
+    j: Reg<U32>,
+    pos: Reg<S32>,
+    ok: Reg<Pred>,
+}
+
+impl Geometry {
+    fn load(k: &mut Kernel, args: ParamBytes) -> Geometry {
+        let chunks = arg::<U32>(k, args, offset_of!(AppendArgs, chunks));
+        let heads = arg::<U32>(k, args, offset_of!(AppendArgs, heads));
+        let new_tokens = arg::<U32>(k, args, offset_of!(AppendArgs, new_tokens));
+        let capacity = arg::<S32>(k, args, offset_of!(AppendArgs, capacity));
+        let seqlens = arg::<U64>(k, args, offset_of!(AppendArgs, seqlens));
+        let page_shift = arg::<U32>(k, args, offset_of!(AppendArgs, page_shift));
+        let pool_pages = arg::<U32>(k, args, offset_of!(AppendArgs, pool_pages));
+        let table = arg::<U64>(k, args, offset_of!(AppendArgs, block_table));
+        let table_stride = arg::<U64>(k, args, offset_of!(AppendArgs, block_table_stride));
+        let one = k.mov(1i32);
+        let page_mask = k.shl_by(one, page_shift);
+        let page_mask = k.sub(page_mask, 1i32);
+        Geometry {
+            chunks,
+            heads,
+            new_tokens,
+            capacity,
+            seqlens,
+            page_shift,
+            pool_pages,
+            table,
+            table_stride,
+            page_mask,
+        }
+    }
+
+    /// Decomposes grid chunk `i` (`((b·Sq + j)·Hkv + h)·chunks + c`) and reads the
+    /// sequence's length to find the position.
+    fn chunk(&self, k: &mut Kernel, i: Reg<U32>) -> Chunk {
+        let t = k.div(i, self.chunks);
+        let c = k.mad(t, self.chunks, 0u32);
+        let c = k.sub(i, c);
+        let bj = k.div(t, self.heads);
+        let h = k.mad(bj, self.heads, 0u32);
+        let h = k.sub(t, h);
+        let b = k.div(bj, self.new_tokens);
+        let j = k.mad(b, self.new_tokens, 0u32);
+        let j = k.sub(bj, j);
+
+        let at = k.mul_wide_u32(b, 4u32);
+        let at = k.add(self.seqlens, at);
+        let len = k.ld_global::<S32>(at, 0);
+        let pos = k.add(len, j.cast::<S32>());
+        let low = k.setp(Cmp::Ge, pos, 0i32);
+        let high = k.setp(Cmp::Lt, pos, self.capacity);
+        let ok = k.and_pred(low, high);
+        Chunk {
+            c,
+            h,
+            b,
+            j,
+            pos,
+            ok,
+        }
+    }
+}
+
 /// `base + 2·(a·s[0] + b·s[1] + c·s[2] + rest)`.
 fn address(
     k: &mut Kernel,
@@ -153,38 +237,18 @@ fn build(cfg: &AppendConfig) -> Result<KernelText, PtxError> {
     let first = k.mad(block, THREADS, tid).cast::<S32>();
     let stride = k.mul(blocks, THREADS).cast::<S32>();
     let total = arg::<S32>(&mut k, args, offset_of!(AppendArgs, total));
-    let chunks = arg::<U32>(&mut k, args, offset_of!(AppendArgs, chunks));
-    let heads = arg::<U32>(&mut k, args, offset_of!(AppendArgs, heads));
-    let new_tokens = arg::<U32>(&mut k, args, offset_of!(AppendArgs, new_tokens));
-    let capacity = arg::<S32>(&mut k, args, offset_of!(AppendArgs, capacity));
-    let seqlens = arg::<U64>(&mut k, args, offset_of!(AppendArgs, seqlens));
-    let page_shift = arg::<U32>(&mut k, args, offset_of!(AppendArgs, page_shift));
-    let pool_pages = arg::<U32>(&mut k, args, offset_of!(AppendArgs, pool_pages));
-    let table = arg::<U64>(&mut k, args, offset_of!(AppendArgs, block_table));
-    let table_stride = arg::<U64>(&mut k, args, offset_of!(AppendArgs, block_table_stride));
-    let one = k.mov(1i32);
-    let page_mask = k.shl_by(one, page_shift);
-    let page_mask = k.sub(page_mask, 1i32);
+    let g = Geometry::load(&mut k, args);
 
     k.for_stride(first, total, stride, |k, i| {
         let i = i.cast::<U32>();
-        let t = k.div(i, chunks);
-        let c = k.mad(t, chunks, 0u32);
-        let c = k.sub(i, c);
-        let bj = k.div(t, heads);
-        let h = k.mad(bj, heads, 0u32);
-        let h = k.sub(t, h);
-        let b = k.div(bj, new_tokens);
-        let j = k.mad(b, new_tokens, 0u32);
-        let j = k.sub(bj, j);
-
-        let at = k.mul_wide_u32(b, 4u32);
-        let at = k.add(seqlens, at);
-        let len = k.ld_global::<S32>(at, 0);
-        let pos = k.add(len, j.cast::<S32>());
-        let low = k.setp(Cmp::Ge, pos, 0i32);
-        let high = k.setp(Cmp::Lt, pos, capacity);
-        let ok = k.and_pred(low, high);
+        let Chunk {
+            c,
+            h,
+            b,
+            j,
+            pos,
+            ok,
+        } = g.chunk(k, i);
         k.if_(ok, |k| {
             let chunk = k.cvt_u64_u32(c);
             let chunk = k.shl(chunk, 3);
@@ -217,15 +281,15 @@ fn build(cfg: &AppendConfig) -> Result<KernelText, PtxError> {
                 }
             };
             if cfg.paged {
-                let index = k.shr_by(pos.cast::<U32>(), page_shift);
+                let index = k.shr_by(pos.cast::<U32>(), g.page_shift);
                 let index = k.cvt_u64_u32(index);
-                let entry = k.mad(b64, table_stride, index);
+                let entry = k.mad(b64, g.table_stride, index);
                 let entry = k.shl(entry, 2);
-                let entry = k.add(table, entry);
+                let entry = k.add(g.table, entry);
                 let page = k.ld_global::<U32>(entry, 0);
-                let inside = k.setp(Cmp::Lt, page, pool_pages);
+                let inside = k.setp(Cmp::Lt, page, g.pool_pages);
                 k.if_(inside, |k| {
-                    let row = k.and(pos, page_mask);
+                    let row = k.and(pos, g.page_mask);
                     let row = k.cvt_u64_u32(row.cast::<U32>());
                     let page = k.cvt_u64_u32(page);
                     copy(k, row, page);
@@ -255,43 +319,23 @@ fn build_fp8<H: Half2>(cfg: &AppendConfig) -> Result<KernelText, PtxError> {
     let padded = k.add(total, 31i32);
     let padded = k.and(padded.cast::<U32>(), !31u32).cast::<S32>();
     let last = k.sub(total, 1i32);
-    let chunks = arg::<U32>(&mut k, args, offset_of!(AppendArgs, chunks));
-    let heads = arg::<U32>(&mut k, args, offset_of!(AppendArgs, heads));
-    let new_tokens = arg::<U32>(&mut k, args, offset_of!(AppendArgs, new_tokens));
-    let capacity = arg::<S32>(&mut k, args, offset_of!(AppendArgs, capacity));
-    let seqlens = arg::<U64>(&mut k, args, offset_of!(AppendArgs, seqlens));
-    let page_shift = arg::<U32>(&mut k, args, offset_of!(AppendArgs, page_shift));
-    let pool_pages = arg::<U32>(&mut k, args, offset_of!(AppendArgs, pool_pages));
-    let table = arg::<U64>(&mut k, args, offset_of!(AppendArgs, block_table));
-    let table_stride = arg::<U64>(&mut k, args, offset_of!(AppendArgs, block_table_stride));
-    let one = k.mov(1i32);
-    let page_mask = k.shl_by(one, page_shift);
-    let page_mask = k.sub(page_mask, 1i32);
+    let g = Geometry::load(&mut k, args);
     // The row's lanes: `chunks` (8, 16 or 32) consecutive lanes, aligned.
-    let in_row = k.sub(chunks, 1u32);
+    let in_row = k.sub(g.chunks, 1u32);
     let row_lane = k.and(lane, in_row);
     let row_first = k.setp(Cmp::Eq, row_lane, 0u32);
 
     k.for_stride(first, padded, stride, |k, i| {
         let valid = k.setp(Cmp::Lt, i, total);
         let i = k.min(i, last).cast::<U32>();
-        let t = k.div(i, chunks);
-        let c = k.mad(t, chunks, 0u32);
-        let c = k.sub(i, c);
-        let bj = k.div(t, heads);
-        let h = k.mad(bj, heads, 0u32);
-        let h = k.sub(t, h);
-        let b = k.div(bj, new_tokens);
-        let j = k.mad(b, new_tokens, 0u32);
-        let j = k.sub(bj, j);
-
-        let at = k.mul_wide_u32(b, 4u32);
-        let at = k.add(seqlens, at);
-        let len = k.ld_global::<S32>(at, 0);
-        let pos = k.add(len, j.cast::<S32>());
-        let low = k.setp(Cmp::Ge, pos, 0i32);
-        let high = k.setp(Cmp::Lt, pos, capacity);
-        let ok = k.and_pred(low, high);
+        let Chunk {
+            c,
+            h,
+            b,
+            j,
+            pos,
+            ok,
+        } = g.chunk(k, i);
         let ok = k.and_pred(ok, valid);
         let b64 = k.cvt_u64_u32(b);
         let j64 = k.cvt_u64_u32(j);
@@ -300,17 +344,17 @@ fn build_fp8<H: Half2>(cfg: &AppendConfig) -> Result<KernelText, PtxError> {
         let (outer, row, ok) = if cfg.paged {
             let page = k.mov(0u32);
             k.if_(ok, |k| {
-                let index = k.shr_by(pos.cast::<U32>(), page_shift);
+                let index = k.shr_by(pos.cast::<U32>(), g.page_shift);
                 let index = k.cvt_u64_u32(index);
-                let entry = k.mad(b64, table_stride, index);
+                let entry = k.mad(b64, g.table_stride, index);
                 let entry = k.shl(entry, 2);
-                let entry = k.add(table, entry);
+                let entry = k.add(g.table, entry);
                 let p = k.ld_global::<U32>(entry, 0);
                 k.mov_to(page, p);
             });
-            let inside = k.setp(Cmp::Lt, page, pool_pages);
+            let inside = k.setp(Cmp::Lt, page, g.pool_pages);
             let ok = k.and_pred(ok, inside);
-            let row = k.and(pos, page_mask);
+            let row = k.and(pos, g.page_mask);
             (k.cvt_u64_u32(page), k.cvt_u64_u32(row.cast::<U32>()), ok)
         } else {
             let pos = k.max(pos, 0i32);
@@ -352,7 +396,7 @@ fn build_fp8<H: Half2>(cfg: &AppendConfig) -> Result<KernelText, PtxError> {
             for mask in [1u32, 2, 4, 8, 16] {
                 // Lanes `mask` apart share a row when the row has more than `mask` lanes.
                 let other = k.shfl_bfly(amax, mask);
-                let same_row = k.setp(Cmp::Gt, chunks, mask);
+                let same_row = k.setp(Cmp::Gt, g.chunks, mask);
                 let wider = k.max(amax, other);
                 k.selp_to(amax, wider, amax, same_row);
             }
