@@ -295,6 +295,41 @@ fn refuses_instructions_the_target_lacks() {
 }
 
 #[test]
+fn grid_dependency_wait_and_loads_into_live_registers() {
+    let mut k = Kernel::new("pdl");
+    k.grid_dependency_wait();
+    let table = k.mov::<U64>(64u64);
+    let entry = k.mov::<U32>(0u32);
+    k.ld_global_into(entry, table, 4);
+    let text = k.finish().unwrap();
+    // griddepcontrol is sm_90's: an sm_80 or sm_89 module refuses it.
+    assert!(text.needs.contains(Feature::Hopper));
+    for target in [Target::Sm80, Target::Sm89] {
+        assert!(matches!(
+            Module::new(target).push(text.clone()),
+            Err(PtxError::MissingFeature {
+                feature: Feature::Hopper,
+                ..
+            })
+        ));
+    }
+    let mut k = Kernel::new("pdl");
+    k.grid_dependency_wait();
+    let table = k.mov::<U64>(64u64);
+    let entry = k.mov::<U32>(0u32);
+    k.ld_global_into(entry, table, 4);
+    assert_eq!(
+        body_for(Target::Sm90, k),
+        [
+            "griddepcontrol.wait;",
+            "mov.u64 %rd0, 64;",
+            "mov.u32 %r0, 0;",
+            "ld.global.b32 %r0, [%rd0+4];",
+        ]
+    );
+}
+
+#[test]
 fn refuses_two_entries_with_one_name() {
     let mut m = Module::new(Target::Sm80);
     m.push(Kernel::new("same").finish().unwrap()).unwrap();

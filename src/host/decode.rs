@@ -5,9 +5,11 @@
 //! Decode chooses its number of splits from the capacities (batch, heads, the cache's
 //! positions per sequence) and the GPU, never from the lengths, so a captured CUDA graph
 //! of a decode step stays right as the sequences grow. With more than one split, the
-//! partial results go to a float32 workspace and the merge kernel combines them; the
-//! caller passes the workspace ([`Attention::decode_plan`] says how large) or flashcore
-//! takes it from the stream-ordered allocator for the call.
+//! partial results go to a float32 workspace and the merge kernel combines them (on
+//! Hopper launched with programmatic stream serialization, so that its launch is under
+//! way while the decode kernel finishes); the caller passes the workspace
+//! ([`Attention::decode_plan`] says how large) or flashcore takes it from the
+//! stream-ordered allocator for the call.
 
 use std::ffi::c_void;
 
@@ -16,7 +18,7 @@ use cudarc::driver::sys::{self, CUstream};
 use super::attention::Attention;
 use super::device::{ContextScope, check};
 use super::kv_cache::{CacheShape, HostMetadata, KvCache};
-use super::launch::{LaunchDims, launch};
+use super::launch::{LaunchDims, launch, launch_programmatic};
 use super::tensor::{AttentionParams, DType, LseView, TensorView};
 use super::validate::{
     LSE_ALIGN, MAX_GRID_YZ, TENSOR_ALIGN, byte_range_of, check_no_self_overlap, check_not_empty,
@@ -229,8 +231,9 @@ fn check_outputs(
 /// blocks may use `smem_optin` bytes of shared memory.
 ///
 /// The splits fill the GPU: the smallest count whose blocks (`batch · kv_heads ·
-/// row_chunks · splits`) fill at least 85% of the last wave of resident blocks, with at
-/// least [`MIN_SPLIT_KEYS`] positions of capacity per split.
+/// row_chunks · splits`) fill at least 85% of the last wave of blocks, a wave being
+/// [`DecodeConfig::blocks_per_sm`] per SM (what fits, if less), with at least
+/// [`MIN_SPLIT_KEYS`] positions of capacity per split.
 pub fn plan_decode(p: &DecodeProblem, sm_count: u32, smem_optin: u32) -> Result<DecodePlan> {
     let c = &p.cache;
     let cfg = DecodeConfig::candidates(p.dtype, c.head_dim as u32, c.page_size > 0, c.fp8)
@@ -243,9 +246,11 @@ pub fn plan_decode(p: &DecodeProblem, sm_count: u32, smem_optin: u32) -> Result<
                 p.cache.head_dim
             ))
         })?;
-    // Blocks resident per SM: shared memory (1 KiB of it reserved per block) and threads.
+    // Blocks per SM: what shared memory (1 KiB of it reserved per block) and threads
+    // allow, and no more than the kernel wants.
     let per_sm = ((smem_optin as usize + 1024) / (cfg.smem_bytes() as usize + 1024))
-        .clamp(1, 2048 / cfg.threads() as usize);
+        .clamp(1, 2048 / cfg.threads() as usize)
+        .min(cfg.blocks_per_sm() as usize);
     let resident = sm_count.max(1) as usize * per_sm;
     let base = p.cache.batch * p.cache.heads_kv * p.row_chunks();
     let most = p
@@ -476,6 +481,7 @@ pub fn validate_merge(
         input,
         output,
         head_dim: head_dim as u32,
+        programmatic: false,
     })
 }
 
@@ -597,10 +603,13 @@ impl Attention {
         let kernel = self.load(&plan.config.id(), plan.config.smem_bytes(), || {
             plan.config.generate()
         })?;
+        // On Hopper the combine is launched programmatically behind the decode kernel.
+        let programmatic = self.device().compute_capability().0 >= 9;
         let merge_cfg = MergeConfig {
             input: MergeType::F32,
             output: merge_type("o", o.dtype)?,
             head_dim: problem.cache.head_dim as u32,
+            programmatic,
         };
         let merge = if plan.splits > 1 {
             Some(self.load(&merge_cfg.id(), merge_cfg.smem_bytes(), || {
@@ -690,8 +699,16 @@ impl Attention {
                 let mut mparams = [(&mut margs as *mut MergeArgs).cast::<c_void>()];
                 // SAFETY: the merge kernel's one parameter is the by-value `MergeArgs`; it
                 // reads the partial results the decode kernel wrote to the workspace
-                // (its layout is `parts`) and writes `o` and `lse`, validated above.
-                unsafe { launch(&merge, &mdims, stream, &mut mparams) }
+                // (its layout is `parts`) and writes `o` and `lse`, validated above. A
+                // programmatic launch may start it before the decode kernel has
+                // finished: its first instruction waits for that kernel's end and writes.
+                unsafe {
+                    if programmatic {
+                        launch_programmatic(&merge, &mdims, stream, &mut mparams)
+                    } else {
+                        launch(&merge, &mdims, stream, &mut mparams)
+                    }
+                }
             }
             (r, _) => r,
         };
@@ -1220,12 +1237,32 @@ mod tests {
             plan_decode(&p, 132, 227 * 1024).unwrap()
         };
         let one = plan(1, 32768);
+        // Head dim 128's 3-stage ring keeps 64 KiB of reads in flight: the eight KV heads'
+        // splits fill one wave of one block per SM.
+        assert_eq!(one.config.blocks_per_sm(), 1);
+        let blocks = 8 * one.splits;
         assert!(
-            one.splits >= 16,
-            "one long sequence is split: {}",
+            blocks <= 132 && blocks * 100 >= 85 * 132,
+            "one long sequence is split over the SMs: {}",
             one.splits
         );
         assert!(one.workspace_bytes >= one.splits * 32 * 128 * 4);
+        // Sixteen sequences' 128 blocks are a wave already.
+        assert_eq!(plan(16, 8192).splits, 1);
+        // An e4m3 cache wants every block that fits (three per SM): more splits.
+        let fp8 = |b, cap| {
+            let p = decode_problem(
+                &q(b, 1, 32, 128, 4 * GB),
+                &fp8_cache(b, cap, 8, 128, None),
+                &AttentionParams::default(),
+            )
+            .unwrap();
+            plan_decode(&p, 132, 227 * 1024).unwrap()
+        };
+        assert_eq!(fp8(1, 32768).config.blocks_per_sm(), 3);
+        let blocks = 8 * fp8(1, 32768).splits;
+        assert!(blocks > 2 * 132 && blocks <= 3 * 132, "{blocks}");
+        assert_eq!(fp8(16, 8192).splits, 3);
         assert_eq!(plan(64, 4096).splits, 1, "a full batch needs no split");
         assert_eq!(plan(64, 4096).workspace_bytes, 0);
         // Short capacities are split no finer than MIN_SPLIT_KEYS.

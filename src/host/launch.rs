@@ -125,6 +125,54 @@ pub unsafe fn launch(
     })
 }
 
+/// [`launch`] with programmatic stream serialization (`cuLaunchKernelEx`, Hopper and
+/// later): the kernel may be scheduled before the work ahead of it in `stream` has
+/// finished, so it must execute `griddepcontrol.wait` before touching that work's
+/// results or anything the work before it may still use.
+///
+/// # Safety
+///
+/// As for [`launch`]; and the kernel waits as above before its first access to memory
+/// that earlier work in `stream` writes or reads.
+pub unsafe fn launch_programmatic(
+    kernel: &LoadedKernel,
+    dims: &LaunchDims,
+    stream: CUstream,
+    params: &mut [*mut c_void],
+) -> Result<()> {
+    dims.validate(kernel)?;
+    let _scope = ContextScope::enter(kernel.context())?;
+    let param_ptr = if params.is_empty() {
+        ptr::null_mut()
+    } else {
+        params.as_mut_ptr()
+    };
+    // SAFETY: `CUlaunchAttribute` is plain data (an id and a union of plain values), for
+    // which all-zero bytes are a valid value.
+    let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+    attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+    attr.value.programmaticStreamSerializationAllowed = 1;
+    let (gx, gy, gz) = dims.grid;
+    let (bx, by, bz) = dims.block;
+    let config = sys::CUlaunchConfig {
+        gridDimX: gx,
+        gridDimY: gy,
+        gridDimZ: gz,
+        blockDimX: bx,
+        blockDimY: by,
+        blockDimZ: bz,
+        sharedMemBytes: dims.dynamic_smem,
+        hStream: stream,
+        attrs: &mut attr,
+        numAttrs: 1,
+    };
+    // SAFETY: as in `launch`; `config` and the one attribute it points to outlive the
+    // call, which copies them.
+    check("cuLaunchKernelEx", unsafe {
+        sys::cuLaunchKernelEx(&config, kernel.function(), param_ptr, ptr::null_mut())
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -27,6 +27,14 @@ impl Kernel {
         d
     }
 
+    /// `ld.global` of one 32-bit word into an existing register: a load issued ahead
+    /// of the loop iteration that uses it.
+    pub fn ld_global_into<T: Word32>(&mut self, dst: Reg<T>, base: Reg<U64>, offset: i32) {
+        self.check_owner(&[Src::<U64>::owner(&base), Src::<T>::owner(&dst)]);
+        let a = addr(base.name(), offset);
+        self.emit(format!("ld.global.{} {}, {a};", T::MEM, dst.name()));
+    }
+
     /// `ld.global.v4` of four 32-bit words (16 bytes; the address must be 16-byte aligned).
     pub fn ld_global_v4<T: Word32>(&mut self, base: Reg<U64>, offset: i32) -> [Reg<T>; 4] {
         let d = self.regs::<T, 4>();

@@ -116,6 +116,15 @@ impl Kernel {
         self.emit("fence.proxy.async.shared::cta;".to_string());
     }
 
+    /// `griddepcontrol.wait`: waits until the grids this one was launched behind
+    /// (programmatically, see the host's PDL launch) have completed and their memory
+    /// operations are visible. Without a programmatic launch there is nothing to wait
+    /// for and it returns at once.
+    pub fn grid_dependency_wait(&mut self) {
+        self.requires(Feature::Hopper);
+        self.emit("griddepcontrol.wait;".to_string());
+    }
+
     /// `fence.mbarrier_init.release.cluster`: makes preceding `mbarrier.init`s visible to
     /// the async proxy and other threads (follow it with a block barrier).
     pub fn fence_mbarrier_init(&mut self) {

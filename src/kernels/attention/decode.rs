@@ -10,7 +10,10 @@
 //! - **Split-KV**: the grid is `(splits, kv_heads · row_chunks, batch)`; block `split`
 //!   takes the `split`-th of `splits` equal runs of the sequence's keys (runs rounded to
 //!   whole tiles). `splits` comes from the capacities and the SM count, never from the
-//!   lengths, so one captured CUDA graph stays valid as the caches grow.
+//!   lengths, so one captured CUDA graph stays valid as the caches grow. It aims at
+//!   [`DecodeConfig::blocks_per_sm`] blocks per SM: for a 16-bit cache just enough to
+//!   keep 64 KiB of reads in flight (one block of head dim 128), since every extra
+//!   split costs a ring fill, an epilogue and a partial result to merge.
 //! - **A ring of `stages` K/V tiles** filled by `cp.async`, `stages − 1` in flight while
 //!   the warps work on the oldest.
 //! - **Warps split the keys**: the 4 warps take 16 keys each of every 64-key tile, each
@@ -27,7 +30,9 @@
 //! ```
 //!
 //! The cache is contiguous `[B, capacity, Hkv, D]` or paged: a pool `[pages, page_size,
-//! Hkv, D]` and a block table `[B, max_pages]` of page indices.
+//! Hkv, D]` and a block table `[B, max_pages]` of page indices. Each thread loads the
+//! table entries of its rows one tile ahead, while it works on the current tile, so the
+//! copies never wait on the table.
 //!
 //! **FP8 caches** (`.target sm_89`): the ring holds e4m3 codes and their per-(position,
 //! head) scales, half the bytes of a 16-bit ring. Each warp widens its own 16 keys of K
@@ -61,6 +66,15 @@ pub const ROWS: u32 = 16;
 pub const MAX_QUERIES: usize = 16;
 /// Keys each warp takes per stage: a stage holds `16 · warps` keys.
 const WARP_KEYS: u32 = 16;
+/// The most blocks per SM a decode kernel is built for: three blocks of 128 threads
+/// leave each thread 168 registers, which the e4m3-cache kernels need.
+pub const MAX_RESIDENT: u32 = 3;
+/// Bytes of cache reads a 16-bit decode keeps in flight per SM. An H200 streams about
+/// 33 GB/s per SM (4.4 TB/s over 132) at roughly 2 µs of loaded latency; 64 KiB covers
+/// that, and blocks beyond it only add splits (ring fills, epilogues, partial results
+/// to merge) without reading faster: one block per SM of the 3-stage head-dim-128 ring
+/// measured 8–12% faster than two at batch 1 and 6% at batch 16 (same run).
+const IN_FLIGHT_PER_SM: u32 = 64 * 1024;
 
 /// Head dimensions the decode kernels are generated for: those of the forward.
 pub const HEAD_DIMS: [u32; 6] = FWD_HEAD_DIMS;
@@ -205,6 +219,29 @@ impl DecodeConfig {
     /// Dynamic shared memory per block, bytes.
     pub fn smem_bytes(&self) -> u32 {
         self.plan().0.bytes()
+    }
+
+    /// Blocks per SM a decode launch aims for (the split count follows from it): a
+    /// 16-bit ring, enough blocks to keep [`IN_FLIGHT_PER_SM`] bytes of reads in
+    /// flight; an e4m3 ring, every block that fits: widening the codes lengthens each
+    /// tile's chain of dependent steps, which more warps per SM hide.
+    pub fn blocks_per_sm(&self) -> u32 {
+        if self.fp8 {
+            return self.resident_blocks();
+        }
+        let in_flight = (self.stages - 1) * 2 * self.kv_layout().bytes();
+        IN_FLIGHT_PER_SM
+            .div_ceil(in_flight)
+            .clamp(1, self.resident_blocks())
+    }
+
+    /// Blocks of this kernel an sm_90 SM holds (228 KiB of shared memory, 1 KiB of it
+    /// reserved per block), at most [`MAX_RESIDENT`]. The kernel is built for that many
+    /// (`.minnctapersm`), so ptxas keeps its registers within what they leave each
+    /// thread and registers never cut the residency the split count assumes.
+    pub fn resident_blocks(&self) -> u32 {
+        const SM90_SMEM_PER_SM: u32 = 228 * 1024;
+        (SM90_SMEM_PER_SM / (self.smem_bytes() + 1024)).clamp(1, MAX_RESIDENT)
     }
 
     pub fn generate(&self) -> Result<Module, PtxError> {
@@ -529,8 +566,9 @@ impl Cache {
         k: &mut Kernel,
         key: Reg<S32>,
         end: Reg<S32>,
+        entry: Option<Reg<U32>>,
     ) -> (Reg<U64>, Reg<U64>, Reg<Pred>) {
-        let (page, pos, valid) = self.locate(k, key, end);
+        let (page, pos, valid) = self.locate(k, key, end, entry);
         let addr = |k: &mut Kernel, base: Reg<U64>, s: &[Reg<U64>; 3], fixed: Reg<U64>| {
             let e = k.mad(pos, s[1], fixed);
             let e = match page {
@@ -553,15 +591,19 @@ impl Cache {
         k: &mut Kernel,
         key: Reg<S32>,
         end: Reg<S32>,
+        entry: Option<Reg<U32>>,
     ) -> (Option<Reg<U64>>, Reg<U64>, Reg<Pred>) {
         let mut valid = k.setp(Cmp::Lt, key, end);
         let last = k.sub(end, 1i32);
         let key = k.min(key, last);
         let (page, pos) = if self.paged {
-            let index = k.shr_by(key.cast::<U32>(), self.page_shift);
-            let at = k.mul_wide_u32(index, 4u32);
-            let at = k.add(self.table_row, at);
-            let page = k.ld_global::<U32>(at, 0);
+            let page = match entry {
+                Some(e) => e,
+                None => {
+                    let at = self.entry_address(k, key);
+                    k.ld_global::<U32>(at, 0)
+                }
+            };
             let inside = k.setp(Cmp::Lt, page, self.pool_pages);
             valid = k.and_pred(valid, inside);
             let page = k.selp(page, 0u32, inside);
@@ -572,6 +614,25 @@ impl Cache {
         };
         let pos = k.cvt_u64_u32(pos.cast::<U32>());
         (page, pos, valid)
+    }
+
+    /// The address of the block-table entry of `key` (a position of the sequence).
+    fn entry_address(&self, k: &mut Kernel, key: Reg<S32>) -> Reg<U64> {
+        let index = k.shr_by(key.cast::<U32>(), self.page_shift);
+        let at = k.mul_wide_u32(index, 4u32);
+        k.add(self.table_row, at)
+    }
+
+    /// Loads into `dst` the block-table entry [`Cache::locate`] will want for `key`:
+    /// issued a tile ahead, so that the copies never wait on the table. The key is
+    /// clamped into `[0, end)` (row 0 of the table always exists), so the load is safe
+    /// for tiles that turn out not to exist.
+    fn prefetch_entry(&self, k: &mut Kernel, dst: Reg<U32>, key: Reg<S32>, end: Reg<S32>) {
+        let last = k.sub(end, 1i32);
+        let key = k.min(key, last);
+        let key = k.max(key, 0i32);
+        let at = self.entry_address(k, key);
+        k.ld_global_into(dst, at, 0);
     }
 }
 
@@ -636,9 +697,17 @@ impl ScaleLoader {
 
     /// Issues this thread's scale of the stage whose first key is `key0` into the
     /// stage at `dst` (zero for keys that may not be read).
-    fn issue(&self, k: &mut Kernel, cache: &Cache, key0: Reg<S32>, end: Reg<S32>, dst: SmemAddr) {
+    fn issue(
+        &self,
+        k: &mut Kernel,
+        cache: &Cache,
+        key0: Reg<S32>,
+        end: Reg<S32>,
+        dst: SmemAddr,
+        entry: Option<Reg<U32>>,
+    ) {
         let key = k.add(key0, self.key);
-        let (page, pos, valid) = cache.locate(k, key, end);
+        let (page, pos, valid) = cache.locate(k, key, end, entry);
         let e = k.mad(pos, self.stride[1], self.fixed);
         let e = match page {
             Some(p) => k.mad(p, self.stride[0], e),
@@ -658,9 +727,10 @@ fn build<H: Half2>(cfg: &DecodeConfig) -> Result<KernelText, PtxError> {
     let (q_slot, k_slot, v_slot) = (slots.q, slots.k, slots.v);
     let kv_rows = cfg.block_n();
     let mut k = Kernel::new(&cfg.id());
-    // Two blocks per SM where shared memory allows; the register budget is set by O
-    // (d/2 per thread) and must not make ptxas spill.
-    k.max_threads(cfg.threads()).min_blocks_per_sm(1);
+    // As many blocks per SM as shared memory allows (up to three): registers must not
+    // be what limits them, and ptxas must not spill to stay within them.
+    k.max_threads(cfg.threads())
+        .min_blocks_per_sm(cfg.resident_blocks());
     let args = k.param_bytes("args", DecodeArgs::SIZE, 8);
     let smem = k.shared_memory(&plan);
     let tid = k.special(Special::TidX);
@@ -727,17 +797,35 @@ fn build<H: Half2>(cfg: &DecodeConfig) -> Result<KernelText, PtxError> {
         .as_ref()
         .map_or((k_slot, v_slot), |c| (c.k, c.v));
     let ring_rpp = ring_loader.rows_per_pass();
-    let issue = |k: &mut Kernel, tile: Reg<S32>, slot: Reg<U32>| {
+    let passes = kv_rows / ring_rpp;
+    // The keys this thread copies rows of (one per pass) and, e4m3, whose scale it copies.
+    let thread_keys = |k: &mut Kernel, tile: Reg<S32>| -> Vec<Reg<S32>> {
+        let key0 = k.mul(tile, cfg.block_n() as i32);
+        let key0 = k.add(key0, w.start);
+        let mut keys: Vec<Reg<S32>> = (0..passes)
+            .map(|pass| {
+                let key = k.add(key0, ring_loader.thread_row.cast::<S32>());
+                k.add(key, (pass * ring_rpp) as i32)
+            })
+            .collect();
+        if let Some(sl) = &scale_loader {
+            keys.push(k.add(key0, sl.key));
+        }
+        keys
+    };
+    // `entries`: the block-table entries of the tile's keys, loaded ahead (paged only).
+    let issue = |k: &mut Kernel, tile: Reg<S32>, slot: Reg<U32>, entries: Option<&[Reg<U32>]>| {
         let key0 = k.mul(tile, cfg.block_n() as i32);
         let key0 = k.add(key0, w.start);
         let slot_bytes = k.mul(slot, ring_k.stride);
         let line = k.add(ring_loader.line, slot_bytes);
         let k_dst = smem.tile_byte(k, ring_k, line);
         let v_dst = smem.tile_byte(k, ring_v, line);
-        for pass in 0..kv_rows / ring_rpp {
+        for pass in 0..passes {
             let key = k.add(key0, ring_loader.thread_row.cast::<S32>());
             let key = k.add(key, (pass * ring_rpp) as i32);
-            let (ka, va, valid) = cache.rows(k, key, w.end);
+            let entry = entries.map(|e| e[pass as usize]);
+            let (ka, va, valid) = cache.rows(k, key, w.end, entry);
             let bytes = k.selp(16u32, 0u32, valid);
             let at = pass * ring_rpp * ring_loader.row_bytes();
             let kd = k.smem_offset(k_dst, at);
@@ -749,7 +837,8 @@ fn build<H: Half2>(cfg: &DecodeConfig) -> Result<KernelText, PtxError> {
             let stage = k.mul(slot, cfg.scale_stage_bytes());
             let dst = smem.raw(k, codes.scales);
             let dst = k.smem_offset(dst, stage);
-            sl.issue(k, &cache, key0, w.end, dst);
+            let entry = entries.map(|e| e[passes as usize]);
+            sl.issue(k, &cache, key0, w.end, dst, entry);
         }
     };
 
@@ -759,10 +848,23 @@ fn build<H: Half2>(cfg: &DecodeConfig) -> Result<KernelText, PtxError> {
         k.if_(exists, |k| {
             let t = k.mov(s as i32);
             let slot = k.mov(s);
-            issue(k, t, slot)
+            issue(k, t, slot, None)
         });
         k.cp_async_commit();
     }
+    // Paged: the table entries of the first tile the loop issues, loaded now; each
+    // iteration then loads the next tile's while it works on its own.
+    let entries: Option<Vec<Reg<U32>>> = cfg.paged.then(|| {
+        let first = k.mov((cfg.stages - 1) as i32);
+        thread_keys(&mut k, first)
+            .into_iter()
+            .map(|key| {
+                let e = k.reg::<U32>();
+                cache.prefetch_entry(&mut k, e, key, w.end);
+                e
+            })
+            .collect()
+    });
 
     let f = WarpState::<H>::new(&mut k, cfg, &smem, [q_slot, k_slot, v_slot], lane, warp);
     let scale_log2 = arg::<F32>(&mut k, args, offset_of!(DecodeArgs, scale_log2));
@@ -783,9 +885,15 @@ fn build<H: Half2>(cfg: &DecodeConfig) -> Result<KernelText, PtxError> {
         let more = k.setp(Cmp::Lt, ahead, w.tiles);
         k.if_(more, |k| {
             let slot = k.rem(ahead.cast::<U32>(), cfg.stages);
-            issue(k, ahead, slot)
+            issue(k, ahead, slot, entries.as_deref())
         });
         k.cp_async_commit();
+        if let Some(entries) = &entries {
+            let next = k.add(ahead, 1i32);
+            for (e, key) in entries.iter().zip(thread_keys(k, next)) {
+                cache.prefetch_entry(k, *e, key, w.end);
+            }
+        }
 
         let slot = k.rem(t.cast::<U32>(), cfg.stages);
         // The key of the thread's column 0 in this tile.
@@ -1322,6 +1430,37 @@ fn merge_warps_and_store<H: Half2>(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn blocks_per_sm_follow_the_bytes_in_flight_and_fit_registers() {
+        let cfg = |head_dim, stages, fp8| DecodeConfig {
+            dtype: HalfType::F16,
+            head_dim,
+            paged: false,
+            stages,
+            warps: 4,
+            fp8,
+        };
+        // 16-bit rings: 64 KiB in flight per SM. Head dim 128 (two 32 KiB stages in
+        // flight) and 256 (one of 64 KiB) want one block per SM; head dim 64 (three of
+        // 16 KiB) two; head dim 32 (three of 8 KiB) three.
+        assert_eq!(cfg(128, 3, false).blocks_per_sm(), 1);
+        assert_eq!(cfg(256, 2, false).blocks_per_sm(), 1);
+        assert_eq!(cfg(64, 4, false).blocks_per_sm(), 2);
+        assert_eq!(cfg(32, 4, false).blocks_per_sm(), 3);
+        // e4m3 rings want every block that fits.
+        assert_eq!(cfg(128, 3, true).blocks_per_sm(), 3);
+        assert_eq!(cfg(256, 2, true).blocks_per_sm(), 2);
+        for c in all_decode_configs() {
+            let r = c.resident_blocks();
+            assert!((1..=MAX_RESIDENT).contains(&r), "{}", c.id());
+            assert!(r * (c.smem_bytes() + 1024) <= 228 * 1024, "{}", c.id());
+            assert!(c.blocks_per_sm() <= r, "{}", c.id());
+            // The kernel is built for that residency, so registers do not cut it.
+            let ptx = c.generate().unwrap().to_ptx();
+            assert!(ptx.contains(&format!(".minnctapersm {r}")), "{}", c.id());
+        }
+    }
 
     #[test]
     fn every_config_fits_and_keeps_its_tiles_atom_aligned() {

@@ -63,6 +63,11 @@ pub struct MergeConfig {
     pub input: MergeType,
     pub output: MergeType,
     pub head_dim: u32,
+    /// Launched behind the kernel that writes its inputs with programmatic stream
+    /// serialization (`.target sm_90`): the blocks may be scheduled while that kernel
+    /// drains and wait (`griddepcontrol.wait`) for its writes before reading, which
+    /// takes the second launch's latency off a decode step.
+    pub programmatic: bool,
 }
 
 /// The by-value argument block of the merge kernel. Strides in elements. The shards'
@@ -94,10 +99,11 @@ impl MergeArgs {
 impl MergeConfig {
     pub fn id(&self) -> String {
         format!(
-            "attn_merge_{}_to_{}_d{}",
+            "attn_merge_{}_to_{}_d{}{}",
             self.input.name(),
             self.output.name(),
-            self.head_dim
+            self.head_dim,
+            if self.programmatic { "_pdl" } else { "" }
         )
     }
 
@@ -135,13 +141,19 @@ impl MergeConfig {
     }
 
     pub fn generate(&self) -> Result<Module, PtxError> {
-        let mut module = Module::new(Target::Sm80);
+        let mut module = Module::new(if self.programmatic {
+            Target::Sm90
+        } else {
+            Target::Sm80
+        });
         module.push(build(self)?)?;
         Ok(module)
     }
 }
 
-/// Every merge configuration: any of the three element types in and out, every head dim.
+/// Every merge configuration: any of the three element types in and out, every head
+/// dim; and the decode combine's (float32 partial results to a 16-bit output) launched
+/// programmatically on Hopper.
 pub fn all_merge_configs() -> Vec<MergeConfig> {
     let types = [MergeType::F16, MergeType::Bf16, MergeType::F32];
     let mut v = Vec::new();
@@ -152,8 +164,19 @@ pub fn all_merge_configs() -> Vec<MergeConfig> {
                     input,
                     output,
                     head_dim,
+                    programmatic: false,
                 });
             }
+        }
+    }
+    for output in [MergeType::F16, MergeType::Bf16] {
+        for head_dim in FWD_HEAD_DIMS {
+            v.push(MergeConfig {
+                input: MergeType::F32,
+                output,
+                head_dim,
+                programmatic: true,
+            });
         }
     }
     v
@@ -225,6 +248,10 @@ fn build(cfg: &MergeConfig) -> Result<KernelText, PtxError> {
     let mut k = Kernel::new(&cfg.id());
     k.max_threads(cfg.threads());
     let args = k.param_bytes("args", MergeArgs::SIZE, 8);
+    if cfg.programmatic {
+        k.comment("Wait for the kernel this one was launched behind: its writes are the input.");
+        k.grid_dependency_wait();
+    }
     let (plan, sums, totals) = cfg.plan();
     let smem = k.shared_memory(&plan);
     let tid = k.special(Special::TidX);
@@ -476,10 +503,34 @@ mod tests {
             input: MergeType::F32,
             output: MergeType::F16,
             head_dim,
+            programmatic: false,
         };
         assert_eq!(d(128).cols_per_lane(), 4);
         assert_eq!(d(96).cols_per_lane(), 4);
         assert_eq!(d(32).cols_per_lane(), 2);
         assert_eq!(d(192).cols_per_lane(), 6);
+    }
+
+    #[test]
+    fn the_programmatic_combine_waits_for_its_inputs_first() {
+        let plain = MergeConfig {
+            input: MergeType::F32,
+            output: MergeType::Bf16,
+            head_dim: 128,
+            programmatic: false,
+        };
+        let chained = MergeConfig {
+            programmatic: true,
+            ..plain
+        };
+        assert_eq!(chained.id(), "attn_merge_f32_to_bf16_d128_pdl");
+        let text = |c: MergeConfig| c.generate().unwrap().to_ptx();
+        let (plain, chained) = (text(plain), text(chained));
+        assert!(!plain.contains("griddepcontrol") && plain.contains(".target sm_80"));
+        assert!(chained.contains(".target sm_90"));
+        // The wait comes before the first global load.
+        let wait = chained.find("griddepcontrol.wait;").expect("no wait");
+        let load = chained.find("ld.global").expect("no load");
+        assert!(wait < load);
     }
 }
