@@ -95,14 +95,7 @@ pub unsafe fn launch(
     stream: CUstream,
     params: &mut [*mut c_void],
 ) -> Result<()> {
-    dims.validate(kernel)?;
-    let _scope = ContextScope::enter(kernel.context())?;
-    // A kernel without parameters gets a null list rather than a dangling pointer.
-    let param_ptr = if params.is_empty() {
-        ptr::null_mut()
-    } else {
-        params.as_mut_ptr()
-    };
+    let (_scope, param_ptr) = prepare(kernel, dims, params)?;
     let (gx, gy, gz) = dims.grid;
     let (bx, by, bz) = dims.block;
     // SAFETY: the function handle is live (owned by `kernel`) and its context current; the
@@ -140,13 +133,7 @@ pub unsafe fn launch_programmatic(
     stream: CUstream,
     params: &mut [*mut c_void],
 ) -> Result<()> {
-    dims.validate(kernel)?;
-    let _scope = ContextScope::enter(kernel.context())?;
-    let param_ptr = if params.is_empty() {
-        ptr::null_mut()
-    } else {
-        params.as_mut_ptr()
-    };
+    let (_scope, param_ptr) = prepare(kernel, dims, params)?;
     // SAFETY: `CUlaunchAttribute` is plain data (an id and a union of plain values), for
     // which all-zero bytes are a valid value.
     let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
@@ -171,6 +158,24 @@ pub unsafe fn launch_programmatic(
     check("cuLaunchKernelEx", unsafe {
         sys::cuLaunchKernelEx(&config, kernel.function(), param_ptr, ptr::null_mut())
     })
+}
+
+/// What both launches do first: check the shape, make the kernel's context current (until
+/// the returned scope drops), and pass the parameters as the driver takes them (a kernel
+/// without parameters gets a null list rather than a dangling pointer).
+fn prepare(
+    kernel: &LoadedKernel,
+    dims: &LaunchDims,
+    params: &mut [*mut c_void],
+) -> Result<(ContextScope, *mut *mut c_void)> {
+    dims.validate(kernel)?;
+    let scope = ContextScope::enter(kernel.context())?;
+    let param_ptr = if params.is_empty() {
+        ptr::null_mut()
+    } else {
+        params.as_mut_ptr()
+    };
+    Ok((scope, param_ptr))
 }
 
 #[cfg(test)]
