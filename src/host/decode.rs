@@ -1096,6 +1096,39 @@ mod tests {
     }
 
     #[test]
+    fn position_and_page_strides_of_4_gib_or_more_are_refused() {
+        // The kernels step between positions and pages in 32-bit byte offsets.
+        let q0 = q(2, 1, 4, 64, 4 * GB);
+        let spread = |c: &KvCache, dim: usize, elems: usize| {
+            let mut c = *c;
+            for (t, at) in [(&mut c.k, 100 * GB), (&mut c.v, 400 * GB)] {
+                t.ptr = at;
+                t.strides[dim] = elems;
+                if dim == 1 {
+                    t.strides[0] = elems * t.shape[1];
+                }
+            }
+            c
+        };
+        let below = (1 << 31) - 64; // elements of 2 bytes: just under 4 GiB
+        let contiguous = cache(2, 64, 2, 64, None);
+        assert!(check(&q0, &spread(&contiguous, 1, below)).is_ok());
+        assert!(matches!(
+            check(&q0, &spread(&contiguous, 1, 1 << 31)),
+            Err(Error::BadStrides { tensor: "k_cache", ref reason }) if reason.contains("position")
+        ));
+        let paged = cache(2, 1024, 2, 64, Some(16));
+        assert!(check(&q0, &spread(&paged, 0, below)).is_ok());
+        assert!(matches!(
+            check(&q0, &spread(&paged, 0, 1 << 31)),
+            Err(Error::BadStrides { tensor: "k_cache", ref reason }) if reason.contains("page")
+        ));
+        // A dimension of one entry is only indexed at 0: its stride does not matter.
+        let one_page = cache(1, 16, 2, 64, Some(16));
+        assert!(check(&q(1, 1, 4, 64, 4 * GB), &spread(&one_page, 0, 1 << 40)).is_ok());
+    }
+
+    #[test]
     fn decode_refuses_bad_input_with_typed_errors() {
         let c = cache(2, 1024, 2, 64, Some(16));
         let q0 = q(2, 1, 4, 64, 4 * GB);

@@ -222,6 +222,7 @@ impl KvCache {
             check_pointer(name, t.ptr, TENSOR_ALIGN)?;
             check_strides(name, t)?;
             byte_range_of(name, t)?;
+            check_step_strides(name, t, self.layout)?;
         }
         check_pointer("seqlens", self.seqlens, 4)?;
         if let Some(scales) = &self.scales {
@@ -385,4 +386,28 @@ impl HostMetadata<'_> {
         }
         Ok(())
     }
+}
+
+/// The decode kernels step from one position to the next, and (paged) from one page to
+/// the next, in 32-bit byte offsets: those strides must stay below 4 GiB wherever the
+/// dimension has more than one entry (no real cache has a token row or a page of 4 GiB;
+/// a larger stride would wrap).
+fn check_step_strides(name: &'static str, t: &TensorView, layout: CacheLayout) -> Result<()> {
+    let dims: &[(usize, &str)] = match layout {
+        CacheLayout::Contiguous => &[(1, "position")],
+        CacheLayout::Paged { .. } => &[(0, "page"), (1, "position")],
+    };
+    for &(dim, what) in dims {
+        let bytes = t.strides[dim] as u128 * t.dtype.size_bytes() as u128;
+        if t.shape[dim] > 1 && bytes > u128::from(u32::MAX) {
+            return Err(Error::BadStrides {
+                tensor: name,
+                reason: format!(
+                    "{what} stride {} elements ({bytes} bytes) must be below 4 GiB",
+                    t.strides[dim]
+                ),
+            });
+        }
+    }
+    Ok(())
 }

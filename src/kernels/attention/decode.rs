@@ -30,8 +30,8 @@
 //! ```
 //!
 //! The cache is contiguous `[B, capacity, Hkv, D]` or paged: a pool `[pages, page_size,
-//! Hkv, D]` and a block table `[B, max_pages]` of page indices. Each thread loads the
-//! table entries of its rows one tile ahead, while it works on the current tile, so the
+//! Hkv, D]` and a block table `[B, max_pages]` of page indices. The table entries travel
+//! through shared memory a ring ahead of the copies that use them ([`TableRing`]), so the
 //! copies never wait on the table.
 //!
 //! **FP8 caches** (`.target sm_89`): the ring holds e4m3 codes and their per-(position,
@@ -175,38 +175,35 @@ impl DecodeConfig {
     fn plan(&self) -> (SmemPlan, Slots) {
         let mut plan = SmemPlan::new();
         let q = plan.tile(self.q_layout(), 1);
-        if !self.fp8 {
+        let (k, v, codes) = if self.fp8 {
+            let code_k = plan.tile(self.code_layout(), self.stages);
+            let code_v = plan.tile(self.code_layout(), self.stages);
+            // One 16-bit tile for K and then V: each warp widens its keys of K, computes
+            // the scores, then widens V into the same rows.
+            let k = plan.tile(self.kv_layout(), 1);
+            let scales = plan.raw(self.stages * self.scale_stage_bytes(), 16);
+            let codes = Codes {
+                k: code_k,
+                v: code_v,
+                scales,
+            };
+            (k, k, Some(codes))
+        } else {
             let k = plan.tile(self.kv_layout(), self.stages);
             let v = plan.tile(self.kv_layout(), self.stages);
-            return (
-                plan,
-                Slots {
-                    q,
-                    k,
-                    v,
-                    codes: None,
-                },
-            );
-        }
-        let code_k = plan.tile(self.code_layout(), self.stages);
-        let code_v = plan.tile(self.code_layout(), self.stages);
-        // One 16-bit tile for K and then V: each warp widens its keys of K, computes
-        // the scores, then widens V into the same rows.
-        let k = plan.tile(self.kv_layout(), 1);
-        let v = k;
-        let scales = plan.raw(self.stages * self.scale_stage_bytes(), 16);
-        let codes = Codes {
-            k: code_k,
-            v: code_v,
-            scales,
+            (k, v, None)
         };
+        let table = self
+            .paged
+            .then(|| plan.raw(self.stages * self.table_stage_bytes(), 16));
         (
             plan,
             Slots {
                 q,
                 k,
                 v,
-                codes: Some(codes),
+                codes,
+                table,
             },
         )
     }
@@ -214,6 +211,11 @@ impl DecodeConfig {
     /// Bytes of one stage's scales: K's `block_n` floats, then V's.
     fn scale_stage_bytes(&self) -> u32 {
         self.block_n() * 8
+    }
+
+    /// Bytes of one stage's block-table entries: one per key at most (pages of one token).
+    fn table_stage_bytes(&self) -> u32 {
+        self.block_n() * 4
     }
 
     /// Dynamic shared memory per block, bytes.
@@ -267,6 +269,8 @@ struct Slots {
     v: TileSlot,
     /// The e4m3 cache's rings.
     codes: Option<Codes>,
+    /// Paged caches: each stage's block-table entries ([`TableRing`]).
+    table: Option<RawSlot>,
 }
 
 /// The rings of an e4m3 cache: codes, and per stage the keys' K and V scales.
@@ -487,16 +491,16 @@ impl Loader {
 /// Global memory of the K and V caches as this block sees it.
 struct Cache {
     paged: bool,
-    k: Reg<U64>,
-    v: Reg<U64>,
-    k_stride: [Reg<U64>; 3],
-    v_stride: [Reg<U64>; 3],
-    /// Element offsets of this thread's chunk of head `kv_head` (plus, contiguous, the
-    /// batch) in K and V.
-    k_fixed: Reg<U64>,
-    v_fixed: Reg<U64>,
-    /// log2 of the bytes per element: 1 (16-bit) or 0 (e4m3).
-    elem_shift: u32,
+    /// The addresses of this thread's chunk of head `kv_head` (plus, contiguous, the
+    /// batch) at position 0 of page 0 (of the sequence), in K and V.
+    k_at: Reg<U64>,
+    v_at: Reg<U64>,
+    /// Bytes from one position to the next, and (paged) from one page to the next:
+    /// below 2^32, which the cache's validation guarantees wherever the extent is above 1.
+    k_row: Reg<U32>,
+    v_row: Reg<U32>,
+    k_page: Reg<U32>,
+    v_page: Reg<U32>,
     /// This sequence's row of the block table (paged).
     table_row: Reg<U64>,
     pool_pages: Reg<U32>,
@@ -512,24 +516,39 @@ impl Cache {
         w: &Work,
         loader: &Loader,
     ) -> Cache {
-        let kp = arg::<U64>(k, args, offset_of!(DecodeArgs, k));
-        let vp = arg::<U64>(k, args, offset_of!(DecodeArgs, v));
-        let k_stride = strides(k, args, offset_of!(DecodeArgs, k_stride));
-        let v_stride = strides(k, args, offset_of!(DecodeArgs, v_stride));
+        let elem_shift = loader.layout.elem_bytes.trailing_zeros();
         let h = k.cvt_u64_u32(w.kv_head);
         let c = k.cvt_u64_u32(loader.chunk);
         let c = k.shl(c, loader.chunk_elems().trailing_zeros());
-        let fixed = |k: &mut Kernel, s: [Reg<U64>; 3]| {
+        // (the chunk's address, bytes per position, bytes per page) of K or V.
+        let walk = |k: &mut Kernel, base_at: usize, strides_at: usize| {
+            let base = arg::<U64>(k, args, base_at);
+            let s = strides(k, args, strides_at);
             let e = k.mad(h, s[2], c);
-            if cfg.paged {
+            let e = if cfg.paged {
                 e
             } else {
                 let b = k.cvt_u64_u32(w.batch);
                 k.mad(b, s[0], e)
-            }
+            };
+            let e = k.shl(e, elem_shift);
+            let at = k.add(base, e);
+            let bytes = |k: &mut Kernel, s: Reg<U64>| {
+                let s = k.cvt_u32_u64(s);
+                k.shl(s, elem_shift)
+            };
+            (at, bytes(k, s[1]), bytes(k, s[0]))
         };
-        let k_fixed = fixed(k, k_stride);
-        let v_fixed = fixed(k, v_stride);
+        let (k_at, k_row, k_page) = walk(
+            k,
+            offset_of!(DecodeArgs, k),
+            offset_of!(DecodeArgs, k_stride),
+        );
+        let (v_at, v_row, v_page) = walk(
+            k,
+            offset_of!(DecodeArgs, v),
+            offset_of!(DecodeArgs, v_stride),
+        );
         let table = arg::<U64>(k, args, offset_of!(DecodeArgs, block_table));
         let table_stride = arg::<U64>(k, args, offset_of!(DecodeArgs, block_table_stride));
         let b = k.cvt_u64_u32(w.batch);
@@ -543,13 +562,12 @@ impl Cache {
         let page_mask = k.sub(page_mask, 1i32);
         Cache {
             paged: cfg.paged,
-            k: kp,
-            v: vp,
-            k_stride,
-            v_stride,
-            k_fixed,
-            v_fixed,
-            elem_shift: loader.layout.elem_bytes.trailing_zeros(),
+            k_at,
+            v_at,
+            k_row,
+            v_row,
+            k_page,
+            v_page,
             table_row,
             pool_pages,
             page_shift,
@@ -558,9 +576,9 @@ impl Cache {
     }
 
     /// The global addresses of key `key`'s rows (this thread's chunk) in K and V, and
-    /// whether they may be read: `key < end` and, paged, its page inside the pool.
-    /// `end > start` (only tiles that exist are issued), so `min(key, end − 1)` is a
-    /// position of the sequence and its block table entry exists.
+    /// whether they may be read: `key < end` and, paged, its page inside the pool. The
+    /// addresses lie inside the cache either way ([`Cache::locate`] clamps the key and
+    /// the page), so a copy of 0 bytes from them is safe.
     fn rows(
         &self,
         k: &mut Kernel,
@@ -569,51 +587,48 @@ impl Cache {
         entry: Option<Reg<U32>>,
     ) -> (Reg<U64>, Reg<U64>, Reg<Pred>) {
         let (page, pos, valid) = self.locate(k, key, end, entry);
-        let addr = |k: &mut Kernel, base: Reg<U64>, s: &[Reg<U64>; 3], fixed: Reg<U64>| {
-            let e = k.mad(pos, s[1], fixed);
-            let e = match page {
-                Some(p) => k.mad(p, s[0], e),
-                None => e,
-            };
-            let bytes = k.shl(e, self.elem_shift);
-            let a = k.add(base, bytes);
-            k.selp(a, base, valid)
+        let addr = |k: &mut Kernel, at: Reg<U64>, row: Reg<U32>, page_bytes: Reg<U32>| {
+            let a = k.mad_wide_u32(pos, row, at);
+            match page {
+                Some(p) => k.mad_wide_u32(p, page_bytes, a),
+                None => a,
+            }
         };
-        let ka = addr(k, self.k, &self.k_stride, self.k_fixed);
-        let va = addr(k, self.v, &self.v_stride, self.v_fixed);
+        let ka = addr(k, self.k_at, self.k_row, self.k_page);
+        let va = addr(k, self.v_at, self.v_row, self.v_page);
         (ka, va, valid)
     }
 
     /// Where key `key` lives: its page (paged caches), its row in the page or the
-    /// sequence, and whether it may be read (as for [`Cache::rows`]).
+    /// sequence, and whether it may be read (as for [`Cache::rows`]). The key is clamped
+    /// to `end − 1` and a page outside the pool replaced by page 0, so both always name
+    /// a row of the cache. `end > start` (only tiles that exist are issued), so
+    /// `min(key, end − 1)` is a position of the sequence and its block table entry exists.
     fn locate(
         &self,
         k: &mut Kernel,
         key: Reg<S32>,
         end: Reg<S32>,
         entry: Option<Reg<U32>>,
-    ) -> (Option<Reg<U64>>, Reg<U64>, Reg<Pred>) {
+    ) -> (Option<Reg<U32>>, Reg<U32>, Reg<Pred>) {
         let mut valid = k.setp(Cmp::Lt, key, end);
         let last = k.sub(end, 1i32);
         let key = k.min(key, last);
-        let (page, pos) = if self.paged {
-            let page = match entry {
-                Some(e) => e,
-                None => {
-                    let at = self.entry_address(k, key);
-                    k.ld_global::<U32>(at, 0)
-                }
-            };
-            let inside = k.setp(Cmp::Lt, page, self.pool_pages);
-            valid = k.and_pred(valid, inside);
-            let page = k.selp(page, 0u32, inside);
-            let pos = k.and(key, self.page_mask);
-            (Some(k.cvt_u64_u32(page)), pos)
-        } else {
-            (None, key)
+        if !self.paged {
+            return (None, key.cast::<U32>(), valid);
+        }
+        let page = match entry {
+            Some(e) => e,
+            None => {
+                let at = self.entry_address(k, key);
+                k.ld_global::<U32>(at, 0)
+            }
         };
-        let pos = k.cvt_u64_u32(pos.cast::<U32>());
-        (page, pos, valid)
+        let inside = k.setp(Cmp::Lt, page, self.pool_pages);
+        valid = k.and_pred(valid, inside);
+        let page = k.selp(page, 0u32, inside);
+        let pos = k.and(key, self.page_mask);
+        (Some(page), pos.cast::<U32>(), valid)
     }
 
     /// The address of the block-table entry of `key` (a position of the sequence).
@@ -623,16 +638,81 @@ impl Cache {
         k.add(self.table_row, at)
     }
 
-    /// Loads into `dst` the block-table entry [`Cache::locate`] will want for `key`:
-    /// issued a tile ahead, so that the copies never wait on the table. The key is
-    /// clamped into `[0, end)` (row 0 of the table always exists), so the load is safe
-    /// for tiles that turn out not to exist.
-    fn prefetch_entry(&self, k: &mut Kernel, dst: Reg<U32>, key: Reg<S32>, end: Reg<S32>) {
+    /// The address of the block-table entry of `key` clamped into `[0, end)` (row 0 of
+    /// the table always exists), so that reading it is safe for tiles that turn out not
+    /// to exist.
+    fn clamped_entry_address(&self, k: &mut Kernel, key: Reg<S32>, end: Reg<S32>) -> Reg<U64> {
         let last = k.sub(end, 1i32);
         let key = k.min(key, last);
         let key = k.max(key, 0i32);
-        let at = self.entry_address(k, key);
-        k.ld_global_into(dst, at, 0);
+        self.entry_address(k, key)
+    }
+
+    /// The block-table entry of `key` (clamped as by [`Cache::clamped_entry_address`]).
+    fn load_entry(&self, k: &mut Kernel, key: Reg<S32>, end: Reg<S32>) -> Reg<U32> {
+        let at = self.clamped_entry_address(k, key, end);
+        k.ld_global::<U32>(at, 0)
+    }
+}
+
+/// A paged cache's block-table entries, carried through shared memory a ring ahead of
+/// the copies that use them. The `cp.async` group of tile `j` also copies the entries of
+/// tile `j + stages − 1` into stage `(j + stages − 1) % stages`; the loop issues that
+/// tile right after waiting for tile `j`, so its entries are in shared memory by then and
+/// no copy ever waits on a table load. (Entries loaded into registers one tile ahead
+/// still stalled the issue: with the memory pipe full, a table read takes about as long
+/// as the data behind it.)
+///
+/// A tile starts on a multiple of its key count, so with pages of `P ≤ block_n` tokens
+/// its keys lie on `block_n / P` whole pages, and on one page otherwise: thread `t`
+/// copies the entry of key `key0 + t·P` when `t·P < block_n`, into word `t` of the stage.
+struct TableRing {
+    ring: SmemAddr,
+    stage_bytes: u32,
+    block_n: u32,
+    tid: Reg<U32>,
+}
+
+impl TableRing {
+    fn stage(&self, k: &mut Kernel, slot: Reg<U32>) -> SmemAddr {
+        let at = k.mul(slot, self.stage_bytes);
+        k.smem_offset(self.ring, at)
+    }
+
+    /// Copies (into the current `cp.async` group) the entries of the tile whose first
+    /// key is `key0` into stage `slot` (clamped keys: a tile past the block's last copies
+    /// entries of its keys that are never used).
+    fn copy(&self, k: &mut Kernel, cache: &Cache, key0: Reg<S32>, end: Reg<S32>, slot: Reg<U32>) {
+        let stage = self.stage(k, slot);
+        let offset = k.shl_by(self.tid, cache.page_shift);
+        let copies = k.setp(Cmp::Lt, offset, self.block_n);
+        k.if_(copies, |k| {
+            let key = k.add(key0, offset.cast::<S32>());
+            let at = cache.clamped_entry_address(k, key, end);
+            let line = k.shl(self.tid, 2);
+            let dst = k.smem_offset(stage, line);
+            k.cp_async_4(dst, at, 4u32);
+        });
+    }
+
+    /// The entries, from the tile of stage `slot`, of the keys at `offsets` in the tile.
+    fn entries(
+        &self,
+        k: &mut Kernel,
+        cache: &Cache,
+        slot: Reg<U32>,
+        offsets: &[Reg<S32>],
+    ) -> Vec<Reg<U32>> {
+        let stage = self.stage(k, slot);
+        offsets
+            .iter()
+            .map(|&off| {
+                let page = k.shr_by(off.cast::<U32>(), cache.page_shift);
+                let at = k.shl(page, 2);
+                let a = k.smem_offset(stage, at);
+                k.ld_shared::<U32>(a, 0)
+            })
+            .collect()
     }
 }
 
@@ -708,9 +788,13 @@ impl ScaleLoader {
     ) {
         let key = k.add(key0, self.key);
         let (page, pos, valid) = cache.locate(k, key, end, entry);
+        let pos = k.cvt_u64_u32(pos);
         let e = k.mad(pos, self.stride[1], self.fixed);
         let e = match page {
-            Some(p) => k.mad(p, self.stride[0], e),
+            Some(p) => {
+                let p = k.cvt_u64_u32(p);
+                k.mad(p, self.stride[0], e)
+            }
             None => e,
         };
         let bytes = k.shl(e, 2);
@@ -798,34 +882,62 @@ fn build<H: Half2>(cfg: &DecodeConfig) -> Result<KernelText, PtxError> {
         .map_or((k_slot, v_slot), |c| (c.k, c.v));
     let ring_rpp = ring_loader.rows_per_pass();
     let passes = kv_rows / ring_rpp;
-    // The keys this thread copies rows of (one per pass) and, e4m3, whose scale it copies.
-    let thread_keys = |k: &mut Kernel, tile: Reg<S32>| -> Vec<Reg<S32>> {
-        let key0 = k.mul(tile, cfg.block_n() as i32);
-        let key0 = k.add(key0, w.start);
-        let mut keys: Vec<Reg<S32>> = (0..passes)
+    // The key offsets (in a tile) this thread copies rows of, one per pass, and (e4m3)
+    // the one whose scale it copies.
+    let key_offsets = |k: &mut Kernel| -> Vec<Reg<S32>> {
+        let mut offsets: Vec<Reg<S32>> = (0..passes)
             .map(|pass| {
-                let key = k.add(key0, ring_loader.thread_row.cast::<S32>());
-                k.add(key, (pass * ring_rpp) as i32)
+                k.add(
+                    ring_loader.thread_row.cast::<S32>(),
+                    (pass * ring_rpp) as i32,
+                )
             })
             .collect();
         if let Some(sl) = &scale_loader {
-            keys.push(k.add(key0, sl.key));
+            offsets.push(sl.key);
         }
-        keys
+        offsets
     };
-    // `entries`: the block-table entries of the tile's keys, loaded ahead (paged only).
-    let issue = |k: &mut Kernel, tile: Reg<S32>, slot: Reg<U32>, entries: Option<&[Reg<U32>]>| {
+    let table = slots.table.map(|slot| TableRing {
+        ring: smem.raw(&mut k, slot),
+        stage_bytes: cfg.table_stage_bytes(),
+        block_n: cfg.block_n(),
+        tid,
+    });
+    // The ring stage before `slot`, `(slot + stages − 1) % stages`: where the tile
+    // `stages − 1` after the one in `slot` goes.
+    let ring_before = |k: &mut Kernel, slot: Reg<U32>| {
+        let first = k.setp(Cmp::Eq, slot, 0u32);
+        let before = k.sub(slot, 1u32);
+        k.selp(cfg.stages - 1, before, first)
+    };
+    // The first key of tile `tile`.
+    let tile_key0 = |k: &mut Kernel, tile: Reg<S32>| {
         let key0 = k.mul(tile, cfg.block_n() as i32);
-        let key0 = k.add(key0, w.start);
+        k.add(key0, w.start)
+    };
+    // Issues tile `tile` into ring stage `slot`. Paged, its block-table entries are
+    // `given` (the fill's, read from the table) or in the table ring's stage `slot` (the
+    // loop's), and the group also carries the entries of tile `tile + stages − 1`.
+    let issue = |k: &mut Kernel, tile: Reg<S32>, slot: Reg<U32>, given: Option<&[Reg<U32>]>| {
+        let key0 = tile_key0(k, tile);
+        let offsets = key_offsets(k);
+        let entries: Vec<Option<Reg<U32>>> = match (&table, given) {
+            (Some(_), Some(given)) => given.iter().copied().map(Some).collect(),
+            (Some(table), None) => table
+                .entries(k, &cache, slot, &offsets)
+                .into_iter()
+                .map(Some)
+                .collect(),
+            (None, _) => vec![None; offsets.len()],
+        };
         let slot_bytes = k.mul(slot, ring_k.stride);
         let line = k.add(ring_loader.line, slot_bytes);
         let k_dst = smem.tile_byte(k, ring_k, line);
         let v_dst = smem.tile_byte(k, ring_v, line);
         for pass in 0..passes {
-            let key = k.add(key0, ring_loader.thread_row.cast::<S32>());
-            let key = k.add(key, (pass * ring_rpp) as i32);
-            let entry = entries.map(|e| e[pass as usize]);
-            let (ka, va, valid) = cache.rows(k, key, w.end, entry);
+            let key = k.add(key0, offsets[pass as usize]);
+            let (ka, va, valid) = cache.rows(k, key, w.end, entries[pass as usize]);
             let bytes = k.selp(16u32, 0u32, valid);
             let at = pass * ring_rpp * ring_loader.row_bytes();
             let kd = k.smem_offset(k_dst, at);
@@ -837,34 +949,45 @@ fn build<H: Half2>(cfg: &DecodeConfig) -> Result<KernelText, PtxError> {
             let stage = k.mul(slot, cfg.scale_stage_bytes());
             let dst = smem.raw(k, codes.scales);
             let dst = k.smem_offset(dst, stage);
-            let entry = entries.map(|e| e[passes as usize]);
-            sl.issue(k, &cache, key0, w.end, dst, entry);
+            sl.issue(k, &cache, key0, w.end, dst, entries[passes as usize]);
+        }
+        if let Some(table) = &table {
+            let later = k.add(key0, ((cfg.stages - 1) * cfg.block_n()) as i32);
+            let later_slot = ring_before(k, slot);
+            table.copy(k, &cache, later, w.end, later_slot);
         }
     };
 
+    // Paged: the fill's block-table entries, all loaded before its first copy, so the
+    // block waits on the table once rather than once per tile.
+    let fill_entries: Vec<Vec<Reg<U32>>> = if cfg.paged {
+        (0..cfg.stages - 1)
+            .map(|s| {
+                let t = k.mov(s as i32);
+                let key0 = tile_key0(&mut k, t);
+                key_offsets(&mut k)
+                    .into_iter()
+                    .map(|off| {
+                        let key = k.add(key0, off);
+                        cache.load_entry(&mut k, key, w.end)
+                    })
+                    .collect()
+            })
+            .collect()
+    } else {
+        Vec::new()
+    };
     k.comment("Fill the ring: tiles 0 .. stages-2, one commit group each.");
     for s in 0..cfg.stages - 1 {
         let exists = k.setp(Cmp::Gt, w.tiles, s as i32);
         k.if_(exists, |k| {
             let t = k.mov(s as i32);
             let slot = k.mov(s);
-            issue(k, t, slot, None)
+            let given = fill_entries.get(s as usize).map(Vec::as_slice);
+            issue(k, t, slot, given)
         });
         k.cp_async_commit();
     }
-    // Paged: the table entries of the first tile the loop issues, loaded now; each
-    // iteration then loads the next tile's while it works on its own.
-    let entries: Option<Vec<Reg<U32>>> = cfg.paged.then(|| {
-        let first = k.mov((cfg.stages - 1) as i32);
-        thread_keys(&mut k, first)
-            .into_iter()
-            .map(|key| {
-                let e = k.reg::<U32>();
-                cache.prefetch_entry(&mut k, e, key, w.end);
-                e
-            })
-            .collect()
-    });
 
     let f = WarpState::<H>::new(&mut k, cfg, &smem, [q_slot, k_slot, v_slot], lane, warp);
     let scale_log2 = arg::<F32>(&mut k, args, offset_of!(DecodeArgs, scale_log2));
@@ -878,24 +1001,19 @@ fn build<H: Half2>(cfg: &DecodeConfig) -> Result<KernelText, PtxError> {
         .map(|codes| Widen::new(&mut k, cfg, &smem, codes, k_slot, lane, warp, col));
 
     k.comment("The key loop: tile t from the ring, tile t + stages - 1 issued behind it.");
+    // `t % stages`, kept in step with `t` rather than divided out each turn.
+    let slot = k.mov(0u32);
     k.for_range(0i32, w.tiles, 1, |k, t| {
         k.cp_async_wait(cfg.stages - 2);
         k.sync_threads();
         let ahead = k.add(t, (cfg.stages - 1) as i32);
         let more = k.setp(Cmp::Lt, ahead, w.tiles);
         k.if_(more, |k| {
-            let slot = k.rem(ahead.cast::<U32>(), cfg.stages);
-            issue(k, ahead, slot, entries.as_deref())
+            let ahead_slot = ring_before(k, slot);
+            issue(k, ahead, ahead_slot, None)
         });
         k.cp_async_commit();
-        if let Some(entries) = &entries {
-            let next = k.add(ahead, 1i32);
-            for (e, key) in entries.iter().zip(thread_keys(k, next)) {
-                cache.prefetch_entry(k, *e, key, w.end);
-            }
-        }
 
-        let slot = k.rem(t.cast::<U32>(), cfg.stages);
         // The key of the thread's column 0 in this tile.
         let first_key = |k: &mut Kernel| {
             let key0 = k.mul(t, cfg.block_n() as i32);
@@ -931,6 +1049,10 @@ fn build<H: Half2>(cfg: &DecodeConfig) -> Result<KernelText, PtxError> {
                 f.accumulate_pv(k, &p[0], tile);
             }
         }
+        let next = k.add(slot, 1u32);
+        let wrap = k.setp(Cmp::Eq, next, cfg.stages);
+        let next = k.selp(0u32, next, wrap);
+        k.mov_to(slot, next);
     });
     k.cp_async_wait(0);
     k.sync_threads();
@@ -940,6 +1062,10 @@ fn build<H: Half2>(cfg: &DecodeConfig) -> Result<KernelText, PtxError> {
         rescale_rows(&mut k, &f.o, &unit);
     }
 
+    // Read again from the arguments rather than kept live through the loop.
+    let seqlen_q = arg::<U32>(&mut k, args, offset_of!(DecodeArgs, seqlen_q));
+    let group = arg::<U32>(&mut k, args, offset_of!(DecodeArgs, group));
+    let packed_rows = k.mul(seqlen_q, group);
     merge_warps_and_store::<H>(
         &mut k,
         cfg,
@@ -1430,6 +1556,25 @@ fn merge_warps_and_store<H: Half2>(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn paged_kernels_never_wait_on_the_block_table_inside_the_loop() {
+        for c in all_decode_configs().into_iter().filter(|c| c.paged) {
+            let ptx = c.generate().unwrap().to_ptx();
+            let fill = ptx.find("Fill the ring").unwrap();
+            let loop_start = ptx.find("cp.async.wait_group").unwrap();
+            // The loop reads the table only through the ring: 4-byte copies in the same
+            // groups as the data, looked up in shared memory.
+            let inside = &ptx[loop_start..];
+            assert!(!inside.contains("ld.global"), "{}", c.id());
+            assert!(inside.contains("cp.async.ca.shared.global"), "{}", c.id());
+            // The fill's entries are all loaded before its first copy (besides the
+            // length, one per row the thread copies), so the block waits on the table
+            // once.
+            assert!(!ptx[fill..loop_start].contains("ld.global"), "{}", c.id());
+            assert!(ptx[..fill].matches("ld.global").count() > 2, "{}", c.id());
+        }
+    }
 
     #[test]
     fn blocks_per_sm_follow_the_bytes_in_flight_and_fit_registers() {
