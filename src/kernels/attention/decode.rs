@@ -600,10 +600,12 @@ impl Cache {
     }
 
     /// Where key `key` lives: its page (paged caches), its row in the page or the
-    /// sequence, and whether it may be read (as for [`Cache::rows`]). The key is clamped
-    /// to `end − 1` and a page outside the pool replaced by page 0, so both always name
-    /// a row of the cache. `end > start` (only tiles that exist are issued), so
-    /// `min(key, end − 1)` is a position of the sequence and its block table entry exists.
+    /// sequence, and whether it may be read (as for [`Cache::rows`]). Both always name a
+    /// row of the cache: a contiguous cache's key is clamped to `end − 1`; a page is
+    /// that of a key clamped so (`entry`, loaded ahead with the key clamped, or loaded
+    /// here), replaced by page 0 when outside the pool, and the row is the key's in its
+    /// page. `end > start` (only tiles that exist are issued), so `min(key, end − 1)` is a
+    /// position of the sequence and its block table entry exists.
     fn locate(
         &self,
         k: &mut Kernel,
@@ -612,14 +614,17 @@ impl Cache {
         entry: Option<Reg<U32>>,
     ) -> (Option<Reg<U32>>, Reg<U32>, Reg<Pred>) {
         let mut valid = k.setp(Cmp::Lt, key, end);
-        let last = k.sub(end, 1i32);
-        let key = k.min(key, last);
+        let clamped = |k: &mut Kernel| {
+            let last = k.sub(end, 1i32);
+            k.min(key, last)
+        };
         if !self.paged {
-            return (None, key.cast::<U32>(), valid);
+            return (None, clamped(k).cast::<U32>(), valid);
         }
         let page = match entry {
             Some(e) => e,
             None => {
+                let key = clamped(k);
                 let at = self.entry_address(k, key);
                 k.ld_global::<U32>(at, 0)
             }
@@ -671,6 +676,10 @@ struct TableRing {
     stage_bytes: u32,
     block_n: u32,
     tid: Reg<U32>,
+    /// The byte offsets in a stage of the entries of this thread's keys, worked out
+    /// once where registers allow (16-bit caches; the e4m3 kernels, at their register
+    /// limit, work them out per tile).
+    lookups: Option<Vec<Reg<U32>>>,
 }
 
 impl TableRing {
@@ -704,13 +713,26 @@ impl TableRing {
         offsets: &[Reg<S32>],
     ) -> Vec<Reg<U32>> {
         let stage = self.stage(k, slot);
+        let lookups = match &self.lookups {
+            Some(l) => l.clone(),
+            None => Self::lookups(k, cache, offsets),
+        };
+        lookups
+            .into_iter()
+            .map(|at| {
+                let a = k.smem_offset(stage, at);
+                k.ld_shared::<U32>(a, 0)
+            })
+            .collect()
+    }
+
+    /// The byte offset in a stage of the entry of each key offset: `4 · (offset >> log2 P)`.
+    fn lookups(k: &mut Kernel, cache: &Cache, offsets: &[Reg<S32>]) -> Vec<Reg<U32>> {
         offsets
             .iter()
             .map(|&off| {
                 let page = k.shr_by(off.cast::<U32>(), cache.page_shift);
-                let at = k.shl(page, 2);
-                let a = k.smem_offset(stage, at);
-                k.ld_shared::<U32>(a, 0)
+                k.shl(page, 2)
             })
             .collect()
     }
@@ -898,11 +920,18 @@ fn build<H: Half2>(cfg: &DecodeConfig) -> Result<KernelText, PtxError> {
         }
         offsets
     };
-    let table = slots.table.map(|slot| TableRing {
-        ring: smem.raw(&mut k, slot),
-        stage_bytes: cfg.table_stage_bytes(),
-        block_n: cfg.block_n(),
-        tid,
+    let table = slots.table.map(|slot| {
+        let lookups = (!cfg.fp8).then(|| {
+            let offsets = key_offsets(&mut k);
+            TableRing::lookups(&mut k, &cache, &offsets)
+        });
+        TableRing {
+            ring: smem.raw(&mut k, slot),
+            stage_bytes: cfg.table_stage_bytes(),
+            block_n: cfg.block_n(),
+            tid,
+            lookups,
+        }
     });
     // The ring stage before `slot`, `(slot + stages − 1) % stages`: where the tile
     // `stages − 1` after the one in `slot` goes.
