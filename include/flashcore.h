@@ -89,7 +89,8 @@ typedef struct FlashcoreTensor {
  *   p / page_size]. The capacity is max_pages * page_size.
  * Either way k and v share one dtype (f16 or bf16; or FLASHCORE_E4M3 codes, with their
  * FlashcoreKvScales, in the _fp8kv calls) and shape, with pointers 16-byte
- * aligned, strides[3] == 1 and other strides multiples of 16 bytes; the capacity is at
+ * aligned, strides[3] == 1 and other strides multiples of 16 bytes (strides[1], and
+ * paged strides[0], below 4 GiB in bytes where that extent is above 1); the capacity is at
  * most 2^30; seqlens is a device int32 array [B] (4-byte aligned) holding each sequence's
  * length. The lengths and the block table are read by the kernels on the device (so a
  * captured CUDA graph sees them as they are when it replays); whatever they hold, the
