@@ -295,6 +295,22 @@ fn refuses_instructions_the_target_lacks() {
 }
 
 #[test]
+fn advance_stage_wraps_the_index_in_place() {
+    let mut k = Kernel::new("ring");
+    let stage = k.mov::<U32>(0u32);
+    let _wrapped = k.advance_stage(stage, 3);
+    assert_eq!(
+        body_for(Target::Sm80, k),
+        [
+            "mov.u32 %r0, 0;",
+            "add.u32 %r1, %r0, 1;",
+            "setp.eq.u32 %p0, %r1, 3;",
+            "selp.b32 %r0, 0, %r1, %p0;",
+        ]
+    );
+}
+
+#[test]
 fn grid_dependency_wait_and_loads_into_live_registers() {
     let mut k = Kernel::new("pdl");
     k.grid_dependency_wait();

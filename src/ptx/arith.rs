@@ -254,6 +254,15 @@ impl Kernel {
         d
     }
 
+    /// Steps a ring index in `[0, stages)` to the next stage, wrapping to 0, in place
+    /// (one add, compare and select rather than a `rem`); returns whether it wrapped.
+    pub fn advance_stage(&mut self, stage: Reg<U32>, stages: u32) -> Reg<Pred> {
+        let next = self.add(stage, 1u32);
+        let wrap = self.setp(Cmp::Eq, next, stages);
+        self.selp_to(stage, 0u32, next, wrap);
+        wrap
+    }
+
     /// `d = p ? a : b` into an existing register.
     pub fn selp_to<T: PtxType>(&mut self, d: Reg<T>, a: impl Src<T>, b: impl Src<T>, p: Reg<Pred>) {
         self.check_owner(&[Src::<T>::owner(&d), a.owner(), b.owner(), p.owner()]);

@@ -233,9 +233,7 @@ impl StageRing {
 
     /// Moves to the next stage; the phase flips when the index wraps to 0.
     pub fn advance(&mut self, k: &mut Kernel) {
-        let next = k.add(self.stage, 1u32);
-        let wrap = k.setp(super::Cmp::Eq, next, self.bars.stages);
-        k.selp_to(self.stage, 0u32, next, wrap);
+        let wrap = k.advance_stage(self.stage, self.bars.stages);
         let RingPhase(phase) = self.phase;
         let flipped = k.xor(phase, 1u32);
         k.selp_to(phase, flipped, phase, wrap);

@@ -614,20 +614,14 @@ impl Cache {
         entry: Option<Reg<U32>>,
     ) -> (Option<Reg<U32>>, Reg<U32>, Reg<Pred>) {
         let mut valid = k.setp(Cmp::Lt, key, end);
-        let clamped = |k: &mut Kernel| {
-            let last = k.sub(end, 1i32);
-            k.min(key, last)
-        };
         if !self.paged {
-            return (None, clamped(k).cast::<U32>(), valid);
+            let last = k.sub(end, 1i32);
+            let key = k.min(key, last);
+            return (None, key.cast::<U32>(), valid);
         }
         let page = match entry {
             Some(e) => e,
-            None => {
-                let key = clamped(k);
-                let at = self.entry_address(k, key);
-                k.ld_global::<U32>(at, 0)
-            }
+            None => self.load_entry(k, key, end),
         };
         let inside = k.setp(Cmp::Lt, page, self.pool_pages);
         valid = k.and_pred(valid, inside);
@@ -1078,10 +1072,7 @@ fn build<H: Half2>(cfg: &DecodeConfig) -> Result<KernelText, PtxError> {
                 f.accumulate_pv(k, &p[0], tile);
             }
         }
-        let next = k.add(slot, 1u32);
-        let wrap = k.setp(Cmp::Eq, next, cfg.stages);
-        let next = k.selp(0u32, next, wrap);
-        k.mov_to(slot, next);
+        k.advance_stage(slot, cfg.stages);
     });
     k.cp_async_wait(0);
     k.sync_threads();
