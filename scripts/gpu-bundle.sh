@@ -347,13 +347,15 @@ fi
 
 # ---- FP8 ---------------------------------------------------------------------------------
 if want fp8; then
-    # The GPU quantizer and both FP8 kernel families (sm90a on Hopper; sm89 for D256 and
-    # with --path sm80) under the sanitizers, through `flashcore run --dtype e4m3`.
+    # The GPU quantizer and both FP8 kernel families (sm90a on Hopper; sm89 with
+    # --path sm80) under the sanitizers, through `flashcore run --dtype e4m3`.
     fp8_shapes=(
         "--batch 1 --heads 4 --kv-heads 1 --seqlen-q 200 --seqlen-k 513 --head-dim 128 --causal"
         "--batch 2 --heads 2 --kv-heads 2 --seqlen-q 77 --seqlen-k 333 --head-dim 64 --in-dtype bf16 --smooth-k"
         "--batch 1 --heads 2 --kv-heads 2 --seqlen-q 113 --seqlen-k 200 --head-dim 256 --hadamard 7"
+        "--batch 1 --heads 4 --kv-heads 1 --seqlen-q 200 --seqlen-k 513 --head-dim 256 --causal"
         "--batch 1 --heads 2 --kv-heads 1 --seqlen-q 130 --seqlen-k 300 --head-dim 128 --causal --path sm80"
+        "--batch 1 --heads 2 --kv-heads 2 --seqlen-q 77 --seqlen-k 150 --head-dim 256 --path sm80"
     )
     for tool in memcheck racecheck synccheck; do
         for s in "${fp8_shapes[@]}"; do

@@ -212,7 +212,7 @@ fn check(attn: &Attention, s: &Arc<CudaStream>, cases: &[Case]) {
 fn sm90_fp8_matches_the_reference_on_edge_shapes() {
     let (attn, s) = setup(PathChoice::Best);
     let mut cases = Vec::new();
-    for d in [64, 128] {
+    for d in [64, 128, 256] {
         for causal in [false, true] {
             for (sq, sk) in [
                 (1, 1),
@@ -235,7 +235,7 @@ fn sm90_fp8_matches_the_reference_on_edge_shapes() {
 fn sm90_fp8_gqa_outputs_outliers_and_lse_shift() {
     let (attn, s) = setup(PathChoice::Best);
     let mut cases = Vec::new();
-    for d in [64, 128] {
+    for d in [64, 128, 256] {
         for out in [HalfType::F16, HalfType::Bf16] {
             cases.push(Case {
                 out,

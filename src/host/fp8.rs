@@ -541,12 +541,12 @@ mod tests {
         for arch in [(8, 0), (8, 6), (7, 5)] {
             assert!(dispatch_fp8(arch, best, &p).is_err(), "{arch:?}");
         }
-        // No sm90a kernel for d256; too many work items for its 31-bit loop.
-        let d256 = problem(256, 4, 16, 4096);
-        assert_eq!(
-            dispatch_fp8((9, 0), best, &d256).unwrap().path,
-            Fp8Path::Sm89
-        );
+        // Every FP8 head dim has an sm90a kernel; too many work items for its 31-bit
+        // loop go to the sm89 one.
+        for d in [64, 128, 256] {
+            let p = problem(d, 4, 16, 4096);
+            assert_eq!(dispatch_fp8((9, 0), best, &p).unwrap().path, Fp8Path::Sm90);
+        }
         let huge = problem(128, 65535, 65535, 256 * 128);
         assert_eq!(
             dispatch_fp8((9, 0), best, &huge).unwrap().path,

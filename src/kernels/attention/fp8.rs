@@ -246,6 +246,6 @@ mod tests {
         for c in &all {
             assert_eq!(c.id_static(), c.id());
         }
-        assert_eq!(all.len(), 20);
+        assert_eq!(all.len(), 24);
     }
 }

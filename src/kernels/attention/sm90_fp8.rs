@@ -29,7 +29,15 @@
 //!   transpose), so the probabilities go from the score fragment to the e4m3 A fragment
 //!   with no shuffles ([`pack_probs_e4m3`]).
 //! - `P·V` runs in 64-column chunks of O, so T is 32 registers beside O's `d / 2`.
-//! - Head dims 64 and 128 ([`HEAD_DIMS`]); FP8 at 256 runs on the sm89 kernel for now.
+//! - At head dim 256, O's upper 128 columns are parked in shared memory, each thread's
+//!   own fragment in its own slots ([`Parked`]): 128 registers of O beside S, T and P
+//!   spilled in every arrangement tried, and the f32 fold (which reads and writes O
+//!   anyway) costs one load and one store per four values.
+//! - At head dim 256 only O's first 64 columns lag a tile behind as drawn above. The
+//!   other 192 ("leading") run right after the softmax, on the P it just made and the
+//!   tile's own V, each chunk folded in with the new rescale. Given old P, the
+//!   scheduler started every chunk while the scores were still live, and S, the
+//!   chunks' T and O did not fit in 240 registers.
 
 use std::mem::offset_of;
 
@@ -42,12 +50,12 @@ use super::softmax::{OnlineSoftmax, rescale_rows};
 use super::{FwdArgs, HalfType, Tiling};
 use crate::ptx::{
     Acc, Bf16x2, Cmp, E4m3x4, F16x2, F32, Half2, InFlight, KMajor, Kernel, KernelText, Module, N64,
-    N128, ParamBytes, PtxError, Reg, RingBarriers, S32, ScaleD, Smem, SmemDesc, SmemLayout,
-    SmemPlan, Special, StageRing, Swizzle, Target, TileSlot, TmaDesc, U32, U64, WgmmaN,
+    N128, ParamBytes, PtxError, RawSlot, Reg, RingBarriers, S32, ScaleD, Smem, SmemAddr, SmemDesc,
+    SmemLayout, SmemPlan, Special, StageRing, Swizzle, Target, TileSlot, TmaDesc, U32, U64, WgmmaN,
 };
 
 /// Head dimensions with a kernel on this path.
-pub const HEAD_DIMS: [u32; 2] = [64, 128];
+pub const HEAD_DIMS: [u32; 3] = [64, 128, 256];
 /// Query rows per block: two consumer warpgroups of 64 (the work-item loop is the
 /// 16-bit kernel's).
 pub const BLOCK_M: u32 = super::sm90::BLOCK_M;
@@ -67,6 +75,13 @@ pub struct Shape {
     pub block_n: u32,
     /// Output columns per `P·V` chunk (T's N).
     pub chunk_n: u32,
+    /// Output columns, from the first, whose `P·V` runs a key tile behind the scores,
+    /// beside the softmax; the others run after it, on the P it makes (see
+    /// [`Consumer::step`]). A multiple of `chunk_n`.
+    pub lagging_cols: u32,
+    /// Output columns, from the last, whose f32 accumulators live in shared memory
+    /// ([`Parked`]) rather than in registers: a multiple of `chunk_n`.
+    pub parked_cols: u32,
 }
 
 /// Where everything lives in shared memory.
@@ -78,6 +93,79 @@ pub struct Slots {
     pub q_ring: RingBarriers,
     pub k_ring: RingBarriers,
     pub v_ring: RingBarriers,
+    /// The consumers' parked O columns, when there are any.
+    pub parked: Option<RawSlot>,
+}
+
+/// The parked region's alignment: every access is one `ld`/`st.shared.v4`.
+const PARKED_ALIGN: u32 = 16;
+
+/// O's parked columns: each consumer thread keeps its accumulator tiles (four f32 per
+/// 8-column tile, as in a wgmma fragment) in slots of its own, tile `j` of consumer
+/// thread `t` at byte `(j·256 + t)·16`. A warp's 16-byte accesses are consecutive (no
+/// bank conflicts) and no thread touches another's values (no barrier).
+#[derive(Clone, Copy)]
+struct Parked {
+    /// This thread's tile 0.
+    at: SmemAddr,
+    /// 8-column tiles parked.
+    tiles: u32,
+}
+
+impl Parked {
+    /// Threads of the two consumer warpgroups.
+    const THREADS: u32 = THREADS - 128;
+
+    fn bytes(cols: u32) -> u32 {
+        cols / 8 * 16 * Self::THREADS
+    }
+
+    fn new(k: &mut Kernel, smem: Smem, slot: RawSlot, tid: Reg<U32>, cols: u32) -> Parked {
+        let consumer = k.sub(tid, 128u32);
+        let own = k.shl(consumer, 4);
+        let base = smem.raw(k, slot);
+        Parked {
+            at: k.smem_offset(base, own),
+            tiles: cols / 8,
+        }
+    }
+
+    fn offset(tile: u32) -> i32 {
+        (tile * Self::THREADS * 16) as i32
+    }
+
+    fn zero(&self, k: &mut Kernel) {
+        let z = k.mov(0f32);
+        for j in 0..self.tiles {
+            k.st_shared_v4(self.at, Self::offset(j), [z; 4]);
+        }
+    }
+
+    /// Parked tiles `first..first + t.len()` become `O·factors + v_scale·T` (the
+    /// pending rescale folded in: parked columns are not in [`rescale_rows`]).
+    fn fold(
+        &self,
+        k: &mut Kernel,
+        first: u32,
+        t: &[[Reg<F32>; 4]],
+        factors: [Reg<F32>; 2],
+        v_scale: Reg<F32>,
+    ) {
+        for (j, t) in (first..).zip(t) {
+            let o = k.ld_shared_v4::<F32>(self.at, Self::offset(j));
+            for (i, (&o, &t)) in o.iter().zip(t).enumerate() {
+                k.mul_to(o, o, factors[i / 2]);
+                k.mad_to(o, t, v_scale, o);
+            }
+            k.st_shared_v4(self.at, Self::offset(j), o);
+        }
+    }
+
+    fn load(&self, k: &mut Kernel) -> Slab {
+        (0..self.tiles)
+            .map(|j| k.ld_shared_v4::<F32>(self.at, Self::offset(j)))
+            .collect()
+    }
 }
 
 /// The widest swizzle whose span a row of `bytes` fills.
@@ -92,15 +180,29 @@ fn swizzle_for(bytes: u32) -> Swizzle {
 impl Shape {
     /// Keys per tile and `P·V` chunk: registers decide (S is `block_n / 2`, O `d / 2`,
     /// T `chunk_n / 2` and P `block_n / 8` per thread, of 240). A whole 128-column T
-    /// spilled at d = 128. Head dim 256 has no kernel here yet: O's 128 registers beside
-    /// S, T and P spilled in every arrangement tried (64-key tiles, 16- to 64-column
-    /// chunks, `P·V` not overlapping the softmax).
+    /// spilled at d = 128. At d = 256, O's 128 registers beside S, T and P spilled in
+    /// every arrangement tried (64-key tiles, 32- and 64-column chunks, P packed before
+    /// the last chunks, other register budgets), so half of O is parked and the tiles
+    /// stay those of d = 128; and only one chunk lags, since the scheduler overlaps
+    /// every lagging chunk with the softmax (48 bytes of spill with all 256 lagging).
     pub fn of(cfg: &Fp8Config) -> Shape {
         Shape {
             head_dim: cfg.head_dim,
             block_n: 128,
             chunk_n: 64,
+            lagging_cols: if cfg.head_dim > 128 { 64 } else { cfg.head_dim },
+            parked_cols: cfg.head_dim.saturating_sub(128),
         }
+    }
+
+    /// O's columns held in registers.
+    pub fn register_cols(&self) -> u32 {
+        self.head_dim - self.parked_cols
+    }
+
+    /// The 8-column tiles of O that lag (see [`Shape::lagging_cols`]).
+    fn lagging_tiles(&self) -> usize {
+        (self.lagging_cols / 8) as usize
     }
 
     pub fn q_layout(&self) -> SmemLayout {
@@ -125,6 +227,8 @@ impl Shape {
             q_ring: RingBarriers::plan(&mut plan, 1),
             k_ring: RingBarriers::plan(&mut plan, STAGES),
             v_ring: RingBarriers::plan(&mut plan, STAGES),
+            parked: (self.parked_cols > 0)
+                .then(|| plan.raw(Parked::bytes(self.parked_cols), PARKED_ALIGN)),
         };
         (plan, slots)
     }
@@ -143,10 +247,12 @@ pub(crate) fn tiling(cfg: &Fp8Config) -> Tiling {
 pub(crate) fn generate(cfg: &Fp8Config) -> Result<Module, PtxError> {
     let s = Shape::of(cfg);
     let kernel = match (cfg.out, s.head_dim) {
-        (HalfType::F16, 64) => build::<F16x2, N128, N64>(cfg),
-        (HalfType::Bf16, 64) => build::<Bf16x2, N128, N64>(cfg),
-        (HalfType::F16, 128) => build::<F16x2, N128, N64>(cfg),
-        (HalfType::Bf16, 128) => build::<Bf16x2, N128, N64>(cfg),
+        (HalfType::F16, 64) => build::<F16x2, N128, N64, N64>(cfg),
+        (HalfType::Bf16, 64) => build::<Bf16x2, N128, N64, N64>(cfg),
+        (HalfType::F16, 128) => build::<F16x2, N128, N64, N64>(cfg),
+        (HalfType::Bf16, 128) => build::<Bf16x2, N128, N64, N64>(cfg),
+        (HalfType::F16, 256) => build::<F16x2, N128, N64, N128>(cfg),
+        (HalfType::Bf16, 256) => build::<Bf16x2, N128, N64, N128>(cfg),
         (_, d) => Err(PtxError::BadOperand(format!(
             "no sm90 FP8 forward for head dim {d}"
         ))),
@@ -166,11 +272,12 @@ struct Fwd {
     slots: Slots,
 }
 
-fn build<H, NS, NC>(cfg: &Fp8Config) -> Result<KernelText, PtxError>
+fn build<H, NS, NC, NP>(cfg: &Fp8Config) -> Result<KernelText, PtxError>
 where
     H: Half2,
     NS: WgmmaN,
     NC: WgmmaN,
+    NP: WgmmaN,
 {
     let s = Shape::of(cfg);
     debug_assert_eq!((NS::N, NC::N), (s.block_n, s.chunk_n));
@@ -200,7 +307,7 @@ where
         rings,
         tid,
         |k| produce(k, &f, tid),
-        |k| consume::<H, NS, NC>(k, &f, tid),
+        |k| consume::<H, NS, NC, NP>(k, &f, tid),
     );
     k.finish()
 }
@@ -291,16 +398,19 @@ struct Consumer<'a> {
     p_v_scale: Reg<F32>,
     /// P of the last softmax as e4m3 A fragments: `p[j]` covers keys `32j..32j + 32`.
     p: Vec<[Reg<E4m3x4>; 4]>,
-    /// O, unnormalised, in f32: `d / 8` accumulator-shaped tiles.
+    /// O's register columns, unnormalised, in f32: accumulator-shaped 8-column tiles.
     o: Slab,
+    /// O's other columns.
+    parked: Option<Parked>,
 }
 
 /// Warpgroups 1 and 2.
-fn consume<H, NS, NC>(k: &mut Kernel, f: &Fwd, tid: Reg<U32>)
+fn consume<H, NS, NC, NP>(k: &mut Kernel, f: &Fwd, tid: Reg<U32>)
 where
     H: Half2,
     NS: WgmmaN,
     NC: WgmmaN,
+    NP: WgmmaN,
 {
     k.comment("Consumers: S = Q8 K8^T, softmax, O += v_scale * (P8 V8), in turns.");
     let roles = ConsumerRoles::new(k, tid, CONSUMER_REGS);
@@ -311,6 +421,10 @@ where
         k: f.slots.k_ring.consumer(k, f.smem),
         v: f.slots.v_ring.consumer(k, f.smem),
     };
+    let parked = f
+        .slots
+        .parked
+        .map(|slot| Parked::new(k, f.smem, slot, tid, f.s.parked_cols));
     f.for_each_item(k, |k, b| {
         let scales = item_scales(k, f.args, b);
         let c = Consumer {
@@ -325,10 +439,14 @@ where
             p: (0..f.s.block_n / 32)
                 .map(|_| k.regs::<E4m3x4, 4>())
                 .collect(),
-            o: zeroed_slabs(k, 1, (f.s.head_dim / 8) as usize).remove(0),
+            o: zeroed_slabs(k, 1, (f.s.register_cols() / 8) as usize).remove(0),
+            parked,
         };
+        if let Some(parked) = &c.parked {
+            parked.zero(k);
+        }
         let any = k.setp(Cmp::Gt, b.tiles.end, 0i32);
-        k.if_(any, |k| c.attend::<NS, NC>(k, &mut rings));
+        k.if_(any, |k| c.attend::<NS, NC, NP>(k, &mut rings));
         let at = OutputBlock {
             batch: b.batch,
             head: b.head,
@@ -340,11 +458,15 @@ where
             offset: P_SHIFT_LOG2,
             shift,
         };
+        let mut o = c.o.clone();
+        if let Some(parked) = &c.parked {
+            o.extend(parked.load(k));
+        }
         store_output_lse::<H>(
             k,
             f.args,
             &c.roles.rows,
-            std::slice::from_ref(&c.o),
+            std::slice::from_ref(&o),
             &c.softmax,
             at,
             form,
@@ -380,7 +502,7 @@ fn item_scales(k: &mut Kernel, args: ParamBytes, b: &Block) -> Scales {
 
 impl Consumer<'_> {
     /// The key loop for a block with at least one key tile; leaves O unnormalised.
-    fn attend<NS: WgmmaN, NC: WgmmaN>(&self, k: &mut Kernel, rings: &mut Rings) {
+    fn attend<NS: WgmmaN, NC: WgmmaN, NP: WgmmaN>(&self, k: &mut Kernel, rings: &mut Rings) {
         k.comment("Wait for Q; the last key tile (always masked) starts the pipeline.");
         rings.q.wait_full(k);
         let Rings {
@@ -406,18 +528,19 @@ impl Consumer<'_> {
             .update_scaled(k, &[s.tiles()], dc, P_SHIFT_LOG2, &[self.factors]);
         k.mov_to(self.p_v_scale, v_scale);
         pack_probs_e4m3(k, &s.tiles(), &self.p);
+        self.leading_pv::<NC, NP>(k, vr);
 
         k.comment("Tiles that cross the sequence end or the diagonal, last to first.");
         let last_masked_end = k.sub(self.b.tiles.mask_from, 1i32);
         let second_last = k.sub(end, 2i32);
         k.for_range(second_last, last_masked_end, -1, |k, n| {
-            self.step::<NS, NC>(k, n, true, kr, vr)
+            self.step::<NS, NC, NP>(k, n, true, kr, vr)
         });
         k.comment("The remaining tiles need no mask.");
         let unmasked = k.min(self.b.tiles.mask_from, last);
         let first_unmasked = k.sub(unmasked, 1i32);
         k.for_range(first_unmasked, -1i32, -1, |k, n| {
-            self.step::<NS, NC>(k, n, false, kr, vr)
+            self.step::<NS, NC, NP>(k, n, false, kr, vr)
         });
         self.release(k, qr);
 
@@ -427,12 +550,12 @@ impl Consumer<'_> {
         let t = self.pv::<NC>(k, vr, 0);
         k.wgmma_commit();
         k.bar_arrive_member(self.roles.turns, self.roles.other);
-        rescale_rows(k, std::slice::from_ref(&self.o), &[self.factors]);
+        self.rescale_lagging(k);
         self.finish_pv::<NC>(k, t, vr);
     }
 
     /// Key tile `n`, with `P·V` of tile `n + 1` overlapping its softmax.
-    fn step<NS: WgmmaN, NC: WgmmaN>(
+    fn step<NS: WgmmaN, NC: WgmmaN, NP: WgmmaN>(
         &self,
         k: &mut Kernel,
         n: Reg<S32>,
@@ -451,7 +574,7 @@ impl Consumer<'_> {
         k.wgmma_commit();
         k.bar_arrive_member(self.roles.turns, self.roles.other);
         // O is no wgmma's accumulator: its rescale runs beside the tensor cores.
-        rescale_rows(k, std::slice::from_ref(&self.o), &[self.factors]);
+        self.rescale_lagging(k);
         k.wgmma_wait(1);
         let s = k.wgmma_retire(s);
         self.release(k, kr);
@@ -463,27 +586,73 @@ impl Consumer<'_> {
         self.finish_pv::<NC>(k, t, vr);
         k.mov_to(self.p_v_scale, v_scale);
         pack_probs_e4m3(k, &s.tiles(), &self.p);
+        self.leading_pv::<NC, NP>(k, vr);
     }
 
-    /// Waits for chunk 0 of `P·V`, adds it to O, runs the other chunks, and releases
-    /// the V stage.
+    /// The lagging columns take the rescale of the last softmax.
+    fn rescale_lagging(&self, k: &mut Kernel) {
+        let lagging = self.o[..self.f.s.lagging_tiles()].to_vec();
+        rescale_rows(k, &[lagging], &[self.factors]);
+    }
+
+    /// Waits for chunk 0 of `P·V`, adds it to O, runs the other lagging chunks, and
+    /// releases the V stage.
     fn finish_pv<NC: WgmmaN>(&self, k: &mut Kernel, t: InFlight<NC>, vr: &mut StageRing) {
         k.wgmma_wait(0);
         let t = k.wgmma_retire(t);
-        self.fold(k, &t, 0);
-        for chunk in 1..self.f.s.head_dim / self.f.s.chunk_n {
-            let t = self.pv::<NC>(k, vr, chunk);
+        self.fold_lagging(k, &t, 0);
+        let s = &self.f.s;
+        for col in (s.chunk_n..s.lagging_cols).step_by(s.chunk_n as usize) {
+            let t = self.pv::<NC>(k, vr, col);
             k.wgmma_commit();
             k.wgmma_wait(0);
             let t = k.wgmma_retire(t);
-            self.fold(k, &t, chunk);
+            self.fold_lagging(k, &t, col);
         }
         self.release(k, vr);
     }
 
-    /// `O[:, chunk] += v_scale · T`.
-    fn fold<NC: WgmmaN>(&self, k: &mut Kernel, t: &Acc<NC>, chunk: u32) {
-        let first = (chunk * NC::N / 8) as usize;
+    /// The leading columns of `P·V`, for the P just packed, on the V stage now current
+    /// (the tile's own: the one before it was just released), each folded in with the
+    /// rescale the softmax just made. That P depends on the softmax, so the scheduler
+    /// cannot start these products while the scores are still live: beside S, T and
+    /// the lagging chunk's T, they would not fit the registers.
+    fn leading_pv<NC: WgmmaN, NP: WgmmaN>(&self, k: &mut Kernel, vr: &mut StageRing) {
+        let s = &self.f.s;
+        if s.lagging_cols == s.head_dim {
+            return;
+        }
+        vr.wait_full(k);
+        for col in (s.lagging_cols..s.register_cols()).step_by(s.chunk_n as usize) {
+            let t = self.pv::<NC>(k, vr, col);
+            k.wgmma_commit();
+            k.wgmma_wait(0);
+            let t = k.wgmma_retire(t);
+            let first = (col / 8) as usize;
+            for (o, t) in self.o[first..].iter().zip(t.tiles()) {
+                for (i, (&o, t)) in o.iter().zip(t).enumerate() {
+                    k.mul_to(o, o, self.factors[i / 2]);
+                    k.mad_to(o, t, self.p_v_scale, o);
+                }
+            }
+        }
+        for col in (s.register_cols()..s.head_dim).step_by(NP::N as usize) {
+            let t = self.pv::<NP>(k, vr, col);
+            k.wgmma_commit();
+            k.wgmma_wait(0);
+            let t = k.wgmma_retire(t);
+            let parked = self
+                .parked
+                .as_ref()
+                .expect("columns past the registers are parked");
+            let first = (col - s.register_cols()) / 8;
+            parked.fold(k, first, &t.tiles(), self.factors, self.p_v_scale);
+        }
+    }
+
+    /// `O[:, col..] += v_scale · T` for lagging columns.
+    fn fold_lagging<N: WgmmaN>(&self, k: &mut Kernel, t: &Acc<N>, col: u32) {
+        let first = (col / 8) as usize;
         for (o, t) in self.o[first..].iter().zip(t.tiles()) {
             for (&o, t) in o.iter().zip(t) {
                 k.mad_to(o, t, self.p_v_scale, o);
@@ -509,11 +678,11 @@ impl Consumer<'_> {
 
     /// `T = P8 Vᵀ8[chunk]` into a fresh accumulator: output columns
     /// `chunk·chunk_n..+chunk_n`, block_n/32 k-steps (RS, `Vᵀ8` K-major).
-    fn pv<NC: WgmmaN>(&self, k: &mut Kernel, vr: &StageRing, chunk: u32) -> InFlight<NC> {
+    fn pv<NC: WgmmaN>(&self, k: &mut Kernel, vr: &StageRing, col: u32) -> InFlight<NC> {
         let f = self.f;
         let vl = f.s.vt_layout();
         let v_at = vr.slot(k, f.slots.vt);
-        let rows = chunk * f.s.chunk_n;
+        let rows = col;
         let vd = k.smem_desc::<KMajor>(v_at, &vl);
         let vd = advance(k, vd, vl.logical_offset(rows, 0));
         let acc = k.acc::<NC>();
