@@ -141,8 +141,8 @@ impl Parked {
         }
     }
 
-    /// Parked tiles `first..first + t.len()` become `O·factors + v_scale·T` (the
-    /// pending rescale folded in: parked columns are not in [`rescale_rows`]).
+    /// Parked tiles `first..first + t.len()` become `O·factors + v_scale·T`
+    /// ([`rescale_add`]).
     fn fold(
         &self,
         k: &mut Kernel,
@@ -153,10 +153,7 @@ impl Parked {
     ) {
         for (j, t) in (first..).zip(t) {
             let o = k.ld_shared_v4::<F32>(self.at, Self::offset(j));
-            for (i, (&o, &t)) in o.iter().zip(t).enumerate() {
-                k.mul_to(o, o, factors[i / 2]);
-                k.mad_to(o, t, v_scale, o);
-            }
+            rescale_add(k, &o, t, factors, v_scale);
             k.st_shared_v4(self.at, Self::offset(j), o);
         }
     }
@@ -165,6 +162,21 @@ impl Parked {
         (0..self.tiles)
             .map(|j| k.ld_shared_v4::<F32>(self.at, Self::offset(j)))
             .collect()
+    }
+}
+
+/// `o = o·factors[row half] + v_scale·t` for one accumulator-shaped 8-column tile: a
+/// leading column's fold, the softmax's new rescale taken in with the tile's `P·V`.
+fn rescale_add(
+    k: &mut Kernel,
+    o: &[Reg<F32>; 4],
+    t: &[Reg<F32>; 4],
+    factors: [Reg<F32>; 2],
+    v_scale: Reg<F32>,
+) {
+    for (i, (&o, &t)) in o.iter().zip(t).enumerate() {
+        k.mul_to(o, o, factors[i / 2]);
+        k.mad_to(o, t, v_scale, o);
     }
 }
 
@@ -281,6 +293,7 @@ where
 {
     let s = Shape::of(cfg);
     debug_assert_eq!((NS::N, NC::N), (s.block_n, s.chunk_n));
+    debug_assert!(s.parked_cols.is_multiple_of(NP::N));
     let mut k = Kernel::new(&cfg.id());
     k.max_threads(THREADS).min_blocks_per_sm(1);
     let args = k.param_bytes("args", Fp8Args::SIZE, 8);
@@ -629,22 +642,17 @@ impl Consumer<'_> {
             k.wgmma_wait(0);
             let t = k.wgmma_retire(t);
             let first = (col / 8) as usize;
-            for (o, t) in self.o[first..].iter().zip(t.tiles()) {
-                for (i, (&o, t)) in o.iter().zip(t).enumerate() {
-                    k.mul_to(o, o, self.factors[i / 2]);
-                    k.mad_to(o, t, self.p_v_scale, o);
-                }
+            for (o, t) in self.o[first..].iter().zip(&t.tiles()) {
+                rescale_add(k, o, t, self.factors, self.p_v_scale);
             }
         }
+        let parked = self.parked.as_ref();
         for col in (s.register_cols()..s.head_dim).step_by(NP::N as usize) {
             let t = self.pv::<NP>(k, vr, col);
             k.wgmma_commit();
             k.wgmma_wait(0);
             let t = k.wgmma_retire(t);
-            let parked = self
-                .parked
-                .as_ref()
-                .expect("columns past the registers are parked");
+            let parked = parked.expect("columns past the registers are parked");
             let first = (col - s.register_cols()) / 8;
             parked.fold(k, first, &t.tiles(), self.factors, self.p_v_scale);
         }
