@@ -294,6 +294,8 @@ if want sanitize; then
         "--batch 1 --heads 4 --kv-heads 1 --seqlen-q 300 --seqlen-k 200 --head-dim 128 --dtype bf16 --causal"
         "--batch 2 --heads 2 --kv-heads 2 --seqlen-q 77 --seqlen-k 333 --head-dim 256 --dtype f16"
         "--batch 1 --heads 2 --kv-heads 1 --seqlen-q 200 --seqlen-k 513 --head-dim 64 --dtype f16 --causal"
+        # 272 causal work items: the sm90a blocks take them from a counter.
+        "--batch 2 --heads 68 --kv-heads 17 --seqlen-q 200 --seqlen-k 300 --head-dim 64 --dtype f16 --causal"
     )
     for tool in memcheck racecheck synccheck; do
         for s in "${shapes[@]}"; do
@@ -356,6 +358,8 @@ if want fp8; then
         "--batch 1 --heads 4 --kv-heads 1 --seqlen-q 200 --seqlen-k 513 --head-dim 256 --causal"
         "--batch 1 --heads 2 --kv-heads 1 --seqlen-q 130 --seqlen-k 300 --head-dim 128 --causal --path sm80"
         "--batch 1 --heads 2 --kv-heads 2 --seqlen-q 77 --seqlen-k 150 --head-dim 256 --path sm80"
+        # 272 causal work items: the sm90a blocks take them from a counter.
+        "--batch 2 --heads 68 --kv-heads 17 --seqlen-q 200 --seqlen-k 300 --head-dim 128 --causal"
     )
     for tool in memcheck racecheck synccheck; do
         for s in "${fp8_shapes[@]}"; do

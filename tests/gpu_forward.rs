@@ -174,6 +174,23 @@ fn heads_grid(dtype: HalfType, d: usize) {
     run_cases(&cases);
 }
 
+/// Causal launches with more work items than SMs, where the sm90 path's blocks take
+/// items from a shared counter: every item must run exactly once, whether it is numbered
+/// head by head or among the tail's heads spread query tile by query tile.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn sm90_causal_grids_beyond_one_wave() {
+    let cases = [
+        // 2 x 24 heads x 9 query tiles = 432 items: 18 head-batches first, 30 in the tail.
+        case(HalfType::F16, 64, true, 2, 24, 8, 1100, 1100),
+        // 160 items, all in the tail; Sq != Sk.
+        case(HalfType::Bf16, 128, true, 1, 16, 4, 1200, 1300),
+        // 144 items; the first 100 rows see no key.
+        case(HalfType::F16, 256, true, 1, 12, 4, 1500, 1400),
+    ];
+    run_cases(&cases);
+}
+
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn fp16_d64_seqlens() {

@@ -253,3 +253,33 @@ fn sm90_fp8_gqa_outputs_outliers_and_lse_shift() {
     }
     check(&attn, &s, &cases);
 }
+
+/// Causal launches with more work items than SMs (the blocks take items from a shared
+/// counter): head-batches numbered one by one and the tail's spread tile by tile.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn sm90_fp8_causal_grids_beyond_one_wave() {
+    let (attn, s) = setup(PathChoice::Best);
+    let cases = [
+        // 2 x 24 heads x 9 query tiles = 432 items: 18 head-batches first, 30 in the tail.
+        Case {
+            heads_q: 24,
+            heads_kv: 8,
+            ..case(64, 1100, 1100, true)
+        },
+        // 2 x 8 heads x 10 query tiles = 160 items, all in the tail; Sq != Sk.
+        Case {
+            heads_q: 8,
+            heads_kv: 2,
+            ..case(128, 1200, 1300, true)
+        },
+        // 2 x 8 heads x 12 query tiles = 192 items; the first 100 rows see no key.
+        Case {
+            out: HalfType::F16,
+            heads_q: 8,
+            heads_kv: 4,
+            ..case(256, 1500, 1400, true)
+        },
+    ];
+    check(&attn, &s, &cases);
+}

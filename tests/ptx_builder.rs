@@ -419,6 +419,27 @@ fn mbarrier_and_stage_ring_golden() {
 }
 
 #[test]
+fn plain_full_arrivals_and_global_tickets() {
+    let (mut k, smem, _, ring) = hopper_kernel("tickets");
+    let counter = k.param::<U64>("counter");
+    let counter = k.load_param(counter);
+    let ticket = k.atom_global_add_u32(counter, 4, 1u32);
+    let producer = ring.producer(&mut k, smem);
+    producer.arrive_full(&mut k);
+    let lines = body_90a(k);
+    let text = lines.join("\n");
+    let atom = format!("atom.global.add.u32 {}, [%rd", ticket.name());
+    assert!(text.contains(&atom) && text.contains("+4], 1;"), "{text}");
+    // A FULL arrival without copies announces no bytes.
+    assert_eq!(
+        text.matches("mbarrier.arrive.shared::cta.b64 _, [%r")
+            .count(),
+        1
+    );
+    assert!(!text.contains("expect_tx"), "{text}");
+}
+
+#[test]
 fn tma_golden() {
     let (mut k, smem, tile, ring) = hopper_kernel("tma");
     let map = k.tensor_map_param("tmap_a");

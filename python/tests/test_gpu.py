@@ -209,8 +209,11 @@ def test_torch_compile(seed):
     assert rel_l2(compiled, eager) <= 1e-3
 
 
-def test_cuda_graph_capture_and_replay(seed):
-    q, k, v = make(2, 8, 8, 512, 512, 64, torch.float16)
+# B2 H8: 64 query tiles, one block each; B4 H16: 256, which on a Hopper the blocks take
+# from a tile counter the call allocates and zeroes on the stream (captured as well).
+@pytest.mark.parametrize("batch,heads", [(2, 8), (4, 16)])
+def test_cuda_graph_capture_and_replay(seed, batch, heads):
+    q, k, v = make(batch, heads, heads, 512, 512, 64, torch.float16)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):

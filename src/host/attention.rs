@@ -3,10 +3,10 @@
 use std::ffi::c_void;
 use std::sync::Arc;
 
-use cudarc::driver::sys::CUstream;
+use cudarc::driver::sys::{self, CUstream};
 
 use super::cache::ModuleCache;
-use super::device::Device;
+use super::device::{ContextScope, Device, check};
 use super::launch::{LaunchDims, launch};
 use super::module::LoadedKernel;
 use super::tensor::{AttentionParams, LseView, TensorView};
@@ -138,10 +138,11 @@ fn sm90_map(t: &TensorView, rows: u32) -> Result<TensorMap> {
 /// Forward attention on one device: owns the loaded kernels for it.
 ///
 /// The first call for a configuration generates its PTX and loads it (milliseconds);
-/// later calls validate, look the kernel up and launch, with no allocation, so they can
-/// be captured in a CUDA graph. Every call (and dropping it) leaves the calling thread's
-/// current CUDA context as it found it: the device's primary context is current only
-/// inside the driver calls (see [`ContextScope`](super::device::ContextScope)).
+/// later calls validate, look the kernel up and launch, with no allocation but a causal
+/// sm90a launch's 4-byte tile counter (stream-ordered, `cuMemAllocAsync`, zeroed and freed
+/// on the caller's stream), so they can be captured in a CUDA graph. Every call (and
+/// dropping it) leaves the calling thread's current CUDA context as it found it: the
+/// device's primary context is current only inside the driver calls (see [`ContextScope`](super::device::ContextScope)).
 pub struct Attention {
     device: Arc<Device>,
     cache: ModuleCache,
@@ -380,11 +381,77 @@ impl Attention {
         let none = TensorView { ptr: 0, ..*o };
         let mut args = fwd_args(problem, cfg, [&none, &none, &none, o], lse);
         let dims = grid(problem, cfg, self.device.sm_count());
-        // SAFETY: the maps cover exactly the validated extents of Q, K and V (their boxes'
-        // out-of-bounds parts are zero-filled by the hardware, never read), and the kernel
-        // writes only O's and the LSE's validated extents; this function's contract makes
-        // them live memory of this context and `stream` a stream of it.
-        unsafe { launch_with_maps(&kernel, &dims, stream, &mut args, maps) }
+        let schedule = sm90_schedule(
+            &problem.shape,
+            sm90::BLOCK_M,
+            cfg.causal,
+            self.device.sm_count(),
+        );
+        self.with_schedule(&schedule, &mut args, stream, |args| {
+            // SAFETY: the maps cover exactly the validated extents of Q, K and V (their
+            // boxes' out-of-bounds parts are zero-filled by the hardware, never read), and
+            // the kernel writes only O's and the LSE's validated extents and the tile
+            // counter `with_schedule` made; this function's contract makes them live
+            // memory of this context and `stream` a stream of it.
+            unsafe { launch_with_maps(&kernel, &dims, stream, args, maps) }
+        })
+    }
+
+    /// Runs `launch` (an sm90a forward's) with `schedule` written into its `base` block:
+    /// when the schedule takes a tile counter, a zeroed 4-byte one from the stream-ordered
+    /// allocator, freed behind the launch. `stream` must be null or a live stream of this
+    /// device's context.
+    pub(crate) fn with_schedule<A: AsMut<FwdArgs>>(
+        &self,
+        schedule: &Sm90Schedule,
+        args: &mut A,
+        stream: CUstream,
+        launch: impl FnOnce(&mut A) -> Result<()>,
+    ) -> Result<()> {
+        let counter = if schedule.counter {
+            let ptr = self.alloc_async(4, stream)?;
+            let _scope = ContextScope::enter(self.device.context())?;
+            // SAFETY: `ptr` is 4 bytes from cuMemAllocAsync in this context, ordered on
+            // `stream` (null or live, by this function's contract) before the memset.
+            let zeroed = check("cuMemsetD32Async", unsafe {
+                sys::cuMemsetD32Async(ptr, 0, 1, stream)
+            });
+            if let Err(e) = zeroed {
+                self.free_async(ptr, stream)?;
+                return Err(e);
+            }
+            Some(ptr)
+        } else {
+            None
+        };
+        let base = args.as_mut();
+        base.tile_counter = counter.unwrap_or(0);
+        base.tail_heads = schedule.tail_heads;
+        let launched = launch(args);
+        let freed = counter.map_or(Ok(()), |ptr| self.free_async(ptr, stream));
+        launched.and(freed)
+    }
+
+    /// `bytes` of device memory from the stream-ordered allocator, ordered on `stream`
+    /// (null or a live stream of this device's context).
+    pub(crate) fn alloc_async(&self, bytes: usize, stream: CUstream) -> Result<u64> {
+        let _scope = ContextScope::enter(self.device.context())?;
+        let mut ptr = 0;
+        // SAFETY: `ptr` is a valid out-pointer; the context is current; `stream` is null
+        // or live (this function's contract).
+        check("cuMemAllocAsync", unsafe {
+            sys::cuMemAllocAsync(&mut ptr, bytes, stream)
+        })?;
+        Ok(ptr)
+    }
+
+    /// Returns memory from [`Attention::alloc_async`] once `stream` has run past this point.
+    pub(crate) fn free_async(&self, ptr: u64, stream: CUstream) -> Result<()> {
+        let _scope = ContextScope::enter(self.device.context())?;
+        // SAFETY: `ptr` came from cuMemAllocAsync in this context and is freed once.
+        check("cuMemFreeAsync", unsafe {
+            sys::cuMemFreeAsync(ptr, stream)
+        })
     }
 }
 
@@ -416,21 +483,50 @@ pub(crate) unsafe fn launch_with_maps<A>(
     unsafe { launch(kernel, dims, stream, &mut params) }
 }
 
-/// Blocks of an sm90a forward launch over `items` work items: one per SM (or per item,
-/// when there are fewer), each looping over items; with causal masking one per item.
+/// How an sm90a forward launch hands out its work items (the kernels' `for_each_item`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Sm90Schedule {
+    pub blocks: u32,
+    /// The blocks take their next item from a zeroed counter, whichever block frees up
+    /// first; otherwise each steps by the grid size.
+    pub counter: bool,
+    /// [`FwdArgs::tail_heads`].
+    pub tail_heads: u32,
+}
+
+/// The schedule of an sm90a forward launch.
 ///
-/// Causal work items differ in cost (a query tile sees keys up to its diagonal); one
-/// block per item lets the hardware hand the next item to whichever SM frees up first,
-/// which balances them better than a fixed stride (B1 H16 S16384 D128 causal: 684 vs
-/// 452 TFLOP/s). Equal items run persistently, the next item's Q load overlapping this
-/// one's epilogue.
-pub(crate) fn sm90_blocks(items: usize, causal: bool, sm_count: u32) -> u32 {
-    let blocks = if causal {
-        items
-    } else {
-        items.min(sm_count as usize)
-    };
-    blocks as u32
+/// Equal items (no mask) run on one block per SM (or per item, when there are fewer),
+/// each stepping by the grid size, the next item's Q load overlapping this one's epilogue.
+/// Causal items differ in cost (a query tile sees keys up to its diagonal): with more
+/// items than SMs, one block per SM takes them from a counter, heaviest first, and the
+/// last heads are spread query tile by query tile so that the grid ends on the lightest
+/// items of all. A fixed stride balances them badly (B1 H16 S16384 D128 causal: 452
+/// TFLOP/s, against 684 with one block per item).
+pub(crate) fn sm90_schedule(
+    shape: &AttnShape,
+    block_m: u32,
+    causal: bool,
+    sm_count: u32,
+) -> Sm90Schedule {
+    let items = work_items(shape, block_m);
+    let sms = sm_count.max(1) as usize;
+    if !causal || items <= sms {
+        return Sm90Schedule {
+            blocks: items.min(sms) as u32,
+            counter: false,
+            tail_heads: 0,
+        };
+    }
+    let q_blocks = shape.seqlen_q.div_ceil(block_m as usize);
+    let head_batches = shape.heads_q * shape.batch;
+    // The tail spans two waves of items: enough that the last items to start are light.
+    let tail_heads = (2 * sms).div_ceil(q_blocks).min(head_batches);
+    Sm90Schedule {
+        blocks: sms as u32,
+        counter: true,
+        tail_heads: tail_heads as u32,
+    }
 }
 
 /// The tensor maps of Q, K and V for an sm90 configuration.
@@ -493,12 +589,14 @@ fn fwd_args(
         cu_seqlens_q: cu_q,
         cu_seqlens_k: cu_k,
         lse_stride,
+        tile_counter: 0,
+        tail_heads: 0,
+        _pad: 0,
     }
 }
 
 /// The launch shape: on the sm80 path one block per (query tile, head, batch); on the
-/// sm90 path, without causal masking, one block per SM (or per work item, when there are
-/// fewer), each looping over work items; with it, one block per work item.
+/// sm90 path the [`sm90_schedule`]'s blocks.
 fn grid(problem: &FwdProblem, cfg: &FwdConfig, sm_count: u32) -> LaunchDims {
     let shape = problem.shape;
     let tiling = cfg.tiling();
@@ -506,8 +604,8 @@ fn grid(problem: &FwdProblem, cfg: &FwdConfig, sm_count: u32) -> LaunchDims {
     let grid = match cfg.path {
         Path::Sm80 => (q_blocks as u32, shape.heads_q as u32, shape.batch as u32),
         Path::Sm90 => {
-            let items = work_items(&shape, tiling.block_m);
-            (sm90_blocks(items, cfg.causal, sm_count), 1, 1)
+            let schedule = sm90_schedule(&shape, tiling.block_m, cfg.causal, sm_count);
+            (schedule.blocks, 1, 1)
         }
     };
     LaunchDims {
@@ -631,8 +729,8 @@ mod tests {
     }
 
     #[test]
-    fn sm90_grids_are_persistent_only_without_causal_masking() {
-        let blocks = |b, h, s, causal| {
+    fn sm90_causal_grids_take_items_from_a_counter_beyond_one_wave() {
+        let schedule = |b, h, s, causal| {
             let shape = AttnShape::square(b, h, s, 128);
             let cfg = dispatch((9, 0), 132, HalfType::F16, &shape, causal).unwrap();
             assert_eq!(cfg.path, Path::Sm90);
@@ -643,13 +741,22 @@ mod tests {
                 causal,
                 packed: None,
             };
-            grid(&problem, &cfg, 132).grid
+            let sched = sm90_schedule(&shape, sm90::BLOCK_M, causal, 132);
+            assert_eq!(grid(&problem, &cfg, 132).grid, (sched.blocks, 1, 1));
+            (sched.blocks, sched.counter, sched.tail_heads)
         };
-        // 16 query tiles of 128 rows x 16 heads x 8 batches = 2048 work items.
-        assert_eq!(blocks(8, 16, 2048, false), (132, 1, 1));
-        assert_eq!(blocks(8, 16, 2048, true), (2048, 1, 1));
-        // Fewer items than SMs: one block each either way.
-        assert_eq!(blocks(1, 2, 300, false), (6, 1, 1));
-        assert_eq!(blocks(1, 2, 300, true), (6, 1, 1));
+        // 16 query tiles of 128 rows x 16 heads x 8 batches = 2048 work items: a fixed
+        // stride without a mask; causal, a counter, and the last ceil(264 / 16) = 17
+        // head-batches spread tile by tile.
+        assert_eq!(schedule(8, 16, 2048, false), (132, false, 0));
+        assert_eq!(schedule(8, 16, 2048, true), (132, true, 17));
+        // 128 query tiles a head: the tail is 3 heads; never more heads than there are.
+        assert_eq!(schedule(1, 16, 16384, true), (132, true, 3));
+        assert_eq!(schedule(1, 2, 16384, true), (132, true, 2));
+        // At most one wave of items: one block each, no counter, either way.
+        assert_eq!(schedule(1, 2, 300, false), (6, false, 0));
+        assert_eq!(schedule(1, 2, 300, true), (6, false, 0));
+        assert_eq!(schedule(1, 4, 4224, true), (132, false, 0));
+        assert_eq!(schedule(1, 4, 4225, true), (132, true, 4));
     }
 }

@@ -13,10 +13,9 @@
 
 use std::ffi::c_void;
 
-use cudarc::driver::sys::{self, CUstream};
+use cudarc::driver::sys::CUstream;
 
 use super::attention::Attention;
-use super::device::{ContextScope, check};
 use super::kv_cache::{CacheShape, HostMetadata, KvCache};
 use super::launch::{LaunchDims, launch, launch_programmatic};
 use super::tensor::{AttentionParams, DType, LseView, TensorView};
@@ -829,27 +828,6 @@ impl Attention {
             });
         }
         Ok(())
-    }
-
-    /// `bytes` of device memory from the stream-ordered allocator, ordered on `stream`.
-    fn alloc_async(&self, bytes: usize, stream: CUstream) -> Result<u64> {
-        let _scope = ContextScope::enter(self.device().context())?;
-        let mut ptr = 0;
-        // SAFETY: `ptr` is a valid out-pointer; the context is current; `stream` is the
-        // caller's (null or live, by the calling function's contract).
-        check("cuMemAllocAsync", unsafe {
-            sys::cuMemAllocAsync(&mut ptr, bytes, stream)
-        })?;
-        Ok(ptr)
-    }
-
-    /// Returns memory from [`Attention::alloc_async`] once `stream` has run past this point.
-    fn free_async(&self, ptr: u64, stream: CUstream) -> Result<()> {
-        let _scope = ContextScope::enter(self.device().context())?;
-        // SAFETY: `ptr` came from cuMemAllocAsync in this context and is freed once.
-        check("cuMemFreeAsync", unsafe {
-            sys::cuMemFreeAsync(ptr, stream)
-        })
     }
 }
 

@@ -10,7 +10,7 @@ use std::ffi::c_void;
 
 use cudarc::driver::sys::CUstream;
 
-use super::attention::{Attention, PathChoice, launch_with_maps, sm90_blocks, work_items};
+use super::attention::{Attention, PathChoice, launch_with_maps, sm90_schedule, work_items};
 use super::launch::{LaunchDims, launch};
 use super::tensor::{AttentionParams, DType, LseView, TensorView};
 use super::validate::{
@@ -357,6 +357,9 @@ pub(crate) fn fp8_args(
             (shape.heads_q * shape.seqlen_q) as u64,
             shape.seqlen_q as u64,
         ],
+        tile_counter: 0,
+        tail_heads: 0,
+        _pad: 0,
     };
     Fp8Args {
         base,
@@ -443,22 +446,22 @@ impl Attention {
             }
             Fp8Path::Sm90 => {
                 let maps = sm90_maps(cfg, ops)?;
-                let items = work_items(&shape, tiling.block_m);
+                let sms = self.device().sm_count();
+                let schedule = sm90_schedule(&shape, tiling.block_m, cfg.causal, sms);
                 let dims = LaunchDims {
-                    grid: (
-                        sm90_blocks(items, cfg.causal, self.device().sm_count()),
-                        1,
-                        1,
-                    ),
+                    grid: (schedule.blocks, 1, 1),
                     block: (tiling.threads, 1, 1),
                     dynamic_smem: tiling.smem_bytes,
                 };
-                // SAFETY: `args` is the kernel's `Fp8Args` block and `maps` cover exactly
-                // the validated extents of Q8, K8 and Vᵀ8 (out-of-bounds box parts are
-                // zero-filled by the hardware); the kernel writes only O's and the LSE's
-                // validated extents; this function's contract makes them live memory of
-                // this context and `stream` a stream of it.
-                unsafe { launch_with_maps(&kernel, &dims, stream, &mut args, maps) }
+                self.with_schedule(&schedule, &mut args, stream, |args| {
+                    // SAFETY: `args` is the kernel's `Fp8Args` block and `maps` cover
+                    // exactly the validated extents of Q8, K8 and Vᵀ8 (out-of-bounds box
+                    // parts are zero-filled by the hardware); the kernel writes only O's
+                    // and the LSE's validated extents and the tile counter
+                    // `with_schedule` made; this function's contract makes them live
+                    // memory of this context and `stream` a stream of it.
+                    unsafe { launch_with_maps(&kernel, &dims, stream, args, maps) }
+                })
             }
         }
     }

@@ -219,6 +219,13 @@ impl StageRing {
         k.mbarrier_arrive_expect_tx(bar, bytes);
     }
 
+    /// Producer: arrives on the current FULL barrier with no copies to wait for, having
+    /// written the stage itself (the arrival releases those writes to the consumers).
+    pub fn arrive_full(&self, k: &mut Kernel) {
+        let bar = self.full(k);
+        k.mbarrier_arrive(bar);
+    }
+
     /// Consumer: waits until the current stage's data has landed.
     pub fn wait_full(&self, k: &mut Kernel) {
         let bar = self.full(k);

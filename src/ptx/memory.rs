@@ -139,6 +139,25 @@ impl Kernel {
         self.emit(format!("red.global.add.f32 {a}, {};", v.operand()));
     }
 
+    /// `atom.global.add.u32`: adds `v` to the word at the address, atomically, and
+    /// returns the word it held before (a ticket: concurrent callers get distinct values).
+    pub fn atom_global_add_u32(
+        &mut self,
+        base: Reg<U64>,
+        offset: i32,
+        v: impl Src<U32>,
+    ) -> Reg<U32> {
+        self.check_owner(&[Src::<U64>::owner(&base), v.owner()]);
+        let d = self.reg::<U32>();
+        let a = addr(base.name(), offset);
+        self.emit(format!(
+            "atom.global.add.u32 {}, {a}, {};",
+            d.name(),
+            v.operand()
+        ));
+        d
+    }
+
     /// `cp.async.cg.shared.global` of 16 bytes, bypassing L1. Only `src_bytes` bytes are
     /// read (0 or 16 in practice); the rest of the 16 is zero-filled, which is how tiles
     /// past the end of a sequence become zeros without a branch.

@@ -198,6 +198,12 @@ impl Fp8Args {
     pub const SIZE: usize = std::mem::size_of::<Fp8Args>();
 }
 
+impl AsMut<FwdArgs> for Fp8Args {
+    fn as_mut(&mut self) -> &mut FwdArgs {
+        &mut self.base
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

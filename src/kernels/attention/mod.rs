@@ -204,8 +204,21 @@ pub struct FwdArgs {
     /// dense `[B, Hq, Sq]` layout, `[0, total_q]` for the packed `[Hq, total_q]` one
     /// (whose rows add the sequence's first query row).
     pub lse_stride: [u64; 2],
+    /// sm90 path: a zeroed device `u32` from which the blocks of a persistent launch take
+    /// their next work item, or 0 for a fixed stride (`item + gridDim.x`).
+    pub tile_counter: u64,
+    /// sm90 path: how many of the last (head, batch) pairs give their work items out query
+    /// tile by query tile across the pairs rather than pair by pair (0: none).
+    pub tail_heads: u32,
+    pub _pad: u32,
 }
 
 impl FwdArgs {
     pub const SIZE: usize = std::mem::size_of::<FwdArgs>();
+}
+
+impl AsMut<FwdArgs> for FwdArgs {
+    fn as_mut(&mut self) -> &mut FwdArgs {
+        self
+    }
 }

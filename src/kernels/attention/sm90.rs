@@ -35,9 +35,9 @@ use super::softmax::{OnlineSoftmax, pack_probs_into, rescale_rows};
 use super::{FwdArgs, FwdConfig, HalfType, Tiling};
 use crate::ptx::{
     Acc, Bf16x2, Cmp, F16x2, F32, Half2, InFlight, KMajor, Kernel, KernelText, MnMajor, Module,
-    N64, N80, N128, N176, N256, NamedBarrier, ParamBytes, PtxError, Reg, RingBarriers, S32, ScaleD,
-    Smem, SmemAddr, SmemDesc, SmemLayout, SmemPlan, Special, StageRing, Swizzle, Target, TileSlot,
-    TmaDesc, U32, WgmmaD, WgmmaInput, WgmmaN,
+    N64, N80, N128, N176, N256, NamedBarrier, ParamBytes, PtxError, RawSlot, Reg, RingBarriers,
+    S32, ScaleD, Smem, SmemAddr, SmemDesc, SmemLayout, SmemPlan, Special, StageRing, Swizzle,
+    Target, TileSlot, TmaDesc, U32, U64, WgmmaD, WgmmaInput, WgmmaN,
 };
 
 /// Query rows per block: two consumer warpgroups of 64.
@@ -71,6 +71,7 @@ pub struct Slots {
     pub q_ring: RingBarriers,
     pub k_ring: RingBarriers,
     pub v_ring: RingBarriers,
+    pub work: WorkQueue,
 }
 
 impl Shape {
@@ -107,6 +108,7 @@ impl Shape {
             q_ring: RingBarriers::plan(&mut plan, 1),
             k_ring: RingBarriers::plan(&mut plan, STAGES),
             v_ring: RingBarriers::plan(&mut plan, STAGES),
+            work: WorkQueue::plan(&mut plan),
         };
         (plan, slots)
     }
@@ -195,7 +197,7 @@ where
     split_roles(
         &mut k,
         &f.smem,
-        rings,
+        (rings, f.causal.then_some(&f.slots.work)),
         tid,
         |k| produce(k, &f, tid),
         |k| consume::<H, NS, NO>(k, &f, tid),
@@ -205,12 +207,13 @@ where
 
 /// The warp-specialized frame of the sm90a forwards (16-bit and FP8): thread 0
 /// initialises the Q, K and V rings' barriers (FULL: the producer's arrival plus the
-/// bytes; EMPTY: one arrival per consumer warp) while the block waits, then warpgroup 0
-/// runs `produce` and the consumer warpgroups `consume`.
+/// bytes; EMPTY: one arrival per consumer warp) and the work queue's (causal kernels)
+/// while the block waits, then warpgroup 0 runs `produce` and the consumer warpgroups
+/// `consume`.
 pub(super) fn split_roles(
     k: &mut Kernel,
     smem: &Smem,
-    rings: [&RingBarriers; 3],
+    (rings, work): ([&RingBarriers; 3], Option<&WorkQueue>),
     tid: Reg<U32>,
     produce: impl FnOnce(&mut Kernel),
     consume: impl FnOnce(&mut Kernel),
@@ -221,6 +224,9 @@ pub(super) fn split_roles(
         for ring in rings {
             ring.init(k, smem, 1, 8);
         }
+        if let Some(work) = work {
+            work.init(k, smem);
+        }
     });
     k.sync_threads();
     let warpgroup = k.shr(tid, 7);
@@ -229,19 +235,77 @@ pub(super) fn split_roles(
 }
 
 impl Fwd {
-    fn for_each_item(&self, k: &mut Kernel, body: impl FnOnce(&mut Kernel, &Block)) {
-        for_each_item(k, self.args, self.causal, self.s.block_n, body);
+    fn for_each_item(&self, k: &mut Kernel, role: Role, body: impl FnOnce(&mut Kernel, &Block)) {
+        let queue = (&self.slots.work, self.smem, role);
+        for_each_item(k, self.args, queue, self.causal, self.s.block_n, body);
     }
 }
 
-/// The persistent loop of the sm90a kernels: this block takes work items
-/// `blockIdx.x + i·gridDim.x` of `q_blocks · heads · batch` (read from the [`FwdArgs`] at
-/// the start of `args`), each a (query tile of [`BLOCK_M`] rows, head, batch), head by
-/// head, with `block_n`-key tiles. With causal masking each head's heaviest query tiles (the last
-/// ones, which see the most keys) come first, so the light ones fill in at the end.
+/// Threads of the two consumer warpgroups.
+const CONSUMER_THREADS: u32 = 256;
+
+/// A causal kernel's work items, handed from the producer to the consumers through shared
+/// memory: a 2-stage ring of one item index each. The producer decides the order (a fixed
+/// stride, or a counter shared by the grid), so every role sees the same items.
+#[derive(Debug, Clone, Copy)]
+pub struct WorkQueue {
+    ring: RingBarriers,
+    items: RawSlot,
+}
+
+impl WorkQueue {
+    const STAGES: u32 = 2;
+
+    pub fn plan(plan: &mut SmemPlan) -> WorkQueue {
+        WorkQueue {
+            ring: RingBarriers::plan(plan, Self::STAGES),
+            items: plan.raw(4 * Self::STAGES, 4),
+        }
+    }
+
+    /// FULL: the producer's one arrival; EMPTY: every consumer thread's, each after its
+    /// own read of the item.
+    fn init(&self, k: &mut Kernel, smem: &Smem) {
+        self.ring.init(k, smem, 1, CONSUMER_THREADS);
+    }
+
+    fn slot(&self, k: &mut Kernel, smem: Smem, ring: &StageRing) -> SmemAddr {
+        let base = smem.raw(k, self.items);
+        let at = k.shl(ring.stage(), 2);
+        k.smem_offset(base, at)
+    }
+}
+
+/// Which end of the [`WorkQueue`] a role holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Role {
+    /// Picks the items and publishes them (one thread).
+    Producer,
+    /// Takes them (every consumer thread).
+    Consumer,
+}
+
+/// The persistent loop of the sm90a kernels. Work items are the
+/// `q_blocks · heads · batch` (query tile of [`BLOCK_M`] rows, head, batch) triples (sizes
+/// read from the [`FwdArgs`] at the start of `args`), visited with `block_n`-key tiles,
+/// numbered head by head so that the blocks running at once share a few heads and each
+/// head's K and V come from HBM once and then from L2 (taking one query tile of many heads
+/// instead re-read every head's K and V once per query tile: B8 H16 S2048 D128 ran 20%
+/// slower).
+///
+/// Without a mask the items cost the same, and every role steps through them by the grid
+/// size on its own. With causal masking they do not (a query tile sees keys up to its
+/// diagonal), so the producer picks them and hands them to the consumers through the
+/// [`WorkQueue`]: item `blockIdx.x` first, then, when the launch passes a tile counter
+/// (zeroed), `gridDim.x` plus a ticket from that counter, so the next item goes to
+/// whichever block frees up first (without one, `item + gridDim.x`); finally one past the
+/// end, which stops the consumers. Each head's heaviest query tiles (the last ones) come
+/// first, and the last `tail_heads` heads are taken query tile by query tile across those
+/// heads, heaviest first, so that the items left at the end of the grid are the lightest.
 pub(super) fn for_each_item(
     k: &mut Kernel,
     args: ParamBytes,
+    (queue, smem, role): (&WorkQueue, Smem, Role),
     causal: bool,
     block_n: u32,
     body: impl FnOnce(&mut Kernel, &Block),
@@ -252,40 +316,118 @@ pub(super) fn for_each_item(
     let batch = arg(k, offset_of!(FwdArgs, batch));
     let head_batches = k.mul(heads, batch);
     let items = k.mul(head_batches, q_blocks);
-    let first = k.special(Special::CtaidX);
-    let stride = k.special(Special::NctaidX);
-    k.for_stride(
-        first.cast::<S32>(),
-        items.cast::<S32>(),
-        stride.cast(),
-        |k, item| {
-            let item = item.cast::<U32>();
-            // Item = head-batch · q_blocks + m-index: the blocks running at once share a
-            // few heads, so each head's K and V come from HBM once and then from L2 (taking
-            // one query tile of many heads instead re-reads every head's K and V once per
-            // query tile: B8 H16 S2048 D128 ran 20% slower).
-            let m_index = k.rem(item, q_blocks);
-            let hb = k.div(item, q_blocks);
-            let head = k.rem(hb, heads);
-            let b = k.div(hb, heads);
-            let m_block = query_block(k, m_index, q_blocks, causal);
-            let m_start = k.mul(m_block.cast::<S32>(), BLOCK_M as i32);
-            let seq = sequence(k, args, b);
-            let causal_offset = seq.causal_offset(k);
-            let mask = causal.then_some(causal_offset);
-            let (sq, sk) = (seq.seqlen_q, seq.seqlen_k);
-            let tiles = key_tiles(k, sq, sk, m_start, BLOCK_M, block_n, mask);
-            let blk = Block {
-                batch: b,
-                head,
-                m_start,
-                seq,
-                causal_offset,
-                tiles,
+    if !causal {
+        let first = k.special(Special::CtaidX);
+        let stride = k.special(Special::NctaidX);
+        k.for_stride(
+            first.cast::<S32>(),
+            items.cast::<S32>(),
+            stride.cast(),
+            |k, item| {
+                let b = item_block(k, args, false, block_n, item.cast(), [q_blocks, heads]);
+                body(k, &b);
+            },
+        );
+        return;
+    }
+    let item = k.reg::<U32>();
+    match role {
+        Role::Producer => {
+            let mut ring = queue.ring.producer(k, smem);
+            let counter = k.load_param_at::<U64>(args, offset_of!(FwdArgs, tile_counter));
+            let shared = k.setp(Cmp::Ne, counter, 0u64);
+            let grid = k.special(Special::NctaidX);
+            let publish = |k: &mut Kernel, ring: &mut StageRing, item: Reg<U32>| {
+                ring.acquire(k);
+                let at = queue.slot(k, smem, ring);
+                k.st_shared::<U32>(at, 0, item);
+                ring.arrive_full(k);
+                ring.advance(k);
             };
-            body(k, &blk);
-        },
-    );
+            let first = k.special(Special::CtaidX);
+            k.mov_to(item, first);
+            publish(k, &mut ring, item);
+            let more = |k: &mut Kernel| k.setp(Cmp::Lt, item, items);
+            k.while_(more, |k| {
+                let b = item_block(k, args, causal, block_n, item, [q_blocks, heads]);
+                body(k, &b);
+                // The ticket is taken once this item's loads are issued; its latency
+                // hides behind the consumers' last tiles.
+                let next = k.add(item, grid);
+                k.if_(shared, |k| {
+                    let ticket = k.atom_global_add_u32(counter, 0, 1u32);
+                    k.add_to(next, ticket, grid);
+                });
+                k.mov_to(item, next);
+                publish(k, &mut ring, item);
+            });
+        }
+        Role::Consumer => {
+            let mut ring = queue.ring.consumer(k, smem);
+            let take = |k: &mut Kernel, ring: &mut StageRing| {
+                ring.wait_full(k);
+                let at = queue.slot(k, smem, ring);
+                let taken = k.ld_shared::<U32>(at, 0);
+                k.mov_to(item, taken);
+                ring.release(k);
+                ring.advance(k);
+            };
+            take(k, &mut ring);
+            let more = |k: &mut Kernel| k.setp(Cmp::Lt, item, items);
+            k.while_(more, |k| {
+                let b = item_block(k, args, causal, block_n, item, [q_blocks, heads]);
+                body(k, &b);
+                take(k, &mut ring);
+            });
+        }
+    }
+}
+
+/// The (query tile, head, batch) of work item `item`: head-batch-major with each head's
+/// query tiles in a row, except, with causal masking, the last `tail_heads` head-batches,
+/// which are query-tile-major (see [`for_each_item`]).
+fn item_block(
+    k: &mut Kernel,
+    args: ParamBytes,
+    causal: bool,
+    block_n: u32,
+    item: Reg<U32>,
+    [q_blocks, heads]: [Reg<U32>; 2],
+) -> Block {
+    let mut m_index = k.rem(item, q_blocks);
+    let mut hb = k.div(item, q_blocks);
+    if causal {
+        let tail = k.load_param_at::<U32>(args, offset_of!(FwdArgs, tail_heads));
+        let batch = k.load_param_at::<U32>(args, offset_of!(FwdArgs, batch));
+        let head_batches = k.mul(heads, batch);
+        let lead = k.sub(head_batches, tail);
+        let lead_items = k.mul(lead, q_blocks);
+        let in_lead = k.setp(Cmp::Lt, item, lead_items);
+        let past = k.sub(item, lead_items);
+        let across = k.max(tail, 1u32);
+        let m_tail = k.div(past, across);
+        let hb_tail = k.rem(past, across);
+        let hb_tail = k.add(hb_tail, lead);
+        m_index = k.selp(m_index, m_tail, in_lead);
+        hb = k.selp(hb, hb_tail, in_lead);
+    }
+    let head = k.rem(hb, heads);
+    let b = k.div(hb, heads);
+    let m_block = query_block(k, m_index, q_blocks, causal);
+    let m_start = k.mul(m_block.cast::<S32>(), BLOCK_M as i32);
+    let seq = sequence(k, args, b);
+    let causal_offset = seq.causal_offset(k);
+    let mask = causal.then_some(causal_offset);
+    let (sq, sk) = (seq.seqlen_q, seq.seqlen_k);
+    let tiles = key_tiles(k, sq, sk, m_start, BLOCK_M, block_n, mask);
+    Block {
+        batch: b,
+        head,
+        m_start,
+        seq,
+        causal_offset,
+        tiles,
+    }
 }
 
 /// What a consumer warpgroup thread knows about itself: which of the two consumer
@@ -358,7 +500,7 @@ fn produce(k: &mut Kernel, f: &Fwd, tid: Reg<U32>) {
         let mut qr = f.slots.q_ring.producer(k, f.smem);
         let mut kr = f.slots.k_ring.producer(k, f.smem);
         let mut vr = f.slots.v_ring.producer(k, f.smem);
-        f.for_each_item(k, |k, b| {
+        f.for_each_item(k, Role::Producer, |k, b| {
             let any = k.setp(Cmp::Gt, b.tiles.end, 0i32);
             k.if_(any, |k| {
                 let kv_head = k.div(b.head, group).cast::<S32>();
@@ -433,7 +575,7 @@ where
         k: f.slots.k_ring.consumer(k, f.smem),
         v: f.slots.v_ring.consumer(k, f.smem),
     };
-    f.for_each_item(k, |k, b| {
+    f.for_each_item(k, Role::Consumer, |k, b| {
         let c = Consumer {
             f,
             b,

@@ -45,7 +45,7 @@ use super::epilogue::{LseForm, OutputBlock, store_output_lse};
 use super::fp8::{Fp8Args, Fp8Config, P_SHIFT_LOG2, SCALE_BLOCK};
 use super::mask::apply_mask;
 use super::rows::{Slab, zeroed_slabs};
-use super::sm90::{Block, ConsumerRoles, advance, for_each_item, split_roles};
+use super::sm90::{Block, ConsumerRoles, Role, WorkQueue, advance, for_each_item, split_roles};
 use super::softmax::{OnlineSoftmax, rescale_rows};
 use super::{FwdArgs, HalfType, Tiling};
 use crate::ptx::{
@@ -93,6 +93,7 @@ pub struct Slots {
     pub q_ring: RingBarriers,
     pub k_ring: RingBarriers,
     pub v_ring: RingBarriers,
+    pub work: WorkQueue,
     /// The consumers' parked O columns, when there are any.
     pub parked: Option<RawSlot>,
 }
@@ -239,6 +240,7 @@ impl Shape {
             q_ring: RingBarriers::plan(&mut plan, 1),
             k_ring: RingBarriers::plan(&mut plan, STAGES),
             v_ring: RingBarriers::plan(&mut plan, STAGES),
+            work: WorkQueue::plan(&mut plan),
             parked: (self.parked_cols > 0)
                 .then(|| plan.raw(Parked::bytes(self.parked_cols), PARKED_ALIGN)),
         };
@@ -317,7 +319,7 @@ where
     split_roles(
         &mut k,
         &f.smem,
-        rings,
+        (rings, f.causal.then_some(&f.slots.work)),
         tid,
         |k| produce(k, &f, tid),
         |k| consume::<H, NS, NC, NP>(k, &f, tid),
@@ -327,8 +329,9 @@ where
 
 impl Fwd {
     /// The 16-bit kernel's persistent loop over (query tile, head, batch) work items.
-    fn for_each_item(&self, k: &mut Kernel, body: impl FnOnce(&mut Kernel, &Block)) {
-        for_each_item(k, self.args, self.causal, self.s.block_n, body);
+    fn for_each_item(&self, k: &mut Kernel, role: Role, body: impl FnOnce(&mut Kernel, &Block)) {
+        let queue = (&self.slots.work, self.smem, role);
+        for_each_item(k, self.args, queue, self.causal, self.s.block_n, body);
     }
 }
 
@@ -346,7 +349,7 @@ fn produce(k: &mut Kernel, f: &Fwd, tid: Reg<U32>) {
         let mut qr = f.slots.q_ring.producer(k, f.smem);
         let mut kr = f.slots.k_ring.producer(k, f.smem);
         let mut vr = f.slots.v_ring.producer(k, f.smem);
-        f.for_each_item(k, |k, b| {
+        f.for_each_item(k, Role::Producer, |k, b| {
             let any = k.setp(Cmp::Gt, b.tiles.end, 0i32);
             k.if_(any, |k| {
                 let kv_head = k.div(b.head, group).cast::<S32>();
@@ -438,7 +441,7 @@ where
         .slots
         .parked
         .map(|slot| Parked::new(k, f.smem, slot, tid, f.s.parked_cols));
-    f.for_each_item(k, |k, b| {
+    f.for_each_item(k, Role::Consumer, |k, b| {
         let scales = item_scales(k, f.args, b);
         let c = Consumer {
             f,
