@@ -140,7 +140,8 @@ fn sm90_map(t: &TensorView, rows: u32) -> Result<TensorMap> {
 /// The first call for a configuration generates its PTX and loads it (milliseconds);
 /// later calls validate, look the kernel up and launch, with no allocation but a causal
 /// sm90a launch's 4-byte tile counter (stream-ordered, `cuMemAllocAsync`, zeroed and freed
-/// on the caller's stream), so they can be captured in a CUDA graph. Every call (and
+/// on the caller's stream; without that allocator such a launch runs one block per work
+/// item instead), so they can be captured in a CUDA graph. Every call (and
 /// dropping it) leaves the calling thread's current CUDA context as it found it: the
 /// device's primary context is current only inside the driver calls (see [`ContextScope`](super::device::ContextScope)).
 pub struct Attention {
@@ -380,14 +381,16 @@ impl Attention {
         // Q, K and V reach the kernel through the maps; the block carries O and sizes.
         let none = TensorView { ptr: 0, ..*o };
         let mut args = fwd_args(problem, cfg, [&none, &none, &none, o], lse);
-        let dims = grid(problem, cfg, self.device.sm_count());
+        let mut dims = grid(problem, cfg, self.device.sm_count());
         let schedule = sm90_schedule(
             &problem.shape,
             sm90::BLOCK_M,
             cfg.causal,
             self.device.sm_count(),
         );
-        self.with_schedule(&schedule, &mut args, stream, |args| {
+        let items = work_items(&problem.shape, sm90::BLOCK_M);
+        self.with_schedule(&schedule, items, &mut args, stream, |args, blocks| {
+            dims.grid.0 = blocks;
             // SAFETY: the maps cover exactly the validated extents of Q, K and V (their
             // boxes' out-of-bounds parts are zero-filled by the hardware, never read), and
             // the kernel writes only O's and the LSE's validated extents and the tile
@@ -397,39 +400,51 @@ impl Attention {
         })
     }
 
-    /// Runs `launch` (an sm90a forward's) with `schedule` written into its `base` block:
-    /// when the schedule takes a tile counter, a zeroed 4-byte one from the stream-ordered
-    /// allocator, freed behind the launch. `stream` must be null or a live stream of this
-    /// device's context.
+    /// Runs `launch` (an sm90a forward's, given its grid size) with `schedule` written
+    /// into its `base` block: when the schedule takes a tile counter, a zeroed 4-byte one
+    /// from the stream-ordered allocator, freed behind the launch. Where that allocator
+    /// cannot give one (a device without memory pools, or no memory left), the `items`
+    /// run one block each, which needs no counter. `stream` must be null or a live stream
+    /// of this device's context.
     pub(crate) fn with_schedule<A: AsMut<FwdArgs>>(
         &self,
         schedule: &Sm90Schedule,
+        items: usize,
         args: &mut A,
         stream: CUstream,
-        launch: impl FnOnce(&mut A) -> Result<()>,
+        launch: impl FnOnce(&mut A, u32) -> Result<()>,
     ) -> Result<()> {
-        let counter = if schedule.counter {
-            let ptr = self.alloc_async(4, stream)?;
-            let _scope = ContextScope::enter(self.device.context())?;
-            // SAFETY: `ptr` is 4 bytes from cuMemAllocAsync in this context, ordered on
-            // `stream` (null or live, by this function's contract) before the memset.
-            let zeroed = check("cuMemsetD32Async", unsafe {
-                sys::cuMemsetD32Async(ptr, 0, 1, stream)
-            });
-            if let Err(e) = zeroed {
-                self.free_async(ptr, stream)?;
-                return Err(e);
-            }
-            Some(ptr)
-        } else {
-            None
+        let (schedule, counter) = match schedule.counter {
+            false => (*schedule, None),
+            true => match self.zeroed_counter(stream)? {
+                Some(ptr) => (*schedule, Some(ptr)),
+                None => (Sm90Schedule::one_block_per_item(items), None),
+            },
         };
         let base = args.as_mut();
         base.tile_counter = counter.unwrap_or(0);
         base.tail_heads = schedule.tail_heads;
-        let launched = launch(args);
+        let launched = launch(args, schedule.blocks);
         let freed = counter.map_or(Ok(()), |ptr| self.free_async(ptr, stream));
         launched.and(freed)
+    }
+
+    /// A zeroed `u32` from the stream-ordered allocator, ordered on `stream` (null or a
+    /// live stream of this device's context), or `None` where it cannot be had.
+    fn zeroed_counter(&self, stream: CUstream) -> Result<Option<u64>> {
+        let Ok(ptr) = self.alloc_async(4, stream) else {
+            return Ok(None);
+        };
+        let _scope = ContextScope::enter(self.device.context())?;
+        // SAFETY: `ptr` is 4 bytes from cuMemAllocAsync in this context, ordered on
+        // `stream` (null or live, by this function's contract) before the memset.
+        let zeroed = check("cuMemsetD32Async", unsafe {
+            sys::cuMemsetD32Async(ptr, 0, 1, stream)
+        });
+        match zeroed {
+            Ok(()) => Ok(Some(ptr)),
+            Err(_) => self.free_async(ptr, stream).map(|()| None),
+        }
     }
 
     /// `bytes` of device memory from the stream-ordered allocator, ordered on `stream`
@@ -492,6 +507,18 @@ pub(crate) struct Sm90Schedule {
     pub counter: bool,
     /// [`FwdArgs::tail_heads`].
     pub tail_heads: u32,
+}
+
+impl Sm90Schedule {
+    /// Every item its own block, in item order: the hardware hands the next one to
+    /// whichever SM frees up first.
+    pub(crate) fn one_block_per_item(items: usize) -> Sm90Schedule {
+        Sm90Schedule {
+            blocks: items as u32,
+            counter: false,
+            tail_heads: 0,
+        }
+    }
 }
 
 /// The schedule of an sm90a forward launch.

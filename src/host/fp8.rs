@@ -448,12 +448,13 @@ impl Attention {
                 let maps = sm90_maps(cfg, ops)?;
                 let sms = self.device().sm_count();
                 let schedule = sm90_schedule(&shape, tiling.block_m, cfg.causal, sms);
-                let dims = LaunchDims {
-                    grid: (schedule.blocks, 1, 1),
-                    block: (tiling.threads, 1, 1),
-                    dynamic_smem: tiling.smem_bytes,
-                };
-                self.with_schedule(&schedule, &mut args, stream, |args| {
+                let items = work_items(&shape, tiling.block_m);
+                self.with_schedule(&schedule, items, &mut args, stream, |args, blocks| {
+                    let dims = LaunchDims {
+                        grid: (blocks, 1, 1),
+                        block: (tiling.threads, 1, 1),
+                        dynamic_smem: tiling.smem_bytes,
+                    };
                     // SAFETY: `args` is the kernel's `Fp8Args` block and `maps` cover
                     // exactly the validated extents of Q8, K8 and Vᵀ8 (out-of-bounds box
                     // parts are zero-filled by the hardware); the kernel writes only O's
