@@ -13,7 +13,7 @@ use super::tensor::{AttentionParams, LseView, TensorView};
 use super::validate::{FwdProblem, validate_fwd};
 use crate::error::{Error, Result};
 use crate::kernels::attention::{
-    BLOCK_M_NARROW, BLOCK_M_WIDE, FWD_HEAD_DIMS, FwdArgs, FwdConfig, HalfType, Path, sm90,
+    BLOCK_M_NARROW, BLOCK_M_WIDE, FWD_HEAD_DIMS, FwdArgs, FwdConfig, HalfType, Path, Tiling, sm90,
 };
 use crate::shape::AttnShape;
 use crate::tma::{TensorMap, TiledMap, TmaType};
@@ -141,9 +141,10 @@ fn sm90_map(t: &TensorView, rows: u32) -> Result<TensorMap> {
 /// later calls validate, look the kernel up and launch, with no allocation but a causal
 /// sm90a launch's 4-byte tile counter (stream-ordered, `cuMemAllocAsync`, zeroed and freed
 /// on the caller's stream; without that allocator such a launch runs one block per work
-/// item instead), so they can be captured in a CUDA graph. Every call (and
-/// dropping it) leaves the calling thread's current CUDA context as it found it: the
-/// device's primary context is current only inside the driver calls (see [`ContextScope`](super::device::ContextScope)).
+/// item instead), so they can be captured in a CUDA graph. Every call (and dropping it)
+/// leaves the calling thread's current CUDA context as it found it: the device's primary
+/// context is current only inside the driver calls (see
+/// [`ContextScope`](super::device::ContextScope)).
 pub struct Attention {
     device: Arc<Device>,
     cache: ModuleCache,
@@ -353,7 +354,7 @@ impl Attention {
     ) -> Result<()> {
         let kernel = self.prepare(cfg)?;
         let mut args = fwd_args(problem, cfg, [q, k, v, o], lse);
-        let dims = grid(problem, cfg, self.device.sm_count());
+        let dims = sm80_grid(problem, cfg);
         let mut params = [&mut args as *mut FwdArgs as *mut c_void];
         // SAFETY: the kernel's one parameter is the by-value `FwdArgs` block, which `args`
         // is and which outlives the call; validate_fwd checked every pointer is non-null and
@@ -381,50 +382,59 @@ impl Attention {
         // Q, K and V reach the kernel through the maps; the block carries O and sizes.
         let none = TensorView { ptr: 0, ..*o };
         let mut args = fwd_args(problem, cfg, [&none, &none, &none, o], lse);
-        let mut dims = grid(problem, cfg, self.device.sm_count());
-        let schedule = sm90_schedule(
+        let tiling = cfg.tiling();
+        self.launch_scheduled(
             &problem.shape,
-            sm90::BLOCK_M,
+            tiling,
             cfg.causal,
-            self.device.sm_count(),
-        );
-        let items = work_items(&problem.shape, sm90::BLOCK_M);
-        self.with_schedule(&schedule, items, &mut args, stream, |args, blocks| {
-            dims.grid.0 = blocks;
-            // SAFETY: the maps cover exactly the validated extents of Q, K and V (their
-            // boxes' out-of-bounds parts are zero-filled by the hardware, never read), and
-            // the kernel writes only O's and the LSE's validated extents and the tile
-            // counter `with_schedule` made; this function's contract makes them live
-            // memory of this context and `stream` a stream of it.
-            unsafe { launch_with_maps(&kernel, &dims, stream, args, maps) }
-        })
+            &mut args,
+            stream,
+            |args, dims| {
+                // SAFETY: the maps cover exactly the validated extents of Q, K and V (their
+                // boxes' out-of-bounds parts are zero-filled by the hardware, never read), and
+                // the kernel writes only O's and the LSE's validated extents and the tile
+                // counter `launch_scheduled` made; this function's contract makes them live
+                // memory of this context and `stream` a stream of it.
+                unsafe { launch_with_maps(&kernel, dims, stream, args, maps) }
+            },
+        )
     }
 
-    /// Runs `launch` (an sm90a forward's, given its grid size) with `schedule` written
-    /// into its `base` block: when the schedule takes a tile counter, a zeroed 4-byte one
-    /// from the stream-ordered allocator, freed behind the launch. Where that allocator
-    /// cannot give one (a device without memory pools, or no memory left), the `items`
-    /// run one block each, which needs no counter. `stream` must be null or a live stream
-    /// of this device's context.
-    pub(crate) fn with_schedule<A: AsMut<FwdArgs>>(
+    /// Runs `launch` (an sm90a forward's) with its launch shape and its `base` block set
+    /// to the [`sm90_schedule`] of `shape`: when the schedule takes a tile counter, a zeroed
+    /// 4-byte one from the stream-ordered allocator, freed behind the launch. Where that
+    /// allocator cannot give one (a device without memory pools, or no memory left), every
+    /// work item runs in a block of its own, which needs no counter. `stream` must be null
+    /// or a live stream of this device's context.
+    pub(crate) fn launch_scheduled<A: AsMut<FwdArgs>>(
         &self,
-        schedule: &Sm90Schedule,
-        items: usize,
+        shape: &AttnShape,
+        tiling: Tiling,
+        causal: bool,
         args: &mut A,
         stream: CUstream,
-        launch: impl FnOnce(&mut A, u32) -> Result<()>,
+        launch: impl FnOnce(&mut A, &LaunchDims) -> Result<()>,
     ) -> Result<()> {
+        let schedule = sm90_schedule(shape, tiling.block_m, causal, self.device.sm_count());
         let (schedule, counter) = match schedule.counter {
-            false => (*schedule, None),
+            false => (schedule, None),
             true => match self.zeroed_counter(stream)? {
-                Some(ptr) => (*schedule, Some(ptr)),
-                None => (Sm90Schedule::one_block_per_item(items), None),
+                Some(ptr) => (schedule, Some(ptr)),
+                None => {
+                    let items = work_items(shape, tiling.block_m);
+                    (Sm90Schedule::one_block_per_item(items), None)
+                }
             },
         };
         let base = args.as_mut();
         base.tile_counter = counter.unwrap_or(0);
         base.tail_heads = schedule.tail_heads;
-        let launched = launch(args, schedule.blocks);
+        let dims = LaunchDims {
+            grid: (schedule.blocks, 1, 1),
+            block: (tiling.threads, 1, 1),
+            dynamic_smem: tiling.smem_bytes,
+        };
+        let launched = launch(args, &dims);
         let freed = counter.map_or(Ok(()), |ptr| self.free_async(ptr, stream));
         launched.and(freed)
     }
@@ -622,21 +632,14 @@ fn fwd_args(
     }
 }
 
-/// The launch shape: on the sm80 path one block per (query tile, head, batch); on the
-/// sm90 path the [`sm90_schedule`]'s blocks.
-fn grid(problem: &FwdProblem, cfg: &FwdConfig, sm_count: u32) -> LaunchDims {
+/// The sm80 path's launch shape: one block per (query tile, head, batch). (The sm90a
+/// path's comes from [`Attention::launch_scheduled`].)
+fn sm80_grid(problem: &FwdProblem, cfg: &FwdConfig) -> LaunchDims {
     let shape = problem.shape;
     let tiling = cfg.tiling();
     let q_blocks = shape.seqlen_q.div_ceil(tiling.block_m as usize);
-    let grid = match cfg.path {
-        Path::Sm80 => (q_blocks as u32, shape.heads_q as u32, shape.batch as u32),
-        Path::Sm90 => {
-            let schedule = sm90_schedule(&shape, tiling.block_m, cfg.causal, sm_count);
-            (schedule.blocks, 1, 1)
-        }
-    };
     LaunchDims {
-        grid,
+        grid: (q_blocks as u32, shape.heads_q as u32, shape.batch as u32),
         block: (tiling.threads, 1, 1),
         dynamic_smem: tiling.smem_bytes,
     }
@@ -761,15 +764,7 @@ mod tests {
             let shape = AttnShape::square(b, h, s, 128);
             let cfg = dispatch((9, 0), 132, HalfType::F16, &shape, causal).unwrap();
             assert_eq!(cfg.path, Path::Sm90);
-            let problem = FwdProblem {
-                shape,
-                dtype: HalfType::F16,
-                scale: 0.1,
-                causal,
-                packed: None,
-            };
-            let sched = sm90_schedule(&shape, sm90::BLOCK_M, causal, 132);
-            assert_eq!(grid(&problem, &cfg, 132).grid, (sched.blocks, 1, 1));
+            let sched = sm90_schedule(&shape, cfg.tiling().block_m, causal, 132);
             (sched.blocks, sched.counter, sched.tail_heads)
         };
         // 16 query tiles of 128 rows x 16 heads x 8 batches = 2048 work items: a fixed

@@ -10,7 +10,7 @@ use std::ffi::c_void;
 
 use cudarc::driver::sys::CUstream;
 
-use super::attention::{Attention, PathChoice, launch_with_maps, sm90_schedule, work_items};
+use super::attention::{Attention, PathChoice, launch_with_maps, work_items};
 use super::launch::{LaunchDims, launch};
 use super::tensor::{AttentionParams, DType, LseView, TensorView};
 use super::validate::{
@@ -446,23 +446,22 @@ impl Attention {
             }
             Fp8Path::Sm90 => {
                 let maps = sm90_maps(cfg, ops)?;
-                let sms = self.device().sm_count();
-                let schedule = sm90_schedule(&shape, tiling.block_m, cfg.causal, sms);
-                let items = work_items(&shape, tiling.block_m);
-                self.with_schedule(&schedule, items, &mut args, stream, |args, blocks| {
-                    let dims = LaunchDims {
-                        grid: (blocks, 1, 1),
-                        block: (tiling.threads, 1, 1),
-                        dynamic_smem: tiling.smem_bytes,
-                    };
-                    // SAFETY: `args` is the kernel's `Fp8Args` block and `maps` cover
-                    // exactly the validated extents of Q8, K8 and Vᵀ8 (out-of-bounds box
-                    // parts are zero-filled by the hardware); the kernel writes only O's
-                    // and the LSE's validated extents and the tile counter
-                    // `with_schedule` made; this function's contract makes them live
-                    // memory of this context and `stream` a stream of it.
-                    unsafe { launch_with_maps(&kernel, &dims, stream, args, maps) }
-                })
+                self.launch_scheduled(
+                    &shape,
+                    tiling,
+                    cfg.causal,
+                    &mut args,
+                    stream,
+                    |args, dims| {
+                        // SAFETY: `args` is the kernel's `Fp8Args` block and `maps` cover
+                        // exactly the validated extents of Q8, K8 and Vᵀ8 (out-of-bounds box
+                        // parts are zero-filled by the hardware); the kernel writes only O's
+                        // and the LSE's validated extents and the tile counter
+                        // `launch_scheduled` made; this function's contract makes them live
+                        // memory of this context and `stream` a stream of it.
+                        unsafe { launch_with_maps(&kernel, dims, stream, args, maps) }
+                    },
+                )
             }
         }
     }
