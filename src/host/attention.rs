@@ -382,38 +382,46 @@ impl Attention {
         // Q, K and V reach the kernel through the maps; the block carries O and sizes.
         let none = TensorView { ptr: 0, ..*o };
         let mut args = fwd_args(problem, cfg, [&none, &none, &none, o], lse);
-        let tiling = cfg.tiling();
-        self.launch_scheduled(
-            &problem.shape,
-            tiling,
-            cfg.causal,
-            &mut args,
-            stream,
-            |args, dims| {
-                // SAFETY: the maps cover exactly the validated extents of Q, K and V (their
-                // boxes' out-of-bounds parts are zero-filled by the hardware, never read), and
-                // the kernel writes only O's and the LSE's validated extents and the tile
-                // counter `launch_scheduled` made; this function's contract makes them live
-                // memory of this context and `stream` a stream of it.
-                unsafe { launch_with_maps(&kernel, dims, stream, args, maps) }
-            },
-        )
+        // SAFETY: the maps cover exactly the validated extents of Q, K and V (their boxes'
+        // out-of-bounds parts are zero-filled by the hardware, never read), `args` is the
+        // kernel's `FwdArgs` block, and the kernel writes only O's and the LSE's validated
+        // extents; this function's contract makes them live memory of this context and
+        // `stream` a stream of it.
+        unsafe {
+            self.launch_scheduled(
+                &kernel,
+                &problem.shape,
+                cfg.tiling(),
+                cfg.causal,
+                &mut args,
+                maps,
+                stream,
+            )
+        }
     }
 
-    /// Runs `launch` (an sm90a forward's) with its launch shape and its `base` block set
-    /// to the [`sm90_schedule`] of `shape`: when the schedule takes a tile counter, a zeroed
-    /// 4-byte one from the stream-ordered allocator, freed behind the launch. Where that
-    /// allocator cannot give one (a device without memory pools, or no memory left), every
-    /// work item runs in a block of its own, which needs no counter. `stream` must be null
-    /// or a live stream of this device's context.
-    pub(crate) fn launch_scheduled<A: AsMut<FwdArgs>>(
+    /// Launches an sm90a forward (`kernel`, whose parameters are `args` and the three tensor
+    /// maps) with the launch shape and the `base` block of the [`sm90_schedule`] of `shape`:
+    /// when the schedule takes a tile counter, a zeroed 4-byte one from the stream-ordered
+    /// allocator, freed behind the launch. Where that allocator cannot give one (a device
+    /// without memory pools, or no memory left), every work item runs in a block of its
+    /// own, which needs no counter.
+    ///
+    /// # Safety
+    ///
+    /// As for [`launch_with_maps`]: `args` and `maps` must be what `kernel` expects, every
+    /// address they hold live memory the kernel may use as its contract says, and `stream`
+    /// null or a live stream of this device's context.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) unsafe fn launch_scheduled<A: AsMut<FwdArgs>>(
         &self,
+        kernel: &LoadedKernel,
         shape: &AttnShape,
         tiling: Tiling,
         causal: bool,
         args: &mut A,
+        maps: [TensorMap; 3],
         stream: CUstream,
-        launch: impl FnOnce(&mut A, &LaunchDims) -> Result<()>,
     ) -> Result<()> {
         let schedule = sm90_schedule(shape, tiling.block_m, causal, self.device.sm_count());
         let (schedule, counter) = match schedule.counter {
@@ -434,7 +442,9 @@ impl Attention {
             block: (tiling.threads, 1, 1),
             dynamic_smem: tiling.smem_bytes,
         };
-        let launched = launch(args, &dims);
+        // SAFETY: the caller vouches for `args`, `maps` and `stream`; the counter (if any)
+        // is 4 live bytes of this context, zeroed before the launch on the same stream.
+        let launched = unsafe { launch_with_maps(kernel, &dims, stream, args, maps) };
         let freed = counter.map_or(Ok(()), |ptr| self.free_async(ptr, stream));
         launched.and(freed)
     }
@@ -488,7 +498,7 @@ impl Attention {
 /// `args` must be the argument block `kernel` expects and `maps` its three maps, and
 /// every address they hold must be live memory of the kernel's context that the kernel
 /// may read or write as its contract says; `stream` is null or a stream of that context.
-pub(crate) unsafe fn launch_with_maps<A>(
+unsafe fn launch_with_maps<A>(
     kernel: &LoadedKernel,
     dims: &LaunchDims,
     stream: CUstream,

@@ -10,7 +10,7 @@ use std::ffi::c_void;
 
 use cudarc::driver::sys::CUstream;
 
-use super::attention::{Attention, PathChoice, launch_with_maps, work_items};
+use super::attention::{Attention, PathChoice, work_items};
 use super::launch::{LaunchDims, launch};
 use super::tensor::{AttentionParams, DType, LseView, TensorView};
 use super::validate::{
@@ -446,22 +446,16 @@ impl Attention {
             }
             Fp8Path::Sm90 => {
                 let maps = sm90_maps(cfg, ops)?;
-                self.launch_scheduled(
-                    &shape,
-                    tiling,
-                    cfg.causal,
-                    &mut args,
-                    stream,
-                    |args, dims| {
-                        // SAFETY: `args` is the kernel's `Fp8Args` block and `maps` cover
-                        // exactly the validated extents of Q8, K8 and Vᵀ8 (out-of-bounds box
-                        // parts are zero-filled by the hardware); the kernel writes only O's
-                        // and the LSE's validated extents and the tile counter
-                        // `launch_scheduled` made; this function's contract makes them live
-                        // memory of this context and `stream` a stream of it.
-                        unsafe { launch_with_maps(&kernel, dims, stream, args, maps) }
-                    },
-                )
+                // SAFETY: `args` is the kernel's `Fp8Args` block and `maps` cover exactly
+                // the validated extents of Q8, K8 and Vᵀ8 (out-of-bounds box parts are
+                // zero-filled by the hardware); the kernel writes only O's and the LSE's
+                // validated extents; this function's contract makes them live memory of
+                // this context and `stream` a stream of it.
+                unsafe {
+                    self.launch_scheduled(
+                        &kernel, &shape, tiling, cfg.causal, &mut args, maps, stream,
+                    )
+                }
             }
         }
     }
