@@ -477,6 +477,30 @@ fn tma_golden() {
 }
 
 #[test]
+fn a_tensor_map_taken_again_where_it_is_used() {
+    let (mut k, smem, tile, _) = hopper_kernel("tma_here");
+    let _first = k.tensor_map_param("tmap_a");
+    let map = k.tensor_map_param("tmap_b");
+    let src = smem.tile(&mut k, tile, 0);
+    let x = k.mov::<S32>(0i32);
+    let here = k.tensor_map_here(map);
+    k.tma_store(here, [x, x], src);
+    let mut m = Module::new(Target::Sm90a);
+    m.push(k.finish().unwrap()).unwrap();
+    let ptx = m.to_ptx();
+    // The parameter's address is taken at the start and again, into a new register,
+    // for the store, which reads only the new one.
+    for want in [
+        "mov.b64 %rd1, tmap_b;",
+        "mov.b64 %rd2, tmap_b;",
+        "cvta.param.u64 %rd2, %rd2;",
+        "cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%rd2, {%r",
+    ] {
+        assert!(ptx.contains(want), "missing `{want}` in:\n{ptx}");
+    }
+}
+
+#[test]
 fn wgmma_golden() {
     let (mut k, smem, tile, _) = hopper_kernel("mma90");
     let layout = tile.layout;

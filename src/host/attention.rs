@@ -111,6 +111,18 @@ pub fn dispatch_sm80(
 /// stepped, so its stride (which validation leaves unchecked) is replaced by one TMA
 /// accepts.
 fn sm90_map(t: &TensorView, rows: u32) -> Result<TensorMap> {
+    sm90_map_boxed(t, [rows, t.shape[3] as u32 / 64])
+}
+
+/// The map of O the sm90a epilogues store through, one `{64, 16}` box (a warp's rows,
+/// one column block) at a time; `None` where O cannot go out by TMA: packed sequences
+/// (a box would cross into the next sequence's rows) or a layout TMA cannot describe.
+pub(crate) fn sm90_output_map(o: &TensorView, packed: bool) -> Option<TensorMap> {
+    (!packed).then(|| sm90_map_boxed(o, [16, 1]).ok()).flatten()
+}
+
+/// [`sm90_map`] with a box of `rows` rows by `blocks` 64-column blocks.
+fn sm90_map_boxed(t: &TensorView, [rows, blocks]: [u32; 2]) -> Result<TensorMap> {
     let dtype = match t.dtype {
         super::tensor::DType::Bf16 => TmaType::Bf16,
         _ => TmaType::F16,
@@ -131,7 +143,7 @@ fn sm90_map(t: &TensorView, rows: u32) -> Result<TensorMap> {
         t.shape[0] as u64,
     ];
     let strides = [bytes(1), 128, bytes(2), bytes(0)];
-    let boxes = [64, rows, (d / 64) as u32, 1, 1];
+    let boxes = [64, rows, blocks, 1, 1];
     TiledMap::new(dtype, &dims, &strides, &boxes, crate::ptx::Swizzle::B128).encode(t.ptr)
 }
 
@@ -382,6 +394,7 @@ impl Attention {
         // Q, K and V reach the kernel through the maps; the block carries O and sizes.
         let none = TensorView { ptr: 0, ..*o };
         let mut args = fwd_args(problem, cfg, [&none, &none, &none, o], lse);
+        let o_map = sm90_output_map(o, problem.packed.is_some());
         // SAFETY: the maps cover exactly the validated extents of Q, K and V (their boxes'
         // out-of-bounds parts are zero-filled by the hardware, never read), `args` is the
         // kernel's `FwdArgs` block, and the kernel writes only O's and the LSE's validated
@@ -394,14 +407,15 @@ impl Attention {
                 cfg.tiling(),
                 cfg.causal,
                 &mut args,
-                maps,
+                (maps, o_map),
                 stream,
             )
         }
     }
 
-    /// Launches an sm90a forward (`kernel`, whose parameters are `args` and the three tensor
-    /// maps) with the launch shape and the `base` block of the [`sm90_schedule`] of `shape`:
+    /// Launches an sm90a forward (`kernel`, whose parameters are `args` and the four tensor
+    /// maps: the three inputs', and O's where it has one, see [`sm90_output_map`]) with the
+    /// launch shape and the `base` block of the [`sm90_schedule`] of `shape`:
     /// when the schedule takes a tile counter, a zeroed 4-byte one from the stream-ordered
     /// allocator, freed behind the launch. Where that allocator cannot give one (a device
     /// without memory pools, or no memory left), every work item runs in a block of its
@@ -420,7 +434,7 @@ impl Attention {
         tiling: Tiling,
         causal: bool,
         args: &mut A,
-        maps: [TensorMap; 3],
+        (maps, o_map): ([TensorMap; 3], Option<TensorMap>),
         stream: CUstream,
     ) -> Result<()> {
         let schedule = sm90_schedule(shape, tiling.block_m, causal, self.device.sm_count());
@@ -437,6 +451,9 @@ impl Attention {
         let base = args.as_mut();
         base.tile_counter = counter.unwrap_or(0);
         base.tail_heads = schedule.tail_heads;
+        base.o_by_tma = o_map.is_some() as u32;
+        let [q, k, v] = maps;
+        let maps = [q, k, v, o_map.unwrap_or(TensorMap::unused())];
         let dims = LaunchDims {
             grid: (schedule.blocks, 1, 1),
             block: (tiling.threads, 1, 1),
@@ -490,12 +507,12 @@ impl Attention {
     }
 }
 
-/// Launches a kernel whose parameters are a by-value argument block followed by three
+/// Launches a kernel whose parameters are a by-value argument block followed by four
 /// by-value tensor maps (the sm90a forward kernels).
 ///
 /// # Safety
 ///
-/// `args` must be the argument block `kernel` expects and `maps` its three maps, and
+/// `args` must be the argument block `kernel` expects and `maps` its four maps, and
 /// every address they hold must be live memory of the kernel's context that the kernel
 /// may read or write as its contract says; `stream` is null or a stream of that context.
 unsafe fn launch_with_maps<A>(
@@ -503,16 +520,17 @@ unsafe fn launch_with_maps<A>(
     dims: &LaunchDims,
     stream: CUstream,
     args: &mut A,
-    maps: [TensorMap; 3],
+    maps: [TensorMap; 4],
 ) -> Result<()> {
-    let [mut mq, mut mk, mut mv] = maps;
-    let mut params: [*mut c_void; 4] = [
+    let [mut mq, mut mk, mut mv, mut mo] = maps;
+    let mut params: [*mut c_void; 5] = [
         (args as *mut A).cast(),
         (&mut mq as *mut TensorMap).cast(),
         (&mut mk as *mut TensorMap).cast(),
         (&mut mv as *mut TensorMap).cast(),
+        (&mut mo as *mut TensorMap).cast(),
     ];
-    // SAFETY: the parameters are the by-value argument block and three by-value 128-byte
+    // SAFETY: the parameters are the by-value argument block and four by-value 128-byte
     // tensor maps, which these point at and which outlive the call; the caller vouches
     // for their contents and the stream.
     unsafe { launch(kernel, dims, stream, &mut params) }
@@ -638,7 +656,7 @@ fn fwd_args(
         lse_stride,
         tile_counter: 0,
         tail_heads: 0,
-        _pad: 0,
+        o_by_tma: 0,
     }
 }
 

@@ -359,7 +359,7 @@ pub(crate) fn fp8_args(
         ],
         tile_counter: 0,
         tail_heads: 0,
-        _pad: 0,
+        o_by_tma: 0,
     };
     Fp8Args {
         base,
@@ -446,6 +446,7 @@ impl Attention {
             }
             Fp8Path::Sm90 => {
                 let maps = sm90_maps(cfg, ops)?;
+                let o_map = super::attention::sm90_output_map(o, false);
                 // SAFETY: `args` is the kernel's `Fp8Args` block and `maps` cover exactly
                 // the validated extents of Q8, K8 and Vᵀ8 (out-of-bounds box parts are
                 // zero-filled by the hardware); the kernel writes only O's and the LSE's
@@ -453,7 +454,13 @@ impl Attention {
                 // this context and `stream` a stream of it.
                 unsafe {
                     self.launch_scheduled(
-                        &kernel, &shape, tiling, cfg.causal, &mut args, maps, stream,
+                        &kernel,
+                        &shape,
+                        tiling,
+                        cfg.causal,
+                        &mut args,
+                        (maps, o_map),
+                        stream,
                     )
                 }
             }

@@ -75,10 +75,11 @@ impl KernelSpec {
     /// machine code for `sm_NN`.
     pub fn expected_sass(&self) -> &'static [&'static str] {
         match self {
-            // mma.sync and cp.async; or wgmma, TMA loads and mbarrier transactions.
+            // mma.sync and cp.async; or wgmma, TMA loads and mbarrier transactions, and O
+            // staged by stmatrix for a TMA store.
             KernelSpec::Fwd(c) => match c.path {
                 attention::Path::Sm80 => &["HMMA", "LDGSTS"],
-                attention::Path::Sm90 => &["HGMMA", "UTMALDG", "SYNCS"],
+                attention::Path::Sm90 => &["HGMMA", "UTMALDG", "SYNCS", "STSM", "UTMASTG"],
             },
             // wgmma (QGMMA for fp8), TMA loads, mbarrier transactions.
             KernelSpec::Gemm(c) => match c.dtype {
@@ -90,6 +91,9 @@ impl KernelSpec {
             // its fallback, has no fp8 mma.sync: ptxas unpacks the bytes to f16 and
             // emulates it with HMMA.16816.
             KernelSpec::Fp8(c) => match c.path {
+                attention::fp8::Fp8Path::Sm90 if attention::sm90_fp8::stages_output(c) => {
+                    &["QGMMA", "UTMALDG", "SYNCS", "STSM", "UTMASTG"]
+                }
                 attention::fp8::Fp8Path::Sm90 => &["QGMMA", "UTMALDG", "SYNCS"],
                 attention::fp8::Fp8Path::Sm89 => &[
                     "sm_89:QMMA.16832.F32.E4M3",

@@ -419,11 +419,10 @@ impl Kernel {
 
     // ---- parameters in place -------------------------------------------------------
 
-    /// Declares a by-value parameter of `size` bytes aligned `align` that the kernel never
-    /// copies to registers, and returns its generic address (`mov` + `cvta.param`): how a
-    /// `CUtensorMap` passed by value (a `__grid_constant__` parameter) is handed to TMA.
-    pub(super) fn param_in_place(&mut self, name: &str, size: usize, align: usize) -> Reg<U64> {
-        let p = self.param_bytes(name, size, align);
+    /// The generic address (`mov` + `cvta.param`) of a by-value parameter the kernel
+    /// never copies to registers: how a `CUtensorMap` passed by value (a
+    /// `__grid_constant__` parameter) is handed to TMA.
+    pub(super) fn param_address(&mut self, p: ParamBytes) -> Reg<U64> {
         let pname = self.params[p.index].name.clone();
         let d = self.reg::<U64>();
         self.emit(format!("mov.b64 {}, {pname};", d.name()));

@@ -7,7 +7,7 @@
 //! dimension order, innermost (contiguous) dimension first.
 
 use super::error::PtxError;
-use super::kernel::{Kernel, Reg, Src};
+use super::kernel::{Kernel, ParamBytes, Reg, Src};
 use super::smem::{Mbarrier, SmemAddr};
 use super::target::Feature;
 use super::types::*;
@@ -17,9 +17,10 @@ pub const TENSOR_MAP_BYTES: usize = 128;
 /// Alignment the driver requires of a tensor map (and its kernel parameter).
 pub const TENSOR_MAP_ALIGN: usize = 64;
 
-/// The generic address of a tensor map that lives in a kernel parameter.
+/// The generic address of a tensor map that lives in a kernel parameter (and which
+/// parameter it is, so that [`Kernel::tensor_map_here`] can take the address anew).
 #[derive(Debug, Clone, Copy)]
-pub struct TmaDesc(Reg<U64>);
+pub struct TmaDesc(Reg<U64>, ParamBytes);
 
 /// L2 eviction priority of a TMA load (`.L2::cache_hint` policies, as CUTLASS encodes them).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -50,7 +51,14 @@ impl Kernel {
     /// Declares a by-value `CUtensorMap` parameter `name` (`.param .align 64 .b8
     /// name[128]`) and returns its address for TMA instructions.
     pub fn tensor_map_param(&mut self, name: &str) -> TmaDesc {
-        TmaDesc(self.param_in_place(name, TENSOR_MAP_BYTES, TENSOR_MAP_ALIGN))
+        let p = self.param_bytes(name, TENSOR_MAP_BYTES, TENSOR_MAP_ALIGN);
+        TmaDesc(self.param_address(p), p)
+    }
+
+    /// `map`'s address taken again where it is used: a map needed only late (an
+    /// epilogue's store) then holds no register through the rest of the kernel.
+    pub fn tensor_map_here(&mut self, map: TmaDesc) -> TmaDesc {
+        TmaDesc(self.param_address(map.1), map.1)
     }
 
     fn check_rank<const R: usize>(&mut self) {

@@ -26,6 +26,14 @@ use crate::ptx::{SmemLayout, Swizzle};
 #[derive(Clone, Copy, PartialEq, Eq)]
 pub struct TensorMap(sys::CUtensorMap);
 
+impl TensorMap {
+    /// All zero bits: the placeholder for a map parameter the kernel is told not to use
+    /// (a TMA through it would fault, not write anywhere).
+    pub const fn unused() -> TensorMap {
+        TensorMap(sys::CUtensorMap { opaque: [0; 16] })
+    }
+}
+
 impl std::fmt::Debug for TensorMap {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "TensorMap({:#x}..)", self.0.opaque[0])

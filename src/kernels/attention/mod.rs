@@ -210,7 +210,9 @@ pub struct FwdArgs {
     /// sm90 path: how many of the last (head, batch) pairs give their work items out query
     /// tile by query tile across the pairs rather than pair by pair (0: none).
     pub tail_heads: u32,
-    pub _pad: u32,
+    /// sm90 path: nonzero when the launch passes a tensor map of O (dense O whose layout
+    /// TMA can describe): the epilogue stages O in shared memory and stores it by TMA.
+    pub o_by_tma: u32,
 }
 
 impl FwdArgs {

@@ -13,7 +13,8 @@
 //!                                            wait S; release K[n]; [mask]; softmax(S)
 //!                                                -> rescale, running sums    (overlaps P V)
 //!                                            wait P V; release V[n+1]; P = S as f16/bf16
-//!                                        O *= rescale; O += P V[0]; O /= l; store O, LSE
+//!                                        O *= rescale; O += P V[0]; O /= l
+//!                                        stmatrix O to shared memory, TMA store; LSE
 //! ```
 //!
 //! The softmax of tile n runs while the tensor cores multiply P·V of tile n+1 (the
@@ -24,10 +25,19 @@
 //! masked. Keys are visited last to first, so the
 //! tiles that need a mask (the sequence end, the causal diagonal) form a loop of their
 //! own ahead of the unmasked ones.
+//!
+//! O leaves through shared memory: each warp writes its 16 rows with `stmatrix` into a
+//! staging tile laid out as Q's and one lane sends them out by TMA, which clips the rows
+//! past the sequence end (direct stores of O took 3–9% of the time at S 2048). The
+//! staging tile is O's own at d ≤ 128; at d = 256, where shared memory is full, it is
+//! Q's tile, so Q is released after the store rather than after the last `Q Kᵀ` (see
+//! [`Shape::o_in_q`]). Launches that cannot describe O to TMA (packed sequences, whose
+//! boxes would cross into the next sequence) pass no map of O, and the epilogue stores it
+//! directly.
 
 use std::mem::offset_of;
 
-use super::epilogue::{OutputBlock, store_output};
+use super::epilogue::{LseForm, OutputBlock, OutputStage, store_output_staged};
 use super::mask::{KeyTiles, apply_mask, key_tiles, query_block};
 use super::rows::Rows;
 use super::sequence::{Sequence, sequence};
@@ -44,7 +54,8 @@ use crate::ptx::{
 pub const BLOCK_M: u32 = 128;
 /// Threads: a producer warpgroup and two consumer warpgroups.
 pub const THREADS: u32 = 384;
-/// Registers per thread after reallocation: 128·40 + 256·232 = 64512 <= 65536.
+/// Registers per thread after reallocation: 128·40 + 256·232 = 64512 <= 65536 (but see
+/// [`Shape::registers`]).
 pub const PRODUCER_REGS: u32 = 40;
 pub const CONSUMER_REGS: u32 = 232;
 /// K and V stages in flight.
@@ -67,12 +78,19 @@ pub struct Slots {
     pub k: TileSlot,
     pub v: TileSlot,
     /// Q is a one-stage ring: the producer loads the next work item's Q as soon as the
-    /// consumers have issued their last `Q Kᵀ` of the current one.
+    /// consumers have issued their last `Q Kᵀ` of the current one (or, where O is staged
+    /// in Q's tile, once O has left it).
     pub q_ring: RingBarriers,
     pub k_ring: RingBarriers,
     pub v_ring: RingBarriers,
     pub work: WorkQueue,
+    /// Where O is staged for its TMA store: a tile of its own, or Q's (see
+    /// [`Shape::o_in_q`]).
+    pub o: TileSlot,
 }
+
+/// The dynamic shared memory a block may have on sm_90.
+pub const MAX_SMEM: u32 = 227 * 1024;
 
 impl Shape {
     /// Keys per tile by head dimension: as many as the registers (S takes `block_n / 2`
@@ -99,16 +117,49 @@ impl Shape {
         SmemLayout::new(self.block_n, self.head_dim, 2, Swizzle::B128)
     }
 
+    /// Registers per producer and per consumer thread. At d = 256 the consumers take 8
+    /// more (128·24 + 256·240 = 64512, the FP8 kernels' split): O's 128 beside S and P
+    /// spilled 80 bytes in the key loop once the epilogue issued TMA stores. The producer's
+    /// one thread fits in 24.
+    pub fn registers(&self) -> (u32, u32) {
+        match self.head_dim {
+            256 => (24, 240),
+            _ => (PRODUCER_REGS, CONSUMER_REGS),
+        }
+    }
+
+    /// O's staging tile: as Q's, `BLOCK_M × d` 16-bit elements in 64-column blocks.
+    pub fn o_layout(&self) -> SmemLayout {
+        self.q_layout()
+    }
+
+    /// O is staged in Q's tile when a tile of its own does not fit beside the rings
+    /// (d = 256). Q's tile is then free only once O has left it, so the next work item's
+    /// Q loads after the epilogue rather than beside it.
+    pub fn o_in_q(&self) -> bool {
+        self.plan_with(false).0.bytes() > MAX_SMEM
+    }
+
     pub fn plan(&self) -> (SmemPlan, Slots) {
+        self.plan_with(self.o_in_q())
+    }
+
+    fn plan_with(&self, o_in_q: bool) -> (SmemPlan, Slots) {
         let mut plan = SmemPlan::new();
+        let q = plan.tile(self.q_layout(), 1);
         let slots = Slots {
-            q: plan.tile(self.q_layout(), 1),
+            q,
             k: plan.tile(self.kv_layout(), STAGES),
             v: plan.tile(self.kv_layout(), STAGES),
             q_ring: RingBarriers::plan(&mut plan, 1),
             k_ring: RingBarriers::plan(&mut plan, STAGES),
             v_ring: RingBarriers::plan(&mut plan, STAGES),
             work: WorkQueue::plan(&mut plan),
+            o: if o_in_q {
+                q
+            } else {
+                plan.tile(self.o_layout(), 1)
+            },
         };
         (plan, slots)
     }
@@ -161,7 +212,8 @@ struct Fwd {
     s: Shape,
     causal: bool,
     args: crate::ptx::ParamBytes,
-    maps: [TmaDesc; 3],
+    /// Q, K, V and O.
+    maps: [TmaDesc; 4],
     smem: Smem,
     slots: Slots,
 }
@@ -181,6 +233,7 @@ where
         k.tensor_map_param("tmap_q"),
         k.tensor_map_param("tmap_k"),
         k.tensor_map_param("tmap_v"),
+        k.tensor_map_param("tmap_o"),
     ];
     let (plan, slots) = s.plan();
     let smem = k.shared_memory(&plan);
@@ -471,6 +524,32 @@ impl ConsumerRoles {
         }
     }
 
+    /// The warp's part of the block's O staging tile `tile`, sent out through `map`
+    /// (`shared`: see [`OutputStage::shared`]).
+    pub fn output_stage(
+        &self,
+        smem: Smem,
+        tile: TileSlot,
+        map: TmaDesc,
+        shared: bool,
+    ) -> OutputStage {
+        OutputStage {
+            smem,
+            tile,
+            map,
+            leader: self.leader,
+            first_thread: 128,
+            shared,
+        }
+    }
+
+    /// Whether the launch passed a map of O (dense O that TMA can describe): the
+    /// epilogue stores through it, else directly.
+    pub fn o_by_tma(k: &mut Kernel, args: ParamBytes) -> Reg<crate::ptx::Pred> {
+        let flag = k.load_param_at::<U32>(args, offset_of!(FwdArgs, o_by_tma));
+        k.setp(Cmp::Ne, flag, 0u32)
+    }
+
     /// This warpgroup's 64 rows of the Q tile at `q` (stored in `layout`).
     pub fn q_rows(&self, k: &mut Kernel, q: SmemAddr, layout: &SmemLayout) -> SmemDesc<KMajor> {
         let q_rows = k.mul(self.which, layout.logical_offset(64, 0));
@@ -489,11 +568,11 @@ impl ConsumerRoles {
 /// last tile first; the other producer warps only hand their registers back.
 fn produce(k: &mut Kernel, f: &Fwd, tid: Reg<U32>) {
     k.comment("Producer: TMA loads of Q, then K and V tiles, into their rings.");
-    k.setmaxnreg_dec(PRODUCER_REGS);
+    k.setmaxnreg_dec(f.s.registers().0);
     k.elected_thread_of_warp_0(tid, |k| {
-        // Fetch the three descriptors now rather than on the first load of each.
-        for map in f.maps {
-            k.tma_prefetch_desc(map);
+        // Fetch the load descriptors now rather than on the first load of each.
+        for map in &f.maps[..3] {
+            k.tma_prefetch_desc(*map);
         }
         let group = k.load_param_at::<U32>(f.args, offset_of!(FwdArgs, group));
         let zero = k.mov::<S32>(0i32);
@@ -506,17 +585,17 @@ fn produce(k: &mut Kernel, f: &Fwd, tid: Reg<U32>) {
                 let kv_head = k.div(b.head, group).cast::<S32>();
                 let batch = b.seq.tensor_batch.cast::<S32>();
                 let head = b.head.cast::<S32>();
-                qr.acquire(k);
-                qr.arrive_expect_tx(k, f.s.q_layout().bytes());
-                let full = qr.full_barrier(k);
-                let q_at = qr.slot(k, f.slots.q);
-                let q_row = k.add(b.seq.q_start, b.m_start);
-                k.tma_load(q_at, f.maps[0], [zero, q_row, zero, head, batch], full);
-                qr.advance(k);
-
+                let mut load_q = |k: &mut Kernel| {
+                    qr.acquire(k);
+                    qr.arrive_expect_tx(k, f.s.q_layout().bytes());
+                    let full = qr.full_barrier(k);
+                    let q_at = qr.slot(k, f.slots.q);
+                    let q_row = k.add(b.seq.q_start, b.m_start);
+                    k.tma_load(q_at, f.maps[0], [zero, q_row, zero, head, batch], full);
+                    qr.advance(k);
+                };
                 let kv_bytes = f.s.kv_layout().bytes();
-                let last = k.sub(b.tiles.end, 1i32);
-                k.for_range(last, -1i32, -1, |k, n| {
+                let mut load_kv = |k: &mut Kernel, n: Reg<S32>| {
                     let row = k.mad(n, f.s.block_n as i32, b.seq.k_start);
                     let rings = [
                         (&mut kr, f.slots.k, f.maps[1]),
@@ -530,7 +609,19 @@ fn produce(k: &mut Kernel, f: &Fwd, tid: Reg<U32>) {
                         k.tma_load(at, map, [zero, row, zero, kv_head, batch], full);
                         ring.advance(k);
                     }
-                });
+                };
+                let last = k.sub(b.tiles.end, 1i32);
+                if f.s.o_in_q() {
+                    // Q's tile is free only after the last item's epilogue: the first K and
+                    // V tiles go ahead of it, so only Q's latency follows the epilogue.
+                    load_kv(k, last);
+                    load_q(k);
+                    let next = k.sub(last, 1i32);
+                    k.for_range(next, -1i32, -1, |k, n| load_kv(k, n));
+                } else {
+                    load_q(k);
+                    k.for_range(last, -1i32, -1, |k, n| load_kv(k, n));
+                }
             });
         });
     });
@@ -566,10 +657,12 @@ where
     NO: WgmmaN,
 {
     k.comment("Consumers: S = Q K^T, online softmax, O += P V, in ping-pong turns.");
-    let roles = ConsumerRoles::new(k, tid, CONSUMER_REGS);
+    let roles = ConsumerRoles::new(k, tid, f.s.registers().1);
     let q_at = f.smem.tile(k, f.slots.q, 0);
     let q = roles.q_rows(k, q_at, &f.s.q_layout());
     let scale_log2 = k.load_param_at::<F32>(f.args, offset_of!(FwdArgs, scale_log2));
+    let o_in_q = f.s.o_in_q();
+    let stage = roles.output_stage(f.smem, f.slots.o, f.maps[3], o_in_q);
     let mut rings = Rings {
         q: f.slots.q_ring.consumer(k, f.smem),
         k: f.slots.k_ring.consumer(k, f.smem),
@@ -599,8 +692,21 @@ where
             m_start: b.m_start,
             seq: b.seq,
         };
-        store_output::<H>(k, f.args, &c.roles.rows, &[o.tiles()], &c.softmax, at);
+        // O staged in Q's tile: only where this item holds that tile (it had keys).
+        let by_tma = ConsumerRoles::o_by_tma(k, f.args);
+        let by_tma = if o_in_q {
+            k.and_pred(by_tma, any)
+        } else {
+            by_tma
+        };
+        let (rows, form) = (&c.roles.rows, LseForm::Raw);
+        let stage = (&stage, by_tma);
+        store_output_staged::<H>(k, f.args, rows, &o.tiles(), &c.softmax, at, form, stage);
+        if o_in_q {
+            k.if_(any, |k| c.roles.release(k, &mut rings.q));
+        }
     });
+    stage.drain(k);
 }
 
 impl<H: Half2 + WgmmaInput> Consumer<'_, H> {
@@ -647,8 +753,10 @@ impl<H: Half2 + WgmmaInput> Consumer<'_, H> {
             self.step::<NS, NO>(k, n, false, o, kr, vr)
         });
         // Every Q K^T of this work item is done: the producer may load the next Q while
-        // the last P V and the epilogue run.
-        self.release(k, qr);
+        // the last P V and the epilogue run (unless O is staged in Q's tile).
+        if !self.f.s.o_in_q() {
+            self.release(k, qr);
+        }
 
         k.comment("The last P V.");
         k.bar_wait_member(self.roles.turns, self.roles.which);
@@ -767,5 +875,62 @@ pub(super) fn advance<M: crate::ptx::Major>(
         d
     } else {
         k.desc_advance(d, bytes)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config(head_dim: u32, dtype: HalfType, causal: bool) -> FwdConfig {
+        FwdConfig {
+            path: super::super::Path::Sm90,
+            dtype,
+            head_dim,
+            causal,
+            block_m: BLOCK_M,
+        }
+    }
+
+    /// O gets a staging tile of its own where one fits beside Q and the rings, else
+    /// (d = 256) it is staged in Q's; every plan fits the GPU.
+    #[test]
+    fn output_is_staged_beside_q_where_it_fits() {
+        for d in HEAD_DIMS {
+            let s = Shape::of(&config(d, HalfType::F16, false));
+            let (plan, slots) = s.plan();
+            assert!(plan.bytes() <= MAX_SMEM, "d{d}: {} bytes", plan.bytes());
+            assert_eq!(s.o_in_q(), d == 256, "d{d}");
+            assert_eq!(slots.o == slots.q, s.o_in_q(), "d{d}");
+            assert_eq!(slots.o.layout, s.q_layout());
+        }
+    }
+
+    /// The epilogue writes O with stmatrix and sends it by TMA (one `{64, 16}` box per
+    /// warp and 64-column block), and keeps the direct stores for launches without a map
+    /// of O.
+    #[test]
+    fn epilogue_stages_output_for_a_tma_store() {
+        for d in HEAD_DIMS {
+            for causal in [false, true] {
+                let cfg = config(d, HalfType::Bf16, causal);
+                let ptx = generate(&cfg).unwrap().to_ptx();
+                let stores = ptx
+                    .matches("cp.async.bulk.tensor.5d.global.shared::cta")
+                    .count();
+                assert_eq!(stores as u32, d / 64, "d{d} causal={causal}");
+                assert_eq!(
+                    ptx.matches("stmatrix.sync.aligned.x4.m8n8").count() as u32,
+                    d / 16
+                );
+                assert!(ptx.contains("st.global.b32"), "d{d}: no direct stores");
+                let read = ptx.matches("cp.async.bulk.wait_group.read 0;").count();
+                // Own tile: waited for before the next write; Q's: right after the store,
+                // before Q's tile is released.
+                assert_eq!(read, 1, "d{d} causal={causal}");
+                let wait_all = ptx.matches("cp.async.bulk.wait_group 0;").count();
+                assert_eq!(wait_all, 1, "d{d}: the exit drains the stores");
+            }
+        }
     }
 }

@@ -41,7 +41,7 @@
 
 use std::mem::offset_of;
 
-use super::epilogue::{LseForm, OutputBlock, store_output_lse};
+use super::epilogue::{LseForm, OutputBlock, store_output_lse, store_output_staged};
 use super::fp8::{Fp8Args, Fp8Config, P_SHIFT_LOG2, SCALE_BLOCK};
 use super::mask::apply_mask;
 use super::rows::{Slab, zeroed_slabs};
@@ -96,6 +96,9 @@ pub struct Slots {
     pub work: WorkQueue,
     /// The consumers' parked O columns, when there are any.
     pub parked: Option<RawSlot>,
+    /// O's staging tile for its TMA store, where it fits (not beside the parked
+    /// columns at d = 256: that O goes out by direct stores).
+    pub o: Option<TileSlot>,
 }
 
 /// The parked region's alignment: every access is one `ld`/`st.shared.v4`.
@@ -226,6 +229,11 @@ impl Shape {
         SmemLayout::new(self.block_n, self.head_dim, 1, swizzle_for(self.head_dim))
     }
 
+    /// O's staging tile: `BLOCK_M × d` 16-bit elements in 64-column blocks.
+    pub fn o_layout(&self) -> SmemLayout {
+        SmemLayout::new(BLOCK_M, self.head_dim, 2, Swizzle::B128)
+    }
+
     /// `Vᵀ8`'s tile: head-dim rows of `block_n` keys.
     pub fn vt_layout(&self) -> SmemLayout {
         SmemLayout::new(self.head_dim, self.block_n, 1, swizzle_for(self.block_n))
@@ -243,9 +251,16 @@ impl Shape {
             work: WorkQueue::plan(&mut plan),
             parked: (self.parked_cols > 0)
                 .then(|| plan.raw(Parked::bytes(self.parked_cols), PARKED_ALIGN)),
+            o: (self.parked_cols == 0).then(|| plan.tile(self.o_layout(), 1)),
         };
         (plan, slots)
     }
+}
+
+/// Whether `cfg`'s kernel stages O in shared memory for a TMA store (where the tile fits:
+/// not beside the parked columns of d = 256, whose O goes out by direct stores).
+pub fn stages_output(cfg: &Fp8Config) -> bool {
+    Shape::of(cfg).plan().1.o.is_some()
 }
 
 pub(crate) fn tiling(cfg: &Fp8Config) -> Tiling {
@@ -281,7 +296,8 @@ struct Fwd {
     s: Shape,
     causal: bool,
     args: ParamBytes,
-    maps: [TmaDesc; 3],
+    /// Q8, K8, Vᵀ8 and O.
+    maps: [TmaDesc; 4],
     smem: Smem,
     slots: Slots,
 }
@@ -303,6 +319,7 @@ where
         k.tensor_map_param("tmap_q"),
         k.tensor_map_param("tmap_k"),
         k.tensor_map_param("tmap_vt"),
+        k.tensor_map_param("tmap_o"),
     ];
     let (plan, slots) = s.plan();
     let smem = k.shared_memory(&plan);
@@ -341,8 +358,8 @@ fn produce(k: &mut Kernel, f: &Fwd, tid: Reg<U32>) {
     k.comment("Producer: TMA loads of Q8, then K8 and V8 transposed, into their rings.");
     k.setmaxnreg_dec(PRODUCER_REGS);
     k.elected_thread_of_warp_0(tid, |k| {
-        for map in f.maps {
-            k.tma_prefetch_desc(map);
+        for map in &f.maps[..3] {
+            k.tma_prefetch_desc(*map);
         }
         let group = k.load_param_at::<U32>(f.args, offset_of!(FwdArgs, group));
         let zero = k.mov::<S32>(0i32);
@@ -441,6 +458,10 @@ where
         .slots
         .parked
         .map(|slot| Parked::new(k, f.smem, slot, tid, f.s.parked_cols));
+    let stage = f
+        .slots
+        .o
+        .map(|slot| roles.output_stage(f.smem, slot, f.maps[3], false));
     f.for_each_item(k, Role::Consumer, |k, b| {
         let scales = item_scales(k, f.args, b);
         let c = Consumer {
@@ -478,16 +499,22 @@ where
         if let Some(parked) = &c.parked {
             o.extend(parked.load(k));
         }
-        store_output_lse::<H>(
-            k,
-            f.args,
-            &c.roles.rows,
-            std::slice::from_ref(&o),
-            &c.softmax,
-            at,
-            form,
-        );
+        let rows = &c.roles.rows;
+        match &stage {
+            Some(stage) => {
+                let by_tma = ConsumerRoles::o_by_tma(k, f.args);
+                let stage = (stage, by_tma);
+                store_output_staged::<H>(k, f.args, rows, &o, &c.softmax, at, form, stage);
+            }
+            None => {
+                let o = std::slice::from_ref(&o);
+                store_output_lse::<H>(k, f.args, rows, o, &c.softmax, at, form);
+            }
+        }
     });
+    if let Some(stage) = &stage {
+        stage.drain(k);
+    }
 }
 
 /// The work item's query scale (folded with `scale·log2 e`) and its K and V scale rows.
