@@ -63,6 +63,25 @@ fn seeds() -> TestSeeds {
     seeds
 }
 
+/// `c` on fresh inputs from the run's next case seed, run once (default scale): the
+/// case's buffers, the parameters it ran with, and how to replay it.
+fn run_once(
+    attn: &Attention,
+    stream: &Arc<cudarc::driver::CudaStream>,
+    seeds: &mut TestSeeds,
+    c: FwdCase,
+) -> (flashcore::check::DeviceCase, AttentionParams, String) {
+    let mut rng = seeds.next_case();
+    let replay = seeds.replay(&rng);
+    let dev = flashcore::check::DeviceCase::new(stream, c, &mut rng).unwrap();
+    let params = AttentionParams {
+        softmax_scale: None,
+        causal: c.causal,
+    };
+    dev.run(attn, &params).unwrap();
+    (dev, params, replay)
+}
+
 #[allow(clippy::too_many_arguments)]
 fn case(
     dtype: HalfType,
@@ -212,14 +231,7 @@ fn sm90_padded_output_gets_exactly_its_elements() {
         (HalfType::Bf16, 256, false, 17, 17),
     ] {
         let c = case(dtype, d, causal, 2, 4, 2, sq, sk);
-        let mut rng = seeds.next_case();
-        let replay = seeds.replay(&rng);
-        let dev = flashcore::check::DeviceCase::new(&stream, c, &mut rng).unwrap();
-        let params = AttentionParams {
-            softmax_scale: None,
-            causal,
-        };
-        dev.run(&attn, &params).unwrap();
+        let (dev, params, replay) = run_once(&attn, &stream, &mut seeds, c);
         let (contiguous, lse_contiguous) = dev.download().unwrap();
 
         let pitch = d + 8;
@@ -344,14 +356,7 @@ fn repeated_runs_are_identical() {
     let mut seeds = seeds();
     for causal in [false, true] {
         let c = case(HalfType::F16, 128, causal, 2, 8, 2, 1000, 2048);
-        let mut rng = seeds.next_case();
-        let replay = seeds.replay(&rng);
-        let dev = flashcore::check::DeviceCase::new(&stream, c, &mut rng).unwrap();
-        let params = AttentionParams {
-            softmax_scale: None,
-            causal,
-        };
-        dev.run(&attn, &params).unwrap();
+        let (dev, params, replay) = run_once(&attn, &stream, &mut seeds, c);
         let first = dev.download().unwrap();
         for _ in 0..5 {
             dev.run(&attn, &params).unwrap();
