@@ -15,10 +15,22 @@ fn body_90a(k: Kernel) -> Vec<String> {
     body_for(Target::Sm90a, k)
 }
 
-fn body_for(target: Target, k: Kernel) -> Vec<String> {
+/// The whole module text of `k` alone, declarations and parameters included.
+fn module_text(target: Target, k: Kernel) -> String {
     let mut m = Module::new(target);
     m.push(k.finish().expect("a valid kernel")).unwrap();
     m.to_ptx()
+}
+
+/// Fails naming the first of `wants` that `text` does not contain.
+fn assert_contains_all(text: &str, wants: &[&str]) {
+    for want in wants {
+        assert!(text.contains(want), "missing `{want}` in:\n{text}");
+    }
+}
+
+fn body_for(target: Target, k: Kernel) -> Vec<String> {
+    module_text(target, k)
         .lines()
         .skip_while(|l| *l != "{")
         .skip(1)
@@ -396,18 +408,19 @@ fn mbarrier_and_stage_ring_golden() {
     consumer.release(&mut k);
     let lines = body_90a(k);
     let text = lines.join("\n");
-    for want in [
-        "mbarrier.init.shared::cta.b64 [%r1], 1;",
-        "mbarrier.init.shared::cta.b64 [%r2], 256;",
-        "fence.mbarrier_init.release.cluster;",
-        "bar.sync 0;",
-        "mbarrier.try_wait.parity.shared::cta.b64 %p0, [%r",
-        "mbarrier.arrive.expect_tx.shared::cta.b64 _, [%r",
-        "], 16384;",
-        "mbarrier.arrive.shared::cta.b64 _, [%r",
-    ] {
-        assert!(text.contains(want), "missing `{want}` in:\n{text}");
-    }
+    assert_contains_all(
+        &text,
+        &[
+            "mbarrier.init.shared::cta.b64 [%r1], 1;",
+            "mbarrier.init.shared::cta.b64 [%r2], 256;",
+            "fence.mbarrier_init.release.cluster;",
+            "bar.sync 0;",
+            "mbarrier.try_wait.parity.shared::cta.b64 %p0, [%r",
+            "mbarrier.arrive.expect_tx.shared::cta.b64 _, [%r",
+            "], 16384;",
+            "mbarrier.arrive.shared::cta.b64 _, [%r",
+        ],
+    );
     // The producer's phase starts at 1, the consumer's at 0; both waits use it.
     assert!(lines.contains(&"mov.u32 %r6, 1;".to_string()), "{text}");
     let waits: Vec<&String> = lines.iter().filter(|l| l.contains("try_wait")).collect();
@@ -455,25 +468,23 @@ fn tma_golden() {
     k.bulk_commit_group();
     k.bulk_wait_group_read(0);
     k.tma_prefetch_desc(map);
-    let mut m = Module::new(Target::Sm90a);
-    m.push(k.finish().unwrap()).unwrap();
-    let ptx = m.to_ptx();
-    for want in [
-        ".param .align 64 .b8 tmap_a[128]",
-        "mov.b64 %rd0, tmap_a;",
-        "cvta.param.u64 %rd0, %rd0;",
-        "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%r",
-        "], [%rd0, {%r",
-        "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%r",
-        "mov.b64 %rd1, 0x14f0000000000000;",
-        "fence.proxy.async.shared::cta;",
-        "cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%rd0, {%r",
-        "cp.async.bulk.commit_group;",
-        "cp.async.bulk.wait_group.read 0;",
-        "prefetch.tensormap [%rd0];",
-    ] {
-        assert!(ptx.contains(want), "missing `{want}` in:\n{ptx}");
-    }
+    assert_contains_all(
+        &module_text(Target::Sm90a, k),
+        &[
+            ".param .align 64 .b8 tmap_a[128]",
+            "mov.b64 %rd0, tmap_a;",
+            "cvta.param.u64 %rd0, %rd0;",
+            "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%r",
+            "], [%rd0, {%r",
+            "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%r",
+            "mov.b64 %rd1, 0x14f0000000000000;",
+            "fence.proxy.async.shared::cta;",
+            "cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%rd0, {%r",
+            "cp.async.bulk.commit_group;",
+            "cp.async.bulk.wait_group.read 0;",
+            "prefetch.tensormap [%rd0];",
+        ],
+    );
 }
 
 #[test]
@@ -485,19 +496,17 @@ fn a_tensor_map_taken_again_where_it_is_used() {
     let x = k.mov::<S32>(0i32);
     let here = k.tensor_map_here(map);
     k.tma_store(here, [x, x], src);
-    let mut m = Module::new(Target::Sm90a);
-    m.push(k.finish().unwrap()).unwrap();
-    let ptx = m.to_ptx();
     // The parameter's address is taken at the start and again, into a new register,
     // for the store, which reads only the new one.
-    for want in [
-        "mov.b64 %rd1, tmap_b;",
-        "mov.b64 %rd2, tmap_b;",
-        "cvta.param.u64 %rd2, %rd2;",
-        "cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%rd2, {%r",
-    ] {
-        assert!(ptx.contains(want), "missing `{want}` in:\n{ptx}");
-    }
+    assert_contains_all(
+        &module_text(Target::Sm90a, k),
+        &[
+            "mov.b64 %rd1, tmap_b;",
+            "mov.b64 %rd2, tmap_b;",
+            "cvta.param.u64 %rd2, %rd2;",
+            "cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%rd2, {%r",
+        ],
+    );
 }
 
 #[test]
