@@ -296,6 +296,12 @@ if want sanitize; then
         "--batch 1 --heads 2 --kv-heads 1 --seqlen-q 200 --seqlen-k 513 --head-dim 64 --dtype f16 --causal"
         # 272 causal work items: the sm90a blocks take them from a counter.
         "--batch 2 --heads 68 --kv-heads 17 --seqlen-q 200 --seqlen-k 300 --head-dim 64 --dtype f16 --causal"
+        # On Hopper the small shapes above take the one-consumer sm90a kernel (64-row
+        # tiles); these force the two-consumer one on a small grid, and the one-consumer one
+        # beyond one wave (544 causal items from the counter).
+        "--batch 1 --heads 4 --kv-heads 1 --seqlen-q 300 --seqlen-k 200 --head-dim 128 --dtype bf16 --causal --block-m 128"
+        "--batch 2 --heads 2 --kv-heads 2 --seqlen-q 77 --seqlen-k 333 --head-dim 256 --dtype f16 --block-m 128"
+        "--batch 2 --heads 68 --kv-heads 17 --seqlen-q 200 --seqlen-k 300 --head-dim 64 --dtype f16 --causal --block-m 64"
     )
     for tool in memcheck racecheck synccheck; do
         for s in "${shapes[@]}"; do

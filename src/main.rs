@@ -160,8 +160,9 @@ fn info() -> Result<(), Failure> {
     let detected = arch.map(|(a, _)| a);
     let (arch, sms) = arch.unwrap_or(((8, 0), 108));
     out!(
-        "\ndispatch on sm_{}{} with {sms} SMs (dtype, head dim, causal -> kernel; the 64-row \
-         tile when fewer than {sms} 128-row blocks):",
+        "\ndispatch on sm_{}{} with {sms} SMs (dtype, head dim, causal -> kernel for large | \
+         small grids; sm80 takes the 64-row tile when fewer than {sms} 128-row blocks, sm90a \
+         when its 64-row blocks fit one wave):",
         arch.0,
         arch.1,
     );

@@ -128,8 +128,9 @@ fn seqlen_grid(dtype: HalfType, d: usize) {
     run_cases(&cases);
 }
 
-/// The seqlen grid on the sm90 path (warp-specialized wgmma + TMA), when the GPU is a
-/// Hopper; elsewhere it says so and checks nothing.
+/// The seqlen grid on the sm90 path (warp-specialized wgmma + TMA) with each query tile
+/// (two consumer warpgroups, or one), when the GPU is a Hopper; elsewhere it says so and
+/// checks nothing.
 fn sm90_seqlen_grid(dtype: HalfType, d: usize) {
     let cc = Device::new(0).expect("a CUDA device").compute_capability();
     if cc != (9, 0) {
@@ -138,14 +139,16 @@ fn sm90_seqlen_grid(dtype: HalfType, d: usize) {
     }
     let mut cases = Vec::new();
     for causal in [false, true] {
-        let kernel = FwdConfig {
-            path: Path::Sm90,
-            dtype,
-            head_dim: d as u32,
-            causal,
-            block_m: flashcore::kernels::attention::sm90::BLOCK_M,
-        };
-        cases.extend(all_seqlen_pairs(kernel));
+        for block_m in flashcore::kernels::attention::sm90::BLOCK_MS {
+            let kernel = FwdConfig {
+                path: Path::Sm90,
+                dtype,
+                head_dim: d as u32,
+                causal,
+                block_m,
+            };
+            cases.extend(all_seqlen_pairs(kernel));
+        }
     }
     run_cases(&cases);
 }
@@ -206,6 +209,39 @@ fn sm90_causal_grids_beyond_one_wave() {
         case(HalfType::Bf16, 128, true, 1, 16, 4, 1200, 1300),
         // 144 items; the first 100 rows see no key.
         case(HalfType::F16, 256, true, 1, 12, 4, 1500, 1400),
+    ];
+    run_cases(&cases);
+}
+
+/// The one-consumer (64-row) sm90 kernel forced onto grids beyond one wave: its
+/// persistent loop (a fixed stride, or the causal counter and tail) must run every item
+/// exactly once, as the two-consumer kernel's does.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn sm90_narrow_tiles_beyond_one_wave() {
+    let cc = Device::new(0).expect("a CUDA device").compute_capability();
+    if cc != (9, 0) {
+        println!("skipped: the sm90 path needs sm_90, this GPU is {cc:?}");
+        return;
+    }
+    let narrow = |c: FwdCase| FwdCase {
+        kernel: Some(FwdConfig {
+            path: Path::Sm90,
+            dtype: c.dtype,
+            head_dim: c.shape.head_dim as u32,
+            causal: c.causal,
+            block_m: 64,
+        }),
+        ..c
+    };
+    let cases = [
+        // 2 x 8 heads x 18 query tiles = 288 items.
+        narrow(case(HalfType::F16, 64, false, 2, 8, 2, 1100, 900)),
+        narrow(case(HalfType::F16, 64, true, 2, 8, 2, 1100, 1100)),
+        // 19 x 16 = 304 items; Sq != Sk.
+        narrow(case(HalfType::Bf16, 128, true, 1, 16, 4, 1200, 1300)),
+        // 24 x 12 = 288 items; the first 100 rows see no key.
+        narrow(case(HalfType::F16, 256, true, 1, 12, 4, 1500, 1400)),
     ];
     run_cases(&cases);
 }

@@ -50,13 +50,14 @@ pub fn dispatch(
     causal: bool,
 ) -> Result<FwdConfig, String> {
     let path = path_for_arch(arch)?;
-    if path == Path::Sm90 && sm90_has_kernel(shape) {
+    let block_m = sm90_block_m(shape, sm_count);
+    if path == Path::Sm90 && sm90_has_kernel(shape, block_m) {
         return Ok(FwdConfig {
             path,
             dtype,
             head_dim: shape.head_dim as u32,
             causal,
-            block_m: sm90::BLOCK_M,
+            block_m,
         });
     }
     dispatch_sm80(arch, sm_count, dtype, shape, causal)
@@ -68,10 +69,25 @@ pub(crate) fn work_items(shape: &AttnShape, block_m: u32) -> usize {
     shape.seqlen_q.div_ceil(block_m as usize) * shape.heads_q * shape.batch
 }
 
-/// Whether the sm90 path has a kernel for `shape`: its head dim, and work items that fit
-/// the 31 bits the persistent kernel numbers them in.
-fn sm90_has_kernel(shape: &AttnShape) -> bool {
-    sm90::HEAD_DIMS.contains(&(shape.head_dim as u32)) && work_items(shape, sm90::BLOCK_M) < 1 << 31
+/// Whether the sm90 path has a kernel for `shape` with `block_m`-row query tiles: its head
+/// dim and tile, and work items that fit the 31 bits the persistent kernel numbers them in.
+fn sm90_has_kernel(shape: &AttnShape, block_m: u32) -> bool {
+    sm90::HEAD_DIMS.contains(&(shape.head_dim as u32))
+        && sm90::BLOCK_MS.contains(&block_m)
+        && work_items(shape, block_m) < 1 << 31
+}
+
+/// The sm90 path's query tile: 128 rows (two consumer warpgroups in ping-pong) unless
+/// the 64-row tiles of one consumer warpgroup still fit in one wave of one block per SM.
+/// Such a grid leaves at least half the SMs idle with 128-row tiles, and the kernel's
+/// time is the latency of one block's chain of key tiles, which a warpgroup alone on its
+/// SM runs faster.
+pub(crate) fn sm90_block_m(shape: &AttnShape, sm_count: u32) -> u32 {
+    if work_items(shape, 64) <= sm_count as usize {
+        64
+    } else {
+        sm90::BLOCK_M
+    }
 }
 
 /// The sm80 path's configuration for a problem.
@@ -331,8 +347,7 @@ impl Attention {
             Path::Sm80 => [BLOCK_M_WIDE, BLOCK_M_NARROW].contains(&cfg.block_m),
             Path::Sm90 => {
                 path_for_arch(arch) == Ok(Path::Sm90)
-                    && sm90_has_kernel(&problem.shape)
-                    && cfg.block_m == sm90::BLOCK_M
+                    && sm90_has_kernel(&problem.shape, cfg.block_m)
             }
         };
         if !same || !runs {
@@ -596,9 +611,12 @@ pub(crate) fn sm90_schedule(
 
 /// The tensor maps of Q, K and V for an sm90 configuration.
 fn sm90_maps(cfg: &FwdConfig, [q, k, v]: [&TensorView; 3]) -> Result<[TensorMap; 3]> {
-    let rows_kv = cfg.tiling().block_n;
+    let Tiling {
+        block_m, block_n, ..
+    } = cfg.tiling();
+    let rows_kv = block_n;
     Ok([
-        sm90_map(q, sm90::BLOCK_M)?,
+        sm90_map(q, block_m)?,
         sm90_map(k, rows_kv)?,
         sm90_map(v, rows_kv)?,
     ])
@@ -786,6 +804,29 @@ mod tests {
         assert_eq!(pick(1, 16, 2048).unwrap().block_m, BLOCK_M_WIDE); // 256
     }
 
+    /// Hopper takes the one-consumer 64-row kernel exactly when its grid fits one wave of
+    /// the SMs, and the two-consumer 128-row kernel otherwise.
+    #[test]
+    fn sm90_takes_narrow_tiles_while_they_fit_one_wave() {
+        let pick = |b, h, s, d| {
+            let shape = AttnShape::square(b, h, s, d);
+            let cfg = dispatch((9, 0), 132, HalfType::Bf16, &shape, false).unwrap();
+            assert_eq!(cfg.path, Path::Sm90);
+            assert_eq!(cfg.tiling().block_m, cfg.block_m);
+            assert_eq!(cfg.tiling().threads, 128 + 2 * cfg.block_m);
+            cfg.block_m
+        };
+        assert_eq!(pick(2, 8, 512, 64), 64); // 128 narrow items
+        assert_eq!(pick(1, 16, 512, 128), 64); // 128
+        assert_eq!(pick(1, 2, 4224, 256), 64); // 132
+        assert_eq!(pick(1, 2, 4225, 256), sm90::BLOCK_M); // 134 narrow, 68 wide
+        assert_eq!(pick(4, 32, 4096, 64), sm90::BLOCK_M);
+        // On a smaller GPU the same problem is a larger grid.
+        let shape = AttnShape::square(2, 8, 512, 64);
+        assert_eq!(sm90_block_m(&shape, 128), 64);
+        assert_eq!(sm90_block_m(&shape, 127), sm90::BLOCK_M);
+    }
+
     #[test]
     fn sm90_causal_grids_take_items_from_a_counter_beyond_one_wave() {
         let schedule = |b, h, s, causal| {
@@ -803,9 +844,10 @@ mod tests {
         // 128 query tiles a head: the tail is 3 heads; never more heads than there are.
         assert_eq!(schedule(1, 16, 16384, true), (132, true, 3));
         assert_eq!(schedule(1, 2, 16384, true), (132, true, 2));
-        // At most one wave of items: one block each, no counter, either way.
-        assert_eq!(schedule(1, 2, 300, false), (6, false, 0));
-        assert_eq!(schedule(1, 2, 300, true), (6, false, 0));
+        // At most one wave of items: one block each, no counter, either way (here 64-row
+        // tiles: 5 of them x 2 heads).
+        assert_eq!(schedule(1, 2, 300, false), (10, false, 0));
+        assert_eq!(schedule(1, 2, 300, true), (10, false, 0));
         assert_eq!(schedule(1, 4, 4224, true), (132, false, 0));
         assert_eq!(schedule(1, 4, 4225, true), (132, true, 4));
     }

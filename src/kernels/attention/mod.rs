@@ -150,13 +150,15 @@ pub fn all_fwd_configs() -> Vec<FwdConfig> {
     for dtype in [HalfType::F16, HalfType::Bf16] {
         for head_dim in sm90::HEAD_DIMS {
             for causal in [false, true] {
-                v.push(FwdConfig {
-                    path: Path::Sm90,
-                    dtype,
-                    head_dim,
-                    causal,
-                    block_m: sm90::BLOCK_M,
-                });
+                for block_m in sm90::BLOCK_MS {
+                    v.push(FwdConfig {
+                        path: Path::Sm90,
+                        dtype,
+                        head_dim,
+                        causal,
+                        block_m,
+                    });
+                }
             }
         }
     }

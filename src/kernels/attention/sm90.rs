@@ -1,6 +1,7 @@
 //! FlashAttention-3 style forward for Hopper (`.target sm_90a`): a TMA producer
 //! warpgroup and two consumer warpgroups of 64 query rows each, taking turns at the
-//! tensor cores.
+//! tensor cores. Grids that would leave SMs idle take a one-consumer variant with 64-row
+//! query tiles instead (twice the blocks; no turns to take), see [`Shape::consumers`].
 //!
 //! ```text
 //! producer (warpgroup 0)                 consumer c (warpgroups 1, 2; rows 64c..64c+64)
@@ -50,10 +51,11 @@ use crate::ptx::{
     Target, TileSlot, TmaDesc, U32, U64, WgmmaD, WgmmaInput, WgmmaN,
 };
 
-/// Query rows per block: two consumer warpgroups of 64.
+/// Query rows per block by default: two consumer warpgroups of 64.
 pub const BLOCK_M: u32 = 128;
-/// Threads: a producer warpgroup and two consumer warpgroups.
-pub const THREADS: u32 = 384;
+/// The query tiles this path has kernels for: two consumer warpgroups (128 rows), or one
+/// (64 rows) for grids that would leave SMs idle (see [`Shape::consumers`]).
+pub const BLOCK_MS: [u32; 2] = [BLOCK_M, 64];
 /// Registers per thread after reallocation: 128·40 + 256·232 = 64512 <= 65536 (but see
 /// [`Shape::registers`]).
 pub const PRODUCER_REGS: u32 = 40;
@@ -67,6 +69,8 @@ pub const HEAD_DIMS: [u32; 3] = [64, 128, 256];
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Shape {
     pub head_dim: u32,
+    /// Query rows per block: 64 per consumer warpgroup.
+    pub block_m: u32,
     /// Keys per tile: the N of `S = Q Kᵀ` (and the K of `P V`).
     pub block_n: u32,
 }
@@ -105,12 +109,27 @@ impl Shape {
         };
         Shape {
             head_dim: cfg.head_dim,
+            block_m: cfg.block_m,
             block_n,
         }
     }
 
+    /// Consumer warpgroups, 64 query rows each. Two take turns at the tensor cores
+    /// (ping-pong), so one's softmax hides behind the other's products. One, with half
+    /// the rows per block, doubles the blocks of a problem whose wide grid leaves SMs
+    /// idle: each block's chain of tiles is as long, but its warpgroup has the SM's tensor
+    /// cores and exponent units to itself.
+    pub fn consumers(&self) -> u32 {
+        self.block_m / 64
+    }
+
+    /// A producer warpgroup and the consumers.
+    pub fn threads(&self) -> u32 {
+        128 * (1 + self.consumers())
+    }
+
     pub fn q_layout(&self) -> SmemLayout {
-        SmemLayout::new(BLOCK_M, self.head_dim, 2, Swizzle::B128)
+        SmemLayout::new(self.block_m, self.head_dim, 2, Swizzle::B128)
     }
 
     pub fn kv_layout(&self) -> SmemLayout {
@@ -154,7 +173,7 @@ impl Shape {
             q_ring: RingBarriers::plan(&mut plan, 1),
             k_ring: RingBarriers::plan(&mut plan, STAGES),
             v_ring: RingBarriers::plan(&mut plan, STAGES),
-            work: WorkQueue::plan(&mut plan),
+            work: WorkQueue::plan(&mut plan, 128 * self.consumers()),
             o: if o_in_q {
                 q
             } else {
@@ -168,15 +187,21 @@ impl Shape {
 pub(crate) fn tiling(cfg: &FwdConfig) -> Tiling {
     let s = Shape::of(cfg);
     Tiling {
-        block_m: BLOCK_M,
+        block_m: s.block_m,
         block_n: s.block_n,
-        threads: THREADS,
+        threads: s.threads(),
         smem_bytes: s.plan().0.bytes(),
     }
 }
 
 pub(crate) fn generate(cfg: &FwdConfig) -> Result<Module, PtxError> {
     let s = Shape::of(cfg);
+    if !BLOCK_MS.contains(&s.block_m) {
+        return Err(PtxError::BadOperand(format!(
+            "no sm90 forward with {}-row query tiles",
+            s.block_m
+        )));
+    }
     let kernel = match (cfg.dtype, s.head_dim, s.block_n) {
         (HalfType::F16, 64, 128) => build::<F16x2, N128, N64>(cfg),
         (HalfType::Bf16, 64, 128) => build::<Bf16x2, N128, N64>(cfg),
@@ -227,7 +252,7 @@ where
     let s = Shape::of(cfg);
     debug_assert_eq!((NS::N, NO::N), (s.block_n, s.head_dim));
     let mut k = Kernel::new(&cfg.id());
-    k.max_threads(THREADS).min_blocks_per_sm(1);
+    k.max_threads(s.threads()).min_blocks_per_sm(1);
     let args = k.param_bytes("args", FwdArgs::SIZE, 8);
     let maps = [
         k.tensor_map_param("tmap_q"),
@@ -250,7 +275,7 @@ where
     split_roles(
         &mut k,
         &f.smem,
-        (rings, f.causal.then_some(&f.slots.work)),
+        (rings, f.causal.then_some(&f.slots.work), s.consumers()),
         tid,
         |k| produce(k, &f, tid),
         |k| consume::<H, NS, NO>(k, &f, tid),
@@ -260,13 +285,13 @@ where
 
 /// The warp-specialized frame of the sm90a forwards (16-bit and FP8): thread 0
 /// initialises the Q, K and V rings' barriers (FULL: the producer's arrival plus the
-/// bytes; EMPTY: one arrival per consumer warp) and the work queue's (causal kernels)
-/// while the block waits, then warpgroup 0 runs `produce` and the consumer warpgroups
-/// `consume`.
+/// bytes; EMPTY: one arrival per warp of the `consumers` warpgroups) and the work queue's
+/// (causal kernels) while the block waits, then warpgroup 0 runs `produce` and the
+/// consumer warpgroups `consume`.
 pub(super) fn split_roles(
     k: &mut Kernel,
     smem: &Smem,
-    (rings, work): ([&RingBarriers; 3], Option<&WorkQueue>),
+    (rings, work, consumers): ([&RingBarriers; 3], Option<&WorkQueue>, u32),
     tid: Reg<U32>,
     produce: impl FnOnce(&mut Kernel),
     consume: impl FnOnce(&mut Kernel),
@@ -275,7 +300,7 @@ pub(super) fn split_roles(
     let first = k.setp(Cmp::Eq, tid, 0u32);
     k.if_(first, |k| {
         for ring in rings {
-            ring.init(k, smem, 1, 8);
+            ring.init(k, smem, 1, 4 * consumers);
         }
         if let Some(work) = work {
             work.init(k, smem);
@@ -290,12 +315,10 @@ pub(super) fn split_roles(
 impl Fwd {
     fn for_each_item(&self, k: &mut Kernel, role: Role, body: impl FnOnce(&mut Kernel, &Block)) {
         let queue = (&self.slots.work, self.smem, role);
-        for_each_item(k, self.args, queue, self.causal, self.s.block_n, body);
+        let tile = (self.s.block_m, self.s.block_n);
+        for_each_item(k, self.args, queue, self.causal, tile, body);
     }
 }
-
-/// Threads of the two consumer warpgroups.
-const CONSUMER_THREADS: u32 = 256;
 
 /// A causal kernel's work items, handed from the producer to the consumers through shared
 /// memory: a 2-stage ring of one item index each. The producer decides the order (a fixed
@@ -304,22 +327,25 @@ const CONSUMER_THREADS: u32 = 256;
 pub struct WorkQueue {
     ring: RingBarriers,
     items: RawSlot,
+    /// The consumer threads, each of which releases every item it takes.
+    consumer_threads: u32,
 }
 
 impl WorkQueue {
     const STAGES: u32 = 2;
 
-    pub fn plan(plan: &mut SmemPlan) -> WorkQueue {
+    pub fn plan(plan: &mut SmemPlan, consumer_threads: u32) -> WorkQueue {
         WorkQueue {
             ring: RingBarriers::plan(plan, Self::STAGES),
             items: plan.raw(4 * Self::STAGES, 4),
+            consumer_threads,
         }
     }
 
     /// FULL: the producer's one arrival; EMPTY: every consumer thread's, each after its
     /// own read of the item.
     fn init(&self, k: &mut Kernel, smem: &Smem) {
-        self.ring.init(k, smem, 1, CONSUMER_THREADS);
+        self.ring.init(k, smem, 1, self.consumer_threads);
     }
 
     fn slot(&self, k: &mut Kernel, smem: Smem, ring: &StageRing) -> SmemAddr {
@@ -339,7 +365,7 @@ pub(super) enum Role {
 }
 
 /// The persistent loop of the sm90a kernels. Work items are the
-/// `q_blocks · heads · batch` (query tile of [`BLOCK_M`] rows, head, batch) triples (sizes
+/// `q_blocks · heads · batch` (query tile of `block_m` rows, head, batch) triples (sizes
 /// read from the [`FwdArgs`] at the start of `args`), visited with `block_n`-key tiles,
 /// numbered head by head so that the blocks running at once share a few heads and each
 /// head's K and V come from HBM once and then from L2 (taking one query tile of many heads
@@ -360,7 +386,7 @@ pub(super) fn for_each_item(
     args: ParamBytes,
     (queue, smem, role): (&WorkQueue, Smem, Role),
     causal: bool,
-    block_n: u32,
+    tile: (u32, u32),
     body: impl FnOnce(&mut Kernel, &Block),
 ) {
     let arg = |k: &mut Kernel, off| k.load_param_at::<U32>(args, off);
@@ -377,7 +403,7 @@ pub(super) fn for_each_item(
             items.cast::<S32>(),
             stride.cast(),
             |k, item| {
-                let b = item_block(k, args, false, block_n, item.cast(), [q_blocks, heads]);
+                let b = item_block(k, args, false, tile, item.cast(), [q_blocks, heads]);
                 body(k, &b);
             },
         );
@@ -402,7 +428,7 @@ pub(super) fn for_each_item(
             publish(k, &mut ring, item);
             let more = |k: &mut Kernel| k.setp(Cmp::Lt, item, items);
             k.while_(more, |k| {
-                let b = item_block(k, args, causal, block_n, item, [q_blocks, heads]);
+                let b = item_block(k, args, causal, tile, item, [q_blocks, heads]);
                 body(k, &b);
                 // The ticket is taken once this item's loads are issued; its latency
                 // hides behind the consumers' last tiles.
@@ -428,7 +454,7 @@ pub(super) fn for_each_item(
             take(k, &mut ring);
             let more = |k: &mut Kernel| k.setp(Cmp::Lt, item, items);
             k.while_(more, |k| {
-                let b = item_block(k, args, causal, block_n, item, [q_blocks, heads]);
+                let b = item_block(k, args, causal, tile, item, [q_blocks, heads]);
                 body(k, &b);
                 take(k, &mut ring);
             });
@@ -443,7 +469,7 @@ fn item_block(
     k: &mut Kernel,
     args: ParamBytes,
     causal: bool,
-    block_n: u32,
+    (block_m, block_n): (u32, u32),
     item: Reg<U32>,
     [q_blocks, heads]: [Reg<U32>; 2],
 ) -> Block {
@@ -467,12 +493,12 @@ fn item_block(
     let head = k.rem(hb, heads);
     let b = k.div(hb, heads);
     let m_block = query_block(k, m_index, q_blocks, causal);
-    let m_start = k.mul(m_block.cast::<S32>(), BLOCK_M as i32);
+    let m_start = k.mul(m_block.cast::<S32>(), block_m as i32);
     let seq = sequence(k, args, b);
     let causal_offset = seq.causal_offset(k);
     let mask = causal.then_some(causal_offset);
     let (sq, sk) = (seq.seqlen_q, seq.seqlen_k);
-    let tiles = key_tiles(k, sq, sk, m_start, BLOCK_M, block_n, mask);
+    let tiles = key_tiles(k, sq, sk, m_start, block_m, block_n, mask);
     Block {
         batch: b,
         head,
@@ -483,24 +509,26 @@ fn item_block(
     }
 }
 
-/// What a consumer warpgroup thread knows about itself: which of the two consumer
-/// warpgroups it is in, its lane's role, its accumulator rows, and the named-barrier
-/// pair the two warpgroups take turns at the tensor cores with.
+/// What a consumer warpgroup thread knows about itself: which consumer warpgroup it is
+/// in, its lane's role, its accumulator rows, and (with two consumer warpgroups) the
+/// named-barrier pair they take turns at the tensor cores with.
 #[derive(Clone, Copy)]
 pub(super) struct ConsumerRoles {
-    /// 0 or 1: which of the two consumer warpgroups.
+    /// 0 or 1: which consumer warpgroup.
     pub which: Reg<U32>,
     pub other: Reg<U32>,
     /// Lane 0 of each warp: it arrives on EMPTY barriers for its warp.
     pub leader: Reg<crate::ptx::Pred>,
     pub rows: Rows,
-    pub turns: [NamedBarrier; 2],
+    /// The ping-pong pair; none with a single consumer warpgroup, which has the tensor
+    /// cores to itself.
+    pub turns: Option<[NamedBarrier; 2]>,
 }
 
 impl ConsumerRoles {
-    /// The roles of thread `tid` (128..384), after raising its registers to `regs`; the
-    /// second warpgroup lets the first go first.
-    pub fn new(k: &mut Kernel, tid: Reg<U32>, regs: u32) -> ConsumerRoles {
+    /// The roles of thread `tid` (from 128) of one of `consumers` (1 or 2) warpgroups,
+    /// after raising its registers to `regs`; of two, the second lets the first go first.
+    pub fn new(k: &mut Kernel, tid: Reg<U32>, regs: u32, consumers: u32) -> ConsumerRoles {
         k.setmaxnreg_inc(regs);
         let ct = k.sub(tid, 128u32);
         let which = k.shr(ct, 7);
@@ -512,15 +540,32 @@ impl ConsumerRoles {
         let warp_row0 = k.mul(which, 64u32);
         let warp_row0 = k.mad(warp, 16u32, warp_row0);
         let rows = Rows::new(k, lane, warp_row0);
-        let turns = k.named_barrier_pair(256);
-        let second = k.setp(Cmp::Ne, which, 0u32);
-        k.if_(second, |k| k.bar_arrive(turns[0]));
+        let turns = (consumers == 2).then(|| {
+            let turns = k.named_barrier_pair(256);
+            let second = k.setp(Cmp::Ne, which, 0u32);
+            k.if_(second, |k| k.bar_arrive(turns[0]));
+            turns
+        });
         ConsumerRoles {
             which,
             other,
             leader,
             rows,
             turns,
+        }
+    }
+
+    /// Waits for this warpgroup's turn at the tensor cores (ping-pong).
+    pub fn wait_turn(&self, k: &mut Kernel) {
+        if let Some(turns) = self.turns {
+            k.bar_wait_member(turns, self.which);
+        }
+    }
+
+    /// Hands the tensor cores to the other warpgroup once this one's products are issued.
+    pub fn pass_turn(&self, k: &mut Kernel) {
+        if let Some(turns) = self.turns {
+            k.bar_arrive_member(turns, self.other);
         }
     }
 
@@ -657,7 +702,7 @@ where
     NO: WgmmaN,
 {
     k.comment("Consumers: S = Q K^T, online softmax, O += P V, in ping-pong turns.");
-    let roles = ConsumerRoles::new(k, tid, f.s.registers().1);
+    let roles = ConsumerRoles::new(k, tid, f.s.registers().1, f.s.consumers());
     let q_at = f.smem.tile(k, f.slots.q, 0);
     let q = roles.q_rows(k, q_at, &f.s.q_layout());
     let scale_log2 = k.load_param_at::<F32>(f.args, offset_of!(FwdArgs, scale_log2));
@@ -727,11 +772,11 @@ impl<H: Half2 + WgmmaInput> Consumer<'_, H> {
         let end = self.b.tiles.end;
         let last = k.sub(end, 1i32);
 
-        k.bar_wait_member(self.roles.turns, self.roles.which);
+        self.roles.wait_turn(k);
         kr.wait_full(k);
         let s = self.scores::<NS>(k, kr);
         k.wgmma_commit();
-        k.bar_arrive_member(self.roles.turns, self.roles.other);
+        self.roles.pass_turn(k);
         k.wgmma_wait(0);
         let s = k.wgmma_retire(s);
         self.release(k, kr);
@@ -759,9 +804,9 @@ impl<H: Half2 + WgmmaInput> Consumer<'_, H> {
         }
 
         k.comment("The last P V.");
-        k.bar_wait_member(self.roles.turns, self.roles.which);
+        self.roles.wait_turn(k);
         let pv = self.rescale_and_pv::<NO>(k, o, vr);
-        k.bar_arrive_member(self.roles.turns, self.roles.other);
+        self.roles.pass_turn(k);
         k.wgmma_wait(0);
         let o = k.wgmma_retire(pv);
         self.release(k, vr);
@@ -778,12 +823,12 @@ impl<H: Half2 + WgmmaInput> Consumer<'_, H> {
         kr: &mut StageRing,
         vr: &mut StageRing,
     ) -> Acc<NO> {
-        k.bar_wait_member(self.roles.turns, self.roles.which);
+        self.roles.wait_turn(k);
         kr.wait_full(k);
         let s = self.scores::<NS>(k, kr);
         k.wgmma_commit();
         let pv = self.rescale_and_pv::<NO>(k, o, vr);
-        k.bar_arrive_member(self.roles.turns, self.roles.other);
+        self.roles.pass_turn(k);
         k.wgmma_wait(1);
         let s = k.wgmma_retire(s);
         self.release(k, kr);
@@ -892,12 +937,56 @@ mod tests {
         }
     }
 
+    /// The one-consumer kernel: 256 threads, 64-row Q (and O) tiles, EMPTY barriers
+    /// counting its four warps, no ping-pong barriers; the two-consumer kernel keeps its
+    /// pair.
+    #[test]
+    fn one_consumer_kernel_takes_no_turns() {
+        for d in HEAD_DIMS {
+            for causal in [false, true] {
+                let narrow = FwdConfig {
+                    block_m: 64,
+                    ..config(d, HalfType::F16, causal)
+                };
+                let s = Shape::of(&narrow);
+                assert_eq!((s.consumers(), s.threads()), (1, 256));
+                assert_eq!(s.q_layout().rows, 64);
+                assert!(s.plan().0.bytes() <= MAX_SMEM, "d{d}");
+                let t = narrow.tiling();
+                assert_eq!((t.block_m, t.threads), (64, 256));
+                let ptx = generate(&narrow).unwrap().to_ptx();
+                assert!(ptx.contains(".maxntid 256, 1, 1"), "d{d}");
+                assert!(!ptx.contains("bar.arrive"), "d{d}: a turn is passed");
+                let counts: Vec<&str> = ptx
+                    .lines()
+                    .filter(|l| l.contains("mbarrier.init"))
+                    .filter_map(|l| l.trim().strip_suffix(';')?.rsplit(", ").next())
+                    .collect();
+                // FULL: the producer; EMPTY: 4 warps; the causal queue's EMPTY: 128 threads.
+                let want: &[&str] = if causal {
+                    &["1", "4", "128"]
+                } else {
+                    &["1", "4"]
+                };
+                assert!(counts.iter().all(|c| want.contains(c)), "d{d}: {counts:?}");
+                let wide = generate(&config(d, HalfType::F16, causal))
+                    .unwrap()
+                    .to_ptx();
+                assert!(wide.contains(".maxntid 384, 1, 1") && wide.contains("bar.arrive"));
+            }
+        }
+    }
+
     /// O gets a staging tile of its own where one fits beside Q and the rings, else
     /// (d = 256) it is staged in Q's; every plan fits the GPU.
     #[test]
     fn output_is_staged_beside_q_where_it_fits() {
         for d in HEAD_DIMS {
             let s = Shape::of(&config(d, HalfType::F16, false));
+            // With 64-row tiles O has a tile of its own at every head dim.
+            let narrow = Shape { block_m: 64, ..s };
+            assert!(!narrow.o_in_q(), "d{d}");
+            assert!(narrow.plan().0.bytes() <= MAX_SMEM, "d{d}");
             let (plan, slots) = s.plan();
             assert!(plan.bytes() <= MAX_SMEM, "d{d}: {} bytes", plan.bytes());
             assert_eq!(s.o_in_q(), d == 256, "d{d}");

@@ -248,7 +248,7 @@ impl Shape {
             q_ring: RingBarriers::plan(&mut plan, 1),
             k_ring: RingBarriers::plan(&mut plan, STAGES),
             v_ring: RingBarriers::plan(&mut plan, STAGES),
-            work: WorkQueue::plan(&mut plan),
+            work: WorkQueue::plan(&mut plan, THREADS - 128),
             parked: (self.parked_cols > 0)
                 .then(|| plan.raw(Parked::bytes(self.parked_cols), PARKED_ALIGN)),
             o: (self.parked_cols == 0).then(|| plan.tile(self.o_layout(), 1)),
@@ -336,7 +336,7 @@ where
     split_roles(
         &mut k,
         &f.smem,
-        (rings, f.causal.then_some(&f.slots.work)),
+        (rings, f.causal.then_some(&f.slots.work), 2),
         tid,
         |k| produce(k, &f, tid),
         |k| consume::<H, NS, NC, NP>(k, &f, tid),
@@ -348,7 +348,8 @@ impl Fwd {
     /// The 16-bit kernel's persistent loop over (query tile, head, batch) work items.
     fn for_each_item(&self, k: &mut Kernel, role: Role, body: impl FnOnce(&mut Kernel, &Block)) {
         let queue = (&self.slots.work, self.smem, role);
-        for_each_item(k, self.args, queue, self.causal, self.s.block_n, body);
+        let tile = (BLOCK_M, self.s.block_n);
+        for_each_item(k, self.args, queue, self.causal, tile, body);
     }
 }
 
@@ -446,7 +447,7 @@ where
     NP: WgmmaN,
 {
     k.comment("Consumers: S = Q8 K8^T, softmax, O += v_scale * (P8 V8), in turns.");
-    let roles = ConsumerRoles::new(k, tid, CONSUMER_REGS);
+    let roles = ConsumerRoles::new(k, tid, CONSUMER_REGS, 2);
     let q_at = f.smem.tile(k, f.slots.q, 0);
     let q = roles.q_rows(k, q_at, &f.s.q_layout());
     let mut rings = Rings {
@@ -558,11 +559,11 @@ impl Consumer<'_> {
 
         let dc = self.dequant(k, last);
         let v_scale = self.scale_of(k, offset_of!(Fp8Args, v_scale), last);
-        k.bar_wait_member(self.roles.turns, self.roles.which);
+        self.roles.wait_turn(k);
         kr.wait_full(k);
         let s = self.scores::<NS>(k, kr);
         k.wgmma_commit();
-        k.bar_arrive_member(self.roles.turns, self.roles.other);
+        self.roles.pass_turn(k);
         k.wgmma_wait(0);
         let s = k.wgmma_retire(s);
         self.release(k, kr);
@@ -588,11 +589,11 @@ impl Consumer<'_> {
         self.release(k, qr);
 
         k.comment("The last P V.");
-        k.bar_wait_member(self.roles.turns, self.roles.which);
+        self.roles.wait_turn(k);
         vr.wait_full(k);
         let t = self.pv::<NC>(k, vr, 0);
         k.wgmma_commit();
-        k.bar_arrive_member(self.roles.turns, self.roles.other);
+        self.roles.pass_turn(k);
         self.rescale_lagging(k);
         self.finish_pv::<NC>(k, t, vr);
     }
@@ -608,14 +609,14 @@ impl Consumer<'_> {
     ) {
         let dc = self.dequant(k, n);
         let v_scale = self.scale_of(k, offset_of!(Fp8Args, v_scale), n);
-        k.bar_wait_member(self.roles.turns, self.roles.which);
+        self.roles.wait_turn(k);
         kr.wait_full(k);
         let s = self.scores::<NS>(k, kr);
         k.wgmma_commit();
         vr.wait_full(k);
         let t = self.pv::<NC>(k, vr, 0);
         k.wgmma_commit();
-        k.bar_arrive_member(self.roles.turns, self.roles.other);
+        self.roles.pass_turn(k);
         // O is no wgmma's accumulator: its rescale runs beside the tensor cores.
         self.rescale_lagging(k);
         k.wgmma_wait(1);
