@@ -162,7 +162,8 @@ fn info() -> Result<(), Failure> {
     out!(
         "\ndispatch on sm_{}{} with {sms} SMs (dtype, head dim, causal -> kernel for large | \
          small grids; sm80 takes the 64-row tile when fewer than {sms} 128-row blocks, sm90a \
-         when its 64-row blocks fit one wave):",
+         when its 64-row blocks fit one wave, and 192 rows at d64 without a mask from 2048 \
+         keys):",
         arch.0,
         arch.1,
     );

@@ -140,6 +140,9 @@ fn sm90_seqlen_grid(dtype: HalfType, d: usize) {
     let mut cases = Vec::new();
     for causal in [false, true] {
         for block_m in flashcore::kernels::attention::sm90::BLOCK_MS {
+            if !flashcore::kernels::attention::sm90::has_tile(d as u32, block_m, causal) {
+                continue;
+            }
             let kernel = FwdConfig {
                 path: Path::Sm90,
                 dtype,
@@ -213,27 +216,28 @@ fn sm90_causal_grids_beyond_one_wave() {
     run_cases(&cases);
 }
 
-/// The one-consumer (64-row) sm90 kernel forced onto grids beyond one wave: its
-/// persistent loop (a fixed stride, or the causal counter and tail) must run every item
-/// exactly once, as the two-consumer kernel's does.
+/// The one-consumer (64-row) and three-consumer (192-row) sm90 kernels forced onto grids
+/// beyond one wave: their persistent loops (a fixed stride, or the causal counter and
+/// tail) must run every item exactly once, as the two-consumer kernel's does.
 #[test]
 #[ignore = "needs a CUDA GPU"]
-fn sm90_narrow_tiles_beyond_one_wave() {
+fn sm90_other_tiles_beyond_one_wave() {
     let cc = Device::new(0).expect("a CUDA device").compute_capability();
     if cc != (9, 0) {
         println!("skipped: the sm90 path needs sm_90, this GPU is {cc:?}");
         return;
     }
-    let narrow = |c: FwdCase| FwdCase {
+    let tile = |block_m: u32, c: FwdCase| FwdCase {
         kernel: Some(FwdConfig {
             path: Path::Sm90,
             dtype: c.dtype,
             head_dim: c.shape.head_dim as u32,
             causal: c.causal,
-            block_m: 64,
+            block_m,
         }),
         ..c
     };
+    let narrow = |c| tile(64, c);
     let cases = [
         // 2 x 8 heads x 18 query tiles = 288 items.
         narrow(case(HalfType::F16, 64, false, 2, 8, 2, 1100, 900)),
@@ -242,6 +246,9 @@ fn sm90_narrow_tiles_beyond_one_wave() {
         narrow(case(HalfType::Bf16, 128, true, 1, 16, 4, 1200, 1300)),
         // 24 x 12 = 288 items; the first 100 rows see no key.
         narrow(case(HalfType::F16, 256, true, 1, 12, 4, 1500, 1400)),
+        // 192 rows: 6 x 48 = 288 items, GQA 6:1; and 9 query tiles whose last has 31 rows.
+        tile(192, case(HalfType::F16, 64, false, 2, 24, 4, 1100, 2100)),
+        tile(192, case(HalfType::Bf16, 64, false, 1, 32, 32, 1567, 4097)),
     ];
     run_cases(&cases);
 }

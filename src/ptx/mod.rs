@@ -135,7 +135,7 @@ pub use layout::{SmemLayout, Swizzle};
 pub use mbarrier::{Parity, RingBarriers, StageRing};
 pub use module::Module;
 pub use smem::{BarrierSlot, Mbarrier, RawSlot, Smem, SmemAddr, SmemPlan, TileSlot};
-pub use sync::NamedBarrier;
+pub use sync::{BarrierRing, NamedBarrier};
 pub use target::{Feature, Features, Target};
 pub use tma::{CachePolicy, TmaDesc};
 pub use types::*;

@@ -14,6 +14,33 @@ pub struct NamedBarrier {
     threads: u32,
 }
 
+/// Named barriers with consecutive ids, each for the same thread count, addressed by a
+/// register index: the turns that warpgroups pass around (warpgroup `i` waits at member
+/// `i` and, done, arrives at member `i + 1` mod `len`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BarrierRing {
+    first: NamedBarrier,
+    len: u32,
+}
+
+impl BarrierRing {
+    pub fn len(&self) -> u32 {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Member `i` (a compile-time index).
+    pub fn member(&self, i: u32) -> NamedBarrier {
+        NamedBarrier {
+            id: self.first.id + i,
+            threads: self.first.threads,
+        }
+    }
+}
+
 impl NamedBarrier {
     pub fn id(&self) -> u32 {
         self.id
@@ -71,31 +98,33 @@ impl Kernel {
         NamedBarrier { id, threads }
     }
 
-    /// Two named barriers with consecutive ids, for a pair of warpgroups taking turns
-    /// (ping-pong scheduling): member `i` is reached through a register holding `i`
+    /// `len` named barriers with consecutive ids, for warpgroups taking turns (ping-pong
+    /// scheduling): member `i` is reached through a register holding `i`
     /// ([`Kernel::bar_wait_member`], [`Kernel::bar_arrive_member`]).
-    pub fn named_barrier_pair(&mut self, threads: u32) -> [NamedBarrier; 2] {
-        let a = self.named_barrier(threads);
-        let b = self.named_barrier(threads);
-        if b.id != a.id + 1 {
-            self.fail(PtxError::BadOperand(format!(
-                "named barrier pair got ids {} and {}, not consecutive",
-                a.id, b.id
-            )));
+    pub fn named_barrier_ring(&mut self, len: u32, threads: u32) -> BarrierRing {
+        let first = self.named_barrier(threads);
+        for i in 1..len {
+            let next = self.named_barrier(threads);
+            if next.id != first.id + i {
+                self.fail(PtxError::BadOperand(format!(
+                    "named barrier ring got id {} after {}, not consecutive",
+                    next.id, first.id
+                )));
+            }
         }
-        [a, b]
+        BarrierRing { first, len }
     }
 
-    /// Waits at member `which` (a register holding 0 or 1) of a barrier pair.
-    pub fn bar_wait_member(&mut self, pair: [NamedBarrier; 2], which: Reg<U32>) {
-        let id = self.add(which, pair[0].id);
-        self.emit(format!("bar.sync {}, {};", id.name(), pair[0].threads));
+    /// Waits at member `which` (a register holding `0..ring.len()`) of a barrier ring.
+    pub fn bar_wait_member(&mut self, ring: BarrierRing, which: Reg<U32>) {
+        let id = self.add(which, ring.first.id);
+        self.emit(format!("bar.sync {}, {};", id.name(), ring.first.threads));
     }
 
-    /// Arrives (without waiting) at member `which` of a barrier pair.
-    pub fn bar_arrive_member(&mut self, pair: [NamedBarrier; 2], which: Reg<U32>) {
-        let id = self.add(which, pair[0].id);
-        self.emit(format!("bar.arrive {}, {};", id.name(), pair[0].threads));
+    /// Arrives (without waiting) at member `which` of a barrier ring.
+    pub fn bar_arrive_member(&mut self, ring: BarrierRing, which: Reg<U32>) {
+        let id = self.add(which, ring.first.id);
+        self.emit(format!("bar.arrive {}, {};", id.name(), ring.first.threads));
     }
 
     /// Waits at `b` until its thread count has arrived (`bar.sync id, n`).

@@ -599,6 +599,9 @@ mod tests {
     #[test]
     fn every_tiling_keeps_offsets_atom_aligned() {
         for cfg in all_fwd_configs() {
+            if cfg.path != super::super::Path::Sm80 {
+                continue;
+            }
             let s = Shape::of(&cfg);
             let id = cfg.id();
             assert_eq!(s.block_m(), cfg.block_m, "{id}");

@@ -45,8 +45,8 @@ use super::sequence::{Sequence, sequence};
 use super::softmax::{OnlineSoftmax, pack_probs_into, rescale_rows};
 use super::{FwdArgs, FwdConfig, HalfType, Tiling};
 use crate::ptx::{
-    Acc, Bf16x2, Cmp, F16x2, F32, Half2, InFlight, KMajor, Kernel, KernelText, MnMajor, Module,
-    N64, N80, N128, N176, N256, NamedBarrier, ParamBytes, PtxError, RawSlot, Reg, RingBarriers,
+    Acc, BarrierRing, Bf16x2, Cmp, F16x2, F32, Half2, InFlight, KMajor, Kernel, KernelText,
+    MnMajor, Module, N64, N80, N128, N176, N256, ParamBytes, PtxError, RawSlot, Reg, RingBarriers,
     S32, ScaleD, Smem, SmemAddr, SmemDesc, SmemLayout, SmemPlan, Special, StageRing, Swizzle,
     Target, TileSlot, TmaDesc, U32, U64, WgmmaD, WgmmaInput, WgmmaN,
 };
@@ -54,8 +54,19 @@ use crate::ptx::{
 /// Query rows per block by default: two consumer warpgroups of 64.
 pub const BLOCK_M: u32 = 128;
 /// The query tiles this path has kernels for: two consumer warpgroups (128 rows), or one
-/// (64 rows) for grids that would leave SMs idle (see [`Shape::consumers`]).
-pub const BLOCK_MS: [u32; 2] = [BLOCK_M, 64];
+/// (64 rows) for grids that would leave SMs idle (see [`Shape::consumers`]), or three
+/// (192 rows) at head dim 64 ([`has_tile`]).
+pub const BLOCK_MS: [u32; 3] = [BLOCK_M, 64, 192];
+
+/// Whether there is a kernel for head dim `head_dim` with `block_m`-row query tiles:
+/// three consumer warpgroups leave each 160 registers, which only head dim 64's O fits
+/// beside the scores, and run only without a mask (with one, the dispatch never takes
+/// them: see the host's `sm90_block_m`).
+pub fn has_tile(head_dim: u32, block_m: u32, causal: bool) -> bool {
+    HEAD_DIMS.contains(&head_dim)
+        && BLOCK_MS.contains(&block_m)
+        && (block_m != 192 || (head_dim == 64 && !causal))
+}
 /// Registers per thread after reallocation: 128·40 + 256·232 = 64512 <= 65536 (but see
 /// [`Shape::registers`]).
 pub const PRODUCER_REGS: u32 = 40;
@@ -141,8 +152,10 @@ impl Shape {
     /// spilled 80 bytes in the key loop once the epilogue issued TMA stores. The producer's
     /// one thread fits in 24.
     pub fn registers(&self) -> (u32, u32) {
-        match self.head_dim {
-            256 => (24, 240),
+        match (self.consumers(), self.head_dim) {
+            // 128·24 + 384·160 = 64512.
+            (3, _) => (24, 160),
+            (_, 256) => (24, 240),
             _ => (PRODUCER_REGS, CONSUMER_REGS),
         }
     }
@@ -196,7 +209,7 @@ pub(crate) fn tiling(cfg: &FwdConfig) -> Tiling {
 
 pub(crate) fn generate(cfg: &FwdConfig) -> Result<Module, PtxError> {
     let s = Shape::of(cfg);
-    if !BLOCK_MS.contains(&s.block_m) {
+    if !has_tile(s.head_dim, s.block_m, cfg.causal) {
         return Err(PtxError::BadOperand(format!(
             "no sm90 forward with {}-row query tiles",
             s.block_m
@@ -510,29 +523,32 @@ fn item_block(
 }
 
 /// What a consumer warpgroup thread knows about itself: which consumer warpgroup it is
-/// in, its lane's role, its accumulator rows, and (with two consumer warpgroups) the
-/// named-barrier pair they take turns at the tensor cores with.
+/// in, its lane's role, its accumulator rows, and (with several consumer warpgroups) the
+/// named-barrier ring they take turns at the tensor cores with.
 #[derive(Clone, Copy)]
 pub(super) struct ConsumerRoles {
-    /// 0 or 1: which consumer warpgroup.
+    /// Which consumer warpgroup, from 0.
     pub which: Reg<U32>,
-    pub other: Reg<U32>,
+    /// The warpgroup whose turn follows this one's, with two; with three it is derived
+    /// at each turn (the 160-register warpgroups have no register to keep it in).
+    pub next: Option<Reg<U32>>,
     /// Lane 0 of each warp: it arrives on EMPTY barriers for its warp.
     pub leader: Reg<crate::ptx::Pred>,
     pub rows: Rows,
-    /// The ping-pong pair; none with a single consumer warpgroup, which has the tensor
-    /// cores to itself.
-    pub turns: Option<[NamedBarrier; 2]>,
+    /// The turns, one barrier per warpgroup; none with a single consumer warpgroup,
+    /// which has the tensor cores to itself.
+    pub turns: Option<BarrierRing>,
 }
 
 impl ConsumerRoles {
-    /// The roles of thread `tid` (from 128) of one of `consumers` (1 or 2) warpgroups,
-    /// after raising its registers to `regs`; of two, the second lets the first go first.
+    /// The roles of thread `tid` (from 128) of one of `consumers` warpgroups, after
+    /// raising its registers to `regs`; the first warpgroup takes the first turn (the
+    /// last one lets it go).
     pub fn new(k: &mut Kernel, tid: Reg<U32>, regs: u32, consumers: u32) -> ConsumerRoles {
         k.setmaxnreg_inc(regs);
         let ct = k.sub(tid, 128u32);
         let which = k.shr(ct, 7);
-        let other = k.xor(which, 1u32);
+        let next = (consumers == 2).then(|| k.xor(which, 1u32));
         let in_wg = k.and(ct, 127u32);
         let warp = k.shr(in_wg, 5);
         let lane = k.and(ct, 31u32);
@@ -540,32 +556,51 @@ impl ConsumerRoles {
         let warp_row0 = k.mul(which, 64u32);
         let warp_row0 = k.mad(warp, 16u32, warp_row0);
         let rows = Rows::new(k, lane, warp_row0);
-        let turns = (consumers == 2).then(|| {
-            let turns = k.named_barrier_pair(256);
-            let second = k.setp(Cmp::Ne, which, 0u32);
-            k.if_(second, |k| k.bar_arrive(turns[0]));
+        let turns = (consumers > 1).then(|| {
+            let turns = k.named_barrier_ring(consumers, 256);
+            let last = k.setp(Cmp::Eq, which, consumers - 1);
+            k.if_(last, |k| k.bar_arrive(turns.member(0)));
             turns
         });
         ConsumerRoles {
             which,
-            other,
+            next,
             leader,
             rows,
             turns,
         }
     }
 
+    /// Which consumer warpgroup this is: kept with two, read again from `%tid.x` with
+    /// three (no register to spare).
+    fn which(&self, k: &mut Kernel) -> Reg<U32> {
+        if self.next.is_some() || self.turns.is_none() {
+            return self.which;
+        }
+        let tid = k.special(Special::TidX);
+        let ct = k.sub(tid, 128u32);
+        k.shr(ct, 7)
+    }
+
     /// Waits for this warpgroup's turn at the tensor cores (ping-pong).
     pub fn wait_turn(&self, k: &mut Kernel) {
         if let Some(turns) = self.turns {
-            k.bar_wait_member(turns, self.which);
+            let which = self.which(k);
+            k.bar_wait_member(turns, which);
         }
     }
 
-    /// Hands the tensor cores to the other warpgroup once this one's products are issued.
+    /// Hands the tensor cores to the next warpgroup once this one's products are issued.
     pub fn pass_turn(&self, k: &mut Kernel) {
         if let Some(turns) = self.turns {
-            k.bar_arrive_member(turns, self.other);
+            let next = self.next.unwrap_or_else(|| {
+                let which = self.which(k);
+                let up = k.add(which, 1u32);
+                let wraps = k.setp(Cmp::Eq, up, turns.len());
+                let zero = k.mov::<U32>(0u32);
+                k.selp(zero, up, wraps)
+            });
+            k.bar_arrive_member(turns, next);
         }
     }
 
@@ -597,7 +632,8 @@ impl ConsumerRoles {
 
     /// This warpgroup's 64 rows of the Q tile at `q` (stored in `layout`).
     pub fn q_rows(&self, k: &mut Kernel, q: SmemAddr, layout: &SmemLayout) -> SmemDesc<KMajor> {
-        let q_rows = k.mul(self.which, layout.logical_offset(64, 0));
+        let which = self.which(k);
+        let q_rows = k.mul(which, layout.logical_offset(64, 0));
         let q_at = k.smem_offset(q, q_rows);
         k.smem_desc::<KMajor>(q_at, layout)
     }
@@ -851,9 +887,17 @@ impl<H: Half2 + WgmmaInput> Consumer<'_, H> {
         let k_at = kr.slot(k, f.slots.k);
         let kd = k.smem_desc::<KMajor>(k_at, &kl);
         let acc = k.acc::<NS>();
-        let mut flying = k.wgmma_ss::<H, NS, KMajor, KMajor>(acc, self.q, kd, ScaleD::Zero);
+        // Three consumer warpgroups (160 registers) derive Q's descriptor at each tile
+        // rather than hold it through the key loop.
+        let q0 = if f.s.consumers() == 3 {
+            let q_at = f.smem.tile(k, f.slots.q, 0);
+            self.roles.q_rows(k, q_at, &ql)
+        } else {
+            self.q
+        };
+        let mut flying = k.wgmma_ss::<H, NS, KMajor, KMajor>(acc, q0, kd, ScaleD::Zero);
         for step in 1..f.s.head_dim / 16 {
-            let q = advance(k, self.q, ql.logical_offset(0, 16 * step));
+            let q = advance(k, q0, ql.logical_offset(0, 16 * step));
             let kk = advance(k, kd, kl.logical_offset(0, 16 * step));
             flying = k.wgmma_ss::<H, NS, KMajor, KMajor>(flying, q, kk, ScaleD::Accumulate);
         }
@@ -979,6 +1023,43 @@ mod tests {
 
     /// O gets a staging tile of its own where one fits beside Q and the rings, else
     /// (d = 256) it is staged in Q's; every plan fits the GPU.
+    /// The three-consumer kernel (head dim 64, no mask only): 512 threads, 24 and 160
+    /// registers, EMPTY barriers counting twelve warps, turns passed round a ring of three
+    /// named barriers that the last warpgroup opens at barrier 1 (the first of the ring).
+    #[test]
+    fn three_consumers_pass_turns_round_a_ring() {
+        assert!(has_tile(64, 192, false));
+        assert!(!has_tile(64, 192, true) && !has_tile(128, 192, false));
+        let cfg = FwdConfig {
+            block_m: 192,
+            ..config(64, HalfType::Bf16, false)
+        };
+        let s = Shape::of(&cfg);
+        assert_eq!(
+            (s.consumers(), s.threads(), s.registers()),
+            (3, 512, (24, 160))
+        );
+        let (t, regs) = (cfg.tiling(), s.registers());
+        assert_eq!((t.block_m, t.threads), (192, 512));
+        assert!(128 * regs.0 + 384 * regs.1 <= 65536);
+        let ptx = generate(&cfg).unwrap().to_ptx();
+        assert!(ptx.contains(".maxntid 512, 1, 1"));
+        assert!(ptx.contains("setmaxnreg.inc.sync.aligned.u32 160;"));
+        let counts: Vec<&str> = ptx
+            .lines()
+            .filter(|l| l.contains("mbarrier.init"))
+            .filter_map(|l| l.trim().strip_suffix(';')?.rsplit(", ").next())
+            .collect();
+        assert!(counts.iter().all(|c| ["1", "12"].contains(c)), "{counts:?}");
+        assert_eq!(ptx.matches("bar.arrive 1, 256;").count(), 1);
+        assert!(ptx.contains("setp.eq.u32") && ptx.matches("bar.arrive %r").count() >= 2);
+        let causal = FwdConfig {
+            causal: true,
+            ..cfg
+        };
+        assert!(generate(&causal).is_err());
+    }
+
     #[test]
     fn output_is_staged_beside_q_where_it_fits() {
         for d in HEAD_DIMS {
