@@ -63,6 +63,20 @@ pub fn dispatch(
     dispatch_sm80(arch, sm_count, dtype, shape, causal)
 }
 
+/// The shape the dispatch judges a problem by: its own, except that a packed batch's key
+/// count is the mean per sequence (its `seqlen_k` counts the rows of every sequence, but
+/// a query tile sees only its own sequence's keys).
+pub(crate) fn dispatch_shape(problem: &FwdProblem) -> AttnShape {
+    let shape = problem.shape;
+    match problem.packed {
+        Some(p) => AttnShape {
+            seqlen_k: p.total_k.div_ceil(shape.batch.max(1)),
+            ..shape
+        },
+        None => shape,
+    }
+}
+
 /// (query tile, head, batch) triples: the sm80 grid's blocks, the sm90 kernel's work
 /// items.
 pub(crate) fn work_items(shape: &AttnShape, block_m: u32) -> usize {
@@ -228,7 +242,8 @@ impl Attention {
             PathChoice::Best => dispatch,
             PathChoice::Sm80 => dispatch_sm80,
         };
-        pick(arch, sms, problem.dtype, &problem.shape, problem.causal).map_err(|why| {
+        let shape = dispatch_shape(problem);
+        pick(arch, sms, problem.dtype, &shape, problem.causal).map_err(|why| {
             let (major, minor) = arch;
             Error::UnsupportedGpu {
                 name: format!("{} ({why})", self.device.name()),
@@ -835,6 +850,47 @@ mod tests {
         let shape = AttnShape::square(2, 8, 512, 64);
         assert_eq!(sm90_block_m(&shape, 128, false), 64);
         assert_eq!(sm90_block_m(&shape, 127, false), sm90::BLOCK_M);
+    }
+
+    /// A packed batch is judged by its mean keys per sequence: 32 sequences of 100 keys
+    /// (3200 rows of K) do not take the 192-row tile, 4 of 3000 do.
+    #[test]
+    fn packed_batches_dispatch_by_their_keys_per_sequence() {
+        use super::super::validate::Packed;
+        let problem = |seqs: usize, keys: usize| FwdProblem {
+            shape: AttnShape {
+                batch: seqs,
+                seqlen_q: 4096,
+                seqlen_k: seqs * keys,
+                heads_q: 32,
+                heads_kv: 8,
+                head_dim: 64,
+            },
+            dtype: HalfType::F16,
+            scale: 0.125,
+            causal: false,
+            packed: Some(Packed {
+                cu_seqlens_q: 0x1000,
+                cu_seqlens_k: 0x2000,
+                total_q: 4096,
+                total_k: seqs * keys,
+            }),
+        };
+        let pick = |p: &FwdProblem| {
+            let shape = dispatch_shape(p);
+            dispatch((9, 0), 132, p.dtype, &shape, p.causal)
+                .unwrap()
+                .block_m
+        };
+        let short = problem(32, 100);
+        assert_eq!(dispatch_shape(&short).seqlen_k, 100);
+        assert_eq!(pick(&short), sm90::BLOCK_M);
+        assert_eq!(pick(&problem(4, 3000)), 192);
+        let dense = FwdProblem {
+            packed: None,
+            ..short
+        };
+        assert_eq!(dispatch_shape(&dense), dense.shape);
     }
 
     /// Head dim 64 without a mask takes three consumer warpgroups from 2048 keys and a
