@@ -639,11 +639,10 @@ fn sm90_maps(cfg: &FwdConfig, [q, k, v]: [&TensorView; 3]) -> Result<[TensorMap;
     let Tiling {
         block_m, block_n, ..
     } = cfg.tiling();
-    let rows_kv = block_n;
     Ok([
         sm90_map(q, block_m)?,
-        sm90_map(k, rows_kv)?,
-        sm90_map(v, rows_kv)?,
+        sm90_map(k, block_n)?,
+        sm90_map(v, block_n)?,
     ])
 }
 

@@ -527,11 +527,14 @@ fn item_block(
 /// named-barrier ring they take turns at the tensor cores with.
 #[derive(Clone, Copy)]
 pub(super) struct ConsumerRoles {
-    /// Which consumer warpgroup, from 0.
-    pub which: Reg<U32>,
-    /// The warpgroup whose turn follows this one's, with two; with three it is derived
-    /// at each turn (the 160-register warpgroups have no register to keep it in).
-    pub next: Option<Reg<U32>>,
+    /// Which consumer warpgroup, from 0 (see [`ConsumerRoles::which`]).
+    which: Reg<U32>,
+    /// The warpgroup whose turn follows this one's, where it is kept (two consumers).
+    next: Option<Reg<U32>>,
+    /// The consumers have no register to spare (three of them get 160 each): what can
+    /// be derived again where it is used (the warpgroup index, the next turn, Q's
+    /// descriptor) is, instead of being held through the key loop.
+    pub lean: bool,
     /// Lane 0 of each warp: it arrives on EMPTY barriers for its warp.
     pub leader: Reg<crate::ptx::Pred>,
     pub rows: Rows,
@@ -548,6 +551,7 @@ impl ConsumerRoles {
         k.setmaxnreg_inc(regs);
         let ct = k.sub(tid, 128u32);
         let which = k.shr(ct, 7);
+        let lean = consumers > 2;
         let next = (consumers == 2).then(|| k.xor(which, 1u32));
         let in_wg = k.and(ct, 127u32);
         let warp = k.shr(in_wg, 5);
@@ -565,16 +569,16 @@ impl ConsumerRoles {
         ConsumerRoles {
             which,
             next,
+            lean,
             leader,
             rows,
             turns,
         }
     }
 
-    /// Which consumer warpgroup this is: kept with two, read again from `%tid.x` with
-    /// three (no register to spare).
+    /// Which consumer warpgroup this is: read again from `%tid.x` when [`Self::lean`].
     fn which(&self, k: &mut Kernel) -> Reg<U32> {
-        if self.next.is_some() || self.turns.is_none() {
+        if !self.lean {
             return self.which;
         }
         let tid = k.special(Special::TidX);
@@ -887,9 +891,7 @@ impl<H: Half2 + WgmmaInput> Consumer<'_, H> {
         let k_at = kr.slot(k, f.slots.k);
         let kd = k.smem_desc::<KMajor>(k_at, &kl);
         let acc = k.acc::<NS>();
-        // Three consumer warpgroups (160 registers) derive Q's descriptor at each tile
-        // rather than hold it through the key loop.
-        let q0 = if f.s.consumers() == 3 {
+        let q0 = if self.roles.lean {
             let q_at = f.smem.tile(k, f.slots.q, 0);
             self.roles.q_rows(k, q_at, &ql)
         } else {
@@ -981,6 +983,14 @@ mod tests {
         }
     }
 
+    /// The arrival count of every `mbarrier.init` in `ptx`.
+    fn mbarrier_counts(ptx: &str) -> Vec<&str> {
+        ptx.lines()
+            .filter(|l| l.contains("mbarrier.init"))
+            .filter_map(|l| l.trim().strip_suffix(';')?.rsplit(", ").next())
+            .collect()
+    }
+
     /// The one-consumer kernel: 256 threads, 64-row Q (and O) tiles, EMPTY barriers
     /// counting its four warps, no ping-pong barriers; the two-consumer kernel keeps its
     /// pair.
@@ -1001,11 +1011,7 @@ mod tests {
                 let ptx = generate(&narrow).unwrap().to_ptx();
                 assert!(ptx.contains(".maxntid 256, 1, 1"), "d{d}");
                 assert!(!ptx.contains("bar.arrive"), "d{d}: a turn is passed");
-                let counts: Vec<&str> = ptx
-                    .lines()
-                    .filter(|l| l.contains("mbarrier.init"))
-                    .filter_map(|l| l.trim().strip_suffix(';')?.rsplit(", ").next())
-                    .collect();
+                let counts = mbarrier_counts(&ptx);
                 // FULL: the producer; EMPTY: 4 warps; the causal queue's EMPTY: 128 threads.
                 let want: &[&str] = if causal {
                     &["1", "4", "128"]
@@ -1045,11 +1051,7 @@ mod tests {
         let ptx = generate(&cfg).unwrap().to_ptx();
         assert!(ptx.contains(".maxntid 512, 1, 1"));
         assert!(ptx.contains("setmaxnreg.inc.sync.aligned.u32 160;"));
-        let counts: Vec<&str> = ptx
-            .lines()
-            .filter(|l| l.contains("mbarrier.init"))
-            .filter_map(|l| l.trim().strip_suffix(';')?.rsplit(", ").next())
-            .collect();
+        let counts = mbarrier_counts(&ptx);
         assert!(counts.iter().all(|c| ["1", "12"].contains(c)), "{counts:?}");
         assert_eq!(ptx.matches("bar.arrive 1, 256;").count(), 1);
         assert!(ptx.contains("setp.eq.u32") && ptx.matches("bar.arrive %r").count() >= 2);

@@ -60,7 +60,9 @@ pub const HEAD_DIMS: [u32; 3] = [64, 128, 256];
 /// 16-bit kernel's).
 pub const BLOCK_M: u32 = super::sm90::BLOCK_M;
 /// Threads: a producer warpgroup and two consumer warpgroups.
-pub const THREADS: u32 = 384;
+pub const THREADS: u32 = 128 * (1 + CONSUMERS);
+/// Consumer warpgroups, taking turns at the tensor cores.
+const CONSUMERS: u32 = 2;
 /// Registers per thread after reallocation: 128·24 + 256·240 = 64512 <= 65536.
 pub const PRODUCER_REGS: u32 = 24;
 pub const CONSUMER_REGS: u32 = 240;
@@ -248,7 +250,7 @@ impl Shape {
             q_ring: RingBarriers::plan(&mut plan, 1),
             k_ring: RingBarriers::plan(&mut plan, STAGES),
             v_ring: RingBarriers::plan(&mut plan, STAGES),
-            work: WorkQueue::plan(&mut plan, THREADS - 128),
+            work: WorkQueue::plan(&mut plan, 128 * CONSUMERS),
             parked: (self.parked_cols > 0)
                 .then(|| plan.raw(Parked::bytes(self.parked_cols), PARKED_ALIGN)),
             o: (self.parked_cols == 0).then(|| plan.tile(self.o_layout(), 1)),
@@ -336,7 +338,7 @@ where
     split_roles(
         &mut k,
         &f.smem,
-        (rings, f.causal.then_some(&f.slots.work), 2),
+        (rings, f.causal.then_some(&f.slots.work), CONSUMERS),
         tid,
         |k| produce(k, &f, tid),
         |k| consume::<H, NS, NC, NP>(k, &f, tid),
@@ -447,7 +449,7 @@ where
     NP: WgmmaN,
 {
     k.comment("Consumers: S = Q8 K8^T, softmax, O += v_scale * (P8 V8), in turns.");
-    let roles = ConsumerRoles::new(k, tid, CONSUMER_REGS, 2);
+    let roles = ConsumerRoles::new(k, tid, CONSUMER_REGS, CONSUMERS);
     let q_at = f.smem.tile(k, f.slots.q, 0);
     let q = roles.q_rows(k, q_at, &f.s.q_layout());
     let mut rings = Rings {
