@@ -302,9 +302,11 @@ if want sanitize; then
         "--batch 1 --heads 4 --kv-heads 1 --seqlen-q 300 --seqlen-k 200 --head-dim 128 --dtype bf16 --causal --block-m 128"
         "--batch 2 --heads 2 --kv-heads 2 --seqlen-q 77 --seqlen-k 333 --head-dim 256 --dtype f16 --block-m 128"
         "--batch 2 --heads 68 --kv-heads 17 --seqlen-q 200 --seqlen-k 300 --head-dim 64 --dtype f16 --causal --block-m 64"
-        # The three-consumer kernel (head dim 64, no mask): alone and beyond one wave.
+        # The three-consumer kernel (head dim 64): alone and beyond one wave, without a
+        # mask and with the causal counter (rows that see no key included).
         "--batch 1 --heads 2 --kv-heads 1 --seqlen-q 300 --seqlen-k 513 --head-dim 64 --dtype bf16 --block-m 192"
         "--batch 2 --heads 68 --kv-heads 17 --seqlen-q 500 --seqlen-k 700 --head-dim 64 --dtype f16 --block-m 192"
+        "--batch 2 --heads 68 --kv-heads 17 --seqlen-q 700 --seqlen-k 500 --head-dim 64 --dtype bf16 --causal --block-m 192"
     )
     for tool in memcheck racecheck synccheck; do
         for s in "${shapes[@]}"; do

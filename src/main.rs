@@ -53,7 +53,7 @@ const USAGE: &str = "usage:
   flashcore report
   flashcore run [--batch B] [--heads H] [--kv-heads HKV] [--seqlen S | --seqlen-q SQ --seqlen-k SK]
                 [--head-dim D] [--dtype f16|bf16|e4m3] [--causal] [--layout bshd|bhsd] [--iters N]
-                [--block-m 64|128] [--path best|sm80]
+                [--block-m 64|128|192] [--path best|sm80]
                 e4m3 only: [--in-dtype f16|bf16] [--smooth-k] [--hadamard SEED]
   flashcore bench [--json FILE] [--iters N] [--dtype f16,bf16] [--path best|sm80]
                   [--shapes default|hopper]
@@ -162,8 +162,8 @@ fn info() -> Result<(), Failure> {
     out!(
         "\ndispatch on sm_{}{} with {sms} SMs (dtype, head dim, causal -> kernel for large | \
          small grids; sm80 takes the 64-row tile when fewer than {sms} 128-row blocks, sm90a \
-         when its 64-row blocks fit one wave, and 192 rows at d64 without a mask from 2048 \
-         keys):",
+         when its 64-row blocks fit one wave, and 192 rows at d64 from 2048 keys, \
+         8192 causal):",
         arch.0,
         arch.1,
     );
@@ -483,9 +483,9 @@ fn run(args: &[String]) -> Result<(), Failure> {
     let mut case = case;
     if let Some(block_m) = o.value("--block-m") {
         // Force a query tile (to compare tiles); otherwise the dispatch chooses.
-        let block_m = block_m
-            .parse()
-            .map_err(|_| Failure::Usage(format!("--block-m takes 64 or 128, got `{block_m}`")))?;
+        let block_m = block_m.parse().map_err(|_| {
+            Failure::Usage(format!("--block-m takes 64, 128 or 192, got `{block_m}`"))
+        })?;
         case.kernel = Some(FwdConfig {
             block_m,
             ..planned_kernel(&attn, &case)?

@@ -249,6 +249,10 @@ fn sm90_other_tiles_beyond_one_wave() {
         // 192 rows: 6 x 48 = 288 items, GQA 6:1; and 9 query tiles whose last has 31 rows.
         tile(192, case(HalfType::F16, 64, false, 2, 24, 4, 1100, 2100)),
         tile(192, case(HalfType::Bf16, 64, false, 1, 32, 32, 1567, 4097)),
+        // 192 rows from the causal counter: 6 x 48 = 288 items, the first 1000 rows see
+        // no key; and Sq = Sk with a 31-row last tile.
+        tile(192, case(HalfType::F16, 64, true, 2, 24, 4, 1100, 100)),
+        tile(192, case(HalfType::Bf16, 64, true, 1, 32, 8, 1567, 1567)),
     ];
     run_cases(&cases);
 }

@@ -95,19 +95,17 @@ fn sm90_has_kernel(shape: &AttnShape, block_m: u32, causal: bool) -> bool {
 ///   block per SM: such a grid leaves at least half the SMs idle with 128-row tiles, and
 ///   the kernel's time is the latency of one block's chain of key tiles, which a
 ///   warpgroup alone on its SM runs faster;
-/// - 192 rows (three consumer warpgroups) at head dim 64 without a mask, from 2048 keys
-///   and a full wave of them: more rows share each K/V tile and the tensor cores turn
-///   over three warpgroups (4–8% faster on the H200; shorter key loops and causal
-///   masks, whose items differ in length, run slower).
+/// - 192 rows (three consumer warpgroups) at head dim 64 from 2048 keys without a mask,
+///   from 8192 with a causal one, and a full wave of them: more rows share each K/V tile
+///   and the tensor cores turn over three warpgroups (on the H200, 4–8% faster without
+///   a mask and 4–8% with a causal one from 8192 keys; shorter key loops run slower,
+///   causal ones most, since a 192-row tile straddles two diagonal key tiles).
 pub(crate) fn sm90_block_m(shape: &AttnShape, sm_count: u32, causal: bool) -> u32 {
     let sms = sm_count as usize;
+    let min_keys = if causal { 8192 } else { 2048 };
     if work_items(shape, 64) <= sms {
         64
-    } else if shape.head_dim == 64
-        && !causal
-        && shape.seqlen_k >= 2048
-        && work_items(shape, 192) >= sms
-    {
+    } else if shape.head_dim == 64 && shape.seqlen_k >= min_keys && work_items(shape, 192) >= sms {
         192
     } else {
         sm90::BLOCK_M
@@ -785,7 +783,7 @@ mod tests {
         for dtype in [HalfType::F16, HalfType::Bf16] {
             for d in 1..=512 {
                 for causal in [false, true] {
-                    for seqlen in [1, 1024, 4096] {
+                    for seqlen in [1, 1024, 4096, 8192] {
                         let shape = AttnShape::square(4, 32, seqlen, d);
                         let picks = [
                             dispatch((9, 0), 132, dtype, &shape, causal),
@@ -892,9 +890,9 @@ mod tests {
         assert_eq!(dispatch_shape(&dense), dense.shape);
     }
 
-    /// Head dim 64 without a mask takes three consumer warpgroups from 2048 keys and a
-    /// full wave of 192-row tiles; causal masks, other head dims and shorter key ranges
-    /// keep two.
+    /// Head dim 64 takes three consumer warpgroups from 2048 keys without a mask (8192
+    /// with a causal one) and a full wave of 192-row tiles; other head dims and shorter
+    /// key ranges keep two.
     #[test]
     fn sm90_takes_three_consumers_at_d64_on_long_unmasked_keys() {
         let pick = |b, h, sq, sk, d, causal| {
@@ -915,6 +913,9 @@ mod tests {
         assert_eq!(pick(1, 32, 16384, 16384, 64, false), 192);
         assert_eq!(pick(8, 32, 512, 2048, 64, false), 192); // 3 x 256 items
         assert_eq!(pick(4, 32, 4096, 4096, 64, true), sm90::BLOCK_M);
+        assert_eq!(pick(2, 32, 8192, 8192, 64, true), 192);
+        assert_eq!(pick(1, 32, 16384, 16384, 64, true), 192);
+        assert_eq!(pick(2, 32, 8192, 8191, 64, true), sm90::BLOCK_M);
         assert_eq!(pick(4, 32, 4096, 2047, 64, false), sm90::BLOCK_M);
         assert_eq!(pick(4, 16, 4096, 4096, 128, false), sm90::BLOCK_M);
         // 22 x 6 = 132 items of 192 rows fill a wave; 131 do not.

@@ -1258,6 +1258,17 @@ mod tests {
             one.splits
         );
         assert!(one.workspace_bytes >= one.splits * 32 * 128 * 4);
+        // A paged cache takes a fourth stage, still one block per SM: the same splits.
+        let paged = decode_problem(
+            &q(1, 1, 32, 128, 4 * GB),
+            &cache(1, 32768, 8, 128, Some(16)),
+            &AttentionParams::default(),
+        )
+        .unwrap();
+        let paged = plan_decode(&paged, 132, 227 * 1024).unwrap();
+        assert_eq!((one.config.stages, paged.config.stages), (3, 4));
+        assert_eq!(paged.config.blocks_per_sm(), 1);
+        assert_eq!(paged.splits, one.splits);
         // Sixteen sequences' 128 blocks are a wave already.
         assert_eq!(plan(16, 8192).splits, 1);
         // An e4m3 cache wants every block that fits (three per SM): more splits.
