@@ -51,7 +51,7 @@ pub fn dispatch(
 ) -> Result<FwdConfig, String> {
     let path = path_for_arch(arch)?;
     let block_m = sm90_block_m(shape, sm_count, causal);
-    if path == Path::Sm90 && sm90_has_kernel(shape, block_m, causal) {
+    if path == Path::Sm90 && sm90_has_kernel(shape, block_m) {
         return Ok(FwdConfig {
             path,
             dtype,
@@ -83,11 +83,10 @@ pub(crate) fn work_items(shape: &AttnShape, block_m: u32) -> usize {
     shape.seqlen_q.div_ceil(block_m as usize) * shape.heads_q * shape.batch
 }
 
-/// Whether the sm90 path has a kernel for `shape` with `block_m`-row query tiles (and
-/// `causal` masking): its head dim and tile, and work items that fit the 31 bits the
-/// persistent kernel numbers them in.
-fn sm90_has_kernel(shape: &AttnShape, block_m: u32, causal: bool) -> bool {
-    sm90::has_tile(shape.head_dim as u32, block_m, causal) && work_items(shape, block_m) < 1 << 31
+/// Whether the sm90 path has a kernel for `shape` with `block_m`-row query tiles: its head
+/// dim and tile, and work items that fit the 31 bits the persistent kernel numbers them in.
+fn sm90_has_kernel(shape: &AttnShape, block_m: u32) -> bool {
+    sm90::has_tile(shape.head_dim as u32, block_m) && work_items(shape, block_m) < 1 << 31
 }
 
 /// The sm90 path's query tile: 128 rows (two consumer warpgroups in ping-pong), except
@@ -370,7 +369,7 @@ impl Attention {
             Path::Sm80 => [BLOCK_M_WIDE, BLOCK_M_NARROW].contains(&cfg.block_m),
             Path::Sm90 => {
                 path_for_arch(arch) == Ok(Path::Sm90)
-                    && sm90_has_kernel(&problem.shape, cfg.block_m, cfg.causal)
+                    && sm90_has_kernel(&problem.shape, cfg.block_m)
             }
         };
         if !same || !runs {

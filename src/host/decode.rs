@@ -1238,15 +1238,16 @@ mod tests {
 
     #[test]
     fn splits_fill_the_gpu_and_depend_only_on_capacities() {
-        let plan = |b, cap| {
+        let plan_paged = |b, cap, pages| {
             let p = decode_problem(
                 &q(b, 1, 32, 128, 4 * GB),
-                &cache(b, cap, 8, 128, None),
+                &cache(b, cap, 8, 128, pages),
                 &AttentionParams::default(),
             )
             .unwrap();
             plan_decode(&p, 132, 227 * 1024).unwrap()
         };
+        let plan = |b, cap| plan_paged(b, cap, None);
         let one = plan(1, 32768);
         // Head dim 128's 3-stage ring keeps 64 KiB of reads in flight: the eight KV heads'
         // splits fill one wave of one block per SM.
@@ -1259,13 +1260,7 @@ mod tests {
         );
         assert!(one.workspace_bytes >= one.splits * 32 * 128 * 4);
         // A paged cache takes a fourth stage, still one block per SM: the same splits.
-        let paged = decode_problem(
-            &q(1, 1, 32, 128, 4 * GB),
-            &cache(1, 32768, 8, 128, Some(16)),
-            &AttentionParams::default(),
-        )
-        .unwrap();
-        let paged = plan_decode(&paged, 132, 227 * 1024).unwrap();
+        let paged = plan_paged(1, 32768, Some(16));
         assert_eq!((one.config.stages, paged.config.stages), (3, 4));
         assert_eq!(paged.config.blocks_per_sm(), 1);
         assert_eq!(paged.splits, one.splits);

@@ -58,11 +58,11 @@ pub const BLOCK_M: u32 = 128;
 /// (192 rows) at head dim 64 ([`has_tile`]).
 pub const BLOCK_MS: [u32; 3] = [BLOCK_M, 64, 192];
 
-/// Whether there is a kernel for head dim `head_dim` with `block_m`-row query tiles:
-/// three consumer warpgroups leave each 160 registers, which only head dim 64's O fits
-/// beside the scores. (`causal` does not narrow the choice today; the host's
-/// `sm90_block_m` decides where each tile pays.)
-pub fn has_tile(head_dim: u32, block_m: u32, _causal: bool) -> bool {
+/// Whether there is a kernel for head dim `head_dim` with `block_m`-row query tiles, with
+/// and without a causal mask: three consumer warpgroups leave each 160 registers, which
+/// only head dim 64's O fits beside the scores. (The host's `sm90_block_m` decides where
+/// each tile pays.)
+pub fn has_tile(head_dim: u32, block_m: u32) -> bool {
     HEAD_DIMS.contains(&head_dim)
         && BLOCK_MS.contains(&block_m)
         && (block_m != 192 || head_dim == 64)
@@ -209,7 +209,7 @@ pub(crate) fn tiling(cfg: &FwdConfig) -> Tiling {
 
 pub(crate) fn generate(cfg: &FwdConfig) -> Result<Module, PtxError> {
     let s = Shape::of(cfg);
-    if !has_tile(s.head_dim, s.block_m, cfg.causal) {
+    if !has_tile(s.head_dim, s.block_m) {
         return Err(PtxError::BadOperand(format!(
             "no sm90 forward with {}-row query tiles",
             s.block_m
@@ -1035,8 +1035,8 @@ mod tests {
     /// a causal mask, items from the counter that all 384 consumer threads wait for.
     #[test]
     fn three_consumers_pass_turns_round_a_ring() {
-        assert!(has_tile(64, 192, false) && has_tile(64, 192, true));
-        assert!(!has_tile(128, 192, false) && !has_tile(256, 192, true));
+        assert!(has_tile(64, 192));
+        assert!(!has_tile(128, 192) && !has_tile(256, 192));
         let cfg = FwdConfig {
             block_m: 192,
             ..config(64, HalfType::Bf16, false)
