@@ -307,11 +307,17 @@ if want sanitize; then
         "--batch 1 --heads 2 --kv-heads 1 --seqlen-q 300 --seqlen-k 513 --head-dim 64 --dtype bf16 --block-m 192"
         "--batch 2 --heads 68 --kv-heads 17 --seqlen-q 500 --seqlen-k 700 --head-dim 64 --dtype f16 --block-m 192"
         "--batch 2 --heads 68 --kv-heads 17 --seqlen-q 700 --seqlen-k 500 --head-dim 64 --dtype bf16 --causal --block-m 192"
+        # The split-keys kernel (head dim 64): the dispatch's pick on a small grid, and
+        # forced beyond one wave with odd and even tile counts, without a mask and from
+        # the causal counter.
+        "--batch 1 --heads 2 --kv-heads 1 --seqlen-q 300 --seqlen-k 1100 --head-dim 64 --dtype f16"
+        "--batch 2 --heads 68 --kv-heads 17 --seqlen-q 300 --seqlen-k 129 --head-dim 64 --dtype f16 --split-keys on"
+        "--batch 2 --heads 68 --kv-heads 17 --seqlen-q 200 --seqlen-k 300 --head-dim 64 --dtype bf16 --causal --split-keys on"
     )
     for tool in memcheck racecheck synccheck; do
         for s in "${shapes[@]}"; do
             read -ra shape_args <<<"$s"
-            short=$(sed -e 's/--batch /B/; s/ --heads /H/; s/ --kv-heads /KV/; s/ --seqlen-q /Sq/; s/ --seqlen-k /Sk/; s/ --head-dim /D/; s/ --dtype / /; s/ --causal/ causal/; s/ --block-m / m/; s/ --path / /' <<<"$s")
+            short=$(sed -e 's/--batch /B/; s/ --heads /H/; s/ --kv-heads /KV/; s/ --seqlen-q /Sq/; s/ --seqlen-k /Sk/; s/ --head-dim /D/; s/ --dtype / /; s/ --causal/ causal/; s/ --block-m / m/; s/ --split-keys on/ splitkv/; s/ --path / /' <<<"$s")
             step sanitizer.log "$tool $short" 180 \
                 compute-sanitizer --tool "$tool" --error-exitcode 1 \
                 "$fc" run "${shape_args[@]}" --iters 1

@@ -53,7 +53,7 @@ const USAGE: &str = "usage:
   flashcore report
   flashcore run [--batch B] [--heads H] [--kv-heads HKV] [--seqlen S | --seqlen-q SQ --seqlen-k SK]
                 [--head-dim D] [--dtype f16|bf16|e4m3] [--causal] [--layout bshd|bhsd] [--iters N]
-                [--block-m 64|128|192] [--path best|sm80]
+                [--block-m 64|128|192] [--split-keys on|off] [--path best|sm80]
                 e4m3 only: [--in-dtype f16|bf16] [--smooth-k] [--hadamard SEED]
   flashcore bench [--json FILE] [--iters N] [--dtype f16,bf16] [--path best|sm80]
                   [--shapes default|hopper]
@@ -410,6 +410,7 @@ fn run(args: &[String]) -> Result<(), Failure> {
             "--layout",
             "--iters",
             "--block-m",
+            "--split-keys",
             "--path",
             "--in-dtype",
             "--hadamard",
@@ -418,9 +419,10 @@ fn run(args: &[String]) -> Result<(), Failure> {
     )?;
     let fp8 = o.value("--dtype") == Some("e4m3");
     let options = if fp8 {
-        if o.value("--block-m").is_some() {
+        if o.value("--block-m").is_some() || o.value("--split-keys").is_some() {
             return Err(Failure::Usage(
-                "--block-m chooses a 16-bit kernel's tile; the e4m3 path has its own".into(),
+                "--block-m and --split-keys choose a 16-bit kernel; the e4m3 path has its own"
+                    .into(),
             ));
         }
         let hadamard_seed = match o.value("--hadamard") {
@@ -481,14 +483,31 @@ fn run(args: &[String]) -> Result<(), Failure> {
         return run_fp8(&dev, &attn, &stream, case, &options, iters);
     }
     let mut case = case;
-    if let Some(block_m) = o.value("--block-m") {
-        // Force a query tile (to compare tiles); otherwise the dispatch chooses.
-        let block_m = block_m.parse().map_err(|_| {
-            Failure::Usage(format!("--block-m takes 64, 128 or 192, got `{block_m}`"))
-        })?;
+    let split_keys = match o.value("--split-keys") {
+        None => None,
+        Some("on") => Some(true),
+        Some("off") => Some(false),
+        Some(v) => {
+            return Err(Failure::Usage(format!(
+                "--split-keys takes on or off, got `{v}`"
+            )));
+        }
+    };
+    if o.value("--block-m").is_some() || split_keys.is_some() {
+        // Force a query tile or the split-keys kernel (to compare kernels); otherwise the
+        // dispatch chooses. The split-keys kernel has 64-row tiles.
+        let planned = planned_kernel(&attn, &case)?;
+        let block_m = match o.value("--block-m") {
+            Some(b) => b.parse().map_err(|_| {
+                Failure::Usage(format!("--block-m takes 64, 128 or 192, got `{b}`"))
+            })?,
+            None if split_keys == Some(true) => 64,
+            None => planned.block_m,
+        };
         case.kernel = Some(FwdConfig {
             block_m,
-            ..planned_kernel(&attn, &case)?
+            split_keys: split_keys.unwrap_or(false),
+            ..planned
         });
     }
     let mut rng = Rng::from_entropy();

@@ -121,6 +121,7 @@ fn seqlen_grid(dtype: HalfType, d: usize) {
                 head_dim: d as u32,
                 causal,
                 block_m,
+                split_keys: false,
             };
             cases.extend(all_seqlen_pairs(kernel));
         }
@@ -149,6 +150,7 @@ fn sm90_seqlen_grid(dtype: HalfType, d: usize) {
                 head_dim: d as u32,
                 causal,
                 block_m,
+                split_keys: false,
             };
             cases.extend(all_seqlen_pairs(kernel));
         }
@@ -234,6 +236,7 @@ fn sm90_other_tiles_beyond_one_wave() {
             head_dim: c.shape.head_dim as u32,
             causal: c.causal,
             block_m,
+            split_keys: false,
         }),
         ..c
     };
@@ -253,6 +256,46 @@ fn sm90_other_tiles_beyond_one_wave() {
         // no key; and Sq = Sk with a 31-row last tile.
         tile(192, case(HalfType::F16, 64, true, 2, 24, 4, 1100, 100)),
         tile(192, case(HalfType::Bf16, 64, true, 1, 32, 8, 1567, 1567)),
+    ];
+    run_cases(&cases);
+}
+
+/// The split-keys sm90 kernel (two consumers on one 64-row query tile, alternate key
+/// tiles): a second consumer with no tile (one key), odd tile counts on a grid beyond one
+/// wave (the ring positions run on across items, so the consumers' first tiles alternate
+/// from item to item), the causal counter with rows that see no key, MQA, and the
+/// dispatch's own pick.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn sm90_split_keys_kernel() {
+    let cc = Device::new(0).expect("a CUDA device").compute_capability();
+    if cc != (9, 0) {
+        println!("skipped: the sm90 path needs sm_90, this GPU is {cc:?}");
+        return;
+    }
+    let split = |c: FwdCase| FwdCase {
+        kernel: Some(FwdConfig {
+            path: Path::Sm90,
+            dtype: c.dtype,
+            head_dim: 64,
+            causal: c.causal,
+            block_m: 64,
+            split_keys: true,
+        }),
+        ..c
+    };
+    let cases = [
+        split(case(HalfType::F16, 64, false, 1, 4, 4, 70, 1)),
+        split(case(HalfType::Bf16, 64, true, 2, 4, 1, 17, 129)),
+        // 2 x 8 heads x 18 query tiles = 288 items of 3 key tiles each.
+        split(case(HalfType::F16, 64, false, 2, 8, 2, 1100, 300)),
+        // 288 items from the causal counter, 1 to 18 tiles each.
+        split(case(HalfType::F16, 64, true, 2, 8, 2, 1100, 1100)),
+        // 12 x 24 = 288 items; the first 100 rows see no key.
+        split(case(HalfType::Bf16, 64, true, 1, 12, 4, 1500, 1400)),
+        // The dispatch's pick (64-row tiles, 1024 keys or more): MQA, causal and not.
+        case(HalfType::F16, 64, true, 1, 4, 1, 1024, 1500),
+        case(HalfType::Bf16, 64, false, 1, 2, 1, 2000, 1030),
     ];
     run_cases(&cases);
 }
@@ -383,6 +426,7 @@ fn other_head_dims_and_bhsd_layout() {
                         head_dim,
                         causal,
                         block_m,
+                        split_keys: false,
                     };
                     cases.push(FwdCase {
                         kernel: Some(wide),

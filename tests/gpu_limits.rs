@@ -122,6 +122,7 @@ fn longest_sequences_are_exact() {
         head_dim: d,
         causal: false,
         block_m: BLOCK_M_WIDE,
+        split_keys: false,
     };
     // (head dim, Sk, Sq, causal, forced kernel)
     let cases = [

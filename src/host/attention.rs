@@ -58,6 +58,7 @@ pub fn dispatch(
             head_dim: shape.head_dim as u32,
             causal,
             block_m,
+            split_keys: sm90_split_keys(shape, block_m),
         });
     }
     dispatch_sm80(arch, sm_count, dtype, shape, causal)
@@ -111,6 +112,20 @@ pub(crate) fn sm90_block_m(shape: &AttnShape, sm_count: u32, causal: bool) -> u3
     }
 }
 
+/// Keys from which a 64-row sm90 problem takes the split-keys kernel. Measured on the
+/// H200 against the one-consumer kernel, same call (Sq 512 or as noted, D64, f16): Sk
+/// 1024 +2–4%, 2048 +7–8%, B1 H2 S4096 +12–13% (causal and not); Sk 512 and below 1–7%
+/// slower, where the merge and the second warpgroup's turns cost more than the shorter
+/// chain of tiles saves.
+pub const SPLIT_MIN_KEYS: usize = 1024;
+
+/// Whether a problem on the sm90 path with `block_m`-row tiles takes the split-keys
+/// kernel: where there is one (64-row tiles, which the dispatch picks for grids that
+/// leave SMs idle, at head dim 64) and the blocks see at least [`SPLIT_MIN_KEYS`] keys.
+pub(crate) fn sm90_split_keys(shape: &AttnShape, block_m: u32) -> bool {
+    sm90::has_split(shape.head_dim as u32, block_m) && shape.seqlen_k >= SPLIT_MIN_KEYS
+}
+
 /// The sm80 path's configuration for a problem.
 ///
 /// The query tile is the wide one unless the wide grid would leave SMs without a block:
@@ -139,6 +154,7 @@ pub fn dispatch_sm80(
         head_dim,
         causal,
         block_m,
+        split_keys: false,
     })
 }
 
@@ -366,10 +382,11 @@ impl Attention {
         let same =
             (cfg.dtype, cfg.head_dim, cfg.causal) == (planned.dtype, head_dim, planned.causal);
         let runs = match cfg.path {
-            Path::Sm80 => [BLOCK_M_WIDE, BLOCK_M_NARROW].contains(&cfg.block_m),
+            Path::Sm80 => [BLOCK_M_WIDE, BLOCK_M_NARROW].contains(&cfg.block_m) && !cfg.split_keys,
             Path::Sm90 => {
                 path_for_arch(arch) == Ok(Path::Sm90)
                     && sm90_has_kernel(&problem.shape, cfg.block_m)
+                    && (!cfg.split_keys || sm90::has_split(head_dim, cfg.block_m))
             }
         };
         if !same || !runs {
@@ -782,8 +799,11 @@ mod tests {
         for dtype in [HalfType::F16, HalfType::Bf16] {
             for d in 1..=512 {
                 for causal in [false, true] {
-                    for seqlen in [1, 1024, 4096, 8192] {
-                        let shape = AttnShape::square(4, 32, seqlen, d);
+                    // Four wide grids, and small ones (two heads) that take 64-row tiles.
+                    let shapes = [(4, 32), (1, 2)].into_iter().flat_map(|(b, h)| {
+                        [1, 1024, 4096, 8192].map(|s| AttnShape::square(b, h, s, d))
+                    });
+                    for shape in shapes {
                         let picks = [
                             dispatch((9, 0), 132, dtype, &shape, causal),
                             dispatch_sm80((9, 0), 132, dtype, &shape, causal),
@@ -920,6 +940,39 @@ mod tests {
         // 22 x 6 = 132 items of 192 rows fill a wave; 131 do not.
         assert_eq!(pick(1, 6, 4224, 4224, 64, false), 192);
         assert_eq!(pick(1, 6, 4032, 4224, 64, false), sm90::BLOCK_M);
+    }
+
+    /// The 64-row grids at head dim 64 take the split-keys kernel from
+    /// [`SPLIT_MIN_KEYS`] keys, causal or not; other head dims and shorter key ranges keep
+    /// the one-consumer kernel, and wide grids never split.
+    #[test]
+    fn sm90_splits_keys_of_small_d64_grids_with_long_key_ranges() {
+        let pick = |b, h, sq, sk, d, causal| {
+            let shape = AttnShape {
+                batch: b,
+                seqlen_q: sq,
+                seqlen_k: sk,
+                heads_q: h,
+                heads_kv: h,
+                head_dim: d,
+            };
+            let cfg = dispatch((9, 0), 132, HalfType::Bf16, &shape, causal).unwrap();
+            assert_eq!(cfg.path, Path::Sm90);
+            let t = cfg.tiling();
+            assert_eq!(t.block_m, cfg.block_m);
+            let consumers = if cfg.split_keys { 2 } else { cfg.block_m / 64 };
+            assert_eq!(t.threads, 128 * (1 + consumers));
+            (cfg.block_m, cfg.split_keys)
+        };
+        for causal in [false, true] {
+            assert_eq!(pick(1, 2, 4096, 4096, 64, causal), (64, true));
+            assert_eq!(pick(1, 8, 1024, 1024, 64, causal), (64, true));
+            assert_eq!(pick(1, 8, 1024, 1023, 64, causal), (64, false));
+            assert_eq!(pick(2, 8, 512, 512, 64, causal), (64, false)); // the reference shape
+            assert_eq!(pick(1, 2, 4096, 4096, 128, causal), (64, false));
+            assert_eq!(pick(1, 2, 4096, 4096, 256, causal), (64, false));
+            assert_eq!(pick(8, 32, 1024, 1024, 64, causal), (sm90::BLOCK_M, false));
+        }
     }
 
     #[test]

@@ -64,6 +64,11 @@ pub struct FwdConfig {
     /// Query rows per block: [`BLOCK_M_WIDE`] normally, [`BLOCK_M_NARROW`] when the wide
     /// tiles would leave SMs idle (few heads, short sequences).
     pub block_m: u32,
+    /// sm90 path, 64-row tiles: two consumer warpgroups share the block's query rows and
+    /// take alternate key tiles, merging their partial results at the end (for grids
+    /// too small to fill the GPU, where a block's chain of key tiles sets the time; see
+    /// [`sm90::has_split`]).
+    pub split_keys: bool,
 }
 
 /// The default query tile: more work per K/V tile loaded.
@@ -72,14 +77,16 @@ pub const BLOCK_M_WIDE: u32 = 128;
 pub const BLOCK_M_NARROW: u32 = 64;
 
 impl FwdConfig {
-    /// The kernel id: also the PTX entry name, e.g. `attn_fwd_sm80_f16_d128_m128_causal`.
+    /// The kernel id: also the PTX entry name, e.g. `attn_fwd_sm80_f16_d128_m128_causal`,
+    /// `attn_fwd_sm90a_bf16_d64_m64_splitkv`.
     pub fn id(&self) -> String {
         format!(
-            "attn_fwd_{}_{}_d{}_m{}{}",
+            "attn_fwd_{}_{}_d{}_m{}{}{}",
             self.path.name(),
             self.dtype.name(),
             self.head_dim,
             self.block_m,
+            if self.split_keys { "_splitkv" } else { "" },
             if self.causal { "_causal" } else { "" }
         )
     }
@@ -142,6 +149,7 @@ pub fn all_fwd_configs() -> Vec<FwdConfig> {
                         head_dim,
                         causal,
                         block_m,
+                        split_keys: false,
                     });
                 }
             }
@@ -151,16 +159,23 @@ pub fn all_fwd_configs() -> Vec<FwdConfig> {
         for head_dim in sm90::HEAD_DIMS {
             for causal in [false, true] {
                 for block_m in sm90::BLOCK_MS {
-                    if !sm90::has_tile(head_dim, block_m) {
-                        continue;
+                    for split_keys in [false, true] {
+                        let tile = if split_keys {
+                            sm90::has_split(head_dim, block_m)
+                        } else {
+                            sm90::has_tile(head_dim, block_m)
+                        };
+                        if tile {
+                            v.push(FwdConfig {
+                                path: Path::Sm90,
+                                dtype,
+                                head_dim,
+                                causal,
+                                block_m,
+                                split_keys,
+                            });
+                        }
                     }
-                    v.push(FwdConfig {
-                        path: Path::Sm90,
-                        dtype,
-                        head_dim,
-                        causal,
-                        block_m,
-                    });
                 }
             }
         }

@@ -1,7 +1,9 @@
 //! FlashAttention-3 style forward for Hopper (`.target sm_90a`): a TMA producer
 //! warpgroup and two consumer warpgroups of 64 query rows each, taking turns at the
 //! tensor cores. Grids that would leave SMs idle take a one-consumer variant with 64-row
-//! query tiles instead (twice the blocks; no turns to take), see [`Shape::consumers`].
+//! query tiles instead (twice the blocks; no turns to take), see [`Shape::consumers`], or
+//! at head dim 64 with long key ranges a variant whose two consumers share the 64 rows
+//! and take alternate key tiles ([`Shape::split_keys`]).
 //!
 //! ```text
 //! producer (warpgroup 0)                 consumer c (warpgroups 1, 2; rows 64c..64c+64)
@@ -46,9 +48,9 @@ use super::softmax::{OnlineSoftmax, pack_probs_into, rescale_rows};
 use super::{FwdArgs, FwdConfig, HalfType, Tiling};
 use crate::ptx::{
     Acc, BarrierRing, Bf16x2, Cmp, F16x2, F32, Half2, InFlight, KMajor, Kernel, KernelText,
-    MnMajor, Module, N64, N80, N128, N176, N256, ParamBytes, PtxError, RawSlot, Reg, RingBarriers,
-    S32, ScaleD, Smem, SmemAddr, SmemDesc, SmemLayout, SmemPlan, Special, StageRing, Swizzle,
-    Target, TileSlot, TmaDesc, U32, U64, WgmmaD, WgmmaInput, WgmmaN,
+    MnMajor, Module, N64, N80, N128, N176, N256, NamedBarrier, ParamBytes, Pred, PtxError, RawSlot,
+    Reg, RingBarriers, S32, ScaleD, Smem, SmemAddr, SmemDesc, SmemLayout, SmemPlan, Special,
+    StageRing, Swizzle, Target, TileSlot, TmaDesc, U32, U64, WgmmaD, WgmmaInput, WgmmaN,
 };
 
 /// Query rows per block by default: two consumer warpgroups of 64.
@@ -67,12 +69,23 @@ pub fn has_tile(head_dim: u32, block_m: u32) -> bool {
         && BLOCK_MS.contains(&block_m)
         && (block_m != 192 || head_dim == 64)
 }
+
+/// Whether there is a split-keys kernel (two consumer warpgroups on one 64-row query
+/// tile, taking alternate key tiles; see [`Shape::split_keys`]) for head dim `head_dim`
+/// and `block_m`-row tiles: at head dim 64, where its ring of [`SPLIT_STAGES`] K and V
+/// stages fits in shared memory (at 128 it would take 256 KiB).
+pub fn has_split(head_dim: u32, block_m: u32) -> bool {
+    head_dim == 64 && block_m == 64
+}
 /// Registers per thread after reallocation: 128·40 + 256·232 = 64512 <= 65536 (but see
 /// [`Shape::registers`]).
 pub const PRODUCER_REGS: u32 = 40;
 pub const CONSUMER_REGS: u32 = 232;
 /// K and V stages in flight.
 pub const STAGES: u32 = 2;
+/// K and V stages of the split-keys kernel: two per consumer warpgroup, so that each
+/// one's next tile lands while it works on its current one.
+pub const SPLIT_STAGES: u32 = 4;
 /// Head dimensions this path has kernels for (others run on the sm80 path).
 pub const HEAD_DIMS: [u32; 3] = [64, 128, 256];
 
@@ -84,6 +97,14 @@ pub struct Shape {
     pub block_m: u32,
     /// Keys per tile: the N of `S = Q Kᵀ` (and the K of `P V`).
     pub block_n: u32,
+    /// Two consumer warpgroups share the block's 64 query rows: consumer `c` takes the
+    /// key tiles at ring positions `c, c + 2, ...` (always the same two of the ring's
+    /// four stages), taking turns at the tensor cores as the 128-row kernel's do, and the
+    /// second hands its partial result (O, row maxima and sums) to the first through
+    /// shared memory at the end ([`Exchange`]). For grids that leave SMs idle, where one
+    /// warpgroup per SM cannot keep the tensor cores and the exponent units busy at
+    /// once: two in turns can.
+    pub split_keys: bool,
 }
 
 /// Where everything lives in shared memory.
@@ -102,6 +123,9 @@ pub struct Slots {
     /// Where O is staged for its TMA store: a tile of its own, or Q's (see
     /// [`Shape::o_in_q`]).
     pub o: TileSlot,
+    /// Split keys: where the second consumer leaves its partial result for the first
+    /// (see [`Exchange`]).
+    pub exchange: Option<RawSlot>,
 }
 
 /// The dynamic shared memory a block may have on sm_90.
@@ -122,6 +146,7 @@ impl Shape {
             head_dim: cfg.head_dim,
             block_m: cfg.block_m,
             block_n,
+            split_keys: cfg.split_keys,
         }
     }
 
@@ -131,7 +156,26 @@ impl Shape {
     /// idle: each block's chain of tiles is as long, but its warpgroup has the SM's tensor
     /// cores and exponent units to itself.
     pub fn consumers(&self) -> u32 {
-        self.block_m / 64
+        if self.split_keys {
+            2
+        } else {
+            self.block_m / 64
+        }
+    }
+
+    /// K and V stages in the rings.
+    pub fn stages(&self) -> u32 {
+        if self.split_keys {
+            SPLIT_STAGES
+        } else {
+            STAGES
+        }
+    }
+
+    /// The consumer warpgroups that use each K and V stage: all of them, or with split
+    /// keys only the one whose turn of the ring it is.
+    pub fn kv_consumers(&self) -> u32 {
+        if self.split_keys { 1 } else { self.consumers() }
     }
 
     /// A producer warpgroup and the consumers.
@@ -181,17 +225,20 @@ impl Shape {
         let q = plan.tile(self.q_layout(), 1);
         let slots = Slots {
             q,
-            k: plan.tile(self.kv_layout(), STAGES),
-            v: plan.tile(self.kv_layout(), STAGES),
+            k: plan.tile(self.kv_layout(), self.stages()),
+            v: plan.tile(self.kv_layout(), self.stages()),
             q_ring: RingBarriers::plan(&mut plan, 1),
-            k_ring: RingBarriers::plan(&mut plan, STAGES),
-            v_ring: RingBarriers::plan(&mut plan, STAGES),
+            k_ring: RingBarriers::plan(&mut plan, self.stages()),
+            v_ring: RingBarriers::plan(&mut plan, self.stages()),
             work: WorkQueue::plan(&mut plan, 128 * self.consumers()),
             o: if o_in_q {
                 q
             } else {
                 plan.tile(self.o_layout(), 1)
             },
+            exchange: self
+                .split_keys
+                .then(|| plan.raw(Exchange::bytes(self.head_dim), 16)),
         };
         (plan, slots)
     }
@@ -209,10 +256,17 @@ pub(crate) fn tiling(cfg: &FwdConfig) -> Tiling {
 
 pub(crate) fn generate(cfg: &FwdConfig) -> Result<Module, PtxError> {
     let s = Shape::of(cfg);
-    if !has_tile(s.head_dim, s.block_m) {
+    let exists = if s.split_keys {
+        has_split(s.head_dim, s.block_m)
+    } else {
+        has_tile(s.head_dim, s.block_m)
+    };
+    if !exists {
         return Err(PtxError::BadOperand(format!(
-            "no sm90 forward with {}-row query tiles",
-            s.block_m
+            "no sm90 forward for head dim {} with {}-row query tiles{}",
+            s.head_dim,
+            s.block_m,
+            if s.split_keys { " and split keys" } else { "" }
         )));
     }
     let kernel = match (cfg.dtype, s.head_dim, s.block_n) {
@@ -284,11 +338,16 @@ where
         smem,
         slots,
     };
-    let rings = [&f.slots.q_ring, &f.slots.k_ring, &f.slots.v_ring];
+    // Every consumer warp releases Q; K and V stages only by the warps that used them.
+    let rings = [
+        (&f.slots.q_ring, s.consumers()),
+        (&f.slots.k_ring, s.kv_consumers()),
+        (&f.slots.v_ring, s.kv_consumers()),
+    ];
     split_roles(
         &mut k,
         &f.smem,
-        (rings, f.causal.then_some(&f.slots.work), s.consumers()),
+        (rings, f.causal.then_some(&f.slots.work)),
         tid,
         |k| produce(k, &f, tid),
         |k| consume::<H, NS, NO>(k, &f, tid),
@@ -298,13 +357,13 @@ where
 
 /// The warp-specialized frame of the sm90a forwards (16-bit and FP8): thread 0
 /// initialises the Q, K and V rings' barriers (FULL: the producer's arrival plus the
-/// bytes; EMPTY: one arrival per warp of the `consumers` warpgroups) and the work queue's
-/// (causal kernels) while the block waits, then warpgroup 0 runs `produce` and the
-/// consumer warpgroups `consume`.
+/// bytes; EMPTY: one arrival per warp of the number of consumer warpgroups paired with
+/// the ring) and the work queue's (causal kernels) while the block waits, then warpgroup
+/// 0 runs `produce` and the consumer warpgroups `consume`.
 pub(super) fn split_roles(
     k: &mut Kernel,
     smem: &Smem,
-    (rings, work, consumers): ([&RingBarriers; 3], Option<&WorkQueue>, u32),
+    (rings, work): ([(&RingBarriers, u32); 3], Option<&WorkQueue>),
     tid: Reg<U32>,
     produce: impl FnOnce(&mut Kernel),
     consume: impl FnOnce(&mut Kernel),
@@ -312,7 +371,7 @@ pub(super) fn split_roles(
     k.comment("One thread initialises the barriers; everyone waits for it.");
     let first = k.setp(Cmp::Eq, tid, 0u32);
     k.if_(first, |k| {
-        for ring in rings {
+        for (ring, consumers) in rings {
             ring.init(k, smem, 1, 4 * consumers);
         }
         if let Some(work) = work {
@@ -541,26 +600,40 @@ pub(super) struct ConsumerRoles {
     /// The turns, one barrier per warpgroup; none with a single consumer warpgroup,
     /// which has the tensor cores to itself.
     pub turns: Option<BarrierRing>,
+    /// The consumer warpgroups hold the same query rows (split keys).
+    shared_rows: bool,
 }
 
 impl ConsumerRoles {
     /// The roles of thread `tid` (from 128) of one of `consumers` warpgroups, after
     /// raising its registers to `regs`; the first warpgroup takes the first turn (the
-    /// last one lets it go).
-    pub fn new(k: &mut Kernel, tid: Reg<U32>, regs: u32, consumers: u32) -> ConsumerRoles {
+    /// last one lets it go). With `shared_rows` (split keys) every warpgroup holds the
+    /// block's 64 rows.
+    pub fn new(
+        k: &mut Kernel,
+        tid: Reg<U32>,
+        regs: u32,
+        consumers: u32,
+        shared_rows: bool,
+    ) -> ConsumerRoles {
         k.setmaxnreg_inc(regs);
         let ct = k.sub(tid, 128u32);
         let which = k.shr(ct, 7);
         let lean = consumers > 2;
-        let next = (consumers == 2).then(|| k.xor(which, 1u32));
+        let turns_taken = consumers > 1;
+        let next = (consumers == 2 && turns_taken).then(|| k.xor(which, 1u32));
         let in_wg = k.and(ct, 127u32);
         let warp = k.shr(in_wg, 5);
         let lane = k.and(ct, 31u32);
         let leader = k.setp(Cmp::Eq, lane, 0u32);
-        let warp_row0 = k.mul(which, 64u32);
-        let warp_row0 = k.mad(warp, 16u32, warp_row0);
+        let warp_row0 = if shared_rows {
+            k.mul(warp, 16u32)
+        } else {
+            let first = k.mul(which, 64u32);
+            k.mad(warp, 16u32, first)
+        };
         let rows = Rows::new(k, lane, warp_row0);
-        let turns = (consumers > 1).then(|| {
+        let turns = turns_taken.then(|| {
             let turns = k.named_barrier_ring(consumers, 256);
             let last = k.setp(Cmp::Eq, which, consumers - 1);
             k.if_(last, |k| k.bar_arrive(turns.member(0)));
@@ -573,6 +646,7 @@ impl ConsumerRoles {
             leader,
             rows,
             turns,
+            shared_rows,
         }
     }
 
@@ -636,6 +710,9 @@ impl ConsumerRoles {
 
     /// This warpgroup's 64 rows of the Q tile at `q` (stored in `layout`).
     pub fn q_rows(&self, k: &mut Kernel, q: SmemAddr, layout: &SmemLayout) -> SmemDesc<KMajor> {
+        if self.shared_rows {
+            return k.smem_desc::<KMajor>(q, layout);
+        }
         let which = self.which(k);
         let q_rows = k.mul(which, layout.logical_offset(64, 0));
         let q_at = k.smem_offset(q, q_rows);
@@ -742,7 +819,8 @@ where
     NO: WgmmaN,
 {
     k.comment("Consumers: S = Q K^T, online softmax, O += P V, in ping-pong turns.");
-    let roles = ConsumerRoles::new(k, tid, f.s.registers().1, f.s.consumers());
+    let split = f.s.split_keys;
+    let roles = ConsumerRoles::new(k, tid, f.s.registers().1, f.s.consumers(), split);
     let q_at = f.smem.tile(k, f.slots.q, 0);
     let q = roles.q_rows(k, q_at, &f.s.q_layout());
     let scale_log2 = k.load_param_at::<F32>(f.args, offset_of!(FwdArgs, scale_log2));
@@ -753,6 +831,10 @@ where
         k: f.slots.k_ring.consumer(k, f.smem),
         v: f.slots.v_ring.consumer(k, f.smem),
     };
+    let exchange = f
+        .slots
+        .exchange
+        .map(|slot| Exchange::new(k, f, &roles, slot, &mut rings));
     f.for_each_item(k, Role::Consumer, |k, b| {
         let c = Consumer {
             f,
@@ -766,10 +848,36 @@ where
         };
         let mut o = Some(k.acc_zeroed::<NO>());
         let any = k.setp(Cmp::Gt, b.tiles.end, 0i32);
-        k.if_(any, |k| {
-            let acc = o.take().expect("taken once");
-            o = Some(c.attend::<NS, NO>(k, acc, &mut rings));
-        });
+        match &exchange {
+            None => {
+                k.if_(any, |k| {
+                    let acc = o.take().expect("taken once");
+                    let last = k.sub(b.tiles.end, 1i32);
+                    o = Some(c.attend::<NS, NO>(k, acc, &mut rings, last));
+                });
+            }
+            Some(x) => {
+                // This warpgroup's first tile; none when the item has a single tile and
+                // it is the other's. Q is then only waited for and released.
+                let first = x.first_tile(k, b);
+                let mine = k.setp(Cmp::Ge, first, 0i32);
+                k.if_(mine, |k| {
+                    let acc = o.take().expect("taken once");
+                    o = Some(c.attend::<NS, NO>(k, acc, &mut rings, first));
+                });
+                let idle = k.setp(Cmp::Lt, first, 0i32);
+                let idle = k.and_pred(idle, any);
+                k.if_(idle, |k| {
+                    rings.q.wait_full(k);
+                    c.release(k, &mut rings.q);
+                });
+                x.even_turns(k, b, &c.roles);
+                let acc = o.take().expect("given back");
+                x.merge(k, &acc, &c.softmax, scale_log2);
+                x.finish_item(k, b);
+                o = Some(acc);
+            }
+        }
         let o = o.expect("given back");
         let at = OutputBlock {
             batch: b.batch,
@@ -786,7 +894,15 @@ where
         };
         let (rows, form) = (&c.roles.rows, LseForm::Raw);
         let stage = (&stage, by_tma);
-        store_output_staged::<H>(k, f.args, rows, &o.tiles(), &c.softmax, at, form, stage);
+        match &exchange {
+            None => {
+                store_output_staged::<H>(k, f.args, rows, &o.tiles(), &c.softmax, at, form, stage)
+            }
+            // The first warpgroup holds the merged result.
+            Some(x) => k.if_(x.first, |k| {
+                store_output_staged::<H>(k, f.args, rows, &o.tiles(), &c.softmax, at, form, stage)
+            }),
+        }
         if o_in_q {
             k.if_(any, |k| c.roles.release(k, &mut rings.q));
         }
@@ -795,12 +911,14 @@ where
 }
 
 impl<H: Half2 + WgmmaInput> Consumer<'_, H> {
-    /// The key loop for a block with at least one key tile; returns O (unnormalised).
+    /// The key loop over this warpgroup's tiles, `first` (≥ 0) down to 0 (every one, or
+    /// with split keys every other one); returns O (unnormalised).
     fn attend<NS: WgmmaN, NO: WgmmaN>(
         &self,
         k: &mut Kernel,
         o: Acc<NO>,
         rings: &mut Rings,
+        first: Reg<S32>,
     ) -> Acc<NO> {
         k.comment("Wait for Q; the last key tile (always masked) starts the pipeline.");
         rings.q.wait_full(k);
@@ -809,8 +927,7 @@ impl<H: Half2 + WgmmaInput> Consumer<'_, H> {
             k: kr,
             v: vr,
         } = rings;
-        let end = self.b.tiles.end;
-        let last = k.sub(end, 1i32);
+        let last = first;
 
         self.roles.wait_turn(k);
         kr.wait_full(k);
@@ -819,22 +936,32 @@ impl<H: Half2 + WgmmaInput> Consumer<'_, H> {
         self.roles.pass_turn(k);
         k.wgmma_wait(0);
         let s = k.wgmma_retire(s);
-        self.release(k, kr);
+        self.release_kv(k, kr);
         self.mask(k, &s, last);
         self.softmax
             .update(k, &[s.tiles()], self.scale_log2, &[self.factors]);
         pack_probs_into(k, &s.tiles(), &self.p);
 
         k.comment("Tiles that cross the sequence end or the diagonal, last to first.");
+        let stride = self.tile_stride();
         let last_masked_end = k.sub(self.b.tiles.mask_from, 1i32);
-        let second_last = k.sub(end, 2i32);
-        let o = k.for_range_carry(second_last, last_masked_end, -1, o, |k, n, o| {
+        let second_last = k.sub(last, stride);
+        let o = k.for_range_carry(second_last, last_masked_end, -stride, o, |k, n, o| {
             self.step::<NS, NO>(k, n, true, o, kr, vr)
         });
         k.comment("The remaining tiles need no mask.");
-        let unmasked = k.min(self.b.tiles.mask_from, last);
-        let first_unmasked = k.sub(unmasked, 1i32);
-        let o = k.for_range_carry(first_unmasked, -1i32, -1, o, |k, n, o| {
+        let first_unmasked = if stride == 1 {
+            let unmasked = k.min(self.b.tiles.mask_from, last);
+            k.sub(unmasked, 1i32)
+        } else {
+            // The first of this warpgroup's tiles below mask_from: every other tile
+            // counting from `first`.
+            let below = k.min(last_masked_end, second_last);
+            let gap = k.sub(last, below).cast::<U32>();
+            let odd = k.and(gap, 1u32).cast::<S32>();
+            k.sub(below, odd)
+        };
+        let o = k.for_range_carry(first_unmasked, -1i32, -stride, o, |k, n, o| {
             self.step::<NS, NO>(k, n, false, o, kr, vr)
         });
         // Every Q K^T of this work item is done: the producer may load the next Q while
@@ -849,7 +976,7 @@ impl<H: Half2 + WgmmaInput> Consumer<'_, H> {
         self.roles.pass_turn(k);
         k.wgmma_wait(0);
         let o = k.wgmma_retire(pv);
-        self.release(k, vr);
+        self.release_kv(k, vr);
         o
     }
 
@@ -871,7 +998,7 @@ impl<H: Half2 + WgmmaInput> Consumer<'_, H> {
         self.roles.pass_turn(k);
         k.wgmma_wait(1);
         let s = k.wgmma_retire(s);
-        self.release(k, kr);
+        self.release_kv(k, kr);
         if masked {
             self.mask(k, &s, n);
         }
@@ -879,7 +1006,7 @@ impl<H: Half2 + WgmmaInput> Consumer<'_, H> {
             .update(k, &[s.tiles()], self.scale_log2, &[self.factors]);
         k.wgmma_wait(0);
         let o = k.wgmma_retire(pv);
-        self.release(k, vr);
+        self.release_kv(k, vr);
         pack_probs_into(k, &s.tiles(), &self.p);
         o
     }
@@ -954,6 +1081,174 @@ impl<H: Half2 + WgmmaInput> Consumer<'_, H> {
     fn release(&self, k: &mut Kernel, ring: &mut StageRing) {
         self.roles.release(k, ring);
     }
+
+    /// Releases the K or V ring's current stage and moves to this warpgroup's next one:
+    /// the next stage, or with split keys the one after (the other warpgroup's turn of
+    /// the ring lies between).
+    fn release_kv(&self, k: &mut Kernel, ring: &mut StageRing) {
+        self.roles.release(k, ring);
+        if self.f.s.split_keys {
+            ring.advance(k);
+        }
+    }
+
+    /// How far apart this warpgroup's key tiles are: 1, or 2 with split keys.
+    fn tile_stride(&self) -> i32 {
+        if self.f.s.split_keys { 2 } else { 1 }
+    }
+}
+
+/// Split keys ([`Shape::split_keys`]): which key tiles each consumer warpgroup takes, and
+/// how the second hands its partial result to the first.
+///
+/// The producer fills the K and V rings with every item's tiles in turn, so the ring
+/// positions run on across items; warpgroup `c` takes the positions `≡ c (mod 2)`. Its
+/// first tile of an item is the item's last (`end − 1`) or the one below, depending on
+/// where the item's tiles start in the ring (`parity`). The two take turns at the tensor
+/// cores, and since a warpgroup with `t` tiles takes `t + 1` turns, the one with a tile
+/// fewer takes empty turns to keep the alternation ([`Exchange::even_turns`]).
+///
+/// At the end of an item the second warpgroup writes its O accumulator, row maxima and
+/// partial row sums to shared memory as 16-byte vectors, vector `g` of thread `t` at
+/// `(128·g + t)·16` (each warp's stores are 512 consecutive bytes); the first warpgroup
+/// holds the same rows in the same registers, reads them back and merges them into its
+/// own by the rows' maxima, as the online softmax merges tiles. Two named barriers of
+/// both warpgroups order the write, the read, and the next item's write.
+struct Exchange {
+    slot: RawSlot,
+    smem: Smem,
+    which: Reg<U32>,
+    /// This thread is in the first consumer warpgroup: it merges and writes the output.
+    first: Reg<Pred>,
+    second: Reg<Pred>,
+    /// The parity of the ring position where the current item's tiles start.
+    parity: Reg<U32>,
+    written: NamedBarrier,
+    read: NamedBarrier,
+}
+
+impl Exchange {
+    /// Bytes of the exchange at head dim `head_dim`: per thread, O's `d/2` registers and
+    /// 4 of statistics, as 16-byte vectors.
+    fn bytes(head_dim: u32) -> u32 {
+        128 * 16 * (head_dim / 8 + 1)
+    }
+
+    /// The second warpgroup's ring views start one stage on: its first tile is the
+    /// ring's second.
+    fn new(
+        k: &mut Kernel,
+        f: &Fwd,
+        roles: &ConsumerRoles,
+        slot: RawSlot,
+        rings: &mut Rings,
+    ) -> Exchange {
+        let which = roles.which(k);
+        let first = k.setp(Cmp::Eq, which, 0u32);
+        let second = k.setp(Cmp::Ne, which, 0u32);
+        k.if_(second, |k| {
+            rings.k.advance(k);
+            rings.v.advance(k);
+        });
+        Exchange {
+            slot,
+            smem: f.smem,
+            which,
+            first,
+            second,
+            parity: k.mov(0u32),
+            written: k.named_barrier(256),
+            read: k.named_barrier(256),
+        }
+    }
+
+    /// This warpgroup's first (highest) key tile of item `b`: `end − 1` or `end − 2`
+    /// (negative when the item's one tile is the other warpgroup's).
+    fn first_tile(&self, k: &mut Kernel, b: &Block) -> Reg<S32> {
+        let skip = k.xor(self.which, self.parity);
+        let last = k.sub(b.tiles.end, 1i32);
+        k.sub(last, skip.cast::<S32>())
+    }
+
+    /// The warpgroup with fewer tiles of item `b` takes empty turns until both have taken
+    /// as many (one with `t > 0` tiles takes `t + 1`: its first `Q Kᵀ`, its steps, its
+    /// last `P V`), so that the next item starts with the first warpgroup's turn.
+    fn even_turns(&self, k: &mut Kernel, b: &Block, roles: &ConsumerRoles) {
+        let skip = k.xor(self.which, self.parity).cast::<S32>();
+        let end = b.tiles.end;
+        let mine = k.sub(end, skip);
+        let mine = k.add(mine, 1i32);
+        let mine = k.shr(mine, 1);
+        let theirs = k.add(end, skip);
+        let theirs = k.shr(theirs, 1);
+        let turns = |k: &mut Kernel, t: Reg<S32>| {
+            let some = k.min(t, 1i32);
+            k.add(t, some)
+        };
+        let mine = turns(k, mine);
+        let theirs = turns(k, theirs);
+        let deficit = k.sub(theirs, mine);
+        k.for_range(0i32, deficit, 1, |k, _| {
+            roles.wait_turn(k);
+            roles.pass_turn(k);
+        });
+    }
+
+    /// The item's `end` tiles have moved the ring on by as many positions.
+    fn finish_item(&self, k: &mut Kernel, b: &Block) {
+        let odd = k.and(b.tiles.end.cast::<U32>(), 1u32);
+        k.xor_to(self.parity, self.parity, odd);
+    }
+
+    /// Leaves the first warpgroup's `o` and `softmax` holding both warpgroups' result.
+    fn merge<N: WgmmaN>(&self, k: &mut Kernel, o: &Acc<N>, softmax: &OnlineSoftmax, c: Reg<F32>) {
+        k.comment("Split keys: the second warpgroup's partial result joins the first's.");
+        let tid = k.special(Special::TidX);
+        let thread = k.and(tid, 127u32);
+        let off = k.shl(thread, 4);
+        let base = self.smem.raw(k, self.slot);
+        let at = k.smem_offset(base, off);
+        let tiles = o.tiles();
+        let vector = |g: usize| (g * 128 * 16) as i32;
+        let stats = vector(tiles.len());
+        let (max, sum) = (softmax.max[0], softmax.sum[0]);
+        k.if_(self.second, |k| {
+            for (g, &t) in tiles.iter().enumerate() {
+                k.st_shared_v4(at, vector(g), t);
+            }
+            k.st_shared_v4(at, stats, [max[0], max[1], sum[0], sum[1]]);
+        });
+        k.bar_wait(self.written);
+        k.if_(self.first, |k| {
+            let [m0, m1, s0, s1] = k.ld_shared_v4::<F32>(at, stats);
+            let (other_max, other_sum) = ([m0, m1], [s0, s1]);
+            // Per row half: the factors that bring each side to the joint maximum (0 for
+            // a side that saw no key; both 0 for a row that saw none).
+            let factors: [[Reg<F32>; 2]; 2] = std::array::from_fn(|half| {
+                let joint = k.max(max[half], other_max[half]);
+                let none = k.setp(Cmp::Eq, joint, f32::NEG_INFINITY);
+                let usable = k.selp(0f32, joint, none);
+                let [own, other] = [max[half], other_max[half]].map(|m| {
+                    let d = k.sub(m, usable);
+                    let d = k.mul(d, c);
+                    k.ex2(d)
+                });
+                k.mul_to(sum[half], sum[half], own);
+                k.mad_to(sum[half], other_sum[half], other, sum[half]);
+                k.mov_to(max[half], joint);
+                [own, other]
+            });
+            for (g, t) in tiles.iter().enumerate() {
+                let theirs = k.ld_shared_v4::<F32>(at, vector(g));
+                for (j, (&v, &w)) in t.iter().zip(&theirs).enumerate() {
+                    let [own, other] = factors[j / 2];
+                    k.mul_to(v, v, own);
+                    k.mad_to(v, w, other, v);
+                }
+            }
+        });
+        k.bar_wait(self.read);
+    }
 }
 
 /// A descriptor moved by `bytes` (nothing emitted for 0).
@@ -980,6 +1275,7 @@ mod tests {
             head_dim,
             causal,
             block_m: BLOCK_M,
+            split_keys: false,
         }
     }
 
@@ -1067,6 +1363,64 @@ mod tests {
             mbarrier_counts(&ptx).contains(&"384"),
             "the consumers wait for their next item together"
         );
+    }
+
+    /// The split-keys kernel (head dim 64, 64-row tiles only): 384 threads on one 64-row
+    /// Q tile, a 4-stage K/V ring whose EMPTY barriers count one warpgroup's four warps
+    /// (each stage has one user) while Q's counts both's eight, turns taken round two
+    /// named barriers, and the partial result handed over through shared memory between
+    /// two more barriers of both warpgroups.
+    #[test]
+    fn split_keys_share_one_query_tile_between_two_consumers() {
+        assert!(has_split(64, 64));
+        assert!(!has_split(64, 128) && !has_split(128, 64) && !has_split(256, 64));
+        for causal in [false, true] {
+            let cfg = FwdConfig {
+                block_m: 64,
+                split_keys: true,
+                ..config(64, HalfType::F16, causal)
+            };
+            let s = Shape::of(&cfg);
+            assert_eq!((s.consumers(), s.kv_consumers(), s.stages()), (2, 1, 4));
+            assert_eq!(s.q_layout().rows, 64);
+            let (plan, slots) = s.plan();
+            assert!(plan.bytes() <= MAX_SMEM);
+            assert_eq!((slots.k.copies, slots.v.copies), (4, 4));
+            assert!(slots.exchange.is_some());
+            assert_eq!(cfg.tiling().threads, 384);
+            assert!(cfg.id().ends_with(if causal {
+                "_m64_splitkv_causal"
+            } else {
+                "_m64_splitkv"
+            }));
+            let ptx = generate(&cfg).unwrap().to_ptx();
+            assert!(ptx.contains(".maxntid 384, 1, 1"));
+            let counts = mbarrier_counts(&ptx);
+            let want: &[&str] = if causal {
+                &["1", "4", "8", "256"]
+            } else {
+                &["1", "4", "8"]
+            };
+            assert!(counts.iter().all(|c| want.contains(c)), "{counts:?}");
+            assert_eq!(counts.iter().filter(|&&c| c == "8").count(), 1, "Q's EMPTY");
+            assert_eq!(
+                counts.iter().filter(|&&c| c == "4").count(),
+                8,
+                "K and V EMPTY"
+            );
+            // Turns at barriers 1 and 2; the hand-over at 3 and 4.
+            assert!(ptx.contains("bar.arrive 1, 256;"));
+            assert!(ptx.contains("bar.sync 3, 256;") && ptx.contains("bar.sync 4, 256;"));
+            // O's 8 vectors and the statistics, out and back.
+            assert_eq!(ptx.matches("st.shared.v4.f32").count(), 9);
+            assert_eq!(ptx.matches("ld.shared.v4.f32").count(), 9);
+        }
+        let missing = FwdConfig {
+            block_m: 64,
+            split_keys: true,
+            ..config(128, HalfType::F16, false)
+        };
+        assert!(generate(&missing).is_err());
     }
 
     #[test]

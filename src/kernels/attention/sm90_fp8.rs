@@ -334,11 +334,11 @@ where
         smem,
         slots,
     };
-    let rings = [&f.slots.q_ring, &f.slots.k_ring, &f.slots.v_ring];
+    let rings = [&f.slots.q_ring, &f.slots.k_ring, &f.slots.v_ring].map(|r| (r, CONSUMERS));
     split_roles(
         &mut k,
         &f.smem,
-        (rings, f.causal.then_some(&f.slots.work), CONSUMERS),
+        (rings, f.causal.then_some(&f.slots.work)),
         tid,
         |k| produce(k, &f, tid),
         |k| consume::<H, NS, NC, NP>(k, &f, tid),
@@ -449,7 +449,7 @@ where
     NP: WgmmaN,
 {
     k.comment("Consumers: S = Q8 K8^T, softmax, O += v_scale * (P8 V8), in turns.");
-    let roles = ConsumerRoles::new(k, tid, CONSUMER_REGS, CONSUMERS);
+    let roles = ConsumerRoles::new(k, tid, CONSUMER_REGS, CONSUMERS, false);
     let q_at = f.smem.tile(k, f.slots.q, 0);
     let q = roles.q_rows(k, q_at, &f.s.q_layout());
     let mut rings = Rings {
