@@ -218,6 +218,22 @@ fn sm90_causal_grids_beyond_one_wave() {
     run_cases(&cases);
 }
 
+/// `c` on the sm90 kernel with `block_m`-row tiles (split keys or not) instead of the
+/// dispatch's pick.
+fn sm90_kernel(c: FwdCase, block_m: u32, split_keys: bool) -> FwdCase {
+    FwdCase {
+        kernel: Some(FwdConfig {
+            path: Path::Sm90,
+            dtype: c.dtype,
+            head_dim: c.shape.head_dim as u32,
+            causal: c.causal,
+            block_m,
+            split_keys,
+        }),
+        ..c
+    }
+}
+
 /// The one-consumer (64-row) and three-consumer (192-row) sm90 kernels forced onto grids
 /// beyond one wave: their persistent loops (a fixed stride, or the causal counter and
 /// tail) must run every item exactly once, as the two-consumer kernel's does.
@@ -229,17 +245,7 @@ fn sm90_other_tiles_beyond_one_wave() {
         println!("skipped: the sm90 path needs sm_90, this GPU is {cc:?}");
         return;
     }
-    let tile = |block_m: u32, c: FwdCase| FwdCase {
-        kernel: Some(FwdConfig {
-            path: Path::Sm90,
-            dtype: c.dtype,
-            head_dim: c.shape.head_dim as u32,
-            causal: c.causal,
-            block_m,
-            split_keys: false,
-        }),
-        ..c
-    };
+    let tile = |block_m: u32, c: FwdCase| sm90_kernel(c, block_m, false);
     let narrow = |c| tile(64, c);
     let cases = [
         // 2 x 8 heads x 18 query tiles = 288 items.
@@ -273,17 +279,7 @@ fn sm90_split_keys_kernel() {
         println!("skipped: the sm90 path needs sm_90, this GPU is {cc:?}");
         return;
     }
-    let split = |c: FwdCase| FwdCase {
-        kernel: Some(FwdConfig {
-            path: Path::Sm90,
-            dtype: c.dtype,
-            head_dim: 64,
-            causal: c.causal,
-            block_m: 64,
-            split_keys: true,
-        }),
-        ..c
-    };
+    let split = |c: FwdCase| sm90_kernel(c, 64, true);
     let cases = [
         split(case(HalfType::F16, 64, false, 1, 4, 4, 70, 1)),
         split(case(HalfType::Bf16, 64, true, 2, 4, 1, 17, 129)),

@@ -909,25 +909,33 @@ mod tests {
         assert_eq!(dispatch_shape(&dense), dense.shape);
     }
 
+    /// The sm90 kernel the dispatch picks on an H200 for `[batch, heads, Sq, Sk, head
+    /// dim]`, its tiling checked against its configuration: a producer warpgroup and
+    /// one consumer warpgroup per 64 rows, or two on a split-keys tile.
+    fn sm90_pick([b, h, sq, sk, d]: [usize; 5], causal: bool) -> FwdConfig {
+        let shape = AttnShape {
+            batch: b,
+            seqlen_q: sq,
+            seqlen_k: sk,
+            heads_q: h,
+            heads_kv: h,
+            head_dim: d,
+        };
+        let cfg = dispatch((9, 0), 132, HalfType::F16, &shape, causal).unwrap();
+        assert_eq!(cfg.path, Path::Sm90);
+        let t = cfg.tiling();
+        assert_eq!(t.block_m, cfg.block_m);
+        let consumers = if cfg.split_keys { 2 } else { cfg.block_m / 64 };
+        assert_eq!(t.threads, 128 * (1 + consumers));
+        cfg
+    }
+
     /// Head dim 64 takes three consumer warpgroups from 2048 keys without a mask (8192
     /// with a causal one) and a full wave of 192-row tiles; other head dims and shorter
     /// key ranges keep two.
     #[test]
     fn sm90_takes_three_consumers_at_d64_on_long_unmasked_keys() {
-        let pick = |b, h, sq, sk, d, causal| {
-            let shape = AttnShape {
-                batch: b,
-                seqlen_q: sq,
-                seqlen_k: sk,
-                heads_q: h,
-                heads_kv: h,
-                head_dim: d,
-            };
-            let cfg = dispatch((9, 0), 132, HalfType::F16, &shape, causal).unwrap();
-            assert_eq!(cfg.tiling().block_m, cfg.block_m);
-            assert_eq!(cfg.tiling().threads, 128 + 2 * cfg.block_m);
-            cfg.block_m
-        };
+        let pick = |b, h, sq, sk, d, causal| sm90_pick([b, h, sq, sk, d], causal).block_m;
         assert_eq!(pick(4, 32, 4096, 4096, 64, false), 192);
         assert_eq!(pick(1, 32, 16384, 16384, 64, false), 192);
         assert_eq!(pick(8, 32, 512, 2048, 64, false), 192); // 3 x 256 items
@@ -948,20 +956,7 @@ mod tests {
     #[test]
     fn sm90_splits_keys_of_small_d64_grids_with_long_key_ranges() {
         let pick = |b, h, sq, sk, d, causal| {
-            let shape = AttnShape {
-                batch: b,
-                seqlen_q: sq,
-                seqlen_k: sk,
-                heads_q: h,
-                heads_kv: h,
-                head_dim: d,
-            };
-            let cfg = dispatch((9, 0), 132, HalfType::Bf16, &shape, causal).unwrap();
-            assert_eq!(cfg.path, Path::Sm90);
-            let t = cfg.tiling();
-            assert_eq!(t.block_m, cfg.block_m);
-            let consumers = if cfg.split_keys { 2 } else { cfg.block_m / 64 };
-            assert_eq!(t.threads, 128 * (1 + consumers));
+            let cfg = sm90_pick([b, h, sq, sk, d], causal);
             (cfg.block_m, cfg.split_keys)
         };
         for causal in [false, true] {
