@@ -620,8 +620,7 @@ impl ConsumerRoles {
         let ct = k.sub(tid, 128u32);
         let which = k.shr(ct, 7);
         let lean = consumers > 2;
-        let turns_taken = consumers > 1;
-        let next = (consumers == 2 && turns_taken).then(|| k.xor(which, 1u32));
+        let next = (consumers == 2).then(|| k.xor(which, 1u32));
         let in_wg = k.and(ct, 127u32);
         let warp = k.shr(in_wg, 5);
         let lane = k.and(ct, 31u32);
@@ -633,7 +632,7 @@ impl ConsumerRoles {
             k.mad(warp, 16u32, first)
         };
         let rows = Rows::new(k, lane, warp_row0);
-        let turns = turns_taken.then(|| {
+        let turns = (consumers > 1).then(|| {
             let turns = k.named_barrier_ring(consumers, 256);
             let last = k.setp(Cmp::Eq, which, consumers - 1);
             k.if_(last, |k| k.bar_arrive(turns.member(0)));
@@ -871,7 +870,7 @@ where
                     rings.q.wait_full(k);
                     c.release(k, &mut rings.q);
                 });
-                x.even_turns(k, b, &c.roles);
+                x.even_turns(k, b, first, &c.roles);
                 let acc = o.take().expect("given back");
                 x.merge(k, &acc, &c.softmax, scale_log2);
                 x.finish_item(k, b);
@@ -894,14 +893,13 @@ where
         };
         let (rows, form) = (&c.roles.rows, LseForm::Raw);
         let stage = (&stage, by_tma);
+        let epilogue = |k: &mut Kernel| {
+            store_output_staged::<H>(k, f.args, rows, &o.tiles(), &c.softmax, at, form, stage)
+        };
         match &exchange {
-            None => {
-                store_output_staged::<H>(k, f.args, rows, &o.tiles(), &c.softmax, at, form, stage)
-            }
+            None => epilogue(k),
             // The first warpgroup holds the merged result.
-            Some(x) => k.if_(x.first, |k| {
-                store_output_staged::<H>(k, f.args, rows, &o.tiles(), &c.softmax, at, form, stage)
-            }),
+            Some(x) => k.if_(x.first, epilogue),
         }
         if o_in_q {
             k.if_(any, |k| c.roles.release(k, &mut rings.q));
@@ -1120,7 +1118,6 @@ struct Exchange {
     which: Reg<U32>,
     /// This thread is in the first consumer warpgroup: it merges and writes the output.
     first: Reg<Pred>,
-    second: Reg<Pred>,
     /// The parity of the ring position where the current item's tiles start.
     parity: Reg<U32>,
     written: NamedBarrier,
@@ -1145,8 +1142,7 @@ impl Exchange {
     ) -> Exchange {
         let which = roles.which(k);
         let first = k.setp(Cmp::Eq, which, 0u32);
-        let second = k.setp(Cmp::Ne, which, 0u32);
-        k.if_(second, |k| {
+        k.guarded(first, false, |k| {
             rings.k.advance(k);
             rings.v.advance(k);
         });
@@ -1155,7 +1151,6 @@ impl Exchange {
             smem: f.smem,
             which,
             first,
-            second,
             parity: k.mov(0u32),
             written: k.named_barrier(256),
             read: k.named_barrier(256),
@@ -1172,15 +1167,13 @@ impl Exchange {
 
     /// The warpgroup with fewer tiles of item `b` takes empty turns until both have taken
     /// as many (one with `t > 0` tiles takes `t + 1`: its first `Q Kᵀ`, its steps, its
-    /// last `P V`), so that the next item starts with the first warpgroup's turn.
-    fn even_turns(&self, k: &mut Kernel, b: &Block, roles: &ConsumerRoles) {
-        let skip = k.xor(self.which, self.parity).cast::<S32>();
-        let end = b.tiles.end;
-        let mine = k.sub(end, skip);
-        let mine = k.add(mine, 1i32);
+    /// last `P V`), so that the next item starts with the first warpgroup's turn. `first`
+    /// is this warpgroup's first tile ([`Exchange::first_tile`]): it has `(first + 2) / 2`
+    /// of the item's tiles.
+    fn even_turns(&self, k: &mut Kernel, b: &Block, first: Reg<S32>, roles: &ConsumerRoles) {
+        let mine = k.add(first, 2i32);
         let mine = k.shr(mine, 1);
-        let theirs = k.add(end, skip);
-        let theirs = k.shr(theirs, 1);
+        let theirs = k.sub(b.tiles.end, mine);
         let turns = |k: &mut Kernel, t: Reg<S32>| {
             let some = k.min(t, 1i32);
             k.add(t, some)
@@ -1212,7 +1205,7 @@ impl Exchange {
         let vector = |g: usize| (g * 128 * 16) as i32;
         let stats = vector(tiles.len());
         let (max, sum) = (softmax.max[0], softmax.sum[0]);
-        k.if_(self.second, |k| {
+        k.guarded(self.first, false, |k| {
             for (g, &t) in tiles.iter().enumerate() {
                 k.st_shared_v4(at, vector(g), t);
             }
