@@ -644,21 +644,25 @@ fn append_writes_the_new_rows_where_they_belong() {
     }
 }
 
-/// Attention over three key shards merged by LSE equals attention over all keys; an
-/// empty shard (LSE −∞, output garbage) merges as nothing.
+/// Attention over key shards merged by LSE equals attention over all keys; an empty
+/// shard (LSE −∞, output garbage) merges as nothing. Four shards, and 43 of mixed sizes
+/// (each of the merge's warps then takes several in turn, its running maximum growing
+/// and shrinking as their LSEs do).
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn merge_of_shards_matches_one_shot_attention() {
     let (attn, s) = setup();
     let mut seeds = seeds();
-    for (dtype, out_dtype) in [
-        (HalfType::F16, DType::F16),
-        (HalfType::Bf16, DType::F32),
-        (HalfType::F16, DType::Bf16),
+    let few = vec![700, 1, 0, 333];
+    let many: Vec<usize> = (0..43).map(|i| [0, 1, 90, 7, 300, 33][i % 6]).collect();
+    for (dtype, out_dtype, shards) in [
+        (HalfType::F16, DType::F16, &few),
+        (HalfType::Bf16, DType::F32, &few),
+        (HalfType::F16, DType::Bf16, &few),
+        (HalfType::Bf16, DType::Bf16, &many),
     ] {
         let mut rng = seeds.next_case();
         let (b, sq, hq, hkv, d) = (2, 37, 8, 2, 128);
-        let shards = [700, 1, 0, 333];
         let sk: usize = shards.iter().sum();
         let nq = b * sq * hq * d;
         let (qb, q) = reference::random_half(&mut rng, nq, dtype);

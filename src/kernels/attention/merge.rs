@@ -15,8 +15,11 @@
 //!
 //! One block merges one row `(b, s, h)`: warp `w` sums shards `w, w + WARPS, ...` (so a
 //! row's shards are read by all warps at once, not one after another), lane `l` owning
-//! columns `l·cpl ..` (`cpl` columns per lane, even, so 16-bit values move in pairs); the
-//! warps' partial sums meet in shared memory.
+//! columns `l·cpl ..` (`cpl` columns per lane, even, so 16-bit values move in pairs).
+//! Each warp keeps its own running maximum `m_w` of the LSEs it has read, rescaling its
+//! sums when it grows, so a shard's LSE and row are loaded together, in one memory
+//! latency, rather than all LSEs first for `M`; the warps' sums meet in shared memory and
+//! warp 0 weighs each by `exp(m_w − M)`.
 
 use std::mem::offset_of;
 
@@ -116,11 +119,12 @@ impl MergeConfig {
         1
     }
 
-    /// The warps' partial sums: `WARPS` rows of `head_dim` floats, then `WARPS` totals.
+    /// The warps' partial sums: `WARPS` rows of `head_dim` floats, then `WARPS` totals
+    /// and `WARPS` running maxima.
     fn plan(&self) -> (SmemPlan, RawSlot, RawSlot) {
         let mut plan = SmemPlan::new();
         let sums = plan.raw(WARPS * self.head_dim * 4, 16);
-        let totals = plan.raw(WARPS * 4, 4);
+        let totals = plan.raw(2 * WARPS * 4, 4);
         (plan, sums, totals)
     }
 
@@ -306,25 +310,9 @@ fn merge_row(
     let lse_row = k.add(lse_parts, lse_row);
     let lse_step = k.shl(lse_shard, 2);
 
-    k.comment("M: the largest shard LSE of the row (lanes stride over the shards).");
-    let max = k.mov(f32::NEG_INFINITY);
-    let stride = k.mov(32i32);
-    k.for_stride(lane.cast(), n_parts.cast(), stride, |k, p| {
-        let off = k.cvt_u64_u32(p.cast::<U32>());
-        let off = k.mul(off, lse_step);
-        let at = k.add(lse_row, off);
-        let l = k.ld_global::<F32>(at, 0);
-        k.max_to(max, max, l);
-    });
-    let mut m = max;
-    for lanes in [16, 8, 4, 2, 1] {
-        let other = k.shfl_bfly(m, lanes);
-        m = k.max(m, other);
-    }
-    let none = k.setp(Cmp::Eq, m, f32::NEG_INFINITY);
-    let m = k.selp(0f32, m, none);
-
-    k.comment("O = sum w_i O_i / sum w_i, w_i = exp(LSE_i - M); shards of weight 0 are not read.");
+    k.comment(
+        "This warp's shards: O_w = sum w_i O_i, w_i = exp(LSE_i - m_w), m_w its running max.",
+    );
     let cpl = cfg.cols_per_lane();
     let active = k.setp(Cmp::Lt, lane, cfg.head_dim / cpl);
     let st: [Reg<U64>; 4] =
@@ -344,6 +332,7 @@ fn merge_row(
     let part_step = k.mul(st[0], u64::from(cfg.input.bytes()));
     let acc: Vec<Reg<F32>> = (0..cpl).map(|_| k.mov(0f32)).collect();
     let total = k.mov(0f32);
+    let m = k.mov(f32::NEG_INFINITY);
     // Warp w starts at shard w and steps WARPS shards at a time.
     let w64 = k.cvt_u64_u32(warp);
     let lse_at = k.mad(w64, lse_step, lse_row);
@@ -381,11 +370,32 @@ fn merge_row(
                 (l, load_row(k, cfg.input, row, cpl))
             })
             .collect();
-        for (&(exists, _, _), (l, vals)) in shards.iter().zip(raw) {
-            let l = k.selp(l, f32::NEG_INFINITY, exists);
-            let x = k.sub(l, m);
+        let lses: Vec<Reg<F32>> = shards
+            .iter()
+            .zip(&raw)
+            .map(|(&(exists, _, _), &(l, _))| k.selp(l, f32::NEG_INFINITY, exists))
+            .collect();
+        // The new running max; measured from 0 while no shard has weight (every
+        // exponent below is then of −∞, never −∞ − (−∞)).
+        let mut grown = m;
+        for &l in &lses {
+            grown = k.max(grown, l);
+        }
+        let none = k.setp(Cmp::Eq, grown, f32::NEG_INFINITY);
+        let base = k.selp(0f32, grown, none);
+        let weight = |k: &mut Kernel, x: Reg<F32>| {
+            let x = k.sub(x, base);
             let x = k.mul(x, std::f32::consts::LOG2_E);
-            let w = k.ex2(x);
+            k.ex2(x)
+        };
+        let rescale = weight(k, m);
+        k.mul_to(total, total, rescale);
+        for &a in &acc {
+            k.mul_to(a, a, rescale);
+        }
+        k.mov_to(m, grown);
+        for (l, (_, vals)) in lses.into_iter().zip(raw) {
+            let w = weight(k, l);
             k.add_to(total, total, w);
             let weighs = k.setp(Cmp::Gt, w, 0f32);
             for (&a, v) in acc.iter().zip(vals) {
@@ -413,7 +423,10 @@ fn merge_row(
     let lane0 = k.setp(Cmp::Eq, lane, 0u32);
     let total_at = k.mul(warp, 4u32);
     let total_at = k.smem_offset(shared.totals, total_at);
-    k.guarded(lane0, true, |k| k.st_shared(total_at, 0, total));
+    k.guarded(lane0, true, |k| {
+        k.st_shared(total_at, 0, total);
+        k.st_shared(total_at, (4 * WARPS) as i32, m);
+    });
     k.sync_threads();
     let first = k.setp(Cmp::Eq, warp, 0u32);
     k.if_(first, |k| {
@@ -423,14 +436,15 @@ fn merge_row(
             args,
             shared,
             [lane, col4],
-            (m, lse_index),
+            lse_index,
             [b64, s64, h64, c],
             active,
         )
     });
 }
 
-/// Warp 0: sums the warps' partials, normalises, stores O and the LSE.
+/// Warp 0: weighs the warps' partial sums by `exp(m_w − M)`, adds them, normalises,
+/// stores O and the LSE.
 #[allow(clippy::too_many_arguments)]
 fn finish_row(
     k: &mut Kernel,
@@ -438,23 +452,36 @@ fn finish_row(
     args: ParamBytes,
     shared: Shared,
     [lane, col4]: [Reg<U32>; 2],
-    (m, lse_index): (Reg<F32>, Reg<U64>),
+    lse_index: Reg<U64>,
     [b64, s64, h64, c]: [Reg<U64>; 4],
     active: Reg<Pred>,
 ) {
     let cpl = cfg.cols_per_lane();
+    let maxima: Vec<Reg<F32>> = (0..WARPS)
+        .map(|w| k.ld_shared::<F32>(shared.totals, (4 * (WARPS + w)) as i32))
+        .collect();
+    let mut top = maxima[0];
+    for &mw in &maxima[1..] {
+        top = k.max(top, mw);
+    }
+    // M, or 0 for a row no shard saw (the warps' weights are then all 0).
+    let none = k.setp(Cmp::Eq, top, f32::NEG_INFINITY);
+    let m = k.selp(0f32, top, none);
     let acc: Vec<Reg<F32>> = (0..cpl).map(|_| k.mov(0f32)).collect();
     let total = k.mov(0f32);
-    for w in 0..WARPS {
+    for (w, mw) in (0..WARPS).zip(maxima) {
+        let x = k.sub(mw, m);
+        let x = k.mul(x, std::f32::consts::LOG2_E);
+        let f = k.ex2(x);
         let at = k.smem_offset(shared.sums, col4);
         let vals: Vec<Reg<F32>> = (0..cpl)
             .map(|i| k.ld_shared::<F32>(at, (w * cfg.head_dim * 4 + 4 * i) as i32))
             .collect();
         for (&a, v) in acc.iter().zip(vals) {
-            k.add_to(a, a, v);
+            k.mad_to(a, v, f, a);
         }
         let t = k.ld_shared::<F32>(shared.totals, (4 * w) as i32);
-        k.add_to(total, total, t);
+        k.mad_to(total, t, f, total);
     }
     k.comment("Normalise and store O; LSE = M + ln sum w_i (-inf for a row no shard saw).");
     let empty = k.setp(Cmp::Eq, total, 0f32);
@@ -532,5 +559,25 @@ mod tests {
         let wait = chained.find("griddepcontrol.wait;").expect("no wait");
         let load = chained.find("ld.global").expect("no load");
         assert!(wait < load);
+    }
+
+    /// A shard's LSE is loaded beside its row, in the one loop over the shards: no pass
+    /// over the LSEs first (that cost a memory latency per merge).
+    #[test]
+    fn each_shard_is_read_in_one_pass() {
+        for cfg in all_merge_configs() {
+            let ptx = cfg.generate().unwrap().to_ptx();
+            // Every load (LSEs and rows of a step's shards) is issued in one loop, before
+            // the first exponential.
+            let first_load = ptx.find("ld.global").unwrap();
+            let last_load = ptx.rfind("ld.global").unwrap();
+            let first_exp = ptx.find("ex2.approx").unwrap();
+            assert!(last_load < first_exp, "{}", cfg.id());
+            assert!(
+                !ptx[first_load..last_load].contains("$L_"),
+                "{}: loads in more than one loop",
+                cfg.id()
+            );
+        }
     }
 }
