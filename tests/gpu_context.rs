@@ -149,6 +149,18 @@ fn every_entry_point_keeps(expect: CUcontext, what: &str) {
     assert!(r.is_err(), "broken PTX loaded");
     check("a failed kernel load");
 
+    // A kernel's shared-memory carveout: the driver's choice unless asked for all of it.
+    use flashcore::host::module::{Carveout, load, load_with};
+    let empty =
+        ".version 8.4\n.target sm_80\n.address_size 64\n.visible .entry empty()\n{\n    ret;\n}\n";
+    let plain = load(device.context(), empty, "empty", 0).expect("load");
+    let all = load_with(device.context(), empty, "empty", 0, Carveout::MaxShared).expect("load");
+    assert_eq!(
+        (plain.preferred_carveout, all.preferred_carveout),
+        (-1, 100)
+    );
+    check("carveout preferences");
+
     // Timing.
     let timer = EventTimer::new(device.context()).expect("events");
     check("EventTimer::new");

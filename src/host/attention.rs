@@ -8,7 +8,7 @@ use cudarc::driver::sys::{self, CUstream};
 use super::cache::ModuleCache;
 use super::device::{ContextScope, Device, check};
 use super::launch::{LaunchDims, launch};
-use super::module::LoadedKernel;
+use super::module::{Carveout, LoadedKernel};
 use super::tensor::{AttentionParams, LseView, TensorView};
 use super::validate::{FwdProblem, validate_fwd};
 use crate::error::{Error, Result};
@@ -284,10 +284,22 @@ impl Attention {
         dynamic_smem: u32,
         generate: impl FnOnce() -> std::result::Result<crate::ptx::Module, crate::ptx::PtxError>,
     ) -> Result<Arc<LoadedKernel>> {
+        self.load_with(id, dynamic_smem, Carveout::Driver, generate)
+    }
+
+    /// [`Attention::load`] with a shared-memory [`Carveout`] preference.
+    pub(crate) fn load_with(
+        &self,
+        id: &str,
+        dynamic_smem: u32,
+        carveout: Carveout,
+        generate: impl FnOnce() -> std::result::Result<crate::ptx::Module, crate::ptx::PtxError>,
+    ) -> Result<Arc<LoadedKernel>> {
         let arch = self.device.compute_capability();
-        self.cache.get_or_load(self.device.context(), id, arch, || {
-            Ok((generate()?.to_ptx(), dynamic_smem))
-        })
+        self.cache
+            .get_or_load_with(self.device.context(), id, arch, carveout, || {
+                Ok((generate()?.to_ptx(), dynamic_smem))
+            })
     }
 
     /// `o = softmax(q kᵀ · scale) v` over views of device memory, on `stream` (null for the

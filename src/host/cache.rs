@@ -12,7 +12,7 @@ use std::sync::{Arc, Mutex, MutexGuard, OnceLock, PoisonError};
 
 use cudarc::driver::CudaContext;
 
-use super::module::{self, LoadedKernel};
+use super::module::{self, Carveout, LoadedKernel};
 use crate::error::{Error, Result};
 
 /// What a cached kernel is identified by.
@@ -213,9 +213,22 @@ impl ModuleCache {
         arch: (i32, i32),
         make: impl FnOnce() -> Result<(String, u32)>,
     ) -> Result<Arc<LoadedKernel>> {
+        self.get_or_load_with(ctx, kernel_id, arch, Carveout::Driver, make)
+    }
+
+    /// [`ModuleCache::get_or_load`], the kernel loaded with `carveout` (a kernel id
+    /// always comes with the same one).
+    pub fn get_or_load_with(
+        &self,
+        ctx: &Arc<CudaContext>,
+        kernel_id: &str,
+        arch: (i32, i32),
+        carveout: Carveout,
+        make: impl FnOnce() -> Result<(String, u32)>,
+    ) -> Result<Arc<LoadedKernel>> {
         let kernel = self.inner.get_or_insert_with(kernel_id, arch, || {
             let (ptx, dynamic_smem) = make()?;
-            module::load(ctx, &ptx, kernel_id, dynamic_smem)
+            module::load_with(ctx, &ptx, kernel_id, dynamic_smem, carveout)
         })?;
         if **kernel.context() != **ctx {
             return Err(Error::InvalidArgument(format!(

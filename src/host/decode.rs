@@ -18,6 +18,7 @@ use cudarc::driver::sys::CUstream;
 use super::attention::Attention;
 use super::kv_cache::{CacheShape, HostMetadata, KvCache};
 use super::launch::{LaunchDims, launch, launch_programmatic};
+use super::module::Carveout;
 use super::tensor::{AttentionParams, DType, LseView, TensorView};
 use super::validate::{
     LSE_ALIGN, MAX_GRID_YZ, TENSOR_ALIGN, byte_range_of, check_no_self_overlap, check_not_empty,
@@ -599,9 +600,14 @@ impl Attention {
         {
             check_workspace(&w, plan.workspace_bytes, cache, q, o, lse, &problem)?;
         }
-        let kernel = self.load(&plan.config.id(), plan.config.smem_bytes(), || {
-            plan.config.generate()
-        })?;
+        // Both kernels of a step ask for all of the SMs' shared memory, so that no SM
+        // changes its L1/shared split between them.
+        let kernel = self.load_with(
+            &plan.config.id(),
+            plan.config.smem_bytes(),
+            Carveout::MaxShared,
+            || plan.config.generate(),
+        )?;
         // On Hopper the combine is launched programmatically behind the decode kernel.
         let programmatic = self.device().compute_capability().0 >= 9;
         let merge_cfg = MergeConfig {
@@ -611,9 +617,12 @@ impl Attention {
             programmatic,
         };
         let merge = if plan.splits > 1 {
-            Some(self.load(&merge_cfg.id(), merge_cfg.smem_bytes(), || {
-                merge_cfg.generate()
-            })?)
+            Some(self.load_with(
+                &merge_cfg.id(),
+                merge_cfg.smem_bytes(),
+                Carveout::MaxShared,
+                || merge_cfg.generate(),
+            )?)
         } else {
             None
         };
