@@ -392,6 +392,16 @@ fn strides(k: &mut Kernel, args: ParamBytes, at: usize) -> [Reg<U64>; 3] {
     std::array::from_fn(|i| arg::<U64>(k, args, at + 8 * i))
 }
 
+/// The element offset of row `(batch, query, head)` of a tensor with those `strides`.
+fn row_offset(k: &mut Kernel, strides: [Reg<U64>; 3], at: [Reg<U32>; 3]) -> Reg<U64> {
+    let b = k.cvt_u64_u32(at[0]);
+    let e = k.mul(b, strides[0]);
+    let q = k.cvt_u64_u32(at[1]);
+    let e = k.mad(q, strides[1], e);
+    let h = k.cvt_u64_u32(at[2]);
+    k.mad(h, strides[2], e)
+}
+
 /// The block's coordinates and the key run it owns.
 struct Work {
     batch: Reg<U32>,
@@ -892,12 +902,7 @@ fn build<H: Half2>(cfg: &DecodeConfig) -> Result<KernelText, PtxError> {
         let head = k.mad(w.kv_head, group, g);
         let q = arg::<U64>(&mut k, args, offset_of!(DecodeArgs, q));
         let s = strides(&mut k, args, offset_of!(DecodeArgs, q_stride));
-        let b = k.cvt_u64_u32(w.batch);
-        let e = k.mul(b, s[0]);
-        let qi = k.cvt_u64_u32(qi);
-        let e = k.mad(qi, s[1], e);
-        let head = k.cvt_u64_u32(head);
-        let e = k.mad(head, s[2], e);
+        let e = row_offset(&mut k, s, [w.batch, qi, head]);
         let c = k.cvt_u64_u32(loader.chunk);
         let c = k.shl(c, 3);
         let e = k.add(e, c);
@@ -1558,12 +1563,7 @@ fn merge_row_and_store<H: Half2>(
         |k| {
             let o = arg::<U64>(k, args, offset_of!(DecodeArgs, o));
             let s = strides(k, args, offset_of!(DecodeArgs, o_stride));
-            let b = k.cvt_u64_u32(w.batch);
-            let e = k.mul(b, s[0]);
-            let q64 = k.cvt_u64_u32(qi);
-            let e = k.mad(q64, s[1], e);
-            let h64 = k.cvt_u64_u32(head);
-            let e = k.mad(h64, s[2], e);
+            let e = row_offset(k, s, [w.batch, qi, head]);
             let c = k.cvt_u64_u32(col0);
             let e = k.add(e, c);
             let e = k.shl(e, 1);
