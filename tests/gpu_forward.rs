@@ -129,13 +129,21 @@ fn seqlen_grid(dtype: HalfType, d: usize) {
     run_cases(&cases);
 }
 
+/// Whether the GPU runs the sm90 path (sm_90); if not, says so (the caller then checks
+/// nothing).
+fn on_sm90() -> bool {
+    let cc = Device::new(0).expect("a CUDA device").compute_capability();
+    if cc != (9, 0) {
+        println!("skipped: the sm90 path needs sm_90, this GPU is {cc:?}");
+    }
+    cc == (9, 0)
+}
+
 /// The seqlen grid on the sm90 path (warp-specialized wgmma + TMA) with each query tile
 /// (two consumer warpgroups, or one), when the GPU is a Hopper; elsewhere it says so and
 /// checks nothing.
 fn sm90_seqlen_grid(dtype: HalfType, d: usize) {
-    let cc = Device::new(0).expect("a CUDA device").compute_capability();
-    if cc != (9, 0) {
-        println!("skipped: the sm90 path needs sm_90, this GPU is {cc:?}");
+    if !on_sm90() {
         return;
     }
     let mut cases = Vec::new();
@@ -240,9 +248,7 @@ fn sm90_kernel(c: FwdCase, block_m: u32, split_keys: bool) -> FwdCase {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn sm90_other_tiles_beyond_one_wave() {
-    let cc = Device::new(0).expect("a CUDA device").compute_capability();
-    if cc != (9, 0) {
-        println!("skipped: the sm90 path needs sm_90, this GPU is {cc:?}");
+    if !on_sm90() {
         return;
     }
     let tile = |block_m: u32, c: FwdCase| sm90_kernel(c, block_m, false);
@@ -274,9 +280,7 @@ fn sm90_other_tiles_beyond_one_wave() {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn sm90_split_keys_kernel() {
-    let cc = Device::new(0).expect("a CUDA device").compute_capability();
-    if cc != (9, 0) {
-        println!("skipped: the sm90 path needs sm_90, this GPU is {cc:?}");
+    if !on_sm90() {
         return;
     }
     let split = |c: FwdCase| sm90_kernel(c, 64, true);
@@ -304,9 +308,7 @@ fn sm90_split_keys_kernel() {
 #[ignore = "needs a CUDA GPU"]
 fn sm90_padded_output_gets_exactly_its_elements() {
     let (attn, stream) = setup();
-    let cc = attn.device().compute_capability();
-    if cc != (9, 0) {
-        println!("skipped: the sm90 path needs sm_90, this GPU is {cc:?}");
+    if !on_sm90() {
         return;
     }
     let mut seeds = seeds();
