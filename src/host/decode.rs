@@ -12,13 +12,14 @@
 //! stream-ordered allocator for the call.
 
 use std::ffi::c_void;
+use std::sync::Arc;
 
 use cudarc::driver::sys::CUstream;
 
 use super::attention::Attention;
 use super::kv_cache::{CacheShape, HostMetadata, KvCache};
 use super::launch::{LaunchDims, launch, launch_programmatic};
-use super::module::Carveout;
+use super::module::{Carveout, LoadedKernel};
 use super::tensor::{AttentionParams, DType, LseView, TensorView};
 use super::validate::{
     LSE_ALIGN, MAX_GRID_YZ, TENSOR_ALIGN, byte_range_of, check_no_self_overlap, check_not_empty,
@@ -617,12 +618,7 @@ impl Attention {
             programmatic,
         };
         let merge = if plan.splits > 1 {
-            Some(self.load_with(
-                &merge_cfg.id(),
-                merge_cfg.smem_bytes(),
-                Carveout::MaxShared,
-                || merge_cfg.generate(),
-            )?)
+            Some(self.load_merge(&merge_cfg)?)
         } else {
             None
         };
@@ -814,7 +810,7 @@ impl Attention {
         stream: CUstream,
     ) -> Result<()> {
         let cfg = validate_merge(parts, out, out_lse)?;
-        let kernel = self.load(&cfg.id(), cfg.smem_bytes(), || cfg.generate())?;
+        let kernel = self.load_merge(&cfg)?;
         let (mut args, dims) = merge_launch(parts, out, out_lse, &cfg);
         let mut params = [(&mut args as *mut MergeArgs).cast::<c_void>()];
         // SAFETY: the one parameter is the by-value `MergeArgs`; the kernel reads the
@@ -824,6 +820,15 @@ impl Attention {
     }
 
     /// An e4m3 cache needs sm_89's conversions.
+    /// A merge kernel, with the decode step's carveout: the decode combine and a public
+    /// merge of float32 shards share an id where the combine is not launched
+    /// programmatically (before Hopper), and an id always loads with one carveout.
+    fn load_merge(&self, cfg: &MergeConfig) -> Result<Arc<LoadedKernel>> {
+        self.load_with(&cfg.id(), cfg.smem_bytes(), Carveout::MaxShared, || {
+            cfg.generate()
+        })
+    }
+
     fn check_fp8_cache_gpu(&self) -> Result<()> {
         let arch = self.device().compute_capability();
         if arch < (8, 9) {
