@@ -4,7 +4,8 @@
 //! `cargo test --release --test gpu_decode -- --include-ignored`.
 //!
 //! Cache positions past a sequence's length, and pool pages no sequence uses, hold large
-//! values (±200): a kernel that reads them where it should not fails by far. Outputs are
+//! values (±200) and NaN: a kernel that reads them where it should not fails by far, even
+//! behind a mask (see [`garbage`]). Outputs are
 //! poisoned (NaN) before each call, so an unwritten element fails too.
 
 mod common;
@@ -35,10 +36,16 @@ fn dtype_of(h: HalfType) -> DType {
     DType::from(h)
 }
 
-/// Large values, in `dtype`, for cache slots no call may read.
+/// Large values and NaN, in `dtype`, for cache slots no call may read: a key read by
+/// mistake moves the result, and a value behind a masked key (weight 0, but 0 · NaN is
+/// NaN) poisons it.
 fn garbage(rng: &mut Rng, n: usize, dtype: HalfType) -> Vec<u16> {
     let v: Vec<f64> = (0..n)
-        .map(|_| if rng.uniform() < 0.5 { 200.0 } else { -200.0 })
+        .map(|_| match rng.uniform() {
+            u if u < 0.25 => f64::NAN,
+            u if u < 0.625 => 200.0,
+            _ => -200.0,
+        })
         .collect();
     reference::f64_to_half_bits(&v, dtype)
 }
@@ -817,7 +824,8 @@ fn quantize_rows_e4m3(x: &[f64], d: usize) -> (Vec<u8>, Vec<f32>, Vec<f64>) {
 }
 
 /// An e4m3 copy of a 16-bit [`DeviceCache`], every row of its memory (the slots no call
-/// may read included: their ±200 stay large) quantized by [`quantize_rows_e4m3`].
+/// may read included: their ±200 stay large, their NaN become NaN codes) quantized by
+/// [`quantize_rows_e4m3`].
 struct Fp8DeviceCache {
     k: CudaSlice<u8>,
     v: CudaSlice<u8>,

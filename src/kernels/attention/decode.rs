@@ -8,9 +8,12 @@
 //!   MMA tile (row `qi · group + g` is query `qi` of head `kv_head · group + g`), so each
 //!   K/V byte is read once per step, not once per query head.
 //! - **Split-KV**: the grid is `(splits, kv_heads · row_chunks, batch)`; block `split`
-//!   takes the `split`-th of `splits` equal runs of the sequence's keys (runs rounded to
-//!   whole tiles). `splits` comes from the capacities and the SM count, never from the
-//!   lengths, so one captured CUDA graph stays valid as the caches grow. It aims at
+//!   takes the sequence's tiles `split`, `split + splits`, `split + 2·splits`, ... Where
+//!   a block's tiles lie does not depend on the length, so its first tile is issued
+//!   while the length is still being read (bounded by the capacity, and cut to the
+//!   length once it is known). `splits` comes from the capacities and the SM count,
+//!   never from the lengths, so one captured CUDA graph stays valid as the caches grow.
+//!   It aims at
 //!   [`DecodeConfig::blocks_per_sm`] blocks per SM: for a 16-bit cache just enough to
 //!   keep 64 KiB of reads in flight (one block of head dim 128), since every extra
 //!   split costs a ring fill, an epilogue and a partial result to merge.
@@ -21,7 +24,7 @@
 //!   their maxima at the end.
 //!
 //! ```text
-//! issue Q; issue tiles 0 .. stages−2
+//! issue the length's load, Q, tile 0; issue tiles 1 .. stages−2 (once the length is in)
 //! for t in 0..tiles:
 //!     wait tile t; issue tile t + stages − 1 (into the slot tile t − 1 used)
 //!     S = Q K[t, warp]^T; mask; online softmax; O += P V[t, warp]
@@ -402,61 +405,88 @@ fn row_offset(k: &mut Kernel, strides: [Reg<U64>; 3], at: [Reg<U32>; 3]) -> Reg<
     k.mad(h, strides[2], e)
 }
 
-/// The block's coordinates and the key run it owns.
-struct Work {
+/// Where the block sits in the grid, known before its sequence's length is. Its tiles
+/// are the sequence's tiles `split`, `split + splits`, `split + 2·splits`, ...: where
+/// each lies does not depend on the length, so the first is issued while the length is
+/// still on its way (see [`Block::keys`]).
+#[derive(Clone, Copy)]
+struct Block {
     batch: Reg<U32>,
     kv_head: Reg<U32>,
     chunk: Reg<U32>,
     split: Reg<U32>,
-    /// The sequence's length, clamped to `[0, capacity]`.
-    seqlen: Reg<S32>,
-    /// The block's keys: `start..end`, in `tiles` tiles.
-    start: Reg<S32>,
-    end: Reg<S32>,
-    tiles: Reg<S32>,
+    splits: Reg<S32>,
+    /// Positions the cache holds: what the first tile's copies are bounded by.
+    capacity: Reg<S32>,
+    /// The sequence's length as loaded, first used by [`Block::keys`].
+    loaded_len: Reg<S32>,
+    block_n: u32,
 }
 
-fn work(k: &mut Kernel, args: ParamBytes, block_n: u32) -> Work {
-    let split = k.special(Special::CtaidX);
-    let y = k.special(Special::CtaidY);
-    let batch = k.special(Special::CtaidZ);
-    let row_chunks = arg::<U32>(k, args, offset_of!(DecodeArgs, row_chunks));
-    let kv_head = k.div(y, row_chunks);
-    let chunk = k.mad(kv_head, row_chunks, 0u32);
-    let chunk = k.sub(y, chunk);
-
-    let seqlens = arg::<U64>(k, args, offset_of!(DecodeArgs, seqlens));
-    let at = k.mul_wide_u32(batch, 4u32);
-    let at = k.add(seqlens, at);
-    let seqlen = k.ld_global::<S32>(at, 0);
-    let capacity = arg::<S32>(k, args, offset_of!(DecodeArgs, capacity));
-    let seqlen = k.max(seqlen, 0i32);
-    let seqlen = k.min(seqlen, capacity);
-
-    // Each split takes ceil(len / splits) keys rounded up to whole tiles.
-    let splits = arg::<S32>(k, args, offset_of!(DecodeArgs, splits));
-    let per = k.add(seqlen, splits);
-    let per = k.sub(per, 1i32);
-    let per = k.div(per, splits);
-    let per = k.add(per, (block_n - 1) as i32);
-    let per = k.and(per.cast::<U32>(), !(block_n - 1)).cast::<S32>();
-    let start = k.mul(split.cast::<S32>(), per);
-    let start = k.min(start, seqlen);
-    let end = k.add(start, per);
-    let end = k.min(end, seqlen);
-    let keys = k.sub(end, start);
-    let tiles = k.add(keys, (block_n - 1) as i32);
-    let tiles = k.shr(tiles, block_n.trailing_zeros());
-    Work {
-        batch,
-        kv_head,
-        chunk,
-        split,
-        seqlen,
-        start,
-        end,
-        tiles,
+impl Block {
+    /// Issues the length's load before anything else.
+    fn new(k: &mut Kernel, args: ParamBytes, block_n: u32) -> Block {
+        let batch = k.special(Special::CtaidZ);
+        let seqlens = arg::<U64>(k, args, offset_of!(DecodeArgs, seqlens));
+        let at = k.mul_wide_u32(batch, 4u32);
+        let at = k.add(seqlens, at);
+        let loaded_len = k.ld_global::<S32>(at, 0);
+        let split = k.special(Special::CtaidX);
+        let y = k.special(Special::CtaidY);
+        let row_chunks = arg::<U32>(k, args, offset_of!(DecodeArgs, row_chunks));
+        let kv_head = k.div(y, row_chunks);
+        let chunk = k.mad(kv_head, row_chunks, 0u32);
+        let chunk = k.sub(y, chunk);
+        Block {
+            batch,
+            kv_head,
+            chunk,
+            split,
+            splits: arg::<S32>(k, args, offset_of!(DecodeArgs, splits)),
+            capacity: arg::<S32>(k, args, offset_of!(DecodeArgs, capacity)),
+            loaded_len,
+            block_n,
+        }
     }
+
+    /// The first key of the block's tile `t`: `(split + t·splits)·block_n`.
+    fn tile_key0(&self, k: &mut Kernel, t: Reg<S32>) -> Reg<S32> {
+        let tile = k.mad(t, self.splits, self.split.cast::<S32>());
+        k.shl(tile, self.block_n.trailing_zeros())
+    }
+
+    /// How many of the block's tiles start below key `keys`: of the sequence's
+    /// `n = ⌈keys / block_n⌉` tiles, `⌈(n − split) / splits⌉` (0 when `n ≤ split`: the
+    /// dividend is then in `[0, splits)`).
+    fn tiles_below(&self, k: &mut Kernel, keys: Reg<S32>) -> Reg<S32> {
+        let n = k.add(keys, (self.block_n - 1) as i32);
+        let n = k.shr(n, self.block_n.trailing_zeros());
+        let n = k.sub(n, self.split.cast::<S32>());
+        let n = k.add(n, self.splits);
+        let n = k.sub(n, 1i32);
+        k.div(n, self.splits)
+    }
+
+    /// The length, clamped to `[0, capacity]`, and the block's tiles under it.
+    fn keys(self, k: &mut Kernel) -> Work {
+        let seqlen = k.max(self.loaded_len, 0i32);
+        let seqlen = k.min(seqlen, self.capacity);
+        let tiles = self.tiles_below(k, seqlen);
+        Work {
+            block: self,
+            seqlen,
+            tiles,
+        }
+    }
+}
+
+/// The block and the tiles of its sequence it owns.
+struct Work {
+    block: Block,
+    /// The sequence's length, clamped to `[0, capacity]`: the keys are `0..seqlen`.
+    seqlen: Reg<S32>,
+    /// The block's tiles that hold keys.
+    tiles: Reg<S32>,
 }
 
 /// One thread's part in filling a tile of `layout` with `cp.async`: thread `t` copies
@@ -516,6 +546,16 @@ impl Loader {
             k.cp_async_16(to, from, bytes);
         }
     }
+
+    /// Zeroes what [`Loader::copy_row`] with `bytes` 0 would have: this thread's chunk
+    /// of each column block of the tile row at `dst`.
+    fn zero_row(&self, k: &mut Kernel, dst: SmemAddr, rows: u32) {
+        let zero = k.mov(0u32);
+        for block in 0..self.col_blocks() {
+            let to = k.smem_offset(dst, block * rows * self.row_bytes());
+            k.st_shared_v4::<U32>(to, 0, [zero; 4]);
+        }
+    }
 }
 
 /// Global memory of the K and V caches as this block sees it.
@@ -543,11 +583,11 @@ impl Cache {
         k: &mut Kernel,
         args: ParamBytes,
         cfg: &DecodeConfig,
-        w: &Work,
+        block: &Block,
         loader: &Loader,
     ) -> Cache {
         let elem_shift = loader.layout.elem_bytes.trailing_zeros();
-        let h = k.cvt_u64_u32(w.kv_head);
+        let h = k.cvt_u64_u32(block.kv_head);
         let c = k.cvt_u64_u32(loader.chunk);
         let c = k.shl(c, loader.chunk_elems().trailing_zeros());
         // (the chunk's address, bytes per position, bytes per page) of K or V.
@@ -558,7 +598,7 @@ impl Cache {
             let e = if cfg.paged {
                 e
             } else {
-                let b = k.cvt_u64_u32(w.batch);
+                let b = k.cvt_u64_u32(block.batch);
                 k.mad(b, s[0], e)
             };
             let e = k.shl(e, elem_shift);
@@ -581,7 +621,7 @@ impl Cache {
         );
         let table = arg::<U64>(k, args, offset_of!(DecodeArgs, block_table));
         let table_stride = arg::<U64>(k, args, offset_of!(DecodeArgs, block_table_stride));
-        let b = k.cvt_u64_u32(w.batch);
+        let b = k.cvt_u64_u32(block.batch);
         let row = k.mul(b, table_stride);
         let row = k.shl(row, 2);
         let table_row = k.add(table, row);
@@ -781,7 +821,7 @@ impl ScaleLoader {
         k: &mut Kernel,
         args: ParamBytes,
         cfg: &DecodeConfig,
-        w: &Work,
+        block: &Block,
         tid: Reg<U32>,
     ) -> ScaleLoader {
         let for_v = k.setp(Cmp::Ge, tid, cfg.block_n());
@@ -802,12 +842,12 @@ impl ScaleLoader {
                 offset_of!(DecodeArgs, v_scale_stride) + 8 * i,
             )
         });
-        let h = k.cvt_u64_u32(w.kv_head);
+        let h = k.cvt_u64_u32(block.kv_head);
         let fixed = k.mul(h, stride[2]);
         let fixed = if cfg.paged {
             fixed
         } else {
-            let b = k.cvt_u64_u32(w.batch);
+            let b = k.cvt_u64_u32(block.batch);
             k.mad(b, stride[0], fixed)
         };
         let key = k.and(tid, cfg.block_n() - 1).cast::<S32>();
@@ -867,12 +907,12 @@ fn build<H: Half2>(cfg: &DecodeConfig) -> Result<KernelText, PtxError> {
     let lane = k.and(tid, 31u32);
     let warp = k.shr(tid, 5);
 
-    k.comment("Which (batch, kv head, row chunk, split) this block owns, and its keys.");
-    let w = work(&mut k, args, cfg.block_n());
+    k.comment("Which (batch, kv head, row chunk, split) this block owns; its length's load.");
+    let block = Block::new(&mut k, args, cfg.block_n());
     let seqlen_q = arg::<U32>(&mut k, args, offset_of!(DecodeArgs, seqlen_q));
     let group = arg::<U32>(&mut k, args, offset_of!(DecodeArgs, group));
     let packed_rows = k.mul(seqlen_q, group);
-    let row_base = k.mul(w.chunk, ROWS);
+    let row_base = k.mul(block.chunk, ROWS);
 
     let loader = Loader::new(&mut k, cfg.kv_layout(), cfg.threads(), tid);
     // The ring's loader: the 16-bit one, or one for rows of e4m3 codes.
@@ -880,11 +920,11 @@ fn build<H: Half2>(cfg: &DecodeConfig) -> Result<KernelText, PtxError> {
         Some(_) => Loader::new(&mut k, cfg.code_layout(), cfg.threads(), tid),
         None => loader,
     };
-    let cache = Cache::new(&mut k, args, cfg, &w, &ring_loader);
+    let cache = Cache::new(&mut k, args, cfg, &block, &ring_loader);
     let scale_loader = slots
         .codes
         .as_ref()
-        .map(|_| ScaleLoader::new(&mut k, args, cfg, &w, tid));
+        .map(|_| ScaleLoader::new(&mut k, args, cfg, &block, tid));
 
     k.comment("Q: the 16 packed rows (query qi of head kv_head*group + g at row qi*group + g).");
     let rpp = loader.rows_per_pass();
@@ -899,10 +939,10 @@ fn build<H: Half2>(cfg: &DecodeConfig) -> Result<KernelText, PtxError> {
         let qi = k.div(r, group);
         let g = k.mad(qi, group, 0u32);
         let g = k.sub(r, g);
-        let head = k.mad(w.kv_head, group, g);
+        let head = k.mad(block.kv_head, group, g);
         let q = arg::<U64>(&mut k, args, offset_of!(DecodeArgs, q));
         let s = strides(&mut k, args, offset_of!(DecodeArgs, q_stride));
-        let e = row_offset(&mut k, s, [w.batch, qi, head]);
+        let e = row_offset(&mut k, s, [block.batch, qi, head]);
         let c = k.cvt_u64_u32(loader.chunk);
         let c = k.shl(c, 3);
         let e = k.add(e, c);
@@ -959,16 +999,26 @@ fn build<H: Half2>(cfg: &DecodeConfig) -> Result<KernelText, PtxError> {
         let before = k.sub(slot, 1u32);
         k.selp(cfg.stages - 1, before, first)
     };
-    // The first key of tile `tile`.
-    let tile_key0 = |k: &mut Kernel, tile: Reg<S32>| {
-        let key0 = k.mul(tile, cfg.block_n() as i32);
-        k.add(key0, w.start)
+    // This thread's destinations in ring stage `slot`: its rows of K and V.
+    let stage_rows = |k: &mut Kernel, slot: Reg<U32>| {
+        let slot_bytes = k.mul(slot, ring_k.stride);
+        let line = k.add(ring_loader.line, slot_bytes);
+        (
+            smem.tile_byte(k, ring_k, line),
+            smem.tile_byte(k, ring_v, line),
+        )
     };
-    // Issues tile `tile` into ring stage `slot`. Paged, its block-table entries are
-    // `given` (the fill's, read from the table) or in the table ring's stage `slot` (the
-    // loop's), and the group also carries the entries of tile `tile + stages − 1`.
-    let issue = |k: &mut Kernel, tile: Reg<S32>, slot: Reg<U32>, given: Option<&[Reg<U32>]>| {
-        let key0 = tile_key0(k, tile);
+    // Issues the block's tile `tile` into ring stage `slot`, reading keys below `end`
+    // (the capacity for the first tile, the length after it). Paged, its block-table
+    // entries are `given` (the fill's, read from the table) or in the table ring's stage
+    // `slot` (the loop's), and the group also carries the entries of tile
+    // `tile + stages − 1`.
+    let issue = |k: &mut Kernel,
+                 tile: Reg<S32>,
+                 slot: Reg<U32>,
+                 given: Option<&[Reg<U32>]>,
+                 end: Reg<S32>| {
+        let key0 = block.tile_key0(k, tile);
         let offsets = key_offsets(k);
         let entries: Vec<Option<Reg<U32>>> = match (&table, given) {
             (Some(_), Some(given)) => given.iter().copied().map(Some).collect(),
@@ -979,13 +1029,10 @@ fn build<H: Half2>(cfg: &DecodeConfig) -> Result<KernelText, PtxError> {
                 .collect(),
             (None, _) => vec![None; offsets.len()],
         };
-        let slot_bytes = k.mul(slot, ring_k.stride);
-        let line = k.add(ring_loader.line, slot_bytes);
-        let k_dst = smem.tile_byte(k, ring_k, line);
-        let v_dst = smem.tile_byte(k, ring_v, line);
+        let (k_dst, v_dst) = stage_rows(k, slot);
         for pass in 0..passes {
             let key = k.add(key0, offsets[pass as usize]);
-            let (ka, va, valid) = cache.rows(k, key, w.end, entries[pass as usize]);
+            let (ka, va, valid) = cache.rows(k, key, end, entries[pass as usize]);
             let bytes = k.selp(16u32, 0u32, valid);
             let at = pass * ring_rpp * ring_loader.row_bytes();
             let kd = k.smem_offset(k_dst, at);
@@ -997,27 +1044,29 @@ fn build<H: Half2>(cfg: &DecodeConfig) -> Result<KernelText, PtxError> {
             let stage = k.mul(slot, cfg.scale_stage_bytes());
             let dst = smem.raw(k, codes.scales);
             let dst = k.smem_offset(dst, stage);
-            sl.issue(k, &cache, key0, w.end, dst, entries[passes as usize]);
+            sl.issue(k, &cache, key0, end, dst, entries[passes as usize]);
         }
         if let Some(table) = &table {
-            let later = k.add(key0, ((cfg.stages - 1) * cfg.block_n()) as i32);
+            let later = k.add(tile, (cfg.stages - 1) as i32);
+            let later = block.tile_key0(k, later);
             let later_slot = ring_before(k, slot);
-            table.copy(k, &cache, later, w.end, later_slot);
+            table.copy(k, &cache, later, end, later_slot);
         }
     };
 
-    // Paged: the fill's block-table entries, all loaded before its first copy, so the
-    // block waits on the table once rather than once per tile.
+    // Paged: the fill's block-table entries, all loaded before its first copy (keys
+    // clamped below the capacity: the length is not known yet), so the block waits on
+    // the table once rather than once per tile.
     let fill_entries: Vec<Vec<Reg<U32>>> = if cfg.paged {
         (0..cfg.stages - 1)
             .map(|s| {
                 let t = k.mov(s as i32);
-                let key0 = tile_key0(&mut k, t);
+                let key0 = block.tile_key0(&mut k, t);
                 key_offsets(&mut k)
                     .into_iter()
                     .map(|off| {
                         let key = k.add(key0, off);
-                        cache.load_entry(&mut k, key, w.end)
+                        cache.load_entry(&mut k, key, block.capacity)
                     })
                     .collect()
             })
@@ -1026,16 +1075,66 @@ fn build<H: Half2>(cfg: &DecodeConfig) -> Result<KernelText, PtxError> {
         Vec::new()
     };
     k.comment("Fill the ring: tiles 0 .. stages-2, one commit group each.");
-    for s in 0..cfg.stages - 1 {
+    // Tile 0 goes out before the length arrives, bounded by the capacity: the memory
+    // system starts streaming a latency earlier. Only one tile, so a block whose tiles
+    // all lie past a short sequence wastes little.
+    let first_exists = block.tiles_below(&mut k, block.capacity);
+    let first_exists = k.setp(Cmp::Gt, first_exists, 0i32);
+    k.if_(first_exists, |k| {
+        let t = k.mov(0i32);
+        let slot = k.mov(0u32);
+        issue(
+            k,
+            t,
+            slot,
+            fill_entries.first().map(Vec::as_slice),
+            block.capacity,
+        )
+    });
+    k.cp_async_commit();
+    let w = block.keys(&mut k);
+    for s in 1..cfg.stages - 1 {
         let exists = k.setp(Cmp::Gt, w.tiles, s as i32);
         k.if_(exists, |k| {
             let t = k.mov(s as i32);
             let slot = k.mov(s);
             let given = fill_entries.get(s as usize).map(Vec::as_slice);
-            issue(k, t, slot, given)
+            issue(k, t, slot, given, w.seqlen)
         });
         k.cp_async_commit();
     }
+    k.comment("Tile 0 past the length: zero the rows a copy bounded by it would have.");
+    let first = k.mov(0i32);
+    let key0 = block.tile_key0(&mut k, first);
+    let tile_end = k.add(key0, cfg.block_n() as i32);
+    let cut = k.setp(Cmp::Gt, tile_end, w.seqlen);
+    let read = k.setp(Cmp::Gt, w.tiles, 0i32);
+    let cut = k.and_pred(cut, read);
+    k.if_(cut, |k| {
+        // Tile 0's group (and Q's before it) complete, as at the loop's first wait.
+        k.cp_async_wait(cfg.stages - 2);
+        let slot = k.mov(0u32);
+        let (k_dst, v_dst) = stage_rows(k, slot);
+        let offsets = key_offsets(k);
+        for pass in 0..passes {
+            let key = k.add(key0, offsets[pass as usize]);
+            let past = k.setp(Cmp::Ge, key, w.seqlen);
+            let at = pass * ring_rpp * ring_loader.row_bytes();
+            k.if_(past, |k| {
+                let kd = k.smem_offset(k_dst, at);
+                let vd = k.smem_offset(v_dst, at);
+                ring_loader.zero_row(k, kd, kv_rows);
+                ring_loader.zero_row(k, vd, kv_rows);
+            });
+        }
+        if let (Some(codes), Some(sl)) = (&slots.codes, &scale_loader) {
+            let key = k.add(key0, offsets[passes as usize]);
+            let past = k.setp(Cmp::Ge, key, w.seqlen);
+            let dst = smem.raw(k, codes.scales);
+            let dst = k.smem_offset(dst, sl.line);
+            k.if_(past, |k| k.st_shared(dst, 0, 0f32));
+        }
+    });
 
     let f = WarpState::<H>::new(&mut k, cfg, &smem, [q_slot, k_slot, v_slot], lane, warp);
     let scale_log2 = arg::<F32>(&mut k, args, offset_of!(DecodeArgs, scale_log2));
@@ -1058,14 +1157,13 @@ fn build<H: Half2>(cfg: &DecodeConfig) -> Result<KernelText, PtxError> {
         let more = k.setp(Cmp::Lt, ahead, w.tiles);
         k.if_(more, |k| {
             let ahead_slot = ring_before(k, slot);
-            issue(k, ahead, ahead_slot, None)
+            issue(k, ahead, ahead_slot, None, w.seqlen)
         });
         k.cp_async_commit();
 
         // The key of the thread's column 0 in this tile.
         let first_key = |k: &mut Kernel| {
-            let key0 = k.mul(t, cfg.block_n() as i32);
-            let key0 = k.add(key0, w.start);
+            let key0 = block.tile_key0(k, t);
             k.add(key0, warp_keys)
         };
         match &widen {
@@ -1285,7 +1383,7 @@ fn scale_columns(k: &mut Kernel, scores: &Slab, f: [Reg<F32>; 4]) {
 }
 
 /// Per row half of this thread (rows `g` and `g + 8` of the tile): the first key the row
-/// must not see. Without causal masking that is the block's end; with it, query `qi`
+/// must not see. Without causal masking that is the sequence's end; with it, query `qi`
 /// (position `len − Sq + qi`) sees keys up to its own position.
 fn row_limits(
     k: &mut Kernel,
@@ -1307,8 +1405,8 @@ fn row_limits(
         let lim = k.sub(w.seqlen, seqlen_q.cast::<S32>());
         let lim = k.add(lim, qi.cast::<S32>());
         let lim = k.add(lim, 1i32);
-        let lim = k.selp(lim, w.end, causal);
-        k.min(lim, w.end)
+        let lim = k.selp(lim, w.seqlen, causal);
+        k.min(lim, w.seqlen)
     })
 }
 
@@ -1550,20 +1648,20 @@ fn merge_row_and_store<H: Half2>(
     let qi = k.div(r, group);
     let g = k.mad(qi, group, 0u32);
     let g = k.sub(r, g);
-    let head = k.mad(w.kv_head, group, g);
+    let head = k.mad(w.block.kv_head, group, g);
     let heads_q = arg::<U32>(k, args, offset_of!(DecodeArgs, heads_q));
     let seqlen_q = arg::<U32>(k, args, offset_of!(DecodeArgs, seqlen_q));
     let batch = arg::<U32>(k, args, offset_of!(DecodeArgs, batch));
     let splits = arg::<U32>(k, args, offset_of!(DecodeArgs, splits));
     let first_part = k.setp(Cmp::Eq, part, 0u32);
     let single = k.setp(Cmp::Eq, splits, 1u32);
-    let bh = k.mad(w.batch, heads_q, head);
+    let bh = k.mad(w.block.batch, heads_q, head);
     k.if_else(
         single,
         |k| {
             let o = arg::<U64>(k, args, offset_of!(DecodeArgs, o));
             let s = strides(k, args, offset_of!(DecodeArgs, o_stride));
-            let e = row_offset(k, s, [w.batch, qi, head]);
+            let e = row_offset(k, s, [w.block.batch, qi, head]);
             let c = k.cvt_u64_u32(col0);
             let e = k.add(e, c);
             let e = k.shl(e, 1);
@@ -1584,7 +1682,7 @@ fn merge_row_and_store<H: Half2>(
         },
         |k| {
             // o_part[split][b][qi][head][:], lse_part[split][b][head][qi].
-            let sb = k.mad(w.split, batch, w.batch);
+            let sb = k.mad(w.block.split, batch, w.block.batch);
             let sbq = k.mul_wide_u32(sb, seqlen_q);
             let q64 = k.cvt_u64_u32(qi);
             let sbq = k.add(sbq, q64);
@@ -1632,6 +1730,39 @@ mod tests {
             // once.
             assert!(!ptx[fill..loop_start].contains("ld.global"), "{}", c.id());
             assert!(ptx[..fill].matches("ld.global").count() > 2, "{}", c.id());
+        }
+    }
+
+    #[test]
+    fn the_first_tile_is_issued_before_the_length_is_used() {
+        for c in all_decode_configs() {
+            let ptx = c.generate().unwrap().to_ptx();
+            // The length is the kernel's first global load.
+            let at = ptx.find("ld.global.b32 ").unwrap();
+            let line = &ptx[at..at + ptx[at..].find('\n').unwrap()];
+            let reg = line["ld.global.b32 ".len()..].split(',').next().unwrap();
+            // Tile 0's group: from the fill's start to its first commit.
+            let fill = ptx.find("Fill the ring").unwrap();
+            let tile0 = fill + ptx[fill..].find("cp.async.commit_group").unwrap();
+            let before = &ptx[at + line.len()..tile0];
+            assert!(before.contains("cp.async.cg.shared.global"), "{}", c.id());
+            let uses = before.match_indices(reg).filter(|(i, _)| {
+                let next = before[i + reg.len()..].chars().next();
+                !next.is_some_and(|ch| ch.is_ascii_digit())
+            });
+            assert_eq!(
+                uses.count(),
+                0,
+                "{}: {reg} read before tile 0 is issued",
+                c.id()
+            );
+            // Once known, a length that cuts tile 0 zeroes its rows past the end.
+            assert!(
+                ptx[tile0..].contains("Tile 0 past the length"),
+                "{}",
+                c.id()
+            );
+            assert!(ptx.contains("st.shared.v4.b32"), "{}", c.id());
         }
     }
 
