@@ -1008,6 +1008,10 @@ fn build<H: Half2>(cfg: &DecodeConfig) -> Result<KernelText, PtxError> {
             smem.tile_byte(k, ring_v, line),
         )
     };
+    // This thread's row of pass `pass` in the stage whose rows start at `dst`.
+    let pass_row = |k: &mut Kernel, dst: SmemAddr, pass: u32| {
+        k.smem_offset(dst, pass * ring_rpp * ring_loader.row_bytes())
+    };
     // Issues the block's tile `tile` into ring stage `slot`, reading keys below `end`
     // (the capacity for the first tile, the length after it). Paged, its block-table
     // entries are `given` (the fill's, read from the table) or in the table ring's stage
@@ -1034,9 +1038,8 @@ fn build<H: Half2>(cfg: &DecodeConfig) -> Result<KernelText, PtxError> {
             let key = k.add(key0, offsets[pass as usize]);
             let (ka, va, valid) = cache.rows(k, key, end, entries[pass as usize]);
             let bytes = k.selp(16u32, 0u32, valid);
-            let at = pass * ring_rpp * ring_loader.row_bytes();
-            let kd = k.smem_offset(k_dst, at);
-            let vd = k.smem_offset(v_dst, at);
+            let kd = pass_row(k, k_dst, pass);
+            let vd = pass_row(k, v_dst, pass);
             ring_loader.copy_row(k, kd, kv_rows, ka, bytes);
             ring_loader.copy_row(k, vd, kv_rows, va, bytes);
         }
@@ -1119,10 +1122,9 @@ fn build<H: Half2>(cfg: &DecodeConfig) -> Result<KernelText, PtxError> {
         for pass in 0..passes {
             let key = k.add(key0, offsets[pass as usize]);
             let past = k.setp(Cmp::Ge, key, w.seqlen);
-            let at = pass * ring_rpp * ring_loader.row_bytes();
             k.if_(past, |k| {
-                let kd = k.smem_offset(k_dst, at);
-                let vd = k.smem_offset(v_dst, at);
+                let kd = pass_row(k, k_dst, pass);
+                let vd = pass_row(k, v_dst, pass);
                 ring_loader.zero_row(k, kd, kv_rows);
                 ring_loader.zero_row(k, vd, kv_rows);
             });
