@@ -24,7 +24,8 @@
 //!   their maxima at the end.
 //!
 //! ```text
-//! issue the length's load, Q, tile 0; issue tiles 1 .. stages−2 (once the length is in)
+//! issue the length's load, (paged: the fill's table entries, then wait for them) Q,
+//!     tile 0; issue tiles 1 .. stages−2 (once the length is in)
 //! for t in 0..tiles:
 //!     wait tile t; issue tile t + stages − 1 (into the slot tile t − 1 used)
 //!     S = Q K[t, warp]^T; mask; online softmax; O += P V[t, warp]
@@ -218,7 +219,7 @@ impl DecodeConfig {
         };
         let table = self
             .paged
-            .then(|| plan.raw(self.stages * self.table_stage_bytes(), 16));
+            .then(|| plan.raw((2 * self.stages - 1) * self.table_stage_bytes(), 16));
         (
             plan,
             Slots {
@@ -292,7 +293,7 @@ struct Slots {
     v: TileSlot,
     /// The e4m3 cache's rings.
     codes: Option<Codes>,
-    /// Paged caches: each stage's block-table entries ([`TableRing`]).
+    /// Paged caches: each stage's block-table entries, then the fill's ([`TableRing`]).
     table: Option<RawSlot>,
 }
 
@@ -732,11 +733,17 @@ impl Cache {
 /// still stalled the issue: with the memory pipe full, a table read takes about as long
 /// as the data behind it.)
 ///
+/// The ring fill's entries have `stages − 1` stages of their own after the ring's,
+/// copied in one group that the block waits for before its first copy: the fill then
+/// waits out one table latency, not one per tile, and reads them without racing the
+/// fill's copies of later tiles' entries into the ring.
+///
 /// A tile starts on a multiple of its key count, so with pages of `P ≤ block_n` tokens
 /// its keys lie on `block_n / P` whole pages, and on one page otherwise: thread `t`
 /// copies the entry of key `key0 + t·P` when `t·P < block_n`, into word `t` of the stage.
 struct TableRing {
     ring: SmemAddr,
+    stages: u32,
     stage_bytes: u32,
     block_n: u32,
     tid: Reg<U32>,
@@ -752,11 +759,15 @@ impl TableRing {
         k.smem_offset(self.ring, at)
     }
 
+    /// The stage of the fill's tile `s` (past the ring's stages).
+    fn fill_stage(&self, k: &mut Kernel, s: u32) -> SmemAddr {
+        k.smem_offset(self.ring, (self.stages + s) * self.stage_bytes)
+    }
+
     /// Copies (into the current `cp.async` group) the entries of the tile whose first
-    /// key is `key0` into stage `slot` (clamped keys: a tile past the block's last copies
+    /// key is `key0` into `stage` (clamped keys: a tile past the block's last copies
     /// entries of its keys that are never used).
-    fn copy(&self, k: &mut Kernel, cache: &Cache, key0: Reg<S32>, end: Reg<S32>, slot: Reg<U32>) {
-        let stage = self.stage(k, slot);
+    fn copy(&self, k: &mut Kernel, cache: &Cache, key0: Reg<S32>, end: Reg<S32>, stage: SmemAddr) {
         let offset = k.shl_by(self.tid, cache.page_shift);
         let copies = k.setp(Cmp::Lt, offset, self.block_n);
         k.if_(copies, |k| {
@@ -768,15 +779,15 @@ impl TableRing {
         });
     }
 
-    /// The entries, from the tile of stage `slot`, of the keys at `offsets` in the tile.
+    /// The entries, from the tile whose entries are in `stage`, of the keys at
+    /// `offsets` in the tile.
     fn entries(
         &self,
         k: &mut Kernel,
         cache: &Cache,
-        slot: Reg<U32>,
+        stage: SmemAddr,
         offsets: &[Reg<S32>],
     ) -> Vec<Reg<U32>> {
-        let stage = self.stage(k, slot);
         let lookups = match &self.lookups {
             Some(l) => l.clone(),
             None => Self::lookups(k, cache, offsets),
@@ -926,36 +937,6 @@ fn build<H: Half2>(cfg: &DecodeConfig) -> Result<KernelText, PtxError> {
         .as_ref()
         .map(|_| ScaleLoader::new(&mut k, args, cfg, &block, tid));
 
-    k.comment("Q: the 16 packed rows (query qi of head kv_head*group + g at row qi*group + g).");
-    let rpp = loader.rows_per_pass();
-    for pass in 0..ROWS.div_ceil(rpp) {
-        let tile_row = k.add(loader.thread_row, pass * rpp);
-        let q_rows_ok = k.setp(Cmp::Lt, tile_row, ROWS);
-        let r = k.add(row_base, tile_row);
-        let in_range = k.setp(Cmp::Lt, r, packed_rows);
-        let valid = k.and_pred(q_rows_ok, in_range);
-        let last = k.sub(packed_rows, 1u32);
-        let r = k.min(r, last);
-        let qi = k.div(r, group);
-        let g = k.mad(qi, group, 0u32);
-        let g = k.sub(r, g);
-        let head = k.mad(block.kv_head, group, g);
-        let q = arg::<U64>(&mut k, args, offset_of!(DecodeArgs, q));
-        let s = strides(&mut k, args, offset_of!(DecodeArgs, q_stride));
-        let e = row_offset(&mut k, s, [block.batch, qi, head]);
-        let c = k.cvt_u64_u32(loader.chunk);
-        let c = k.shl(c, 3);
-        let e = k.add(e, c);
-        let e = k.shl(e, 1);
-        let src = k.add(q, e);
-        let src = k.selp(src, q, valid);
-        let bytes = k.selp(16u32, 0u32, valid);
-        let dst = smem.tile_byte(&mut k, q_slot, loader.line);
-        let dst = k.smem_offset(dst, pass * rpp * loader.row_bytes());
-        k.if_(q_rows_ok, |k| loader.copy_row(k, dst, ROWS, src, bytes));
-    }
-    k.cp_async_commit();
-
     // The ring's slots: the 16-bit tiles themselves, or the codes.
     let (ring_k, ring_v) = slots
         .codes
@@ -986,6 +967,7 @@ fn build<H: Half2>(cfg: &DecodeConfig) -> Result<KernelText, PtxError> {
         });
         TableRing {
             ring: smem.raw(&mut k, slot),
+            stages: cfg.stages,
             stage_bytes: cfg.table_stage_bytes(),
             block_n: cfg.block_n(),
             tid,
@@ -1026,11 +1008,14 @@ fn build<H: Half2>(cfg: &DecodeConfig) -> Result<KernelText, PtxError> {
         let offsets = key_offsets(k);
         let entries: Vec<Option<Reg<U32>>> = match (&table, given) {
             (Some(_), Some(given)) => given.iter().copied().map(Some).collect(),
-            (Some(table), None) => table
-                .entries(k, &cache, slot, &offsets)
-                .into_iter()
-                .map(Some)
-                .collect(),
+            (Some(table), None) => {
+                let stage = table.stage(k, slot);
+                table
+                    .entries(k, &cache, stage, &offsets)
+                    .into_iter()
+                    .map(Some)
+                    .collect()
+            }
             (None, _) => vec![None; offsets.len()],
         };
         let (k_dst, v_dst) = stage_rows(k, slot);
@@ -1053,29 +1038,68 @@ fn build<H: Half2>(cfg: &DecodeConfig) -> Result<KernelText, PtxError> {
             let later = k.add(tile, (cfg.stages - 1) as i32);
             let later = block.tile_key0(k, later);
             let later_slot = ring_before(k, slot);
-            table.copy(k, &cache, later, end, later_slot);
+            let stage = table.stage(k, later_slot);
+            table.copy(k, &cache, later, end, stage);
         }
     };
 
-    // Paged: the fill's block-table entries, all loaded before its first copy (keys
-    // clamped below the capacity: the length is not known yet), so the block waits on
-    // the table once rather than once per tile.
-    let fill_entries: Vec<Vec<Reg<U32>>> = if cfg.paged {
-        (0..cfg.stages - 1)
-            .map(|s| {
-                let t = k.mov(s as i32);
-                let key0 = block.tile_key0(&mut k, t);
-                key_offsets(&mut k)
-                    .into_iter()
-                    .map(|off| {
-                        let key = k.add(key0, off);
-                        cache.load_entry(&mut k, key, block.capacity)
-                    })
-                    .collect()
-            })
-            .collect()
-    } else {
-        Vec::new()
+    // Paged: the fill's block-table entries (keys clamped below the capacity: the length
+    // is not known yet) go first, into the table ring's fill stages in a group of their
+    // own, and are waited for once. Loaded straight into registers, they went out one
+    // tile at a time: ptxas held each tile's loads back until the tile before was
+    // issued, so the fill waited out a table latency per tile.
+    if let Some(table) = &table {
+        for s in 0..cfg.stages - 1 {
+            let t = k.mov(s as i32);
+            let key0 = block.tile_key0(&mut k, t);
+            let stage = table.fill_stage(&mut k, s);
+            table.copy(&mut k, &cache, key0, block.capacity, stage);
+        }
+        k.cp_async_commit();
+    }
+    k.comment("Q: the 16 packed rows (query qi of head kv_head*group + g at row qi*group + g).");
+    let rpp = loader.rows_per_pass();
+    for pass in 0..ROWS.div_ceil(rpp) {
+        let tile_row = k.add(loader.thread_row, pass * rpp);
+        let q_rows_ok = k.setp(Cmp::Lt, tile_row, ROWS);
+        let r = k.add(row_base, tile_row);
+        let in_range = k.setp(Cmp::Lt, r, packed_rows);
+        let valid = k.and_pred(q_rows_ok, in_range);
+        let last = k.sub(packed_rows, 1u32);
+        let r = k.min(r, last);
+        let qi = k.div(r, group);
+        let g = k.mad(qi, group, 0u32);
+        let g = k.sub(r, g);
+        let head = k.mad(block.kv_head, group, g);
+        let q = arg::<U64>(&mut k, args, offset_of!(DecodeArgs, q));
+        let s = strides(&mut k, args, offset_of!(DecodeArgs, q_stride));
+        let e = row_offset(&mut k, s, [block.batch, qi, head]);
+        let c = k.cvt_u64_u32(loader.chunk);
+        let c = k.shl(c, 3);
+        let e = k.add(e, c);
+        let e = k.shl(e, 1);
+        let src = k.add(q, e);
+        let src = k.selp(src, q, valid);
+        let bytes = k.selp(16u32, 0u32, valid);
+        let dst = smem.tile_byte(&mut k, q_slot, loader.line);
+        let dst = k.smem_offset(dst, pass * rpp * loader.row_bytes());
+        k.if_(q_rows_ok, |k| loader.copy_row(k, dst, ROWS, src, bytes));
+    }
+    k.cp_async_commit();
+    let fill_entries: Vec<Vec<Reg<U32>>> = match &table {
+        Some(table) => {
+            // The entries' group (Q's may still be in flight), seen by every thread.
+            k.cp_async_wait(1);
+            k.sync_threads();
+            (0..cfg.stages - 1)
+                .map(|s| {
+                    let stage = table.fill_stage(&mut k, s);
+                    let offsets = key_offsets(&mut k);
+                    table.entries(&mut k, &cache, stage, &offsets)
+                })
+                .collect()
+        }
+        None => Vec::new(),
     };
     k.comment("Fill the ring: tiles 0 .. stages-2, one commit group each.");
     // Tile 0 goes out before the length arrives, bounded by the capacity: the memory
@@ -1721,17 +1745,31 @@ mod tests {
         for c in all_decode_configs().into_iter().filter(|c| c.paged) {
             let ptx = c.generate().unwrap().to_ptx();
             let fill = ptx.find("Fill the ring").unwrap();
-            let loop_start = ptx.find("cp.async.wait_group").unwrap();
+            let loop_start = fill + ptx[fill..].find("cp.async.wait_group").unwrap();
             // The loop reads the table only through the ring: 4-byte copies in the same
             // groups as the data, looked up in shared memory.
             let inside = &ptx[loop_start..];
             assert!(!inside.contains("ld.global"), "{}", c.id());
             assert!(inside.contains("cp.async.ca.shared.global"), "{}", c.id());
-            // The fill's entries are all loaded before its first copy (besides the
-            // length, one per row the thread copies), so the block waits on the table
-            // once.
-            assert!(!ptx[fill..loop_start].contains("ld.global"), "{}", c.id());
-            assert!(ptx[..fill].matches("ld.global").count() > 2, "{}", c.id());
+            // The fill's entries come through shared memory too: the kernel's one global
+            // load is the length; the entries are copied first, in a group of their own
+            // (before Q's), and waited for once before the fill.
+            assert_eq!(ptx.matches("ld.global").count(), 1, "{}", c.id());
+            let before = &ptx[..fill];
+            assert_eq!(
+                before.matches("cp.async.wait_group").count(),
+                1,
+                "{}",
+                c.id()
+            );
+            let first_group = &before[..before.find("cp.async.commit_group").unwrap()];
+            assert!(!first_group.contains("cp.async.cg"), "{}", c.id());
+            assert_eq!(
+                first_group.matches("cp.async.ca.shared.global").count(),
+                c.stages as usize - 1,
+                "{}",
+                c.id()
+            );
         }
     }
 
