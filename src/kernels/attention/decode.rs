@@ -673,10 +673,11 @@ impl Cache {
     /// Where key `key` lives: its page (paged caches), its row in the page or the
     /// sequence, and whether it may be read (as for [`Cache::rows`]). Both always name a
     /// row of the cache: a contiguous cache's key is clamped to `end − 1`; a page is
-    /// that of a key clamped so (`entry`, loaded ahead with the key clamped, or loaded
-    /// here), replaced by page 0 when outside the pool, and the row is the key's in its
-    /// page. `end > start` (only tiles that exist are issued), so `min(key, end − 1)` is a
-    /// position of the sequence and its block table entry exists.
+    /// that of a key clamped so (`entry`, copied ahead through the [`TableRing`] with the
+    /// key clamped; paged caches always pass it), replaced by page 0 when outside the
+    /// pool, and the row is the key's in its page. `end > start` (only tiles that exist
+    /// are issued), so `min(key, end − 1)` is a position of the sequence and its block
+    /// table entry exists.
     fn locate(
         &self,
         k: &mut Kernel,
@@ -690,10 +691,7 @@ impl Cache {
             let key = k.min(key, last);
             return (None, key.cast::<U32>(), valid);
         }
-        let page = match entry {
-            Some(e) => e,
-            None => self.load_entry(k, key, end),
-        };
+        let page = entry.expect("a paged cache's keys come with their block-table entries");
         let inside = k.setp(Cmp::Lt, page, self.pool_pages);
         valid = k.and_pred(valid, inside);
         let page = k.selp(page, 0u32, inside);
@@ -716,12 +714,6 @@ impl Cache {
         let key = k.min(key, last);
         let key = k.max(key, 0i32);
         self.entry_address(k, key)
-    }
-
-    /// The block-table entry of `key` (clamped as by [`Cache::clamped_entry_address`]).
-    fn load_entry(&self, k: &mut Kernel, key: Reg<S32>, end: Reg<S32>) -> Reg<U32> {
-        let at = self.clamped_entry_address(k, key, end);
-        k.ld_global::<U32>(at, 0)
     }
 }
 
@@ -996,27 +988,23 @@ fn build<H: Half2>(cfg: &DecodeConfig) -> Result<KernelText, PtxError> {
     };
     // Issues the block's tile `tile` into ring stage `slot`, reading keys below `end`
     // (the capacity for the first tile, the length after it). Paged, its block-table
-    // entries are `given` (the fill's, read from the table) or in the table ring's stage
-    // `slot` (the loop's), and the group also carries the entries of tile
+    // entries are in `entry_stage` (a fill stage of the [`TableRing`] for the fill, the
+    // ring's stage `slot` in the loop), and the group also carries the entries of tile
     // `tile + stages − 1`.
     let issue = |k: &mut Kernel,
                  tile: Reg<S32>,
                  slot: Reg<U32>,
-                 given: Option<&[Reg<U32>]>,
+                 entry_stage: Option<SmemAddr>,
                  end: Reg<S32>| {
         let key0 = block.tile_key0(k, tile);
         let offsets = key_offsets(k);
-        let entries: Vec<Option<Reg<U32>>> = match (&table, given) {
-            (Some(_), Some(given)) => given.iter().copied().map(Some).collect(),
-            (Some(table), None) => {
-                let stage = table.stage(k, slot);
-                table
-                    .entries(k, &cache, stage, &offsets)
-                    .into_iter()
-                    .map(Some)
-                    .collect()
-            }
-            (None, _) => vec![None; offsets.len()],
+        let entries: Vec<Option<Reg<U32>>> = match (&table, entry_stage) {
+            (Some(table), Some(stage)) => table
+                .entries(k, &cache, stage, &offsets)
+                .into_iter()
+                .map(Some)
+                .collect(),
+            _ => vec![None; offsets.len()],
         };
         let (k_dst, v_dst) = stage_rows(k, slot);
         for pass in 0..passes {
@@ -1086,21 +1074,13 @@ fn build<H: Half2>(cfg: &DecodeConfig) -> Result<KernelText, PtxError> {
         k.if_(q_rows_ok, |k| loader.copy_row(k, dst, ROWS, src, bytes));
     }
     k.cp_async_commit();
-    let fill_entries: Vec<Vec<Reg<U32>>> = match &table {
-        Some(table) => {
-            // The entries' group (Q's may still be in flight), seen by every thread.
-            k.cp_async_wait(1);
-            k.sync_threads();
-            (0..cfg.stages - 1)
-                .map(|s| {
-                    let stage = table.fill_stage(&mut k, s);
-                    let offsets = key_offsets(&mut k);
-                    table.entries(&mut k, &cache, stage, &offsets)
-                })
-                .collect()
-        }
-        None => Vec::new(),
-    };
+    if table.is_some() {
+        // The entries' group (Q's may still be in flight), seen by every thread.
+        k.cp_async_wait(1);
+        k.sync_threads();
+    }
+    // Where fill tile `s` finds its block-table entries (paged).
+    let fill_stage = |k: &mut Kernel, s: u32| table.as_ref().map(|t| t.fill_stage(k, s));
     k.comment("Fill the ring: tiles 0 .. stages-2, one commit group each.");
     // Tile 0 goes out before the length arrives, bounded by the capacity: the memory
     // system starts streaming a latency earlier. Only one tile, so a block whose tiles
@@ -1110,13 +1090,8 @@ fn build<H: Half2>(cfg: &DecodeConfig) -> Result<KernelText, PtxError> {
     k.if_(first_exists, |k| {
         let t = k.mov(0i32);
         let slot = k.mov(0u32);
-        issue(
-            k,
-            t,
-            slot,
-            fill_entries.first().map(Vec::as_slice),
-            block.capacity,
-        )
+        let entries = fill_stage(k, 0);
+        issue(k, t, slot, entries, block.capacity)
     });
     k.cp_async_commit();
     let w = block.keys(&mut k);
@@ -1125,8 +1100,8 @@ fn build<H: Half2>(cfg: &DecodeConfig) -> Result<KernelText, PtxError> {
         k.if_(exists, |k| {
             let t = k.mov(s as i32);
             let slot = k.mov(s);
-            let given = fill_entries.get(s as usize).map(Vec::as_slice);
-            issue(k, t, slot, given, w.seqlen)
+            let entries = fill_stage(k, s);
+            issue(k, t, slot, entries, w.seqlen)
         });
         k.cp_async_commit();
     }
@@ -1183,7 +1158,8 @@ fn build<H: Half2>(cfg: &DecodeConfig) -> Result<KernelText, PtxError> {
         let more = k.setp(Cmp::Lt, ahead, w.tiles);
         k.if_(more, |k| {
             let ahead_slot = ring_before(k, slot);
-            issue(k, ahead, ahead_slot, None, w.seqlen)
+            let entries = table.as_ref().map(|t| t.stage(k, ahead_slot));
+            issue(k, ahead, ahead_slot, entries, w.seqlen)
         });
         k.cp_async_commit();
 
