@@ -42,7 +42,9 @@ use flashcore::check::{
 };
 use flashcore::host::attention::{Attention, PathChoice, dispatch, path_for_arch};
 use flashcore::host::device::{Device, driver_present};
-use flashcore::kernels::attention::{FWD_HEAD_DIMS, FwdConfig, HalfType, all_fwd_configs};
+use flashcore::kernels::attention::{
+    FWD_HEAD_DIMS, FwdConfig, HalfType, Path, all_fwd_configs, scale_folds,
+};
 use flashcore::kernels::catalog;
 use flashcore::reference::Rng;
 use flashcore::shape::AttnShape;
@@ -53,10 +55,10 @@ const USAGE: &str = "usage:
   flashcore report
   flashcore run [--batch B] [--heads H] [--kv-heads HKV] [--seqlen S | --seqlen-q SQ --seqlen-k SK]
                 [--head-dim D] [--dtype f16|bf16|e4m3] [--causal] [--layout bshd|bhsd] [--iters N]
-                [--block-m 64|128|192] [--split-keys on|off] [--path best|sm80]
+                [--block-m 64|128|192] [--split-keys on|off] [--fold on|off] [--path best|sm80]
                 e4m3 only: [--in-dtype f16|bf16] [--smooth-k] [--hadamard SEED]
   flashcore bench [--json FILE] [--iters N] [--dtype f16,bf16] [--path best|sm80]
-                  [--shapes default|hopper]
+                  [--shapes default|hopper] [--fold on|off]
   flashcore gemm [--m M] [--n N] [--k K] [--dtype bf16|f16|e4m3|all] [--iters N] [--json FILE]
   flashcore decode [--shapes BxSKV,...] [--pages 0,16,64] [--heads 32] [--kv-heads 8]
                    [--head-dim 128] [--seqlen-q 1] [--causal] [--dtype f16|bf16] [--iters N]
@@ -183,9 +185,10 @@ fn info() -> Result<(), Failure> {
                         t.threads
                     )
                 };
+                let scale = 1.0 / (d as f32).sqrt();
                 let target = match (
-                    dispatch(arch, sms, dtype, &big, causal),
-                    dispatch(arch, sms, dtype, &small, causal),
+                    dispatch(arch, sms, dtype, &big, causal, scale),
+                    dispatch(arch, sms, dtype, &small, causal, scale),
                 ) {
                     (Ok(wide), Ok(narrow)) => format!("{} | {}", describe(wide), describe(narrow)),
                     (Err(why), _) | (_, Err(why)) => format!("unsupported: {why}"),
@@ -411,6 +414,7 @@ fn run(args: &[String]) -> Result<(), Failure> {
             "--iters",
             "--block-m",
             "--split-keys",
+            "--fold",
             "--path",
             "--in-dtype",
             "--hadamard",
@@ -419,9 +423,11 @@ fn run(args: &[String]) -> Result<(), Failure> {
     )?;
     let fp8 = o.value("--dtype") == Some("e4m3");
     let options = if fp8 {
-        if o.value("--block-m").is_some() || o.value("--split-keys").is_some() {
+        let forced = ["--block-m", "--split-keys", "--fold"];
+        if forced.iter().any(|f| o.value(f).is_some()) {
             return Err(Failure::Usage(
-                "--block-m and --split-keys choose a 16-bit kernel; the e4m3 path has its own"
+                "--block-m, --split-keys and --fold choose a 16-bit kernel; the e4m3 path has \
+                 its own"
                     .into(),
             ));
         }
@@ -483,19 +489,18 @@ fn run(args: &[String]) -> Result<(), Failure> {
         return run_fp8(&dev, &attn, &stream, case, &options, iters);
     }
     let mut case = case;
-    let split_keys = match o.value("--split-keys") {
-        None => None,
-        Some("on") => Some(true),
-        Some("off") => Some(false),
-        Some(v) => {
-            return Err(Failure::Usage(format!(
-                "--split-keys takes on or off, got `{v}`"
-            )));
-        }
+    let on_off = |flag: &str| match o.value(flag) {
+        None => Ok(None),
+        Some("on") => Ok(Some(true)),
+        Some("off") => Ok(Some(false)),
+        Some(v) => Err(Failure::Usage(format!("{flag} takes on or off, got `{v}`"))),
     };
-    if o.value("--block-m").is_some() || split_keys.is_some() {
-        // Force a query tile or the split-keys kernel (to compare kernels); otherwise the
-        // dispatch chooses. The split-keys kernel has 64-row tiles.
+    let split_keys = on_off("--split-keys")?;
+    let fold = on_off("--fold")?;
+    if o.value("--block-m").is_some() || split_keys.is_some() || fold.is_some() {
+        // Force a query tile, the split-keys kernel or the exponent's form (to compare
+        // kernels); otherwise the dispatch chooses. The split-keys kernel has 64-row
+        // tiles; the scale folds where the default scale allows it, unless `--fold off`.
         let planned = planned_kernel(&attn, &case)?;
         let block_m = match o.value("--block-m") {
             Some(b) => b.parse().map_err(|_| {
@@ -504,9 +509,13 @@ fn run(args: &[String]) -> Result<(), Failure> {
             None if split_keys == Some(true) => 64,
             None => planned.block_m,
         };
+        let split_keys = split_keys.unwrap_or(false);
+        let default_scale = 1.0 / (planned.head_dim as f32).sqrt();
+        let folds = scale_folds(planned.dtype, planned.head_dim, default_scale);
         case.kernel = Some(FwdConfig {
             block_m,
-            split_keys: split_keys.unwrap_or(false),
+            split_keys,
+            fold_scale: planned.path == Path::Sm90 && !split_keys && fold.unwrap_or(folds),
             ..planned
         });
     }
@@ -639,8 +648,20 @@ fn run_fp8(
 
 fn bench(args: &[String]) -> Result<(), Failure> {
     let o = Opts { args };
-    o.check_known(&["--json", "--iters", "--dtype", "--path", "--shapes"], &[])?;
+    o.check_known(
+        &[
+            "--json", "--iters", "--dtype", "--path", "--shapes", "--fold",
+        ],
+        &[],
+    )?;
     let iters = o.num("--iters", 30)?;
+    // `--fold off`: the sm90 kernels with the scale left out of the exponent's FMA (what
+    // the dispatch takes for scales that could overflow), to compare the two forms.
+    let unfolded = match o.value("--fold") {
+        None | Some("on") => false,
+        Some("off") => true,
+        Some(v) => return Err(Failure::Usage(format!("--fold takes on or off, got `{v}`"))),
+    };
     let dtypes = o
         .value("--dtype")
         .unwrap_or("f16")
@@ -656,9 +677,10 @@ fn bench(args: &[String]) -> Result<(), Failure> {
         Some(other) => return Err(Failure::Usage(format!("unknown shapes `{other}`"))),
     };
     let choice = parse_path(o.value("--path"))?;
-    let backend = match choice {
-        PathChoice::Best => "flashcore",
-        PathChoice::Sm80 => "flashcore-sm80",
+    let backend = match (choice, unfolded) {
+        (PathChoice::Best, false) => "flashcore",
+        (PathChoice::Best, true) => "flashcore-unfolded",
+        (PathChoice::Sm80, _) => "flashcore-sm80",
     };
     let dev = open_gpu()?;
     let stream = dev.context().default_stream();
@@ -702,7 +724,15 @@ fn bench(args: &[String]) -> Result<(), Failure> {
         };
         // The float64 check of the largest shapes would take minutes on the CPU: check
         // the same kernel on one batch, one K/V head's group, and at most 1024 rows.
-        let kernel = planned_kernel(&attn, &case)?;
+        let planned = planned_kernel(&attn, &case)?;
+        let kernel = FwdConfig {
+            fold_scale: planned.fold_scale && !unfolded,
+            ..planned
+        };
+        let case = FwdCase {
+            kernel: unfolded.then_some(kernel),
+            ..case
+        };
         let g = h / hkv;
         let checked = FwdCase {
             shape: AttnShape {

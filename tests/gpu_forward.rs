@@ -122,6 +122,7 @@ fn seqlen_grid(dtype: HalfType, d: usize) {
                 causal,
                 block_m,
                 split_keys: false,
+                fold_scale: false,
             };
             cases.extend(all_seqlen_pairs(kernel));
         }
@@ -152,15 +153,20 @@ fn sm90_seqlen_grid(dtype: HalfType, d: usize) {
             if !flashcore::kernels::attention::sm90::has_tile(d as u32, block_m) {
                 continue;
             }
-            let kernel = FwdConfig {
-                path: Path::Sm90,
-                dtype,
-                head_dim: d as u32,
-                causal,
-                block_m,
-                split_keys: false,
-            };
-            cases.extend(all_seqlen_pairs(kernel));
+            // The scale folded into the exponent (what the dispatch takes at the
+            // default scale) and not (what it takes for scales that could overflow).
+            for fold_scale in [true, false] {
+                let kernel = FwdConfig {
+                    path: Path::Sm90,
+                    dtype,
+                    head_dim: d as u32,
+                    causal,
+                    block_m,
+                    split_keys: false,
+                    fold_scale,
+                };
+                cases.extend(all_seqlen_pairs(kernel));
+            }
         }
     }
     run_cases(&cases);
@@ -237,6 +243,7 @@ fn sm90_kernel(c: FwdCase, block_m: u32, split_keys: bool) -> FwdCase {
             causal: c.causal,
             block_m,
             split_keys,
+            fold_scale: !split_keys,
         }),
         ..c
     }
@@ -425,6 +432,7 @@ fn other_head_dims_and_bhsd_layout() {
                         causal,
                         block_m,
                         split_keys: false,
+                        fold_scale: false,
                     };
                     cases.push(FwdCase {
                         kernel: Some(wide),

@@ -123,6 +123,7 @@ fn longest_sequences_are_exact() {
         causal: false,
         block_m: BLOCK_M_WIDE,
         split_keys: false,
+        fold_scale: false,
     };
     // (head dim, Sk, Sq, causal, forced kernel)
     let cases = [
@@ -264,6 +265,25 @@ fn huge_scales_pick_the_top_keys() {
             softmax_scale: Some(scale),
             causal,
         };
+        if attn.device().compute_capability() == (9, 0) {
+            // The sm90 kernel with the scale folded into the exponent would overflow
+            // `max · scale`: forcing it is refused, and nothing is written.
+            let folded = FwdConfig {
+                path: Path::Sm90,
+                dtype: HalfType::F16,
+                head_dim: d as u32,
+                causal,
+                block_m: 64,
+                split_keys: false,
+                fold_scale: true,
+            };
+            match buf.run(&attn, sk, d, &params, Some(&folded)) {
+                Err(Error::InvalidArgument(m)) => println!("scale {scale}, folded: {m}"),
+                other => panic!("scale {scale}: a folded kernel ran: {other:?}"),
+            }
+            let (o, lse) = buf.download();
+            assert!(o.iter().all(|x| x.is_nan()) && lse.iter().all(|x| x.is_nan()));
+        }
         buf.run(&attn, sk, d, &params, None)
             .unwrap_or_else(|e| panic!("scale {scale}: {e}"));
         let (o, lse) = buf.download();

@@ -58,12 +58,12 @@ fn validation_and_dispatch_do_not_allocate() {
     };
     // Warm any lazily built tables first.
     let shape = flashcore::shape::AttnShape::square(2, 8, 512, 64);
-    let cfg = dispatch((9, 0), 132, HalfType::F16, &shape, true).unwrap();
+    let cfg = dispatch((9, 0), 132, HalfType::F16, &shape, true, 0.125).unwrap();
     let _ = cfg.id_static();
     let n = allocations_in(|| {
         for _ in 0..100 {
             let p = validate_fwd(&q, &k, &v, &o, Some(&lse), &params).unwrap();
-            let cfg = dispatch((9, 0), 132, p.dtype, &p.shape, p.causal).unwrap();
+            let cfg = dispatch((9, 0), 132, p.dtype, &p.shape, p.causal, p.scale).unwrap();
             std::hint::black_box(cfg.id_static());
             std::hint::black_box(cfg.tiling());
         }

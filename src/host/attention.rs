@@ -13,7 +13,8 @@ use super::tensor::{AttentionParams, LseView, TensorView};
 use super::validate::{FwdProblem, validate_fwd};
 use crate::error::{Error, Result};
 use crate::kernels::attention::{
-    BLOCK_M_NARROW, BLOCK_M_WIDE, FWD_HEAD_DIMS, FwdArgs, FwdConfig, HalfType, Path, Tiling, sm90,
+    BLOCK_M_NARROW, BLOCK_M_WIDE, FWD_HEAD_DIMS, FwdArgs, FwdConfig, HalfType, Path, Tiling,
+    scale_folds, sm90,
 };
 use crate::shape::AttnShape;
 use crate::tma::{TensorMap, TiledMap, TmaType};
@@ -39,26 +40,30 @@ pub enum PathChoice {
     Sm80,
 }
 
-/// The kernel configuration a problem dispatches to on a GPU of architecture `arch` with
-/// `sm_count` SMs: the sm90 path on Hopper for head dims 64, 128 and 256, the sm80 path
-/// otherwise ([`dispatch_sm80`]).
+/// The kernel configuration a problem with softmax scale `scale` dispatches to on a GPU
+/// of architecture `arch` with `sm_count` SMs: the sm90 path on Hopper for head dims 64,
+/// 128 and 256 (the scale folded into the exponent where that is safe, see
+/// [`scale_folds`]), the sm80 path otherwise ([`dispatch_sm80`]).
 pub fn dispatch(
     arch: (i32, i32),
     sm_count: u32,
     dtype: HalfType,
     shape: &AttnShape,
     causal: bool,
+    scale: f32,
 ) -> Result<FwdConfig, String> {
     let path = path_for_arch(arch)?;
     let block_m = sm90_block_m(shape, sm_count, causal);
     if path == Path::Sm90 && sm90_has_kernel(shape, block_m) {
+        let split_keys = sm90_split_keys(shape, block_m);
         return Ok(FwdConfig {
             path,
             dtype,
             head_dim: shape.head_dim as u32,
             causal,
             block_m,
-            split_keys: sm90_split_keys(shape, block_m),
+            split_keys,
+            fold_scale: !split_keys && scale_folds(dtype, shape.head_dim as u32, scale),
         });
     }
     dispatch_sm80(arch, sm_count, dtype, shape, causal)
@@ -155,6 +160,7 @@ pub fn dispatch_sm80(
         causal,
         block_m,
         split_keys: false,
+        fold_scale: false,
     })
 }
 
@@ -251,12 +257,19 @@ impl Attention {
     pub fn plan(&self, problem: &FwdProblem) -> Result<FwdConfig> {
         let arch = self.device.compute_capability();
         let sms = self.device.sm_count();
-        let pick = match self.choice {
-            PathChoice::Best => dispatch,
-            PathChoice::Sm80 => dispatch_sm80,
-        };
         let shape = dispatch_shape(problem);
-        pick(arch, sms, problem.dtype, &shape, problem.causal).map_err(|why| {
+        let planned = match self.choice {
+            PathChoice::Best => dispatch(
+                arch,
+                sms,
+                problem.dtype,
+                &shape,
+                problem.causal,
+                problem.scale,
+            ),
+            PathChoice::Sm80 => dispatch_sm80(arch, sms, problem.dtype, &shape, problem.causal),
+        };
+        planned.map_err(|why| {
             let (major, minor) = arch;
             Error::UnsupportedGpu {
                 name: format!("{} ({why})", self.device.name()),
@@ -394,11 +407,17 @@ impl Attention {
         let same =
             (cfg.dtype, cfg.head_dim, cfg.causal) == (planned.dtype, head_dim, planned.causal);
         let runs = match cfg.path {
-            Path::Sm80 => [BLOCK_M_WIDE, BLOCK_M_NARROW].contains(&cfg.block_m) && !cfg.split_keys,
+            Path::Sm80 => {
+                [BLOCK_M_WIDE, BLOCK_M_NARROW].contains(&cfg.block_m)
+                    && !cfg.split_keys
+                    && !cfg.fold_scale
+            }
             Path::Sm90 => {
                 path_for_arch(arch) == Ok(Path::Sm90)
                     && sm90_has_kernel(&problem.shape, cfg.block_m)
                     && (!cfg.split_keys || sm90::has_split(head_dim, cfg.block_m))
+                    && (!cfg.fold_scale
+                        || (!cfg.split_keys && scale_folds(cfg.dtype, head_dim, problem.scale)))
             }
         };
         if !same || !runs {
@@ -758,7 +777,7 @@ mod tests {
     fn gpus_below_sm80_get_no_path() {
         assert!(path_for_arch((7, 5)).is_err());
         let shape = AttnShape::square(1, 8, 512, 64);
-        assert!(dispatch((7, 0), 40, HalfType::F16, &shape, false).is_err());
+        assert!(dispatch((7, 0), 40, HalfType::F16, &shape, false, 0.125).is_err());
         assert!(dispatch_sm80((7, 0), 40, HalfType::F16, &shape, false).is_err());
         for arch in [(8, 0), (8, 6), (8, 9), (10, 0), (12, 0)] {
             assert_eq!(path_for_arch(arch), Ok(Path::Sm80), "{arch:?}");
@@ -771,7 +790,7 @@ mod tests {
     fn hopper_takes_the_sm90_path_where_it_has_kernels() {
         for d in [32, 64, 96, 128, 192, 256] {
             let shape = AttnShape::square(2, 16, 4096, d);
-            let cfg = dispatch((9, 0), 132, HalfType::Bf16, &shape, true).unwrap();
+            let cfg = dispatch((9, 0), 132, HalfType::Bf16, &shape, true, 0.125).unwrap();
             let want = if sm90::HEAD_DIMS.contains(&(d as u32)) {
                 Path::Sm90
             } else {
@@ -785,7 +804,7 @@ mod tests {
                 "d{d}: the sm80 path stays selectable"
             );
             assert_eq!(
-                dispatch((8, 9), 58, HalfType::Bf16, &shape, true)
+                dispatch((8, 9), 58, HalfType::Bf16, &shape, true, 0.125)
                     .unwrap()
                     .path,
                 Path::Sm80
@@ -793,14 +812,44 @@ mod tests {
         }
     }
 
+    /// The sm90 kernels fold the scale into the exponent wherever `s·scale·log2 e` cannot
+    /// overflow: every usual scale, f16 up to ~1e26, never bf16 beyond `ln 2`; the
+    /// split-keys kernels and the sm80 path never.
+    #[test]
+    fn the_scale_folds_where_it_cannot_overflow() {
+        let shape = AttnShape::square(4, 32, 4096, 128);
+        let fold = |dtype, scale| {
+            let cfg = dispatch((9, 0), 132, dtype, &shape, false, scale).unwrap();
+            assert_eq!(cfg.path, Path::Sm90);
+            cfg.fold_scale
+        };
+        for dtype in [HalfType::F16, HalfType::Bf16] {
+            assert!(fold(dtype, 1.0 / 128f32.sqrt()));
+            assert!(fold(dtype, 0.69));
+            assert!(!fold(dtype, 1e30));
+        }
+        assert!(fold(HalfType::F16, 1.0) && fold(HalfType::F16, 1e20));
+        assert!(!fold(HalfType::Bf16, 0.7) && !fold(HalfType::Bf16, 1.0));
+        // 2·128·65504²·c must stay below f32::MAX.
+        let edge = f32::MAX as f64 / (2.0 * 128.0 * 65504f64 * 65504f64) / std::f64::consts::LOG2_E;
+        assert!(fold(HalfType::F16, (edge * 0.999) as f32));
+        assert!(!fold(HalfType::F16, (edge * 1.001) as f32));
+        // A split-keys pick (64-row tiles, D64, 2048 keys) and the sm80 path stay unfolded.
+        let split = AttnShape::square(1, 2, 2048, 64);
+        let cfg = dispatch((9, 0), 132, HalfType::F16, &split, false, 0.125).unwrap();
+        assert!(cfg.split_keys && !cfg.fold_scale);
+        let cfg = dispatch((8, 9), 58, HalfType::F16, &shape, false, 0.125).unwrap();
+        assert!(cfg.path == Path::Sm80 && !cfg.fold_scale);
+    }
+
     #[test]
     fn work_items_beyond_31_bits_take_the_sm80_path() {
         // 256 query tiles x 65535 heads x 65535 batches.
         let shape = AttnShape::square(65535, 65535, 256 * 128, 128);
-        let cfg = dispatch((9, 0), 132, HalfType::F16, &shape, false).unwrap();
+        let cfg = dispatch((9, 0), 132, HalfType::F16, &shape, false, 0.125).unwrap();
         assert_eq!(cfg.path, Path::Sm80);
         let small = AttnShape::square(4, 16, 4096, 128);
-        let cfg = dispatch((9, 0), 132, HalfType::F16, &small, false).unwrap();
+        let cfg = dispatch((9, 0), 132, HalfType::F16, &small, false, 0.125).unwrap();
         assert_eq!(cfg.path, Path::Sm90);
     }
 
@@ -816,8 +865,10 @@ mod tests {
                         [1, 1024, 4096, 8192].map(|s| AttnShape::square(b, h, s, d))
                     });
                     for shape in shapes {
+                        // A usual scale folds; 1e30 folds for neither dtype.
                         let picks = [
-                            dispatch((9, 0), 132, dtype, &shape, causal),
+                            dispatch((9, 0), 132, dtype, &shape, causal, 0.125),
+                            dispatch((9, 0), 132, dtype, &shape, causal, 1e30),
                             dispatch_sm80((9, 0), 132, dtype, &shape, causal),
                         ];
                         for pick in picks {
@@ -863,7 +914,7 @@ mod tests {
     fn sm90_takes_narrow_tiles_while_they_fit_one_wave() {
         let pick = |b, h, s, d| {
             let shape = AttnShape::square(b, h, s, d);
-            let cfg = dispatch((9, 0), 132, HalfType::Bf16, &shape, false).unwrap();
+            let cfg = dispatch((9, 0), 132, HalfType::Bf16, &shape, false, 0.125).unwrap();
             assert_eq!(cfg.path, Path::Sm90);
             assert_eq!(cfg.tiling().block_m, cfg.block_m);
             assert_eq!(cfg.tiling().threads, 128 + 2 * cfg.block_m);
@@ -906,7 +957,7 @@ mod tests {
         };
         let pick = |p: &FwdProblem| {
             let shape = dispatch_shape(p);
-            dispatch((9, 0), 132, p.dtype, &shape, p.causal)
+            dispatch((9, 0), 132, p.dtype, &shape, p.causal, 0.125)
                 .unwrap()
                 .block_m
         };
@@ -933,7 +984,7 @@ mod tests {
             heads_kv: h,
             head_dim: d,
         };
-        let cfg = dispatch((9, 0), 132, HalfType::F16, &shape, causal).unwrap();
+        let cfg = dispatch((9, 0), 132, HalfType::F16, &shape, causal, 0.125).unwrap();
         assert_eq!(cfg.path, Path::Sm90);
         let t = cfg.tiling();
         assert_eq!(t.block_m, cfg.block_m);
@@ -986,7 +1037,7 @@ mod tests {
     fn sm90_causal_grids_take_items_from_a_counter_beyond_one_wave() {
         let schedule = |b, h, s, causal| {
             let shape = AttnShape::square(b, h, s, 128);
-            let cfg = dispatch((9, 0), 132, HalfType::F16, &shape, causal).unwrap();
+            let cfg = dispatch((9, 0), 132, HalfType::F16, &shape, causal, 0.125).unwrap();
             assert_eq!(cfg.path, Path::Sm90);
             let sched = sm90_schedule(&shape, cfg.tiling().block_m, causal, 132);
             (sched.blocks, sched.counter, sched.tail_heads)

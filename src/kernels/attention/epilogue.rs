@@ -34,6 +34,9 @@ pub struct OutputBlock {
 pub enum LseForm {
     /// Maxima of the raw scores: `LSE = m·scale + ln l`.
     Raw,
+    /// Maxima in log2 units of the scaled scores (`m = max(s)·scale·log2 e`: the sm90
+    /// kernels with the scale folded into the exponent): `LSE = ln2·(m + log2 l)`.
+    Folded,
     /// Maxima in log2 units of the scaled scores, probabilities scaled by `2^offset`
     /// (the FP8 kernels): `LSE = ln2·(m + log2 l − offset)`, plus `scale · shift[row]`
     /// when `shift` (the address of an f32 array indexed like the dense LSE) is not 0.
@@ -370,6 +373,10 @@ impl Destination {
             LseForm::Raw => {
                 let log_sum = k.mul(log_sum, std::f32::consts::LN_2);
                 k.mad(softmax.max[slab][half], self.scale, log_sum)
+            }
+            LseForm::Folded => {
+                let t = k.add(softmax.max[slab][half], log_sum);
+                k.mul(t, std::f32::consts::LN_2)
             }
             LseForm::Log2 {
                 offset: shift_log2,

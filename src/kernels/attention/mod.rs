@@ -69,6 +69,28 @@ pub struct FwdConfig {
     /// too small to fill the GPU, where a block's chain of key tiles sets the time; see
     /// [`sm90::has_split`]).
     pub split_keys: bool,
+    /// sm90 path without split keys: the scale folded into the softmax's exponent, one
+    /// FMA per score (`exp2(s·c − m')`, `c = scale·log2 e`, the running maximum kept in
+    /// log2 units, `m' = max(s)·c`) where the unfolded form takes two (`exp2((s − m)·c)`).
+    /// Only where `s·c` stays finite for every score the dtype can give
+    /// ([`scale_folds`]); the dispatch takes the unfolded kernel otherwise.
+    pub fold_scale: bool,
+}
+
+/// Whether the folded exponent ([`FwdConfig::fold_scale`]) is as safe as the unfolded
+/// one for `dtype` scores of `head_dim` products at softmax scale `scale`: whether `s·c`
+/// (`c = scale·log2 e`) is finite for every finite score `s`. Always where `c ≤ 1` (every
+/// usual scale: `1/√d` is at most 0.18); beyond, only for f16, whose scores are at most
+/// `head_dim · 65504²` (doubled here for the f32 sums' rounding). A bf16 score may be
+/// any finite f32, so a scale of 1 (`c` = 1.44) keeps bf16 unfolded; the unfolded
+/// `(s − m)·c` is finite for every finite score and positive scale.
+pub fn scale_folds(dtype: HalfType, head_dim: u32, scale: f32) -> bool {
+    let c = scale as f64 * std::f64::consts::LOG2_E;
+    let largest_score = match dtype {
+        HalfType::F16 => 2.0 * head_dim as f64 * 65504f64 * 65504f64,
+        HalfType::Bf16 => f64::INFINITY,
+    };
+    scale > 0.0 && (c <= 1.0 || c * largest_score <= f32::MAX as f64)
 }
 
 /// The default query tile: more work per K/V tile loaded.
@@ -78,15 +100,16 @@ pub const BLOCK_M_NARROW: u32 = 64;
 
 impl FwdConfig {
     /// The kernel id: also the PTX entry name, e.g. `attn_fwd_sm80_f16_d128_m128_causal`,
-    /// `attn_fwd_sm90a_bf16_d64_m64_splitkv`.
+    /// `attn_fwd_sm90a_bf16_d64_m64_splitkv`, `attn_fwd_sm90a_f16_d128_m128_fold_causal`.
     pub fn id(&self) -> String {
         format!(
-            "attn_fwd_{}_{}_d{}_m{}{}{}",
+            "attn_fwd_{}_{}_d{}_m{}{}{}{}",
             self.path.name(),
             self.dtype.name(),
             self.head_dim,
             self.block_m,
             if self.split_keys { "_splitkv" } else { "" },
+            if self.fold_scale { "_fold" } else { "" },
             if self.causal { "_causal" } else { "" }
         )
     }
@@ -150,6 +173,7 @@ pub fn all_fwd_configs() -> Vec<FwdConfig> {
                         causal,
                         block_m,
                         split_keys: false,
+                        fold_scale: false,
                     });
                 }
             }
@@ -165,7 +189,10 @@ pub fn all_fwd_configs() -> Vec<FwdConfig> {
                         } else {
                             sm90::has_tile(head_dim, block_m)
                         };
-                        if tile {
+                        // Split keys: unfolded only (the two warpgroups' hand-over merges
+                        // raw maxima).
+                        let folds: &[bool] = if split_keys { &[false] } else { &[true, false] };
+                        for &fold_scale in folds.iter().filter(|_| tile) {
                             v.push(FwdConfig {
                                 path: Path::Sm90,
                                 dtype,
@@ -173,6 +200,7 @@ pub fn all_fwd_configs() -> Vec<FwdConfig> {
                                 causal,
                                 block_m,
                                 split_keys,
+                                fold_scale,
                             });
                         }
                     }

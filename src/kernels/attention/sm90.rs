@@ -276,6 +276,11 @@ pub(crate) fn generate(cfg: &FwdConfig) -> Result<Module, PtxError> {
             if s.split_keys { " and split keys" } else { "" }
         )));
     }
+    if s.split_keys && cfg.fold_scale {
+        return Err(PtxError::BadOperand(
+            "the split-keys kernels merge raw maxima: no folded scale".into(),
+        ));
+    }
     let kernel = match (cfg.dtype, s.head_dim, s.block_n) {
         (HalfType::F16, 64, 128) => build::<F16x2, N128, N64>(cfg),
         (HalfType::Bf16, 64, 128) => build::<Bf16x2, N128, N64>(cfg),
@@ -310,6 +315,8 @@ pub(super) struct Block {
 struct Fwd {
     s: Shape,
     causal: bool,
+    /// The scale folded into the exponent ([`FwdConfig::fold_scale`]).
+    fold_scale: bool,
     args: crate::ptx::ParamBytes,
     /// Q, K, V and O.
     maps: [TmaDesc; 4],
@@ -340,6 +347,7 @@ where
     let f = Fwd {
         s,
         causal: cfg.causal,
+        fold_scale: cfg.fold_scale,
         args,
         maps,
         smem,
@@ -898,7 +906,12 @@ where
         } else {
             by_tma
         };
-        let (rows, form) = (&c.roles.rows, LseForm::Raw);
+        let form = if f.fold_scale {
+            LseForm::Folded
+        } else {
+            LseForm::Raw
+        };
+        let rows = &c.roles.rows;
         let stage = (&stage, by_tma);
         let epilogue = |k: &mut Kernel| {
             store_output_staged::<H>(k, f.args, rows, &o.tiles(), &c.softmax, at, form, stage)
@@ -943,8 +956,7 @@ impl<H: Half2 + WgmmaInput> Consumer<'_, H> {
         let s = k.wgmma_retire(s);
         self.release_kv(k, kr);
         self.mask(k, &s, last);
-        self.softmax
-            .update(k, &[s.tiles()], self.scale_log2, &[self.factors]);
+        self.exponentiate(k, &s);
         pack_probs_into(k, &s.tiles(), &self.p);
 
         k.comment("Tiles that cross the sequence end or the diagonal, last to first.");
@@ -1007,13 +1019,25 @@ impl<H: Half2 + WgmmaInput> Consumer<'_, H> {
         if masked {
             self.mask(k, &s, n);
         }
-        self.softmax
-            .update(k, &[s.tiles()], self.scale_log2, &[self.factors]);
+        self.exponentiate(k, &s);
         k.wgmma_wait(0);
         let o = k.wgmma_retire(pv);
         self.release_kv(k, vr);
         pack_probs_into(k, &s.tiles(), &self.p);
         o
+    }
+
+    /// The online softmax's step on tile `s`: the running maxima raised, the pending
+    /// rescale of O in `factors`, the scores turned into unnormalised probabilities,
+    /// with the scale folded into the exponent or not ([`FwdConfig::fold_scale`]).
+    fn exponentiate<NS: WgmmaN>(&self, k: &mut Kernel, s: &Acc<NS>) {
+        let (tiles, factors) = ([s.tiles()], [self.factors]);
+        if self.f.fold_scale {
+            self.softmax
+                .update_scaled(k, &tiles, self.scale_log2, 0.0, &factors);
+        } else {
+            self.softmax.update(k, &tiles, self.scale_log2, &factors);
+        }
     }
 
     /// `S = Q Kᵀ` on the K ring's current stage (d/16 k-steps, SS).
@@ -1276,6 +1300,7 @@ mod tests {
             causal,
             block_m: BLOCK_M,
             split_keys: false,
+            fold_scale: true,
         }
     }
 
@@ -1399,6 +1424,43 @@ mod tests {
         }
     }
 
+    /// The folded kernels compute each score's exponent as one FMA where the unfolded
+    /// take a subtraction and a multiplication; nothing else in the key loop changes.
+    #[test]
+    fn folded_exponent_is_one_fma_per_score() {
+        let count = |ptx: &str, op: &str| {
+            ptx.lines()
+                .filter(|l| l.trim_start().starts_with(op))
+                .count()
+        };
+        for (d, block_m) in [(64, 192), (64, 64), (128, 128), (256, 128)] {
+            for causal in [false, true] {
+                let folded = FwdConfig {
+                    block_m,
+                    ..config(d, HalfType::Bf16, causal)
+                };
+                let unfolded = FwdConfig {
+                    fold_scale: false,
+                    ..folded
+                };
+                let [f, u] = [folded, unfolded].map(|c| generate(&c).unwrap().to_ptx());
+                assert_eq!(count(&f, "ex2.approx"), count(&u, "ex2.approx"));
+                let fmas = count(&f, "fma.rn.f32") - count(&u, "fma.rn.f32");
+                // At least a thread's scores (64 rows of `block_n` over 128 threads) of
+                // two tiles: the first, and the loop's.
+                let scores = Shape::of(&folded).block_n as usize / 2;
+                assert!(fmas >= 2 * scores, "{}: {fmas}", folded.id());
+                // The same number fewer subtractions and multiplications, give or take
+                // the few per row that raise the maxima and form the LSE.
+                let fewer = |op| count(&u, op) as i64 - count(&f, op) as i64;
+                for op in ["sub.f32", "mul.rn.f32"] {
+                    assert!((fewer(op) - fmas as i64).abs() <= 8, "{op}: {}", fewer(op));
+                }
+                assert!(folded.id().contains("_fold") && !unfolded.id().contains("_fold"));
+            }
+        }
+    }
+
     #[test]
     fn split_keys_share_one_query_tile_between_two_consumers() {
         assert!(has_split(64, 64));
@@ -1407,8 +1469,17 @@ mod tests {
             let cfg = FwdConfig {
                 block_m: 64,
                 split_keys: true,
+                fold_scale: false,
                 ..config(64, HalfType::F16, causal)
             };
+            // The hand-over merges raw maxima: no folded split-keys kernel.
+            assert!(
+                generate(&FwdConfig {
+                    fold_scale: true,
+                    ..cfg
+                })
+                .is_err()
+            );
             let s = Shape::of(&cfg);
             assert_eq!((s.consumers(), s.kv_consumers(), s.stages()), (2, 1, 4));
             assert_eq!(s.q_layout().rows, 64);
@@ -1447,6 +1518,7 @@ mod tests {
         let missing = FwdConfig {
             block_m: 64,
             split_keys: true,
+            fold_scale: false,
             ..config(128, HalfType::F16, false)
         };
         assert!(generate(&missing).is_err());

@@ -10,6 +10,11 @@
 //! probability into 0. A row that has only seen masked keys keeps `m = −∞`; 0 stands in
 //! for it so that `exp2` gives 0 rather than NaN.
 //!
+//! The sm90 kernels fold the scale in where no score can overflow that way
+//! ([`FwdConfig::fold_scale`](super::FwdConfig::fold_scale), [`super::scale_folds`]):
+//! they keep `m` in log2 units ([`OnlineSoftmax::update_scaled`] with `dc = c`) and each
+//! score's exponent is one FMA, `s·c − m`, instead of a subtraction and a multiplication.
+//!
 //! The FP8 kernels ([`OnlineSoftmax::step_e4m3`]) keep `m` in log2 units instead: each
 //! key tile has its own dequantisation factor (its K scale block's), so raw scores of
 //! different tiles are not comparable, while `s·dc` (the score's true value times
