@@ -189,10 +189,13 @@ pub fn all_fwd_configs() -> Vec<FwdConfig> {
                         } else {
                             sm90::has_tile(head_dim, block_m)
                         };
+                        if !tile {
+                            continue;
+                        }
                         // Split keys: unfolded only (the two warpgroups' hand-over merges
                         // raw maxima).
                         let folds: &[bool] = if split_keys { &[false] } else { &[true, false] };
-                        for &fold_scale in folds.iter().filter(|_| tile) {
+                        for &fold_scale in folds {
                             v.push(FwdConfig {
                                 path: Path::Sm90,
                                 dtype,
