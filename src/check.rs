@@ -523,10 +523,16 @@ impl CheckResult {
 /// The kernel configuration the dispatch picks for `case` on `attn`'s device (with its
 /// path choice).
 pub fn planned_kernel(attn: &Attention, case: &FwdCase) -> Result<FwdConfig> {
+    // The checks and benchmarks run with the default scale, which the dispatch weighs
+    // (whether the sm90 kernels fold it into the exponent).
+    let params = AttentionParams {
+        softmax_scale: None,
+        causal: case.causal,
+    };
     let problem = crate::host::validate::FwdProblem {
         shape: case.shape,
         dtype: case.dtype,
-        scale: 1.0,
+        scale: params.scale_for(case.shape.head_dim),
         causal: case.causal,
         packed: None,
     };
