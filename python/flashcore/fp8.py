@@ -22,7 +22,7 @@ import torch
 
 from . import _capi
 from .ops import _aligned, _bshd_sizes_strides, _context, _current_stream, _describe, _empty_outputs
-from .ops import _plain_eager, check_arguments, kernel_ready
+from .ops import _plain_eager, check_arguments, kernel_ready, softmax_scale
 
 # The head dims the FP8 kernels take (HEAD_DIMS in src/kernels/attention/fp8.rs).
 FP8_HEAD_DIMS = (64, 128, 256)
@@ -286,9 +286,7 @@ def forward_fp8(ops, *, causal=False, scale=None, return_lse=False, layout="bhsd
     if scale is None:
         scale = 0.0
     else:
-        scale = float(scale)
-        if not (math.isfinite(scale) and scale > 0.0):
-            raise ValueError(f"{fn}: scale must be finite and positive, got {scale}")
+        scale = softmax_scale(fn, scale)
     b, sq, hq, _, _, dim = ops.shape
     device = ops.workspace.device
     o = torch.empty((b, sq, hq, dim) if layout == "bshd" else (b, hq, sq, dim), dtype=out_dtype, device=device)

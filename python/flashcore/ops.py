@@ -10,6 +10,7 @@ context (the one PyTorch uses).
 """
 
 import math
+import struct
 import threading
 
 import torch
@@ -218,9 +219,20 @@ def check_arguments(fn, q, k, v, layout, scale):
         )
     if scale is None:
         return 0.0  # flashcore's default, 1/sqrt(D), computed as the Rust API does
+    return softmax_scale(fn, scale)
+
+
+def softmax_scale(fn, scale):
+    """`scale` as the float32 the C ABI takes: finite and positive there too. A Python
+    float below float32's smallest subnormal would round to 0, which the C ABI reads as
+    "the default 1/sqrt(D)"; one above its largest would become inf."""
     scale = float(scale)
-    if not (math.isfinite(scale) and scale > 0.0):
-        raise ValueError(f"{fn}: scale must be finite and positive, got {scale}")
+    as_f32 = struct.unpack("f", struct.pack("f", scale))[0] if math.isfinite(scale) else scale
+    if not (math.isfinite(as_f32) and as_f32 > 0.0):
+        raise ValueError(
+            f"{fn}: scale must be finite and positive as a float32 "
+            f"(about 1.4e-45 to 3.4e38), got {scale}"
+        )
     return scale
 
 

@@ -45,7 +45,7 @@ import torch
 
 from . import _capi
 from .ops import _ALIGN, _DTYPE_CODES, LAYOUTS, _aligned, _bshd_sizes_strides, _context, _current_stream
-from .ops import _dispatch_mode_active, kernel_ready
+from .ops import _dispatch_mode_active, kernel_ready, softmax_scale
 
 _Tensor = torch.Tensor
 
@@ -151,10 +151,7 @@ def _check_no_grad(fn, tensors):
 def _scale_arg(fn, scale):
     if scale is None:
         return 0.0  # flashcore's default, 1/sqrt(D)
-    scale = float(scale)
-    if not (math.isfinite(scale) and scale > 0.0):
-        raise ValueError(f"flashcore.{fn}: scale must be finite and positive, got {scale}")
-    return scale
+    return softmax_scale(f"flashcore.{fn}", scale)
 
 
 def _check_metadata(fn, batch, k_cache, v_cache, seqlens, block_table):

@@ -116,7 +116,9 @@ def test_misuse_is_refused_before_the_library():
     q = meta(1, 4, 64, 64)
     with pytest.raises(ValueError, match="layout"):
         flashcore.attention(q, q, q, layout="bsdh")
-    for s in (0.0, -1.0, math.nan, math.inf):
+    # 1e-46 and 1e39 are finite Python floats that float32 turns into 0 (which the C ABI
+    # reads as "the default scale") and inf.
+    for s in (0.0, -1.0, math.nan, math.inf, 1e-46, 1e39):
         with pytest.raises(ValueError, match="scale"):
             flashcore.attention(q, q, q, scale=s)
     with pytest.raises(ValueError, match="4-d"):
@@ -340,7 +342,7 @@ def test_serving_misuse_is_refused_before_the_library():
         flashcore.decode(meta(2, 8, 64), k, k, lens)
     with pytest.raises(TypeError):
         flashcore.decode(q, k, None, lens)
-    for s in (0.0, -1.0, math.nan, math.inf):
+    for s in (0.0, -1.0, math.nan, math.inf, 1e-46, 1e39):
         with pytest.raises(ValueError, match="scale"):
             flashcore.decode(q, k, k, lens, scale=s)
     cpu = torch.zeros(2, 1, 8, 64, dtype=torch.float16)

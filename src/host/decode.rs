@@ -23,7 +23,7 @@ use super::module::{Carveout, LoadedKernel};
 use super::tensor::{AttentionParams, DType, LseView, TensorView};
 use super::validate::{
     LSE_ALIGN, MAX_GRID_YZ, TENSOR_ALIGN, byte_range_of, check_no_self_overlap, check_not_empty,
-    check_pointer, check_scale, check_strides, lse_byte_range, overlaps,
+    check_pointer, check_scale, check_strides, lse_byte_range, overlaps, views_disjoint,
 };
 use crate::error::{Error, Result};
 use crate::kernels::attention::HalfType;
@@ -92,6 +92,46 @@ pub struct MergeParts {
 
 fn dtype_text(t: DType) -> &'static str {
     t.name()
+}
+
+/// The append kernels' 32-bit element counter steps by the grid's threads: the largest
+/// count of 16-byte chunks one append may move leaves room for the last step (at most
+/// [`APPEND_MAX_BLOCKS`] blocks) and for the e4m3 kernel's rounding up to whole warps,
+/// below 2^31.
+const MAX_APPEND_CHUNKS: usize = (1 << 31) - 1 - 32 - APPEND_MAX_BLOCKS * APPEND_THREADS as usize;
+
+/// The most blocks an append launches (it takes 8 per SM, fewer for small appends).
+const APPEND_MAX_BLOCKS: usize = 1 << 12;
+
+/// What an append writes (the cache's K and V, and an e4m3 cache's scales) must be
+/// memory of its own: each element once (no zero or aliasing strides), K apart from V,
+/// and apart from the lengths and the block table it reads meanwhile.
+fn check_append_targets(cache: &KvCache, ranges: &[(&'static str, (u64, u64))]) -> Result<()> {
+    for (name, t) in [("k_cache", &cache.k), ("v_cache", &cache.v)] {
+        check_no_self_overlap(name, t)?;
+    }
+    if !views_disjoint(&cache.k, &cache.v) {
+        return Err(Error::InvalidArgument(
+            "an append writes k_cache and v_cache, whose elements overlap".into(),
+        ));
+    }
+    let written = ["k_cache", "v_cache", "k_scale", "v_scale"];
+    for (i, &(name, r)) in ranges.iter().enumerate() {
+        for &(other, o) in &ranges[i + 1..] {
+            // K against V: checked element by element above (they may interleave).
+            let codes = ["k_cache", "v_cache"];
+            if codes.contains(&name) && codes.contains(&other) {
+                continue;
+            }
+            let either_written = written.contains(&name) || written.contains(&other);
+            if either_written && overlaps(r, o) {
+                return Err(Error::InvalidArgument(format!(
+                    "an append writes the cache's {name}, whose memory overlaps its {other}"
+                )));
+            }
+        }
+    }
+    Ok(())
 }
 
 /// Checks a decode call; see [`Attention::decode`] for the rules.
@@ -177,6 +217,11 @@ pub fn decode_problem(
         return Err(Error::InvalidArgument(format!(
             "decode takes 1 to {MAX_QUERIES} query tokens per sequence, got {seqlen_q} \
              (use the forward for prefill)"
+        )));
+    }
+    if heads_q > MAX_GRID_YZ {
+        return Err(Error::InvalidArgument(format!(
+            "query heads {heads_q} exceed the grid limit {MAX_GRID_YZ}"
         )));
     }
     let problem = DecodeProblem {
@@ -351,19 +396,19 @@ pub fn validate_append(
     let total = batch
         .checked_mul(new_tokens)
         .and_then(|n| n.checked_mul(heads_kv * head_dim / 8));
-    // Below 2^31 with room for the e4m3 kernel to round up to whole warps.
-    if total.is_none_or(|t| t >= (1 << 31) - 32) || new_tokens > shape.capacity {
+    if total.is_none_or(|t| t > MAX_APPEND_CHUNKS) || new_tokens > shape.capacity {
         return Err(Error::InvalidArgument(format!(
             "{new_tokens} new tokens of {batch} sequences are too many for one append \
              (capacity {})",
             shape.capacity
         )));
     }
+    let cache_ranges = cache.byte_ranges(batch);
     for (name, t) in [("k_new", k_new), ("v_new", v_new)] {
         check_pointer(name, t.ptr, TENSOR_ALIGN)?;
         check_strides(name, t)?;
         let r = byte_range_of(name, t)?;
-        for (other, o) in cache.byte_ranges(batch) {
+        for &(other, o) in &cache_ranges {
             if overlaps(r, o) {
                 return Err(Error::InvalidArgument(format!(
                     "{name} overlaps the cache's {other}"
@@ -371,6 +416,7 @@ pub fn validate_append(
             }
         }
     }
+    check_append_targets(cache, &cache_ranges)?;
     Ok(AppendProblem {
         cache: shape,
         new_tokens,
@@ -789,7 +835,8 @@ impl Attention {
         };
         let blocks = total
             .div_ceil(APPEND_THREADS as usize)
-            .min(self.device().sm_count() as usize * 8);
+            .min(self.device().sm_count() as usize * 8)
+            .min(APPEND_MAX_BLOCKS);
         let dims = LaunchDims {
             grid: (blocks as u32, 1, 1),
             block: (APPEND_THREADS, 1, 1),
@@ -1376,6 +1423,165 @@ mod tests {
         let overlapping = TensorView { ptr: GB, ..new };
         assert!(matches!(
             validate_append(&c, &overlapping, &vnew),
+            Err(Error::InvalidArgument(_))
+        ));
+    }
+
+    /// An append writes the cache: what it writes must not alias itself, the other half
+    /// of the cache, or the metadata it reads; K and V interleaved in one tensor (their
+    /// elements apart) stay accepted.
+    #[test]
+    fn appends_refuse_caches_that_alias() {
+        let new = TensorView::bshd(4 * GB, DType::F16, 2, 3, 2, 64);
+        let vnew = TensorView { ptr: 5 * GB, ..new };
+        let ok = cache(2, 64, 2, 64, None);
+        assert!(validate_append(&ok, &new, &vnew).is_ok());
+        let refused = |c: &KvCache| {
+            assert!(
+                matches!(
+                    validate_append(c, &new, &vnew),
+                    Err(Error::InvalidArgument(_) | Error::BadStrides { .. })
+                ),
+                "{c:?}"
+            );
+        };
+        // V on K.
+        refused(&KvCache { v: ok.k, ..ok });
+        // Every position of a sequence at one address.
+        let mut flat = ok;
+        flat.k.strides[1] = 0;
+        refused(&flat);
+        // The lengths inside K.
+        refused(&KvCache {
+            seqlens: GB + 128,
+            ..ok
+        });
+        // The block table inside V's pool.
+        let paged = cache(2, 64, 2, 64, Some(16));
+        let CacheLayout::Paged {
+            max_pages,
+            table_stride,
+            ..
+        } = paged.layout
+        else {
+            unreachable!()
+        };
+        refused(&KvCache {
+            layout: CacheLayout::Paged {
+                block_table: 2 * GB + 256,
+                max_pages,
+                table_stride,
+            },
+            ..paged
+        });
+        // Decode only reads: the same caches are fine there.
+        let q1 = q(2, 1, 4, 64, 4 * GB);
+        let o1 = q(2, 1, 4, 64, 5 * GB);
+        let read = KvCache { v: ok.k, ..ok };
+        assert!(validate_decode(&q1, &read, &o1, None, &AttentionParams::default()).is_ok());
+
+        // K and V interleaved per sequence, `[B, 2, S, H, D]`: apart element by element.
+        let (b, s, h, d) = (2usize, 64usize, 2usize, 64usize);
+        let seq = 2 * s * h * d;
+        let k = TensorView {
+            strides: [seq, h * d, d, 1],
+            ..TensorView::bshd(GB, DType::F16, b, s, h, d)
+        };
+        let v = TensorView {
+            ptr: GB + (s * h * d * 2) as u64,
+            ..k
+        };
+        let interleaved = KvCache { k, v, ..ok };
+        assert!(validate_append(&interleaved, &new, &vnew).is_ok());
+        // Shifted by one position instead, V's rows land on K's.
+        let shifted = KvCache {
+            v: TensorView {
+                ptr: GB + (h * d * 2) as u64,
+                ..k
+            },
+            ..interleaved
+        };
+        refused(&shifted);
+    }
+
+    /// The append kernels count 16-byte chunks in 32 bits and step by the grid: an
+    /// append so large that the last step would pass 2^31 is refused, not wrapped.
+    #[test]
+    fn appends_that_would_wrap_the_kernel_counter_are_refused() {
+        let (d, big) = (256usize, 1usize << 27);
+        let c = KvCache {
+            k: TensorView::bshd(1 << 40, DType::F16, 1, big, 1, d),
+            v: TensorView::bshd(1 << 41, DType::F16, 1, big, 1, d),
+            ..cache(1, 64, 1, d, None)
+        };
+        // 32 chunks per token: the largest append that fits, and one token more.
+        let fits = MAX_APPEND_CHUNKS / 32;
+        for (tokens, ok) in [(fits, true), (fits + 1, false), (67_108_000, false)] {
+            let new = TensorView::bshd(1 << 42, DType::F16, 1, tokens, 1, d);
+            let vnew = TensorView {
+                ptr: 1 << 43,
+                ..new
+            };
+            let r = validate_append(&c, &new, &vnew);
+            assert_eq!(r.is_ok(), ok, "{tokens} tokens: {r:?}");
+        }
+        let stride = (APPEND_MAX_BLOCKS * APPEND_THREADS as usize) as u64;
+        assert!(MAX_APPEND_CHUNKS as u64 + 32 + stride <= i32::MAX as u64);
+    }
+
+    /// Metadata pointers whose extents pass the end of the address space are refused
+    /// with a typed error (they used to overflow, a panic in debug builds).
+    #[test]
+    fn metadata_past_the_address_space_is_refused() {
+        let q1 = q(2, 1, 4, 64, 4 * GB);
+        let o1 = q(2, 1, 4, 64, 5 * GB);
+        let params = AttentionParams::default();
+        let high = KvCache {
+            seqlens: u64::MAX - 3,
+            ..cache(2, 64, 2, 64, None)
+        };
+        assert!(matches!(
+            validate_decode(&q1, &high, &o1, None, &params),
+            Err(Error::BadStrides {
+                tensor: "seqlens",
+                ..
+            })
+        ));
+        for stride in [1usize << 62, usize::MAX / 2] {
+            let c = KvCache {
+                layout: CacheLayout::Paged {
+                    block_table: 3 * GB,
+                    max_pages: 4,
+                    table_stride: stride,
+                },
+                ..cache(2, 64, 2, 64, Some(16))
+            };
+            assert!(matches!(
+                validate_decode(&q1, &c, &o1, None, &params),
+                Err(Error::BadStrides {
+                    tensor: "block_table",
+                    ..
+                })
+            ));
+            let host = HostMetadata {
+                seqlens: &[1, 1],
+                block_table: Some(&[0; 8]),
+            };
+            let shape = CacheShape {
+                batch: 2,
+                ..decode_problem(&q1, &cache(2, 64, 2, 64, Some(16)), &params)
+                    .unwrap()
+                    .cache
+            };
+            assert!(host.check(&c, &shape, 0).is_err());
+        }
+        // More query heads than a grid dimension holds: refused before any product.
+        let wide = TensorView {
+            strides: [0, 0, 0, 1],
+            ..q(1, 16, 1 << 60, 64, 4 * GB)
+        };
+        assert!(matches!(
+            decode_problem(&wide, &cache(1, 64, 1, 64, None), &params),
             Err(Error::InvalidArgument(_))
         ));
     }

@@ -87,6 +87,9 @@ pub struct KvScales {
 /// Head dims an FP8 cache may have (those of the FP8 forward).
 pub const FP8_HEAD_DIMS: [usize; 3] = [64, 128, 256];
 
+/// A named byte range `[start, end)` of device memory.
+type NamedRange = (&'static str, (u64, u64));
+
 impl KvCache {
     /// Whether the cache holds e4m3 codes and scales.
     pub fn is_fp8(&self) -> bool {
@@ -225,6 +228,7 @@ impl KvCache {
             check_step_strides(name, t, self.layout)?;
         }
         check_pointer("seqlens", self.seqlens, 4)?;
+        self.metadata_ranges(batch)?;
         if let Some(scales) = &self.scales {
             if !FP8_HEAD_DIMS.contains(&head_dim) {
                 return Err(Error::UnsupportedHeadDim(
@@ -245,8 +249,50 @@ impl KvCache {
         })
     }
 
+    /// The byte ranges of the lengths (`batch` int32) and, paged, of the block table's
+    /// rows (`(batch − 1)·table_stride + max_pages` int32 from its pointer): an error
+    /// where one passes the end of the 64-bit address space (the kernels' row offsets
+    /// would wrap).
+    fn metadata_ranges(&self, batch: usize) -> Result<[Option<NamedRange>; 2]> {
+        let end = |start: u64, entries: Option<usize>| {
+            entries
+                .and_then(|n| (n as u64).checked_mul(4))
+                .and_then(|bytes| start.checked_add(bytes))
+                .map(|end| (start, end))
+        };
+        let seqlens = end(self.seqlens, Some(batch)).ok_or_else(|| Error::BadStrides {
+            tensor: "seqlens",
+            reason: format!(
+                "{batch} lengths at {:#x} pass the end of the address space",
+                self.seqlens
+            ),
+        })?;
+        let table = match self.layout {
+            CacheLayout::Contiguous => None,
+            CacheLayout::Paged {
+                block_table,
+                max_pages,
+                table_stride,
+            } => {
+                let entries = batch
+                    .saturating_sub(1)
+                    .checked_mul(table_stride)
+                    .and_then(|n| n.checked_add(max_pages));
+                let range = end(block_table, entries).ok_or_else(|| Error::BadStrides {
+                    tensor: "block_table",
+                    reason: format!(
+                        "{batch} rows of stride {table_stride} at {block_table:#x} pass the \
+                         end of the address space"
+                    ),
+                })?;
+                Some(("block_table", range))
+            }
+        };
+        Ok([Some(("seqlens", seqlens)), table])
+    }
+
     /// The device byte ranges the cache's kernels may write or read: K, V, the lengths
-    /// and the block table.
+    /// and the block table (of a cache [`KvCache::validate`] accepted for `batch`).
     pub fn byte_ranges(&self, batch: usize) -> Vec<(&'static str, (u64, u64))> {
         let mut v = Vec::with_capacity(4);
         for (name, t) in [("k_cache", &self.k), ("v_cache", &self.v)] {
@@ -261,18 +307,9 @@ impl KvCache {
                 }
             }
         }
-        v.push(("seqlens", (self.seqlens, self.seqlens + 4 * batch as u64)));
-        if let CacheLayout::Paged {
-            block_table,
-            table_stride,
-            ..
-        } = self.layout
-        {
-            let bytes = 4 * (table_stride as u64) * batch as u64;
-            v.push((
-                "block_table",
-                (block_table, block_table.saturating_add(bytes)),
-            ));
+        // Validation refused metadata past the address space: nothing is left out here.
+        if let Ok(meta) = self.metadata_ranges(batch) {
+            v.extend(meta.into_iter().flatten());
         }
         v
     }
@@ -363,11 +400,16 @@ impl HostMetadata<'_> {
                 "a paged cache's host metadata needs its block table".into(),
             ));
         };
-        let need = (shape.batch - 1) * table_stride + max_pages;
-        if table.len() < need {
+        let need = shape
+            .batch
+            .saturating_sub(1)
+            .checked_mul(table_stride)
+            .and_then(|n| n.checked_add(max_pages));
+        if need.is_none_or(|n| table.len() < n) {
             return Err(Error::ShapeMismatch(format!(
-                "the host block table has {} entries, the batch needs {need}",
-                table.len()
+                "the host block table has {} entries, the batch needs {}",
+                table.len(),
+                need.map_or_else(|| "more than 2^64".to_string(), |n| n.to_string())
             )));
         }
         for (b, &len) in self.seqlens.iter().enumerate() {

@@ -377,6 +377,39 @@ pub(crate) fn lse_byte_range(l: &LseView, b: usize, h: usize, s: usize) -> Resul
         })
 }
 
+/// Whether two views that each pass [`check_no_self_overlap`] share no element: their
+/// byte ranges are apart, or they have one dtype, shape and strides and `b` starts at an
+/// offset from `a` that no index difference reaches (K and V interleaved in one tensor,
+/// `[pages, 2, page, H, D]` say). Sufficient, not necessary.
+pub(crate) fn views_disjoint(a: &TensorView, b: &TensorView) -> bool {
+    let (Some(ra), Some(rb)) = (a.byte_range(), b.byte_range()) else {
+        return false;
+    };
+    if !overlaps(ra, rb) {
+        return true;
+    }
+    let elem = a.dtype.size_bytes() as u64;
+    if (a.dtype, a.shape, a.strides) != (b.dtype, b.shape, b.strides) {
+        return false;
+    }
+    let delta = a.ptr.abs_diff(b.ptr);
+    if delta == 0 || !delta.is_multiple_of(elem) {
+        return false;
+    }
+    // Strides nest (each steps past the smaller dimensions' span), so the index
+    // difference that reaches `delta`, if any, is the greedy one from the largest.
+    let mut dims = [0usize, 1, 2, 3];
+    dims.sort_by_key(|&i| std::cmp::Reverse(a.strides[i]));
+    let mut left = delta / elem;
+    for i in dims {
+        let stride = a.strides[i] as u64;
+        if stride > 0 && a.shape[i] > 1 {
+            left -= (left / stride).min(a.shape[i] as u64 - 1) * stride;
+        }
+    }
+    left != 0
+}
+
 /// Half-open ranges `[a0, a1)` and `[b0, b1)` intersect.
 pub(crate) fn overlaps(a: (u64, u64), b: (u64, u64)) -> bool {
     a.0 < b.1 && b.0 < a.1
