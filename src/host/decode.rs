@@ -104,9 +104,11 @@ const MAX_APPEND_CHUNKS: usize = (1 << 31) - 1 - 32 - APPEND_MAX_BLOCKS * APPEND
 const APPEND_MAX_BLOCKS: usize = 1 << 12;
 
 /// What an append writes (the cache's K and V, and an e4m3 cache's scales) must be
-/// memory of its own: each element once (no zero or aliasing strides), K apart from V,
-/// and apart from the lengths and the block table it reads meanwhile.
-fn check_append_targets(cache: &KvCache, ranges: &[(&'static str, (u64, u64))]) -> Result<()> {
+/// memory of its own: each element once (no zero or aliasing strides), K apart from V
+/// element by element (they may interleave; the scales' own checks keep them apart from
+/// the codes and each other), and all of it apart from the lengths and the block table
+/// the kernel reads meanwhile.
+fn check_append_targets(cache: &KvCache, batch: usize) -> Result<()> {
     for (name, t) in [("k_cache", &cache.k), ("v_cache", &cache.v)] {
         check_no_self_overlap(name, t)?;
     }
@@ -115,16 +117,10 @@ fn check_append_targets(cache: &KvCache, ranges: &[(&'static str, (u64, u64))]) 
             "an append writes k_cache and v_cache, whose elements overlap".into(),
         ));
     }
-    let written = ["k_cache", "v_cache", "k_scale", "v_scale"];
-    for (i, &(name, r)) in ranges.iter().enumerate() {
-        for &(other, o) in &ranges[i + 1..] {
-            // K against V: checked element by element above (they may interleave).
-            let codes = ["k_cache", "v_cache"];
-            if codes.contains(&name) && codes.contains(&other) {
-                continue;
-            }
-            let either_written = written.contains(&name) || written.contains(&other);
-            if either_written && overlaps(r, o) {
+    let metadata = cache.metadata_ranges(batch)?;
+    for (name, r) in cache.data_ranges() {
+        for &(other, o) in metadata.iter().flatten() {
+            if overlaps(r, o) {
                 return Err(Error::InvalidArgument(format!(
                     "an append writes the cache's {name}, whose memory overlaps its {other}"
                 )));
@@ -403,12 +399,11 @@ pub fn validate_append(
             shape.capacity
         )));
     }
-    let cache_ranges = cache.byte_ranges(batch);
     for (name, t) in [("k_new", k_new), ("v_new", v_new)] {
         check_pointer(name, t.ptr, TENSOR_ALIGN)?;
         check_strides(name, t)?;
         let r = byte_range_of(name, t)?;
-        for &(other, o) in &cache_ranges {
+        for (other, o) in cache.byte_ranges(batch) {
             if overlaps(r, o) {
                 return Err(Error::InvalidArgument(format!(
                     "{name} overlaps the cache's {other}"
@@ -416,7 +411,7 @@ pub fn validate_append(
             }
         }
     }
-    check_append_targets(cache, &cache_ranges)?;
+    check_append_targets(cache, batch)?;
     Ok(AppendProblem {
         cache: shape,
         new_tokens,

@@ -253,7 +253,7 @@ impl KvCache {
     /// rows (`(batch − 1)·table_stride + max_pages` int32 from its pointer): an error
     /// where one passes the end of the 64-bit address space (the kernels' row offsets
     /// would wrap).
-    fn metadata_ranges(&self, batch: usize) -> Result<[Option<NamedRange>; 2]> {
+    pub(crate) fn metadata_ranges(&self, batch: usize) -> Result<[Option<NamedRange>; 2]> {
         let end = |start: u64, entries: Option<usize>| {
             entries
                 .and_then(|n| (n as u64).checked_mul(4))
@@ -291,10 +291,9 @@ impl KvCache {
         Ok([Some(("seqlens", seqlens)), table])
     }
 
-    /// The device byte ranges the cache's kernels may write or read: K, V, the lengths
-    /// and the block table (of a cache [`KvCache::validate`] accepted for `batch`).
-    pub fn byte_ranges(&self, batch: usize) -> Vec<(&'static str, (u64, u64))> {
-        let mut v = Vec::with_capacity(4);
+    /// The byte ranges of what an append writes: K, V and an e4m3 cache's scales.
+    pub(crate) fn data_ranges(&self) -> Vec<NamedRange> {
+        let mut v = Vec::with_capacity(6);
         for (name, t) in [("k_cache", &self.k), ("v_cache", &self.v)] {
             if let Some(r) = t.byte_range() {
                 v.push((name, r));
@@ -307,6 +306,13 @@ impl KvCache {
                 }
             }
         }
+        v
+    }
+
+    /// The device byte ranges the cache's kernels may write or read: K, V, the lengths
+    /// and the block table (of a cache [`KvCache::validate`] accepted for `batch`).
+    pub fn byte_ranges(&self, batch: usize) -> Vec<NamedRange> {
+        let mut v = self.data_ranges();
         // Validation refused metadata past the address space: nothing is left out here.
         if let Ok(meta) = self.metadata_ranges(batch) {
             v.extend(meta.into_iter().flatten());
