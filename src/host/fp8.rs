@@ -2,9 +2,9 @@
 //! launch. The data contract (layouts, scale semantics) is
 //! [`crate::kernels::attention::fp8`]'s.
 //!
-//! Hopper runs the sm90a kernel (TMA + wgmma e4m3); Ada and later GPUs, and Hopper when
-//! the caller asks for the fallback ([`PathChoice::Sm80`]), run the sm89 one
-//! (`mma.sync` e4m3). GPUs below sm_89 have no FP8 tensor cores: a typed error.
+//! Hopper runs the sm90a kernel (TMA + wgmma e4m3); Ada and later GPUs, Hopper when the
+//! caller asks for the fallback ([`PathChoice::Sm80`]), and Hopper calls whose views TMA
+//! cannot describe (a stride of 2^40 bytes or more) run the sm89 one (`mma.sync` e4m3). GPUs below sm_89 have no FP8 tensor cores: a typed error.
 
 use std::ffi::c_void;
 
@@ -422,12 +422,23 @@ impl Attention {
         lse: Option<&LseView>,
         stream: CUstream,
     ) -> Result<()> {
+        // The sm90a kernel reads Q8, K8 and Vᵀ8 through tensor maps; a view TMA cannot
+        // describe runs on the sm89 kernel instead, as the 16-bit forward falls back to
+        // its sm80 one.
+        let (cfg, maps) = match cfg.path {
+            Fp8Path::Sm90 => match sm90_maps_or_fallback(cfg, ops)? {
+                Some(maps) => (*cfg, Some(maps)),
+                None => (sm89_fallback(cfg), None),
+            },
+            Fp8Path::Sm89 => (*cfg, None),
+        };
+        let cfg = &cfg;
         let tiling = cfg.tiling();
         let kernel = self.load(cfg.id_static(), tiling.smem_bytes, || cfg.generate())?;
         let mut args = fp8_args(problem, cfg, ops, o, lse);
         let shape = problem.shape;
-        match cfg.path {
-            Fp8Path::Sm89 => {
+        match maps {
+            None => {
                 let dims = LaunchDims {
                     grid: (
                         shape.seqlen_q.div_ceil(tiling.block_m as usize) as u32,
@@ -444,8 +455,7 @@ impl Attention {
                 // context and `stream` a stream of it.
                 unsafe { launch(&kernel, &dims, stream, &mut params) }
             }
-            Fp8Path::Sm90 => {
-                let maps = sm90_maps(cfg, ops)?;
+            Some(maps) => {
                 let o_map = super::attention::sm90_output_map(o, false);
                 // SAFETY: `args` is the kernel's `Fp8Args` block and `maps` cover exactly
                 // the validated extents of Q8, K8 and Vᵀ8 (out-of-bounds box parts are
@@ -468,11 +478,38 @@ impl Attention {
     }
 }
 
-/// The sm90a FP8 kernel's tensor maps: Q8 and K8 as 5-D `{inner, seq, d/inner, heads,
-/// batch}` views whose boxes land as `[d/inner][rows][inner]` swizzled tiles (inner =
-/// the row's bytes up to 128), and Vᵀ8 as `{keys, d, heads, batch}` with a box of one
-/// key tile by every head-dim row.
-fn sm90_maps(cfg: &Fp8Config, ops: &Fp8Operands) -> Result<[TensorMap; 3]> {
+/// The sm89 configuration that stands in for `cfg` (same output type, head dim and mask).
+fn sm89_fallback(cfg: &Fp8Config) -> Fp8Config {
+    Fp8Config {
+        path: Fp8Path::Sm89,
+        ..*cfg
+    }
+}
+
+/// The sm90a kernel's tensor maps, or `None` where a view cannot be described to TMA (a
+/// stride of 2^40 bytes or more, which validation's 16-byte rule leaves as the only
+/// limit) or the driver refuses a map: the caller then runs the sm89 kernel. All three
+/// maps are checked before any is encoded.
+fn sm90_maps_or_fallback(cfg: &Fp8Config, ops: &Fp8Operands) -> Result<Option<[TensorMap; 3]>> {
+    let specs = sm90_map_specs(cfg, ops);
+    if specs.iter().any(|(map, ptr)| map.validate(*ptr).is_err()) {
+        return Ok(None);
+    }
+    let encode = |(map, ptr): &(TiledMap, u64)| map.encode(*ptr);
+    match (encode(&specs[0]), encode(&specs[1]), encode(&specs[2])) {
+        (Ok(q), Ok(k), Ok(vt)) => Ok(Some([q, k, vt])),
+        (Err(e), _, _) | (_, Err(e), _) | (_, _, Err(e)) => match e {
+            Error::TensorMap(_) | Error::Driver { .. } => Ok(None),
+            e => Err(e),
+        },
+    }
+}
+
+/// The sm90a FP8 kernel's tensor maps, with the address each describes: Q8 and K8 as 5-D
+/// `{inner, seq, d/inner, heads, batch}` views whose boxes land as `[d/inner][rows][inner]`
+/// swizzled tiles (inner = the row's bytes up to 128), and Vᵀ8 as `{keys, d, heads,
+/// batch}` with a box of one key tile by every head-dim row.
+fn sm90_map_specs(cfg: &Fp8Config, ops: &Fp8Operands) -> [(TiledMap, u64); 3] {
     let shape = sm90_fp8::Shape::of(cfg);
     let rows_map = |t: &TensorView, layout: SmemLayout| {
         let bytes = |dim: usize| {
@@ -493,7 +530,8 @@ fn sm90_maps(cfg: &Fp8Config, ops: &Fp8Operands) -> Result<[TensorMap; 3]> {
         ];
         let strides = [bytes(1), inner, bytes(2), bytes(0)];
         let boxes = [inner as u32, layout.rows, (d / inner) as u32, 1, 1];
-        TiledMap::new(TmaType::U8, &dims, &strides, &boxes, layout.swizzle).encode(t.ptr)
+        let map = TiledMap::new(TmaType::U8, &dims, &strides, &boxes, layout.swizzle);
+        (map, t.ptr)
     };
     let vt = &ops.vt;
     let vl = shape.vt_layout();
@@ -510,11 +548,14 @@ fn sm90_maps(cfg: &Fp8Config, ops: &Fp8Operands) -> Result<[TensorMap; 3]> {
         step(vt.batch, vt.strides[0]),
     ];
     let boxes = [vl.block_cols(), vl.rows, 1, 1];
-    Ok([
-        rows_map(&ops.q, shape.q_layout())?,
-        rows_map(&ops.k, shape.k_layout())?,
-        TiledMap::new(TmaType::U8, &dims, &strides, &boxes, vl.swizzle).encode(vt.ptr)?,
-    ])
+    [
+        rows_map(&ops.q, shape.q_layout()),
+        rows_map(&ops.k, shape.k_layout()),
+        (
+            TiledMap::new(TmaType::U8, &dims, &strides, &boxes, vl.swizzle),
+            vt.ptr,
+        ),
+    ]
 }
 
 #[cfg(test)]
@@ -528,6 +569,41 @@ mod tests {
             scale: 0.1,
             causal: false,
         }
+    }
+
+    #[test]
+    fn views_tma_cannot_describe_run_on_the_sm89_kernel() {
+        let (b, h, s, d) = (2, 4, 300, 128);
+        let e4 = |ptr| TensorView::bshd(ptr, DType::E4m3, b, s, h, d);
+        let mut ops = Fp8Operands {
+            q: e4(0x1000_0000),
+            k: e4(0x2000_0000),
+            vt: VtView::contiguous(0x3000_0000, b, h, d, s),
+            q_scale: 0x4000_0000,
+            k_scale: 0x4100_0000,
+            v_scale: 0x4200_0000,
+            lse_shift: None,
+        };
+        let cfg = dispatch_fp8((9, 0), PathChoice::Best, &problem(d, b, h, s)).unwrap();
+        assert_eq!(cfg.path, Fp8Path::Sm90);
+        // A batch stride of 2^40 bytes passes validation's 16-byte rule, but no tensor
+        // map holds it: no maps, so the launch takes the sm89 kernel. 16 bytes less is
+        // a map (encoding it needs the driver, absent on CPU machines).
+        ops.k.strides[0] = 1 << 40;
+        assert!(matches!(sm90_maps_or_fallback(&cfg, &ops), Ok(None)));
+        ops.k.strides[0] = (1 << 40) - 16;
+        match sm90_maps_or_fallback(&cfg, &ops) {
+            Ok(Some(_)) | Err(Error::NoDriver) => {}
+            other => panic!("a describable view gave {other:?}"),
+        }
+        ops.vt.strides[1] = 1 << 40;
+        assert!(matches!(sm90_maps_or_fallback(&cfg, &ops), Ok(None)));
+        let fallback = sm89_fallback(&cfg);
+        assert_eq!(fallback.path, Fp8Path::Sm89);
+        assert_eq!(
+            (fallback.out, fallback.head_dim, fallback.causal),
+            (cfg.out, cfg.head_dim, cfg.causal)
+        );
     }
 
     #[test]
