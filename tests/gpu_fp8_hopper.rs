@@ -18,7 +18,7 @@ mod common;
 
 use std::sync::Arc;
 
-use common::{down, ptr, seeds, up};
+use common::{FAR, FarPair, down, ptr, seeds, up};
 use cudarc::driver::CudaStream;
 use flashcore::host::attention::{Attention, PathChoice};
 use flashcore::host::device::Device;
@@ -51,6 +51,8 @@ struct Case {
     outliers: bool,
     /// Pass an LSE shift.
     shift: bool,
+    /// Put K8's two batches [`FAR`] bytes apart, a stride no tensor map holds (batch 2).
+    far_k: bool,
 }
 
 struct Outcome {
@@ -70,6 +72,7 @@ fn case(d: usize, sq: usize, sk: usize, causal: bool) -> Case {
         causal,
         outliers: false,
         shift: false,
+        far_k: false,
     }
 }
 
@@ -124,9 +127,21 @@ fn run_case(attn: &Attention, s: &Arc<CudaStream>, c: Case, rng: &mut Rng) -> Ou
     let lse_poison = vec![f32::NAN; shape.lse_len()];
     let o = up(s, &o_poison);
     let lse = up(s, &lse_poison);
+    let mut k_view = TensorView::bshd(ptr(s, &dk), DType::E4m3, b, c.seqlen_k, c.heads_kv, d);
+    let far = c.far_k.then(|| {
+        assert_eq!(b, 2, "a far K has two batches");
+        let per_batch = c.seqlen_k * c.heads_kv * d;
+        let pair = FarPair::new(s, per_batch);
+        for i in 0..2 {
+            pair.write(i, &k8.codes[i * per_batch..][..per_batch]);
+        }
+        k_view.ptr = pair.base;
+        k_view.strides[0] = FAR as usize;
+        pair
+    });
     let ops = Fp8Operands {
         q: TensorView::bshd(ptr(s, &dq), DType::E4m3, b, c.seqlen_q, c.heads_q, d),
-        k: TensorView::bshd(ptr(s, &dk), DType::E4m3, b, c.seqlen_k, c.heads_kv, d),
+        k: k_view,
         vt: VtView {
             ptr: ptr(s, &dv),
             batch: b,
@@ -158,6 +173,7 @@ fn run_case(attn: &Attention, s: &Arc<CudaStream>, c: Case, rng: &mut Rng) -> Ou
     .unwrap_or_else(|e| panic!("{c:?}: {e}"));
     let got = half_bits_to_f64(&down(s, &o), c.out);
     let got_lse = down(s, &lse);
+    drop(far);
 
     let want = attention_f64(
         &shape,
@@ -281,5 +297,23 @@ fn sm90_fp8_causal_grids_beyond_one_wave() {
             ..case(256, 1500, 1400, true)
         },
     ];
+    check(&attn, &s, &cases);
+}
+
+/// Views no tensor map can describe (K's batches 2^40 bytes apart) run on the sm89
+/// kernel instead of failing: same answers, every head dim, causal or not, GQA.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn sm90_fp8_falls_back_where_tma_cannot_describe_a_view() {
+    let (attn, s) = setup(PathChoice::Best);
+    let mut cases = Vec::new();
+    for d in [64, 128, 256] {
+        for causal in [false, true] {
+            cases.push(Case {
+                far_k: true,
+                ..case(d, 130, 300, causal)
+            });
+        }
+    }
     check(&attn, &s, &cases);
 }

@@ -4,12 +4,15 @@
 //! large that `max · scale` leaves the float range. Run on a GPU machine with
 //! `cargo test --release --test gpu_limits -- --include-ignored`.
 
+mod common;
+
 use std::sync::Arc;
 
+use common::{FAR, FarPair};
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
 
 use flashcore::Error;
-use flashcore::check::TestSeeds;
+use flashcore::check::{TestSeeds, tolerance};
 use flashcore::host::attention::Attention;
 use flashcore::host::device::Device;
 use flashcore::host::tensor::{AttentionParams, DType, LseView, TensorView};
@@ -312,4 +315,117 @@ fn huge_scales_pick_the_top_keys() {
         println!("{line}");
         assert!(out_err <= 1e-3 && lse_ok, "{line}");
     }
+}
+
+/// A view no tensor map can describe (K's batches 2^40 bytes apart, a stride validation
+/// accepts) runs on Hopper on the sm80 kernel instead of failing, with the same answers;
+/// on other GPUs it is the sm80 path's ordinary work.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn strides_no_tensor_map_holds_fall_back_to_the_sm80_kernel() {
+    let (attn, stream) = setup();
+    let mut seeds = seeds();
+    let up16 = |x: &[u16]| stream.clone_htod(x).expect("upload");
+    let dev = |x: &CudaSlice<u16>| x.device_ptr(&stream).0;
+    let mut failures = Vec::new();
+    for d in [64, 128, 256] {
+        for causal in [false, true] {
+            let dtype = HalfType::F16;
+            let shape = AttnShape {
+                seqlen_q: 130,
+                seqlen_k: 300,
+                heads_q: 4,
+                heads_kv: 2,
+                ..AttnShape::square(2, 4, 1, d)
+            };
+            let mut rng = seeds.next_case();
+            let replay = seeds.replay(&rng);
+            let (q_bits, q) = reference::random_half(&mut rng, shape.q_len(), dtype);
+            let (k_bits, k) = reference::random_half(&mut rng, shape.kv_len(), dtype);
+            let (v_bits, v) = reference::random_half(&mut rng, shape.kv_len(), dtype);
+            let per_batch = shape.kv_len() / 2;
+            let far = FarPair::new(&stream, per_batch * 2);
+            for i in 0..2 {
+                far.write(i, &k_bits[i * per_batch..][..per_batch]);
+            }
+            let (dq, dv) = (up16(&q_bits), up16(&v_bits));
+            let o = up16(&vec![reference::POISON_F16; shape.q_len()]);
+            let lse = stream
+                .clone_htod(&vec![f32::NAN; shape.lse_len()])
+                .expect("upload");
+            let (b, sq, sk, hq, hkv) = (2, 130, 300, 4, 2);
+            let qv = TensorView::bshd(dev(&dq), DType::F16, b, sq, hq, d);
+            let ov = TensorView::bshd(dev(&o), DType::F16, b, sq, hq, d);
+            let vv = TensorView::bshd(dev(&dv), DType::F16, b, sk, hkv, d);
+            let kv = TensorView::strided(
+                far.base,
+                DType::F16,
+                [b, sk, hkv, d],
+                [FAR as usize / 2, hkv * d, d, 1],
+            );
+            let params = AttentionParams {
+                softmax_scale: None,
+                causal,
+            };
+            let lse_view = LseView {
+                ptr: lse.device_ptr(&stream).0,
+            };
+            // SAFETY: Q, V, O and the LSE are whole allocations of this context; K's two
+            // batches are the two mapped halves of `far`, alive until after the sync.
+            let run = unsafe {
+                attn.forward(
+                    &qv,
+                    &kv,
+                    &vv,
+                    &ov,
+                    Some(&lse_view),
+                    &params,
+                    stream.cu_stream(),
+                )
+            };
+            let got = stream.clone_dtoh(&o).expect("download");
+            let got_lse = stream.clone_dtoh(&lse).expect("download");
+            stream.synchronize().expect("sync");
+            drop(far);
+            let line = match run {
+                Err(e) => format!("d{d} causal {causal}: {e}"),
+                Ok(()) => {
+                    let want = reference::attention_f64(
+                        &shape,
+                        &q,
+                        &k,
+                        &v,
+                        params.scale_for(d) as f64,
+                        causal,
+                    );
+                    let out =
+                        reference::rel_l2(&reference::half_bits_to_f64(&got, dtype), &want.out);
+                    let lse_err = got_lse
+                        .iter()
+                        .zip(&want.lse)
+                        .map(|(&g, &w)| {
+                            if w == f64::NEG_INFINITY {
+                                if g == f32::NEG_INFINITY {
+                                    0.0
+                                } else {
+                                    f64::INFINITY
+                                }
+                            } else {
+                                (g as f64 - w).abs() / w.abs().max(1.0)
+                            }
+                        })
+                        .fold(0.0, f64::max);
+                    let ok = out <= tolerance(dtype) && lse_err <= tolerance(dtype);
+                    let line = format!("d{d} causal {causal}: out {out:.2e} lse {lse_err:.2e}");
+                    println!("{line}");
+                    if ok {
+                        continue;
+                    }
+                    format!("{line} ({replay})")
+                }
+            };
+            failures.push(line);
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
 }

@@ -28,3 +28,110 @@ pub fn down<T: DeviceRepr + Default + Clone>(s: &Arc<CudaStream>, x: &CudaSlice<
     s.synchronize().expect("sync");
     v
 }
+
+/// Bytes between the two halves of a [`FarPair`]: 2^40, the first stride no tensor map
+/// can hold (so a view striding across it must run on a kernel that reads without TMA).
+pub const FAR: u64 = 1 << 40;
+
+/// Device memory at two addresses [`FAR`] bytes apart: one reservation of the address
+/// range, with physical memory mapped at its start and at `FAR`, and nothing between. A
+/// view of batch 2 with batch stride `FAR` then lives in a few MiB.
+pub struct FarPair {
+    pub base: u64,
+    chunk: usize,
+    handles: Vec<cudarc::driver::sys::CUmemGenericAllocationHandle>,
+}
+
+impl FarPair {
+    /// Each half holds at least `bytes`.
+    pub fn new(s: &Arc<CudaStream>, bytes: usize) -> FarPair {
+        use cudarc::driver::sys::{self, CUresult};
+        let ok = |r: CUresult, what: &str| assert_eq!(r, CUresult::CUDA_SUCCESS, "{what}");
+        let ctx = s.context();
+        ctx.bind_to_thread().expect("bind the context");
+        let location = sys::CUmemLocation {
+            type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
+            id: ctx.ordinal() as i32,
+        };
+        // SAFETY: an all-zero `allocFlags` is the plain, uncompressed allocation.
+        let alloc_flags = unsafe { std::mem::zeroed() };
+        let prop = sys::CUmemAllocationProp {
+            type_: sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED,
+            requestedHandleTypes: sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_NONE,
+            location,
+            win32HandleMetaData: std::ptr::null_mut(),
+            allocFlags: alloc_flags,
+        };
+        let mut granularity = 0usize;
+        let minimum = sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_MINIMUM;
+        // SAFETY: out-pointer and property block are live locals; the context is current.
+        ok(
+            unsafe { sys::cuMemGetAllocationGranularity(&mut granularity, &prop, minimum) },
+            "granularity",
+        );
+        let chunk = bytes.max(1).next_multiple_of(granularity);
+        let mut pair = FarPair {
+            base: 0,
+            chunk,
+            handles: Vec::new(),
+        };
+        // SAFETY: reserves address space only; freed in `drop`.
+        ok(
+            unsafe { sys::cuMemAddressReserve(&mut pair.base, FAR as usize + chunk, 0, 0, 0) },
+            "reserve 2^40 bytes of addresses",
+        );
+        let access = sys::CUmemAccessDesc {
+            location,
+            flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+        };
+        for at in [pair.base, pair.base + FAR] {
+            let mut handle = 0;
+            // SAFETY: `chunk` is a multiple of the granularity, `at` lies in the
+            // reservation with `chunk` bytes after it, and each mapping is undone in
+            // `drop` before its handle is released.
+            unsafe {
+                ok(sys::cuMemCreate(&mut handle, chunk, &prop, 0), "create");
+                pair.handles.push(handle);
+                ok(sys::cuMemMap(at, chunk, 0, handle, 0), "map");
+                ok(sys::cuMemSetAccess(at, chunk, &access, 1), "access");
+            }
+        }
+        pair
+    }
+
+    /// The address of half `i` (0 or 1).
+    pub fn half(&self, i: usize) -> u64 {
+        self.base + i as u64 * FAR
+    }
+
+    /// Copies `x` to the start of half `i`.
+    pub fn write<T: bytemuck::Pod>(&self, i: usize, x: &[T]) {
+        let bytes: &[u8] = bytemuck::cast_slice(x);
+        assert!(
+            bytes.len() <= self.chunk,
+            "{} bytes into a {}-byte half",
+            bytes.len(),
+            self.chunk
+        );
+        // SAFETY: the half is mapped, readable and writable, for `chunk` bytes.
+        let r = unsafe {
+            cudarc::driver::sys::cuMemcpyHtoD_v2(self.half(i), bytes.as_ptr().cast(), bytes.len())
+        };
+        assert_eq!(r, cudarc::driver::sys::CUresult::CUDA_SUCCESS, "copy");
+    }
+}
+
+impl Drop for FarPair {
+    fn drop(&mut self) {
+        use cudarc::driver::sys;
+        // SAFETY: undoes `new` in reverse: the mappings, their memory, the reservation.
+        // Callers synchronize before dropping, so no kernel still reads the halves.
+        unsafe {
+            for (i, &h) in self.handles.iter().enumerate() {
+                sys::cuMemUnmap(self.half(i), self.chunk);
+                sys::cuMemRelease(h);
+            }
+            sys::cuMemAddressFree(self.base, FAR as usize + self.chunk);
+        }
+    }
+}
