@@ -313,7 +313,16 @@ pub fn key_mean(k: &[f32], [b, s, h, d]: [usize; 4]) -> Vec<f32> {
 /// `[B, Hq, Sq]`, from a contiguous `[B, Sq, Hq, D]` `q`, in the GPU quantizer's order:
 /// each run of [`ELEMS_PER_THREAD`] channels by fused multiply-adds from 0, then the runs
 /// summed pairwise as a butterfly (run `c` with run `c ^ 1`, then `c ^ 2`, ...).
+///
+/// # Panics
+/// If a length does not match, the heads do not group, or `d` is not a power-of-two
+/// number of runs (the butterfly's shape; every FP8 head dim is one).
 pub fn lse_shift(q: &[f32], [b, s, h, d]: [usize; 4], mean: &[f32], heads_kv: usize) -> Vec<f32> {
+    assert!(
+        d.is_multiple_of(ELEMS_PER_THREAD) && (d / ELEMS_PER_THREAD).is_power_of_two(),
+        "the LSE shift needs a head dim that is a power-of-two multiple of {ELEMS_PER_THREAD}, \
+         got {d}"
+    );
     assert_eq!(q.len(), b * s * h * d, "tensor length");
     assert_eq!(mean.len(), b * heads_kv * d, "mean length");
     assert!(heads_kv > 0 && h.is_multiple_of(heads_kv), "head ratio");
@@ -431,6 +440,13 @@ pub fn dequantize_vt(q: &Quantized, [b, s, h, d]: [usize; 4], pitch: usize) -> V
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    #[should_panic(expected = "power-of-two multiple of 8")]
+    fn lse_shift_refuses_head_dims_its_butterfly_cannot_sum() {
+        let d = 24;
+        lse_shift(&vec![1.0; d], [1, 1, 1, d], &vec![1.0; d], 1);
+    }
 
     #[test]
     fn every_code_round_trips() {

@@ -23,7 +23,8 @@ use super::module::{Carveout, LoadedKernel};
 use super::tensor::{AttentionParams, DType, LseView, TensorView};
 use super::validate::{
     LSE_ALIGN, MAX_GRID_YZ, TENSOR_ALIGN, byte_range_of, check_no_self_overlap, check_not_empty,
-    check_pointer, check_scale, check_strides, lse_byte_range, overlaps, views_disjoint,
+    check_pointer, check_scale, check_strides, head_dim_in, lse_byte_range, overlaps,
+    views_disjoint,
 };
 use crate::error::{Error, Result};
 use crate::kernels::attention::HalfType;
@@ -200,7 +201,7 @@ pub fn decode_problem(
             shape.head_dim
         )));
     }
-    if !decode::HEAD_DIMS.contains(&(head_dim as u32)) {
+    if !head_dim_in(&decode::HEAD_DIMS, head_dim) {
         return Err(Error::UnsupportedHeadDim(head_dim, HEAD_DIMS_TEXT));
     }
     if !heads_q.is_multiple_of(shape.heads_kv) {
@@ -454,7 +455,7 @@ pub fn validate_merge(
     let input = merge_type("parts", o.dtype)?;
     let output = merge_type("out", out.dtype)?;
     let [batch, seqlen, heads, head_dim] = o.shape;
-    if !decode::HEAD_DIMS.contains(&(head_dim as u32)) {
+    if !head_dim_in(&decode::HEAD_DIMS, head_dim) {
         return Err(Error::UnsupportedHeadDim(head_dim, HEAD_DIMS_TEXT));
     }
     let rows = batch.checked_mul(seqlen).and_then(|n| n.checked_mul(heads));
@@ -1125,6 +1126,34 @@ mod tests {
     fn check(qv: &TensorView, c: &KvCache) -> Result<DecodeProblem> {
         let o = TensorView { ptr: 5 * GB, ..*qv };
         validate_decode(qv, c, &o, None, &AttentionParams::default())
+    }
+
+    /// 2^32 + 64 is not 64: a head dim past u32 is refused, not narrowed into the
+    /// kernels' list (which would attend over 64 of its columns at the wrong scale).
+    #[test]
+    fn head_dims_past_u32_are_refused() {
+        const HUGE_D: usize = (1 << 32) + 64;
+        let far = 1 << 40;
+        let c = KvCache {
+            k: TensorView::bshd(far, DType::F16, 1, 1, 1, HUGE_D),
+            v: TensorView::bshd(2 * far, DType::F16, 1, 1, 1, HUGE_D),
+            ..cache(1, 1, 1, 64, None)
+        };
+        assert!(matches!(
+            check(&q(1, 1, 1, HUGE_D, 3 * far), &c),
+            Err(Error::UnsupportedHeadDim(HUGE_D, _))
+        ));
+        let parts = MergeParts {
+            o: TensorView::bshd(far, DType::F32, 1, 1, 1, HUGE_D),
+            count: 1,
+            shard_stride: HUGE_D,
+            lse: 2 * far,
+        };
+        let out = TensorView::bshd(3 * far, DType::F32, 1, 1, 1, HUGE_D);
+        assert!(matches!(
+            validate_merge(&parts, &out, None),
+            Err(Error::UnsupportedHeadDim(HUGE_D, _))
+        ));
     }
 
     #[test]

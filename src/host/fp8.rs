@@ -15,11 +15,12 @@ use super::launch::{LaunchDims, launch};
 use super::tensor::{AttentionParams, DType, LseView, TensorView};
 use super::validate::{
     LSE_ALIGN, TENSOR_ALIGN, byte_range_of, check_heads_and_sizes, check_no_self_overlap,
-    check_not_empty, check_pointer, check_scale, check_strides, lse_byte_range, overlaps,
+    check_not_empty, check_pointer, check_scale, check_strides, head_dim_in, lse_byte_range,
+    overlaps,
 };
 use crate::error::{Error, Result};
 use crate::kernels::attention::fp8::{
-    Fp8Args, Fp8Config, Fp8Path, HEAD_DIMS, scale_blocks, vt_min_pitch,
+    Fp8Args, Fp8Config, Fp8Path, HEAD_DIMS, VT_GROUP, scale_blocks, vt_min_pitch,
 };
 use crate::kernels::attention::{FwdArgs, HalfType, sm90_fp8};
 use crate::ptx::SmemLayout;
@@ -47,6 +48,8 @@ pub struct VtView {
 
 impl VtView {
     /// A contiguous `[B, H, D, pitch]` tensor with the smallest pitch for `seqlen` keys.
+    /// Sizes too large to address saturate (as [`TensorView::bshd`]'s do), so that
+    /// validation refuses the view rather than this constructor wrapping.
     pub fn contiguous(
         ptr: u64,
         batch: usize,
@@ -54,14 +57,17 @@ impl VtView {
         head_dim: usize,
         seqlen: usize,
     ) -> Self {
-        let pitch = vt_min_pitch(seqlen as u64) as usize;
+        let pitch = seqlen
+            .div_ceil(VT_GROUP as usize)
+            .saturating_mul(VT_GROUP as usize);
+        let row = head_dim.saturating_mul(pitch);
         VtView {
             ptr,
             batch,
             heads,
             head_dim,
             seqlen,
-            strides: [heads * head_dim * pitch, head_dim * pitch, pitch],
+            strides: [heads.saturating_mul(row), row, pitch],
         }
     }
 
@@ -155,7 +161,7 @@ pub fn validate_fp8(
             [batch, heads_kv, head_dim, seqlen_k]
         )));
     }
-    if !HEAD_DIMS.contains(&(head_dim as u32)) {
+    if !head_dim_in(&HEAD_DIMS, head_dim) {
         return Err(Error::UnsupportedHeadDim(head_dim, FP8_HEAD_DIMS_TEXT));
     }
     check_heads_and_sizes(batch, heads_q, heads_kv, seqlen_q, seqlen_k)?;
@@ -569,6 +575,31 @@ mod tests {
             scale: 0.1,
             causal: false,
         }
+    }
+
+    /// 2^32 + 64 is not 64: the head dim is compared without narrowing to u32.
+    #[test]
+    fn head_dims_past_u32_are_refused() {
+        const HUGE_D: usize = (1 << 32) + 64;
+        let tb = 1u64 << 40;
+        let ops = Fp8Operands {
+            q: TensorView::bshd(tb, DType::E4m3, 1, 1, 1, HUGE_D),
+            k: TensorView::bshd(2 * tb, DType::E4m3, 1, 1, 1, HUGE_D),
+            vt: VtView::contiguous(3 * tb, 1, 1, HUGE_D, 1),
+            q_scale: 4 * tb,
+            k_scale: 4 * tb + 256,
+            v_scale: 4 * tb + 512,
+            lse_shift: None,
+        };
+        let o = TensorView::bshd(5 * tb, DType::F16, 1, 1, 1, HUGE_D);
+        assert!(matches!(
+            validate_fp8(&ops, &o, None, &AttentionParams::default()),
+            Err(Error::UnsupportedHeadDim(HUGE_D, _))
+        ));
+        // Sizes past the address space saturate rather than wrap.
+        let vt = VtView::contiguous(tb, 2, usize::MAX / 2, 128, 300);
+        assert_eq!(vt.strides[0], usize::MAX);
+        assert_eq!(vt.byte_range(), None);
     }
 
     #[test]

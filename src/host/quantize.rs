@@ -42,11 +42,11 @@ use super::launch::{LaunchDims, launch};
 use super::tensor::{DType, TensorView};
 use super::validate::{
     TENSOR_ALIGN, byte_range_of, check_heads_and_sizes, check_not_empty, check_pointer,
-    check_strides, overlaps,
+    check_strides, head_dim_in, overlaps,
 };
 use crate::error::{Error, Result};
 use crate::kernels::attention::HalfType;
-use crate::kernels::attention::fp8::{HEAD_DIMS, scale_blocks, vt_min_pitch};
+use crate::kernels::attention::fp8::{HEAD_DIMS, SCALE_BLOCK, VT_GROUP, scale_blocks};
 use crate::kernels::quantize::{QuantArgs, QuantConfig, QuantKind, Smoothing};
 use crate::quant::HadamardSigns;
 use crate::shape::AttnShape;
@@ -114,7 +114,10 @@ impl Fp8Layout {
                 .try_fold(1usize, |acc, &n| acc.checked_mul(n))
                 .ok_or_else(too_large)
         };
-        let vt_pitch = vt_min_pitch(sk as u64) as usize;
+        // `vt_min_pitch`, in checked usize arithmetic.
+        let vt_pitch = sk
+            .checked_next_multiple_of(VT_GROUP as usize)
+            .ok_or_else(too_large)?;
         let mut end = 0usize;
         let mut take = |bytes: usize| -> Result<Region> {
             let offset = end
@@ -123,8 +126,9 @@ impl Fp8Layout {
             end = offset.checked_add(bytes).ok_or_else(too_large)?;
             Ok(Region { offset, bytes })
         };
-        let q_blocks = scale_blocks(sq as u32) as usize;
-        let kv_blocks = scale_blocks(sk as u32) as usize;
+        // In usize: a length past u32 must not wrap to a small scale region.
+        let q_blocks = sq.div_ceil(SCALE_BLOCK as usize);
+        let kv_blocks = sk.div_ceil(SCALE_BLOCK as usize);
         let q = take(product(&[b, sq, hq, d])?)?;
         let k = take(product(&[b, sk, hkv, d])?)?;
         let vt = take(product(&[b, hkv, d, vt_pitch])?)?;
@@ -265,7 +269,7 @@ pub fn validate_quantize_inputs(
             k.shape, q.shape
         )));
     }
-    if !HEAD_DIMS.contains(&(head_dim as u32)) {
+    if !head_dim_in(&HEAD_DIMS, head_dim) {
         return Err(Error::UnsupportedHeadDim(head_dim, FP8_HEAD_DIMS_TEXT));
     }
     check_heads_and_sizes(batch, heads_q, heads_kv, seqlen_q, seqlen_k)?;
@@ -582,6 +586,17 @@ mod tests {
             ops.lse_shift,
             Some(4 * GB + full.lse_shift.unwrap().offset as u64)
         );
+        // Lengths past u32 size their scale regions in full, not wrapped.
+        let long = AttnShape {
+            batch: 1,
+            seqlen_q: (1 << 32) + 1,
+            seqlen_k: 1,
+            heads_q: 1,
+            heads_kv: 1,
+            head_dim: 64,
+        };
+        let layout = Fp8Layout::new(&long, &QuantizeOptions::default()).unwrap();
+        assert_eq!(layout.q_scale.bytes, ((1 << 25) + 1) * 4);
         let huge = AttnShape {
             batch: usize::MAX / 2,
             ..shape
@@ -673,6 +688,14 @@ mod tests {
         let opts = QuantizeOptions::default();
         let ok = views(2, 64, 80, 4, 2, 64);
         check(&ok, &opts, workspace()).unwrap();
+        // 2^32 + 64 is not 64 (the head dim is compared without narrowing to u32).
+        const HUGE_D: usize = (1 << 32) + 64;
+        let tb = 1u64 << 40;
+        let huge = [1, 2, 3].map(|i| TensorView::bshd(i * tb, DType::F16, 1, 1, 1, HUGE_D));
+        assert!(matches!(
+            validate_quantize_inputs(&huge[0], &huge[1], &huge[2], &opts),
+            Err(Error::UnsupportedHeadDim(HUGE_D, _))
+        ));
         let with = |f: &dyn Fn(&mut [TensorView; 3])| {
             let mut v = ok;
             f(&mut v);

@@ -245,6 +245,12 @@ pub(crate) fn check_not_empty(name: &'static str, t: &TensorView) -> Result<()> 
     }
 }
 
+/// Whether `head_dim` is one of `dims`, compared without narrowing: a head dim of
+/// 2^32 + 64 is not 64.
+pub(crate) fn head_dim_in(dims: &[u32], head_dim: usize) -> bool {
+    u32::try_from(head_dim).is_ok_and(|d| dims.contains(&d))
+}
+
 /// A device pointer is non-null and `align`-byte aligned.
 pub(crate) fn check_pointer(name: &'static str, ptr: u64, align: u64) -> Result<()> {
     if ptr == 0 {
