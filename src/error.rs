@@ -78,6 +78,14 @@ pub enum Error {
     TensorMap(#[from] crate::tma::TensorMapError),
 }
 
+impl Error {
+    /// Whether a tensor map was refused (by its rules or by the driver): the sm90a
+    /// launches then run the call on the kernel that reads without TMA.
+    pub(crate) fn is_map_refusal(&self) -> bool {
+        matches!(self, Error::TensorMap(_) | Error::Driver { .. })
+    }
+}
+
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 /// One C ABI return code: its value, its `#define` name and the one-line summary that

@@ -38,7 +38,6 @@ row's largest magnitude / 448); decode reads them with 16-bit queries. Head dims
 and 256, GPUs of sm_89 and newer (FlashcoreError UNSUPPORTED_GPU on older ones).
 """
 
-import math
 from typing import Optional
 
 import torch

@@ -367,7 +367,7 @@ impl Attention {
                     // SAFETY: this function's contract, passed on unchanged.
                     return unsafe { self.launch_sm90(&problem, &cfg, maps, o, lse, stream) };
                 }
-                Err(Error::TensorMap(_) | Error::Driver { .. }) => {
+                Err(e) if e.is_map_refusal() => {
                     let (arch, sms) = (self.device.compute_capability(), self.device.sm_count());
                     dispatch_sm80(arch, sms, problem.dtype, &problem.shape, problem.causal)
                         .map_err(Error::InvalidArgument)?

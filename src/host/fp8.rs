@@ -4,7 +4,8 @@
 //!
 //! Hopper runs the sm90a kernel (TMA + wgmma e4m3); Ada and later GPUs, Hopper when the
 //! caller asks for the fallback ([`PathChoice::Sm80`]), and Hopper calls whose views TMA
-//! cannot describe (a stride of 2^40 bytes or more) run the sm89 one (`mma.sync` e4m3). GPUs below sm_89 have no FP8 tensor cores: a typed error.
+//! cannot describe (a stride of 2^40 bytes or more) run the sm89 one (`mma.sync` e4m3).
+//! GPUs below sm_89 have no FP8 tensor cores: a typed error.
 
 use std::ffi::c_void;
 
@@ -20,7 +21,7 @@ use super::validate::{
 };
 use crate::error::{Error, Result};
 use crate::kernels::attention::fp8::{
-    Fp8Args, Fp8Config, Fp8Path, HEAD_DIMS, VT_GROUP, scale_blocks, vt_min_pitch,
+    Fp8Args, Fp8Config, Fp8Path, HEAD_DIMS, scale_blocks, vt_min_pitch, vt_min_pitch_checked,
 };
 use crate::kernels::attention::{FwdArgs, HalfType, sm90_fp8};
 use crate::ptx::SmemLayout;
@@ -57,9 +58,7 @@ impl VtView {
         head_dim: usize,
         seqlen: usize,
     ) -> Self {
-        let pitch = seqlen
-            .div_ceil(VT_GROUP as usize)
-            .saturating_mul(VT_GROUP as usize);
+        let pitch = vt_min_pitch_checked(seqlen).unwrap_or(usize::MAX);
         let row = head_dim.saturating_mul(pitch);
         VtView {
             ptr,
@@ -501,13 +500,14 @@ fn sm90_maps_or_fallback(cfg: &Fp8Config, ops: &Fp8Operands) -> Result<Option<[T
     if specs.iter().any(|(map, ptr)| map.validate(*ptr).is_err()) {
         return Ok(None);
     }
-    let encode = |(map, ptr): &(TiledMap, u64)| map.encode(*ptr);
-    match (encode(&specs[0]), encode(&specs[1]), encode(&specs[2])) {
-        (Ok(q), Ok(k), Ok(vt)) => Ok(Some([q, k, vt])),
-        (Err(e), _, _) | (_, Err(e), _) | (_, _, Err(e)) => match e {
-            Error::TensorMap(_) | Error::Driver { .. } => Ok(None),
-            e => Err(e),
-        },
+    let [(q, q_ptr), (k, k_ptr), (vt, vt_ptr)] = specs;
+    let encoded = || -> Result<[TensorMap; 3]> {
+        Ok([q.encode(q_ptr)?, k.encode(k_ptr)?, vt.encode(vt_ptr)?])
+    };
+    match encoded() {
+        Ok(maps) => Ok(Some(maps)),
+        Err(e) if e.is_map_refusal() => Ok(None),
+        Err(e) => Err(e),
     }
 }
 

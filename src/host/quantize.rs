@@ -46,7 +46,7 @@ use super::validate::{
 };
 use crate::error::{Error, Result};
 use crate::kernels::attention::HalfType;
-use crate::kernels::attention::fp8::{HEAD_DIMS, SCALE_BLOCK, VT_GROUP, scale_blocks};
+use crate::kernels::attention::fp8::{HEAD_DIMS, SCALE_BLOCK, scale_blocks, vt_min_pitch_checked};
 use crate::kernels::quantize::{QuantArgs, QuantConfig, QuantKind, Smoothing};
 use crate::quant::HadamardSigns;
 use crate::shape::AttnShape;
@@ -114,10 +114,7 @@ impl Fp8Layout {
                 .try_fold(1usize, |acc, &n| acc.checked_mul(n))
                 .ok_or_else(too_large)
         };
-        // `vt_min_pitch`, in checked usize arithmetic.
-        let vt_pitch = sk
-            .checked_next_multiple_of(VT_GROUP as usize)
-            .ok_or_else(too_large)?;
+        let vt_pitch = vt_min_pitch_checked(sk).ok_or_else(too_large)?;
         let mut end = 0usize;
         let mut take = |bytes: usize| -> Result<Region> {
             let offset = end

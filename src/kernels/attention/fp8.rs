@@ -74,6 +74,11 @@ pub const fn vt_min_pitch(seqlen_k: u64) -> u64 {
     seqlen_k.div_ceil(VT_GROUP as u64) * VT_GROUP as u64
 }
 
+/// [`vt_min_pitch`] for host sizes: `None` where it passes `usize`.
+pub const fn vt_min_pitch_checked(seqlen_k: usize) -> Option<usize> {
+    seqlen_k.checked_next_multiple_of(VT_GROUP as usize)
+}
+
 /// Which FP8 kernel family.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Fp8Path {
