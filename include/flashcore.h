@@ -243,7 +243,9 @@ int32_t flashcore_check_forward(const FlashcoreTensor *q, const FlashcoreTensor 
  *                  query sequence may exceed max_seqlen_q: otherwise
  *                  FLASHCORE_ERROR_INVALID_ARGUMENT before anything runs. Without them the
  *                  kernel clamps every sequence to the tensors (it never reads or writes
- *                  outside them), and query rows past max_seqlen_q are not computed.
+ *                  outside them), query rows past max_seqlen_q are not computed, and
+ *                  offsets that decrease give overlapping sequences whose rows of o and
+ *                  lse are written by both, in no set order.
  *   softmax_scale, causal, stream: as for flashcore_forward.
  *
  * On Hopper a sequence's last key tile is read whole, taking the next sequence's first
@@ -363,9 +365,11 @@ int32_t flashcore_check_decode_fp8kv(const FlashcoreTensor *q, const FlashcoreKv
  *   k_new, v_new:  [B, Snew, Hkv, D] of the cache's dtype, Hkv and D (D a multiple of 8),
  *                  pointers 16-byte aligned, strides[3] == 1 and other strides multiples of
  *                  16 bytes, not overlapping the cache; Snew <= capacity and
- *                  B * Snew * Hkv * D / 8 < 2^31.
+ *                  B * Snew * Hkv * D / 8 <= 2146435039 (2^31 - 2^20 - 33: the kernels
+ *                  count 16-byte chunks in 32 bits, with room for their last step).
  *   host_seqlens, host_block_table: NULL, or host copies of the lengths before the append
- *                  (see above): len_b + Snew must not exceed the capacity.
+ *                  (see above): len_b + Snew must not exceed the capacity, and (paged) no
+ *                  two sequences' new tokens may land on the same rows of a shared page.
  *
  * Positions past the capacity, and pages outside the pool, are never written whatever
  * the device metadata holds. All arguments are checked before anything runs. */

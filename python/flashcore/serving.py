@@ -219,9 +219,17 @@ def _prepare_host(fn, batch, block_table, host_seqlens, host_block_table):
         if isinstance(x, torch.Tensor):
             if x.device.type != "cpu":
                 raise ValueError(f"flashcore.{fn}: {name} must be a CPU tensor (a host copy), got {x.device}")
-            x = x.to(torch.int32)
+            if x.is_floating_point() or x.is_complex() or x.dtype == torch.bool:
+                raise ValueError(f"flashcore.{fn}: {name} must hold integers, got {x.dtype}")
         else:
-            x = torch.tensor(x, dtype=torch.int32)
+            x = torch.tensor(x)
+            if x.is_floating_point() or x.is_complex() or x.dtype == torch.bool:
+                raise ValueError(f"flashcore.{fn}: {name} must hold integers, got {x.dtype}")
+        # Checked before the narrowing: a wrapped value (2^32 + 3 as 3) would pass the
+        # library's checks as another, valid entry.
+        if x.numel() and (int(x.min()) < -(2**31) or int(x.max()) >= 2**31):
+            raise ValueError(f"flashcore.{fn}: {name} holds values outside int32 (the device copy's type)")
+        x = x.to(torch.int32)
         if tuple(x.shape) != shape:
             raise ValueError(f"flashcore.{fn}: {name} has shape {tuple(x.shape)}, expected {shape}")
         return x.contiguous()
@@ -545,7 +553,8 @@ def append_kv(
     must be readable by the kernels as they are; they are never copied).
     host_seqlens, host_block_table: optional host copies of the lengths before the append
         and of the block table, checked first: seqlens[b] + Snew must not exceed the
-        capacity, and every page it reaches must lie in the pool.
+        capacity, every page it reaches must lie in the pool, and no two sequences' new
+        tokens may land on the same rows of a shared page.
     k_scale, v_scale: an FP8 cache's scales, as for `decode` (written in place too). The
         cache's k and v are then torch.float8_e4m3fn and k_new, v_new float16 or bfloat16
         (one dtype for both): each new (position, KV head) row of D values is quantized on
@@ -553,7 +562,7 @@ def append_kv(
         nearest e4m3 value.
 
     Positions past the capacity (and pages outside the pool) are never written, whatever
-    the device metadata holds. Snew <= capacity. Returns None. Raises FlashcoreError with
+    the device metadata holds. Snew <= capacity and B·Snew·Hkv·D/8 <= 2146435039. Returns None. Raises FlashcoreError with
     flashcore's message for anything the kernels refuse, ValueError/TypeError for misuse.
     """
     _check_tensor("append_kv", "k_new", k_new, 4)

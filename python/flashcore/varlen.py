@@ -171,7 +171,8 @@ def attention_varlen(
     host_cu_seqlens_q, host_cu_seqlens_k: optional host copies of the offsets (CPU tensors
         or sequences of ints), both or neither: checked (non-decreasing, inside the tensors,
         no sequence past max_seqlen_q) before anything runs. Without them the kernels clamp
-        every sequence to the tensors.
+        every sequence to the tensors, and decreasing offsets give overlapping sequences
+        whose output rows are written by both, in no set order.
 
     Returns o ([total_q, Hq, D], contiguous; rows no sequence covers are left
     uninitialised), or (o, lse). Inference only. Raises FlashcoreError for anything the

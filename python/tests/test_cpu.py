@@ -361,6 +361,14 @@ def test_serving_misuse_is_refused_before_the_library():
         flashcore.decode(q, k, k, lens, host_seqlens=[1, 2], host_block_table=[[0] * 4] * 2)
     with pytest.raises(ValueError, match="shape"):
         flashcore.decode(q, pool, pool, lens, block_table=table, host_seqlens=[1, 2], host_block_table=[[0] * 3] * 2)
+    # Values past int32 are refused, not wrapped into valid-looking entries.
+    with pytest.raises(ValueError, match="outside int32"):
+        flashcore.decode(q, k, k, lens, host_seqlens=torch.tensor([1, 2**32 + 3]))
+    with pytest.raises(ValueError, match="outside int32"):
+        flashcore.decode(q, pool, pool, lens, block_table=table, host_seqlens=[1, 2],
+                         host_block_table=[[0, 1, 2, 2**32 + 3]] * 2)
+    with pytest.raises(ValueError, match="integers"):
+        flashcore.decode(q, k, k, lens, host_seqlens=torch.tensor([1.0, 2.0]))
     # Given correctly they are accepted (and read only by the real call).
     o = flashcore.decode(q, pool, pool, lens, block_table=table, host_seqlens=[1, 2], host_block_table=[[0] * 4] * 2)
     assert o.shape == q.shape

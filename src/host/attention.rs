@@ -547,8 +547,13 @@ impl Attention {
         // SAFETY: the caller vouches for `args`, `maps` and `stream`; the counter (if any)
         // is 4 live bytes of this context, zeroed before the launch on the same stream.
         let launched = unsafe { launch_with_maps(kernel, &dims, stream, args, maps) };
-        let freed = counter.map_or(Ok(()), |ptr| self.free_async(ptr, stream));
-        launched.and(freed)
+        if let Some(ptr) = counter {
+            // Not the call's error once the kernel is queued (the output is being
+            // written, and an error must mean nothing was): a refused free leaks 4 bytes,
+            // and the broken context it signals fails the next call.
+            let _ = self.free_async(ptr, stream);
+        }
+        launched
     }
 
     /// A zeroed `u32` from the stream-ordered allocator, ordered on `stream` (null or a

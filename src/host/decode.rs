@@ -51,8 +51,10 @@ pub struct DecodeProblem {
 }
 
 impl DecodeProblem {
+    /// Query heads per KV head (a problem from [`decode_problem`] divides evenly; a
+    /// hand-made one with no KV heads counts as one, so this never divides by zero).
     pub fn group(&self) -> usize {
-        self.heads_q / self.cache.heads_kv
+        self.heads_q / self.cache.heads_kv.max(1)
     }
 
     /// 16-row chunks of the `Sq · group` query rows that share a KV head.
@@ -283,6 +285,16 @@ fn check_outputs(
 /// whose blocks fill at least 85% of the last wave.
 pub fn plan_decode(p: &DecodeProblem, sm_count: u32, smem_optin: u32) -> Result<DecodePlan> {
     let c = &p.cache;
+    // `decode_problem` never gives these; a problem built by hand might.
+    let sizes = [
+        c.batch, c.heads_kv, c.head_dim, c.capacity, p.seqlen_q, p.heads_q,
+    ];
+    if sizes.contains(&0) || !p.heads_q.is_multiple_of(c.heads_kv) {
+        return Err(Error::InvalidArgument(format!(
+            "no decode plan for batch {}, {} query heads over {} KV heads, head dim {},              capacity {}, {} queries: every size must be at least 1 and the KV heads must              divide the query heads",
+            c.batch, p.heads_q, c.heads_kv, c.head_dim, c.capacity, p.seqlen_q
+        )));
+    }
     let cfg = DecodeConfig::candidates(p.dtype, c.head_dim as u32, c.page_size > 0, c.fp8)
         .into_iter()
         .find(|c| c.smem_bytes() <= smem_optin)
@@ -392,7 +404,8 @@ pub fn validate_append(
     }
     let total = batch
         .checked_mul(new_tokens)
-        .and_then(|n| n.checked_mul(heads_kv * head_dim / 8));
+        .and_then(|n| n.checked_mul(heads_kv))
+        .and_then(|n| n.checked_mul(head_dim / 8));
     if total.is_none_or(|t| t > MAX_APPEND_CHUNKS) || new_tokens > shape.capacity {
         return Err(Error::InvalidArgument(format!(
             "{new_tokens} new tokens of {batch} sequences are too many for one append \
@@ -767,7 +780,10 @@ impl Attention {
             (r, _) => r,
         };
         if owned {
-            self.free_async(ws, stream)?;
+            // Not the call's error: once the kernels are queued, `o` is being written,
+            // and an error must mean nothing was. A free the driver refuses leaks the
+            // workspace; the broken context it signals fails the next call.
+            let _ = self.free_async(ws, stream);
         }
         merged
     }
@@ -913,7 +929,16 @@ fn check_workspace(
             w.bytes
         )));
     }
-    let range = (w.ptr, w.ptr.saturating_add(needed as u64));
+    let end = u64::try_from(needed)
+        .ok()
+        .and_then(|n| w.ptr.checked_add(n))
+        .ok_or_else(|| {
+            Error::InvalidArgument(format!(
+                "a workspace of {needed} bytes at {:#x} passes the end of the address space",
+                w.ptr
+            ))
+        })?;
+    let range = (w.ptr, end);
     let mut others = cache.byte_ranges(p.cache.batch);
     others.extend(q.byte_range().map(|r| ("q", r)));
     others.extend(o.byte_range().map(|r| ("o", r)));
@@ -1270,6 +1295,117 @@ mod tests {
         assert!(validate_decode(&q0, &c, &o, None, &bad_scale).is_err());
     }
 
+    /// The public pieces a caller may drive by hand (a plan, host metadata, a
+    /// workspace) refuse inconsistent inputs with an error rather than dividing by zero,
+    /// overflowing or wrapping an address.
+    #[test]
+    fn hand_made_inputs_get_errors_not_panics() {
+        let c = cache(2, 1024, 2, 128, None);
+        let p = check(&q(2, 1, 8, 128, 4 * GB), &c).unwrap();
+        let mut no_batch = p;
+        no_batch.cache.batch = 0;
+        assert!(plan_decode(&no_batch, 132, 227 * 1024).is_err());
+        let mut no_heads = p;
+        no_heads.cache.heads_kv = 0;
+        assert_eq!(no_heads.group(), 8);
+        assert!(plan_decode(&no_heads, 132, 227 * 1024).is_err());
+        let mut uneven = p;
+        uneven.heads_q = 7;
+        assert!(plan_decode(&uneven, 132, 227 * 1024).is_err());
+
+        let shape = c.validate(2).unwrap();
+        let lens = HostMetadata {
+            seqlens: &[4, 3],
+            block_table: None,
+        };
+        assert!(lens.check(&c, &shape, usize::MAX).is_err());
+        let paged = cache(2, 64, 2, 64, Some(16));
+        let mut pshape = paged.validate(2).unwrap();
+        let table: Vec<i32> = (0..8).collect();
+        let meta = HostMetadata {
+            seqlens: &[4, 3],
+            block_table: Some(&table),
+        };
+        assert!(meta.check(&paged, &pshape, 0).is_ok());
+        pshape.page_size = 0;
+        assert!(meta.check(&paged, &pshape, 0).is_err());
+
+        // 2^61 heads of 8 (a zero head stride gets this far): the chunk count
+        // overflows and is refused.
+        let huge = TensorView {
+            ptr: GB,
+            dtype: DType::F16,
+            shape: [1, 1, 1 << 61, 8],
+            strides: [0, 0, 0, 1],
+        };
+        let huge_cache = KvCache {
+            k: huge,
+            v: TensorView {
+                ptr: 2 * GB,
+                ..huge
+            },
+            ..c
+        };
+        let new = TensorView {
+            ptr: 4 * GB,
+            ..huge
+        };
+        let vnew = TensorView {
+            ptr: 5 * GB,
+            ..huge
+        };
+        assert!(validate_append(&huge_cache, &new, &vnew).is_err());
+
+        // A split decode's workspace whose end passes 2^64.
+        let plan = plan_decode(&p, 132, 227 * 1024).unwrap();
+        assert!(plan.splits > 1);
+        let o = q(2, 1, 8, 128, 5 * GB);
+        let w = Workspace {
+            ptr: u64::MAX - 255,
+            bytes: usize::MAX,
+        };
+        let q1 = q(2, 1, 8, 128, 4 * GB);
+        let e = check_workspace(&w, plan.workspace_bytes, &c, &q1, &o, None, &p);
+        assert!(matches!(e, Err(Error::InvalidArgument(_))), "{e:?}");
+    }
+
+    /// Sequences may share pages (a common prefix) for reading; an append whose new
+    /// rows of two sequences land on the same rows of one page is refused.
+    #[test]
+    fn appends_into_shared_pages_must_not_collide() {
+        let c = cache(2, 64, 2, 64, Some(16));
+        let shape = c.validate(2).unwrap();
+        // Page 0 is both sequences' first page.
+        let table = [0, 1, 2, 3, 0, 5, 6, 7];
+        let meta = |lens: &'static [i32]| HostMetadata {
+            seqlens: lens,
+            block_table: Some(&table),
+        };
+        assert!(
+            meta(&[3, 3]).check(&c, &shape, 0).is_ok(),
+            "reads share pages"
+        );
+        assert!(
+            meta(&[20, 3]).check(&c, &shape, 2).is_ok(),
+            "different pages"
+        );
+        assert!(
+            meta(&[3, 5]).check(&c, &shape, 2).is_ok(),
+            "rows 3..5 and 5..7"
+        );
+        for lens in [&[3, 3][..], &[3, 4], &[4, 3], &[1, 0]] {
+            let e = meta(lens).check(&c, &shape, 2);
+            assert!(
+                matches!(e, Err(Error::InvalidArgument(ref m)) if m.contains("page 0")),
+                "{lens:?}: {e:?}"
+            );
+        }
+        // Longer appends cross pages: sequence 0 from row 10 of page 0 on into page 1,
+        // sequence 1 from position 0 of the shared page 0.
+        assert!(meta(&[10, 0]).check(&c, &shape, 12).is_err());
+        assert!(meta(&[16, 0]).check(&c, &shape, 16).is_ok());
+    }
+
     #[test]
     fn host_metadata_is_checked_against_capacity_and_pool() {
         let c = cache(2, 64, 2, 64, Some(16));
@@ -1526,6 +1662,37 @@ mod tests {
             ..interleaved
         };
         refused(&shifted);
+        // K `[1, 2, heads, 32]` with padded position rows, V `v_at` elements on; the
+        // append's new rows are elsewhere.
+        let padded = |strides: [usize; 4], heads: usize, v_at: u64| {
+            let k = TensorView {
+                strides,
+                ..TensorView::bshd(GB, DType::F16, 1, 2, heads, 32)
+            };
+            let v = TensorView {
+                ptr: GB + 2 * v_at,
+                ..k
+            };
+            let new = TensorView::bshd(4 * GB, DType::F16, 1, 1, heads, 32);
+            let vnew = TensorView { ptr: 5 * GB, ..new };
+            validate_append(&KvCache { k, v, ..ok }, &new, &vnew)
+        };
+        // Two heads in 96-element rows, V 64 on: one position on and one head back from
+        // a K element is a V element. (The search once tried only forward steps.)
+        assert!(
+            padded([192, 96, 32, 1], 2, 64).is_err(),
+            "K and V share elements"
+        );
+        // One head in 64-element rows, V in the padding: apart, accepted.
+        assert!(padded([128, 64, 32, 1], 1, 32).is_ok());
+    }
+
+    /// The C header and the Python docstring state the append bound as a number.
+    #[test]
+    fn the_documented_append_bound_is_the_checked_one() {
+        assert_eq!(MAX_APPEND_CHUNKS, 2_146_435_039);
+        assert!(include_str!("../../include/flashcore.h").contains("<= 2146435039"));
+        assert!(include_str!("../../python/flashcore/serving.py").contains("<= 2146435039"));
     }
 
     /// The append kernels count 16-byte chunks in 32 bits and step by the grid: an

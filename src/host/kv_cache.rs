@@ -367,7 +367,8 @@ impl KvScales {
 
 impl HostMetadata<'_> {
     /// Checks the lengths (after `extra` more tokens: an append's) against the capacity
-    /// and, for a paged cache, that every page they reach is inside the pool.
+    /// and, for a paged cache, that every page they reach is inside the pool and (an
+    /// append) that no two sequences' new tokens land on the same rows of a page.
     pub fn check(&self, cache: &KvCache, shape: &CacheShape, extra: usize) -> Result<()> {
         if self.seqlens.len() != shape.batch {
             return Err(Error::ShapeMismatch(format!(
@@ -377,7 +378,7 @@ impl HostMetadata<'_> {
             )));
         }
         for (b, &len) in self.seqlens.iter().enumerate() {
-            let end = usize::try_from(len).ok().map(|l| l + extra);
+            let end = usize::try_from(len).ok().and_then(|l| l.checked_add(extra));
             match end {
                 Some(end) if end <= shape.capacity => {}
                 _ => {
@@ -406,6 +407,13 @@ impl HostMetadata<'_> {
                 "a paged cache's host metadata needs its block table".into(),
             ));
         };
+        if shape.page_size == 0 || shape.capacity > max_pages.saturating_mul(shape.page_size) {
+            // `KvCache::validate` never gives such a shape; one built by hand might.
+            return Err(Error::InvalidArgument(format!(
+                "a paged cache of {} positions in pages of {} tokens, {max_pages} pages per                  sequence",
+                shape.capacity, shape.page_size
+            )));
+        }
         let need = shape
             .batch
             .saturating_sub(1)
@@ -429,6 +437,32 @@ impl HostMetadata<'_> {
                 return Err(Error::InvalidArgument(format!(
                     "block_table[{b}][{i}] = {p} is outside the pool of {} pages",
                     shape.pool_pages
+                )));
+            }
+        }
+        if extra > 0 {
+            // An append writes positions len .. len + extra of each sequence: no two may
+            // land on one (page, row) of the pool, or the result depends on the order
+            // the kernel's threads run in. (Shared pages that are only read are fine.)
+            let mut spans = Vec::new();
+            for (b, &len) in self.seqlens.iter().enumerate() {
+                let (mut pos, end) = (len as usize, len as usize + extra);
+                while pos < end {
+                    let (index, row) = (pos / shape.page_size, pos % shape.page_size);
+                    let rows = (shape.page_size - row).min(end - pos);
+                    spans.push((table[b * table_stride + index], row, row + rows, b));
+                    pos += rows;
+                }
+            }
+            spans.sort_unstable();
+            // Sorted by page and first row, any overlap shows between neighbours.
+            if let Some(w) = spans
+                .windows(2)
+                .find(|w| w[0].0 == w[1].0 && w[1].1 < w[0].2)
+            {
+                return Err(Error::InvalidArgument(format!(
+                    "sequences {} and {} would both append to rows {}.. of page {}",
+                    w[0].3, w[1].3, w[1].1, w[0].0
                 )));
             }
         }

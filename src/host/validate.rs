@@ -402,18 +402,29 @@ pub(crate) fn views_disjoint(a: &TensorView, b: &TensorView) -> bool {
     if delta == 0 || !delta.is_multiple_of(elem) {
         return false;
     }
-    // Strides nest (each steps past the smaller dimensions' span), so the index
-    // difference that reaches `delta`, if any, is the greedy one from the largest.
-    let mut dims = [0usize, 1, 2, 3];
-    dims.sort_by_key(|&i| std::cmp::Reverse(a.strides[i]));
-    let mut left = delta / elem;
-    for i in dims {
-        let stride = a.strides[i] as u64;
-        if stride > 0 && a.shape[i] > 1 {
-            left -= (left / stride).min(a.shape[i] as u64 - 1) * stride;
-        }
-    }
-    left != 0
+    // Strides nest (each steps past the smaller dimensions' span): see `reaches`.
+    let mut dims: Vec<(i128, i128)> = (0..4)
+        .filter(|&i| a.strides[i] > 0 && a.shape[i] > 1)
+        .map(|i| (a.strides[i] as i128, a.shape[i] as i128))
+        .collect();
+    dims.sort_by_key(|&(stride, _)| std::cmp::Reverse(stride));
+    !reaches(i128::from(delta / elem), &dims)
+}
+
+/// Whether some index difference `d` (`|d_i| < n_i`) of `dims`, (stride, extent) pairs
+/// largest stride first whose strides nest (each exceeds the span of the smaller ones),
+/// reaches `left` elements: `Σ d_i · stride_i = left`. At each level the smaller
+/// dimensions reach at most their span, less than the stride, so `d_i` is `left / stride`
+/// rounded down or up: at most two paths per level. (Differences of either sign count:
+/// with padded rows, one position on and one head back can land on the same element.)
+fn reaches(left: i128, dims: &[(i128, i128)]) -> bool {
+    let Some((&(stride, n), rest)) = dims.split_first() else {
+        return left == 0;
+    };
+    let q = left.div_euclid(stride);
+    [q, q + 1]
+        .into_iter()
+        .any(|d| d.abs() < n && reaches(left - d * stride, rest))
 }
 
 /// Half-open ranges `[a0, a1)` and `[b0, b1)` intersect.

@@ -23,10 +23,11 @@
 //!    ([`Error::InvalidArgument`]).
 //!
 //! Without host copies the kernels clamp each sequence's rows to the tensors, so no
-//! offset makes them touch memory outside the views; offsets that are not
-//! non-decreasing then give empty or truncated sequences rather than an error, and query
-//! rows past `max_seqlen_q` in a sequence are not computed. Pass host copies to have
-//! those refused.
+//! offset makes them touch memory outside the views; but offsets that are not
+//! non-decreasing then give empty, truncated or overlapping sequences rather than an
+//! error (with `[0, 100, 50, 300]` sequences 0 and 2 both write rows 50..100 of `o` and
+//! the LSE, in no set order), and query rows past `max_seqlen_q` in a sequence are not
+//! computed. Pass host copies to have those refused.
 //!
 //! On the sm90 path a sequence's last key tile is read whole through TMA, so it takes
 //! the first rows of the next sequence's K and V (zero-filled only past the last
