@@ -219,12 +219,10 @@ def _prepare_host(fn, batch, block_table, host_seqlens, host_block_table):
         if isinstance(x, torch.Tensor):
             if x.device.type != "cpu":
                 raise ValueError(f"flashcore.{fn}: {name} must be a CPU tensor (a host copy), got {x.device}")
-            if x.is_floating_point() or x.is_complex() or x.dtype == torch.bool:
-                raise ValueError(f"flashcore.{fn}: {name} must hold integers, got {x.dtype}")
         else:
             x = torch.tensor(x)
-            if x.is_floating_point() or x.is_complex() or x.dtype == torch.bool:
-                raise ValueError(f"flashcore.{fn}: {name} must hold integers, got {x.dtype}")
+        if x.is_floating_point() or x.is_complex() or x.dtype == torch.bool:
+            raise ValueError(f"flashcore.{fn}: {name} must hold integers, got {x.dtype}")
         # Checked before the narrowing: a wrapped value (2^32 + 3 as 3) would pass the
         # library's checks as another, valid entry.
         if x.numel() and (int(x.min()) < -(2**31) or int(x.max()) >= 2**31):
@@ -562,8 +560,9 @@ def append_kv(
         nearest e4m3 value.
 
     Positions past the capacity (and pages outside the pool) are never written, whatever
-    the device metadata holds. Snew <= capacity and B·Snew·Hkv·D/8 <= 2146435039. Returns None. Raises FlashcoreError with
-    flashcore's message for anything the kernels refuse, ValueError/TypeError for misuse.
+    the device metadata holds. Snew <= capacity and B·Snew·Hkv·D/8 <= 2146435039. Returns
+    None. Raises FlashcoreError with flashcore's message for anything the kernels refuse,
+    ValueError/TypeError for misuse.
     """
     _check_tensor("append_kv", "k_new", k_new, 4)
     _check_tensor("append_kv", "v_new", v_new, 4)

@@ -548,10 +548,7 @@ impl Attention {
         // is 4 live bytes of this context, zeroed before the launch on the same stream.
         let launched = unsafe { launch_with_maps(kernel, &dims, stream, args, maps) };
         if let Some(ptr) = counter {
-            // Not the call's error once the kernel is queued (the output is being
-            // written, and an error must mean nothing was): a refused free leaks 4 bytes,
-            // and the broken context it signals fails the next call.
-            let _ = self.free_async(ptr, stream);
+            self.free_behind_launch(ptr, stream);
         }
         launched
     }
@@ -585,6 +582,14 @@ impl Attention {
             sys::cuMemAllocAsync(&mut ptr, bytes, stream)
         })?;
         Ok(ptr)
+    }
+
+    /// [`Attention::free_async`] behind a kernel already queued on `stream`, whose output
+    /// is being written: a refused free is not the call's error (an error must mean
+    /// nothing was written). It leaks the memory; the broken context it signals fails the
+    /// next call.
+    pub(crate) fn free_behind_launch(&self, ptr: u64, stream: CUstream) {
+        let _ = self.free_async(ptr, stream);
     }
 
     /// Returns memory from [`Attention::alloc_async`] once `stream` has run past this point.

@@ -291,7 +291,9 @@ pub fn plan_decode(p: &DecodeProblem, sm_count: u32, smem_optin: u32) -> Result<
     ];
     if sizes.contains(&0) || !p.heads_q.is_multiple_of(c.heads_kv) {
         return Err(Error::InvalidArgument(format!(
-            "no decode plan for batch {}, {} query heads over {} KV heads, head dim {},              capacity {}, {} queries: every size must be at least 1 and the KV heads must              divide the query heads",
+            "no decode plan for batch {}, {} query heads over {} KV heads, head dim {}, \
+             capacity {}, {} queries: every size must be at least 1 and the KV heads must \
+             divide the query heads",
             c.batch, p.heads_q, c.heads_kv, c.head_dim, c.capacity, p.seqlen_q
         )));
     }
@@ -780,10 +782,7 @@ impl Attention {
             (r, _) => r,
         };
         if owned {
-            // Not the call's error: once the kernels are queued, `o` is being written,
-            // and an error must mean nothing was. A free the driver refuses leaks the
-            // workspace; the broken context it signals fails the next call.
-            let _ = self.free_async(ws, stream);
+            self.free_behind_launch(ws, stream);
         }
         merged
     }

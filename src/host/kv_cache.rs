@@ -410,7 +410,8 @@ impl HostMetadata<'_> {
         if shape.page_size == 0 || shape.capacity > max_pages.saturating_mul(shape.page_size) {
             // `KvCache::validate` never gives such a shape; one built by hand might.
             return Err(Error::InvalidArgument(format!(
-                "a paged cache of {} positions in pages of {} tokens, {max_pages} pages per                  sequence",
+                "a paged cache of {} positions in pages of {} tokens, {max_pages} pages per \
+                 sequence",
                 shape.capacity, shape.page_size
             )));
         }
