@@ -24,6 +24,20 @@ impl Kernel {
         d
     }
 
+    /// `vote.sync.all.pred` over the full warp: true in every lane when `p` is true in
+    /// every lane. Makes a per-thread condition warp-uniform (for a branch around
+    /// shuffles, which need the whole warp).
+    pub fn vote_all(&mut self, p: Reg<Pred>) -> Reg<Pred> {
+        self.check_owner(&[Src::<Pred>::owner(&p)]);
+        let d = self.reg::<Pred>();
+        self.emit(format!(
+            "vote.sync.all.pred {}, {}, 0xffffffff;",
+            d.name(),
+            p.name()
+        ));
+        d
+    }
+
     /// `elect.sync`: true in exactly one lane of the (fully active) warp, the same lane
     /// in every call. The lane that issues a warp's TMA copies and barrier arrivals.
     pub fn elect_one(&mut self) -> Reg<Pred> {

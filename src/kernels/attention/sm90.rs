@@ -8,7 +8,7 @@
 //! ```text
 //! producer (warpgroup 0)                 consumer c (warpgroups 1, 2; rows 64c..64c+64)
 //! load Q once                            wait Q
-//! for n in (0..end).rev():               S = Q K[last]^T; mask; softmax -> P
+//! for n in (0..end).rev():               S = Q K[last]^T; mask; softmax -> P [left part]
 //!     K ring: acquire, TMA K[n]          for n in (0..last).rev():  [masked, then unmasked]
 //!     V ring: acquire, TMA V[n]              my turn:  S = Q K[n]^T             (wgmma SS)
 //!                                                      O *= rescale; O += P V[n+1] (wgmma RS)
@@ -19,6 +19,9 @@
 //!                                        O *= rescale; O += P V[0]; O /= l
 //!                                        stmatrix O to shared memory, TMA store; LSE
 //! ```
+//!
+//! On the causal diagonal a warp whose rows see none of the last tile's right half (the
+//! first 64 rows of a 128-row item) runs that tile's softmax on the left half alone.
 //!
 //! The softmax of tile n runs while the tensor cores multiply P·V of tile n+1 (the
 //! intra-warpgroup overlap), and while one consumer warpgroup does its softmax the other
@@ -42,7 +45,7 @@ use std::mem::offset_of;
 
 use super::epilogue::{LseForm, OutputBlock, OutputStage, store_output_staged};
 use super::mask::{KeyTiles, apply_mask, key_tiles, query_block};
-use super::rows::Rows;
+use super::rows::{Rows, Slab};
 use super::sequence::{Sequence, sequence};
 use super::softmax::{OnlineSoftmax, pack_probs_into, rescale_rows};
 use super::{FwdArgs, FwdConfig, HalfType, Tiling};
@@ -955,9 +958,36 @@ impl<H: Half2 + WgmmaInput> Consumer<'_, H> {
         k.wgmma_wait(0);
         let s = k.wgmma_retire(s);
         self.release_kv(k, kr);
-        self.mask(k, &s, last);
-        self.exponentiate(k, &s);
-        pack_probs_into(k, &s.tiles(), &self.p);
+        let tiles = s.tiles();
+        let full = |k: &mut Kernel| {
+            self.mask_tiles(k, &tiles, last);
+            self.exponentiate_tiles(k, &tiles);
+            pack_probs_into(k, &tiles, &self.p);
+        };
+        if self.f.causal {
+            // Where every row of this warp sees only the tile's left part (on the causal
+            // diagonal, the first 64 rows of a 128-row item), the softmax covers that
+            // part alone and the rest of P is 0: the masked keys cost no exponentials.
+            let left = tiles[..self.left_tiles()].to_vec();
+            let only_left = self.sees_only_left_part(k, last);
+            k.if_else(
+                only_left,
+                |k| {
+                    self.mask_tiles(k, &left, last);
+                    self.exponentiate_tiles(k, &left);
+                    pack_probs_into(k, &left, &self.p[..left.len() / 2]);
+                    let zero = k.mov(0f32);
+                    for p in &self.p[left.len() / 2..] {
+                        for &r in p {
+                            k.pack_half2_to(r, zero, zero);
+                        }
+                    }
+                },
+                full,
+            );
+        } else {
+            full(k);
+        }
 
         k.comment("Tiles that cross the sequence end or the diagonal, last to first.");
         let stride = self.tile_stride();
@@ -1031,7 +1061,12 @@ impl<H: Half2 + WgmmaInput> Consumer<'_, H> {
     /// rescale of O in `factors`, the scores turned into unnormalised probabilities,
     /// with the scale folded into the exponent or not ([`FwdConfig::fold_scale`]).
     fn exponentiate<NS: WgmmaN>(&self, k: &mut Kernel, s: &Acc<NS>) {
-        let (tiles, factors) = ([s.tiles()], [self.factors]);
+        self.exponentiate_tiles(k, &s.tiles());
+    }
+
+    /// [`Consumer::exponentiate`] on some of the tile's 8-column tiles.
+    fn exponentiate_tiles(&self, k: &mut Kernel, tiles: &Slab) {
+        let (tiles, factors) = ([tiles.clone()], [self.factors]);
         if self.f.fold_scale {
             self.softmax
                 .update_scaled(k, &tiles, self.scale_log2, 0.0, &factors);
@@ -1091,11 +1126,39 @@ impl<H: Half2 + WgmmaInput> Consumer<'_, H> {
         flying
     }
 
+    /// Whether every row of this thread's warp sees no key of key tile `n` past its left
+    /// part ([`Consumer::left_tiles`]; warp-uniform, so that the branch on it keeps the
+    /// softmax's shuffles whole).
+    fn sees_only_left_part(&self, k: &mut Kernel, n: Reg<S32>) -> Reg<crate::ptx::Pred> {
+        let left_keys = (self.left_tiles() * 8) as i32;
+        let first_key = k.mul(n, self.f.s.block_n as i32);
+        let right = k.add(first_key, left_keys);
+        // Of the thread's rows (g and g + 8 of the warp's one slab) the later sees more.
+        let row = k.add_sat(self.b.m_start, self.roles.rows.row0);
+        let row = k.add_sat(row, Rows::offset(0, 1) as i32);
+        let diag = k.add_sat(row, self.b.causal_offset);
+        let diag = k.add_sat(diag, 1i32);
+        let limit = k.min(self.b.seq.seqlen_k, diag);
+        let mine = k.setp(Cmp::Le, limit, right);
+        k.vote_all(mine)
+    }
+
+    /// The 8-column tiles of a key tile's left part: half of them, rounded up to whole
+    /// 16-key fragments of P.
+    fn left_tiles(&self) -> usize {
+        (self.f.s.block_n as usize / 2).div_ceil(16) * 2
+    }
+
     /// The mask of key tile `n` on this warpgroup's scores.
     fn mask<NS: WgmmaN>(&self, k: &mut Kernel, s: &Acc<NS>, n: Reg<S32>) {
+        self.mask_tiles(k, &s.tiles(), n);
+    }
+
+    /// [`Consumer::mask`] on some of the tile's 8-column tiles, from its first.
+    fn mask_tiles(&self, k: &mut Kernel, tiles: &Slab, n: Reg<S32>) {
         let first_key = k.mul(n, self.f.s.block_n as i32);
         let causal = self.f.causal.then_some(self.b.causal_offset);
-        let scores = [s.tiles()];
+        let scores = [tiles.clone()];
         apply_mask(
             k,
             &self.roles.rows,
@@ -1543,6 +1606,30 @@ mod tests {
     /// The epilogue writes O with stmatrix and sends it by TMA (one `{64, 16}` box per
     /// warp and 64-column block), and keeps the direct stores for launches without a map
     /// of O.
+    #[test]
+    fn causal_diagonal_tile_can_take_its_softmax_on_the_left_part_alone() {
+        let count = |ptx: &str, op: &str| ptx.lines().filter(|l| l.contains(op)).count();
+        for d in HEAD_DIMS {
+            for dtype in [HalfType::F16, HalfType::Bf16] {
+                let full = generate(&config(d, dtype, false)).unwrap().to_ptx();
+                let causal = generate(&config(d, dtype, true)).unwrap().to_ptx();
+                // One warp-uniform choice, only under a causal mask.
+                assert_eq!(count(&full, "vote.sync.all.pred"), 0, "d{d}");
+                assert_eq!(count(&causal, "vote.sync.all.pred"), 1, "d{d}");
+                // The left part's softmax is a second copy of the first tile's: its
+                // exponentials (4 per 8-column tile) and the two rows' rescales.
+                let block_n = Shape::of(&config(d, dtype, true)).block_n as usize;
+                let left_tiles = (block_n / 2).div_ceil(16) * 2;
+                assert!(left_tiles * 8 < block_n && left_tiles.is_multiple_of(2), "d{d}");
+                assert_eq!(
+                    count(&causal, "ex2.approx"),
+                    count(&full, "ex2.approx") + 4 * left_tiles + 2,
+                    "d{d} {dtype:?}"
+                );
+            }
+        }
+    }
+
     #[test]
     fn epilogue_stages_output_for_a_tma_store() {
         for d in HEAD_DIMS {
