@@ -1620,7 +1620,10 @@ mod tests {
                 // exponentials (4 per 8-column tile) and the two rows' rescales.
                 let block_n = Shape::of(&config(d, dtype, true)).block_n as usize;
                 let left_tiles = (block_n / 2).div_ceil(16) * 2;
-                assert!(left_tiles * 8 < block_n && left_tiles.is_multiple_of(2), "d{d}");
+                assert!(
+                    left_tiles * 8 < block_n && left_tiles.is_multiple_of(2),
+                    "d{d}"
+                );
                 assert_eq!(
                     count(&causal, "ex2.approx"),
                     count(&full, "ex2.approx") + 4 * left_tiles + 2,
