@@ -98,6 +98,28 @@ fn visited_tiles(
     KeyTiles { end, mask_from }
 }
 
+/// One past the last key the thread's row `(slab, half)` sees: `seqlen_k`, and with
+/// `causal_offset` at most its diagonal plus one (negative for a row that sees no key).
+pub fn row_key_limit(
+    k: &mut Kernel,
+    rows: &Rows,
+    (slab, half): (usize, usize),
+    m_start: Reg<S32>,
+    seqlen_k: Reg<S32>,
+    causal_offset: Option<Reg<S32>>,
+) -> Reg<S32> {
+    let Some(offset) = causal_offset else {
+        return seqlen_k;
+    };
+    // Row + offset + 1 may exceed 2^31 − 1 for rows past Sq (never stored): saturate
+    // instead of wrapping into a negative limit.
+    let row = k.add_sat(m_start, rows.row0);
+    let row = k.add_sat(row, Rows::offset(slab, half) as i32);
+    let diag = k.add_sat(row, offset);
+    let diag = k.add_sat(diag, 1i32);
+    k.min(seqlen_k, diag)
+}
+
 /// Sets to −∞ the scores of keys a row must not see: keys at or past `seqlen_k` and,
 /// with `causal_offset`, keys past the row's diagonal. `first_key` is the tile's first
 /// key, `m_start` the block's first query row.
@@ -113,15 +135,8 @@ pub fn apply_mask(
     let first_col = k.add(first_key, rows.col);
     for (slab, tiles) in scores.iter().enumerate() {
         for half in 0..2 {
-            let mut limit = seqlen_k;
-            if let Some(offset) = causal_offset {
-                // Row + offset + 1 may exceed 2^31 − 1 for rows past Sq (never stored):
-                // saturate instead of wrapping into a negative limit.
-                let row = k.add_sat(m_start, rows.row0);
-                let row = k.add_sat(row, Rows::offset(slab, half) as i32);
-                let diag = k.add_sat(row, offset);
-                let diag = k.add_sat(diag, 1i32);
-                limit = k.min(limit, diag);
+            let mut limit = row_key_limit(k, rows, (slab, half), m_start, seqlen_k, causal_offset);
+            if causal_offset.is_some() {
                 limit = k.max(limit, 0i32);
             }
             // Column j of tile nt is first_col + 8·nt + j: masked when that is >= limit.

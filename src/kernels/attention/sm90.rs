@@ -44,7 +44,7 @@
 use std::mem::offset_of;
 
 use super::epilogue::{LseForm, OutputBlock, OutputStage, store_output_staged};
-use super::mask::{KeyTiles, apply_mask, key_tiles, query_block};
+use super::mask::{KeyTiles, apply_mask, key_tiles, query_block, row_key_limit};
 use super::rows::{Rows, Slab};
 use super::sequence::{Sequence, sequence};
 use super::softmax::{OnlineSoftmax, pack_probs_into, rescale_rows};
@@ -1134,11 +1134,16 @@ impl<H: Half2 + WgmmaInput> Consumer<'_, H> {
         let first_key = k.mul(n, self.f.s.block_n as i32);
         let right = k.add(first_key, left_keys);
         // Of the thread's rows (g and g + 8 of the warp's one slab) the later sees more.
-        let row = k.add_sat(self.b.m_start, self.roles.rows.row0);
-        let row = k.add_sat(row, Rows::offset(0, 1) as i32);
-        let diag = k.add_sat(row, self.b.causal_offset);
-        let diag = k.add_sat(diag, 1i32);
-        let limit = k.min(self.b.seq.seqlen_k, diag);
+        let b = self.b;
+        let causal = Some(b.causal_offset);
+        let limit = row_key_limit(
+            k,
+            &self.roles.rows,
+            (0, 1),
+            b.m_start,
+            b.seq.seqlen_k,
+            causal,
+        );
         let mine = k.setp(Cmp::Le, limit, right);
         k.vote_all(mine)
     }
