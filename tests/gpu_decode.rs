@@ -335,8 +335,8 @@ fn run_case(attn: &Attention, s: &Arc<CudaStream>, rng: &mut Rng, c: &Case) -> (
         causal: c.causal,
     };
     let ws_bytes = attn.decode_workspace_bytes(&qv, &kv).expect("plan");
-    let ws: Option<CudaSlice<u8>> =
-        (c.workspace && ws_bytes > 0).then(|| s.alloc_zeros(ws_bytes + 256).unwrap());
+    let ws: Option<CudaSlice<u32>> =
+        (c.workspace && ws_bytes > 0).then(|| workspace_garbage(s, rng, ws_bytes + 256));
     let workspace = ws.as_ref().map(|w| Workspace {
         ptr: ptr(s, w).next_multiple_of(256),
         bytes: ws_bytes,
@@ -361,6 +361,19 @@ fn run_case(attn: &Attention, s: &Arc<CudaStream>, rng: &mut Rng, c: &Case) -> (
     let scale = 1.0 / (c.head_dim as f64).sqrt();
     let (want, want_lse) = reference_decode(c, &q, &cache, scale as f32 as f64);
     (rel_l2(&got, &want), lse_error(&got_lse, &want_lse))
+}
+
+/// A caller's workspace of at least `bytes` as the caller's allocator may hand it over:
+/// random words, all-ones (NaN as floats) and zeros. Nothing of it may reach the output.
+fn workspace_garbage(s: &Arc<CudaStream>, rng: &mut Rng, bytes: usize) -> CudaSlice<u32> {
+    let words: Vec<u32> = (0..bytes.div_ceil(4))
+        .map(|i| match i % 3 {
+            0 => rng.next_u64() as u32,
+            1 => u32::MAX,
+            _ => 0,
+        })
+        .collect();
+    up(s, &words)
 }
 
 fn run_all(cases: &[Case]) {
@@ -466,6 +479,98 @@ fn decode_head_dims_and_long_caches() {
     long.host_check = false;
     cases.push(long);
     run_all(&cases);
+}
+
+/// One decode step (kernel and merge) captured in a CUDA graph and replayed with new
+/// queries and new lengths each time, as a serving loop replays it while its caches
+/// grow: every replay gives its own inputs' answer, from a caller's workspace that
+/// starts as garbage.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn decode_graph_replays_follow_new_inputs() {
+    let (attn, s) = setup();
+    let mut seeds = seeds();
+    let mut rng = seeds.next_case();
+    let replay = seeds.replay(&rng);
+    for page in [0, 16] {
+        let mut c = case(HalfType::F16, (32, 8), 128, 1, &[8192, 2500], page, false);
+        c.host_check = false;
+        // Every position holds real keys, so the lengths may move anywhere up to the
+        // capacity between replays.
+        let capacity = capacity_for(&c);
+        let mut cache = DeviceCache::new(&s, &mut rng, &c, capacity, &[capacity; 2]);
+        let b = c.lens.len();
+        let nq = b * c.seqlen_q * c.heads_q * c.head_dim;
+        let dt = dtype_of(c.dtype);
+        let mut dq = up(&s, &vec![0u16; nq]);
+        let mut o = up(&s, &vec![reference::poison(c.dtype); nq]);
+        let mut lse = up(&s, &vec![f32::NAN; b * c.heads_q]);
+        let qv = TensorView::bshd(ptr(&s, &dq), dt, b, 1, c.heads_q, c.head_dim);
+        let ov = TensorView::bshd(ptr(&s, &o), dt, b, 1, c.heads_q, c.head_dim);
+        let lv = LseView { ptr: ptr(&s, &lse) };
+        let kv = cache.view(&s, &c);
+        let ws_bytes = attn.decode_workspace_bytes(&qv, &kv).expect("plan");
+        assert!(ws_bytes > 0, "{c}: a split plan");
+        let ws = workspace_garbage(&s, &mut rng, ws_bytes + 256);
+        let workspace = Workspace {
+            ptr: ptr(&s, &ws).next_multiple_of(256),
+            bytes: ws_bytes,
+        };
+        s.synchronize().unwrap();
+        let side = s.context().new_stream().unwrap();
+        side.begin_capture(
+            cudarc::driver::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
+        )
+        .unwrap();
+        // SAFETY: every view points into this function's live device buffers, sized for
+        // it; the graph replays on `side` before they are dropped.
+        let captured = unsafe {
+            attn.decode(
+                &qv,
+                &kv,
+                None,
+                &ov,
+                Some(&lv),
+                &AttentionParams::default(),
+                Some(workspace),
+                side.cu_stream(),
+            )
+        };
+        let graph = side
+            .end_capture(
+                cudarc::driver::sys::CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH,
+            )
+            .unwrap();
+        captured.unwrap_or_else(|e| panic!("{c}: {e}"));
+        let graph = graph.expect("a captured graph");
+        let scale = (1.0 / (c.head_dim as f64).sqrt()) as f32 as f64;
+        for (turn, lens) in [[8192, 2500], [8000, 2501], [8192, 1], [4097, 2500]]
+            .into_iter()
+            .enumerate()
+        {
+            c.lens = lens.to_vec();
+            cache.host_lens = lens.iter().map(|&l| l as i32).collect();
+            let (q_bits, q) = reference::random_half(&mut rng, nq, c.dtype);
+            s.memcpy_htod(&q_bits, &mut dq).unwrap();
+            s.memcpy_htod(&cache.host_lens, &mut cache.seqlens).unwrap();
+            s.memcpy_htod(&vec![reference::poison(c.dtype); nq], &mut o)
+                .unwrap();
+            s.memcpy_htod(&vec![f32::NAN; b * c.heads_q], &mut lse)
+                .unwrap();
+            s.synchronize().unwrap();
+            graph.launch().unwrap();
+            side.synchronize().unwrap();
+            let got = half_bits_to_f64(&down(&s, &o), c.dtype);
+            let got_lse: Vec<f64> = down(&s, &lse).into_iter().map(f64::from).collect();
+            let (want, want_lse) = reference_decode(&c, &q, &cache, scale);
+            let (err, lse_err) = (rel_l2(&got, &want), lse_error(&got_lse, &want_lse));
+            println!("{c}, replay {turn}: out {err:.2e} lse {lse_err:.2e} ({replay})");
+            assert!(
+                err <= tolerance(c.dtype) && lse_err <= 1e-2,
+                "{c}, replay {turn}: out {err:.2e} lse {lse_err:.2e} ({replay})"
+            );
+        }
+    }
 }
 
 /// Bad metadata is refused before anything runs: the output keeps its poison.
