@@ -129,7 +129,8 @@ fn tensor_core_and_async_copy_golden() {
     let packed = k.pack_half2::<Bf16x2>(acc[0], acc[1]);
     let _ = k.shfl_bfly(packed, 2);
     let mine = k.setp(Cmp::Gt, acc[0], 0f32);
-    let _ = k.vote_all(mine);
+    let all = k.vote_all(mine);
+    let _ = k.vote_any(all);
     let lines = body(k);
     let want = [
         "mov.u32 %r0, mma_smem;",
@@ -147,6 +148,7 @@ fn tensor_core_and_async_copy_golden() {
     assert!(lines.contains(&"cvt.rn.bf16x2.f32 %r7, %f1, %f0;".to_string()));
     assert!(lines.contains(&"shfl.sync.bfly.b32 %r8, %r7, 2, 0x1f, 0xffffffff;".to_string()));
     assert!(lines.contains(&"vote.sync.all.pred %p1, %p0, 0xffffffff;".to_string()));
+    assert!(lines.contains(&"vote.sync.any.pred %p2, %p1, 0xffffffff;".to_string()));
 }
 
 #[test]

@@ -38,6 +38,19 @@ impl Kernel {
         d
     }
 
+    /// `vote.sync.any.pred` over the full warp: true in every lane when `p` is true in
+    /// some lane. A branch the whole warp takes when any lane needs it.
+    pub fn vote_any(&mut self, p: Reg<Pred>) -> Reg<Pred> {
+        self.check_owner(&[Src::<Pred>::owner(&p)]);
+        let d = self.reg::<Pred>();
+        self.emit(format!(
+            "vote.sync.any.pred {}, {}, 0xffffffff;",
+            d.name(),
+            p.name()
+        ));
+        d
+    }
+
     /// `elect.sync`: true in exactly one lane of the (fully active) warp, the same lane
     /// in every call. The lane that issues a warp's TMA copies and barrier arrivals.
     pub fn elect_one(&mut self) -> Reg<Pred> {

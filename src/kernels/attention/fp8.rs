@@ -51,6 +51,13 @@ pub const VT_GROUP: u32 = 16;
 pub const VT_KEY_ORDER: [u8; 16] = [0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15];
 /// The log2 of the factor probabilities are scaled by before rounding to E4M3.
 pub const P_SHIFT_LOG2: f32 = 8.0;
+/// How far (log2 units) a tile may grow a row's maximum before the Hopper kernel's
+/// running maximum follows it ([`OnlineSoftmax::update_scaled`]'s `lag`): the scaled
+/// probabilities then stay below `2^(8 + 0.75)` ≈ 431, inside E4M3's 448, and most
+/// tiles leave every row's maximum where it was, so O needs no rescale.
+///
+/// [`OnlineSoftmax::update_scaled`]: super::softmax::OnlineSoftmax::update_scaled
+pub const MAX_LAG_LOG2: f32 = 0.75;
 /// Head dimensions with FP8 kernels (powers of two: the Hadamard option needs them too).
 pub const HEAD_DIMS: [u32; 3] = [64, 128, 256];
 

@@ -1069,7 +1069,7 @@ impl<H: Half2 + WgmmaInput> Consumer<'_, H> {
         let (tiles, factors) = ([tiles.clone()], [self.factors]);
         if self.f.fold_scale {
             self.softmax
-                .update_scaled(k, &tiles, self.scale_log2, 0.0, &factors);
+                .update_scaled(k, &tiles, self.scale_log2, 0.0, None, &factors);
         } else {
             self.softmax.update(k, &tiles, self.scale_log2, &factors);
         }

@@ -233,19 +233,27 @@ impl OnlineSoftmax {
     /// `exp2(s·dc − m + offset)` in one FMA, and `factors` get `exp2(m − m')`.
     /// (`dc > 0` keeps the order of the scores, so a tile's largest raw score times `dc`
     /// is its largest scaled one, and a masked −∞ stays −∞.)
+    ///
+    /// With `lag = Some(t)`, a row's running maximum only follows a tile's when that
+    /// grows it by more than `t` (log2 units): otherwise it stays, the row's factor is
+    /// exactly 1 and its probabilities reach up to `2^(offset + t)` rather than
+    /// `2^offset`. The sums and O stay consistent with the maximum in use, so the result
+    /// is the same; what it saves is O's rescale, which a warp whose factors are all 1
+    /// can skip.
     pub fn update_scaled(
         &self,
         k: &mut Kernel,
         scores: &[Slab],
         dc: Reg<F32>,
         offset: f32,
+        lag: Option<f32>,
         factors: &[[Reg<F32>; 2]],
     ) {
         let tile_sums = Self::tile_sums(k, scores.len());
         for (slab, tiles) in scores.iter().enumerate() {
             for half in 0..2 {
                 let (usable, _) =
-                    self.raise_row_log2(k, tiles, slab, half, dc, Some(factors[slab][half]));
+                    self.raise_row_log2(k, tiles, [slab, half], dc, lag, Some(factors[slab][half]));
                 let bias = k.sub(offset, usable);
                 let tile_sum = tile_sums[slab][half];
                 for tile in tiles {
@@ -296,7 +304,7 @@ impl OnlineSoftmax {
             .map(|(slab, tiles)| {
                 std::array::from_fn(|half| {
                     let (usable, rescale) =
-                        self.raise_row_log2(k, tiles, slab, half, dequant, None);
+                        self.raise_row_log2(k, tiles, [slab, half], dequant, None, None);
                     for acc in &o[slab] {
                         for v in half_of(acc, half) {
                             k.mul_to(v, v, rescale);
@@ -340,15 +348,25 @@ impl OnlineSoftmax {
         &self,
         k: &mut Kernel,
         tiles: &Slab,
-        slab: usize,
-        half: usize,
+        [slab, half]: [usize; 2],
         dequant: Reg<F32>,
+        lag: Option<f32>,
         rescale_into: Option<Reg<F32>>,
     ) -> (Reg<F32>, Reg<F32>) {
         let tile_max = row_max(k, tiles, half);
         let tile_max = k.mul(tile_max, dequant);
         let old_max = self.max[slab][half];
         let new_max = k.max(old_max, tile_max);
+        let new_max = match lag {
+            // Keep the old maximum where the tile grows it by `t` at most (a difference
+            // of NaN, −∞ − (−∞), is no small step: the row's first keys always count).
+            Some(t) => {
+                let step = k.sub(new_max, old_max);
+                let small = k.setp(Cmp::Le, step, t);
+                k.selp(old_max, new_max, small)
+            }
+            None => new_max,
+        };
         let none = k.setp(Cmp::Eq, new_max, f32::NEG_INFINITY);
         let usable = k.selp(0f32, new_max, none);
         let drop = k.sub(old_max, usable);
