@@ -575,14 +575,7 @@ impl Consumer<'_> {
         let s = k.wgmma_retire(s);
         self.release(k, kr);
         self.mask(k, &s, last);
-        self.softmax.update_scaled(
-            k,
-            &[s.tiles()],
-            dc,
-            P_SHIFT_LOG2,
-            Some(MAX_LAG_LOG2),
-            &[self.factors],
-        );
+        self.exponentiate(k, &s, dc);
         k.mov_to(self.p_v_scale, v_scale);
         pack_probs_e4m3(k, &s.tiles(), &self.p);
         self.leading_pv::<NC, NP>(k, vr);
@@ -638,6 +631,16 @@ impl Consumer<'_> {
         if masked {
             self.mask(k, &s, n);
         }
+        self.exponentiate(k, &s, dc);
+        self.finish_pv::<NC>(k, t, vr);
+        k.mov_to(self.p_v_scale, v_scale);
+        pack_probs_e4m3(k, &s.tiles(), &self.p);
+        self.leading_pv::<NC, NP>(k, vr);
+    }
+
+    /// The online softmax of one tile of scores, dequantized by `dc` inside the
+    /// exponent, the running maxima lagging by up to [`MAX_LAG_LOG2`].
+    fn exponentiate<NS: WgmmaN>(&self, k: &mut Kernel, s: &Acc<NS>, dc: Reg<F32>) {
         self.softmax.update_scaled(
             k,
             &[s.tiles()],
@@ -646,10 +649,6 @@ impl Consumer<'_> {
             Some(MAX_LAG_LOG2),
             &[self.factors],
         );
-        self.finish_pv::<NC>(k, t, vr);
-        k.mov_to(self.p_v_scale, v_scale);
-        pack_probs_e4m3(k, &s.tiles(), &self.p);
-        self.leading_pv::<NC, NP>(k, vr);
     }
 
     /// The lagging columns take the rescale of the last softmax, unless it left every
