@@ -28,23 +28,21 @@ impl Kernel {
     /// every lane. Makes a per-thread condition warp-uniform (for a branch around
     /// shuffles, which need the whole warp).
     pub fn vote_all(&mut self, p: Reg<Pred>) -> Reg<Pred> {
-        self.check_owner(&[Src::<Pred>::owner(&p)]);
-        let d = self.reg::<Pred>();
-        self.emit(format!(
-            "vote.sync.all.pred {}, {}, 0xffffffff;",
-            d.name(),
-            p.name()
-        ));
-        d
+        self.vote("all", p)
     }
 
     /// `vote.sync.any.pred` over the full warp: true in every lane when `p` is true in
     /// some lane. A branch the whole warp takes when any lane needs it.
     pub fn vote_any(&mut self, p: Reg<Pred>) -> Reg<Pred> {
+        self.vote("any", p)
+    }
+
+    /// `vote.sync.{mode}.pred` over the full warp.
+    fn vote(&mut self, mode: &str, p: Reg<Pred>) -> Reg<Pred> {
         self.check_owner(&[Src::<Pred>::owner(&p)]);
         let d = self.reg::<Pred>();
         self.emit(format!(
-            "vote.sync.any.pred {}, {}, 0xffffffff;",
+            "vote.sync.{mode}.pred {}, {}, 0xffffffff;",
             d.name(),
             p.name()
         ));

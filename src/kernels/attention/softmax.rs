@@ -253,7 +253,7 @@ impl OnlineSoftmax {
         for (slab, tiles) in scores.iter().enumerate() {
             for half in 0..2 {
                 let (usable, _) =
-                    self.raise_row_log2(k, tiles, [slab, half], dc, lag, Some(factors[slab][half]));
+                    self.raise_row_log2(k, tiles, (slab, half), dc, lag, Some(factors[slab][half]));
                 let bias = k.sub(offset, usable);
                 let tile_sum = tile_sums[slab][half];
                 for tile in tiles {
@@ -304,7 +304,7 @@ impl OnlineSoftmax {
             .map(|(slab, tiles)| {
                 std::array::from_fn(|half| {
                     let (usable, rescale) =
-                        self.raise_row_log2(k, tiles, [slab, half], dequant, None, None);
+                        self.raise_row_log2(k, tiles, (slab, half), dequant, None, None);
                     for acc in &o[slab] {
                         for v in half_of(acc, half) {
                             k.mul_to(v, v, rescale);
@@ -348,7 +348,7 @@ impl OnlineSoftmax {
         &self,
         k: &mut Kernel,
         tiles: &Slab,
-        [slab, half]: [usize; 2],
+        (slab, half): (usize, usize),
         dequant: Reg<F32>,
         lag: Option<f32>,
         rescale_into: Option<Reg<F32>>,
