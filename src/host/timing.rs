@@ -173,10 +173,13 @@ fn summarize(samples: &mut [f32]) -> Option<TimingStats> {
 /// Times `f` (which should enqueue work on `stream`) `iters` times after `warmup` untimed
 /// calls, and summarizes the per-iteration GPU times.
 ///
-/// Events `e0, e1, ..., e_iters` are recorded between the calls, with no host
-/// synchronization in between, so iteration `i` is the span `e_i -> e_{i+1}` and the GPU
-/// does not idle between iterations while the host launches the next one. (With
-/// `warmup == 0`, the first span may include the first launch's host overhead.)
+/// Each call gets a start and a stop event of its own (`start_i, call_i, stop_i`), with no
+/// host synchronization in between, and iteration `i` is the span `start_i -> stop_i`:
+/// the way `torch.cuda.Event` timing (the SDPA scripts, the harness) brackets a call, so
+/// figures set beside theirs are taken alike. One event between consecutive calls
+/// instead (`e_i, call_i, e_{i+1}`) timed the same kernels up to 0.7 µs slower on the
+/// H200 (a 15 µs decode step: 15.5–15.7 against 15.0–15.2; a 1 ms forward: level).
+/// (With `warmup == 0`, the first span may include the first launch's host overhead.)
 ///
 /// `f` must enqueue its work on `stream`. Errors from `f` are returned as they are.
 ///
@@ -198,23 +201,23 @@ pub unsafe fn median_ms(
     }
     // One scope for the whole run: the calls inside find the context current already.
     let _scope = ContextScope::enter(ctx)?;
-    let marks = (0..=iters)
-        .map(|_| Event::new(ctx))
+    let marks = (0..iters)
+        .map(|_| Ok((Event::new(ctx)?, Event::new(ctx)?)))
         .collect::<Result<Vec<_>>>()?;
     for _ in 0..warmup {
         f()?;
     }
-    // SAFETY: `stream` is null or a live stream of `ctx`, in which every mark was created
-    // (this function's contract).
-    unsafe { marks[0].record(stream) }?;
-    for mark in &marks[1..] {
+    for (start, stop) in &marks {
+        // SAFETY: `stream` is null or a live stream of `ctx`, in which every mark was
+        // created (this function's contract).
+        unsafe { start.record(stream) }?;
         f()?;
         // SAFETY: as above.
-        unsafe { mark.record(stream) }?;
+        unsafe { stop.record(stream) }?;
     }
     let mut samples = marks
-        .windows(2)
-        .map(|w| w[0].elapsed_to(&w[1]))
+        .iter()
+        .map(|(start, stop)| start.elapsed_to(stop))
         .collect::<Result<Vec<_>>>()?;
     // `iters > 0` was checked, so there is at least one sample.
     summarize(&mut samples)
