@@ -481,6 +481,69 @@ fn decode_head_dims_and_long_caches() {
     run_all(&cases);
 }
 
+/// Picks one of `xs`.
+fn pick<T: Copy>(rng: &mut Rng, xs: &[T]) -> T {
+    xs[(rng.next_u64() % xs.len() as u64) as usize]
+}
+
+/// A sequence length as a serving batch has them: a quarter of them at a tile edge
+/// (empty and one token included), a quarter short, the rest anywhere up to `most`.
+fn random_len(rng: &mut Rng, most: usize) -> usize {
+    const EDGES: [usize; 12] = [0, 1, 2, 15, 16, 17, 63, 64, 65, 127, 128, 129];
+    match rng.next_u64() % 4 {
+        0 => pick(rng, &EDGES),
+        1 => 1 + (rng.next_u64() % 512) as usize,
+        _ => 1 + (rng.next_u64() % most as u64) as usize,
+    }
+}
+
+/// One random decode configuration with a head dim from `head_dims`: 1 to 4 sequences,
+/// GQA 1 to 8, 1 to 16 queries, contiguous or paged with any page size the API takes
+/// (1 to 1024), causal or not, with or without host copies and a caller's workspace.
+fn random_case(rng: &mut Rng, head_dims: &[usize]) -> Case {
+    let heads_kv = pick(rng, &[1, 2, 4]);
+    let group = pick(rng, &[1, 2, 4, 8]);
+    let batch = 1 + (rng.next_u64() % 4) as usize;
+    let seqlen_q = if rng.uniform() < 0.5 {
+        1
+    } else {
+        1 + (rng.next_u64() % 16) as usize
+    };
+    Case {
+        dtype: pick(rng, &[HalfType::F16, HalfType::Bf16]),
+        heads_q: heads_kv * group,
+        heads_kv,
+        head_dim: pick(rng, head_dims),
+        seqlen_q,
+        lens: (0..batch).map(|_| random_len(rng, 6000)).collect(),
+        page: if rng.uniform() < 0.4 {
+            0
+        } else {
+            1 << (rng.next_u64() % 11)
+        },
+        causal: rng.uniform() < 0.5,
+        host_check: rng.uniform() < 0.5,
+        workspace: rng.uniform() < 0.5,
+    }
+}
+
+/// The configurations of the random tests: drawn from the run's seed (a new
+/// `FLASHCORE_SEED` draws new ones), apart from the cases' input seeds.
+fn random_cases(count: usize, head_dims: &[usize]) -> Vec<Case> {
+    let mut rng = Rng::new(seeds().run_seed().rotate_left(17) ^ 0xC0F16);
+    (0..count)
+        .map(|_| random_case(&mut rng, head_dims))
+        .collect()
+}
+
+/// Random configurations across every head dim, GQA ratio, query count, page size and
+/// length pattern (see [`random_case`]), against float64.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn decode_random_configurations() {
+    run_all(&random_cases(40, &[32, 64, 96, 128, 192, 256]));
+}
+
 /// One decode step (kernel and merge) captured in a CUDA graph and replayed with new
 /// queries and new lengths each time, as a serving loop replays it while its caches
 /// grow: every replay gives its own inputs' answer, from a caller's workspace that
@@ -1101,6 +1164,13 @@ fn decode_fp8_cache_layouts_head_dims_and_ratios() {
     cases.push(case(HalfType::F16, (32, 8), 128, 1, &[32768], 64, false));
     cases.push(case(HalfType::Bf16, (8, 1), 128, 2, &[32768, 3], 0, true));
     run_all_fp8(&cases);
+}
+
+/// Random configurations (see [`random_case`]) on e4m3 caches, head dims 64, 128, 256.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn decode_fp8_cache_random_configurations() {
+    run_all_fp8(&random_cases(24, &[64, 128, 256]));
 }
 
 /// Values far apart in magnitude: one outlier row per sequence and rows of zeros. Per-row

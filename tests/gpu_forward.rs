@@ -12,6 +12,7 @@ use flashcore::host::attention::Attention;
 use flashcore::host::device::Device;
 use flashcore::host::tensor::{AttentionParams, DType, TensorView};
 use flashcore::kernels::attention::{BLOCK_M_NARROW, BLOCK_M_WIDE, FwdConfig, HalfType, Path};
+use flashcore::reference::Rng;
 use flashcore::shape::AttnShape;
 
 const SEQLENS: [usize; 6] = [1, 17, 113, 128, 1000, 2048];
@@ -107,6 +108,56 @@ fn case(
         layout: Layout::Bshd,
         kernel: None,
     }
+}
+
+/// Random shapes (drawn from the run's seed: a new `FLASHCORE_SEED` draws new ones):
+/// every head dim, both dtypes and layouts, GQA 1 to 8, Sq and Sk apart or equal, a third
+/// of them at a tile edge, causal or not, each through the dispatch's own choice.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn random_shapes() {
+    const EDGES: [usize; 12] = [1, 2, 17, 63, 64, 65, 113, 127, 128, 129, 192, 193];
+    let mut rng = Rng::new(seeds().run_seed().rotate_left(41) ^ 0xF0D);
+    let pick = |rng: &mut Rng, xs: &[usize]| xs[(rng.next_u64() % xs.len() as u64) as usize];
+    let len = |rng: &mut Rng| {
+        if rng.next_u64().is_multiple_of(3) {
+            pick(rng, &EDGES)
+        } else {
+            1 + (rng.next_u64() % 1100) as usize
+        }
+    };
+    let cases: Vec<FwdCase> = (0..40)
+        .map(|_| {
+            let heads_kv = pick(&mut rng, &[1, 2]);
+            let group = pick(&mut rng, &[1, 2, 4, 8]).min(8 / heads_kv);
+            let batch = pick(&mut rng, &[1, 2]);
+            let seqlen_q = len(&mut rng);
+            let seqlen_k = if rng.uniform() < 0.4 {
+                seqlen_q
+            } else {
+                len(&mut rng)
+            };
+            let mut c = case(
+                if rng.uniform() < 0.5 {
+                    HalfType::F16
+                } else {
+                    HalfType::Bf16
+                },
+                pick(&mut rng, &[32, 64, 96, 128, 192, 256]),
+                rng.uniform() < 0.5,
+                batch,
+                heads_kv * group,
+                heads_kv,
+                seqlen_q,
+                seqlen_k,
+            );
+            if rng.uniform() < 0.5 {
+                c.layout = Layout::Bhsd;
+            }
+            c
+        })
+        .collect();
+    run_cases(&cases);
 }
 
 /// Every (Sq, Sk) pair of the grid, causal and not, one head, with each query tile

@@ -363,6 +363,70 @@ fn many_short_sequences() {
     }
 }
 
+/// A length around the tiles: a third at a tile edge (empty and one token included),
+/// the rest anywhere up to `most`.
+fn random_len(rng: &mut Rng, most: usize) -> usize {
+    const EDGES: [usize; 12] = [0, 1, 2, 63, 64, 65, 127, 128, 129, 191, 192, 193];
+    if rng.next_u64().is_multiple_of(3) {
+        EDGES[(rng.next_u64() % EDGES.len() as u64) as usize]
+    } else {
+        1 + (rng.next_u64() % most as u64) as usize
+    }
+}
+
+/// Random packed batches (drawn from the run's seed: a new `FLASHCORE_SEED` draws new
+/// ones): 1 to 6 sequences with Sq = Sk or not, every head dim, GQA 1 to 8, causal or
+/// not, gaps, with and without host copies, on both paths.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn random_packed_batches() {
+    let mut rng = Rng::new(seeds().run_seed().rotate_left(29) ^ 0x7A21);
+    let pick = |rng: &mut Rng, xs: &[usize]| xs[(rng.next_u64() % xs.len() as u64) as usize];
+    let cases: Vec<Case> = (0..12)
+        .map(|_| {
+            let heads_kv = pick(&mut rng, &[1, 2]);
+            let heads_q = heads_kv * pick(&mut rng, &[1, 2, 4, 8]).min(8 / heads_kv);
+            let count = 1 + (rng.next_u64() % 6) as usize;
+            let mut lens: Vec<(usize, usize)> = (0..count)
+                .map(|_| {
+                    let sq = random_len(&mut rng, 1200);
+                    let sk = if rng.uniform() < 0.5 {
+                        sq
+                    } else {
+                        random_len(&mut rng, 1200)
+                    };
+                    (sq, sk)
+                })
+                .collect();
+            // Packed tensors of no rows at all are an empty dimension (refused): some
+            // sequence has a query and a key.
+            if lens.iter().all(|l| l.0 == 0) {
+                lens[0].0 = 1;
+            }
+            if lens.iter().all(|l| l.1 == 0) {
+                lens[0].1 = 1;
+            }
+            Case {
+                dtype: if rng.uniform() < 0.5 {
+                    HalfType::F16
+                } else {
+                    HalfType::Bf16
+                },
+                heads_q,
+                heads_kv,
+                head_dim: pick(&mut rng, &[32, 64, 96, 128, 192, 256]),
+                lens,
+                causal: rng.uniform() < 0.5,
+                gap: pick(&mut rng, &[0, 1, 5]),
+                host_check: rng.uniform() < 0.5,
+            }
+        })
+        .collect();
+    for path in [PathChoice::Best, PathChoice::Sm80] {
+        run_cases(path, &cases);
+    }
+}
+
 /// A small batch for compute-sanitizer: tails, gaps, an empty sequence, causal, GQA.
 #[test]
 #[ignore = "needs a CUDA GPU"]
