@@ -113,10 +113,11 @@ typedef struct FlashcoreKvCache {
  *       [B, capacity, Hkv, 1] (contiguous cache) or [pages, page_size, Hkv, 1] (paged),
  *       so a position's scales live where its codes do: element (i, p, h, 0) is the scale
  *       of row (i, p, h) of k (of v): each value of that row is its code times the scale.
- *       Pointers 4-byte aligned; strides free (in elements; strides[3] is not used), but no
- *       two elements may share an address, and neither tensor may overlap the other or the
- *       codes. flashcore_append_kv_fp8kv writes one scale per (position, KV head) row, the
- *       row's largest magnitude / 448 (the e4m3 maximum), then the row's codes. */
+ *       Pointers 4-byte aligned; strides free (in elements, each >= 0; strides[3] is
+ *       not used beyond that), but no two elements may share an address, and neither
+ *       tensor may overlap the other or the codes. flashcore_append_kv_fp8kv writes one
+ *       scale per (position, KV head) row, the row's largest magnitude / 448 (the e4m3
+ *       maximum), then the row's codes. */
 typedef struct FlashcoreKvScales {
     FlashcoreTensor k_scale; /* float32 [B, capacity, Hkv, 1] or [pages, page_size, Hkv, 1] */
     FlashcoreTensor v_scale; /* float32, k_scale's shape */
@@ -213,8 +214,12 @@ void flashcore_destroy(FlashcoreContext *ctx);
  *
  * All arguments are checked before anything runs; on error nothing is launched or
  * written. The first call for a (dtype, head_dim, causal) configuration generates and
- * JIT-loads its kernel (milliseconds); later calls only launch and allocate nothing, so
- * they can be captured in a CUDA graph. A context may be shared by threads. */
+ * JIT-loads its kernel (milliseconds); later calls only launch, with no allocation but
+ * that of a causal Hopper call whose work items outnumber the SMs: a 4-byte tile counter
+ * from the stream-ordered allocator (cuMemAllocAsync), zeroed and freed on `stream` (where
+ * that allocator is unavailable, the call runs one block per work item instead). Calls
+ * can be captured in a CUDA graph (stream-ordered allocations are capturable). A context
+ * may be shared by threads. */
 int32_t flashcore_forward(FlashcoreContext *ctx, const FlashcoreTensor *q, const FlashcoreTensor *k,
                           const FlashcoreTensor *v, const FlashcoreTensor *o, uint64_t lse,
                           float softmax_scale, int32_t causal, flashcore_stream stream);
@@ -249,8 +254,10 @@ int32_t flashcore_check_forward(const FlashcoreTensor *q, const FlashcoreTensor 
  *   softmax_scale, causal, stream: as for flashcore_forward.
  *
  * On Hopper a sequence's last key tile is read whole, taking the next sequence's first
- * rows masked to weight 0: an infinity or NaN there (in another sequence's V) would make
- * 0 * v a NaN. All arguments are checked before anything runs; on error nothing is
+ * rows masked to weight 0 (for the last sequence: rows k and v still hold after it; TMA
+ * zero-fills only past their end): an infinity or NaN there (in another sequence's V, or
+ * in unwritten rows of a buffer larger than the packed batch) would make 0 * v a NaN.
+ * Pass k and v that end at the last sequence, or keep such rows finite. All arguments are checked before anything runs; on error nothing is
  * launched or written. */
 int32_t flashcore_forward_varlen(FlashcoreContext *ctx, const FlashcoreTensor *q,
                                  const FlashcoreTensor *k, const FlashcoreTensor *v,
@@ -315,9 +322,9 @@ int32_t flashcore_decode(FlashcoreContext *ctx, const FlashcoreTensor *q, const 
 /* flashcore_decode against a cache that may hold FP8: the same parameters, with `scales`
  * after `cache`. scales NULL: a 16-bit cache, and the call is flashcore_decode's. Else the
  * cache's k and v are e4m3 codes (FLASHCORE_E4M3) with these scales (see
- * FlashcoreKvScales), D in {64, 128, 256}, and q and o are f16 or bf16 (either): keys and
- * values are dequantized (code times scale) as they are read. Needs an sm_89 or newer GPU
- * (FLASHCORE_ERROR_UNSUPPORTED_GPU otherwise). An e4m3 cache with scales NULL, or scales
+ * FlashcoreKvScales), D in {64, 128, 256}, and q and o are f16 or bf16 (one dtype for
+ * both): keys and values are dequantized (code times scale) as they are read. Needs an
+ * sm_89 or newer GPU (FLASHCORE_ERROR_UNSUPPORTED_GPU otherwise). An e4m3 cache with scales NULL, or scales
  * with a 16-bit cache, is FLASHCORE_ERROR_INVALID_ARGUMENT; scales not float32 is
  * FLASHCORE_ERROR_UNSUPPORTED_DTYPE, of another shape FLASHCORE_ERROR_SHAPE_MISMATCH. */
 int32_t flashcore_decode_fp8kv(FlashcoreContext *ctx, const FlashcoreTensor *q, const FlashcoreKvCache *cache,

@@ -24,9 +24,10 @@ impl AttnShape {
         }
     }
 
-    /// Query heads per key/value head (1 for MHA, Hq for MQA).
+    /// Query heads per key/value head (1 for MHA, Hq for MQA; a hand-made shape with no
+    /// KV heads counts as one, so this never divides by zero).
     pub fn group(&self) -> usize {
-        self.heads_q / self.heads_kv
+        self.heads_q / self.heads_kv.max(1)
     }
 
     /// Elements of Q (and O): `B · Sq · Hq · D`.

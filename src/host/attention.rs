@@ -53,17 +53,18 @@ pub fn dispatch(
     scale: f32,
 ) -> Result<FwdConfig, String> {
     let path = path_for_arch(arch)?;
+    let head_dim = kernel_head_dim(shape)?;
     let block_m = sm90_block_m(shape, sm_count, causal);
     if path == Path::Sm90 && sm90_has_kernel(shape, block_m) {
         let split_keys = sm90_split_keys(shape, block_m);
         return Ok(FwdConfig {
             path,
             dtype,
-            head_dim: shape.head_dim as u32,
+            head_dim,
             causal,
             block_m,
             split_keys,
-            fold_scale: !split_keys && scale_folds(dtype, shape.head_dim as u32, scale),
+            fold_scale: !split_keys && scale_folds(dtype, head_dim, scale),
         });
     }
     dispatch_sm80(arch, sm_count, dtype, shape, causal)
@@ -84,15 +85,26 @@ pub(crate) fn dispatch_shape(problem: &FwdProblem) -> AttnShape {
 }
 
 /// (query tile, head, batch) triples: the sm80 grid's blocks, the sm90 kernel's work
-/// items.
+/// items (saturating: a shape built by hand may hold any sizes; validation bounds them).
 pub(crate) fn work_items(shape: &AttnShape, block_m: u32) -> usize {
-    shape.seqlen_q.div_ceil(block_m as usize) * shape.heads_q * shape.batch
+    shape
+        .seqlen_q
+        .div_ceil(block_m.max(1) as usize)
+        .saturating_mul(shape.heads_q)
+        .saturating_mul(shape.batch)
+}
+
+/// A shape's head dim as the kernel configurations hold it; one past `u32` has no kernel
+/// (rather than wrapping onto one that has).
+pub(crate) fn kernel_head_dim(shape: &AttnShape) -> Result<u32, String> {
+    u32::try_from(shape.head_dim).map_err(|_| format!("no kernel for head dim {}", shape.head_dim))
 }
 
 /// Whether the sm90 path has a kernel for `shape` with `block_m`-row query tiles: its head
 /// dim and tile, and work items that fit the 31 bits the persistent kernel numbers them in.
 fn sm90_has_kernel(shape: &AttnShape, block_m: u32) -> bool {
-    sm90::has_tile(shape.head_dim as u32, block_m) && work_items(shape, block_m) < 1 << 31
+    kernel_head_dim(shape).is_ok_and(|d| sm90::has_tile(d, block_m))
+        && work_items(shape, block_m) < 1 << 31
 }
 
 /// The sm90 path's query tile: 128 rows (two consumer warpgroups in ping-pong), except
@@ -128,7 +140,8 @@ pub const SPLIT_MIN_KEYS: usize = 1024;
 /// kernel: where there is one (64-row tiles, which the dispatch picks for grids that
 /// leave SMs idle, at head dim 64) and the blocks see at least [`SPLIT_MIN_KEYS`] keys.
 pub(crate) fn sm90_split_keys(shape: &AttnShape, block_m: u32) -> bool {
-    sm90::has_split(shape.head_dim as u32, block_m) && shape.seqlen_k >= SPLIT_MIN_KEYS
+    kernel_head_dim(shape).is_ok_and(|d| sm90::has_split(d, block_m))
+        && shape.seqlen_k >= SPLIT_MIN_KEYS
 }
 
 /// The sm80 path's configuration for a problem.
@@ -144,7 +157,7 @@ pub fn dispatch_sm80(
     causal: bool,
 ) -> Result<FwdConfig, String> {
     path_for_arch(arch)?;
-    let head_dim = shape.head_dim as u32;
+    let head_dim = kernel_head_dim(shape)?;
     if !FWD_HEAD_DIMS.contains(&head_dim) {
         return Err(format!("no kernel for head dim {head_dim}"));
     }
@@ -820,6 +833,29 @@ mod tests {
                 Path::Sm80
             );
         }
+    }
+
+    /// The public dispatch takes hand-built shapes too: a head dim of 2^32 + 64 is not 64,
+    /// and sizes whose work-item count overflows saturate (no panic, no sm90 kernel).
+    #[test]
+    fn hand_built_shapes_never_wrap() {
+        let wide = AttnShape {
+            head_dim: (1 << 32) + 64,
+            ..AttnShape::square(1, 8, 512, 64)
+        };
+        for arch in [(9, 0), (8, 0)] {
+            assert!(dispatch(arch, 132, HalfType::F16, &wide, false, 0.1).is_err());
+            assert!(dispatch_sm80(arch, 132, HalfType::F16, &wide, false).is_err());
+        }
+        let huge = AttnShape {
+            batch: usize::MAX / 2,
+            heads_kv: 0,
+            ..AttnShape::square(1, 8, 512, 128)
+        };
+        assert_eq!(huge.group(), 8);
+        assert_eq!(work_items(&huge, 128), usize::MAX);
+        let cfg = dispatch((9, 0), 132, HalfType::F16, &huge, false, 0.1).unwrap();
+        assert_eq!(cfg.path, Path::Sm80);
     }
 
     /// The sm90 kernels fold the scale into the exponent wherever `s·scale·log2 e` cannot

@@ -22,9 +22,9 @@ use super::launch::{LaunchDims, launch, launch_programmatic};
 use super::module::{Carveout, LoadedKernel};
 use super::tensor::{AttentionParams, DType, LseView, TensorView};
 use super::validate::{
-    LSE_ALIGN, MAX_GRID_YZ, TENSOR_ALIGN, byte_range_of, check_no_self_overlap, check_not_empty,
-    check_pointer, check_scale, check_strides, head_dim_in, lse_byte_range, overlaps,
-    views_disjoint,
+    LSE_ALIGN, MAX_GRID_YZ, MAX_SEQLEN, TENSOR_ALIGN, byte_range_of, check_no_self_overlap,
+    check_not_empty, check_pointer, check_scale, check_strides, head_dim_in, lse_byte_range,
+    overlaps, views_disjoint,
 };
 use crate::error::{Error, Result};
 use crate::kernels::attention::HalfType;
@@ -59,7 +59,9 @@ impl DecodeProblem {
 
     /// 16-row chunks of the `Sq · group` query rows that share a KV head.
     pub fn row_chunks(&self) -> usize {
-        (self.seqlen_q * self.group()).div_ceil(ROWS as usize)
+        self.seqlen_q
+            .saturating_mul(self.group())
+            .div_ceil(ROWS as usize)
     }
 }
 
@@ -173,6 +175,17 @@ pub fn validate_decode(
         None => None,
     };
     check_outputs(&inputs, ("o", o_range), lse_range)?;
+    Ok(problem)
+}
+
+/// [`decode_problem`] with q's own memory rules (pointer, alignment, strides, extent), as
+/// [`validate_decode`] applies them: every check of a decode call that involves neither o
+/// nor the LSE.
+pub(crate) fn decode_q_problem(q: &TensorView, cache: &KvCache) -> Result<DecodeProblem> {
+    let problem = decode_problem(q, cache, &AttentionParams::default())?;
+    check_pointer("q", q.ptr, TENSOR_ALIGN)?;
+    check_strides("q", q)?;
+    byte_range_of("q", q)?;
     Ok(problem)
 }
 
@@ -313,7 +326,21 @@ pub fn plan_decode(p: &DecodeProblem, sm_count: u32, smem_optin: u32) -> Result<
         .clamp(1, 2048 / cfg.threads() as usize)
         .min(cfg.blocks_per_sm() as usize);
     let resident = sm_count.max(1) as usize * per_sm;
-    let base = p.cache.batch * p.cache.heads_kv * p.row_chunks();
+    let base = p
+        .cache
+        .batch
+        .checked_mul(p.cache.heads_kv)
+        .and_then(|n| n.checked_mul(p.row_chunks()))
+        .filter(|&n| n < 1 << 40)
+        .ok_or_else(|| {
+            Error::InvalidArgument(format!(
+                "no decode plan for batch {} with {} KV heads and {} query rows each: too \
+                 many blocks",
+                p.cache.batch,
+                p.cache.heads_kv,
+                p.seqlen_q.saturating_mul(p.group())
+            ))
+        })?;
     let most = p
         .cache
         .capacity
@@ -337,6 +364,11 @@ pub fn plan_decode(p: &DecodeProblem, sm_count: u32, smem_optin: u32) -> Result<
             }
         }
     }
+    // Each warp sums `P·V` over its share of a split's keys in the tensor cores'
+    // accumulators; past MAX_SEQLEN keys (the forward's bound for one such sum) a flat
+    // row would stop counting them. A capacity that long takes the splits that keep every
+    // share within it (at most 2^30 / (2^25 · 2) = 16).
+    splits = splits.max(p.cache.capacity.div_ceil(MAX_SEQLEN * cfg.warps as usize));
     let workspace_bytes = if splits == 1 {
         0
     } else {
@@ -619,9 +651,10 @@ impl Attention {
     }
 
     /// The workspace a decode call with these `q` and `cache` needs, in bytes (0 when
-    /// its plan has one split).
+    /// its plan has one split). `q` and the cache are checked as [`Attention::decode`]
+    /// checks them (the same errors, in the same order).
     pub fn decode_workspace_bytes(&self, q: &TensorView, cache: &KvCache) -> Result<usize> {
-        let problem = decode_problem(q, cache, &AttentionParams::default())?;
+        let problem = decode_q_problem(q, cache)?;
         Ok(self.decode_plan(&problem)?.workspace_bytes)
     }
 
@@ -1152,6 +1185,33 @@ mod tests {
         validate_decode(qv, c, &o, None, &AttentionParams::default())
     }
 
+    /// The workspace query checks q as the decode call does: a q the call refuses gets
+    /// the same error there, never a size.
+    #[test]
+    fn workspace_query_refuses_what_decode_refuses() {
+        let c = cache(2, 1024, 2, 64, None);
+        let good = q(2, 1, 8, 64, 4 * GB);
+        assert!(decode_q_problem(&good, &c).is_ok());
+        let mut strided = good;
+        strided.strides[2] = 2;
+        for bad in [
+            TensorView { ptr: 0, ..good },
+            TensorView {
+                ptr: 4 * GB + 2,
+                ..good
+            },
+            strided,
+        ] {
+            let want = check(&bad, &c).unwrap_err();
+            let got = decode_q_problem(&bad, &c).unwrap_err();
+            assert_eq!(
+                std::mem::discriminant(&got),
+                std::mem::discriminant(&want),
+                "{got} against {want}"
+            );
+        }
+    }
+
     /// 2^32 + 64 is not 64: a head dim past u32 is refused, not narrowed into the
     /// kernels' list (which would attend over 64 of its columns at the wrong scale).
     #[test]
@@ -1523,6 +1583,47 @@ mod tests {
         let small = plan_decode(&p, 58, 99 * 1024).unwrap();
         assert!(small.config.smem_bytes() <= 99 * 1024);
         assert!(plan_decode(&p, 58, 32 * 1024).is_err());
+    }
+
+    /// However many blocks a batch makes, no warp sums more than MAX_SEQLEN keys: a
+    /// cache of 2^29 or 2^30 positions is split so that every warp's share stays within
+    /// it. Sizes that would overflow the block count are refused, never wrapped.
+    #[test]
+    fn long_caches_split_within_one_sums_reach() {
+        let problem = |capacity, heads_q| DecodeProblem {
+            cache: CacheShape {
+                batch: 1,
+                heads_kv: 1,
+                head_dim: 32,
+                capacity,
+                page_size: 0,
+                pool_pages: 0,
+                fp8: false,
+            },
+            dtype: HalfType::F16,
+            seqlen_q: 16,
+            heads_q,
+            scale: 0.1,
+            causal: false,
+        };
+        for capacity in [1 << 25, 1 << 27, 1 << 29, 1 << 30] {
+            // 256 heads of 16 queries fill a wave without splits.
+            let plan = plan_decode(&problem(capacity, 256), 132, 227 * 1024).unwrap();
+            let per_warp = capacity.div_ceil(plan.splits * plan.config.warps as usize);
+            assert!(per_warp <= MAX_SEQLEN, "{capacity}: {plan:?}");
+        }
+        assert_eq!(
+            plan_decode(&problem(1 << 20, 256), 132, 227 * 1024)
+                .unwrap()
+                .splits,
+            1
+        );
+        let mut huge = problem(1 << 20, 1 << 40);
+        huge.cache.batch = 1 << 30;
+        assert!(matches!(
+            plan_decode(&huge, 132, 227 * 1024),
+            Err(Error::InvalidArgument(_))
+        ));
     }
 
     #[test]

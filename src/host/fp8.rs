@@ -11,7 +11,7 @@ use std::ffi::c_void;
 
 use cudarc::driver::sys::CUstream;
 
-use super::attention::{Attention, PathChoice, work_items};
+use super::attention::{Attention, PathChoice, kernel_head_dim, work_items};
 use super::launch::{LaunchDims, launch};
 use super::tensor::{AttentionParams, DType, LseView, TensorView};
 use super::validate::{
@@ -223,6 +223,23 @@ pub fn validate_fp8(
     };
     let q_blocks = scale_blocks(seqlen_q as u32) as usize;
     let kv_blocks = scale_blocks(seqlen_k as u32) as usize;
+    // The kernels index the scales in 32 bits (`(b·H + h)·blocks + block`); batches
+    // broadcast by a zero stride can pass every extent check and still wrap it.
+    for (name, heads, blocks) in [
+        ("q_scale", heads_q, q_blocks),
+        ("k_scale", heads_kv, kv_blocks),
+    ] {
+        if batch
+            .checked_mul(heads)
+            .and_then(|n| n.checked_mul(blocks))
+            .is_none_or(|n| n > u32::MAX as usize)
+        {
+            return Err(Error::InvalidArgument(format!(
+                "{name} would hold {batch}·{heads}·{blocks} per-block scales; the FP8 kernels \
+                 index fewer than 2^32"
+            )));
+        }
+    }
     let mut inputs = vec![
         ("q", byte_range_of("q", q)?),
         ("k", byte_range_of("k", k)?),
@@ -303,7 +320,7 @@ pub fn dispatch_fp8(
     choice: PathChoice,
     problem: &Fp8Problem,
 ) -> Result<Fp8Config, String> {
-    let head_dim = problem.shape.head_dim as u32;
+    let head_dim = kernel_head_dim(&problem.shape)?;
     let path = match fp8_path_for(arch, choice)? {
         Fp8Path::Sm90
             if !sm90_fp8::HEAD_DIMS.contains(&head_dim)
@@ -596,10 +613,46 @@ mod tests {
             validate_fp8(&ops, &o, None, &AttentionParams::default()),
             Err(Error::UnsupportedHeadDim(HUGE_D, _))
         ));
+        // The public dispatch does not narrow it onto 64 either.
+        for arch in [(9, 0), (8, 9)] {
+            assert!(dispatch_fp8(arch, PathChoice::Best, &problem(HUGE_D, 1, 1, 1)).is_err());
+        }
         // Sizes past the address space saturate rather than wrap.
         let vt = VtView::contiguous(tb, 2, usize::MAX / 2, 128, 300);
         assert_eq!(vt.strides[0], usize::MAX);
         assert_eq!(vt.byte_range(), None);
+    }
+
+    /// A batch broadcast by zero strides passes every extent check; its scale count
+    /// (`B·Hkv·⌈Sk/128⌉`) past 2^32 would wrap the kernels' 32-bit scale index, so it is
+    /// refused. One block fewer is taken.
+    #[test]
+    fn scale_counts_past_u32_are_refused() {
+        let tb = 1u64 << 44;
+        let (seqlen_k, d) = (1usize << 25, 64);
+        let call = |batch: usize| {
+            let ops = Fp8Operands {
+                q: TensorView::bshd(tb, DType::E4m3, batch, 1, 1, d),
+                k: TensorView::strided(2 * tb, DType::E4m3, [batch, seqlen_k, 1, d], [0, d, d, 1]),
+                vt: {
+                    let mut vt = VtView::contiguous(3 * tb, batch, 1, d, seqlen_k);
+                    vt.strides[0] = 0;
+                    vt
+                },
+                q_scale: 4 * tb,
+                k_scale: 5 * tb,
+                v_scale: 6 * tb,
+                lse_shift: None,
+            };
+            let o = TensorView::bshd(7 * tb, DType::F16, batch, 1, 1, d);
+            validate_fp8(&ops, &o, None, &AttentionParams::default())
+        };
+        // 2^25 keys are 2^18 scale blocks: 2^14 batches reach exactly 2^32.
+        assert!(call((1 << 14) - 1).is_ok());
+        match call(1 << 14) {
+            Err(Error::InvalidArgument(m)) => assert!(m.contains("k_scale"), "{m}"),
+            other => panic!("{other:?}"),
+        }
     }
 
     #[test]

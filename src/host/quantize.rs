@@ -156,7 +156,9 @@ impl Fp8Layout {
 
     /// The operands this layout puts in a workspace at `base`.
     pub fn operands(&self, base: u64, shape: &AttnShape) -> Fp8Operands {
-        let at = |r: Region| base + r.offset as u64;
+        // Saturating: an address past the end of the space fails validation's extent
+        // checks with a typed error rather than wrapping to a valid-looking one.
+        let at = |r: Region| base.saturating_add(r.offset as u64);
         let s = shape;
         Fp8Operands {
             q: TensorView::bshd(

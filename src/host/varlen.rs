@@ -30,10 +30,12 @@
 //! computed. Pass host copies to have those refused.
 //!
 //! On the sm90 path a sequence's last key tile is read whole through TMA, so it takes
-//! the first rows of the next sequence's K and V (zero-filled only past the last
-//! sequence), masked to probability exactly 0. A non-finite value there (an infinity or
-//! NaN in another sequence's V) would still turn `0 · v` into NaN; dense calls, and the
-//! sm80 path, read zeros instead.
+//! the first rows of the next sequence's K and V (for the last sequence, whatever rows
+//! the tensors hold after it; zero-filled only past the tensors' end), masked to
+//! probability exactly 0. A non-finite value there (an infinity or NaN in another
+//! sequence's V, or in unwritten rows of a buffer larger than the batch) would still
+//! turn `0 · v` into NaN: pass K and V that end at the last sequence, or keep such rows
+//! finite. Dense calls, and the sm80 path, read zeros instead.
 
 use cudarc::driver::sys::CUstream;
 
