@@ -1,7 +1,7 @@
 """flashcore: FlashAttention-class forward attention kernels for NVIDIA GPUs, for PyTorch.
 
     import flashcore
-    o = flashcore.attention(q, k, v, causal=True)             # [B, H, S, D], like SDPA
+    o = flashcore.attention(q, k, v, causal=True)             # [B, H, S, D]; causal bottom-right
     o, lse = flashcore.attention(q, k, v, return_lse=True, layout="bshd")
     name = flashcore.register_transformers()                  # attn_implementation=name
 
@@ -30,6 +30,7 @@ from .fp8 import FP8_HEAD_DIMS, Fp8Operands, attention_fp8, forward_fp8, quantiz
 from .ops import HEAD_DIMS, LAYOUTS, attention
 from .serving import append_kv, decode, merge
 from .varlen import attention_varlen
+from . import transformers_backend  # imports no transformers; register_transformers() does
 
 __version__ = "0.1.0"
 
@@ -64,6 +65,4 @@ def register_transformers(name=None, fp8=False):
     its 16-bit attention under "fcore" by default, or with fp8=True its FP8 attention
     (flashcore.attention_fp8) under "fcore-fp8". See flashcore.transformers_backend for
     what runs where."""
-    from . import transformers_backend
-
     return transformers_backend.register(name, fp8=fp8)

@@ -259,8 +259,10 @@ def _plain_eager(q, k, v):
 
 
 def _dispatch_mode_active():
-    """A TorchDispatchMode (FakeTensorMode, FlopCounterMode, ...) is intercepting ops."""
+    """A TorchDispatchMode (FakeTensorMode, FlopCounterMode, ...) is intercepting ops, or a
+    functorch transform (vmap, grad) is active: its wrapped tensors are plain `Tensor`s to
+    `type()`, but have no storage to hand to the library."""
     try:
-        return torch._C._len_torch_dispatch_stack() > 0
+        return torch._C._len_torch_dispatch_stack() > 0 or torch._C._are_functorch_transforms_active()
     except AttributeError:  # an older torch: take the dispatcher, which is always right
         return True

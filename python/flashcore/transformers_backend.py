@@ -16,8 +16,20 @@ with `is_causal` alone: a prompt without padding, or a decode step without paddi
 calls, prefill and KV-cache decode alike, go to flashcore (causal for a prompt; a single
 query token sees the whole cache). A call that comes with a mask (padded batches,
 sliding-window layers, chunked prefill against a cache), a dtype other than float16 or
-bfloat16, or a head dim flashcore has no kernel for is computed by transformers' own SDPA
-path instead, with a warning the first time, so results stay right. `stats` counts both.
+bfloat16, a head dim flashcore has no kernel for (or value's differing from query's), a
+score bias (`position_bias`: T5-style models), a zero `scaling`, a causal call with more
+queries than keys, or inputs that require gradients with autograd on (flashcore is forward
+only) is computed by transformers' own SDPA path instead, with a warning the first time,
+so results stay right. `stats` counts both.
+
+Causal alignment. With no mask, transformers' SDPA path aligns a causal call top-left:
+query i sees keys 0..=i. A prompt written into a longer preallocated cache (StaticCache:
+Sk > Sq, the slots past the prompt still empty) depends on that, so such calls run on the
+first Sq keys, where flashcore's bottom-right alignment is the same mask.
+
+Attention sinks (`s_aux`, as gpt-oss passes them) change the softmax itself; flashcore
+has no kernel for them and neither does SDPA, so such calls raise NotImplementedError
+rather than dropping them.
 
 FP8 ("fcore-fp8", `register(fp8=True)`): the same rules, but the calls flashcore serves
 go to flashcore.attention_fp8 (q, k and v quantized to e4m3 on the GPU at every call,
@@ -82,31 +94,61 @@ def _fp8_options():
     return smooth_k, seed
 
 
+def _needs_grad(*tensors):
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
 def _forward(fp8, module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs):
     if dropout and module.training:
         raise NotImplementedError("flashcore: attention dropout in training is not supported (forward only)")
+    if kwargs.get("s_aux") is not None:
+        raise NotImplementedError(
+            "flashcore: attention sinks (s_aux) are not supported; use attn_implementation='eager' for this model"
+        )
     sdpa_kwargs = dict(kwargs, dropout=dropout, scaling=scaling, is_causal=is_causal)
+
+    def fallback(reason):
+        return _fallback(reason, module, query, key, value, attention_mask, **sdpa_kwargs)
+
     if attention_mask is not None:
-        return _fallback("an explicit attention mask", module, query, key, value, attention_mask, **sdpa_kwargs)
+        return fallback("an explicit attention mask")
+    if kwargs.get("position_bias") is not None:
+        return fallback("a position bias")
+    if _needs_grad(query, key, value):
+        return fallback("inputs that require gradients (flashcore is forward only)")
     if query.dtype not in (torch.float16, torch.bfloat16):
-        return _fallback(f"dtype {query.dtype}", module, query, key, value, attention_mask, **sdpa_kwargs)
-    if query.shape[-1] not in HEAD_DIMS:
-        return _fallback(f"head dim {query.shape[-1]}", module, query, key, value, attention_mask, **sdpa_kwargs)
-    # As SDPA: the module says whether it is causal unless the caller does; with no mask,
-    # transformers only gets here with Sq == 1 or Sq == Sk, where bottom-right alignment
-    # and SDPA's top-left one agree.
+        return fallback(f"dtype {query.dtype}")
+    if query.shape[-1] not in HEAD_DIMS or value.shape[-1] != query.shape[-1]:
+        return fallback(f"head dims {query.shape[-1]} (query) and {value.shape[-1]} (value)")
+    if scaling is not None and float(scaling) == 0.0:
+        return fallback("scaling 0")
+    # As SDPA: the module says whether it is causal unless the caller does, and one query
+    # token sees the whole cache.
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     causal = bool(causal) and query.shape[2] > 1
+    sq, sk = query.shape[2], key.shape[2]
+    if causal and sk > sq:
+        # SDPA's causal mask is top-left aligned: the queries see only the first Sq keys
+        # (a prompt in a longer preallocated cache), where bottom-right is the same mask.
+        key, value = key[:, :, :sq], value[:, :, :sq]
+    elif causal and sk < sq:
+        return fallback("a causal call with more queries than keys (top-left alignment)")
     if fp8 and query.shape[-1] in FP8_HEAD_DIMS:
         stats["flashcore_fp8"] += 1
         # [B, S, H, D] views in, [B, Sq, Hq, D] contiguous out, as transformers wants it.
         q, k, v = (t.transpose(1, 2) for t in (query, key, value))
         smooth_k, seed = _fp8_options()
-        out, _ = launch_fp8(q, k, v, causal, float(scaling) if scaling else 0.0, "bshd", False, smooth_k, seed)
+        out, _ = launch_fp8(q, k, v, causal, _scale(scaling), "bshd", False, smooth_k, seed)
         return out, None
     stats["flashcore"] += 1
-    out, _ = launch(query, key, value, causal, float(scaling) if scaling else 0.0, "bhsd", "bshd", False)
+    out, _ = launch(query, key, value, causal, _scale(scaling), "bhsd", "bshd", False)
     return out, None
+
+
+def _scale(scaling):
+    """The op's scale argument: 0.0 asks for the default 1/sqrt(D) (a zero `scaling` never
+    gets here)."""
+    return 0.0 if scaling is None else float(scaling)
 
 
 def register(name=None, fp8=False):

@@ -63,9 +63,15 @@ def _host(name, x, n):
     if isinstance(x, torch.Tensor):
         if x.device.type != "cpu":
             raise ValueError(f"flashcore.attention_varlen: {name} must be a CPU tensor (a host copy), got {x.device}")
-        x = x.to(torch.int32)
     else:
-        x = torch.tensor(x, dtype=torch.int32)
+        x = torch.tensor(x)
+    if x.is_floating_point() or x.is_complex() or x.dtype == torch.bool:
+        raise ValueError(f"flashcore.attention_varlen: {name} must hold integers, got {x.dtype}")
+    # Checked before the narrowing: a wrapped value (2^32 + 3 as 3) would pass the
+    # library's checks as another, valid offset.
+    if x.numel() and (int(x.min()) < -(2**31) or int(x.max()) >= 2**31):
+        raise ValueError(f"flashcore.attention_varlen: {name} holds values outside int32 (the device copy's type)")
+    x = x.to(torch.int32)
     if tuple(x.shape) != (n,):
         raise ValueError(f"flashcore.attention_varlen: {name} has shape {tuple(x.shape)}, expected ({n},)")
     return x.contiguous()
@@ -173,6 +179,11 @@ def attention_varlen(
         no sequence past max_seqlen_q) before anything runs. Without them the kernels clamp
         every sequence to the tensors, and decreasing offsets give overlapping sequences
         whose output rows are written by both, in no set order.
+
+    On Hopper a sequence's last key tile is read whole: it takes the next sequence's first
+    k/v rows (the last sequence: the rows k and v still hold after it), masked to weight 0.
+    An infinity or NaN there (unwritten rows of a buffer larger than the batch, say) makes
+    0 * v a NaN: pass k and v that end at the last sequence, or keep such rows finite.
 
     Returns o ([total_q, Hq, D], contiguous; rows no sequence covers are left
     uninitialised), or (o, lse). Inference only. Raises FlashcoreError for anything the

@@ -647,6 +647,12 @@ def test_varlen_checks_and_fake_shapes():
     with pytest.raises(ValueError, match="both"):
         flashcore.attention_varlen(meta(300, 8, 64), meta(500, 2, 64), meta(500, 2, 64), cu, cu, 200,
                                    host_cu_seqlens_q=[0, 1, 2])
+    # Host offsets are integers within int32, never truncated or wrapped into other values.
+    for bad, words in [([0, 1.9, 2], "integers"), ([0, 1, 2**32 + 2], "int32"),
+                       (torch.tensor([0, 1, 2], dtype=torch.float32), "integers")]:
+        with pytest.raises(ValueError, match=words):
+            flashcore.attention_varlen(meta(300, 8, 64), meta(500, 2, 64), meta(500, 2, 64), cu, cu, 200,
+                                       host_cu_seqlens_q=bad, host_cu_seqlens_k=[0, 1, 2])
 
 
 # ---- FP8: attention_fp8, quantize_fp8, forward_fp8 ----------------------------------------------
