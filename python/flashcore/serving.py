@@ -205,6 +205,26 @@ def _check_scales(fn, k_cache, k_scale, v_scale):
             )
 
 
+def _host_int32(fn, name, x, shape):
+    """A host copy of device metadata (a CPU tensor or a sequence of ints) as a contiguous
+    int32 CPU tensor of `shape`; ValueError for anything else."""
+    if isinstance(x, torch.Tensor):
+        if x.device.type != "cpu":
+            raise ValueError(f"flashcore.{fn}: {name} must be a CPU tensor (a host copy), got {x.device}")
+    else:
+        x = torch.tensor(x)
+    if x.is_floating_point() or x.is_complex() or x.dtype == torch.bool:
+        raise ValueError(f"flashcore.{fn}: {name} must hold integers, got {x.dtype}")
+    # Checked before the narrowing: a wrapped value (2^32 + 3 as 3) would pass the
+    # library's checks as another, valid entry.
+    if x.numel() and (int(x.min()) < -(2**31) or int(x.max()) >= 2**31):
+        raise ValueError(f"flashcore.{fn}: {name} holds values outside int32 (the device copy's type)")
+    x = x.to(torch.int32)
+    if tuple(x.shape) != shape:
+        raise ValueError(f"flashcore.{fn}: {name} has shape {tuple(x.shape)}, expected {shape}")
+    return x.contiguous()
+
+
 def _prepare_host(fn, batch, block_table, host_seqlens, host_block_table):
     """Host copies as contiguous CPU int32 tensors laid out as the C ABI reads them: lengths
     [batch], the block table [batch, table_stride] (the device table's row stride)."""
@@ -216,21 +236,7 @@ def _prepare_host(fn, batch, block_table, host_seqlens, host_block_table):
         raise ValueError(f"flashcore.{fn}: host_block_table is given for a contiguous cache (no block_table)")
 
     def host(name, x, shape):
-        if isinstance(x, torch.Tensor):
-            if x.device.type != "cpu":
-                raise ValueError(f"flashcore.{fn}: {name} must be a CPU tensor (a host copy), got {x.device}")
-        else:
-            x = torch.tensor(x)
-        if x.is_floating_point() or x.is_complex() or x.dtype == torch.bool:
-            raise ValueError(f"flashcore.{fn}: {name} must hold integers, got {x.dtype}")
-        # Checked before the narrowing: a wrapped value (2^32 + 3 as 3) would pass the
-        # library's checks as another, valid entry.
-        if x.numel() and (int(x.min()) < -(2**31) or int(x.max()) >= 2**31):
-            raise ValueError(f"flashcore.{fn}: {name} holds values outside int32 (the device copy's type)")
-        x = x.to(torch.int32)
-        if tuple(x.shape) != shape:
-            raise ValueError(f"flashcore.{fn}: {name} has shape {tuple(x.shape)}, expected {shape}")
-        return x.contiguous()
+        return _host_int32(fn, name, x, shape)
 
     lens = host("host_seqlens", host_seqlens, (batch,))
     table = None

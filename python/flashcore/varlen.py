@@ -22,6 +22,7 @@ from .serving import (
     _check_no_grad,
     _check_tensor,
     _desc,
+    _host_int32,
     _plain_eager,
     _scale_arg,
     _static,
@@ -58,23 +59,7 @@ def _outputs(q, return_lse):
 
 
 def _host(name, x, n):
-    if x is None:
-        return None
-    if isinstance(x, torch.Tensor):
-        if x.device.type != "cpu":
-            raise ValueError(f"flashcore.attention_varlen: {name} must be a CPU tensor (a host copy), got {x.device}")
-    else:
-        x = torch.tensor(x)
-    if x.is_floating_point() or x.is_complex() or x.dtype == torch.bool:
-        raise ValueError(f"flashcore.attention_varlen: {name} must hold integers, got {x.dtype}")
-    # Checked before the narrowing: a wrapped value (2^32 + 3 as 3) would pass the
-    # library's checks as another, valid offset.
-    if x.numel() and (int(x.min()) < -(2**31) or int(x.max()) >= 2**31):
-        raise ValueError(f"flashcore.attention_varlen: {name} holds values outside int32 (the device copy's type)")
-    x = x.to(torch.int32)
-    if tuple(x.shape) != (n,):
-        raise ValueError(f"flashcore.attention_varlen: {name} has shape {tuple(x.shape)}, expected ({n},)")
-    return x.contiguous()
+    return None if x is None else _host_int32("attention_varlen", name, x, (n,))
 
 
 def _check(q, k, v, o, return_lse, batch, max_seqlen_q, scale, causal):
