@@ -12,7 +12,7 @@ mod common;
 
 use std::sync::Arc;
 
-use common::{down, ptr, seeds, up};
+use common::{down, pick, ptr, random_len, seeds, up};
 use cudarc::driver::{CudaSlice, CudaStream};
 use flashcore::Error;
 use flashcore::check::tolerance;
@@ -481,21 +481,8 @@ fn decode_head_dims_and_long_caches() {
     run_all(&cases);
 }
 
-/// Picks one of `xs`.
-fn pick<T: Copy>(rng: &mut Rng, xs: &[T]) -> T {
-    xs[(rng.next_u64() % xs.len() as u64) as usize]
-}
-
-/// A sequence length as a serving batch has them: a quarter of them at a tile edge
-/// (empty and one token included), a quarter short, the rest anywhere up to `most`.
-fn random_len(rng: &mut Rng, most: usize) -> usize {
-    const EDGES: [usize; 12] = [0, 1, 2, 15, 16, 17, 63, 64, 65, 127, 128, 129];
-    match rng.next_u64() % 4 {
-        0 => pick(rng, &EDGES),
-        1 => 1 + (rng.next_u64() % 512) as usize,
-        _ => 1 + (rng.next_u64() % most as u64) as usize,
-    }
-}
+/// Lengths at the decode tiles' edges (16-key warp shares, 64-key stages).
+const EDGES: [usize; 12] = [0, 1, 2, 15, 16, 17, 63, 64, 65, 127, 128, 129];
 
 /// One random decode configuration with a head dim from `head_dims`: 1 to 4 sequences,
 /// GQA 1 to 8, 1 to 16 queries, contiguous or paged with any page size the API takes
@@ -515,7 +502,7 @@ fn random_case(rng: &mut Rng, head_dims: &[usize]) -> Case {
         heads_kv,
         head_dim: pick(rng, head_dims),
         seqlen_q,
-        lens: (0..batch).map(|_| random_len(rng, 6000)).collect(),
+        lens: (0..batch).map(|_| random_len(rng, &EDGES, 6000)).collect(),
         page: if rng.uniform() < 0.4 {
             0
         } else {

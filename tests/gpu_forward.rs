@@ -5,8 +5,11 @@
 //! when it is set; every failure names the run's seed to set there to replay it, and the
 //! failing case's own seed.
 
+mod common;
+
 use std::sync::Arc;
 
+use common::{pick, random_len};
 use flashcore::check::{CheckResult, FwdCase, Layout, TestSeeds, check_forward, tolerance};
 use flashcore::host::attention::Attention;
 use flashcore::host::device::Device;
@@ -118,14 +121,7 @@ fn case(
 fn random_shapes() {
     const EDGES: [usize; 12] = [1, 2, 17, 63, 64, 65, 113, 127, 128, 129, 192, 193];
     let mut rng = Rng::new(seeds().run_seed().rotate_left(41) ^ 0xF0D);
-    let pick = |rng: &mut Rng, xs: &[usize]| xs[(rng.next_u64() % xs.len() as u64) as usize];
-    let len = |rng: &mut Rng| {
-        if rng.next_u64().is_multiple_of(3) {
-            pick(rng, &EDGES)
-        } else {
-            1 + (rng.next_u64() % 1100) as usize
-        }
-    };
+    let len = |rng: &mut Rng| random_len(rng, &EDGES, 1100);
     let cases: Vec<FwdCase> = (0..40)
         .map(|_| {
             let heads_kv = pick(&mut rng, &[1, 2]);

@@ -12,7 +12,7 @@ mod common;
 
 use std::sync::Arc;
 
-use common::{down, ptr, seeds, up};
+use common::{down, pick, ptr, random_len, seeds, up};
 use cudarc::driver::{CudaSlice, CudaStream};
 use flashcore::Error;
 use flashcore::check::tolerance;
@@ -363,16 +363,8 @@ fn many_short_sequences() {
     }
 }
 
-/// A length around the tiles: a third at a tile edge (empty and one token included),
-/// the rest anywhere up to `most`.
-fn random_len(rng: &mut Rng, most: usize) -> usize {
-    const EDGES: [usize; 12] = [0, 1, 2, 63, 64, 65, 127, 128, 129, 191, 192, 193];
-    if rng.next_u64().is_multiple_of(3) {
-        EDGES[(rng.next_u64() % EDGES.len() as u64) as usize]
-    } else {
-        1 + (rng.next_u64() % most as u64) as usize
-    }
-}
+/// Lengths at the tiles' edges (64-row query tiles, 128-key tiles, 192-row tiles).
+const EDGES: [usize; 12] = [0, 1, 2, 63, 64, 65, 127, 128, 129, 191, 192, 193];
 
 /// Random packed batches (drawn from the run's seed: a new `FLASHCORE_SEED` draws new
 /// ones): 1 to 6 sequences with Sq = Sk or not, every head dim, GQA 1 to 8, causal or
@@ -381,7 +373,6 @@ fn random_len(rng: &mut Rng, most: usize) -> usize {
 #[ignore = "needs a CUDA GPU"]
 fn random_packed_batches() {
     let mut rng = Rng::new(seeds().run_seed().rotate_left(29) ^ 0x7A21);
-    let pick = |rng: &mut Rng, xs: &[usize]| xs[(rng.next_u64() % xs.len() as u64) as usize];
     let cases: Vec<Case> = (0..12)
         .map(|_| {
             let heads_kv = pick(&mut rng, &[1, 2]);
@@ -389,11 +380,11 @@ fn random_packed_batches() {
             let count = 1 + (rng.next_u64() % 6) as usize;
             let mut lens: Vec<(usize, usize)> = (0..count)
                 .map(|_| {
-                    let sq = random_len(&mut rng, 1200);
+                    let sq = random_len(&mut rng, &EDGES, 1200);
                     let sk = if rng.uniform() < 0.5 {
                         sq
                     } else {
-                        random_len(&mut rng, 1200)
+                        random_len(&mut rng, &EDGES, 1200)
                     };
                     (sq, sk)
                 })

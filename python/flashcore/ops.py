@@ -212,7 +212,7 @@ def check_arguments(fn, q, k, v, layout, scale):
     device = q.device
     if device.type not in ("cuda", "meta") or k.device != device or v.device != device:
         raise ValueError(f"{fn}: q, k and v must be on one CUDA device, got {device}, {k.device} and {v.device}")
-    if (q.requires_grad or k.requires_grad or v.requires_grad) and torch.is_grad_enabled():
+    if _needs_grad((q, k, v)):
         raise NotImplementedError(
             f"{fn} has no backward pass: call it under torch.no_grad() "
             "(or torch.inference_mode()), or on tensors that do not require grad"
@@ -256,6 +256,11 @@ def _plain_eager(q, k, v):
     if torch.compiler.is_compiling() or _dispatch_mode_active():
         return False
     return type(q) is _Tensor and type(k) is _Tensor and type(v) is _Tensor and q.is_cuda
+
+
+def _needs_grad(tensors):
+    """Autograd would want gradients of these tensors (flashcore has no backward)."""
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
 def _dispatch_mode_active():

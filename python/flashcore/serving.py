@@ -44,7 +44,7 @@ import torch
 
 from . import _capi
 from .ops import _ALIGN, _DTYPE_CODES, LAYOUTS, _aligned, _bshd_sizes_strides, _context, _current_stream
-from .ops import _dispatch_mode_active, kernel_ready, softmax_scale
+from .ops import _dispatch_mode_active, _needs_grad, kernel_ready, softmax_scale
 
 _Tensor = torch.Tensor
 
@@ -140,7 +140,7 @@ def _check_device(fn, named):
 
 
 def _check_no_grad(fn, tensors):
-    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+    if _needs_grad(tensors):
         raise NotImplementedError(
             f"flashcore.{fn} has no backward pass: call it under torch.no_grad() "
             "(or torch.inference_mode()), or on tensors that do not require grad"
@@ -235,14 +235,11 @@ def _prepare_host(fn, batch, block_table, host_seqlens, host_block_table):
     if host_block_table is not None and block_table is None:
         raise ValueError(f"flashcore.{fn}: host_block_table is given for a contiguous cache (no block_table)")
 
-    def host(name, x, shape):
-        return _host_int32(fn, name, x, shape)
-
-    lens = host("host_seqlens", host_seqlens, (batch,))
+    lens = _host_int32(fn, "host_seqlens", host_seqlens, (batch,))
     table = None
     if host_block_table is not None:
         max_pages, stride = _table_layout(block_table)
-        t = host("host_block_table", host_block_table, (batch, max_pages))
+        t = _host_int32(fn, "host_block_table", host_block_table, (batch, max_pages))
         if stride <= max_pages:  # (shorter: the call refuses the device table's stride)
             table = t
         else:

@@ -47,7 +47,7 @@ import warnings
 import torch
 
 from .fp8 import FP8_HEAD_DIMS, launch_fp8
-from .ops import HEAD_DIMS, launch
+from .ops import HEAD_DIMS, _needs_grad, launch
 
 NAME = "fcore"
 FP8_NAME = "fcore-fp8"
@@ -94,10 +94,6 @@ def _fp8_options():
     return smooth_k, seed
 
 
-def _needs_grad(*tensors):
-    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
-
-
 def _forward(fp8, module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs):
     if dropout and module.training:
         raise NotImplementedError("flashcore: attention dropout in training is not supported (forward only)")
@@ -114,7 +110,7 @@ def _forward(fp8, module, query, key, value, attention_mask, dropout, scaling, i
         return fallback("an explicit attention mask")
     if kwargs.get("position_bias") is not None:
         return fallback("a position bias")
-    if _needs_grad(query, key, value):
+    if _needs_grad((query, key, value)):
         return fallback("inputs that require gradients (flashcore is forward only)")
     if query.dtype not in (torch.float16, torch.bfloat16):
         return fallback(f"dtype {query.dtype}")

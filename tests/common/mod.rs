@@ -6,6 +6,7 @@ use std::sync::Arc;
 
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DeviceRepr};
 use flashcore::check::TestSeeds;
+use flashcore::reference::Rng;
 
 /// The run's seeds (from `FLASHCORE_SEED` or fresh), printed so a failure can be replayed.
 pub fn seeds() -> TestSeeds {
@@ -133,5 +134,20 @@ impl Drop for FarPair {
             }
             sys::cuMemAddressFree(self.base, FAR as usize + self.chunk);
         }
+    }
+}
+
+/// One of `xs`, uniformly: the random-configuration tests' draw.
+pub fn pick<T: Copy>(rng: &mut Rng, xs: &[T]) -> T {
+    xs[(rng.next_u64() % xs.len() as u64) as usize]
+}
+
+/// A sequence length as the random-configuration tests draw it: a third of them one of
+/// `edges` (the tiles' edges, empty and one token), the rest anywhere in `1..=most`.
+pub fn random_len(rng: &mut Rng, edges: &[usize], most: usize) -> usize {
+    if rng.next_u64().is_multiple_of(3) {
+        pick(rng, edges)
+    } else {
+        1 + (rng.next_u64() % most as u64) as usize
     }
 }
