@@ -253,12 +253,10 @@ int32_t flashcore_check_forward(const FlashcoreTensor *q, const FlashcoreTensor 
  *                  lse are written by both, in no set order.
  *   softmax_scale, causal, stream: as for flashcore_forward.
  *
- * On Hopper a sequence's last key tile is read whole, taking the next sequence's first
- * rows masked to weight 0 (for the last sequence: rows k and v still hold after it; TMA
- * zero-fills only past their end): an infinity or NaN there (in another sequence's V, or
- * in unwritten rows of a buffer larger than the packed batch) would make 0 * v a NaN.
- * Pass k and v that end at the last sequence, or keep such rows finite. All arguments are checked before anything runs; on error nothing is
- * launched or written. */
+ * Each sequence sees only its own keys: rows of k and v that belong to another sequence
+ * or to none never reach its output, whatever they hold (NaN and infinities included).
+ * All arguments are checked before anything runs; on error nothing is launched or
+ * written. */
 int32_t flashcore_forward_varlen(FlashcoreContext *ctx, const FlashcoreTensor *q,
                                  const FlashcoreTensor *k, const FlashcoreTensor *v,
                                  const FlashcoreTensor *o, uint64_t lse,

@@ -5,8 +5,9 @@
 //! `cargo test --release --test gpu_varlen -- --include-ignored`.
 //!
 //! Query rows no sequence covers (before the first and after the last) must stay
-//! poisoned; key rows there hold ±200, so a kernel that reads them (other than the masked
-//! tail the sm90 path's TMA tiles take) fails by far.
+//! poisoned; key rows there hold ±200, or NaN and ±∞, so a kernel that reads them
+//! unmasked fails by far, and one that lets the masked tail of a tile (the sm90 path's
+//! TMA tiles run past a sequence's end) reach `0 · v` gives NaN.
 
 mod common;
 
@@ -45,19 +46,27 @@ struct Case {
     gap: usize,
     /// Pass host copies of the offsets.
     host_check: bool,
+    /// The gaps' keys and values are NaN and ±∞ rather than ±200: rows no sequence
+    /// covers must not reach any output, not even as `0 · v`.
+    non_finite_gaps: bool,
 }
 
 impl std::fmt::Display for Case {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
             f,
-            "{} Hq{} Hkv{} D{} lens {:?} gap {}{}{}",
+            "{} Hq{} Hkv{} D{} lens {:?} gap {}{}{}{}",
             self.dtype.name(),
             self.heads_q,
             self.heads_kv,
             self.head_dim,
             self.lens,
             self.gap,
+            if self.non_finite_gaps {
+                " (NaN/inf)"
+            } else {
+                ""
+            },
             if self.causal { " causal" } else { "" },
             if self.host_check { " host-checked" } else { "" }
         )
@@ -86,7 +95,13 @@ impl Packed {
         let (hq, hkv, d) = (c.heads_q, c.heads_kv, c.head_dim);
         let garbage = |rng: &mut Rng, n| {
             let v: Vec<f64> = (0..n)
-                .map(|_| if rng.uniform() < 0.5 { 200.0 } else { -200.0 })
+                .map(|i| match (c.non_finite_gaps, i % 3) {
+                    (true, 0) => f64::NAN,
+                    (true, 1) => f64::INFINITY,
+                    (true, _) => f64::NEG_INFINITY,
+                    _ if rng.uniform() < 0.5 => 200.0,
+                    _ => -200.0,
+                })
                 .collect();
             reference::f64_to_half_bits(&v, c.dtype)
         };
@@ -281,6 +296,7 @@ fn grid(path: PathChoice, dtype: HalfType) {
                 causal,
                 gap: 3,
                 host_check: true,
+                non_finite_gaps: false,
             });
         }
     }
@@ -327,6 +343,7 @@ fn other_head_dims_without_host_copies() {
                 causal,
                 gap: 0,
                 host_check: false,
+                non_finite_gaps: false,
             });
         }
     }
@@ -357,8 +374,52 @@ fn many_short_sequences() {
                 causal,
                 gap: 0,
                 host_check: true,
+                non_finite_gaps: false,
             })
             .collect();
+        run_cases(path, &cases);
+    }
+}
+
+/// NaN and ±∞ in the key and value rows after the last sequence (a buffer larger than
+/// the batch, never written): every tile that runs past a sequence's end, on every sm90
+/// kernel (64-, 128- and 192-row tiles, split keys, head dims 64 to 256), must give
+/// those rows weight 0 without computing `0 · v`. Every key count ends inside a tile;
+/// the gap (200 rows) covers the whole tail of the last one.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn non_finite_rows_after_the_sequences_stay_out() {
+    let mut cases = Vec::new();
+    for (hq, hkv, d, lens) in [
+        (2, 1, 64, vec![(100, 77)]),
+        (2, 1, 64, vec![(100, 1100)]),
+        (4, 2, 64, vec![(300, 513), (64, 700)]),
+        (64, 8, 64, vec![(700, 1100)]),
+        (32, 8, 64, vec![(1200, 2100)]),
+        (2, 2, 128, vec![(50, 200), (129, 77)]),
+        (32, 8, 128, vec![(1000, 513)]),
+        (2, 1, 256, vec![(77, 200)]),
+        (16, 16, 256, vec![(600, 1100)]),
+    ] {
+        for causal in [false, true] {
+            cases.push(Case {
+                dtype: if causal {
+                    HalfType::Bf16
+                } else {
+                    HalfType::F16
+                },
+                heads_q: hq,
+                heads_kv: hkv,
+                head_dim: d,
+                lens: lens.clone(),
+                causal,
+                gap: 200,
+                host_check: true,
+                non_finite_gaps: true,
+            });
+        }
+    }
+    for path in [PathChoice::Best, PathChoice::Sm80] {
         run_cases(path, &cases);
     }
 }
@@ -410,6 +471,7 @@ fn random_packed_batches() {
                 causal: rng.uniform() < 0.5,
                 gap: pick(&mut rng, &[0, 1, 5]),
                 host_check: rng.uniform() < 0.5,
+                non_finite_gaps: rng.uniform() < 0.5,
             }
         })
         .collect();
@@ -434,6 +496,7 @@ fn varlen_small_for_sanitizers() {
                 causal,
                 gap: 5,
                 host_check: false,
+                non_finite_gaps: true,
             })
             .collect();
         run_cases(path, &cases);
@@ -457,6 +520,7 @@ fn bad_offsets() {
         causal: true,
         gap: 0,
         host_check: true,
+        non_finite_gaps: false,
     };
     let p = Packed::new(&s, &mut rng, &c);
     let [q, k, v, o] = p.views(&s, &c);

@@ -165,10 +165,9 @@ def attention_varlen(
         every sequence to the tensors, and decreasing offsets give overlapping sequences
         whose output rows are written by both, in no set order.
 
-    On Hopper a sequence's last key tile is read whole: it takes the next sequence's first
-    k/v rows (the last sequence: the rows k and v still hold after it), masked to weight 0.
-    An infinity or NaN there (unwritten rows of a buffer larger than the batch, say) makes
-    0 * v a NaN: pass k and v that end at the last sequence, or keep such rows finite.
+    Each sequence sees only its own keys: rows of k and v that no sequence covers, or
+    that belong to another sequence, never reach its output, whatever they hold (NaN and
+    infinities included).
 
     Returns o ([total_q, Hq, D], contiguous; rows no sequence covers are left
     uninitialised), or (o, lse). Inference only. Raises FlashcoreError for anything the

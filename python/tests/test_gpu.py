@@ -718,6 +718,41 @@ def test_varlen_matches_float64_per_sequence(dtype, causal, heads, seed):
         assert rel_l2(lse_got, lse_ref) < 1e-4, (b, sq, sk)
 
 
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_varlen_sequences_never_see_other_rows(d, causal, seed):
+    # Key counts that end inside a tile: the Hopper kernels' TMA tiles run past each
+    # sequence's end into the next sequence's rows, or past the last into the rest of a
+    # larger buffer. NaN and infinities there must not reach the output, even as 0 * v.
+    hq, hkv, lens_q, lens_k, pad = 4, 2, [100, 50], [77, 200], 150
+    cu_q = torch.tensor([0, 100, 150], dtype=torch.int32)
+    cu_k = torch.tensor([0, 77, 277], dtype=torch.int32)
+    q = torch.randn(150, hq, d, device="cuda", dtype=torch.float16)
+    as_bhsd = lambda t: t.transpose(0, 1).unsqueeze(0)  # noqa: E731
+
+    def check(k, v, sequences):
+        o = flashcore.attention_varlen(q, k, v, cu_q.cuda(), cu_k.cuda(), 100, causal=causal,
+                                       host_cu_seqlens_q=cu_q, host_cu_seqlens_k=cu_k)
+        torch.cuda.synchronize()
+        for b in sequences:
+            rows = slice(int(cu_q[b]), int(cu_q[b + 1]))
+            keys = slice(int(cu_k[b]), int(cu_k[b + 1]))
+            got = as_bhsd(o[rows])
+            want, _ = reference(as_bhsd(q[rows]), as_bhsd(k[keys]), as_bhsd(v[keys]), causal)
+            assert got.isfinite().all(), (d, causal, b)
+            assert rel_l2(got, want) < TOLERANCE[torch.float16], (d, causal, b)
+
+    k = torch.randn(277 + pad, hkv, d, device="cuda", dtype=torch.float16)
+    v = torch.randn(277 + pad, hkv, d, device="cuda", dtype=torch.float16)
+    # Past the last sequence (a buffer larger than the batch, never written): both checked.
+    k[277:], v[277:] = float("nan"), float("inf")
+    check(k, v, [0, 1])
+    # The second sequence's own first values infinite: the first sequence still exact.
+    k[277:], v[277:] = 0.0, 0.0
+    v[77:90] = float("inf")
+    check(k, v, [0])
+
+
 def test_varlen_errors_and_compile(seed):
     q = torch.randn(300, 4, 64, device="cuda", dtype=torch.float16)
     kv = torch.randn(500, 2, 64, device="cuda", dtype=torch.float16)

@@ -29,13 +29,12 @@
 //! the LSE, in no set order), and query rows past `max_seqlen_q` in a sequence are not
 //! computed. Pass host copies to have those refused.
 //!
-//! On the sm90 path a sequence's last key tile is read whole through TMA, so it takes
-//! the first rows of the next sequence's K and V (for the last sequence, whatever rows
-//! the tensors hold after it; zero-filled only past the tensors' end), masked to
-//! probability exactly 0. A non-finite value there (an infinity or NaN in another
-//! sequence's V, or in unwritten rows of a buffer larger than the batch) would still
-//! turn `0 · v` into NaN: pass K and V that end at the last sequence, or keep such rows
-//! finite. Dense calls, and the sm80 path, read zeros instead.
+//! Each sequence sees only its own keys. On the sm90 path a sequence's last key tile is
+//! read whole through TMA, so it holds the rows that follow the sequence (the next
+//! sequence's, or for the last one whatever the tensors hold after it; zero-filled only
+//! past the tensors' end); they are masked to probability 0, and the kernel zeroes their
+//! V rows in shared memory before `P·V`, so that NaN or infinities there cannot turn
+//! `0 · v` into NaN. The sm80 path reads zeros there instead.
 
 use cudarc::driver::sys::CUstream;
 

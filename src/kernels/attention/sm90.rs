@@ -27,8 +27,8 @@
 //! intra-warpgroup overlap), and while one consumer warpgroup does its softmax the other
 //! issues its products (ping-pong). Q, K and V arrive through 5-D tensor maps over
 //! `[d/64 column blocks][seq][128 B]` boxes of the caller's strided tensors; sequence
-//! tails arrive zero-filled (packed batches: as the next sequence's first rows) and are
-//! masked. Keys are visited last to first, so the
+//! tails arrive zero-filled (packed batches: as the rows that follow the sequence, whose
+//! V rows the consumers zero before `P V`) and are masked. Keys are visited last to first, so the
 //! tiles that need a mask (the sequence end, the causal diagonal) form a loop of their
 //! own ahead of the unmasked ones.
 //!
@@ -819,6 +819,9 @@ struct Consumer<'a, H: Half2> {
     factors: [Reg<F32>; 2],
     /// P of the last softmax, as the A fragments of the next `P V`.
     p: Vec<[Reg<H>; 4]>,
+    /// The consumer threads that share a V stage meet here once they have zeroed its
+    /// rows past a packed sequence's end ([`Consumer::zero_v_past_end`]).
+    v_zeroed: NamedBarrier,
 }
 
 /// The rings a consumer walks through, kept across work items.
@@ -852,6 +855,7 @@ where
         .slots
         .exchange
         .map(|slot| Exchange::new(k, f, &roles, slot, &mut rings));
+    let v_zeroed = k.named_barrier(128 * f.s.kv_consumers());
     f.for_each_item(k, Role::Consumer, |k, b| {
         let c = Consumer {
             f,
@@ -862,6 +866,7 @@ where
             softmax: OnlineSoftmax::new(k, 1),
             factors: [k.mov(1f32), k.mov(1f32)],
             p: (0..f.s.block_n / 16).map(|_| k.regs::<H, 4>()).collect(),
+            v_zeroed,
         };
         let mut o = Some(k.acc_zeroed::<NO>());
         let any = k.setp(Cmp::Gt, b.tiles.end, 0i32);
@@ -988,6 +993,7 @@ impl<H: Half2 + WgmmaInput> Consumer<'_, H> {
         } else {
             full(k);
         }
+        self.zero_v_past_end(k, vr, last);
 
         k.comment("Tiles that cross the sequence end or the diagonal, last to first.");
         let stride = self.tile_stride();
@@ -1025,6 +1031,60 @@ impl<H: Half2 + WgmmaInput> Consumer<'_, H> {
         let o = k.wgmma_retire(pv);
         self.release_kv(k, vr);
         o
+    }
+
+    /// Packed sequences: key tile `last` (this warpgroup's first) may run past its
+    /// sequence's end, and TMA then brings the rows that follow (the next sequence's, or
+    /// after the last sequence whatever the buffer holds there) instead of zeros. Their
+    /// probabilities are exactly 0, but `0 · v` is NaN where `v` is infinite or NaN, so
+    /// before any `P V` reads the tile, the warpgroups that share its V stage zero those
+    /// rows: whole 128-byte rows of every column block (the swizzle only permutes the
+    /// 16-byte chunks within a row), each thread a chunk per pass, then a proxy fence
+    /// (the tensor cores read through the async proxy) and a barrier among them.
+    fn zero_v_past_end(&self, k: &mut Kernel, vr: &StageRing, last: Reg<S32>) {
+        let f = self.f;
+        let block_n = f.s.block_n;
+        let cu_q = k.load_param_at::<U64>(f.args, offset_of!(FwdArgs, cu_seqlens_q));
+        let packed = k.setp(Cmp::Ne, cu_q, 0u64);
+        let first_key = k.mul(last, block_n as i32);
+        let inside = k.sub(self.b.seq.seqlen_k, first_key);
+        let cut = k.setp(Cmp::Lt, inside, block_n as i32);
+        let cut = k.and_pred(cut, packed);
+        k.if_(cut, |k| {
+            k.comment("Zero the V rows past the packed sequence's end.");
+            vr.wait_full(k);
+            let layout = f.s.kv_layout();
+            let threads = self.v_zeroed.threads();
+            let tid = k.special(Special::TidX);
+            // The thread's index among them: every consumer thread, or with split keys
+            // (one warpgroup per stage) among its warpgroup's.
+            let t = k.sub(tid, 128u32);
+            let t = if f.s.split_keys { k.and(t, 127u32) } else { t };
+            let row0 = k.shr(t, 3);
+            let chunk = k.and(t, 7u32);
+            let at = k.shl(chunk, 4);
+            let at = k.mad(row0, layout.block_bytes, at);
+            let base = vr.slot(k, f.slots.v);
+            let base = k.smem_offset(base, at);
+            let zero = k.mov(0u32);
+            let inside = inside.cast::<U32>();
+            let rows_per_pass = threads / 8;
+            for pass in 0..block_n.div_ceil(rows_per_pass) {
+                let row = k.add(row0, pass * rows_per_pass);
+                let past = k.setp(Cmp::Ge, row, inside);
+                let within = k.setp(Cmp::Lt, row, block_n);
+                let zeroed = k.and_pred(past, within);
+                for block in 0..layout.col_blocks() {
+                    let offset =
+                        block * layout.block_stride() + pass * rows_per_pass * layout.block_bytes;
+                    k.guarded(zeroed, true, |k| {
+                        k.st_shared_v4::<U32>(base, offset as i32, [zero; 4]);
+                    });
+                }
+            }
+            k.fence_proxy_async();
+            k.bar_wait(self.v_zeroed);
+        });
     }
 
     /// One key tile `n` with P V of tile `n + 1` overlapping its softmax.
@@ -1590,6 +1650,66 @@ mod tests {
             ..config(128, HalfType::F16, false)
         };
         assert!(generate(&missing).is_err());
+    }
+
+    /// Every 16-bit kernel zeroes the V rows past a packed sequence's end before the
+    /// first `P V` reads them: whole rows of every column block, in passes of the sharing
+    /// threads' 16-byte chunks, then a proxy fence and a barrier of exactly those threads
+    /// (all consumers, or one warpgroup with split keys).
+    #[test]
+    fn packed_tails_zero_their_v_rows_before_p_v() {
+        let mut configs = Vec::new();
+        for d in HEAD_DIMS {
+            for block_m in BLOCK_MS.into_iter().filter(|&m| has_tile(d, m)) {
+                for causal in [false, true] {
+                    configs.push(FwdConfig {
+                        block_m,
+                        ..config(d, HalfType::Bf16, causal)
+                    });
+                    if has_split(d, block_m) {
+                        configs.push(FwdConfig {
+                            block_m,
+                            split_keys: true,
+                            fold_scale: false,
+                            ..config(d, HalfType::F16, causal)
+                        });
+                    }
+                }
+            }
+        }
+        assert_eq!(configs.len(), 16);
+        for cfg in configs {
+            let s = Shape::of(&cfg);
+            let ptx = generate(&cfg).unwrap().to_ptx();
+            let id = cfg.id();
+            let at = ptx
+                .find("Zero the V rows past the packed sequence's end.")
+                .unwrap_or_else(|| panic!("{id}: no zeroing"));
+            let threads = 128 * s.kv_consumers();
+            let zeroing = &ptx[at..];
+            let fence = zeroing.find("fence.proxy.async.shared::cta;").unwrap();
+            let barrier = &zeroing[fence..].lines().nth(1).unwrap().trim();
+            assert!(
+                barrier.starts_with("bar.sync ") && barrier.ends_with(&format!(", {threads};")),
+                "{id}: {barrier}"
+            );
+            let stores = zeroing[..fence].matches("st.shared.v4.b32").count() as u32;
+            let passes = s.block_n.div_ceil(threads / 8);
+            assert_eq!(stores, passes * s.kv_layout().col_blocks(), "{id}");
+            // Before the first P V: the first wgmma whose A operand is registers (`}, {%`
+            // after the accumulator; `Q Kᵀ` reads A through a descriptor).
+            let first_pv = ptx
+                .lines()
+                .scan(0, |at, l| {
+                    let here = *at;
+                    *at += l.len() + 1;
+                    Some((here, l))
+                })
+                .find(|(_, l)| l.contains("wgmma.mma_async") && l.contains("}, {%"))
+                .map(|(at, _)| at)
+                .unwrap_or_else(|| panic!("{id}: no P V"));
+            assert!(at < first_pv, "{id}: V zeroed after the first P V");
+        }
     }
 
     #[test]
