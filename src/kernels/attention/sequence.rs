@@ -12,7 +12,7 @@
 use std::mem::offset_of;
 
 use super::FwdArgs;
-use crate::ptx::{Cmp, Kernel, ParamBytes, Reg, S32, U32, U64};
+use crate::ptx::{Cmp, Kernel, ParamBytes, Pred, Reg, S32, U32, U64};
 
 /// One sequence's rows and lengths.
 #[derive(Debug, Clone, Copy)]
@@ -25,6 +25,9 @@ pub struct Sequence {
     pub k_start: Reg<S32>,
     pub seqlen_q: Reg<S32>,
     pub seqlen_k: Reg<S32>,
+    /// The launch is packed: the rows after the sequence belong to the next one (or to
+    /// none), not to the tensor's end.
+    pub packed: Reg<Pred>,
 }
 
 impl Sequence {
@@ -45,9 +48,9 @@ pub fn sequence(k: &mut Kernel, args: ParamBytes, batch: Reg<U32>) -> Sequence {
         k_start: k.mov(0i32),
         seqlen_q,
         seqlen_k,
+        packed: k.setp(Cmp::Ne, cu_q, 0u64),
     };
-    let packed = k.setp(Cmp::Ne, cu_q, 0u64);
-    k.if_(packed, |k| {
+    k.if_(seq.packed, |k| {
         let cu_k = k.load_param_at::<U64>(args, offset_of!(FwdArgs, cu_seqlens_k));
         let entry = k.mul_wide_u32(batch, 4u32);
         for (cu, start, len) in [

@@ -1044,12 +1044,10 @@ impl<H: Half2 + WgmmaInput> Consumer<'_, H> {
     fn zero_v_past_end(&self, k: &mut Kernel, vr: &StageRing, last: Reg<S32>) {
         let f = self.f;
         let block_n = f.s.block_n;
-        let cu_q = k.load_param_at::<U64>(f.args, offset_of!(FwdArgs, cu_seqlens_q));
-        let packed = k.setp(Cmp::Ne, cu_q, 0u64);
         let first_key = k.mul(last, block_n as i32);
         let inside = k.sub(self.b.seq.seqlen_k, first_key);
         let cut = k.setp(Cmp::Lt, inside, block_n as i32);
-        let cut = k.and_pred(cut, packed);
+        let cut = k.and_pred(cut, self.b.seq.packed);
         k.if_(cut, |k| {
             k.comment("Zero the V rows past the packed sequence's end.");
             vr.wait_full(k);
