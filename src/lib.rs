@@ -6,7 +6,8 @@
 //! - [`tma`]: tensor-map descriptions for the Hopper path.
 //! - [`host`]: the driver layer and the public forward API.
 //! - [`reference`]: float64 CPU reference with the kernels' exact semantics.
-//! - [`quant`]: the CPU E4M3 quantizer, bit for bit the GPU one.
+//! - [`quant`]: the CPU E4M3 quantizer, the GPU one's reference (bit for bit but for
+//!   Hopper's tensor-core rotation, which agrees to f32 rounding).
 //! - [`calibrate`]: FP8 error against float64 on inputs built to break FP8.
 
 pub mod calibrate;

@@ -1,5 +1,7 @@
-//! E4M3 quantization on the CPU, bit for bit what the GPU quantizer produces: the
-//! reference its tests compare against, and the calibration suite's simulator.
+//! E4M3 quantization on the CPU, bit for bit what the GPU quantizer produces (but for
+//! the Hadamard rotation on Hopper, summed on the tensor cores: see
+//! [`crate::kernels::quantize_sm90`]): the reference its tests compare against, and the
+//! calibration suite's simulator.
 //!
 //! Layouts and scale semantics are those of [`crate::kernels::attention::fp8`]: one f32
 //! scale per block of [`SCALE_BLOCK`] rows of one (batch, head), `scale = amax / 448`
@@ -19,9 +21,11 @@
 //!   an outlier channel over all of them before the block's amax is taken.
 //!
 //! K smoothing subtracts the mean first, then rotates. [`transform_rows`] computes both
-//! in f32 in exactly the GPU quantizer's order of operations, so given the same mean the
-//! codes agree bit for bit; only [`key_mean`] (a sum over the sequence, whose order the
-//! GPU's atomics do not fix) and the rounding of the mean itself can differ.
+//! in f32 in exactly the sm_89 GPU quantizer's order of operations, so given the same mean
+//! the codes agree bit for bit; only [`key_mean`] (a sum over the sequence, whose order
+//! the GPU's atomics do not fix) and the rounding of the mean itself can differ. Hopper's
+//! rotation without smoothing sums in another order: its values agree to f32 rounding,
+//! and a code can differ by one step where a value lies that close to a boundary.
 
 use crate::kernels::attention::fp8::{E4M3_MAX, SCALE_BLOCK, VT_KEY_ORDER, vt_min_pitch};
 

@@ -182,7 +182,7 @@ pub fn dispatch_sm80(
 /// lands as the kernel's `[d/64][rows][128 B]` tile. A dimension of extent 1 is never
 /// stepped, so its stride (which validation leaves unchecked) is replaced by one TMA
 /// accepts.
-fn sm90_map(t: &TensorView, rows: u32) -> Result<TensorMap> {
+pub(crate) fn sm90_map(t: &TensorView, rows: u32) -> Result<TensorMap> {
     sm90_map_boxed(t, [rows, t.shape[3] as u32 / 64])
 }
 

@@ -1,7 +1,10 @@
 //! FP8 quantization on the GPU: 16-bit Q, K and V to the [`Fp8Operands`] that
 //! [`Attention::forward_fp8`] takes, written into one device workspace the caller
 //! provides. The kernels are [`crate::kernels::quantize`]'s; their results are bit for
-//! bit [`crate::quant`]'s.
+//! bit [`crate::quant`]'s. On Hopper, the Hadamard option without K smoothing rotates Q
+//! and K on the tensor cores ([`crate::kernels::quantize_sm90`], where a view TMA can
+//! describe, which validation leaves as every view but those with strides of 2^40 bytes
+//! and more): the same values to f32 rounding, so a code can differ by one step.
 //!
 //! # Workspace ([`Fp8Layout`])
 //!
@@ -20,7 +23,8 @@
 //!
 //! # Launches
 //!
-//! Without K smoothing: Q, K, V, one kernel each. With it: the mean is zeroed
+//! Without K smoothing: Q, K, V, one kernel each (on Hopper with the Hadamard option,
+//! Q's and K's are persistent: one block per SM at most). With it: the mean is zeroed
 //! (`cuMemsetD32Async`) and K's mean accumulated first, then Q (which writes `lse_shift`
 //! from the unrotated rows), K (minus the mean), V. All on the caller's stream, in that
 //! order, so a CUDA graph can capture them.
@@ -34,7 +38,7 @@ use std::ffi::c_void;
 
 use cudarc::driver::sys::{self, CUstream};
 
-use super::attention::Attention;
+use super::attention::{Attention, sm90_map};
 use super::decode::Workspace;
 use super::device::{ContextScope, check};
 use super::fp8::{FP8_HEAD_DIMS_TEXT, Fp8Operands, VtView};
@@ -48,8 +52,10 @@ use crate::error::{Error, Result};
 use crate::kernels::attention::HalfType;
 use crate::kernels::attention::fp8::{HEAD_DIMS, SCALE_BLOCK, scale_blocks, vt_min_pitch_checked};
 use crate::kernels::quantize::{QuantArgs, QuantConfig, QuantKind, Smoothing};
+use crate::kernels::quantize_sm90::RotateConfig;
 use crate::quant::HadamardSigns;
 use crate::shape::AttnShape;
+use crate::tma::TensorMap;
 
 /// The quantizer's options; each is off by default and leaves `softmax(Q Kᵀ) V`
 /// unchanged (see [`crate::quant`]).
@@ -312,6 +318,16 @@ struct Step {
     config: QuantConfig,
     args: QuantArgs,
     grid: (u32, u32, u32),
+    /// A rows step that may run on the tensor cores instead (Hopper, the Hadamard option
+    /// without smoothing): the kernel and the view its tensor map describes.
+    rotate: Option<(RotateConfig, TensorView)>,
+}
+
+/// The kernel a step launches: its plain configuration, or on Hopper the rotated one
+/// with the input's tensor map where TMA can describe the view.
+enum Launch {
+    Plain,
+    Rotated(RotateConfig, TensorMap),
 }
 
 /// The launches of a validated call, in order (the mean's zeroing aside), with the
@@ -352,7 +368,15 @@ fn plan_steps(
             hadamard,
         });
         let blocks = scale_blocks(seqlen as u32);
+        let rotate = (hadamard && smoothing == Smoothing::None).then(|| {
+            let rc = RotateConfig {
+                input: p.input,
+                head_dim: s.head_dim as u32,
+            };
+            (rc, *t)
+        });
         Step {
+            rotate,
             config: cfg,
             args: QuantArgs {
                 src: t.ptr,
@@ -369,6 +393,8 @@ fn plan_steps(
                 scale_blocks: blocks,
                 inv_seqlen: 0.0,
                 hadamard_signs: signs,
+                batch: b as u32,
+                _pad: 0,
             },
             grid: (blocks, heads as u32, b as u32),
         }
@@ -377,6 +403,7 @@ fn plan_steps(
     if p.options.smooth_k {
         let cfg = config(QuantKind::KeyMean);
         steps.push(Step {
+            rotate: None,
             config: cfg,
             args: QuantArgs {
                 src: k.ptr,
@@ -402,6 +429,7 @@ fn plan_steps(
     let pitch = l.vt_pitch as u64;
     let cfg = config(QuantKind::Vt);
     steps.push(Step {
+        rotate: None,
         config: cfg,
         args: QuantArgs {
             src: v.ptr,
@@ -463,33 +491,76 @@ impl Attention {
             });
         }
         let steps = plan_steps(&problem, q, k, v, workspace.ptr);
+        let hopper = arch == (9, 0);
+        let launches: Vec<Launch> = steps
+            .iter()
+            .map(|st| match st.rotate {
+                Some((rc, view)) if hopper => match sm90_map(&view, SCALE_BLOCK) {
+                    Ok(map) => Launch::Rotated(rc, map),
+                    Err(_) => Launch::Plain,
+                },
+                _ => Launch::Plain,
+            })
+            .collect();
         // Every kernel is loaded before the first launch, so a load error launches
         // nothing.
         let kernels = steps
             .iter()
-            .map(|st| {
-                let cfg = st.config;
-                self.load(&cfg.id(), cfg.smem_bytes(), || cfg.generate())
+            .zip(&launches)
+            .map(|(st, how)| match how {
+                Launch::Plain => {
+                    let cfg = st.config;
+                    self.load(&cfg.id(), cfg.smem_bytes(), || cfg.generate())
+                }
+                Launch::Rotated(rc, _) => self.load(&rc.id(), rc.smem_bytes(), || rc.generate()),
             })
             .collect::<Result<Vec<_>>>()?;
         if let Some(mean) = problem.layout.k_mean {
             self.zero_f32(workspace.ptr + mean.offset as u64, mean.bytes / 4, stream)?;
         }
-        for (step, kernel) in steps.iter().zip(&kernels) {
-            let dims = LaunchDims {
-                grid: step.grid,
-                block: (step.config.threads(), 1, 1),
-                dynamic_smem: step.config.smem_bytes(),
-            };
+        let sms = self.device().sm_count();
+        for ((step, kernel), how) in steps.iter().zip(&kernels).zip(&launches) {
             let mut args = step.args;
-            let mut params = [(&mut args as *mut QuantArgs).cast::<c_void>()];
-            // SAFETY: the kernel's one parameter is the by-value `QuantArgs`, which
-            // `args` is and which outlives the call. validate_quantize checked the
-            // inputs' pointers and extents (the kernels read rows below `seqlen` only)
-            // and that the workspace holds the layout, apart from them; the kernels
-            // write only their regions of it. This function's contract makes the
-            // memory live and `stream` valid.
-            unsafe { launch(kernel, &dims, stream, &mut params) }?;
+            match how {
+                Launch::Plain => {
+                    let dims = LaunchDims {
+                        grid: step.grid,
+                        block: (step.config.threads(), 1, 1),
+                        dynamic_smem: step.config.smem_bytes(),
+                    };
+                    let mut params = [(&mut args as *mut QuantArgs).cast::<c_void>()];
+                    // SAFETY: the kernel's one parameter is the by-value `QuantArgs`,
+                    // which `args` is and which outlives the call. validate_quantize
+                    // checked the inputs' pointers and extents (the kernels read rows
+                    // below `seqlen` only) and that the workspace holds the layout, apart
+                    // from them; the kernels write only their regions of it. This
+                    // function's contract makes the memory live and `stream` valid.
+                    unsafe { launch(kernel, &dims, stream, &mut params) }?;
+                }
+                Launch::Rotated(rc, map) => {
+                    // Persistent: one block per SM at most, each walking the items.
+                    let (x, y, z) = step.grid;
+                    let items = u64::from(x) * u64::from(y) * u64::from(z);
+                    let dims = LaunchDims {
+                        grid: (items.min(u64::from(sms.max(1))) as u32, 1, 1),
+                        block: (rc.threads(), 1, 1),
+                        dynamic_smem: rc.smem_bytes(),
+                    };
+                    let mut map = *map;
+                    let mut params = [
+                        (&mut args as *mut QuantArgs).cast::<c_void>(),
+                        (&mut map as *mut TensorMap).cast::<c_void>(),
+                    ];
+                    // SAFETY: the kernel's parameters are the by-value `QuantArgs` and the
+                    // by-value 128-byte tensor map of the step's input, which these point
+                    // at and which outlive the call. The map covers exactly the validated
+                    // view (TMA reads nothing outside it); the codes and scales go to the
+                    // workspace regions validate_quantize checked, rows below `seqlen`
+                    // only. This function's contract makes the memory live and `stream`
+                    // valid.
+                    unsafe { launch(kernel, &dims, stream, &mut params) }?;
+                }
+            }
         }
         Ok(problem.layout.operands(workspace.ptr, &problem.shape))
     }
@@ -672,9 +743,29 @@ mod tests {
             steps[1].args.hadamard_signs,
             HadamardSigns::from_seed(7, 128).words()
         );
+        assert!(
+            steps.iter().all(|s| s.rotate.is_none()),
+            "the tensor-core rotation has no smoothing"
+        );
+        let rotated = QuantizeOptions {
+            smooth_k: false,
+            hadamard_seed: Some(7),
+        };
+        let p = check(&v, &rotated, workspace()).unwrap();
+        let steps = plan_steps(&p, &v[0], &v[1], &v[2], 4 * GB);
+        let rotate: Vec<_> = steps
+            .iter()
+            .map(|s| s.rotate.map(|(c, t)| (c, t.ptr)))
+            .collect();
+        let cfg = RotateConfig {
+            input: HalfType::Bf16,
+            head_dim: 128,
+        };
+        assert_eq!(rotate, [Some((cfg, v[0].ptr)), Some((cfg, v[1].ptr)), None]);
         let plain = check(&v, &QuantizeOptions::default(), workspace()).unwrap();
         let steps = plan_steps(&plain, &v[0], &v[1], &v[2], 4 * GB);
         assert_eq!(steps.len(), 3);
+        assert!(steps.iter().all(|s| s.rotate.is_none()));
         assert!(
             steps
                 .iter()

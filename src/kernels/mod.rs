@@ -3,6 +3,7 @@
 pub mod attention;
 pub mod gemm;
 pub mod quantize;
+pub mod quantize_sm90;
 pub mod tma_copy;
 
 use crate::ptx::{Module, PtxError};
@@ -21,6 +22,8 @@ pub enum KernelSpec {
     Append(attention::append::AppendConfig),
     /// FP8 quantization of 16-bit Q, K, V (and K's mean for smoothing).
     Quantize(quantize::QuantConfig),
+    /// The Hadamard option's rows kernel for Hopper: the rotation on the tensor cores.
+    Rotate(quantize_sm90::RotateConfig),
     /// The warp-specialized GEMM that proves the Hopper building blocks (test/bench).
     Gemm(gemm::GemmConfig),
     /// The TMA load/store round trip (test).
@@ -37,6 +40,7 @@ impl KernelSpec {
             KernelSpec::Merge(c) => c.id(),
             KernelSpec::Append(c) => c.id(),
             KernelSpec::Quantize(c) => c.id(),
+            KernelSpec::Rotate(c) => c.id(),
             KernelSpec::Gemm(c) => c.id(),
             KernelSpec::TmaCopy(c) => c.id(),
         }
@@ -51,6 +55,7 @@ impl KernelSpec {
             KernelSpec::Merge(c) => c.generate(),
             KernelSpec::Append(c) => c.generate(),
             KernelSpec::Quantize(c) => c.generate(),
+            KernelSpec::Rotate(c) => c.generate(),
             KernelSpec::Gemm(c) => c.generate(),
             KernelSpec::TmaCopy(c) => c.generate(),
         }
@@ -64,6 +69,7 @@ impl KernelSpec {
             KernelSpec::Decode(c) => c.smem_bytes(),
             KernelSpec::Merge(_) | KernelSpec::Append(_) => 0,
             KernelSpec::Quantize(c) => c.smem_bytes(),
+            KernelSpec::Rotate(c) => c.smem_bytes(),
             KernelSpec::Gemm(c) => c.smem().0.bytes(),
             KernelSpec::TmaCopy(c) => c.smem().0.bytes(),
         }
@@ -119,6 +125,14 @@ impl KernelSpec {
                 quantize::QuantKind::KeyMean => &["LDG.E.128", "RED"],
                 _ => &["F2FP.SATFINITE.E4M3", "LDG.E.128", "STG.E.128"],
             },
+            // wgmma on TMA tiles, then the conversion and 16-byte stores.
+            KernelSpec::Rotate(_) => &[
+                "HGMMA",
+                "UTMALDG",
+                "SYNCS",
+                "F2FP.SATFINITE.E4M3",
+                "STG.E.128",
+            ],
         }
     }
 }
@@ -144,6 +158,9 @@ pub fn catalog() -> Vec<KernelSpec> {
     let quantize = quantize::all_quant_configs()
         .into_iter()
         .map(KernelSpec::Quantize);
+    let rotate = quantize_sm90::all_rotate_configs()
+        .into_iter()
+        .map(KernelSpec::Rotate);
     let gemm = gemm::all_gemm_configs().into_iter().map(KernelSpec::Gemm);
     let copy = tma_copy::all_configs().into_iter().map(KernelSpec::TmaCopy);
     fwd.chain(fp8)
@@ -151,6 +168,7 @@ pub fn catalog() -> Vec<KernelSpec> {
         .chain(merge)
         .chain(append)
         .chain(quantize)
+        .chain(rotate)
         .chain(gemm)
         .chain(copy)
         .collect()

@@ -1,6 +1,8 @@
 //! FP8 (E4M3) quantization kernels (`.target sm_89`: Ada and Hopper alike): 16-bit Q, K
 //! and V in, the operands of [`crate::kernels::attention::fp8`] out, bit for bit what
-//! [`crate::quant`] computes from the same values.
+//! [`crate::quant`] computes from the same values. On Hopper the Hadamard option without
+//! smoothing takes [`super::quantize_sm90`]'s rows kernel instead, which rotates on the
+//! tensor cores.
 //!
 //! # Kernels
 //!
@@ -121,6 +123,10 @@ pub struct QuantArgs {
     pub inv_seqlen: f32,
     /// The Hadamard signs, [`crate::quant::HadamardSigns::words`].
     pub hadamard_signs: [u32; 8],
+    /// Batches (the persistent rotated kernel's item count; the others use the grid).
+    pub batch: u32,
+    /// Unused: keeps the block free of padding.
+    pub _pad: u32,
 }
 
 impl QuantArgs {
