@@ -416,18 +416,28 @@ pub(crate) fn block_scale(k: &mut Kernel, amax: Reg<F32>) -> (Reg<F32>, Reg<F32>
     (k.selp(scale, 1.0f32, ok), k.selp(inv, 0.0f32, ok))
 }
 
+/// The address of `scales[(batch·H + head)·blocks + block]` (f32, `[B, H, blocks]`).
+pub(crate) fn scale_address(
+    k: &mut Kernel,
+    scales: Reg<U64>,
+    [heads, blocks]: [Reg<U32>; 2],
+    [batch, head, block]: [Reg<U32>; 3],
+) -> Reg<U64> {
+    let bh = k.mad(batch, heads, head);
+    let index = k.mul_wide_u32(bh, blocks);
+    let block = k.cvt_u64_u32(block);
+    let index = k.add(index, block);
+    let index = k.shl(index, 2);
+    k.add(scales, index)
+}
+
 /// Thread 0 writes the block's scale to `scales[(b·H + h)·blocks + block]` when the
 /// block is one of the sequence's (a Vᵀ block of padding only writes none).
 fn store_scale(k: &mut Kernel, args: ParamBytes, p: &Place, scale: Reg<F32>) {
     let scales = arg::<U64>(k, args, offset_of!(QuantArgs, scales));
     let heads = arg::<U32>(k, args, offset_of!(QuantArgs, heads));
     let blocks = arg::<U32>(k, args, offset_of!(QuantArgs, scale_blocks));
-    let bh = k.mad(p.batch, heads, p.head);
-    let index = k.mul_wide_u32(bh, blocks);
-    let block = k.cvt_u64_u32(p.block);
-    let index = k.add(index, block);
-    let index = k.shl(index, 2);
-    let at = k.add(scales, index);
+    let at = scale_address(k, scales, [heads, blocks], [p.batch, p.head, p.block]);
     let first = k.setp(Cmp::Eq, p.tid, 0u32);
     let real = k.setp(Cmp::Lt, p.block, blocks);
     let write = k.and_pred(first, real);

@@ -45,7 +45,7 @@ use std::mem::offset_of;
 
 use super::attention::HalfType;
 use super::attention::fp8::{HEAD_DIMS, SCALE_BLOCK};
-use super::quantize::{QuantArgs, block_scale};
+use super::quantize::{QuantArgs, block_scale, scale_address};
 use crate::ptx::{
     Acc, B32, Bf16x2, Cmp, F16x2, F32, InFlight, KMajor, Kernel, KernelText, Module, N64, N128,
     ParamBytes, PtxError, PtxType, RawSlot, Reg, RingBarriers, S32, ScaleD, Smem, SmemDesc,
@@ -198,21 +198,14 @@ impl Rotate {
         let batch = arg::<U32>(k, self.args, offset_of!(QuantArgs, batch));
         let per_batch = k.mul(heads, blocks);
         let items = k.mul(per_batch, batch);
-        let first = k.special(Special::CtaidX);
-        let stride = k.special(Special::NctaidX);
-        k.for_stride(
-            first.cast::<S32>(),
-            items.cast::<S32>(),
-            stride.cast(),
-            |k, item| {
-                let item = item.cast::<U32>();
-                let block = k.rem(item, blocks);
-                let rest = k.div(item, blocks);
-                let head = k.rem(rest, heads);
-                let batch = k.div(rest, heads);
-                body(k, Item { block, head, batch });
-            },
-        );
+        k.for_grid_stride(items.cast::<S32>(), |k, item| {
+            let item = item.cast::<U32>();
+            let block = k.rem(item, blocks);
+            let rest = k.div(item, blocks);
+            let head = k.rem(rest, heads);
+            let batch = k.div(rest, heads);
+            body(k, Item { block, head, batch });
+        });
     }
 }
 
@@ -492,12 +485,7 @@ fn consume<H: WgmmaInput, N: WgmmaN>(k: &mut Kernel, r: &Rotate, tid: Reg<U32>) 
         let amax = k.mul(raw, norm);
         let (scale, inv) = block_scale(k, amax);
 
-        let bh = k.mad(it.batch, heads, it.head);
-        let index = k.mul_wide_u32(bh, blocks);
-        let block = k.cvt_u64_u32(it.block);
-        let index = k.add(index, block);
-        let index = k.shl(index, 2);
-        let scale_at = k.add(scales, index);
+        let scale_at = scale_address(k, scales, [heads, blocks], [it.batch, it.head, it.block]);
         k.guarded(first_thread, true, |k| k.st_global(scale_at, 0, scale));
 
         k.comment("Codes: 16 channels of a row per 16-byte store.");

@@ -650,6 +650,18 @@ impl Kernel {
         self.place(exit);
     }
 
+    /// `for item in (blockIdx.x..count).step_by(gridDim.x) { body(item) }`: a persistent
+    /// grid's walk over its work items.
+    pub fn for_grid_stride(
+        &mut self,
+        count: impl Src<S32>,
+        body: impl FnOnce(&mut Self, Reg<S32>),
+    ) {
+        let first = self.special(Special::CtaidX);
+        let stride = self.special(Special::NctaidX);
+        self.for_stride(first.cast::<S32>(), count, stride.cast(), body);
+    }
+
     /// Runs `body` while `cond` (emitted at the top of each turn) gives true.
     pub fn while_(
         &mut self,

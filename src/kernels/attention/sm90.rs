@@ -486,17 +486,10 @@ pub(super) fn for_each_item(
     let head_batches = k.mul(heads, batch);
     let items = k.mul(head_batches, q_blocks);
     if !causal {
-        let first = k.special(Special::CtaidX);
-        let stride = k.special(Special::NctaidX);
-        k.for_stride(
-            first.cast::<S32>(),
-            items.cast::<S32>(),
-            stride.cast(),
-            |k, item| {
-                let b = item_block(k, args, false, tile, item.cast(), [q_blocks, heads]);
-                body(k, &b);
-            },
-        );
+        k.for_grid_stride(items.cast::<S32>(), |k, item| {
+            let b = item_block(k, args, false, tile, item.cast(), [q_blocks, heads]);
+            body(k, &b);
+        });
         return;
     }
     let item = k.reg::<U32>();
