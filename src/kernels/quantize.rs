@@ -268,16 +268,16 @@ pub fn all_quant_configs() -> Vec<QuantConfig> {
     v
 }
 
-fn arg<T: PtxType>(k: &mut Kernel, args: ParamBytes, offset: usize) -> Reg<T> {
+pub(super) fn arg<T: PtxType>(k: &mut Kernel, args: ParamBytes, offset: usize) -> Reg<T> {
     k.load_param_at::<T>(args, offset)
 }
 
-fn strides(k: &mut Kernel, args: ParamBytes, at: usize) -> [Reg<U64>; 3] {
+pub(super) fn strides(k: &mut Kernel, args: ParamBytes, at: usize) -> [Reg<U64>; 3] {
     std::array::from_fn(|i| arg::<U64>(k, args, at + 8 * i))
 }
 
 /// `base + elem · (a·s[0] + b·s[1] + c·s[2]) + bytes`, all 64-bit.
-fn address(
+pub(super) fn address(
     k: &mut Kernel,
     base: Reg<U64>,
     s: &[Reg<U64>; 3],

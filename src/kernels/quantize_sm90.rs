@@ -45,12 +45,11 @@ use std::mem::offset_of;
 
 use super::attention::HalfType;
 use super::attention::fp8::{HEAD_DIMS, SCALE_BLOCK};
-use super::quantize::{QuantArgs, block_scale, scale_address};
+use super::quantize::{QuantArgs, address, arg, block_scale, scale_address, strides};
 use crate::ptx::{
     Acc, B32, Bf16x2, Cmp, F16x2, F32, InFlight, KMajor, Kernel, KernelText, Module, N64, N128,
-    ParamBytes, PtxError, PtxType, RawSlot, Reg, RingBarriers, S32, ScaleD, Smem, SmemDesc,
-    SmemLayout, SmemPlan, Special, Swizzle, Target, TileSlot, TmaDesc, U32, U64, WgmmaInput,
-    WgmmaN,
+    ParamBytes, PtxError, RawSlot, Reg, RingBarriers, S32, ScaleD, Smem, SmemDesc, SmemLayout,
+    SmemPlan, Special, Swizzle, Target, TileSlot, TmaDesc, U32, U64, WgmmaInput, WgmmaN,
 };
 use crate::quant::hadamard_norm;
 
@@ -167,10 +166,6 @@ pub fn all_rotate_configs() -> Vec<RotateConfig> {
 pub fn column_channel(a: u32) -> u32 {
     let (i, t, u) = (a >> 3, (a >> 1) & 3, a & 1);
     ((i >> 3) << 6) | (t << 4) | ((i & 7) << 1) | u
-}
-
-fn arg<T: PtxType>(k: &mut Kernel, args: ParamBytes, offset: usize) -> Reg<T> {
-    k.load_param_at::<T>(args, offset)
 }
 
 /// One 128-row block of one head of one batch.
@@ -414,8 +409,7 @@ fn consume<H: WgmmaInput, N: WgmmaN>(k: &mut Kernel, r: &Rotate, tid: Reg<U32>) 
     let blocks = arg::<U32>(k, args, offset_of!(QuantArgs, scale_blocks));
     let scales = arg::<U64>(k, args, offset_of!(QuantArgs, scales));
     let dst = arg::<U64>(k, args, offset_of!(QuantArgs, dst));
-    let ds: [Reg<U64>; 3] =
-        std::array::from_fn(|i| arg::<U64>(k, args, offset_of!(QuantArgs, dst_stride) + 8 * i));
+    let ds = strides(k, args, offset_of!(QuantArgs, dst_stride));
     let norm = hadamard_norm(cfg.head_dim as usize);
 
     let mut ring = r.slots.ring.consumer(k, r.smem);
@@ -490,15 +484,8 @@ fn consume<H: WgmmaInput, N: WgmmaN>(k: &mut Kernel, r: &Rotate, tid: Reg<U32>) 
 
         k.comment("Codes: 16 channels of a row per 16-byte store.");
         let row0 = k.mad(it.block, SCALE_BLOCK, tile_row);
-        let b64 = k.cvt_u64_u32(it.batch);
-        let h64 = k.cvt_u64_u32(it.head);
-        let r64 = k.cvt_u64_u32(row0);
-        let at = k.mul(b64, ds[0]);
-        let at = k.mad(h64, ds[2], at);
-        let at = k.mad(r64, ds[1], at);
         let lanes = k.mul_wide_u32(pair, 16u32);
-        let at = k.add(at, lanes);
-        let at = k.add(dst, at);
+        let at = address(k, dst, &ds, [it.batch, row0, it.head], 1, lanes);
         let eight_rows = k.mul(ds[1], 8u64);
         for row_half in 0..2usize {
             let row = k.add(row0, 8 * row_half as u32);
