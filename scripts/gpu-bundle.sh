@@ -372,9 +372,12 @@ if want fp8; then
         "--batch 1 --heads 4 --kv-heads 1 --seqlen-q 200 --seqlen-k 513 --head-dim 128 --causal"
         "--batch 2 --heads 2 --kv-heads 2 --seqlen-q 77 --seqlen-k 333 --head-dim 64 --in-dtype bf16 --smooth-k"
         "--batch 1 --heads 2 --kv-heads 2 --seqlen-q 113 --seqlen-k 200 --head-dim 256 --hadamard 7"
-        # The Hadamard option without smoothing: on Hopper, the tensor-core rotation.
+        # The Hadamard option: on Hopper, the tensor-core rotation (with smoothing too).
         "--batch 2 --heads 4 --kv-heads 2 --seqlen-q 129 --seqlen-k 300 --head-dim 128 --in-dtype bf16 --hadamard 5"
         "--batch 1 --heads 2 --kv-heads 1 --seqlen-q 1 --seqlen-k 17 --head-dim 64 --hadamard 9"
+        "--batch 1 --heads 8 --kv-heads 2 --seqlen-q 257 --seqlen-k 130 --head-dim 256 --smooth-k --hadamard 4"
+        "--batch 1 --heads 2 --kv-heads 1 --seqlen-q 1 --seqlen-k 17 --head-dim 64 --smooth-k --hadamard 9"
+        "--batch 2 --heads 4 --kv-heads 2 --seqlen-q 129 --seqlen-k 300 --head-dim 128 --in-dtype bf16 --smooth-k --hadamard 5"
         "--batch 1 --heads 4 --kv-heads 1 --seqlen-q 200 --seqlen-k 513 --head-dim 256 --causal"
         "--batch 1 --heads 2 --kv-heads 1 --seqlen-q 130 --seqlen-k 300 --head-dim 128 --causal --path sm80"
         "--batch 1 --heads 2 --kv-heads 2 --seqlen-q 77 --seqlen-k 150 --head-dim 256 --path sm80"

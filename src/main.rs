@@ -1480,6 +1480,7 @@ fn quantize_bench(args: &[String]) -> Result<(), Failure> {
             + layout.k_scale.bytes
             + layout.v_scale.bytes
             + layout.k_mean.map_or(0, |r| r.bytes)
+            + layout.k_mean_rotated.map_or(0, |r| r.bytes)
             + layout.lse_shift.map_or(0, |r| r.bytes);
         let bytes = reads + writes;
         // SAFETY: the views and the workspace lie in the live buffers above, on `stream`.

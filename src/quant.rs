@@ -24,8 +24,9 @@
 //! in f32 in exactly the sm_89 GPU quantizer's order of operations, so given the same mean
 //! the codes agree bit for bit; only [`key_mean`] (a sum over the sequence, whose order
 //! the GPU's atomics do not fix) and the rounding of the mean itself can differ. Hopper's
-//! rotation without smoothing sums in another order: its values agree to f32 rounding,
-//! and a code can differ by one step where a value lies that close to a boundary.
+//! rotation sums in another order (and subtracts the rotated mean after rotating): its
+//! values agree to f32 rounding, and a code can differ by one step where a value lies that
+//! close to a boundary.
 
 use crate::kernels::attention::fp8::{E4M3_MAX, SCALE_BLOCK, VT_KEY_ORDER, vt_min_pitch};
 

@@ -493,6 +493,36 @@ fn tma_golden() {
 }
 
 #[test]
+fn bulk_load_golden_and_refusals() {
+    let (mut k, smem, tile, ring) = hopper_kernel("bulk");
+    let src = k.param::<U64>("src");
+    let src = k.load_param(src);
+    let bar = ring.producer(&mut k, smem).full_barrier(&mut k);
+    let dst = smem.tile(&mut k, tile, 0);
+    k.bulk_load(dst, src, 512, bar);
+    let text = module_text(Target::Sm90a, k);
+    assert_contains_all(
+        &text,
+        &[
+            "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%r",
+            "], [%rd",
+            "], 512, [%r",
+        ],
+    );
+    // Sizes the copy engine cannot move are refused when the kernel is finished.
+    for bytes in [0, 24] {
+        let (mut k, smem, tile, ring) = hopper_kernel("bulk_bad");
+        let src = k.param::<U64>("src");
+        let src = k.load_param(src);
+        let bar = ring.producer(&mut k, smem).full_barrier(&mut k);
+        let dst = smem.tile(&mut k, tile, 0);
+        k.bulk_load(dst, src, bytes, bar);
+        let err = k.finish().unwrap_err();
+        assert!(err.to_string().contains("multiple of 16"), "{bytes}: {err}");
+    }
+}
+
+#[test]
 fn a_tensor_map_taken_again_where_it_is_used() {
     let (mut k, smem, tile, _) = hopper_kernel("tma_here");
     let _first = k.tensor_map_param("tmap_a");

@@ -1,33 +1,36 @@
 //! FP8 quantization on the GPU: 16-bit Q, K and V to the [`Fp8Operands`] that
 //! [`Attention::forward_fp8`] takes, written into one device workspace the caller
 //! provides. The kernels are [`crate::kernels::quantize`]'s; their results are bit for
-//! bit [`crate::quant`]'s. On Hopper, the Hadamard option without K smoothing rotates Q
-//! and K on the tensor cores ([`crate::kernels::quantize_sm90`], where a view TMA can
-//! describe, which validation leaves as every view but those with strides of 2^40 bytes
-//! and more): the same values to f32 rounding, so a code can differ by one step.
+//! bit [`crate::quant`]'s. On Hopper, the Hadamard option rotates Q and K on the tensor
+//! cores ([`crate::kernels::quantize_sm90`], where a view TMA can describe, which
+//! validation leaves as every view but those with strides of 2^40 bytes and more): the
+//! same values to f32 rounding, so a code can differ by one step.
 //!
 //! # Workspace ([`Fp8Layout`])
 //!
 //! One region after another, each starting on a [`Fp8Layout::ALIGN`]-byte boundary:
 //!
-//! | region      | contents                                                     |
-//! |-------------|--------------------------------------------------------------|
-//! | `q`         | e4m3 `[B, Sq, Hq, D]`, contiguous                            |
-//! | `k`         | e4m3 `[B, Sk, Hkv, D]`, contiguous                           |
-//! | `vt`        | e4m3 `[B, Hkv, D, pitch]`, pitch = Sk rounded up to 16       |
-//! | `q_scale`   | f32 `[B, Hq, ceil(Sq/128)]`                                  |
-//! | `k_scale`   | f32 `[B, Hkv, ceil(Sk/128)]`                                 |
-//! | `v_scale`   | f32 `[B, Hkv, ceil(Sk/128)]`                                 |
-//! | `k_mean`    | f32 `[B, Hkv, D]` (K smoothing only)                         |
-//! | `lse_shift` | f32 `[B, Hq, Sq]` (K smoothing only)                         |
+//! | region           | contents                                                          |
+//! |------------------|-------------------------------------------------------------------|
+//! | `q`              | e4m3 `[B, Sq, Hq, D]`, contiguous                                 |
+//! | `k`              | e4m3 `[B, Sk, Hkv, D]`, contiguous                                |
+//! | `vt`             | e4m3 `[B, Hkv, D, pitch]`, pitch = Sk rounded up to 16            |
+//! | `q_scale`        | f32 `[B, Hq, ceil(Sq/128)]`                                       |
+//! | `k_scale`        | f32 `[B, Hkv, ceil(Sk/128)]`                                      |
+//! | `v_scale`        | f32 `[B, Hkv, ceil(Sk/128)]`                                      |
+//! | `k_mean`         | f32 `[B, Hkv, D]` (K smoothing only)                              |
+//! | `lse_shift`      | f32 `[B, Hq, Sq]` (K smoothing only)                              |
+//! | `k_mean_rotated` | f32 `[B, Hkv, D]`, `k_mean` rotated (smoothing and Hadamard only) |
 //!
 //! # Launches
 //!
 //! Without K smoothing: Q, K, V, one kernel each (on Hopper with the Hadamard option,
 //! Q's and K's are persistent: one block per SM at most). With it: the mean is zeroed
-//! (`cuMemsetD32Async`) and K's mean accumulated first, then Q (which writes `lse_shift`
-//! from the unrotated rows), K (minus the mean), V. All on the caller's stream, in that
-//! order, so a CUDA graph can capture them.
+//! (`cuMemsetD32Async`) and K's mean accumulated first (and, with the Hadamard option,
+//! rotated into `k_mean_rotated`), then Q (which writes `lse_shift` from the unrotated
+//! rows), K (minus the mean: subtracted before the butterflies, or its rotation after
+//! the tensor cores'), V. All on the caller's stream, in that order, so a CUDA graph can
+//! capture them.
 //!
 //! Scales are per block of 128 rows, the FP8 path's scheme. The CPU quantizer's
 //! per-tensor granularity ([`crate::quant::Granularity::PerTensor`]) has no GPU kernel:
@@ -89,6 +92,8 @@ pub struct Fp8Layout {
     pub k_mean: Option<Region>,
     /// K smoothing only.
     pub lse_shift: Option<Region>,
+    /// K smoothing with the Hadamard option only.
+    pub k_mean_rotated: Option<Region>,
     /// Keys per row of `Vᵀ8` (Sk rounded up to 16).
     pub vt_pitch: usize,
     /// The workspace's size: the end of the last region.
@@ -146,6 +151,11 @@ impl Fp8Layout {
         } else {
             (None, None)
         };
+        let k_mean_rotated = if options.smooth_k && options.hadamard_seed.is_some() {
+            Some(take(product(&[b, hkv, d, 4])?)?)
+        } else {
+            None
+        };
         Ok(Fp8Layout {
             q,
             k,
@@ -155,6 +165,7 @@ impl Fp8Layout {
             v_scale,
             k_mean,
             lse_shift,
+            k_mean_rotated,
             vt_pitch,
             bytes: end,
         })
@@ -318,9 +329,19 @@ struct Step {
     config: QuantConfig,
     args: QuantArgs,
     grid: (u32, u32, u32),
-    /// A rows step that may run on the tensor cores instead (Hopper, the Hadamard option
-    /// without smoothing): the kernel and the view its tensor map describes.
-    rotate: Option<(RotateConfig, TensorView)>,
+    /// A rows step that may run on the tensor cores instead (Hopper, the Hadamard option).
+    rotate: Option<Rotated>,
+}
+
+/// The tensor-core form of a rows step.
+#[derive(Debug, Clone, Copy)]
+struct Rotated {
+    config: RotateConfig,
+    /// The input, which the kernel's tensor map describes.
+    view: TensorView,
+    /// The mean it reads in place of the plain step's: K's rotated mean for keys (the
+    /// plain kernel subtracts the mean before rotating, this one after).
+    mean: u64,
 }
 
 /// The kernel a step launches: its plain configuration, or on Hopper the rotated one
@@ -355,6 +376,7 @@ fn plan_steps(
         head_dim: s.head_dim as u32,
     };
     let mean = l.k_mean.map_or(0, at);
+    let mean_rotated = l.k_mean_rotated.map_or(0, at);
     let kv_blocks = scale_blocks(s.seqlen_k as u32);
     let (smooth_q, smooth_k) = if p.options.smooth_k {
         (Smoothing::Query, Smoothing::Key)
@@ -368,12 +390,17 @@ fn plan_steps(
             hadamard,
         });
         let blocks = scale_blocks(seqlen as u32);
-        let rotate = (hadamard && smoothing == Smoothing::None).then(|| {
-            let rc = RotateConfig {
+        let rotate = hadamard.then_some(Rotated {
+            config: RotateConfig {
                 input: p.input,
                 head_dim: s.head_dim as u32,
-            };
-            (rc, *t)
+                smoothing,
+            },
+            view: *t,
+            mean: match smoothing {
+                Smoothing::Key => mean_rotated,
+                _ => mean,
+            },
         });
         Step {
             rotate,
@@ -422,6 +449,28 @@ fn plan_steps(
                 s.heads_kv as u32,
                 s.batch as u32,
             ),
+        });
+    }
+    if l.k_mean_rotated.is_some() {
+        // Written on every GPU (the butterfly kernels rotate after subtracting and do
+        // not read it), so the workspace holds the same on every GPU.
+        let cfg = QuantConfig {
+            input: HalfType::F16,
+            ..config(QuantKind::MeanRotate)
+        };
+        steps.push(Step {
+            rotate: None,
+            config: cfg,
+            args: QuantArgs {
+                dst: mean_rotated,
+                mean,
+                heads: s.heads_kv as u32,
+                group: 1,
+                mean_heads: s.heads_kv as u32,
+                hadamard_signs: signs,
+                ..QuantArgs::default()
+            },
+            grid: (1, s.heads_kv as u32, s.batch as u32),
         });
     }
     steps.push(rows_of(q, l.q, l.q_scale, smooth_q));
@@ -495,8 +544,8 @@ impl Attention {
         let launches: Vec<Launch> = steps
             .iter()
             .map(|st| match st.rotate {
-                Some((rc, view)) if hopper => match sm90_map(&view, SCALE_BLOCK) {
-                    Ok(map) => Launch::Rotated(rc, map),
+                Some(r) if hopper => match sm90_map(&r.view, SCALE_BLOCK) {
+                    Ok(map) => Launch::Rotated(r.config, map),
                     Err(_) => Launch::Plain,
                 },
                 _ => Launch::Plain,
@@ -538,6 +587,9 @@ impl Attention {
                     unsafe { launch(kernel, &dims, stream, &mut params) }?;
                 }
                 Launch::Rotated(rc, map) => {
+                    if let Some(r) = step.rotate {
+                        args.mean = r.mean;
+                    }
                     // Persistent: one block per SM at most, each walking the items.
                     let (x, y, z) = step.grid;
                     let items = u64::from(x) * u64::from(y) * u64::from(z);
@@ -631,6 +683,15 @@ mod tests {
         let full = Fp8Layout::new(&shape, &smooth).unwrap();
         assert_eq!(full.k_mean.unwrap().bytes, 2 * 2 * 64 * 4);
         assert_eq!(full.lse_shift.unwrap().bytes, 2 * 8 * 129 * 4);
+        assert_eq!(full.k_mean_rotated.unwrap().bytes, 2 * 2 * 64 * 4);
+        let smooth_only = QuantizeOptions {
+            smooth_k: true,
+            hadamard_seed: None,
+        };
+        assert_eq!(
+            Fp8Layout::new(&shape, &smooth_only).unwrap().k_mean_rotated,
+            None
+        );
         let regions = [
             full.q,
             full.k,
@@ -640,6 +701,7 @@ mod tests {
             full.v_scale,
             full.k_mean.unwrap(),
             full.lse_shift.unwrap(),
+            full.k_mean_rotated.unwrap(),
         ];
         for pair in regions.windows(2) {
             assert!(pair[0].offset + pair[0].bytes <= pair[1].offset);
@@ -647,7 +709,10 @@ mod tests {
         for r in regions {
             assert_eq!(r.offset % Fp8Layout::ALIGN, 0);
         }
-        assert_eq!(full.bytes, full.lse_shift.unwrap().offset + 2 * 8 * 129 * 4);
+        assert_eq!(
+            full.bytes,
+            full.k_mean_rotated.unwrap().offset + 2 * 2 * 64 * 4
+        );
         let ops = full.operands(4 * GB, &shape);
         assert_eq!(ops.q.ptr, 4 * GB);
         assert_eq!(ops.q.dtype, DType::E4m3);
@@ -722,6 +787,7 @@ mod tests {
             kinds,
             [
                 QuantKind::KeyMean,
+                QuantKind::MeanRotate,
                 QuantKind::Rows {
                     smoothing: Smoothing::Query,
                     hadamard: true
@@ -733,33 +799,60 @@ mod tests {
                 QuantKind::Vt
             ]
         );
+        let l = &p.layout;
+        let (mean, rotated_mean) = (
+            4 * GB + l.k_mean.unwrap().offset as u64,
+            4 * GB + l.k_mean_rotated.unwrap().offset as u64,
+        );
         assert_eq!(steps[0].grid, (2, 2, 2), "1000 keys in slabs of 512");
-        assert_eq!(steps[1].grid, (3, 8, 2));
-        assert_eq!(steps[1].args.group, 4);
-        assert_eq!(steps[1].args.src_stride, [8 * 300 * 128, 128, 300 * 128]);
-        assert_eq!(steps[3].grid, (8, 2, 2), "pitch 1008 in blocks of 128");
-        assert_eq!(steps[3].args.dst_stride[2], 1008);
+        assert_eq!(steps[1].grid, (1, 2, 2), "one warp per (head, batch)");
         assert_eq!(
-            steps[1].args.hadamard_signs,
-            HadamardSigns::from_seed(7, 128).words()
+            (steps[1].args.mean, steps[1].args.dst),
+            (mean, rotated_mean)
         );
-        assert!(
-            steps.iter().all(|s| s.rotate.is_none()),
-            "the tensor-core rotation has no smoothing"
+        assert_eq!(steps[2].grid, (3, 8, 2));
+        assert_eq!(steps[2].args.group, 4);
+        assert_eq!(steps[2].args.src_stride, [8 * 300 * 128, 128, 300 * 128]);
+        assert_eq!(steps[4].grid, (8, 2, 2), "pitch 1008 in blocks of 128");
+        assert_eq!(steps[4].args.dst_stride[2], 1008);
+        for step in &steps[1..4] {
+            assert_eq!(
+                step.args.hadamard_signs,
+                HadamardSigns::from_seed(7, 128).words()
+            );
+        }
+        // On the tensor cores Q reads the mean (for lse_shift) and K the rotated one;
+        // the butterfly kernels both read the mean.
+        let rotate: Vec<_> = steps
+            .iter()
+            .map(|s| s.rotate.map(|r| (r.config.smoothing, r.view.ptr, r.mean)))
+            .collect();
+        assert_eq!(
+            rotate,
+            [
+                None,
+                None,
+                Some((Smoothing::Query, v[0].ptr, mean)),
+                Some((Smoothing::Key, v[1].ptr, rotated_mean)),
+                None
+            ]
         );
+        assert_eq!((steps[2].args.mean, steps[3].args.mean), (mean, mean));
         let rotated = QuantizeOptions {
             smooth_k: false,
             hadamard_seed: Some(7),
         };
         let p = check(&v, &rotated, workspace()).unwrap();
+        assert_eq!(p.layout.k_mean_rotated, None);
         let steps = plan_steps(&p, &v[0], &v[1], &v[2], 4 * GB);
         let rotate: Vec<_> = steps
             .iter()
-            .map(|s| s.rotate.map(|(c, t)| (c, t.ptr)))
+            .map(|s| s.rotate.map(|r| (r.config, r.view.ptr)))
             .collect();
         let cfg = RotateConfig {
             input: HalfType::Bf16,
             head_dim: 128,
+            smoothing: Smoothing::None,
         };
         assert_eq!(rotate, [Some((cfg, v[0].ptr)), Some((cfg, v[1].ptr)), None]);
         let plain = check(&v, &QuantizeOptions::default(), workspace()).unwrap();

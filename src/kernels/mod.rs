@@ -123,9 +123,19 @@ impl KernelSpec {
             // 16-byte loads and stores; the key mean's atomic adds.
             KernelSpec::Quantize(c) => match c.kind {
                 quantize::QuantKind::KeyMean => &["LDG.E.128", "RED"],
+                quantize::QuantKind::MeanRotate => &["LDG.E.128", "SHFL.BFLY", "STG.E.128"],
                 _ => &["F2FP.SATFINITE.E4M3", "LDG.E.128", "STG.E.128"],
             },
-            // wgmma on TMA tiles, then the conversion and 16-byte stores.
+            // wgmma on TMA tiles, then the conversion and 16-byte stores; with smoothing,
+            // each stage's mean beside its tile by a bulk copy.
+            KernelSpec::Rotate(c) if c.smoothing != quantize::Smoothing::None => &[
+                "HGMMA",
+                "UTMALDG",
+                "UBLKCP",
+                "SYNCS",
+                "F2FP.SATFINITE.E4M3",
+                "STG.E.128",
+            ],
             KernelSpec::Rotate(_) => &[
                 "HGMMA",
                 "UTMALDG",

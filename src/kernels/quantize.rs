@@ -1,8 +1,7 @@
 //! FP8 (E4M3) quantization kernels (`.target sm_89`: Ada and Hopper alike): 16-bit Q, K
 //! and V in, the operands of [`crate::kernels::attention::fp8`] out, bit for bit what
-//! [`crate::quant`] computes from the same values. On Hopper the Hadamard option without
-//! smoothing takes [`super::quantize_sm90`]'s rows kernel instead, which rotates on the
-//! tensor cores.
+//! [`crate::quant`] computes from the same values. On Hopper the Hadamard option takes
+//! [`super::quantize_sm90`]'s rows kernel instead, which rotates on the tensor cores.
 //!
 //! # Kernels
 //!
@@ -18,6 +17,9 @@
 //!   position in `[S, pitch)`, and V's scales.
 //! - **Key mean**: adds `Σ rows · (1/S)` of a slab of [`MEAN_ROW_BLOCKS`] · 128 rows of K to
 //!   the f32 `[B, H, D]` mean with `red.global.add` (the buffer must be zeroed first).
+//! - **Mean rotation** (K smoothing with the Hadamard option): the mean rotated like a
+//!   row, `[B, H, D]` to `[B, H, D]`, one warp per (head, batch): what
+//!   [`super::quantize_sm90`]'s rows kernel subtracts from keys it rotated unsmoothed.
 //!
 //! # Work split
 //!
@@ -79,6 +81,9 @@ pub enum QuantKind {
     Vt,
     /// K's per-channel mean over the sequence (accumulated).
     KeyMean,
+    /// The mean rotated like the rows, `H · diag(s) · mean / sqrt(D)`: what the
+    /// tensor-core rows kernel subtracts from rotated keys (the input type is unused).
+    MeanRotate,
 }
 
 /// One quantization kernel configuration.
@@ -195,12 +200,16 @@ impl QuantConfig {
             ),
             QuantKind::Vt => format!("quant_e4m3_vt_{dt}_d{d}"),
             QuantKind::KeyMean => format!("quant_key_mean_{dt}_d{d}"),
+            QuantKind::MeanRotate => format!("quant_mean_rotate_d{d}"),
         }
     }
 
-    /// Threads per block.
+    /// Threads per block (the mean's rotation: one warp, whole rows of lanes).
     pub fn threads(&self) -> u32 {
-        Geometry::of(self.head_dim).threads
+        match self.kind {
+            QuantKind::MeanRotate => 32,
+            _ => Geometry::of(self.head_dim).threads,
+        }
     }
 
     /// Rows of the sequence one block covers (the grid's x extent is the sequence, or
@@ -242,9 +251,9 @@ impl QuantConfig {
 }
 
 /// Every quantization configuration: each kind and option set, for f16 and bf16 input and
-/// every FP8 head dim.
+/// every FP8 head dim (the mean's rotation, which reads no 16-bit input, once per head dim).
 pub fn all_quant_configs() -> Vec<QuantConfig> {
-    let mut kinds = vec![QuantKind::Vt, QuantKind::KeyMean];
+    let mut kinds = vec![QuantKind::Vt, QuantKind::KeyMean, QuantKind::MeanRotate];
     for smoothing in [Smoothing::None, Smoothing::Query, Smoothing::Key] {
         for hadamard in [false, true] {
             kinds.push(QuantKind::Rows {
@@ -256,6 +265,9 @@ pub fn all_quant_configs() -> Vec<QuantConfig> {
     let mut v = Vec::new();
     for kind in kinds {
         for input in [HalfType::F16, HalfType::Bf16] {
+            if kind == QuantKind::MeanRotate && input != HalfType::F16 {
+                continue;
+            }
             for head_dim in HEAD_DIMS {
                 v.push(QuantConfig {
                     kind,
@@ -359,7 +371,7 @@ fn load_slots(
 }
 
 /// Eight 16-bit values (four words) widened to f32, exactly.
-fn widen(k: &mut Kernel, input: HalfType, words: [Reg<B32>; 4]) -> [Reg<F32>; 8] {
+pub(super) fn widen(k: &mut Kernel, input: HalfType, words: [Reg<B32>; 4]) -> [Reg<F32>; 8] {
     fn pairs<H: Half2 + SameClass<B32>>(k: &mut Kernel, words: [Reg<B32>; 4]) -> Vec<Reg<F32>> {
         words
             .into_iter()
@@ -554,6 +566,7 @@ fn build(cfg: &QuantConfig) -> Result<KernelText, PtxError> {
             let sums = smem.raw(&mut k, sums);
             key_mean(&mut k, cfg, &g, args, &p, sums)
         }
+        QuantKind::MeanRotate => rotate_mean(&mut k, &g, args, &p),
     }
     k.finish()
 }
@@ -850,6 +863,28 @@ fn key_mean(
     });
 }
 
+/// The mean-rotation kernel: one warp per (head, batch), `dst[b, h] = rotate(mean[b, h])`
+/// (f32 `[B, H, D]` both) by [`rotate`], so in [`crate::quant::rotate_row`]'s order.
+/// Every group of `C` lanes rotates the row; the first writes it.
+fn rotate_mean(k: &mut Kernel, g: &Geometry, args: ParamBytes, p: &Place) {
+    let mean = load_mean(k, args, p, p.head, g.head_dim);
+    let r = rotation(k, g, args, p);
+    let y = rotate(k, &r, mean);
+    let dst = arg::<U64>(k, args, offset_of!(QuantArgs, dst));
+    let heads = arg::<U32>(k, args, offset_of!(QuantArgs, heads));
+    let bh = k.mad(p.batch, heads, p.head);
+    let index = k.mul_wide_u32(bh, g.head_dim);
+    let channel = k.mul_wide_u32(p.col, ELEMS_PER_THREAD as u32);
+    let index = k.add(index, channel);
+    let bytes = k.shl(index, 2);
+    let at = k.add(dst, bytes);
+    let first_row = k.setp(Cmp::Eq, p.row, 0u32);
+    k.guarded(first_row, true, |k| {
+        k.st_global_v4(at, 0, [y[0], y[1], y[2], y[3]]);
+        k.st_global_v4(at, 16, [y[4], y[5], y[6], y[7]]);
+    });
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -873,7 +908,9 @@ mod tests {
         let all = all_quant_configs();
         let ids: std::collections::HashSet<_> = all.iter().map(|c| c.id()).collect();
         assert_eq!(ids.len(), all.len());
-        assert_eq!(all.len(), 8 * 2 * 3);
+        // Eight kinds for each input type and head dim; the mean's rotation once per head
+        // dim.
+        assert_eq!(all.len(), 8 * 2 * 3 + 3);
         for c in &all {
             let ptx = c.generate().unwrap().to_ptx();
             assert!(ptx.contains(".target sm_89"), "{}", c.id());

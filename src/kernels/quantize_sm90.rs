@@ -1,6 +1,7 @@
 //! The Hadamard option's rows kernel for Hopper (`.target sm_90a`): Q or K rotated by
-//! `H · diag(s) / sqrt(D)` and quantized to e4m3 with one scale per 128 rows, the
-//! rotation done as a matrix product on the tensor cores.
+//! `H · diag(s) / sqrt(D)` (K minus its mean first, with K smoothing) and quantized to
+//! e4m3 with one scale per 128 rows, the rotation done as a matrix product on the tensor
+//! cores.
 //!
 //! The butterfly kernel of [`super::quantize`] spends about seven float operations per
 //! value on the rotation and is bound by instruction issue (74% of copy bandwidth at
@@ -11,7 +12,9 @@
 //! all threads: build T (the signed Hadamard, permuted as below) in shared memory, once
 //! producer (warpgroup 0)                  consumers (warpgroups 1, 2; rows 64c..64c+64)
 //! for each 128-row block of each head:    for each block:
-//!     acquire a stage; TMA X[128 x D]         wait FULL; Y = X Tᵀ (wgmma SS); release
+//!     acquire a stage; TMA X[128 x D]         wait FULL; [Q: lse_shift from X]
+//!                                             Y = X Tᵀ [− K's rotated mean] (wgmma SS)
+//!                                             release
 //!                                             amax of Y: shuffles, then both warpgroups
 //!                                             through shared memory and a named barrier
 //!                                             codes = e4m3(Y · norm · 448 / amax)
@@ -32,6 +35,20 @@
 //! butterfly [`crate::quant::rotate_row`] ends with. Half the tensor work of a dense
 //! 256 × 256 product, for one add per value.
 //!
+//! # K smoothing
+//!
+//! The rotation is linear, so `(x − μ) · Tᵀ = x · Tᵀ − μ · Tᵀ`: keys are rotated as they
+//! are and the rotated mean (`k_mean_rotated`, which the mean-rotation kernel of
+//! [`super::quantize`] writes first) is taken off. It goes in as the accumulators'
+//! starting value, `−rotate(μ) / norm` (at D = 256, `U` and `V` start at minus half the
+//! sum and half the difference of its two halves), which costs no registers beside the
+//! accumulators. Rows past the sequence arrive as zeros and leave as minus the mean:
+//! they are kept out of the amax (and, as always, not stored).
+//!
+//! Q's `lse_shift = q · μ` comes from the unrotated rows, read from the staged tile
+//! before the products are issued, in [`crate::quant::lse_shift`]'s order (two threads
+//! per row, see `LseRows`), so it equals the CPU's bit for bit.
+//!
 //! # Numbers
 //!
 //! The products are exact (16-bit inputs times ±1) and summed in f32 on the tensor cores,
@@ -45,13 +62,16 @@ use std::mem::offset_of;
 
 use super::attention::HalfType;
 use super::attention::fp8::{HEAD_DIMS, SCALE_BLOCK};
-use super::quantize::{QuantArgs, address, arg, block_scale, scale_address, strides};
+use super::quantize::{
+    QuantArgs, Smoothing, address, arg, block_scale, scale_address, strides, widen,
+};
 use crate::ptx::{
     Acc, B32, Bf16x2, Cmp, F16x2, F32, InFlight, KMajor, Kernel, KernelText, Module, N64, N128,
-    ParamBytes, PtxError, RawSlot, Reg, RingBarriers, S32, ScaleD, Smem, SmemDesc, SmemLayout,
-    SmemPlan, Special, Swizzle, Target, TileSlot, TmaDesc, U32, U64, WgmmaInput, WgmmaN,
+    ParamBytes, Pred, PtxError, RawSlot, Reg, RingBarriers, S32, ScaleD, Smem, SmemAddr, SmemDesc,
+    SmemLayout, SmemPlan, Special, Swizzle, Target, TileSlot, TmaDesc, U32, U64, WgmmaInput,
+    WgmmaN,
 };
-use crate::quant::hadamard_norm;
+use crate::quant::{ELEMS_PER_THREAD, hadamard_norm};
 
 /// Threads per block: a producer warpgroup and two consumer warpgroups.
 pub const THREADS: u32 = 384;
@@ -67,6 +87,8 @@ pub struct RotateConfig {
     /// The 16-bit input's element type.
     pub input: HalfType,
     pub head_dim: u32,
+    /// K smoothing's part: Q's `lse_shift`, or K minus the rotated mean.
+    pub smoothing: Smoothing,
 }
 
 /// Where everything lives in shared memory.
@@ -77,17 +99,24 @@ struct Slots {
     /// The ring of 128-row X tiles.
     x: TileSlot,
     ring: RingBarriers,
+    /// With smoothing, each stage's head's mean (Q) or rotated mean (K): D floats.
+    mean: Option<TileSlot>,
     /// Two sets (alternate blocks) of one f32 amax per consumer warp.
     amax: RawSlot,
 }
 
 impl RotateConfig {
-    /// The kernel id, e.g. `quant_e4m3_rows_bf16_d128_hadamard_sm90a`.
+    /// The kernel id, e.g. `quant_e4m3_rows_bf16_d128_smooth_k_hadamard_sm90a`.
     pub fn id(&self) -> String {
         format!(
-            "quant_e4m3_rows_{}_d{}_hadamard_sm90a",
+            "quant_e4m3_rows_{}_d{}{}_hadamard_sm90a",
             self.input.name(),
-            self.head_dim
+            self.head_dim,
+            match self.smoothing {
+                Smoothing::None => "",
+                Smoothing::Query => "_smooth_q",
+                Smoothing::Key => "_smooth_k",
+            }
         )
     }
 
@@ -119,8 +148,21 @@ impl RotateConfig {
         let t = plan.tile(self.t_layout(), 1);
         let x = plan.tile(self.x_layout(), self.stages());
         let ring = RingBarriers::plan(&mut plan, self.stages());
+        let mean = (self.smoothing != Smoothing::None).then(|| {
+            let row = SmemLayout::new(1, self.head_dim, 4, Swizzle::None);
+            plan.tile(row, self.stages())
+        });
         let amax = plan.raw(2 * 8 * 4, 16);
-        (plan, Slots { t, x, ring, amax })
+        (
+            plan,
+            Slots {
+                t,
+                x,
+                ring,
+                mean,
+                amax,
+            },
+        )
     }
 
     /// Dynamic shared memory per block, bytes.
@@ -151,12 +193,18 @@ impl RotateConfig {
     }
 }
 
-/// Every configuration: f16 and bf16 input, every FP8 head dim.
+/// Every configuration: each smoothing part, f16 and bf16 input, every FP8 head dim.
 pub fn all_rotate_configs() -> Vec<RotateConfig> {
     let mut v = Vec::new();
-    for input in [HalfType::F16, HalfType::Bf16] {
-        for head_dim in HEAD_DIMS {
-            v.push(RotateConfig { input, head_dim });
+    for smoothing in [Smoothing::None, Smoothing::Query, Smoothing::Key] {
+        for input in [HalfType::F16, HalfType::Bf16] {
+            for head_dim in HEAD_DIMS {
+                v.push(RotateConfig {
+                    input,
+                    head_dim,
+                    smoothing,
+                });
+            }
         }
     }
     v
@@ -336,7 +384,9 @@ fn produce(k: &mut Kernel, r: &Rotate, tid: Reg<U32>) {
         k.tma_prefetch_desc(r.map);
         let zero = k.mov::<S32>(0i32);
         let mut ring = r.slots.ring.producer(k, r.smem);
-        let bytes = r.cfg.x_layout().bytes();
+        let d = r.cfg.head_dim;
+        let mean_bytes = if r.slots.mean.is_some() { 4 * d } else { 0 };
+        let bytes = r.cfg.x_layout().bytes() + mean_bytes;
         r.for_each_item(k, |k, it| {
             ring.acquire(k);
             ring.arrive_expect_tx(k, bytes);
@@ -344,8 +394,23 @@ fn produce(k: &mut Kernel, r: &Rotate, tid: Reg<U32>) {
             let at = ring.slot(k, r.slots.x);
             let row = k.mul(it.block, SCALE_BLOCK).cast::<S32>();
             let (head, batch) = (it.head.cast::<S32>(), it.batch.cast::<S32>());
-            // Rows past the sequence arrive as zeros: they leave the amax alone.
+            // Rows past the sequence arrive as zeros (the consumers keep them out of the
+            // amax where K's mean makes them nonzero).
             k.tma_load(at, r.map, [zero, row, zero, head, batch], full);
+            if let Some(slot) = r.slots.mean {
+                k.comment("... and the head's mean beside them.");
+                // mean[b, head / group]: Q's group of heads shares its KV head's mean;
+                // K's (group 1) is its own, rotated.
+                let mean = arg::<U64>(k, r.args, offset_of!(QuantArgs, mean));
+                let heads = arg::<U32>(k, r.args, offset_of!(QuantArgs, mean_heads));
+                let group = arg::<U32>(k, r.args, offset_of!(QuantArgs, group));
+                let kv_head = k.div(it.head, group);
+                let bh = k.mad(it.batch, heads, kv_head);
+                let from = k.mul_wide_u32(bh, 4 * d);
+                let from = k.add(mean, from);
+                let to = ring.slot(k, slot);
+                k.bulk_load(to, from, mean_bytes, full);
+            }
             ring.advance(k);
         });
     });
@@ -360,14 +425,15 @@ fn along_k(k: &mut Kernel, d: SmemDesc<KMajor>, bytes: u32) -> SmemDesc<KMajor> 
     }
 }
 
-/// `X · Tᵀ` over channels `16·steps` for the consumer's 64 rows, into a fresh
-/// accumulator.
+/// `start + X · Tᵀ` over channels `16·steps` for the consumer's 64 rows (a fresh
+/// accumulator without `start`).
 fn rotate_rows<H: WgmmaInput, N: WgmmaN>(
     k: &mut Kernel,
     cfg: &RotateConfig,
     x: SmemDesc<KMajor>,
     t: SmemDesc<KMajor>,
     steps: std::ops::Range<u32>,
+    start: Option<Acc<N>>,
 ) -> InFlight<N> {
     let (xl, tl) = (cfg.x_layout(), cfg.t_layout());
     let at = |k: &mut Kernel, step: u32| {
@@ -376,8 +442,11 @@ fn rotate_rows<H: WgmmaInput, N: WgmmaN>(
         (xs, ts)
     };
     let (xs, ts) = at(k, steps.start);
-    let acc = k.acc::<N>();
-    let mut f = k.wgmma_ss::<H, N, KMajor, KMajor>(acc, xs, ts, ScaleD::Zero);
+    let (acc, scale) = match start {
+        Some(acc) => (acc, ScaleD::Accumulate),
+        None => (k.acc::<N>(), ScaleD::Zero),
+    };
+    let mut f = k.wgmma_ss::<H, N, KMajor, KMajor>(acc, xs, ts, scale);
     for step in steps.start + 1..steps.end {
         let (xs, ts) = at(k, step);
         f = k.wgmma_ss::<H, N, KMajor, KMajor>(f, xs, ts, ScaleD::Accumulate);
@@ -411,6 +480,7 @@ fn consume<H: WgmmaInput, N: WgmmaN>(k: &mut Kernel, r: &Rotate, tid: Reg<U32>) 
     let dst = arg::<U64>(k, args, offset_of!(QuantArgs, dst));
     let ds = strides(k, args, offset_of!(QuantArgs, dst_stride));
     let norm = hadamard_norm(cfg.head_dim as usize);
+    let lse = (cfg.smoothing == Smoothing::Query).then(|| LseRows::new(k, r, consumer, warp, lane));
 
     let mut ring = r.slots.ring.consumer(k, r.smem);
     let x_rows = k.mul(consumer, cfg.x_layout().logical_offset(64, 0));
@@ -429,13 +499,30 @@ fn consume<H: WgmmaInput, N: WgmmaN>(k: &mut Kernel, r: &Rotate, tid: Reg<U32>) 
         let x_at = ring.slot(k, r.slots.x);
         let x_at = k.smem_offset(x_at, x_rows);
         let x = k.smem_desc::<KMajor>(x_at, &cfg.x_layout());
+        let mean_at = r.slots.mean.map(|slot| ring.slot(k, slot));
+        // Q's shift: before the products at D = 256 (beside their accumulators its loads
+        // would not fit), else while they run.
+        let lse_first = cfg.head_dim > MAX_N;
+        if let (Some(lse), Some(mean), true) = (&lse, mean_at, lse_first) {
+            lse.write(k, r, x_at, mean, it, seqlen);
+            // Keeps ptxas from moving that work in among the products.
+            k.sync_warp();
+        }
+        let mut starts = match (cfg.smoothing, mean_at) {
+            (Smoothing::Key, Some(mean)) => minus_rotated_mean::<N>(k, &cfg, mean, norm, pair),
+            _ => Vec::new(),
+        }
+        .into_iter();
         let flying: Vec<InFlight<N>> = (0..cfg.halves())
             .map(|half| {
                 let steps = half * per_half..(half + 1) * per_half;
-                rotate_rows::<H, N>(k, &cfg, x, t, steps)
+                rotate_rows::<H, N>(k, &cfg, x, t, steps, starts.next())
             })
             .collect();
         k.wgmma_commit();
+        if let (Some(lse), Some(mean), false) = (&lse, mean_at, lse_first) {
+            lse.write(k, r, x_at, mean, it, seqlen);
+        }
         k.wgmma_wait(0);
         k.guarded(leader, true, |k| ring.release(k));
         ring.advance(k);
@@ -450,13 +537,36 @@ fn consume<H: WgmmaInput, N: WgmmaN>(k: &mut Kernel, r: &Rotate, tid: Reg<U32>) 
         }
 
         k.comment("The block's amax: the thread's, the warp's, both warpgroups'.");
-        let local = k.mov(0.0f32);
-        for y in &ys {
-            for &v in y.regs() {
-                let a = k.abs(v);
-                k.max_to(local, local, a);
+        let local = if cfg.smoothing == Smoothing::Key {
+            // Rows past the sequence arrived as zeros but hold minus the mean now: a
+            // maximum per row of the thread (fragment elements 0, 1 and 2, 3 of every
+            // tile), those past the sequence dropped.
+            let row_max = [k.mov(0.0f32), k.mov(0.0f32)];
+            for y in &ys {
+                for tile in y.tiles() {
+                    for (e, &v) in tile.iter().enumerate() {
+                        let a = k.abs(v);
+                        k.max_to(row_max[e / 2], row_max[e / 2], a);
+                    }
+                }
             }
-        }
+            let row0 = k.mad(it.block, SCALE_BLOCK, tile_row);
+            for (row_half, m) in row_max.iter().enumerate() {
+                let row = k.add(row0, 8 * row_half as u32);
+                let inside = k.setp(Cmp::Lt, row, seqlen);
+                k.selp_to(*m, *m, 0.0f32, inside);
+            }
+            k.max(row_max[0], row_max[1])
+        } else {
+            let local = k.mov(0.0f32);
+            for y in &ys {
+                for &v in y.regs() {
+                    let a = k.abs(v);
+                    k.max_to(local, local, a);
+                }
+            }
+            local
+        };
         for mask in [16, 8, 4, 2, 1] {
             let other = k.shfl_bfly(local, mask);
             k.max_to(local, local, other);
@@ -516,6 +626,161 @@ fn consume<H: WgmmaInput, N: WgmmaN>(k: &mut Kernel, r: &Rotate, tid: Reg<U32>) 
             }
         }
     });
+}
+
+/// K smoothing: the accumulators' start, `−rotate(mean) / norm` in every row, so that
+/// `y = acc · norm` comes out minus the rotated mean (`mean`: the stage's copy). Thread
+/// `t` of a quad holds channels `64m + 16t .. +15` of run `m` (see the module docs): 16
+/// consecutive floats of the rotated mean per run, four 16-byte loads. At D = 256 the outputs are `U ± V`, so `U`
+/// starts at minus half the sum of the two halves' means and `V` at minus half their
+/// difference.
+fn minus_rotated_mean<N: WgmmaN>(
+    k: &mut Kernel,
+    cfg: &RotateConfig,
+    mean: SmemAddr,
+    norm: f32,
+    pair: Reg<U32>,
+) -> Vec<Acc<N>> {
+    let channel = k.mul(pair, 16 * 4u32);
+    let at = k.smem_offset(mean, channel);
+    let accs: Vec<Acc<N>> = (0..cfg.halves()).map(|_| k.acc::<N>()).collect();
+    let tiles: Vec<_> = accs.iter().map(|a| a.tiles()).collect();
+    let scale = -1.0 / norm / cfg.halves() as f32;
+    for run in 0..cfg.n() / 64 {
+        let load = |k: &mut Kernel, half: u32| -> Vec<Reg<F32>> {
+            let first = 4 * (MAX_N * half + 64 * run) as i32;
+            (0..4)
+                .flat_map(|v| k.ld_shared_v4::<F32>(at, first + 16 * v))
+                .collect()
+        };
+        let starts: Vec<Vec<Reg<F32>>> = if cfg.halves() == 2 {
+            let (lo, hi) = (load(k, 0), load(k, 1));
+            let sum = lo.iter().zip(&hi).map(|(&a, &b)| k.add(a, b)).collect();
+            let diff = lo.iter().zip(&hi).map(|(&a, &b)| k.sub(a, b)).collect();
+            vec![sum, diff]
+        } else {
+            vec![load(k, 0)]
+        };
+        for (tiles, start) in tiles.iter().zip(&starts) {
+            for i in 0..8 {
+                let tile = tiles[(8 * run + i) as usize];
+                for (e, &v) in tile.iter().enumerate() {
+                    k.mul_to(v, start[2 * i as usize + e % 2], scale);
+                }
+            }
+        }
+    }
+    accs
+}
+
+/// Q smoothing's `lse_shift = q · mean` for a warpgroup's 64 rows, read from the staged
+/// tile in [`crate::quant::lse_shift`]'s order. Lanes `l` and `l + 16` of warp `w` share
+/// row `16w + l % 16`, one half of its channels each: runs of 8 channels by fused
+/// multiply-adds from zero, the runs summed pairwise as a tree, and the halves added by
+/// one shuffle (the tree's top level; additions commute, so both lanes get the
+/// reference's bits).
+struct LseRows {
+    /// The thread's row of the warpgroup's 64.
+    row: Reg<U32>,
+    /// The row's first 16-byte chunk of the thread's half, logical (unswizzled) bytes.
+    chunk0: Reg<U32>,
+    /// The 128-byte swizzle's XOR pattern for the row.
+    swizzle: Reg<U32>,
+    /// The first channel of the thread's half.
+    channel0: Reg<U32>,
+    /// The lane that writes the sum (the lower half).
+    writer: Reg<Pred>,
+    /// Rows `64·consumer` of the block.
+    first_row: Reg<U32>,
+}
+
+impl LseRows {
+    fn new(
+        k: &mut Kernel,
+        r: &Rotate,
+        consumer: Reg<U32>,
+        warp: Reg<U32>,
+        lane: Reg<U32>,
+    ) -> LseRows {
+        let layout = r.cfg.x_layout();
+        let half_width = r.cfg.head_dim / 2;
+        let in_warp = k.and(lane, 15u32);
+        let row = k.mad(warp, 16u32, in_warp);
+        let half = k.shr(lane, 4);
+        // logical_offset(row, half · D/2): row · 128 bytes inside a column block, plus
+        // the half's start (whole column blocks, or 64 bytes at D = 64).
+        let start = layout.logical_offset(0, half_width);
+        let chunk0 = k.mul(row, layout.block_bytes);
+        let chunk0 = k.mad(half, start, chunk0);
+        let swizzle = k.and(row, 7u32);
+        let swizzle = k.shl(swizzle, 4);
+        let channel0 = k.mul(half, half_width);
+        let writer = k.setp(Cmp::Eq, half, 0u32);
+        let first_row = k.mul(consumer, 64u32);
+        LseRows {
+            row,
+            chunk0,
+            swizzle,
+            channel0,
+            writer,
+            first_row,
+        }
+    }
+
+    /// `x_at`: the warpgroup's rows of the stage; `mean`: the stage's copy of the mean.
+    fn write(
+        &self,
+        k: &mut Kernel,
+        r: &Rotate,
+        x_at: SmemAddr,
+        mean: SmemAddr,
+        it: Item,
+        seqlen: Reg<U32>,
+    ) {
+        let cfg = r.cfg;
+        let layout = cfg.x_layout();
+        let runs = cfg.head_dim / 2 / ELEMS_PER_THREAD as u32;
+        let channel = k.shl(self.channel0, 2);
+        let mean_at = k.smem_offset(mean, channel);
+        let mut partial: Vec<Reg<F32>> = (0..runs)
+            .map(|j| {
+                // Chunk j of the half; the swizzle XORs the row's pattern into bits 4..6.
+                let logical = k.add(self.chunk0, layout.logical_offset(0, 8 * j));
+                let physical = k.xor(logical, self.swizzle);
+                let at = k.smem_offset(x_at, physical);
+                let words = k.ld_shared_v4::<B32>(at, 0);
+                let q = widen(k, cfg.input, words);
+                let lo = k.ld_shared_v4::<F32>(mean_at, 32 * j as i32);
+                let hi = k.ld_shared_v4::<F32>(mean_at, 32 * j as i32 + 16);
+                let mut dot = k.mov(0.0f32);
+                for e in 0..8 {
+                    let m = if e < 4 { lo[e] } else { hi[e - 4] };
+                    dot = k.mad(q[e], m, dot);
+                }
+                dot
+            })
+            .collect();
+        while partial.len() > 1 {
+            partial = partial.chunks(2).map(|p| k.add(p[0], p[1])).collect();
+        }
+        let mine = partial[0];
+        let other = k.shfl_bfly(mine, 16);
+        let sum = k.add(mine, other);
+
+        let row = k.mad(it.block, SCALE_BLOCK, self.first_row);
+        let row = k.add(row, self.row);
+        let inside = k.setp(Cmp::Lt, row, seqlen);
+        let write = k.and_pred(inside, self.writer);
+        let lse = arg::<U64>(k, r.args, offset_of!(QuantArgs, lse_shift));
+        let heads = arg::<U32>(k, r.args, offset_of!(QuantArgs, heads));
+        let bh = k.mad(it.batch, heads, it.head);
+        let index = k.mul_wide_u32(bh, seqlen);
+        let row = k.cvt_u64_u32(row);
+        let index = k.add(index, row);
+        let bytes = k.shl(index, 2);
+        let at = k.add(lse, bytes);
+        k.guarded(write, true, |k| k.st_global(at, 0, sum));
+    }
 }
 
 #[cfg(test)]

@@ -94,6 +94,32 @@ impl Kernel {
         self.tma_load_inner(dst, map, coords, bar, Some(policy));
     }
 
+    /// Copies `bytes` (a multiple of 16) from global memory at `src` to shared memory at
+    /// `dst` (both 16-byte aligned) by the bulk-copy engine, completing `bar`'s
+    /// transaction count by `bytes`: a plain array (a row of constants, say) beside a
+    /// stage's tensor loads.
+    pub fn bulk_load(&mut self, dst: SmemAddr, src: Reg<U64>, bytes: u32, bar: Mbarrier) {
+        self.requires(Feature::Hopper);
+        if bytes == 0 || !bytes.is_multiple_of(16) {
+            self.fail(PtxError::BadOperand(format!(
+                "a bulk copy moves a positive multiple of 16 bytes, not {bytes}"
+            )));
+        }
+        if !self.sync.fenced_any {
+            self.fail(PtxError::BadSync(
+                "bulk load completing on an mbarrier before any init was fenced".into(),
+            ));
+        }
+        self.check_owner(&[dst.owner(), bar.owner(), Src::<U64>::owner(&src)]);
+        self.emit(format!(
+            "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes \
+             [{}], [{}], {bytes}, [{}];",
+            dst.name(),
+            src.name(),
+            bar.name()
+        ));
+    }
+
     fn tma_load_inner<const R: usize>(
         &mut self,
         dst: SmemAddr,
