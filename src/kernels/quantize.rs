@@ -464,6 +464,23 @@ fn codes(k: &mut Kernel, x: &[Reg<F32>; 8], inv: Reg<F32>) -> [Reg<B32>; 2] {
     [k.join_b16x2(h[0], h[1]), k.join_b16x2(h[2], h[3])]
 }
 
+/// Where `lse_shift[batch, head, row]` (f32 `[B, H, S]`) lives.
+pub(super) fn lse_shift_address(
+    k: &mut Kernel,
+    args: ParamBytes,
+    [batch, head, row]: [Reg<U32>; 3],
+    seqlen: Reg<U32>,
+) -> Reg<U64> {
+    let lse = arg::<U64>(k, args, offset_of!(QuantArgs, lse_shift));
+    let heads = arg::<U32>(k, args, offset_of!(QuantArgs, heads));
+    let bh = k.mad(batch, heads, head);
+    let index = k.mul_wide_u32(bh, seqlen);
+    let row = k.cvt_u64_u32(row);
+    let index = k.add(index, row);
+    let index = k.shl(index, 2);
+    k.add(lse, index)
+}
+
 /// The mean's eight channels of the thread's vector: `mean[b, head, 8c .. 8c+7]`.
 fn load_mean(k: &mut Kernel, args: ParamBytes, p: &Place, head: Reg<U32>, d: u32) -> [Reg<F32>; 8] {
     let mean = arg::<U64>(k, args, offset_of!(QuantArgs, mean));
@@ -596,16 +613,8 @@ fn rows(
         }
     };
     let rotation = hadamard.then(|| rotation(k, g, args, p));
-    let lse_row0 = (smoothing == Smoothing::Query).then(|| {
-        let lse = arg::<U64>(k, args, offset_of!(QuantArgs, lse_shift));
-        let heads = arg::<U32>(k, args, offset_of!(QuantArgs, heads));
-        let bh = k.mad(p.batch, heads, p.head);
-        let index = k.mul_wide_u32(bh, seqlen);
-        let row = k.cvt_u64_u32(first_row);
-        let index = k.add(index, row);
-        let index = k.shl(index, 2);
-        k.add(lse, index)
-    });
+    let lse_row0 = (smoothing == Smoothing::Query)
+        .then(|| lse_shift_address(k, args, [p.batch, p.head, first_row], seqlen));
     let lane_leads_row = k.setp(Cmp::Eq, p.col, 0u32);
 
     // The values the block quantizes, slot by slot: K smoothing's subtraction (and the

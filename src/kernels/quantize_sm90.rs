@@ -63,7 +63,8 @@ use std::mem::offset_of;
 use super::attention::HalfType;
 use super::attention::fp8::{HEAD_DIMS, SCALE_BLOCK};
 use super::quantize::{
-    QuantArgs, Smoothing, address, arg, block_scale, scale_address, strides, widen,
+    QuantArgs, Smoothing, address, arg, block_scale, lse_shift_address, scale_address, strides,
+    widen,
 };
 use crate::ptx::{
     Acc, B32, Bf16x2, Cmp, F16x2, F32, InFlight, KMajor, Kernel, KernelText, Module, N64, N128,
@@ -771,14 +772,7 @@ impl LseRows {
         let row = k.add(row, self.row);
         let inside = k.setp(Cmp::Lt, row, seqlen);
         let write = k.and_pred(inside, self.writer);
-        let lse = arg::<U64>(k, r.args, offset_of!(QuantArgs, lse_shift));
-        let heads = arg::<U32>(k, r.args, offset_of!(QuantArgs, heads));
-        let bh = k.mad(it.batch, heads, it.head);
-        let index = k.mul_wide_u32(bh, seqlen);
-        let row = k.cvt_u64_u32(row);
-        let index = k.add(index, row);
-        let bytes = k.shl(index, 2);
-        let at = k.add(lse, bytes);
+        let at = lse_shift_address(k, r.args, [it.batch, it.head, row], seqlen);
         k.guarded(write, true, |k| k.st_global(at, 0, sum));
     }
 }
