@@ -473,12 +473,8 @@ pub(super) fn lse_shift_address(
 ) -> Reg<U64> {
     let lse = arg::<U64>(k, args, offset_of!(QuantArgs, lse_shift));
     let heads = arg::<U32>(k, args, offset_of!(QuantArgs, heads));
-    let bh = k.mad(batch, heads, head);
-    let index = k.mul_wide_u32(bh, seqlen);
-    let row = k.cvt_u64_u32(row);
-    let index = k.add(index, row);
-    let index = k.shl(index, 2);
-    k.add(lse, index)
+    // The same [B, H, n] f32 indexing as the scales', with a row for a block.
+    scale_address(k, lse, [heads, seqlen], [batch, head, row])
 }
 
 /// The mean's eight channels of the thread's vector: `mean[b, head, 8c .. 8c+7]`.
