@@ -460,13 +460,13 @@ int32_t flashcore_fp8_workspace_bytes(const FlashcoreTensor *q, const FlashcoreT
  *   workspace, workspace_bytes: a device buffer of at least flashcore_fp8_workspace_bytes(...)
  *                  bytes, apart from q, k and v. The operands are laid out from its first
  *                  256-byte aligned address: q8, k8, V^T8, the three scales (and, with
- *                  smooth_k, K's mean and lse_shift, and with the Hadamard option too, the
- *                  mean rotated), each region 256-byte aligned. It must stay allocated, and
+ *                  smooth_k, K's mean and lse_shift, and with the Hadamard option too a
+ *                  u32 per (batch, KV head) of scratch after the mean and the mean rotated
+ *                  after lse_shift), each region 256-byte aligned. It must stay allocated, and
  *                  unwritten, as long as the operands are used.
  *   out:           receives the operands (pointers into the workspace); all zeros on failure.
- *   stream:        NULL for the default stream. The kernels (3; with smooth_k 4 and a memset,
- *                  5 with the Hadamard option too) are ordered on it: a forward on the same
- *                  stream may follow at once.
+ *   stream:        NULL for the default stream. The kernels (3; with smooth_k 4 and a memset)
+ *                  are ordered on it: a forward on the same stream may follow at once.
  *                  The first call of a configuration generates and JIT-loads its kernels;
  *                  later calls only launch and allocate nothing (CUDA graphs can capture them).
  *

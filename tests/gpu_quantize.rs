@@ -20,16 +20,20 @@ use flashcore::host::device::Device;
 use flashcore::host::quantize::{Fp8Layout, QuantizeOptions, Region};
 use flashcore::host::tensor::{DType, TensorView};
 use flashcore::kernels::attention::HalfType;
-use flashcore::kernels::attention::fp8::scale_blocks;
+use flashcore::kernels::attention::fp8::{SCALE_BLOCK, scale_blocks};
+use flashcore::kernels::quantize::MEAN_ROW_BLOCKS;
 use flashcore::quant::{
     self, Granularity, HadamardSigns, Quantized, RowTransform, dequantize_rows, dequantize_vt,
 };
 use flashcore::reference::{Rng, attention_f64, f64_to_half_bits, half_bits_to_f64, rel_l2};
 use flashcore::shape::AttnShape;
 
-/// What the poisoned workspace holds before the call (0xCD is no e4m3 value the
-/// quantizer writes for a zero, and no f32 scale it writes).
-const POISON: u8 = 0xCD;
+/// What the poisoned workspace holds before the call: 0xFF is e4m3's NaN, which the
+/// quantizer's saturating conversion never writes, so an unwritten code cannot pass for
+/// a written one (0xCD could: a rotated code one rounding step from the reference's is
+/// allowed, and that step can land on it), and four of them are an f32 NaN, which no
+/// scale, mean or shift compares equal or close to.
+const POISON: u8 = 0xFF;
 
 /// The quantizer and a stream, or `None` (with a note) below sm_89.
 fn setup() -> Option<(Attention, Arc<CudaStream>)> {
@@ -267,7 +271,9 @@ fn check(c: &Case, r: &Run) -> Result<(), String> {
             let amax = r.k.values.iter().fold(0f32, |m, x| m.max(x.abs()));
             for (i, (g, w)) in got.iter().zip(&want).enumerate() {
                 // f32 sums of at most a few thousand rows, in the atomics' order.
-                if (g - w).abs() > 1e-5 * amax.max(1.0) {
+                // Written so that a NaN (an unwritten mean) is never close.
+                let close = (g - w).abs() <= 1e-5 * amax.max(1.0);
+                if !close {
                     return Err(format!("mean[{i}] = {g}, want {w}"));
                 }
             }
@@ -275,6 +281,17 @@ fn check(c: &Case, r: &Run) -> Result<(), String> {
         }
         None => None,
     };
+    if let Some(region) = r.layout.k_mean_tickets {
+        // Every key-mean block took its (batch, head)'s ticket once, after the zeroing.
+        let slab = (SCALE_BLOCK * MEAN_ROW_BLOCKS) as usize;
+        let slabs = sh.seqlen_k.div_ceil(slab) as u32;
+        let got = r.bytes(region);
+        if let Some(i) = (0..got.len() / 4)
+            .find(|&i| u32::from_le_bytes(got[4 * i..4 * i + 4].try_into().unwrap()) != slabs)
+        {
+            return Err(format!("k_mean_tickets[{i}] is not {slabs}"));
+        }
+    }
     if let (Some(region), Some(mean), Some(signs)) = (r.layout.k_mean_rotated, &mean, &signs) {
         // The butterflies in rotate_row's order: equal.
         let got = r.f32s(region);
@@ -511,7 +528,10 @@ fn smoothing_and_hadamard_match_the_cpu_reference() {
     for dtype in [HalfType::F16, HalfType::Bf16] {
         for d in [64, 128, 256] {
             for (smooth_k, rotate) in [(true, false), (false, true), (true, true)] {
-                for (i, (sq, sk)) in [(17, 1023), (129, 17), (4097, 128)].into_iter().enumerate() {
+                // 4500 rows: more 128-row items than a wave of the persistent rotated
+                // kernels holds (two blocks per SM at D = 64), so blocks loop.
+                let lengths = [(17, 1023), (129, 17), (4097, 128), (4500, 4500)];
+                for (i, (sq, sk)) in lengths.into_iter().enumerate() {
                     seed += 1;
                     cases.push(Case {
                         dtype,
@@ -616,7 +636,14 @@ fn options_leave_attention_unchanged() {
                 let lse = lse + shift.as_ref().map_or(0.0, |s| scale * s[i] as f64);
                 (lse - want).abs()
             })
-            .fold(0f64, f64::max);
+            // f64::max drops NaN; a NaN here must fail the bound below.
+            .fold(0f64, |m, e| {
+                if m.is_nan() || e.is_nan() {
+                    f64::NAN
+                } else {
+                    m.max(e)
+                }
+            });
         // Without smoothing the keys' offset coarsens their codes.
         let tolerance = if options.smooth_k { 0.05 } else { 0.3 };
         assert!(

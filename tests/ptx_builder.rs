@@ -328,6 +328,27 @@ fn advance_stage_wraps_the_index_in_place() {
 }
 
 #[test]
+fn gpu_scope_fences_around_a_ticket_on_every_target() {
+    // The last-block pattern: publish, take a ticket, then read what others published.
+    for target in [Target::Sm80, Target::Sm89, Target::Sm90] {
+        let mut k = Kernel::new("ticket");
+        let counter = k.mov::<U64>(64u64);
+        k.fence_acq_rel_gpu();
+        let ticket = k.atom_global_add_u32(counter, 0, 1u32);
+        k.fence_acq_rel_gpu();
+        assert_eq!(
+            body_for(target, k),
+            [
+                "mov.u64 %rd0, 64;",
+                "fence.acq_rel.gpu;",
+                &format!("atom.global.add.u32 {}, [%rd0], 1;", ticket.name()),
+                "fence.acq_rel.gpu;",
+            ]
+        );
+    }
+}
+
+#[test]
 fn grid_dependency_wait_and_loads_into_live_registers() {
     let mut k = Kernel::new("pdl");
     k.grid_dependency_wait();

@@ -19,15 +19,17 @@
 //! | `k_scale`        | f32 `[B, Hkv, ceil(Sk/128)]`                                      |
 //! | `v_scale`        | f32 `[B, Hkv, ceil(Sk/128)]`                                      |
 //! | `k_mean`         | f32 `[B, Hkv, D]` (K smoothing only)                              |
+//! | `k_mean_tickets` | u32 `[B, Hkv]`, the key mean's scratch (smoothing and Hadamard)   |
 //! | `lse_shift`      | f32 `[B, Hq, Sq]` (K smoothing only)                              |
 //! | `k_mean_rotated` | f32 `[B, Hkv, D]`, `k_mean` rotated (smoothing and Hadamard only) |
 //!
 //! # Launches
 //!
 //! Without K smoothing: Q, K, V, one kernel each (on Hopper with the Hadamard option,
-//! Q's and K's are persistent: one block per SM at most). With it: the mean is zeroed
-//! (`cuMemsetD32Async`) and K's mean accumulated first (and, with the Hadamard option,
-//! rotated into `k_mean_rotated`), then Q (which writes `lse_shift` from the unrotated
+//! Q's and K's are persistent: one wave of blocks). With it: the mean is zeroed
+//! (`cuMemsetD32Async`, the tickets with it) and K's mean accumulated first (and, with the
+//! Hadamard option, rotated into `k_mean_rotated` by the last block of each head to
+//! finish, in the same kernel), then Q (which writes `lse_shift` from the unrotated
 //! rows), K (minus the mean: subtracted before the butterflies, or its rotation after
 //! the tensor cores'), V. All on the caller's stream, in that order, so a CUDA graph can
 //! capture them.
@@ -90,6 +92,9 @@ pub struct Fp8Layout {
     pub v_scale: Region,
     /// K smoothing only.
     pub k_mean: Option<Region>,
+    /// K smoothing with the Hadamard option only: one u32 per (batch, KV head), zeroed
+    /// with `k_mean` (the kernel's tickets: which block rotates the finished mean).
+    pub k_mean_tickets: Option<Region>,
     /// K smoothing only.
     pub lse_shift: Option<Region>,
     /// K smoothing with the Hadamard option only.
@@ -143,15 +148,20 @@ impl Fp8Layout {
         let q_scale = take(product(&[b, hq, q_blocks, 4])?)?;
         let k_scale = take(product(&[b, hkv, kv_blocks, 4])?)?;
         let v_scale = take(product(&[b, hkv, kv_blocks, 4])?)?;
-        let (k_mean, lse_shift) = if options.smooth_k {
-            (
-                Some(take(product(&[b, hkv, d, 4])?)?),
-                Some(take(product(&[b, hq, sq, 4])?)?),
-            )
+        let both = options.smooth_k && options.hadamard_seed.is_some();
+        // The tickets right after the mean: one memset zeroes both.
+        let (k_mean, k_mean_tickets, lse_shift) = if options.smooth_k {
+            let mean = take(product(&[b, hkv, d, 4])?)?;
+            let tickets = if both {
+                Some(take(product(&[b, hkv, 4])?)?)
+            } else {
+                None
+            };
+            (Some(mean), tickets, Some(take(product(&[b, hq, sq, 4])?)?))
         } else {
-            (None, None)
+            (None, None, None)
         };
-        let k_mean_rotated = if options.smooth_k && options.hadamard_seed.is_some() {
+        let k_mean_rotated = if both {
             Some(take(product(&[b, hkv, d, 4])?)?)
         } else {
             None
@@ -164,10 +174,23 @@ impl Fp8Layout {
             k_scale,
             v_scale,
             k_mean,
+            k_mean_tickets,
             lse_shift,
             k_mean_rotated,
             vt_pitch,
             bytes: end,
+        })
+    }
+
+    /// What each call zeroes before the key mean's kernel: `k_mean`, and the tickets
+    /// after it where there are any (the alignment gap between them too, which nothing
+    /// else uses).
+    pub fn zeroed_span(&self) -> Option<Region> {
+        let mean = self.k_mean?;
+        let end = self.k_mean_tickets.unwrap_or(mean);
+        Some(Region {
+            offset: mean.offset,
+            bytes: end.offset + end.bytes - mean.offset,
         })
     }
 
@@ -422,19 +445,27 @@ fn plan_steps(
                 hadamard_signs: signs,
                 batch: b as u32,
                 _pad: 0,
+                arrivals: 0,
             },
             grid: (blocks, heads as u32, b as u32),
         }
     };
     let mut steps = Vec::new();
     if p.options.smooth_k {
-        let cfg = config(QuantKind::KeyMean);
+        // With the Hadamard option the same kernel rotates the finished mean into
+        // `k_mean_rotated` (on every GPU: the butterfly kernels rotate after subtracting
+        // and do not read it, but the workspace holds the same everywhere).
+        let rotate = l.k_mean_rotated.is_some();
+        let cfg = config(QuantKind::KeyMean { rotate });
         steps.push(Step {
             rotate: None,
             config: cfg,
             args: QuantArgs {
                 src: k.ptr,
                 src_stride: strides3(k),
+                dst: mean_rotated,
+                arrivals: l.k_mean_tickets.map_or(0, at),
+                hadamard_signs: if rotate { signs } else { [0; 8] },
                 mean,
                 seqlen: s.seqlen_k as u32,
                 heads: s.heads_kv as u32,
@@ -449,28 +480,6 @@ fn plan_steps(
                 s.heads_kv as u32,
                 s.batch as u32,
             ),
-        });
-    }
-    if l.k_mean_rotated.is_some() {
-        // Written on every GPU (the butterfly kernels rotate after subtracting and do
-        // not read it), so the workspace holds the same on every GPU.
-        let cfg = QuantConfig {
-            input: HalfType::F16,
-            ..config(QuantKind::MeanRotate)
-        };
-        steps.push(Step {
-            rotate: None,
-            config: cfg,
-            args: QuantArgs {
-                dst: mean_rotated,
-                mean,
-                heads: s.heads_kv as u32,
-                group: 1,
-                mean_heads: s.heads_kv as u32,
-                hadamard_signs: signs,
-                ..QuantArgs::default()
-            },
-            grid: (1, s.heads_kv as u32, s.batch as u32),
         });
     }
     steps.push(rows_of(q, l.q, l.q_scale, smooth_q));
@@ -564,8 +573,8 @@ impl Attention {
                 Launch::Rotated(rc, _) => self.load(&rc.id(), rc.smem_bytes(), || rc.generate()),
             })
             .collect::<Result<Vec<_>>>()?;
-        if let Some(mean) = problem.layout.k_mean {
-            self.zero_f32(workspace.ptr + mean.offset as u64, mean.bytes / 4, stream)?;
+        if let Some(span) = problem.layout.zeroed_span() {
+            self.zero_f32(workspace.ptr + span.offset as u64, span.bytes / 4, stream)?;
         }
         let sms = self.device().sm_count();
         for ((step, kernel), how) in steps.iter().zip(&kernels).zip(&launches) {
@@ -590,11 +599,13 @@ impl Attention {
                     if let Some(r) = step.rotate {
                         args.mean = r.mean;
                     }
-                    // Persistent: one block per SM at most, each walking the items.
+                    // Persistent: one wave of resident blocks at most, each walking the
+                    // items.
                     let (x, y, z) = step.grid;
                     let items = u64::from(x) * u64::from(y) * u64::from(z);
+                    let wave = u64::from(sms.max(1)) * u64::from(rc.blocks_per_sm());
                     let dims = LaunchDims {
-                        grid: (items.min(u64::from(sms.max(1))) as u32, 1, 1),
+                        grid: (items.min(wave) as u32, 1, 1),
                         block: (rc.threads(), 1, 1),
                         dynamic_smem: rc.smem_bytes(),
                     };
@@ -684,14 +695,23 @@ mod tests {
         assert_eq!(full.k_mean.unwrap().bytes, 2 * 2 * 64 * 4);
         assert_eq!(full.lse_shift.unwrap().bytes, 2 * 8 * 129 * 4);
         assert_eq!(full.k_mean_rotated.unwrap().bytes, 2 * 2 * 64 * 4);
+        assert_eq!(full.k_mean_tickets.unwrap().bytes, 2 * 2 * 4);
+        // One memset: the mean, then the tickets right after it.
+        let span = full.zeroed_span().unwrap();
+        assert_eq!(span.offset, full.k_mean.unwrap().offset);
+        assert_eq!(
+            span.bytes,
+            (2 * 2 * 64 * 4usize).next_multiple_of(Fp8Layout::ALIGN) + 2 * 2 * 4
+        );
         let smooth_only = QuantizeOptions {
             smooth_k: true,
             hadamard_seed: None,
         };
-        assert_eq!(
-            Fp8Layout::new(&shape, &smooth_only).unwrap().k_mean_rotated,
-            None
-        );
+        let smoothed = Fp8Layout::new(&shape, &smooth_only).unwrap();
+        assert_eq!(smoothed.k_mean_rotated, None);
+        assert_eq!(smoothed.k_mean_tickets, None);
+        assert_eq!(smoothed.zeroed_span(), smoothed.k_mean);
+        assert_eq!(plain.zeroed_span(), None);
         let regions = [
             full.q,
             full.k,
@@ -700,6 +720,7 @@ mod tests {
             full.k_scale,
             full.v_scale,
             full.k_mean.unwrap(),
+            full.k_mean_tickets.unwrap(),
             full.lse_shift.unwrap(),
             full.k_mean_rotated.unwrap(),
         ];
@@ -786,8 +807,7 @@ mod tests {
         assert_eq!(
             kinds,
             [
-                QuantKind::KeyMean,
-                QuantKind::MeanRotate,
+                QuantKind::KeyMean { rotate: true },
                 QuantKind::Rows {
                     smoothing: Smoothing::Query,
                     hadamard: true
@@ -800,22 +820,28 @@ mod tests {
             ]
         );
         let l = &p.layout;
-        let (mean, rotated_mean) = (
+        let (mean, rotated_mean, tickets) = (
             4 * GB + l.k_mean.unwrap().offset as u64,
             4 * GB + l.k_mean_rotated.unwrap().offset as u64,
+            4 * GB + l.k_mean_tickets.unwrap().offset as u64,
         );
         assert_eq!(steps[0].grid, (2, 2, 2), "1000 keys in slabs of 512");
-        assert_eq!(steps[1].grid, (1, 2, 2), "one warp per (head, batch)");
+        // The key mean accumulates into the mean, and its last block per head rotates
+        // it into the rotated mean.
         assert_eq!(
-            (steps[1].args.mean, steps[1].args.dst),
-            (mean, rotated_mean)
+            (
+                steps[0].args.mean,
+                steps[0].args.dst,
+                steps[0].args.arrivals
+            ),
+            (mean, rotated_mean, tickets)
         );
-        assert_eq!(steps[2].grid, (3, 8, 2));
-        assert_eq!(steps[2].args.group, 4);
-        assert_eq!(steps[2].args.src_stride, [8 * 300 * 128, 128, 300 * 128]);
-        assert_eq!(steps[4].grid, (8, 2, 2), "pitch 1008 in blocks of 128");
-        assert_eq!(steps[4].args.dst_stride[2], 1008);
-        for step in &steps[1..4] {
+        assert_eq!(steps[1].grid, (3, 8, 2));
+        assert_eq!(steps[1].args.group, 4);
+        assert_eq!(steps[1].args.src_stride, [8 * 300 * 128, 128, 300 * 128]);
+        assert_eq!(steps[3].grid, (8, 2, 2), "pitch 1008 in blocks of 128");
+        assert_eq!(steps[3].args.dst_stride[2], 1008);
+        for step in &steps[0..3] {
             assert_eq!(
                 step.args.hadamard_signs,
                 HadamardSigns::from_seed(7, 128).words()
@@ -831,13 +857,12 @@ mod tests {
             rotate,
             [
                 None,
-                None,
                 Some((Smoothing::Query, v[0].ptr, mean)),
                 Some((Smoothing::Key, v[1].ptr, rotated_mean)),
                 None
             ]
         );
-        assert_eq!((steps[2].args.mean, steps[3].args.mean), (mean, mean));
+        assert_eq!((steps[1].args.mean, steps[2].args.mean), (mean, mean));
         let rotated = QuantizeOptions {
             smooth_k: false,
             hadamard_seed: Some(7),

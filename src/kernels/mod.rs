@@ -122,8 +122,17 @@ impl KernelSpec {
             // The e4m3 conversion (F2FP.SATFINITE.E4M3 on sm_89 and sm_90) between
             // 16-byte loads and stores; the key mean's atomic adds.
             KernelSpec::Quantize(c) => match c.kind {
-                quantize::QuantKind::KeyMean => &["LDG.E.128", "RED"],
-                quantize::QuantKind::MeanRotate => &["LDG.E.128", "SHFL.BFLY", "STG.E.128"],
+                quantize::QuantKind::KeyMean { rotate: false } => &["LDG.E.128", "RED"],
+                // With the rotation: the ticket behind a GPU-scope fence, then the last
+                // block's butterflies across lanes and its 16-byte stores.
+                quantize::QuantKind::KeyMean { rotate: true } => &[
+                    "LDG.E.128",
+                    "RED",
+                    "MEMBAR",
+                    "ATOMG",
+                    "SHFL.BFLY",
+                    "STG.E.128",
+                ],
                 _ => &["F2FP.SATFINITE.E4M3", "LDG.E.128", "STG.E.128"],
             },
             // wgmma on TMA tiles, then the conversion and 16-byte stores; with smoothing,

@@ -17,9 +17,10 @@
 //!   position in `[S, pitch)`, and V's scales.
 //! - **Key mean**: adds `Σ rows · (1/S)` of a slab of [`MEAN_ROW_BLOCKS`] · 128 rows of K to
 //!   the f32 `[B, H, D]` mean with `red.global.add` (the buffer must be zeroed first).
-//! - **Mean rotation** (K smoothing with the Hadamard option): the mean rotated like a
-//!   row, `[B, H, D]` to `[B, H, D]`, one warp per (head, batch): what
-//!   [`super::quantize_sm90`]'s rows kernel subtracts from keys it rotated unsmoothed.
+//!   With the Hadamard option as well (`rotate`), the last of a (head, batch)'s blocks to
+//!   finish (a ticket per pair, in a zeroed `[B, H]` u32 buffer) also writes the finished
+//!   mean rotated like a row, `[B, H, D]`: what [`super::quantize_sm90`]'s rows kernel
+//!   subtracts from keys it rotated unsmoothed.
 //!
 //! # Work split
 //!
@@ -79,11 +80,10 @@ pub enum QuantKind {
     },
     /// V: codes `[B, H, D, pitch]`, keys permuted.
     Vt,
-    /// K's per-channel mean over the sequence (accumulated).
-    KeyMean,
-    /// The mean rotated like the rows, `H · diag(s) · mean / sqrt(D)`: what the
-    /// tensor-core rows kernel subtracts from rotated keys (the input type is unused).
-    MeanRotate,
+    /// K's per-channel mean over the sequence (accumulated), and with `rotate` the
+    /// finished mean rotated like the rows, `H · diag(s) · mean / sqrt(D)`, into `dst`:
+    /// what the tensor-core rows kernel subtracts from rotated keys.
+    KeyMean { rotate: bool },
 }
 
 /// One quantization kernel configuration.
@@ -132,6 +132,9 @@ pub struct QuantArgs {
     pub batch: u32,
     /// Unused: keeps the block free of padding.
     pub _pad: u32,
+    /// u32 `[B, H]`, zeroed: the key mean's tickets, one per (head, batch), with
+    /// `rotate` (see [`QuantKind::KeyMean`]).
+    pub arrivals: u64,
 }
 
 impl QuantArgs {
@@ -179,6 +182,8 @@ struct SmemSlots {
     codes: Option<RawSlot>,
     /// Key mean: `[warps][D]` f32 partial sums.
     sums: Option<RawSlot>,
+    /// Key mean with `rotate`: whether this block is its (head, batch)'s last (a u32).
+    last: Option<RawSlot>,
 }
 
 impl QuantConfig {
@@ -199,24 +204,23 @@ impl QuantConfig {
                 if hadamard { "_hadamard" } else { "" }
             ),
             QuantKind::Vt => format!("quant_e4m3_vt_{dt}_d{d}"),
-            QuantKind::KeyMean => format!("quant_key_mean_{dt}_d{d}"),
-            QuantKind::MeanRotate => format!("quant_mean_rotate_d{d}"),
+            QuantKind::KeyMean { rotate } => format!(
+                "quant_key_mean{}_{dt}_d{d}",
+                if rotate { "_rotated" } else { "" }
+            ),
         }
     }
 
-    /// Threads per block (the mean's rotation: one warp, whole rows of lanes).
+    /// Threads per block.
     pub fn threads(&self) -> u32 {
-        match self.kind {
-            QuantKind::MeanRotate => 32,
-            _ => Geometry::of(self.head_dim).threads,
-        }
+        Geometry::of(self.head_dim).threads
     }
 
     /// Rows of the sequence one block covers (the grid's x extent is the sequence, or
     /// Vᵀ's pitch, divided by this, rounded up).
     pub fn rows_per_block(&self) -> u32 {
         match self.kind {
-            QuantKind::KeyMean => SCALE_BLOCK * MEAN_ROW_BLOCKS,
+            QuantKind::KeyMean { .. } => SCALE_BLOCK * MEAN_ROW_BLOCKS,
             _ => SCALE_BLOCK,
         }
     }
@@ -226,9 +230,18 @@ impl QuantConfig {
         let mut plan = SmemPlan::new();
         let amax = plan.raw(4 * g.warps(), 16);
         let codes = (self.kind == QuantKind::Vt).then(|| plan.raw(SCALE_BLOCK * g.head_dim, 16));
-        let sums =
-            (self.kind == QuantKind::KeyMean).then(|| plan.raw(4 * g.warps() * g.head_dim, 16));
-        (plan, SmemSlots { amax, codes, sums })
+        let mean = matches!(self.kind, QuantKind::KeyMean { .. });
+        let sums = mean.then(|| plan.raw(4 * g.warps() * g.head_dim, 16));
+        let last = (self.kind == QuantKind::KeyMean { rotate: true }).then(|| plan.raw(4, 4));
+        (
+            plan,
+            SmemSlots {
+                amax,
+                codes,
+                sums,
+                last,
+            },
+        )
     }
 
     /// Dynamic shared memory per block, bytes (below 48 KiB: no opt-in).
@@ -251,9 +264,13 @@ impl QuantConfig {
 }
 
 /// Every quantization configuration: each kind and option set, for f16 and bf16 input and
-/// every FP8 head dim (the mean's rotation, which reads no 16-bit input, once per head dim).
+/// every FP8 head dim.
 pub fn all_quant_configs() -> Vec<QuantConfig> {
-    let mut kinds = vec![QuantKind::Vt, QuantKind::KeyMean, QuantKind::MeanRotate];
+    let mut kinds = vec![
+        QuantKind::Vt,
+        QuantKind::KeyMean { rotate: false },
+        QuantKind::KeyMean { rotate: true },
+    ];
     for smoothing in [Smoothing::None, Smoothing::Query, Smoothing::Key] {
         for hadamard in [false, true] {
             kinds.push(QuantKind::Rows {
@@ -265,9 +282,6 @@ pub fn all_quant_configs() -> Vec<QuantConfig> {
     let mut v = Vec::new();
     for kind in kinds {
         for input in [HalfType::F16, HalfType::Bf16] {
-            if kind == QuantKind::MeanRotate && input != HalfType::F16 {
-                continue;
-            }
             for head_dim in HEAD_DIMS {
                 v.push(QuantConfig {
                     kind,
@@ -574,12 +588,16 @@ fn build(cfg: &QuantConfig) -> Result<KernelText, PtxError> {
             let (red, codes) = (smem.raw(&mut k, slots.amax), smem.raw(&mut k, codes));
             vt(&mut k, cfg, &g, args, &p, red, codes)
         }
-        QuantKind::KeyMean => {
+        QuantKind::KeyMean { rotate } => {
             let sums = slots.sums.expect("the key-mean plan has partial sums");
             let sums = smem.raw(&mut k, sums);
-            key_mean(&mut k, cfg, &g, args, &p, sums)
+            key_mean(&mut k, cfg, &g, args, &p, sums);
+            if rotate {
+                let last = slots.last.expect("the rotating key-mean plan has a flag");
+                let last = smem.raw(&mut k, last);
+                rotate_when_last(&mut k, &g, args, &p, last);
+            }
         }
-        QuantKind::MeanRotate => rotate_mean(&mut k, &g, args, &p),
     }
     k.finish()
 }
@@ -868,9 +886,46 @@ fn key_mean(
     });
 }
 
-/// The mean-rotation kernel: one warp per (head, batch), `dst[b, h] = rotate(mean[b, h])`
-/// (f32 `[B, H, D]` both) by [`rotate`], so in [`crate::quant::rotate_row`]'s order.
-/// Every group of `C` lanes rotates the row; the first writes it.
+/// The key mean's last step with `rotate`: every block takes a ticket for its (head,
+/// batch) once its sums are in; the one that draws the last (`gridDim.x − 1`) rotates
+/// the finished mean. Its first warp does ([`rotate_mean`]); the others are done.
+fn rotate_when_last(k: &mut Kernel, g: &Geometry, args: ParamBytes, p: &Place, last: SmemAddr) {
+    // This thread's reductions (made under `tid < D`) before the block's ticket.
+    k.fence_acq_rel_gpu();
+    k.sync_threads();
+    let first_thread = k.setp(Cmp::Eq, p.tid, 0u32);
+    k.if_(first_thread, |k| {
+        let arrivals = arg::<U64>(k, args, offset_of!(QuantArgs, arrivals));
+        let heads = arg::<U32>(k, args, offset_of!(QuantArgs, heads));
+        let bh = k.mad(p.batch, heads, p.head);
+        let offset = k.mul_wide_u32(bh, 4u32);
+        let at = k.add(arrivals, offset);
+        let ticket = k.atom_global_add_u32(at, 0, 1u32);
+        let blocks = k.special(Special::NctaidX);
+        let final_ticket = k.sub(blocks, 1u32);
+        let is_last = k.setp(Cmp::Eq, ticket, final_ticket);
+        let flag = k.selp::<U32>(1u32, 0u32, is_last);
+        k.st_shared(last, 0, flag);
+        // Every other block's sums (published before its ticket) before the reads below.
+        k.fence_acq_rel_gpu();
+    });
+    k.sync_threads();
+    let flag = k.ld_shared::<U32>(last, 0);
+    let warp = k.shr(p.tid, 5);
+    let first_warp = k.setp(Cmp::Eq, warp, 0u32);
+    let last_block = k.setp(Cmp::Ne, flag, 0u32);
+    let rotates = k.and_pred(first_warp, last_block);
+    k.if_(rotates, |k| {
+        // The warp's reads come after the first thread's acquiring fence (through the
+        // block barrier); its own fence makes that order explicit for each of them.
+        k.fence_acq_rel_gpu();
+        rotate_mean(k, g, args, p);
+    });
+}
+
+/// The mean rotated: `dst[b, h] = rotate(mean[b, h])` (f32 `[B, H, D]` both) by
+/// [`rotate`], so in [`crate::quant::rotate_row`]'s order, by the first warp of a block:
+/// every group of `C` lanes rotates the row; the first writes it.
 fn rotate_mean(k: &mut Kernel, g: &Geometry, args: ParamBytes, p: &Place) {
     let mean = load_mean(k, args, p, p.head, g.head_dim);
     let r = rotation(k, g, args, p);
@@ -913,9 +968,9 @@ mod tests {
         let all = all_quant_configs();
         let ids: std::collections::HashSet<_> = all.iter().map(|c| c.id()).collect();
         assert_eq!(ids.len(), all.len());
-        // Eight kinds for each input type and head dim; the mean's rotation once per head
-        // dim.
-        assert_eq!(all.len(), 8 * 2 * 3 + 3);
+        // Nine kinds (the key mean with and without the rotation) for each input type and
+        // head dim.
+        assert_eq!(all.len(), 9 * 2 * 3);
         for c in &all {
             let ptx = c.generate().unwrap().to_ptx();
             assert!(ptx.contains(".target sm_89"), "{}", c.id());

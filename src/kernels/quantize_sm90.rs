@@ -38,7 +38,7 @@
 //! # K smoothing
 //!
 //! The rotation is linear, so `(x − μ) · Tᵀ = x · Tᵀ − μ · Tᵀ`: keys are rotated as they
-//! are and the rotated mean (`k_mean_rotated`, which the mean-rotation kernel of
+//! are and the rotated mean (`k_mean_rotated`, which the key-mean kernel of
 //! [`super::quantize`] writes first) is taken off. It goes in as the accumulators'
 //! starting value, `−rotate(μ) / norm` (at D = 256, `U` and `V` start at minus half the
 //! sum and half the difference of its two halves), which costs no registers beside the
@@ -76,9 +76,6 @@ use crate::quant::{ELEMS_PER_THREAD, hadamard_norm};
 
 /// Threads per block: a producer warpgroup and two consumer warpgroups.
 pub const THREADS: u32 = 384;
-/// Registers per thread after reallocation: 128·40 + 256·232 = 64512 <= 65536.
-pub const PRODUCER_REGS: u32 = 40;
-pub const CONSUMER_REGS: u32 = 232;
 /// Output channels per accumulator (and rows of `T`): 128, or the head dim below it.
 const MAX_N: u32 = 128;
 
@@ -175,6 +172,29 @@ impl RotateConfig {
         THREADS
     }
 
+    /// Blocks resident per SM, which the host's persistent grid is sized by. At D = 64 a
+    /// block's 128-row item is short, and its dependent steps (the products, the amax
+    /// across both warpgroups, Q's `lse_shift`) leave the SM idle between loads unless a
+    /// second block's items interleave with them; its accumulators need few registers.
+    pub fn blocks_per_sm(&self) -> u32 {
+        if self.head_dim == 64 && self.smoothing != Smoothing::None {
+            2
+        } else {
+            1
+        }
+    }
+
+    /// Registers per thread after reallocation, producer and consumers: their sum over the
+    /// block's warpgroups fills its share of the SM's 65536 (`128·40 + 256·232 = 64512`
+    /// with one block, `128·32 + 256·104 = 30720` with two: 80 a thread at launch).
+    pub fn regs(&self) -> (u32, u32) {
+        if self.blocks_per_sm() == 2 {
+            (32, 104)
+        } else {
+            (40, 232)
+        }
+    }
+
     pub fn generate(&self) -> Result<Module, PtxError> {
         if !HEAD_DIMS.contains(&self.head_dim) {
             return Err(PtxError::BadOperand(format!(
@@ -255,7 +275,8 @@ impl Rotate {
 
 fn build<H: WgmmaInput, N: WgmmaN>(cfg: &RotateConfig) -> Result<KernelText, PtxError> {
     let mut k = Kernel::new(&cfg.id());
-    k.max_threads(THREADS).min_blocks_per_sm(1);
+    k.max_threads(THREADS)
+        .min_blocks_per_sm(cfg.blocks_per_sm());
     let args = k.param_bytes("args", QuantArgs::SIZE, 8);
     let map = k.tensor_map_param("tmap_x");
     let (plan, slots) = cfg.plan();
@@ -380,7 +401,7 @@ fn write_rotation(k: &mut Kernel, r: &Rotate, tid: Reg<U32>) {
 /// Warpgroup 0: one elected thread streams each block's 128 rows into the ring.
 fn produce(k: &mut Kernel, r: &Rotate, tid: Reg<U32>) {
     k.comment("Producer: TMA loads of X tiles into the stage ring.");
-    k.setmaxnreg_dec(PRODUCER_REGS);
+    k.setmaxnreg_dec(r.cfg.regs().0);
     k.elected_thread_of_warp_0(tid, |k| {
         k.tma_prefetch_desc(r.map);
         let zero = k.mov::<S32>(0i32);
@@ -458,7 +479,7 @@ fn rotate_rows<H: WgmmaInput, N: WgmmaN>(
 /// Warpgroups 1 and 2: each rotates, scales and stores its 64 rows of every block.
 fn consume<H: WgmmaInput, N: WgmmaN>(k: &mut Kernel, r: &Rotate, tid: Reg<U32>) {
     k.comment("Consumers: Y = X T^T, the block's amax, the codes.");
-    k.setmaxnreg_inc(CONSUMER_REGS);
+    k.setmaxnreg_inc(r.cfg.regs().1);
     let cfg = r.cfg;
     let args = r.args;
     let ct = k.sub(tid, 128u32);

@@ -138,6 +138,15 @@ impl Kernel {
         self.emit(format!("bar.arrive {}, {};", b.id, b.threads));
     }
 
+    /// `fence.acq_rel.gpu`: a release and acquire fence at GPU scope. Before an atomic
+    /// ticket it publishes this thread's earlier writes (reductions included) to any
+    /// thread that later observes the ticket; after one it makes the writes published
+    /// by the tickets this thread observed visible to its later reads (the last block of
+    /// a reduction reading everyone's sums).
+    pub fn fence_acq_rel_gpu(&mut self) {
+        self.emit("fence.acq_rel.gpu;".to_string());
+    }
+
     /// `fence.proxy.async.shared::cta`: orders this thread's ordinary shared-memory
     /// accesses before later async-proxy (TMA, wgmma) accesses to the same memory.
     pub fn fence_proxy_async(&mut self) {
