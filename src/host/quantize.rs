@@ -445,7 +445,7 @@ fn plan_steps(
                 hadamard_signs: signs,
                 batch: b as u32,
                 _pad: 0,
-                arrivals: 0,
+                tickets: 0,
             },
             grid: (blocks, heads as u32, b as u32),
         }
@@ -464,7 +464,7 @@ fn plan_steps(
                 src: k.ptr,
                 src_stride: strides3(k),
                 dst: mean_rotated,
-                arrivals: l.k_mean_tickets.map_or(0, at),
+                tickets: l.k_mean_tickets.map_or(0, at),
                 hadamard_signs: if rotate { signs } else { [0; 8] },
                 mean,
                 seqlen: s.seqlen_k as u32,
@@ -829,11 +829,7 @@ mod tests {
         // The key mean accumulates into the mean, and its last block per head rotates
         // it into the rotated mean.
         assert_eq!(
-            (
-                steps[0].args.mean,
-                steps[0].args.dst,
-                steps[0].args.arrivals
-            ),
+            (steps[0].args.mean, steps[0].args.dst, steps[0].args.tickets),
             (mean, rotated_mean, tickets)
         );
         assert_eq!(steps[1].grid, (3, 8, 2));

@@ -134,7 +134,7 @@ pub struct QuantArgs {
     pub _pad: u32,
     /// u32 `[B, H]`, zeroed: the key mean's tickets, one per (head, batch), with
     /// `rotate` (see [`QuantKind::KeyMean`]).
-    pub arrivals: u64,
+    pub tickets: u64,
 }
 
 impl QuantArgs {
@@ -895,11 +895,11 @@ fn rotate_when_last(k: &mut Kernel, g: &Geometry, args: ParamBytes, p: &Place, l
     k.sync_threads();
     let first_thread = k.setp(Cmp::Eq, p.tid, 0u32);
     k.if_(first_thread, |k| {
-        let arrivals = arg::<U64>(k, args, offset_of!(QuantArgs, arrivals));
+        let tickets = arg::<U64>(k, args, offset_of!(QuantArgs, tickets));
         let heads = arg::<U32>(k, args, offset_of!(QuantArgs, heads));
         let bh = k.mad(p.batch, heads, p.head);
         let offset = k.mul_wide_u32(bh, 4u32);
-        let at = k.add(arrivals, offset);
+        let at = k.add(tickets, offset);
         let ticket = k.atom_global_add_u32(at, 0, 1u32);
         let blocks = k.special(Special::NctaidX);
         let final_ticket = k.sub(blocks, 1u32);
