@@ -465,7 +465,7 @@ fn plan_steps(
                 src_stride: strides3(k),
                 dst: mean_rotated,
                 tickets: l.k_mean_tickets.map_or(0, at),
-                hadamard_signs: if rotate { signs } else { [0; 8] },
+                hadamard_signs: signs,
                 mean,
                 seqlen: s.seqlen_k as u32,
                 heads: s.heads_kv as u32,

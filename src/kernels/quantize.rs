@@ -442,19 +442,20 @@ pub(crate) fn block_scale(k: &mut Kernel, amax: Reg<F32>) -> (Reg<F32>, Reg<F32>
     (k.selp(scale, 1.0f32, ok), k.selp(inv, 0.0f32, ok))
 }
 
-/// The address of `scales[(batch·H + head)·blocks + block]` (f32, `[B, H, blocks]`).
-pub(crate) fn scale_address(
+/// The address of `base[batch, head, i]` in an f32 `[B, H, n]` array: the scales
+/// (`n` blocks), `lse_shift` (`n` rows), K's mean and its rotation (`n` channels).
+pub(crate) fn bhn_address(
     k: &mut Kernel,
-    scales: Reg<U64>,
-    [heads, blocks]: [Reg<U32>; 2],
-    [batch, head, block]: [Reg<U32>; 3],
+    base: Reg<U64>,
+    [heads, n]: [Reg<U32>; 2],
+    [batch, head, i]: [Reg<U32>; 3],
 ) -> Reg<U64> {
     let bh = k.mad(batch, heads, head);
-    let index = k.mul_wide_u32(bh, blocks);
-    let block = k.cvt_u64_u32(block);
-    let index = k.add(index, block);
+    let index = k.mul_wide_u32(bh, n);
+    let i = k.cvt_u64_u32(i);
+    let index = k.add(index, i);
     let index = k.shl(index, 2);
-    k.add(scales, index)
+    k.add(base, index)
 }
 
 /// Thread 0 writes the block's scale to `scales[(b·H + h)·blocks + block]` when the
@@ -463,7 +464,7 @@ fn store_scale(k: &mut Kernel, args: ParamBytes, p: &Place, scale: Reg<F32>) {
     let scales = arg::<U64>(k, args, offset_of!(QuantArgs, scales));
     let heads = arg::<U32>(k, args, offset_of!(QuantArgs, heads));
     let blocks = arg::<U32>(k, args, offset_of!(QuantArgs, scale_blocks));
-    let at = scale_address(k, scales, [heads, blocks], [p.batch, p.head, p.block]);
+    let at = bhn_address(k, scales, [heads, blocks], [p.batch, p.head, p.block]);
     let first = k.setp(Cmp::Eq, p.tid, 0u32);
     let real = k.setp(Cmp::Lt, p.block, blocks);
     let write = k.and_pred(first, real);
@@ -487,20 +488,29 @@ pub(super) fn lse_shift_address(
 ) -> Reg<U64> {
     let lse = arg::<U64>(k, args, offset_of!(QuantArgs, lse_shift));
     let heads = arg::<U32>(k, args, offset_of!(QuantArgs, heads));
-    // The same [B, H, n] f32 indexing as the scales', with a row for a block.
-    scale_address(k, lse, [heads, seqlen], [batch, head, row])
+    bhn_address(k, lse, [heads, seqlen], [batch, head, row])
+}
+
+/// Where the thread's vector of a mean-shaped row starts: `base[b, head, 8c]` in an f32
+/// `[B, heads, d]` array.
+fn vector_address(
+    k: &mut Kernel,
+    base: Reg<U64>,
+    heads: Reg<U32>,
+    p: &Place,
+    head: Reg<U32>,
+    d: u32,
+) -> Reg<U64> {
+    let channels = k.mov::<U32>(d);
+    let channel = k.mul(p.col, ELEMS_PER_THREAD as u32);
+    bhn_address(k, base, [heads, channels], [p.batch, head, channel])
 }
 
 /// The mean's eight channels of the thread's vector: `mean[b, head, 8c .. 8c+7]`.
 fn load_mean(k: &mut Kernel, args: ParamBytes, p: &Place, head: Reg<U32>, d: u32) -> [Reg<F32>; 8] {
     let mean = arg::<U64>(k, args, offset_of!(QuantArgs, mean));
     let heads = arg::<U32>(k, args, offset_of!(QuantArgs, mean_heads));
-    let bh = k.mad(p.batch, heads, head);
-    let index = k.mul_wide_u32(bh, d);
-    let channel = k.mul_wide_u32(p.col, ELEMS_PER_THREAD as u32);
-    let index = k.add(index, channel);
-    let bytes = k.shl(index, 2);
-    let at = k.add(mean, bytes);
+    let at = vector_address(k, mean, heads, p, head, d);
     let lo = k.ld_global_v4::<F32>(at, 0);
     let hi = k.ld_global_v4::<F32>(at, 16);
     std::array::from_fn(|e| if e < 4 { lo[e] } else { hi[e - 4] })
@@ -876,12 +886,8 @@ fn key_mean(
         let share = k.mul(total, inv_seqlen);
         let mean = arg::<U64>(k, args, offset_of!(QuantArgs, mean));
         let heads = arg::<U32>(k, args, offset_of!(QuantArgs, heads));
-        let bh = k.mad(p.batch, heads, p.head);
-        let index = k.mul_wide_u32(bh, d);
-        let channel = k.cvt_u64_u32(p.tid);
-        let index = k.add(index, channel);
-        let bytes = k.shl(index, 2);
-        let at = k.add(mean, bytes);
+        let channels = k.mov::<U32>(d);
+        let at = bhn_address(k, mean, [heads, channels], [p.batch, p.head, p.tid]);
         k.red_global_add_f32(at, 0, share);
     });
 }
@@ -932,12 +938,7 @@ fn rotate_mean(k: &mut Kernel, g: &Geometry, args: ParamBytes, p: &Place) {
     let y = rotate(k, &r, mean);
     let dst = arg::<U64>(k, args, offset_of!(QuantArgs, dst));
     let heads = arg::<U32>(k, args, offset_of!(QuantArgs, heads));
-    let bh = k.mad(p.batch, heads, p.head);
-    let index = k.mul_wide_u32(bh, g.head_dim);
-    let channel = k.mul_wide_u32(p.col, ELEMS_PER_THREAD as u32);
-    let index = k.add(index, channel);
-    let bytes = k.shl(index, 2);
-    let at = k.add(dst, bytes);
+    let at = vector_address(k, dst, heads, p, p.head, g.head_dim);
     let first_row = k.setp(Cmp::Eq, p.row, 0u32);
     k.guarded(first_row, true, |k| {
         k.st_global_v4(at, 0, [y[0], y[1], y[2], y[3]]);

@@ -63,8 +63,7 @@ use std::mem::offset_of;
 use super::attention::HalfType;
 use super::attention::fp8::{HEAD_DIMS, SCALE_BLOCK};
 use super::quantize::{
-    QuantArgs, Smoothing, address, arg, block_scale, lse_shift_address, scale_address, strides,
-    widen,
+    QuantArgs, Smoothing, address, arg, bhn_address, block_scale, lse_shift_address, strides, widen,
 };
 use crate::ptx::{
     Acc, B32, Bf16x2, Cmp, F16x2, F32, InFlight, KMajor, Kernel, KernelText, Module, N64, N128,
@@ -611,7 +610,7 @@ fn consume<H: WgmmaInput, N: WgmmaN>(k: &mut Kernel, r: &Rotate, tid: Reg<U32>) 
         let amax = k.mul(raw, norm);
         let (scale, inv) = block_scale(k, amax);
 
-        let scale_at = scale_address(k, scales, [heads, blocks], [it.batch, it.head, it.block]);
+        let scale_at = bhn_address(k, scales, [heads, blocks], [it.batch, it.head, it.block]);
         k.guarded(first_thread, true, |k| k.st_global(scale_at, 0, scale));
 
         k.comment("Codes: 16 channels of a row per 16-byte store.");
