@@ -110,6 +110,34 @@ fn arithmetic_golden() {
     );
 }
 
+/// `2^x` on the FMA pipe: clamp (NaN kept), split into floor and fraction by a
+/// round-down add of 1.5 · 2^23, a cubic for `2^f`, and `2^j` built from `t`'s low bits
+/// (`t · 2^23 + (127 << 23)`), multiplied in so that NaN stays NaN. Its values are
+/// checked on the GPU (`tests/gpu_math.rs`).
+#[test]
+fn ex2_on_the_fma_pipe_golden() {
+    let mut k = Kernel::new("ex2_fma");
+    let x = k.mov::<F32>(-2.5f32);
+    let _ = k.ex2_fma(x);
+    assert_eq!(
+        body(k),
+        [
+            "mov.f32 %f0, 0fC0200000;",
+            "max.NaN.f32 %f2, %f0, 0fC2FE0000;",
+            "add.rm.f32 %f3, %f2, 0f4B400000;",
+            "sub.f32 %f4, %f3, 0f4B400000;",
+            "sub.f32 %f5, %f2, %f4;",
+            "fma.rn.f32 %f6, %f5, 0f3D9FCB56, 0f3E677E28;",
+            "fma.rn.f32 %f6, %f6, %f5, 0f3F322225;",
+            "fma.rn.f32 %f6, %f6, %f5, 0f3F7FFB1A;",
+            "mov.b32 %r0, %f3;",
+            "mad.lo.u32 %r1, %r0, 8388608, 1065353216;",
+            "mov.b32 %f7, %r1;",
+            "mul.rn.f32 %f1, %f6, %f7;",
+        ]
+    );
+}
+
 #[test]
 fn tensor_core_and_async_copy_golden() {
     let mut k = Kernel::new("mma");

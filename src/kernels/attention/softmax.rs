@@ -31,6 +31,9 @@ pub struct OnlineSoftmax {
     /// `sum[slab][half]`: this thread's share of the row's sum; the 4 threads of a quad
     /// hold a row together ([`OnlineSoftmax::row_sum`] adds them).
     pub sum: Vec<[Reg<F32>; 2]>,
+    /// One probability in `fma_exp_every` of [`OnlineSoftmax::update_scaled`] is
+    /// exponentiated on the FMA pipe ([`Kernel::ex2_fma`]) rather than MUFU; 0: none.
+    pub fma_exp_every: usize,
 }
 
 /// The maximum of row half `half` of a slab's tiles, over its quad.
@@ -62,7 +65,22 @@ impl OnlineSoftmax {
         OnlineSoftmax {
             max: (0..slabs).map(|_| [k.mov(ninf), k.mov(ninf)]).collect(),
             sum: (0..slabs).map(|_| [k.mov(0f32), k.mov(0f32)]).collect(),
+            fma_exp_every: 0,
         }
+    }
+
+    /// Sends one exponential in `every` of [`OnlineSoftmax::update_scaled`] to the FMA
+    /// pipe ([`Kernel::ex2_fma`]; 0: none), counted over a call's scores row half by
+    /// row half: at `every` = 32 and 128-key tiles, the last score of each row half.
+    ///
+    /// What this buys is a schedule, not MUFU throughput. In the sm90a FP8 kernels (and
+    /// the three-consumer 16-bit ones) a tile's exponentials take MUFU about as long as
+    /// its products take the tensor cores, and ptxas bunches them; one in 32 off MUFU
+    /// made the FP8 kernels 8–10% faster at head dims 64 and 128, where one in 4 to 6
+    /// gained half that and one in 3 lost (same-call A/B, `bench/RESULTS.md`).
+    pub fn with_fma_exps(mut self, every: usize) -> OnlineSoftmax {
+        self.fma_exp_every = every;
+        self
     }
 
     /// Raises the running maxima to cover `scores`, rescales the sums and the output
@@ -250,6 +268,7 @@ impl OnlineSoftmax {
         factors: &[[Reg<F32>; 2]],
     ) {
         let tile_sums = Self::tile_sums(k, scores.len());
+        let mut nth = 0;
         for (slab, tiles) in scores.iter().enumerate() {
             for half in 0..2 {
                 let (usable, _) =
@@ -259,7 +278,12 @@ impl OnlineSoftmax {
                 for tile in tiles {
                     for v in half_of(tile, half) {
                         let x = k.mad(v, dc, bias);
-                        k.ex2_to(v, x);
+                        nth += 1;
+                        if self.fma_exp_every > 0 && nth % self.fma_exp_every == 0 {
+                            k.ex2_fma_to(v, x);
+                        } else {
+                            k.ex2_to(v, x);
+                        }
                         k.add_to(tile_sum, tile_sum, v);
                     }
                 }
