@@ -75,9 +75,11 @@ impl OnlineSoftmax {
     ///
     /// What this buys is a schedule, not MUFU throughput. In the sm90a FP8 kernels (and
     /// the three-consumer 16-bit ones) a tile's exponentials take MUFU about as long as
-    /// its products take the tensor cores, and ptxas bunches them; one in 32 off MUFU
-    /// made the FP8 kernels 8–10% faster at head dims 64 and 128, where one in 4 to 6
-    /// gained half that and one in 3 lost (same-call A/B, `bench/RESULTS.md`).
+    /// its products take the tensor cores, and ptxas issues them in bunches that fill
+    /// the MIO queue MUFU instructions wait in. One in 32 off MUFU breaks the bunches:
+    /// the FP8 kernels ran 8–10% faster at head dims 64 and 128 (ncu: `mio_throttle`
+    /// stalls 0.50 → 0.29 per issued instruction), where one in 4 to 6 gained half that
+    /// and one in 3 lost (same-call A/B, `bench/RESULTS.md`, "FP8 v4").
     pub fn with_fma_exps(mut self, every: usize) -> OnlineSoftmax {
         self.fma_exp_every = every;
         self
