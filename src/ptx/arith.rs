@@ -271,13 +271,32 @@ impl Kernel {
         self.emit(format!("selp.{t} {}, {a}, {b}, {};", d.name(), p.name()));
     }
 
+    /// `max(a, b)` that is NaN when either is (`max.NaN.f32`; plain `max` returns the
+    /// other operand).
+    pub fn max_nan(&mut self, a: impl Src<F32>, b: impl Src<F32>) -> Reg<F32> {
+        let d = self.reg::<F32>();
+        self.check_owner(&[a.owner(), b.owner()]);
+        let (a, b) = (a.operand(), b.operand());
+        self.emit(format!("max.NaN.f32 {}, {a}, {b};", d.name()));
+        d
+    }
+
+    /// `a + b` rounded toward −∞ (`add.rm.f32`).
+    pub fn add_rm(&mut self, a: impl Src<F32>, b: impl Src<F32>) -> Reg<F32> {
+        let d = self.reg::<F32>();
+        self.check_owner(&[a.owner(), b.owner()]);
+        let (a, b) = (a.operand(), b.operand());
+        self.emit(format!("add.rm.f32 {}, {a}, {b};", d.name()));
+        d
+    }
+
     /// `2^a` on the FMA and integer pipes instead of the exponent unit (MUFU), for
-    /// kernels whose softmax issues more exponentials than MUFU's 16 per clock and SM
-    /// can keep up with: routing a share of them here balances the two. `a` is split
-    /// into `j = floor(a)` and `f = a − j`; `2^f` on `[0, 1)` is a cubic (relative error
-    /// under 7.5e-5, below an f16 probability's rounding) and `2^j` is built in the
-    /// exponent bits. `a` is clamped below at −127, so −∞ (a masked score) and anything
-    /// under the float range give 0; NaN stays NaN; `a` must stay below 128.
+    /// softmaxes whose exponentials MUFU issues in bunches that stall the MIO queue
+    /// (see `OnlineSoftmax::with_fma_exps`). `a` is split into `j = floor(a)` and
+    /// `f = a − j`; `2^f` on `[0, 1)` is a cubic (relative error under 7.5e-5, below an
+    /// f16 probability's rounding) and `2^j` is built in the exponent bits. `a` is
+    /// clamped below at −127, so −∞ (a masked score) and anything under the float range
+    /// give 0; NaN stays NaN; `a` must stay below 128.
     pub fn ex2_fma(&mut self, a: impl Src<F32>) -> Reg<F32> {
         let d = self.reg();
         self.ex2_fma_to(d, a);
@@ -291,54 +310,20 @@ impl Kernel {
         // 1.5 · 2^23: adding it rounds to an integer, held in the low mantissa bits.
         const ROUNDER: f32 = 12_582_912.0;
         self.check_owner(&[Src::<F32>::owner(&d), a.owner()]);
-        let [x, t, j, f, p, pow] = self.regs::<F32, 6>();
-        let [bits, exp] = self.regs::<B32, 2>();
-        let imm = |v: f32| Src::<F32>::operand(&v);
-        let lines = [
-            format!(
-                "max.NaN.f32 {}, {}, {};",
-                x.name(),
-                a.operand(),
-                imm(-127.0)
-            ),
-            format!("add.rm.f32 {}, {}, {};", t.name(), x.name(), imm(ROUNDER)),
-            format!("sub.f32 {}, {}, {};", j.name(), t.name(), imm(ROUNDER)),
-            format!("sub.f32 {}, {}, {};", f.name(), x.name(), j.name()),
-            format!(
-                "fma.rn.f32 {}, {}, {}, {};",
-                p.name(),
-                f.name(),
-                imm(C[3]),
-                imm(C[2])
-            ),
-            format!(
-                "fma.rn.f32 {}, {}, {}, {};",
-                p.name(),
-                p.name(),
-                f.name(),
-                imm(C[1])
-            ),
-            format!(
-                "fma.rn.f32 {}, {}, {}, {};",
-                p.name(),
-                p.name(),
-                f.name(),
-                imm(C[0])
-            ),
-            // t's low bits are j (two's complement, modulo the exponent above them), so
-            // t · 2^23 + (127 << 23) is the float 2^j.
-            format!("mov.b32 {}, {};", bits.name(), t.name()),
-            format!(
-                "mad.lo.u32 {}, {}, 8388608, 1065353216;",
-                exp.name(),
-                bits.name()
-            ),
-            format!("mov.b32 {}, {};", pow.name(), exp.name()),
-            format!("mul.rn.f32 {}, {}, {};", d.name(), p.name(), pow.name()),
-        ];
-        for line in lines {
-            self.emit(line);
+        let x = self.max_nan(a, -127f32);
+        let t = self.add_rm(x, ROUNDER);
+        let j = self.sub(t, ROUNDER);
+        let f = self.sub(x, j);
+        let p = self.mad(f, C[3], C[2]);
+        for c in [C[1], C[0]] {
+            self.mad_to(p, p, f, c);
         }
+        // t's low bits are j (two's complement, modulo the exponent above them), so
+        // t · 2^23 + (127 << 23) is the float 2^j.
+        let bits = self.f32_bits(t);
+        let exp = self.mad(bits, 1u32 << 23, 127u32 << 23);
+        let pow = self.f32_from_bits(exp);
+        self.mul_to(d, p, pow);
     }
 
     unary_f32!(/// `2^a`, approximate (2 ulp), subnormals flushed: the softmax exponential.

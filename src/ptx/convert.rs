@@ -21,6 +21,22 @@ impl Kernel {
         d
     }
 
+    /// The bits of an f32, as an integer (`mov.b32`: a reinterpretation, no conversion).
+    pub fn f32_bits(&mut self, a: Reg<F32>) -> Reg<U32> {
+        let d = self.reg::<U32>();
+        self.check_owner(&[Src::<F32>::owner(&a)]);
+        self.emit(format!("mov.b32 {}, {};", d.name(), a.name()));
+        d
+    }
+
+    /// The f32 whose bits are `a` (`mov.b32`: a reinterpretation, no conversion).
+    pub fn f32_from_bits(&mut self, a: Reg<U32>) -> Reg<F32> {
+        let d = self.reg::<F32>();
+        self.check_owner(&[Src::<U32>::owner(&a)]);
+        self.emit(format!("mov.b32 {}, {};", d.name(), a.name()));
+        d
+    }
+
     /// `s32 -> f32`, round to nearest.
     pub fn cvt_f32_s32(&mut self, a: impl Src<S32>) -> Reg<F32> {
         let d = self.reg::<F32>();
