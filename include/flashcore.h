@@ -54,7 +54,7 @@ extern "C" {
 #define FLASHCORE_ERROR_UNSUPPORTED_DTYPE 8    /* not f16/bf16 (FP8: e4m3 codes), mixed, or unknown code */
 #define FLASHCORE_ERROR_HEAD_RATIO 9           /* q heads not a multiple of k/v heads */
 #define FLASHCORE_ERROR_NULL_POINTER 10        /* a tensor's device pointer is 0 */
-#define FLASHCORE_ERROR_MISALIGNED 11          /* device pointer not aligned (16 B; lse 4 B) */
+#define FLASHCORE_ERROR_MISALIGNED 11          /* pointer not aligned (device 16 B, lse 4 B; host int32 array 4 B) */
 #define FLASHCORE_ERROR_INVALID_ARGUMENT 12    /* bad scale, negative shape or ordinal, overlap, too large */
 #define FLASHCORE_ERROR_PTX 13                 /* kernel generation failed (a flashcore bug) */
 #define FLASHCORE_ERROR_MODULE_LOAD 14         /* the driver's JIT refused the kernel */

@@ -170,7 +170,7 @@ return_codes! {
     FLASHCORE_ERROR_NULL_POINTER = 10 for Error::NullPointer(_),
         "a tensor's device pointer is 0";
     FLASHCORE_ERROR_MISALIGNED = 11 for Error::Misaligned { .. },
-        "device pointer not aligned (16 B; lse 4 B)";
+        "pointer not aligned (device 16 B, lse 4 B; host int32 array 4 B)";
     FLASHCORE_ERROR_INVALID_ARGUMENT = 12 for Error::InvalidArgument(_),
         "bad scale, negative shape or ordinal, overlap, too large";
     FLASHCORE_ERROR_PTX = 13 for Error::Ptx(_),

@@ -38,7 +38,7 @@ use crate::host::quantize::{
     Fp8Layout, QuantizeOptions, validate_quantize, validate_quantize_inputs,
 };
 use crate::host::tensor::{AttentionParams, DIM_NAMES, DType, LseView, TensorView};
-use crate::host::validate::validate_fwd;
+use crate::host::validate::{MAX_GRID_YZ, validate_fwd};
 use crate::host::varlen::{Varlen, VarlenHost, validate_varlen};
 
 // ---- constants (mirrored by the #defines of include/flashcore.h) --------------------------
@@ -857,6 +857,9 @@ unsafe fn read_varlen<'a>(
     let max_seqlen_q = count(v.max_seqlen_q, "max_seqlen_q")?;
     let host = match (host_cu_seqlens_q.is_null(), host_cu_seqlens_k.is_null()) {
         (true, true) => None,
+        // A batch past the grid limit is refused before any offset is read, and no caller
+        // holds that many entries: no slice is made over them.
+        (false, false) if batch > MAX_GRID_YZ => None,
         (false, false) => {
             let n = batch.saturating_add(1);
             // SAFETY: non-null; the caller guarantees `batch + 1` readable entries each.
@@ -2020,6 +2023,18 @@ mod tests {
             )
         };
         assert_eq!(rc, FLASHCORE_ERROR_NULL_ARGUMENT);
+        // A batch past the grid limit with host arrays: the batch is what is reported,
+        // with no slice made over entries the caller cannot have passed.
+        for batch in [65536, 1 << 40, 1 << 61] {
+            let huge = FlashcoreVarlen { batch, ..varlen };
+            assert_eq!(
+                check(&huge, cu_q.as_ptr(), cu_k.as_ptr()),
+                FLASHCORE_ERROR_INVALID_ARGUMENT
+            );
+            // SAFETY: the message is a NUL-terminated string this thread owns.
+            let msg = unsafe { CStr::from_ptr(flashcore_last_error()) }.to_string_lossy();
+            assert!(msg.contains("grid limit"), "{batch}: {msg}");
+        }
     }
 
     #[test]

@@ -310,6 +310,28 @@ pub fn plan_decode(p: &DecodeProblem, sm_count: u32, smem_optin: u32) -> Result<
             c.batch, p.heads_q, c.heads_kv, c.head_dim, c.capacity, p.seqlen_q
         )));
     }
+    let (dims, text): (&[u32], _) = if c.fp8 {
+        (&decode::FP8_HEAD_DIMS, super::fp8::FP8_HEAD_DIMS_TEXT)
+    } else {
+        (&decode::HEAD_DIMS, HEAD_DIMS_TEXT)
+    };
+    if !head_dim_in(dims, c.head_dim) {
+        return Err(Error::UnsupportedHeadDim(c.head_dim, text));
+    }
+    // The partial results' rows (one per split, sequence, query and head) are counted in
+    // 31 bits by the merge, as `validate_merge` requires of a caller's.
+    let rows = c
+        .batch
+        .checked_mul(p.seqlen_q)
+        .and_then(|n| n.checked_mul(p.heads_q))
+        .filter(|&n| n < 1 << 31)
+        .ok_or_else(|| {
+            Error::InvalidArgument(format!(
+                "no decode plan for batch {} with {} queries of {} heads: 2^31 query rows or \
+                 more",
+                c.batch, p.seqlen_q, p.heads_q
+            ))
+        })?;
     let cfg = DecodeConfig::candidates(p.dtype, c.head_dim as u32, c.page_size > 0, c.fp8)
         .into_iter()
         .find(|c| c.smem_bytes() <= smem_optin)
@@ -372,8 +394,23 @@ pub fn plan_decode(p: &DecodeProblem, sm_count: u32, smem_optin: u32) -> Result<
     let workspace_bytes = if splits == 1 {
         0
     } else {
-        let rows = splits * p.cache.batch * p.seqlen_q * p.heads_q;
-        (rows * p.cache.head_dim * 4).next_multiple_of(256) + rows * 4
+        // A hand-made capacity past 2^57 keys asks for more splits than an address space
+        // holds rows for.
+        splits
+            .checked_mul(rows)
+            .and_then(|rows| {
+                let partials = rows.checked_mul(p.cache.head_dim * 4)?;
+                partials
+                    .checked_next_multiple_of(256)?
+                    .checked_add(rows * 4)
+            })
+            .ok_or_else(|| {
+                Error::InvalidArgument(format!(
+                    "no decode plan for a capacity of {} keys: its {splits} splits' partial \
+                     results would not fit an address space",
+                    c.capacity
+                ))
+            })?
     };
     Ok(DecodePlan {
         config: cfg,
@@ -655,6 +692,9 @@ impl Attention {
     /// checks them (the same errors, in the same order).
     pub fn decode_workspace_bytes(&self, q: &TensorView, cache: &KvCache) -> Result<usize> {
         let problem = decode_q_problem(q, cache)?;
+        if problem.cache.fp8 {
+            self.check_fp8_cache_gpu()?;
+        }
         Ok(self.decode_plan(&problem)?.workspace_bytes)
     }
 
@@ -1371,6 +1411,45 @@ mod tests {
         let mut uneven = p;
         uneven.heads_q = 7;
         assert!(plan_decode(&uneven, 132, 227 * 1024).is_err());
+        // Head dims without a kernel: 80 (whose generator would index past its tables),
+        // 2^32 + 64 (not narrowed onto 64), and the 16-bit-only ones on an e4m3 cache.
+        for (d, fp8) in [(80, false), ((1 << 32) + 64, false), (32, true), (96, true)] {
+            let mut odd = p;
+            odd.cache.head_dim = d;
+            odd.cache.fp8 = fp8;
+            assert!(
+                matches!(
+                    plan_decode(&odd, 132, 227 * 1024),
+                    Err(Error::UnsupportedHeadDim(got, _)) if got == d
+                ),
+                "head dim {d}, fp8 {fp8}"
+            );
+        }
+        let mut fp8 = p;
+        fp8.cache.fp8 = true;
+        assert!(plan_decode(&fp8, 132, 227 * 1024).unwrap().config.fp8);
+        // 2^31 query rows (B · Sq · Hq) or more would wrap the merge's row count: refused,
+        // one row fewer planned (with a workspace past 2^40 bytes, computed without
+        // overflow).
+        let mut rows = p;
+        rows.cache.batch = 1 << 20;
+        rows.heads_q = 1 << 11;
+        rows.cache.heads_kv = 1 << 11;
+        rows.seqlen_q = 1;
+        assert!(matches!(
+            plan_decode(&rows, 132, 227 * 1024),
+            Err(Error::InvalidArgument(ref m)) if m.contains("2^31")
+        ));
+        rows.cache.batch = (1 << 20) - 1;
+        rows.cache.capacity = 1 << 20;
+        assert!(plan_decode(&rows, 132, 227 * 1024).is_ok());
+        // A capacity whose splits' partial results pass the address space.
+        let mut endless = rows;
+        endless.cache.capacity = usize::MAX;
+        assert!(matches!(
+            plan_decode(&endless, 132, 227 * 1024),
+            Err(Error::InvalidArgument(ref m)) if m.contains("address space")
+        ));
 
         let shape = c.validate(2).unwrap();
         let lens = HostMetadata {

@@ -321,6 +321,12 @@ pub fn dispatch_fp8(
     problem: &Fp8Problem,
 ) -> Result<Fp8Config, String> {
     let head_dim = kernel_head_dim(&problem.shape)?;
+    // `validate_fp8` refuses these first; a problem built by hand might not have been.
+    if !HEAD_DIMS.contains(&head_dim) {
+        return Err(format!(
+            "no FP8 kernel for head dim {head_dim} (FP8 takes {FP8_HEAD_DIMS_TEXT})"
+        ));
+    }
     let path = match fp8_path_for(arch, choice)? {
         Fp8Path::Sm90
             if !sm90_fp8::HEAD_DIMS.contains(&head_dim)
@@ -399,6 +405,10 @@ pub(crate) fn fp8_args(
 impl Attention {
     /// The FP8 configuration `problem` runs with on this device.
     pub fn plan_fp8(&self, problem: &Fp8Problem) -> Result<Fp8Config> {
+        let head_dim = problem.shape.head_dim;
+        if !head_dim_in(&HEAD_DIMS, head_dim) {
+            return Err(Error::UnsupportedHeadDim(head_dim, FP8_HEAD_DIMS_TEXT));
+        }
         let arch = self.device().compute_capability();
         dispatch_fp8(arch, self.path_choice(), problem).map_err(|why| Error::UnsupportedGpu {
             name: format!("{} ({why})", self.device().name()),
@@ -613,9 +623,17 @@ mod tests {
             validate_fp8(&ops, &o, None, &AttentionParams::default()),
             Err(Error::UnsupportedHeadDim(HUGE_D, _))
         ));
-        // The public dispatch does not narrow it onto 64 either.
+        // The public dispatch does not narrow it onto 64 either, nor plan head dims no
+        // FP8 kernel has (80 would divide by zero in the sm89 generator) on any path.
         for arch in [(9, 0), (8, 9)] {
-            assert!(dispatch_fp8(arch, PathChoice::Best, &problem(HUGE_D, 1, 1, 1)).is_err());
+            for d in [HUGE_D, 32, 80, 96, 192] {
+                for choice in [PathChoice::Best, PathChoice::Sm80] {
+                    assert!(
+                        dispatch_fp8(arch, choice, &problem(d, 1, 1, 1)).is_err(),
+                        "{d}"
+                    );
+                }
+            }
         }
         // Sizes past the address space saturate rather than wrap.
         let vt = VtView::contiguous(tb, 2, usize::MAX / 2, 128, 300);
