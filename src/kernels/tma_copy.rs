@@ -84,7 +84,9 @@ impl TmaCopyConfig {
         (plan, tile)
     }
 
+    /// Generates the module; a configuration [`all_configs`] does not list is refused.
     pub fn generate(&self) -> Result<Module, PtxError> {
+        crate::kernels::listed("TMA copy", self, all_configs())?;
         let mut m = Module::new(Target::Sm90);
         m.push(self.build()?)?;
         Ok(m)

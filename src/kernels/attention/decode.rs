@@ -270,7 +270,10 @@ impl DecodeConfig {
         (SM90_SMEM_PER_SM / (self.smem_bytes() + 1024)).clamp(1, MAX_RESIDENT)
     }
 
+    /// Generates the module; a configuration [`all_decode_configs`] does not list is
+    /// refused.
     pub fn generate(&self) -> Result<Module, PtxError> {
+        crate::kernels::listed("decode", self, all_decode_configs())?;
         let kernel = match self.dtype {
             HalfType::F16 => build::<F16x2>(self)?,
             HalfType::Bf16 => build::<Bf16x2>(self)?,

@@ -148,8 +148,10 @@ impl Fp8Config {
         }
     }
 
-    /// Generates the module (one entry, named [`Fp8Config::id`]).
+    /// Generates the module (one entry, named [`Fp8Config::id`]); a configuration
+    /// [`all_fp8_configs`] does not list is refused.
     pub fn generate(&self) -> Result<Module, PtxError> {
+        crate::kernels::listed("FP8 forward", self, all_fp8_configs())?;
         match self.path {
             Fp8Path::Sm90 => super::sm90_fp8::generate(self),
             Fp8Path::Sm89 => super::sm89_fp8::generate(self),

@@ -144,7 +144,10 @@ impl MergeConfig {
         c
     }
 
+    /// Generates the module; a configuration [`all_merge_configs`] does not list is
+    /// refused.
     pub fn generate(&self) -> Result<Module, PtxError> {
+        crate::kernels::listed("merge", self, all_merge_configs())?;
         let mut module = Module::new(if self.programmatic {
             Target::Sm90
         } else {

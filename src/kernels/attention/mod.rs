@@ -136,8 +136,10 @@ impl FwdConfig {
         }
     }
 
-    /// Generates the module (one entry, named [`FwdConfig::id`]).
+    /// Generates the module (one entry, named [`FwdConfig::id`]); a configuration
+    /// [`all_fwd_configs`] does not list is refused.
     pub fn generate(&self) -> Result<Module, PtxError> {
+        crate::kernels::listed("forward", self, all_fwd_configs())?;
         match self.path {
             Path::Sm80 => sm80::generate(self),
             Path::Sm90 => sm90::generate(self),
