@@ -217,7 +217,9 @@ def _host_int32(fn, name, x, shape):
         raise ValueError(f"flashcore.{fn}: {name} must hold integers, got {x.dtype}")
     # Checked before the narrowing: a wrapped value (2^32 + 3 as 3) would pass the
     # library's checks as another, valid entry.
-    if x.numel() and (int(x.min()) < -(2**31) or int(x.max()) >= 2**31):
+    # As Python ints: torch has no min/max for every integer type (uint64, say).
+    values = x.flatten().tolist()
+    if values and (min(values) < -(2**31) or max(values) >= 2**31):
         raise ValueError(f"flashcore.{fn}: {name} holds values outside int32 (the device copy's type)")
     x = x.to(torch.int32)
     if tuple(x.shape) != shape:

@@ -17,10 +17,11 @@ calls, prefill and KV-cache decode alike, go to flashcore (causal for a prompt; 
 query token sees the whole cache). A call that comes with a mask (padded batches,
 sliding-window layers, chunked prefill against a cache), a dtype other than float16 or
 bfloat16, a head dim flashcore has no kernel for (or value's differing from query's), a
-score bias (`position_bias`: T5-style models), a zero `scaling`, a causal call with more
-queries than keys, or inputs that require gradients with autograd on (flashcore is forward
-only) is computed by transformers' own SDPA path instead, with a warning the first time,
-so results stay right. `stats` counts both.
+score bias (`position_bias`: T5-style models), a `scaling` that is not a positive float32
+(zero, negative, NaN, or outside float32's range), a causal call with more queries than
+keys, tensors off the GPU (a model on the CPU), or inputs that require gradients with
+autograd on (flashcore is forward only) is computed by transformers' own SDPA path
+instead, with a warning the first time, so results stay right. `stats` counts both.
 
 Causal alignment. With no mask, transformers' SDPA path aligns a causal call top-left:
 query i sees keys 0..=i. A prompt written into a longer preallocated cache (StaticCache:
@@ -47,7 +48,7 @@ import warnings
 import torch
 
 from .fp8 import FP8_HEAD_DIMS, launch_fp8
-from .ops import HEAD_DIMS, _needs_grad, launch
+from .ops import HEAD_DIMS, _needs_grad, launch, softmax_scale
 
 NAME = "fcore"
 FP8_NAME = "fcore-fp8"
@@ -112,12 +113,19 @@ def _forward(fp8, module, query, key, value, attention_mask, dropout, scaling, i
         return fallback("a position bias")
     if _needs_grad((query, key, value)):
         return fallback("inputs that require gradients (flashcore is forward only)")
+    if not _on_gpu(query, key, value):
+        return fallback(f"tensors on {query.device} (flashcore runs on CUDA devices)")
     if query.dtype not in (torch.float16, torch.bfloat16):
         return fallback(f"dtype {query.dtype}")
     if query.shape[-1] not in HEAD_DIMS or value.shape[-1] != query.shape[-1]:
         return fallback(f"head dims {query.shape[-1]} (query) and {value.shape[-1]} (value)")
-    if scaling is not None and float(scaling) == 0.0:
-        return fallback("scaling 0")
+    if scaling is not None:
+        try:
+            softmax_scale("flashcore", scaling)
+        except ValueError:
+            # 0, negative, NaN, or outside float32 (below 1.4e-45 it would reach the C ABI
+            # as 0, its "default scale"): SDPA takes what flashcore cannot.
+            return fallback(f"scaling {scaling}")
     # As SDPA: the module says whether it is causal unless the caller does, and one query
     # token sees the whole cache.
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
@@ -141,9 +149,14 @@ def _forward(fp8, module, query, key, value, attention_mask, dropout, scaling, i
     return out, None
 
 
+def _on_gpu(*tensors):
+    """Whether every tensor is on a CUDA device, where flashcore's op runs."""
+    return all(t.is_cuda for t in tensors)
+
+
 def _scale(scaling):
-    """The op's scale argument: 0.0 asks for the default 1/sqrt(D) (a zero `scaling` never
-    gets here)."""
+    """The op's scale argument: 0.0 asks for the default 1/sqrt(D) (a `scaling` that is not
+    a positive float32 never gets here)."""
     return 0.0 if scaling is None else float(scaling)
 
 

@@ -10,6 +10,7 @@ of k and v (int32 offsets on the GPU). A `torch.library` custom op
 rules through flashcore_check_forward_varlen; in plain eager mode it is called directly.
 """
 
+import math
 from typing import Optional
 
 import torch
@@ -29,9 +30,23 @@ from .serving import (
 )
 
 
+# The longest sequence flashcore takes (the C ABI's limit on max_seqlen_q): checked here,
+# since the C struct's int64 would wrap a larger Python int.
+_MAX_SEQLEN = 2**25
+
+
 def _packed(t, ptr=None):
     """A [rows, H, D] tensor as the C ABI's packed [1, rows, H, D] view."""
     return _desc((1, *t.shape), (0, *t.stride()), t.dtype, t.data_ptr() if ptr is None else ptr)
+
+
+def _stand_in(t, ptr):
+    """`_packed(t)` at a stand-in address, empty dimensions described as 1: every check
+    but "not empty" still applies to a call with nothing to launch."""
+    d = _packed(t, ptr)
+    for j in range(4):
+        d.shape[j] = max(d.shape[j], 1)
+    return d
 
 
 def _ready(t):
@@ -62,19 +77,24 @@ def _host(name, x, n):
     return None if x is None else _host_int32("attention_varlen", name, x, (n,))
 
 
-def _check(q, k, v, o, return_lse, batch, max_seqlen_q, scale, causal):
-    """flashcore_check_forward_varlen at stand-in addresses (fake tensors have none)."""
-    if not _static(q, k, v, o) or q.numel() == 0:
+def _check(q, k, v, o, return_lse, batch, max_seqlen_q, scale, causal, host_q=None, host_k=None):
+    """flashcore_check_forward_varlen at stand-in addresses (fake tensors have none), with
+    the host offsets when given."""
+    if not _static(q, k, v, o):
         return
+    for name, host, rows in (("host_cu_seqlens_q", host_q, q.shape[0]), ("host_cu_seqlens_k", host_k, k.shape[0])):
+        # Described as one row, an empty tensor would hold an offset of 1.
+        if host is not None and rows == 0 and int(host.abs().max()) != 0:
+            raise ValueError(f"flashcore.attention_varlen: {name} reaches past the tensor's 0 rows")
     _capi.library().check_forward_varlen(
-        _packed(q, 1 * _STAND_IN),
-        _packed(k, 2 * _STAND_IN),
-        _packed(v, 3 * _STAND_IN),
-        _packed(o, 4 * _STAND_IN),
+        _stand_in(q, 1 * _STAND_IN),
+        _stand_in(k, 2 * _STAND_IN),
+        _stand_in(v, 3 * _STAND_IN),
+        _stand_in(o, 4 * _STAND_IN),
         5 * _STAND_IN if return_lse else 0,
         _varlen_struct(6 * _STAND_IN, 7 * _STAND_IN, batch, max_seqlen_q),
-        None,
-        None,
+        _capi.host_ptr(host_q.data_ptr()) if host_q is not None else None,
+        _capi.host_ptr(host_k.data_ptr()) if host_k is not None else None,
         scale,
         causal,
     )
@@ -104,8 +124,13 @@ def _varlen(q, k, v, cu_q, cu_k, max_seqlen_q, host_q, host_k, causal, scale, re
     """The op's CUDA implementation (also called directly in plain eager mode)."""
     o, lse = _outputs(q, return_lse)
     batch = cu_q.shape[0] - 1
-    if q.numel() == 0:
-        return o, lse  # no query rows: nothing to compute
+    if q.numel() == 0 or k.numel() == 0:
+        # Nothing to launch; flashcore's rules still apply to what was passed. With no
+        # keys, every query row sees none: zeros, and an LSE of -inf.
+        _check(q, k, v, o, return_lse, batch, max_seqlen_q, scale, causal, host_q, host_k)
+        o.zero_()
+        lse.fill_(-math.inf)
+        return o, lse
     q, k, v = _aligned(q), _aligned(k), _aligned(v)
     index = q.get_device()
     lib = _capi.library()
@@ -129,6 +154,7 @@ def _varlen(q, k, v, cu_q, cu_k, max_seqlen_q, host_q, host_k, causal, scale, re
 @_varlen_op.register_fake
 def _varlen_fake(q, k, v, cu_q, cu_k, max_seqlen_q, host_q, host_k, causal, scale, return_lse):
     o, lse = _outputs(q, return_lse)
+    # The host copies are fake here too (no data): the real call checks them.
     _check(q, k, v, o, return_lse, cu_q.shape[0] - 1, max_seqlen_q, scale, causal)
     return o, lse
 
@@ -154,9 +180,10 @@ def attention_varlen(
         multiples of 16 bytes.
     cu_seqlens_q, cu_seqlens_k: int32 [B + 1] on the GPU, contiguous: sequence b is query
         rows cu_seqlens_q[b]:cu_seqlens_q[b + 1] and key rows cu_seqlens_k[b]:cu_seqlens_k[b + 1].
-    max_seqlen_q: at least the longest query sequence (it sizes the launch).
+    max_seqlen_q: at least the longest query sequence (it sizes the launch), at most 2^25.
     causal: bottom-right aligned per sequence (query i of a sequence of Sq queries and Sk
-        keys sees keys j <= i + Sk - Sq); a sequence with queries and no keys gives zeros.
+        keys sees keys j <= i + Sk - Sq); a sequence with queries and no keys gives zeros
+        (and an LSE of -inf), a batch with no keys at all (k and v of 0 rows) too.
     scale: the softmax scale; None for 1/sqrt(D).
     return_lse: also return the float32 [Hq, total_q] log-sum-exp.
     host_cu_seqlens_q, host_cu_seqlens_k: optional host copies of the offsets (CPU tensors
@@ -187,8 +214,8 @@ def attention_varlen(
             f"flashcore.{fn}: cu_seqlens_q and cu_seqlens_k must both hold B + 1 >= 2 entries, got "
             f"{cu_seqlens_q.shape[0]} and {cu_seqlens_k.shape[0]}"
         )
-    if not isinstance(max_seqlen_q, int) or isinstance(max_seqlen_q, bool) or max_seqlen_q < 1:
-        raise ValueError(f"flashcore.{fn}: max_seqlen_q must be a positive int, got {max_seqlen_q!r}")
+    if not isinstance(max_seqlen_q, int) or isinstance(max_seqlen_q, bool) or not 1 <= max_seqlen_q <= _MAX_SEQLEN:
+        raise ValueError(f"flashcore.{fn}: max_seqlen_q must be an int from 1 to 2^25, got {max_seqlen_q!r}")
     _check_device(fn, [("q", q), ("k", k), ("v", v), ("cu_seqlens_q", cu_seqlens_q),
                        ("cu_seqlens_k", cu_seqlens_k)])
     _check_no_grad(fn, (q, k, v))

@@ -655,6 +655,51 @@ def test_varlen_checks_and_fake_shapes():
                                        host_cu_seqlens_q=bad, host_cu_seqlens_k=[0, 1, 2])
 
 
+def test_varlen_without_rows_still_follows_the_rules():
+    """No key rows at all: every query row sees none (zeros, LSE -inf), as attention()
+    gives for Sk = 0; no query rows: nothing runs, but the call is still checked."""
+    cu = i32(3)
+    o, lse = torch.ops.flashcore.attention_varlen(
+        meta(10, 8, 64), meta(0, 2, 64), meta(0, 2, 64), cu, cu, 8, None, None, False, 0.0, True
+    )
+    assert o.shape == (10, 8, 64) and lse.shape == (8, 10)
+    # The eager implementation never launches for these (CPU tensors show it).
+    cpu_cu = torch.zeros(3, dtype=torch.int32)
+    q = torch.randn(10, 8, 64, dtype=torch.float16)
+    empty = torch.empty(0, 2, 64, dtype=torch.float16)
+    o, lse = flashcore.varlen._varlen(q, empty, empty, cpu_cu, cpu_cu, 8, None, None, True, 0.0, True)
+    assert torch.equal(o, torch.zeros_like(q)) and torch.all(lse == -math.inf)
+    host = torch.tensor([0, 4, 10], dtype=torch.int32)
+    with pytest.raises(ValueError, match="0 rows"):
+        flashcore.varlen._varlen(q, empty, empty, cpu_cu, cpu_cu, 8, host, host, True, 0.0, False)
+    # No query rows, and a head dim, a dtype and a head ratio flashcore has no kernel for.
+    for q, k, name in [
+        (meta(0, 8, 48), meta(5, 2, 48), "FLASHCORE_ERROR_UNSUPPORTED_HEAD_DIM"),
+        (meta(0, 8, 64, dtype=torch.float32), meta(5, 2, 64, dtype=torch.float32),
+         "FLASHCORE_ERROR_UNSUPPORTED_DTYPE"),
+        (meta(0, 8, 64), meta(5, 3, 64), "FLASHCORE_ERROR_HEAD_RATIO"),
+    ]:
+        with pytest.raises(FlashcoreError) as e:
+            torch.ops.flashcore.attention_varlen(q, k, k, cu, cu, 8, None, None, False, 0.0, False)
+        assert e.value.name == name
+
+
+def test_varlen_max_seqlen_and_host_copies_of_any_integer_type():
+    cu = i32(3)
+    args = (meta(300, 8, 64), meta(500, 2, 64), meta(500, 2, 64), cu, cu)
+    # Past 2^25 (and past the C struct's int64, which would wrap it onto 200): refused.
+    for bad in (2**25 + 1, 2**64 + 200):
+        with pytest.raises(ValueError, match="max_seqlen_q"):
+            flashcore.attention_varlen(*args, bad)
+    assert flashcore.attention_varlen(*args, 2**25).shape == (300, 8, 64)
+    # Host copies of any integer type, unsigned 64-bit included, are range-checked.
+    wide = torch.tensor([0, 100, 300], dtype=torch.uint64)
+    flashcore.attention_varlen(*args, 200, host_cu_seqlens_q=wide, host_cu_seqlens_k=[0, 250, 500])
+    with pytest.raises(ValueError, match="int32"):
+        flashcore.attention_varlen(*args, 200, host_cu_seqlens_q=torch.tensor([0, 1, 2**40], dtype=torch.uint64),
+                                   host_cu_seqlens_k=[0, 250, 500])
+
+
 # ---- FP8: attention_fp8, quantize_fp8, forward_fp8 ----------------------------------------------
 
 

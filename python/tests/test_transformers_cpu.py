@@ -92,6 +92,12 @@ def _reference_launch(calls):
     return launch
 
 
+def _use_reference_launch(monkeypatch, calls):
+    """The backend's flashcore path on CPU tensors, through `_reference_launch`."""
+    monkeypatch.setattr(transformers_backend, "launch", _reference_launch(calls))
+    monkeypatch.setattr(transformers_backend, "_on_gpu", lambda *tensors: True)
+
+
 def _small_llama(layers=2):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -112,7 +118,7 @@ def test_a_prompt_in_a_static_cache_sees_only_itself(monkeypatch):
     from transformers import StaticCache
 
     calls = []
-    monkeypatch.setattr(transformers_backend, "launch", _reference_launch(calls))
+    _use_reference_launch(monkeypatch, calls)
     name = flashcore.register_transformers()
     config, model = _small_llama()
     model.eval()
@@ -135,7 +141,7 @@ def test_training_runs_on_sdpa_with_gradients(monkeypatch):
     import torch
 
     calls = []
-    monkeypatch.setattr(transformers_backend, "launch", _reference_launch(calls))
+    _use_reference_launch(monkeypatch, calls)
     name = flashcore.register_transformers()
     _, model = _small_llama(layers=1)
     model = model.float().train()
@@ -157,7 +163,7 @@ def test_score_modifiers_are_never_dropped(monkeypatch):
     import torch
 
     calls = []
-    monkeypatch.setattr(transformers_backend, "launch", _reference_launch(calls))
+    _use_reference_launch(monkeypatch, calls)
     module = torch.nn.Module()
     module.is_causal = False
     q = torch.randn(1, 2, 8, 64, dtype=torch.float16)
@@ -173,3 +179,43 @@ def test_score_modifiers_are_never_dropped(monkeypatch):
     assert (out.float() - want).abs().max().item() < 1e-2
     with pytest.raises(NotImplementedError, match="sinks"):
         transformers_backend.attention_forward(module, q, kv, kv, None, s_aux=torch.zeros(2))
+
+
+def test_cpu_tensors_run_on_sdpa(monkeypatch):
+    """flashcore's op runs on CUDA devices only: a model on the CPU gets SDPA, not an
+    error from the dispatcher."""
+    import torch
+
+    calls = []
+    monkeypatch.setattr(transformers_backend, "launch", _reference_launch(calls))
+    module = torch.nn.Module()
+    module.is_causal = True
+    q = torch.randn(1, 2, 8, 64, dtype=torch.float16)
+    kv = torch.randn(1, 2, 8, 64, dtype=torch.float16)
+    transformers_backend.stats["sdpa"].clear()
+    transformers_backend._warned.clear()
+    with pytest.warns(UserWarning, match="cpu"):
+        out, _ = transformers_backend.attention_forward(module, q, kv, kv, None)
+    assert not calls and list(transformers_backend.stats["sdpa"]) == ["tensors on cpu (flashcore runs on CUDA devices)"]
+    assert out.shape == (1, 8, 2, 64)
+
+
+@pytest.mark.parametrize("scaling", [1e-46, -0.125, float("nan"), float("inf"), 1e39, 0.0])
+def test_scales_flashcore_cannot_take_run_on_sdpa(monkeypatch, scaling):
+    """A scale that is not a positive float32 goes to SDPA: one below float32's smallest
+    subnormal would reach the C ABI as 0, its "default scale", and others it refuses."""
+    import torch
+
+    calls = []
+    _use_reference_launch(monkeypatch, calls)
+    module = torch.nn.Module()
+    module.is_causal = False
+    q = torch.randn(1, 2, 8, 64, dtype=torch.float16)
+    kv = torch.randn(1, 2, 8, 64, dtype=torch.float16)
+    transformers_backend.stats["sdpa"].clear()
+    transformers_backend._warned.clear()
+    with pytest.warns(UserWarning, match="scaling"):
+        transformers_backend.attention_forward(module, q, kv, kv, None, scaling=scaling)
+    assert not calls and list(transformers_backend.stats["sdpa"]) == [f"scaling {scaling}"]
+    transformers_backend.attention_forward(module, q, kv, kv, None, scaling=0.125)
+    assert calls
