@@ -98,6 +98,20 @@ def _use_reference_launch(monkeypatch, calls):
     monkeypatch.setattr(transformers_backend, "_on_gpu", lambda *tensors: True)
 
 
+def _one_layer_call(causal):
+    """A module, q [1, 2, 8, 64] and k = v (float16, CPU) for one attention call, with the
+    backend's SDPA counts and warnings cleared."""
+    import torch
+
+    module = torch.nn.Module()
+    module.is_causal = causal
+    q = torch.randn(1, 2, 8, 64, dtype=torch.float16)
+    kv = torch.randn(1, 2, 8, 64, dtype=torch.float16)
+    transformers_backend.stats["sdpa"].clear()
+    transformers_backend._warned.clear()
+    return module, q, kv
+
+
 def _small_llama(layers=2):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -164,13 +178,8 @@ def test_score_modifiers_are_never_dropped(monkeypatch):
 
     calls = []
     _use_reference_launch(monkeypatch, calls)
-    module = torch.nn.Module()
-    module.is_causal = False
-    q = torch.randn(1, 2, 8, 64, dtype=torch.float16)
-    kv = torch.randn(1, 2, 8, 64, dtype=torch.float16)
+    module, q, kv = _one_layer_call(causal=False)
     bias = torch.randn(1, 2, 8, 8)
-    transformers_backend.stats["sdpa"].clear()
-    transformers_backend._warned.clear()
     with pytest.warns(UserWarning, match="position bias"):
         out, _ = transformers_backend.attention_forward(module, q, kv, kv, None, position_bias=bias)
     assert not calls and transformers_backend.stats["sdpa"] == {"a position bias": 1}
@@ -184,16 +193,9 @@ def test_score_modifiers_are_never_dropped(monkeypatch):
 def test_cpu_tensors_run_on_sdpa(monkeypatch):
     """flashcore's op runs on CUDA devices only: a model on the CPU gets SDPA, not an
     error from the dispatcher."""
-    import torch
-
     calls = []
     monkeypatch.setattr(transformers_backend, "launch", _reference_launch(calls))
-    module = torch.nn.Module()
-    module.is_causal = True
-    q = torch.randn(1, 2, 8, 64, dtype=torch.float16)
-    kv = torch.randn(1, 2, 8, 64, dtype=torch.float16)
-    transformers_backend.stats["sdpa"].clear()
-    transformers_backend._warned.clear()
+    module, q, kv = _one_layer_call(causal=True)
     with pytest.warns(UserWarning, match="cpu"):
         out, _ = transformers_backend.attention_forward(module, q, kv, kv, None)
     assert not calls and list(transformers_backend.stats["sdpa"]) == ["tensors on cpu (flashcore runs on CUDA devices)"]
@@ -204,16 +206,9 @@ def test_cpu_tensors_run_on_sdpa(monkeypatch):
 def test_scales_flashcore_cannot_take_run_on_sdpa(monkeypatch, scaling):
     """A scale that is not a positive float32 goes to SDPA: one below float32's smallest
     subnormal would reach the C ABI as 0, its "default scale", and others it refuses."""
-    import torch
-
     calls = []
     _use_reference_launch(monkeypatch, calls)
-    module = torch.nn.Module()
-    module.is_causal = False
-    q = torch.randn(1, 2, 8, 64, dtype=torch.float16)
-    kv = torch.randn(1, 2, 8, 64, dtype=torch.float16)
-    transformers_backend.stats["sdpa"].clear()
-    transformers_backend._warned.clear()
+    module, q, kv = _one_layer_call(causal=False)
     with pytest.warns(UserWarning, match="scaling"):
         transformers_backend.attention_forward(module, q, kv, kv, None, scaling=scaling)
     assert not calls and list(transformers_backend.stats["sdpa"]) == [f"scaling {scaling}"]

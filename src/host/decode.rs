@@ -398,11 +398,11 @@ pub fn plan_decode(p: &DecodeProblem, sm_count: u32, smem_optin: u32) -> Result<
         // holds rows for.
         splits
             .checked_mul(rows)
-            .and_then(|rows| {
-                let partials = rows.checked_mul(p.cache.head_dim * 4)?;
+            .and_then(|split_rows| {
+                let partials = split_rows.checked_mul(p.cache.head_dim * 4)?;
                 partials
                     .checked_next_multiple_of(256)?
-                    .checked_add(rows * 4)
+                    .checked_add(split_rows * 4)
             })
             .ok_or_else(|| {
                 Error::InvalidArgument(format!(
