@@ -618,7 +618,7 @@ pub(super) struct ConsumerRoles {
     pub leader: Reg<crate::ptx::Pred>,
     pub rows: Rows,
     /// The turns, one barrier per warpgroup; none with a single consumer warpgroup,
-    /// which has the tensor cores to itself.
+    /// which has the tensor cores to itself, or where the kernel takes no turns.
     pub turns: Option<BarrierRing>,
     /// The consumer warpgroups hold the same query rows (split keys).
     shared_rows: bool,
@@ -626,14 +626,15 @@ pub(super) struct ConsumerRoles {
 
 impl ConsumerRoles {
     /// The roles of thread `tid` (from 128) of one of `consumers` warpgroups, after
-    /// raising its registers to `regs`; the first warpgroup takes the first turn (the
-    /// last one lets it go). With `shared_rows` (split keys) every warpgroup holds the
-    /// block's 64 rows.
+    /// raising its registers to `regs`. With `turns` (and several consumers) they take
+    /// turns at the tensor cores, the first warpgroup first (the last one lets it go);
+    /// without, [`Self::wait_turn`] and [`Self::pass_turn`] emit nothing. With
+    /// `shared_rows` (split keys) every warpgroup holds the block's 64 rows.
     pub fn new(
         k: &mut Kernel,
         tid: Reg<U32>,
         regs: u32,
-        consumers: u32,
+        (consumers, turns): (u32, bool),
         shared_rows: bool,
     ) -> ConsumerRoles {
         k.setmaxnreg_inc(regs);
@@ -652,7 +653,7 @@ impl ConsumerRoles {
             k.mad(warp, 16u32, first)
         };
         let rows = Rows::new(k, lane, warp_row0);
-        let turns = (consumers > 1).then(|| {
+        let turns = (turns && consumers > 1).then(|| {
             let turns = k.named_barrier_ring(consumers, 256);
             let last = k.setp(Cmp::Eq, which, consumers - 1);
             k.if_(last, |k| k.bar_arrive(turns.member(0)));
@@ -842,7 +843,8 @@ where
 {
     k.comment("Consumers: S = Q K^T, online softmax, O += P V, in ping-pong turns.");
     let split = f.s.split_keys;
-    let roles = ConsumerRoles::new(k, tid, f.s.registers().1, f.s.consumers(), split);
+    let consumers = (f.s.consumers(), true);
+    let roles = ConsumerRoles::new(k, tid, f.s.registers().1, consumers, split);
     let q_at = f.smem.tile(k, f.slots.q, 0);
     let q = roles.q_rows(k, q_at, &f.s.q_layout());
     let scale_log2 = k.load_param_at::<F32>(f.args, offset_of!(FwdArgs, scale_log2));
