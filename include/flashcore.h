@@ -50,7 +50,7 @@ extern "C" {
 #define FLASHCORE_ERROR_SHAPE_MISMATCH 4       /* tensors disagree on a dimension */
 #define FLASHCORE_ERROR_BAD_STRIDES 5          /* unusable or negative stride */
 #define FLASHCORE_ERROR_EMPTY_DIMENSION 6      /* a dimension is zero */
-#define FLASHCORE_ERROR_UNSUPPORTED_HEAD_DIM 7 /* head_dim not in 32, 64, 96, 128, 192, 256 (FP8: 64, 128, 256) */
+#define FLASHCORE_ERROR_UNSUPPORTED_HEAD_DIM 7 /* head_dim has no kernel (forward: a multiple of 8 up to 256; decode, merge: 32, 64, 96, 128, 192, 256; FP8: 64, 128, 256) */
 #define FLASHCORE_ERROR_UNSUPPORTED_DTYPE 8    /* not f16/bf16 (FP8: e4m3 codes), mixed, or unknown code */
 #define FLASHCORE_ERROR_HEAD_RATIO 9           /* q heads not a multiple of k/v heads */
 #define FLASHCORE_ERROR_NULL_POINTER 10        /* a tensor's device pointer is 0 */
@@ -196,7 +196,9 @@ void flashcore_destroy(FlashcoreContext *ctx);
 /* o = softmax(q k^T * scale) v, asynchronously on `stream`.
  *
  *   q: [B, Sq, Hq, D]    k, v: [B, Sk, Hkv, D]    o: [B, Sq, Hq, D] (written)
- *   all of one dtype (f16 or bf16), D in {32, 64, 96, 128, 192, 256}, Hq a multiple of Hkv (GQA/MQA),
+ *   all of one dtype (f16 or bf16), D a multiple of 8 up to 256 (kernels for 32, 64, 96, 128, 192,
+ *   256; the others run on the next larger one, their extra columns zero-filled and never
+ *   written), Hq a multiple of Hkv (GQA/MQA),
  *   pointers 16-byte aligned, strides[3] == 1 and other strides multiples of 16 bytes.
  *   lse:           0, or a device pointer to float32 [B, Hq, Sq] (contiguous) that receives
  *                  the natural-log log-sum-exp of each row's scaled scores.

@@ -313,6 +313,11 @@ if want sanitize; then
         "--batch 1 --heads 2 --kv-heads 1 --seqlen-q 300 --seqlen-k 1100 --head-dim 64 --dtype f16"
         "--batch 2 --heads 68 --kv-heads 17 --seqlen-q 300 --seqlen-k 129 --head-dim 64 --dtype f16 --split-keys on"
         "--batch 2 --heads 68 --kv-heads 17 --seqlen-q 200 --seqlen-k 300 --head-dim 64 --dtype bf16 --causal --split-keys on"
+        # Head dims without a kernel of their own: padded sm80 kernels (80 on 96, 40 on 64,
+        # 248 on 256), whose loads skip and whose stores leave out the columns past d.
+        "--batch 1 --heads 4 --kv-heads 2 --seqlen-q 113 --seqlen-k 200 --head-dim 80 --dtype f16 --causal"
+        "--batch 2 --heads 2 --kv-heads 1 --seqlen-q 300 --seqlen-k 129 --head-dim 40 --dtype bf16"
+        "--batch 1 --heads 2 --kv-heads 2 --seqlen-q 77 --seqlen-k 333 --head-dim 248 --dtype f16 --causal"
     )
     for tool in memcheck racecheck synccheck; do
         for s in "${shapes[@]}"; do

@@ -170,6 +170,7 @@ fn seqlen_grid(dtype: HalfType, d: usize) {
                 block_m,
                 split_keys: false,
                 fold_scale: false,
+                padded: false,
             };
             cases.extend(all_seqlen_pairs(kernel));
         }
@@ -211,6 +212,7 @@ fn sm90_seqlen_grid(dtype: HalfType, d: usize) {
                     block_m,
                     split_keys: false,
                     fold_scale,
+                    padded: false,
                 };
                 cases.extend(all_seqlen_pairs(kernel));
             }
@@ -291,6 +293,7 @@ fn sm90_kernel(c: FwdCase, block_m: u32, split_keys: bool) -> FwdCase {
             block_m,
             split_keys,
             fold_scale: !split_keys,
+            padded: false,
         }),
         ..c
     }
@@ -480,6 +483,7 @@ fn other_head_dims_and_bhsd_layout() {
                         block_m,
                         split_keys: false,
                         fold_scale: false,
+                        padded: false,
                     };
                     cases.push(FwdCase {
                         kernel: Some(wide),
@@ -604,5 +608,107 @@ fn custom_softmax_scale() {
             out_err <= tolerance(HalfType::F16) && lse_err <= tolerance(HalfType::F16),
             "{line}"
         );
+    }
+}
+
+/// Head dims without a kernel of their own (multiples of 8 up to 256) run padded on the
+/// next larger sm80 kernel, on every GPU: against the float64 reference, both dtypes
+/// and layouts, causal or not, GQA, one query row, lengths off every tile.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn padded_head_dims() {
+    let mut cases = Vec::new();
+    let dims = [8, 24, 40, 48, 72, 80, 104, 112, 136, 160, 200, 248];
+    for (i, d) in dims.into_iter().enumerate() {
+        let (dtype, other) = match i % 2 {
+            0 => (HalfType::F16, HalfType::Bf16),
+            _ => (HalfType::Bf16, HalfType::F16),
+        };
+        for causal in [false, true] {
+            cases.push(case(dtype, d, causal, 2, 4, 2, 113, 200));
+            cases.push(case(other, d, causal, 1, 2, 1, 1, 17));
+        }
+        let mut bhsd = case(other, d, true, 1, 8, 1, 300, 129);
+        bhsd.layout = Layout::Bhsd;
+        cases.push(bhsd);
+    }
+    let (attn, _) = setup();
+    for c in &cases {
+        let cfg = flashcore::check::planned_kernel(&attn, c).unwrap();
+        assert!(cfg.padded && cfg.path == Path::Sm80, "{c}: {}", cfg.id());
+    }
+    run_cases(&cases);
+}
+
+/// A padded kernel reads no column past the head dim and writes none: Q, K and V whose
+/// rows are followed by 64 NaN columns give O bit for bit as contiguous ones do, and an
+/// O with 64 poisoned columns after each row keeps them.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn padded_head_dims_touch_only_their_columns() {
+    let (attn, stream) = setup();
+    let mut seeds = seeds();
+    for (dtype, d, causal, sq, sk) in [
+        (HalfType::F16, 8, false, 300, 200),
+        (HalfType::Bf16, 40, true, 113, 1000),
+        (HalfType::F16, 80, true, 1000, 113),
+        (HalfType::Bf16, 160, false, 17, 17),
+        (HalfType::F16, 248, true, 129, 300),
+    ] {
+        let c = case(dtype, d, causal, 2, 4, 2, sq, sk);
+        let (dev, params, replay) = run_once(&attn, &stream, &mut seeds, c);
+        let (contiguous, lse_contiguous) = dev.download().unwrap();
+        let ([q, k, v, o], lse) = dev.views();
+
+        let pitch = d + 64;
+        let nan = match dtype {
+            HalfType::F16 => 0x7e00u16,
+            HalfType::Bf16 => 0x7fc0u16,
+        };
+        let poison = flashcore::reference::poison(dtype);
+        // A copy of `view` (contiguous [B, S, H, D]) with `fill` after each row's d.
+        let pitched = |view: &TensorView, fill: u16| {
+            let rows = view.shape[0] * view.shape[1] * view.shape[2];
+            let mut host = vec![0u16; rows * d];
+            // SAFETY: `view` is one of the case's live device buffers of `rows · d`
+            // elements, read on the stream it was written on.
+            unsafe {
+                cudarc::driver::result::memcpy_dtoh_sync(&mut host, view.ptr).unwrap();
+            }
+            let mut padded = vec![fill; rows * pitch];
+            for (row, src) in padded.chunks_mut(pitch).zip(host.chunks(d)) {
+                row[..d].copy_from_slice(src);
+            }
+            let buf = stream.clone_htod(&padded).unwrap();
+            let (s, h) = (view.shape[1], view.shape[2]);
+            let at = TensorView {
+                ptr: cudarc::driver::DevicePtr::device_ptr(&buf, &stream).0,
+                strides: [s * h * pitch, h * pitch, pitch, 1],
+                ..*view
+            };
+            (buf, at)
+        };
+        stream.synchronize().unwrap();
+        stream.context().bind_to_thread().unwrap();
+        let (_qb, qp) = pitched(&q, nan);
+        let (_kb, kp) = pitched(&k, nan);
+        let (_vb, vp) = pitched(&v, nan);
+        let (ob, op) = pitched(&o, poison);
+        // SAFETY: the pitched views are the live buffers above, sized for every element
+        // they describe, and the LSE the case's own; all on `stream`.
+        unsafe { attn.forward(&qp, &kp, &vp, &op, Some(&lse), &params, stream.cu_stream()) }
+            .unwrap();
+        let got = stream.clone_dtoh(&ob).unwrap();
+        let (_, lse_pitched) = dev.download().unwrap();
+        for (i, (row, want)) in got.chunks(pitch).zip(contiguous.chunks(d)).enumerate() {
+            let at = format!("{dtype:?} d{d} causal={causal} Sq{sq} Sk{sk}, row {i} ({replay})");
+            assert_eq!(&row[..d], want, "{at}: pitched and contiguous O differ");
+            assert!(
+                row[d..].iter().all(|&x| x == poison),
+                "{at}: columns past d written"
+            );
+        }
+        assert_eq!(lse_pitched, lse_contiguous, "LSE differs ({replay})");
+        println!("{dtype:?} d{d} causal={causal} Sq{sq} Sk{sk}: same bits, nothing past d");
     }
 }

@@ -127,6 +127,7 @@ fn longest_sequences_are_exact() {
         block_m: BLOCK_M_WIDE,
         split_keys: false,
         fold_scale: false,
+        padded: false,
     };
     // (head dim, Sk, Sq, causal, forced kernel)
     let cases = [
@@ -279,6 +280,7 @@ fn huge_scales_pick_the_top_keys() {
                 block_m: 64,
                 split_keys: false,
                 fold_scale: true,
+                padded: false,
             };
             match buf.run(&attn, sk, d, &params, Some(&folded)) {
                 Err(Error::InvalidArgument(m)) => println!("scale {scale}, folded: {m}"),

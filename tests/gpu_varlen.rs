@@ -327,12 +327,13 @@ fn bf16_ragged_sm80_path() {
     grid(PathChoice::Sm80, HalfType::Bf16);
 }
 
-/// Head dims only the sm80 path has, packed with no gaps, without host copies.
+/// Head dims only the sm80 path has (80 and 160 padded to its 96 and 192 kernels), packed
+/// with no gaps, without host copies.
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn other_head_dims_without_host_copies() {
     let mut cases = Vec::new();
-    for d in [32, 96, 192] {
+    for d in [32, 80, 96, 160, 192] {
         for causal in [false, true] {
             cases.push(Case {
                 dtype: HalfType::F16,

@@ -27,7 +27,7 @@ ctypes. No CUDA toolkit is needed, only the NVIDIA driver and a GPU of sm_80 or 
 
 from ._capi import FlashcoreError
 from .fp8 import FP8_HEAD_DIMS, Fp8Operands, attention_fp8, forward_fp8, quantize_fp8
-from .ops import HEAD_DIMS, LAYOUTS, attention
+from .ops import HEAD_DIMS, LAYOUTS, attention, forward_head_dim
 from .serving import append_kv, decode, merge
 from .varlen import attention_varlen
 from . import transformers_backend  # imports no transformers; register_transformers() does
@@ -46,6 +46,7 @@ __all__ = [
     "attention_varlen",
     "decode",
     "forward_fp8",
+    "forward_head_dim",
     "library_version",
     "merge",
     "quantize_fp8",

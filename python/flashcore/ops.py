@@ -19,8 +19,16 @@ from . import _capi
 
 LAYOUTS = ("bhsd", "bshd")
 
-# The head dims the forward kernels take (FWD_HEAD_DIMS in src/kernels/attention).
+# The head dims the forward kernels are built for (FWD_HEAD_DIMS in src/kernels/attention).
+# The forward also takes every other multiple of 8 up to 256, on the next larger kernel
+# with its extra columns zero-filled (padded_head_dim there): see forward_head_dim.
 HEAD_DIMS = (32, 64, 96, 128, 192, 256)
+
+
+def forward_head_dim(d):
+    """Whether attention() and attention_varlen() take head dim d: a kernel's
+    (HEAD_DIMS) or any other multiple of 8 up to 256 (40, 80, 160, ...)."""
+    return d in HEAD_DIMS or (0 < d <= 256 and d % 8 == 0)
 
 _DTYPE_CODES = {
     torch.float16: _capi.FLASHCORE_F16,
@@ -178,7 +186,8 @@ def attention(q, k, v, *, causal=False, scale=None, return_lse=False, layout="bh
 
     q: [B, Hq, Sq, D] and k, v: [B, Hkv, Sk, D] for layout="bhsd" (SDPA's order), or
     [B, S, H, D] for layout="bshd" (FlashAttention's). float16 or bfloat16 on one CUDA
-    device; D in 32, 64, 96, 128, 192, 256; Hq a multiple of Hkv (GQA/MQA by head count).
+    device; D a multiple of 8 up to 256 (kernels for 32, 64, 96, 128, 192, 256; the others
+    run padded on the next larger one); Hq a multiple of Hkv (GQA/MQA by head count).
 
     causal: query i sees key j iff j <= i + Sk - Sq (aligned bottom-right, as
         FlashAttention and SDPA's `causal_lower_right`; for Sq == Sk the usual mask).

@@ -48,7 +48,7 @@ import warnings
 import torch
 
 from .fp8 import FP8_HEAD_DIMS, launch_fp8
-from .ops import HEAD_DIMS, _needs_grad, launch, softmax_scale
+from .ops import _needs_grad, forward_head_dim, launch, softmax_scale
 
 NAME = "fcore"
 FP8_NAME = "fcore-fp8"
@@ -117,7 +117,7 @@ def _forward(fp8, module, query, key, value, attention_mask, dropout, scaling, i
         return fallback(f"tensors on {query.device} (flashcore runs on CUDA devices)")
     if query.dtype not in (torch.float16, torch.bfloat16):
         return fallback(f"dtype {query.dtype}")
-    if query.shape[-1] not in HEAD_DIMS or value.shape[-1] != query.shape[-1]:
+    if not forward_head_dim(query.shape[-1]) or value.shape[-1] != query.shape[-1]:
         return fallback(f"head dims {query.shape[-1]} (query) and {value.shape[-1]} (value)")
     if scaling is not None:
         try:

@@ -175,9 +175,9 @@ def attention_varlen(
 ):
     """Attention over a batch of sequences of different lengths packed without padding.
 
-    q: [total_q, Hq, D]; k, v: [total_k, Hkv, D]; float16 or bfloat16, D in 32, 64, 96,
-        128, 192, 256, Hq a multiple of Hkv (GQA/MQA); last dim contiguous, other strides
-        multiples of 16 bytes.
+    q: [total_q, Hq, D]; k, v: [total_k, Hkv, D]; float16 or bfloat16, D a multiple of 8
+        up to 256 (as attention()), Hq a multiple of Hkv (GQA/MQA); last dim contiguous,
+        other strides multiples of 16 bytes.
     cu_seqlens_q, cu_seqlens_k: int32 [B + 1] on the GPU, contiguous: sequence b is query
         rows cu_seqlens_q[b]:cu_seqlens_q[b + 1] and key rows cu_seqlens_k[b]:cu_seqlens_k[b + 1].
     max_seqlen_q: at least the longest query sequence (it sizes the launch), at most 2^25.

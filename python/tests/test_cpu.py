@@ -93,7 +93,8 @@ def test_fake_shapes(layout, causal):
 @pytest.mark.parametrize(
     "q_shape, kv_shape, dtype, kv_dtype, name, words",
     [
-        ((1, 4, 64, 48), (1, 4, 64, 48), torch.float16, None, "FLASHCORE_ERROR_UNSUPPORTED_HEAD_DIM", "48"),
+        ((1, 4, 64, 44), (1, 4, 64, 44), torch.float16, None, "FLASHCORE_ERROR_UNSUPPORTED_HEAD_DIM", "44"),
+        ((1, 4, 64, 264), (1, 4, 64, 264), torch.float16, None, "FLASHCORE_ERROR_UNSUPPORTED_HEAD_DIM", "264"),
         ((1, 6, 64, 64), (1, 4, 64, 64), torch.float16, None, "FLASHCORE_ERROR_HEAD_RATIO", "6"),
         ((1, 4, 64, 64), (1, 4, 64, 64), torch.float32, None, "FLASHCORE_ERROR_UNSUPPORTED_DTYPE", "f16 or bf16"),
         ((1, 4, 64, 64), (1, 4, 64, 64), torch.float16, torch.bfloat16, "FLASHCORE_ERROR_UNSUPPORTED_DTYPE", "share"),
@@ -135,12 +136,23 @@ def test_misuse_is_refused_before_the_library():
         assert flashcore.attention(g, q, q).shape == g.shape
 
 
+def test_head_dims_without_a_kernel_of_their_own_are_taken():
+    # Every multiple of 8 up to 256 runs (padded on the next larger kernel); the others,
+    # and head dims past 256, are refused.
+    for d in (8, 40, 72, 80, 160, 248):
+        assert flashcore.forward_head_dim(d)
+        out = flashcore.attention(meta(1, 4, 33, d), meta(1, 4, 9, d), meta(1, 4, 9, d))
+        assert out.shape == (1, 4, 33, d)
+    for d in (0, 4, 20, 100, 264):
+        assert not flashcore.forward_head_dim(d)
+
+
 def test_empty_problems_follow_the_rules_too():
     # No keys or no queries: no launch, but the dtype/head-dim/ratio rules still apply.
     assert flashcore.attention(meta(1, 4, 0, 64), meta(1, 4, 9, 64), meta(1, 4, 9, 64)).shape == (1, 4, 0, 64)
     assert flashcore.attention(meta(1, 4, 5, 64), meta(1, 4, 0, 64), meta(1, 4, 0, 64)).shape == (1, 4, 5, 64)
     with pytest.raises(FlashcoreError, match="UNSUPPORTED_HEAD_DIM"):
-        flashcore.attention(meta(1, 4, 0, 40), meta(1, 4, 9, 40), meta(1, 4, 9, 40))
+        flashcore.attention(meta(1, 4, 0, 36), meta(1, 4, 9, 36), meta(1, 4, 9, 36))
 
 
 def test_kernel_ready_views():
@@ -641,7 +653,7 @@ def test_varlen_checks_and_fake_shapes():
     assert o.shape == (300, 8, 64) and lse.shape == (8, 300) and lse.dtype == torch.float32
     with pytest.raises(FlashcoreError) as e:
         torch.ops.flashcore.attention_varlen(
-            meta(300, 8, 80), meta(500, 2, 80), meta(500, 2, 80), cu, cu, 200, None, None, True, 0.0, False
+            meta(300, 8, 100), meta(500, 2, 100), meta(500, 2, 100), cu, cu, 200, None, None, True, 0.0, False
         )
     assert e.value.name == "FLASHCORE_ERROR_UNSUPPORTED_HEAD_DIM"
     with pytest.raises(ValueError, match="both"):
@@ -674,7 +686,7 @@ def test_varlen_without_rows_still_follows_the_rules():
         flashcore.varlen._varlen(q, empty, empty, cpu_cu, cpu_cu, 8, host, host, True, 0.0, False)
     # No query rows, and a head dim, a dtype and a head ratio flashcore has no kernel for.
     for q, k, name in [
-        (meta(0, 8, 48), meta(5, 2, 48), "FLASHCORE_ERROR_UNSUPPORTED_HEAD_DIM"),
+        (meta(0, 8, 52), meta(5, 2, 52), "FLASHCORE_ERROR_UNSUPPORTED_HEAD_DIM"),
         (meta(0, 8, 64, dtype=torch.float32), meta(5, 2, 64, dtype=torch.float32),
          "FLASHCORE_ERROR_UNSUPPORTED_DTYPE"),
         (meta(0, 8, 64), meta(5, 3, 64), "FLASHCORE_ERROR_HEAD_RATIO"),

@@ -10,10 +10,10 @@ use super::device::{ContextScope, Device, check};
 use super::launch::{LaunchDims, launch};
 use super::module::{Carveout, LoadedKernel};
 use super::tensor::{AttentionParams, LseView, TensorView};
-use super::validate::{FwdProblem, validate_fwd};
+use super::validate::{FWD_PADDED_HEAD_DIMS_TEXT, FwdProblem, validate_fwd};
 use crate::error::{Error, Result};
 use crate::kernels::attention::{
-    BLOCK_M_NARROW, BLOCK_M_WIDE, FWD_HEAD_DIMS, FwdArgs, FwdConfig, HalfType, Path, Tiling,
+    BLOCK_M_NARROW, BLOCK_M_WIDE, FwdArgs, FwdConfig, HalfType, Path, Tiling, padded_head_dim,
     scale_folds, sm90,
 };
 use crate::shape::AttnShape;
@@ -65,6 +65,7 @@ pub fn dispatch(
             block_m,
             split_keys,
             fold_scale: !split_keys && scale_folds(dtype, head_dim, scale),
+            padded: false,
         });
     }
     dispatch_sm80(arch, sm_count, dtype, shape, causal)
@@ -144,7 +145,8 @@ pub(crate) fn sm90_split_keys(shape: &AttnShape, block_m: u32) -> bool {
         && shape.seqlen_k >= SPLIT_MIN_KEYS
 }
 
-/// The sm80 path's configuration for a problem.
+/// The sm80 path's configuration for a problem: at the problem's head dim, or padded to
+/// the next one with a kernel ([`padded_head_dim`]: 80 runs the 96 kernel).
 ///
 /// The query tile is the wide one unless the wide grid would leave SMs without a block:
 /// then the narrow tile doubles the blocks. (Measured on the H200: with 64 wide blocks the
@@ -157,10 +159,9 @@ pub fn dispatch_sm80(
     causal: bool,
 ) -> Result<FwdConfig, String> {
     path_for_arch(arch)?;
-    let head_dim = kernel_head_dim(shape)?;
-    if !FWD_HEAD_DIMS.contains(&head_dim) {
-        return Err(format!("no kernel for head dim {head_dim}"));
-    }
+    let Some((head_dim, padded)) = padded_head_dim(shape.head_dim) else {
+        return Err(format!("no kernel for head dim {}", shape.head_dim));
+    };
     let block_m = if work_items(shape, BLOCK_M_WIDE) < sm_count as usize {
         BLOCK_M_NARROW
     } else {
@@ -174,6 +175,7 @@ pub fn dispatch_sm80(
         block_m,
         split_keys: false,
         fold_scale: false,
+        padded,
     })
 }
 
@@ -416,9 +418,15 @@ impl Attention {
         let planned = self.plan(&problem)?;
         let arch = self.device.compute_capability();
         let head_dim = problem.shape.head_dim as u32;
-        // The problem's dtype, head dim and masking, on a path and tile this GPU runs.
-        let same =
-            (cfg.dtype, cfg.head_dim, cfg.causal) == (planned.dtype, head_dim, planned.causal);
+        // The problem's dtype, head dim and masking, on a path and tile this GPU runs; a
+        // head dim without a kernel of its own only on the padded sm80 kernel the dispatch
+        // takes for it.
+        let same = (cfg.dtype, cfg.causal) == (planned.dtype, planned.causal)
+            && match padded_head_dim(problem.shape.head_dim) {
+                Some((d, false)) => cfg.head_dim == d && !cfg.padded,
+                Some((d, true)) => cfg.head_dim == d && cfg.padded && cfg.path == Path::Sm80,
+                None => false,
+            };
         let runs = match cfg.path {
             Path::Sm80 => {
                 [BLOCK_M_WIDE, BLOCK_M_NARROW].contains(&cfg.block_m)
@@ -465,13 +473,26 @@ impl Attention {
         let kernel = self.prepare(cfg)?;
         let mut args = fwd_args(problem, cfg, [q, k, v, o], lse);
         let dims = sm80_grid(problem, cfg);
-        let mut params = [&mut args as *mut FwdArgs as *mut c_void];
-        // SAFETY: the kernel's one parameter is the by-value `FwdArgs` block, which `args`
-        // is and which outlives the call; validate_fwd checked every pointer is non-null and
-        // aligned and that the kernel's accesses stay inside the views' extents; this
-        // function's contract makes those extents live memory of this context and `stream`
-        // a stream of it.
-        unsafe { launch(&kernel, &dims, stream, &mut params) }
+        // A padded kernel's second parameter: the tensors' head dim (below the kernel's).
+        let d = problem.shape.head_dim;
+        let mut head_dim = u32::try_from(d)
+            .map_err(|_| Error::UnsupportedHeadDim(d, FWD_PADDED_HEAD_DIMS_TEXT))?;
+        let args_ptr = &mut args as *mut FwdArgs as *mut c_void;
+        let head_dim_ptr = &mut head_dim as *mut u32 as *mut c_void;
+        let mut with_head_dim = [args_ptr, head_dim_ptr];
+        let mut alone = [args_ptr];
+        let params: &mut [*mut c_void] = if cfg.padded {
+            &mut with_head_dim
+        } else {
+            &mut alone
+        };
+        // SAFETY: the kernel's parameters are the by-value `FwdArgs` block, which `args` is,
+        // and in a padded kernel the `u32` head dim, which `head_dim` is; both outlive the
+        // call. validate_fwd checked every pointer is non-null and aligned and that the
+        // kernel's accesses stay inside the views' extents (a padded kernel reads and writes
+        // no column past the head dim); this function's contract makes those extents live
+        // memory of this context and `stream` a stream of it.
+        unsafe { launch(&kernel, &dims, stream, params) }
     }
 
     /// Launches an sm90 configuration with its tensor maps of Q, K and V.
@@ -923,7 +944,7 @@ mod tests {
                                     assert!(catalog.contains(&cfg), "{cfg:?} not in the catalog");
                                     chosen.insert(cfg);
                                 }
-                                Err(_) => assert!(!FWD_HEAD_DIMS.contains(&(d as u32))),
+                                Err(_) => assert!(padded_head_dim(d).is_none()),
                             }
                         }
                     }
@@ -935,6 +956,45 @@ mod tests {
             catalog.len(),
             "some catalog kernels are never chosen"
         );
+    }
+
+    /// A multiple of 8 with no kernel of its own runs the next larger sm80 kernel,
+    /// padded, on every GPU (Hopper included); anything else has no kernel.
+    #[test]
+    fn head_dims_without_a_kernel_run_padded_on_the_sm80_path() {
+        for (arch, sms) in [((9, 0), 132), ((8, 0), 108), ((8, 9), 58)] {
+            for (d, kernel) in [
+                (8, 64),
+                (40, 64),
+                (72, 96),
+                (80, 96),
+                (112, 128),
+                (160, 192),
+            ] {
+                for causal in [false, true] {
+                    let shape = AttnShape::square(2, 16, 1024, d);
+                    let cfg = dispatch(arch, sms, HalfType::F16, &shape, causal, 0.1).unwrap();
+                    assert_eq!(
+                        (cfg.path, cfg.head_dim, cfg.padded, cfg.causal),
+                        (Path::Sm80, kernel, true, causal),
+                        "{d} on {arch:?}"
+                    );
+                    assert!(cfg.id().contains("_padded"), "{}", cfg.id());
+                }
+            }
+            for d in [64, 96, 128, 256] {
+                let shape = AttnShape::square(2, 16, 1024, d);
+                let cfg = dispatch(arch, sms, HalfType::F16, &shape, false, 0.1).unwrap();
+                assert!(!cfg.padded && cfg.head_dim as usize == d, "{cfg:?}");
+            }
+            for d in [0, 4, 12, 100, 264, 512] {
+                let shape = AttnShape::square(2, 16, 1024, d);
+                assert!(
+                    dispatch(arch, sms, HalfType::F16, &shape, false, 0.1).is_err(),
+                    "{d}"
+                );
+            }
+        }
     }
 
     #[test]

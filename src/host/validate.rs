@@ -23,11 +23,13 @@
 
 use crate::error::{Error, Result};
 use crate::host::tensor::{AttentionParams, DIM_HEAD_DIM, DIM_NAMES, LseView, TensorView};
-use crate::kernels::attention::{FWD_HEAD_DIMS, HalfType};
+use crate::kernels::attention::{HalfType, padded_head_dim};
 use crate::shape::AttnShape;
 
-/// [`FWD_HEAD_DIMS`] as the text [`Error::UnsupportedHeadDim`] carries.
-pub const FWD_HEAD_DIMS_TEXT: &str = "32, 64, 96, 128, 192, 256";
+/// The forward's head dims as the text [`Error::UnsupportedHeadDim`] carries: those of
+/// the kernels and every other multiple of 8 up to 256, padded ([`padded_head_dim`]).
+pub const FWD_PADDED_HEAD_DIMS_TEXT: &str =
+    "multiples of 8 up to 256 (32, 64, 96, 128, 192, 256 without padding)";
 
 /// Byte alignment the kernels' vector loads and stores need for q, k, v, o.
 pub const TENSOR_ALIGN: u64 = 16;
@@ -127,9 +129,12 @@ pub fn validate_fwd(
     let (batch, seqlen_q, heads_q, head_dim) = (q.batch(), q.seqlen(), q.heads(), q.head_dim());
     let (seqlen_k, heads_kv) = (k.seqlen(), k.heads());
 
-    // 4. head dim
-    if !FWD_HEAD_DIMS.iter().any(|&d| d as usize == head_dim) {
-        return Err(Error::UnsupportedHeadDim(head_dim, FWD_HEAD_DIMS_TEXT));
+    // 4. head dim: a kernel's, or a multiple of 8 below 256 that pads to one
+    if padded_head_dim(head_dim).is_none() {
+        return Err(Error::UnsupportedHeadDim(
+            head_dim,
+            FWD_PADDED_HEAD_DIMS_TEXT,
+        ));
     }
 
     // 5. GQA/MQA ratio; 6. launch-grid and 32-bit index limits
@@ -469,8 +474,10 @@ mod tests {
 
     #[test]
     fn head_dims_text_matches_table() {
-        let text: Vec<String> = FWD_HEAD_DIMS.iter().map(|d| d.to_string()).collect();
-        assert_eq!(text.join(", "), FWD_HEAD_DIMS_TEXT);
+        let dims = crate::kernels::attention::FWD_HEAD_DIMS;
+        let text: Vec<String> = dims.iter().map(|d| d.to_string()).collect();
+        let unpadded = format!("({} without padding)", text.join(", "));
+        assert!(FWD_PADDED_HEAD_DIMS_TEXT.ends_with(&unpadded));
     }
 
     #[test]
@@ -599,12 +606,23 @@ mod tests {
 
     #[test]
     fn unsupported_head_dim() {
-        let (q, k, v, o) = views(1, 16, 16, 2, 2, 80);
-        let e = run(&q, &k, &v, &o, None).unwrap_err();
-        assert!(
-            matches!(e, Error::UnsupportedHeadDim(80, FWD_HEAD_DIMS_TEXT)),
-            "{e}"
-        );
+        for d in [4, 20, 36, 100, 264, 512] {
+            let (q, k, v, o) = views(1, 16, 16, 2, 2, d);
+            let e = run(&q, &k, &v, &o, None).unwrap_err();
+            assert!(
+                matches!(e, Error::UnsupportedHeadDim(got, FWD_PADDED_HEAD_DIMS_TEXT) if got == d),
+                "{d}: {e}"
+            );
+        }
+    }
+
+    /// Multiples of 8 below 256 without a kernel of their own run padded.
+    #[test]
+    fn padded_head_dims_pass() {
+        for d in [8, 24, 40, 72, 80, 104, 160, 200, 248] {
+            let (q, k, v, o) = views(1, 16, 16, 2, 2, d);
+            run(&q, &k, &v, &o, None).unwrap_or_else(|e| panic!("{d}: {e}"));
+        }
     }
 
     #[test]

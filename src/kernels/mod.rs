@@ -242,6 +242,7 @@ mod tests {
             block_m: 0,
             split_keys: false,
             fold_scale: false,
+            padded: false,
         };
         refused("sm80, no query rows", fwd.generate());
         let sm90 = FwdConfig {

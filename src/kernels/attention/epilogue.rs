@@ -52,8 +52,12 @@ pub fn store_output<H: Half2>(
     o: &[Slab],
     softmax: &OnlineSoftmax,
     at: OutputBlock,
+    columns: Option<Reg<U32>>,
 ) {
-    store_output_lse::<H>(k, args, rows, o, softmax, at, LseForm::Raw);
+    k.comment("Epilogue: O / l to global memory, and the log-sum-exp.");
+    let out = Destination::new(k, args, rows, at, LseForm::Raw);
+    let out = Destination { columns, ..out };
+    store_rows::<H>(k, &out, o, softmax);
 }
 
 /// [`store_output`] with the maxima in the form `form`.
@@ -68,12 +72,17 @@ pub fn store_output_lse<H: Half2>(
 ) {
     k.comment("Epilogue: O / l to global memory, and the log-sum-exp.");
     let out = Destination::new(k, args, rows, at, form);
+    store_rows::<H>(k, &out, o, softmax);
+}
+
+/// O / l to global memory through `out`, and the log-sum-exp.
+fn store_rows<H: Half2>(k: &mut Kernel, out: &Destination, o: &[Slab], softmax: &OnlineSoftmax) {
     for (slab, tiles) in o.iter().enumerate() {
         for half in 0..2 {
             let (sum, empty, inv) = reciprocal(k, softmax, slab, half);
             let row = out.row(k, slab, half);
             let words = pack::<H>(k, tiles, half, inv);
-            k.guarded(row.inside, true, |k| out.store_words(k, row.addr, &words));
+            out.store_words(k, row, &words);
             out.store_lse(k, softmax, slab, half, (sum, empty), row);
         }
     }
@@ -224,7 +233,7 @@ pub fn store_output_staged<H: Half2>(
             for (half, &(_, _, inv)) in halves.iter().enumerate() {
                 let row = out.row(k, 0, half);
                 let words = pack::<H>(k, o, half, inv);
-                k.guarded(row.inside, true, |k| out.store_words(k, row.addr, &words));
+                out.store_words(k, row, &words);
             }
         },
     );
@@ -283,6 +292,9 @@ struct Destination {
     want_lse: Reg<Pred>,
     scale: Reg<F32>,
     form: LseForm,
+    /// The tensors' head dim where it is below the kernel's (a padded sm80 kernel): the
+    /// 8-column tiles past it are not stored.
+    columns: Option<Reg<U32>>,
 }
 
 impl Destination {
@@ -330,6 +342,7 @@ impl Destination {
             want_lse,
             scale,
             form,
+            columns: None,
         }
     }
 
@@ -348,11 +361,23 @@ impl Destination {
         }
     }
 
-    /// The thread's pairs of one row, one per 8-column tile (call guarded by the row's
-    /// `inside`).
-    fn store_words<H: Half2>(&self, k: &mut Kernel, addr: Reg<U64>, words: &[Reg<H>]) {
+    /// The thread's pairs of one row, one per 8-column tile, if the row exists (and, in
+    /// a padded kernel, each tile that lies inside the head dim).
+    fn store_words<H: Half2>(&self, k: &mut Kernel, row: OutRow, words: &[Reg<H>]) {
+        let Some(d) = self.columns else {
+            k.guarded(row.inside, true, |k| {
+                for (nt, w) in words.iter().enumerate() {
+                    k.st_global(row.addr, (nt * 16) as i32, *w);
+                }
+            });
+            return;
+        };
         for (nt, w) in words.iter().enumerate() {
-            k.st_global(addr, (nt * 16) as i32, *w);
+            let column = k.setp(Cmp::Lt, (nt * 8) as u32, d);
+            let inside = k.and_pred(row.inside, column);
+            k.guarded(inside, true, |k| {
+                k.st_global(row.addr, (nt * 16) as i32, *w)
+            });
         }
     }
 

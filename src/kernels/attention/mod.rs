@@ -75,6 +75,36 @@ pub struct FwdConfig {
     /// Only where `s·c` stays finite for every score the dtype can give
     /// ([`scale_folds`]); the dispatch takes the unfolded kernel otherwise.
     pub fold_scale: bool,
+    /// sm80 path: the tensors' head dim is a multiple of 8 below `head_dim` (say 80 on
+    /// the 96 kernel), passed to the kernel as a second parameter. Columns past it are
+    /// zero-filled in shared memory, where they add nothing to `Q·Kᵀ` and make O's
+    /// extra columns 0, which are not stored (see [`padded_head_dim`]).
+    pub padded: bool,
+}
+
+/// The kernel head dims with a padded variant ([`FwdConfig::padded`]): every one but 32,
+/// whose padded kernel moved registers about more than the assembly checks allow (8, 16
+/// and 24 take the 64 kernel instead).
+pub const PADDED_HEAD_DIMS: [u32; 5] = [64, 96, 128, 192, 256];
+
+/// The kernel head dim that serves a tensor head dim of `d`, and whether it is padded
+/// ([`FwdConfig::padded`]): `d` itself where a kernel has it ([`FWD_HEAD_DIMS`]), else the
+/// smallest larger one of [`PADDED_HEAD_DIMS`] for a multiple of 8 up to 256 (8 to 56 on
+/// the 64 kernel, 80 on 96, 160 on 192, ...). `None` for anything else: the columns are
+/// loaded 16 bytes at a time, so a head dim that is not a multiple of 8 would share a
+/// load with what follows it.
+pub fn padded_head_dim(d: usize) -> Option<(u32, bool)> {
+    let d = u32::try_from(d).ok()?;
+    if FWD_HEAD_DIMS.contains(&d) {
+        return Some((d, false));
+    }
+    if d == 0 || !d.is_multiple_of(8) {
+        return None;
+    }
+    PADDED_HEAD_DIMS
+        .iter()
+        .find(|&&k| k > d)
+        .map(|&k| (k, true))
 }
 
 /// Whether the folded exponent ([`FwdConfig::fold_scale`]) is as safe as the unfolded
@@ -103,13 +133,14 @@ impl FwdConfig {
     /// `attn_fwd_sm90a_bf16_d64_m64_splitkv`, `attn_fwd_sm90a_f16_d128_m128_fold_causal`.
     pub fn id(&self) -> String {
         format!(
-            "attn_fwd_{}_{}_d{}_m{}{}{}{}",
+            "attn_fwd_{}_{}_d{}_m{}{}{}{}{}",
             self.path.name(),
             self.dtype.name(),
             self.head_dim,
             self.block_m,
             if self.split_keys { "_splitkv" } else { "" },
             if self.fold_scale { "_fold" } else { "" },
+            if self.padded { "_padded" } else { "" },
             if self.causal { "_causal" } else { "" }
         )
     }
@@ -168,15 +199,23 @@ pub fn all_fwd_configs() -> Vec<FwdConfig> {
         for head_dim in FWD_HEAD_DIMS {
             for causal in [false, true] {
                 for block_m in [BLOCK_M_WIDE, BLOCK_M_NARROW] {
-                    v.push(FwdConfig {
-                        path: Path::Sm80,
-                        dtype,
-                        head_dim,
-                        causal,
-                        block_m,
-                        split_keys: false,
-                        fold_scale: false,
-                    });
+                    let paddings: &[bool] = if PADDED_HEAD_DIMS.contains(&head_dim) {
+                        &[false, true]
+                    } else {
+                        &[false]
+                    };
+                    for &padded in paddings {
+                        v.push(FwdConfig {
+                            path: Path::Sm80,
+                            dtype,
+                            head_dim,
+                            causal,
+                            block_m,
+                            split_keys: false,
+                            fold_scale: false,
+                            padded,
+                        });
+                    }
                 }
             }
         }
@@ -206,6 +245,7 @@ pub fn all_fwd_configs() -> Vec<FwdConfig> {
                                 block_m,
                                 split_keys,
                                 fold_scale,
+                                padded: false,
                             });
                         }
                     }

@@ -36,8 +36,9 @@ use super::sequence::sequence;
 use super::softmax::OnlineSoftmax;
 use super::{BLOCK_M_NARROW, FwdArgs, FwdConfig, HalfType, Tiling};
 use crate::ptx::{
-    Bf16x2, Cmp, F16x2, F32, Half2, Kernel, KernelText, Module, ParamBytes, PtxError, PtxType, Reg,
-    S32, Smem, SmemAddr, SmemLayout, SmemPlan, Special, Swizzle, Target, TileSlot, U32, U64,
+    Bf16x2, Cmp, F16x2, F32, Half2, Kernel, KernelText, Module, Param, ParamBytes, Pred, PtxError,
+    PtxType, Reg, S32, Smem, SmemAddr, SmemLayout, SmemPlan, Special, Swizzle, Target, TileSlot,
+    U32, U64,
 };
 
 /// The compile-time shape of one configuration.
@@ -159,6 +160,11 @@ struct TileLoader {
     /// tile at offset 0: the same for Q, K and V, whose tiles differ by `tile_offset`.
     line: SmemAddr,
     tile_offset: u32,
+    /// Padded kernels ([`FwdConfig::padded`]): the parameter holding the tensors' head
+    /// dim. The chunks past it are zero-filled, copied from column 0 of row 0. What that
+    /// takes is worked out again at each tile from `%tid.x` and the parameter, not kept
+    /// in registers: the d = 128 wide tile has none to spare.
+    columns: Option<Param<U32>>,
 }
 
 impl TileLoader {
@@ -191,12 +197,19 @@ impl TileLoader {
         let offset = k.mul(offset, self.row_stride);
         let mut src = k.add(self.row0, offset);
         let pass_stride = k.mul(self.row_stride, rpp as u64);
+        let columns = self.columns.map(|p| self.columns_inside(k, s, p));
         for pass in range.clone() {
             let valid = k.setp(Cmp::Gt, left, ((pass - range.start) * rpp) as i32);
             let from = k.selp(src, self.row0, valid);
             let bytes = k.selp(16u32, 0u32, valid);
             for block in 0..s.col_blocks() {
-                let from = k.add(from, (block * s.row_bytes()) as u64);
+                let mut from = k.add(from, (block * s.row_bytes()) as u64);
+                let mut bytes = bytes;
+                if let Some((inside, origin)) = &columns {
+                    let inside = inside[block as usize];
+                    from = k.selp(from, *origin, inside);
+                    bytes = k.selp(bytes, 0u32, inside);
+                }
                 let at = block * self.rows * s.row_bytes() + pass * rpp * s.row_bytes();
                 let dst = k.smem_offset(self.line, self.tile_offset + at);
                 k.cp_async_16(dst, from, bytes);
@@ -205,6 +218,30 @@ impl TileLoader {
                 src = k.add(src, pass_stride);
             }
         }
+    }
+
+    /// A padded kernel's column checks: per column block, whether this thread's chunk
+    /// lies inside the head dim (`head_dim`), and column 0 of row 0 (the source of the
+    /// zero-filling copies of the chunks past it).
+    fn columns_inside(
+        &self,
+        k: &mut Kernel,
+        s: &Shape,
+        head_dim: Param<U32>,
+    ) -> (Vec<Reg<Pred>>, Reg<U64>) {
+        let d = k.load_param(head_dim);
+        let tid = k.special(Special::TidX);
+        let chunk = k.and(tid, s.chunks_per_block_row() - 1);
+        let first_col = k.shl(chunk, 3);
+        let inside = (0..s.col_blocks())
+            .map(|block| {
+                let col = k.add(first_col, block * s.row_bytes() / 2);
+                k.setp(Cmp::Lt, col, d)
+            })
+            .collect();
+        let chunk_bytes = k.shl(chunk, 4);
+        let chunk_bytes = k.cvt_u64_u32(chunk_bytes);
+        (inside, k.sub(self.row0, chunk_bytes))
     }
 }
 
@@ -274,6 +311,9 @@ fn build<H: Half2>(cfg: &FwdConfig) -> Result<KernelText, PtxError> {
     // loop of this size needs.
     k.max_threads(s.threads()).min_blocks_per_sm(1);
     let args = k.param_bytes("args", FwdArgs::SIZE, 8);
+    // A padded kernel's second parameter: the tensors' head dim (a multiple of 8 below
+    // the kernel's).
+    let head_dim = cfg.padded.then(|| k.param::<U32>("head_dim"));
     let smem = k.shared_memory(&plan);
     let tid = k.special(Special::TidX);
 
@@ -315,7 +355,7 @@ fn build<H: Half2>(cfg: &FwdConfig) -> Result<KernelText, PtxError> {
             (tensor, strides),
             [seq.tensor_batch, head],
             start,
-            chunk,
+            (chunk, head_dim),
             first_row,
             (line, slot.offset - tiles.q.offset),
             slot.layout.rows,
@@ -413,7 +453,8 @@ fn build<H: Half2>(cfg: &FwdConfig) -> Result<KernelText, PtxError> {
         m_start: c.m_start,
         seq: sequence(&mut k, args, c.batch),
     };
-    store_output::<H>(&mut k, args, &rows, &f.o, &f.softmax, at);
+    let columns = head_dim.map(|p| k.load_param(p));
+    store_output::<H>(&mut k, args, &rows, &f.o, &f.softmax, at, columns);
     k.finish()
 }
 
@@ -453,7 +494,8 @@ impl<H: Half2> Fwd<H> {
     }
 
     /// A loader for the rows from row `start` of the [seq, d] slice of `tensor` at
-    /// (batch, head).
+    /// (batch, head); `head_dim`: the parameter of the tensors' head dim, in a padded
+    /// kernel.
     #[allow(clippy::too_many_arguments)]
     fn loader(
         &self,
@@ -462,7 +504,7 @@ impl<H: Half2> Fwd<H> {
         (tensor, strides): (usize, usize),
         [batch, head]: [Reg<U32>; 2],
         start: Reg<S32>,
-        chunk: Reg<U32>,
+        (chunk, head_dim): (Reg<U32>, Option<Param<U32>>),
         first_row: Reg<U32>,
         (line, tile_offset): (SmemAddr, u32),
         rows: u32,
@@ -490,6 +532,7 @@ impl<H: Half2> Fwd<H> {
             row_stride,
             line,
             tile_offset,
+            columns: head_dim,
         }
     }
 
@@ -628,5 +671,51 @@ mod tests {
                 "{id}: fits the sm_86/sm_89 opt-in limit"
             );
         }
+    }
+
+    /// A padded kernel takes the tensors' head dim as a second parameter, checks each
+    /// 16-byte chunk's column against it before copying, and each 8-column tile of O
+    /// before storing; the unpadded kernel of the same shape has none of that.
+    #[test]
+    fn padded_kernels_check_their_columns() {
+        for cfg in all_fwd_configs() {
+            if cfg.path != super::super::Path::Sm80 || !cfg.padded {
+                continue;
+            }
+            let padded = generate(&cfg).unwrap().to_ptx();
+            let plain = generate(&FwdConfig {
+                padded: false,
+                ..cfg
+            })
+            .unwrap()
+            .to_ptx();
+            let id = cfg.id();
+            assert!(padded.contains(".param .u32 head_dim"), "{id}");
+            assert!(!plain.contains("head_dim"), "{id}");
+            let stores = |ptx: &str| ptx.matches("st.global.b32").count();
+            let guards = |ptx: &str| ptx.matches("setp.lt.u32").count();
+            // One store per 8-column tile and row half, each behind its own column check.
+            assert_eq!(stores(&padded), stores(&plain), "{id}");
+            assert!(guards(&padded) >= guards(&plain) + stores(&plain), "{id}");
+        }
+    }
+
+    /// The head dims the forward serves: the kernels' own, and the other multiples of 8
+    /// up to 256 on the next larger kernel.
+    #[test]
+    fn head_dims_pad_to_the_next_kernel() {
+        use crate::kernels::attention::padded_head_dim;
+        assert_eq!(padded_head_dim(64), Some((64, false)));
+        assert_eq!(padded_head_dim(8), Some((64, true)));
+        assert_eq!(padded_head_dim(24), Some((64, true)));
+        assert_eq!(padded_head_dim(40), Some((64, true)));
+        assert_eq!(padded_head_dim(80), Some((96, true)));
+        assert_eq!(padded_head_dim(136), Some((192, true)));
+        assert_eq!(padded_head_dim(248), Some((256, true)));
+        for d in [0, 1, 7, 12, 100, 257, 264, 1 << 20, usize::MAX] {
+            assert_eq!(padded_head_dim(d), None, "{d}");
+        }
+        let served = (0..=300).filter(|&d| padded_head_dim(d).is_some()).count();
+        assert_eq!(served, 32, "every multiple of 8 from 8 to 256");
     }
 }

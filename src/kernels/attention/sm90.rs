@@ -1431,6 +1431,7 @@ mod tests {
             block_m: BLOCK_M,
             split_keys: false,
             fold_scale: true,
+            padded: false,
         }
     }
 
