@@ -202,6 +202,18 @@ fn info() -> Result<(), Failure> {
             }
         }
     }
+    let padded: Vec<String> = [8, 40, 80, 160, 248]
+        .into_iter()
+        .filter_map(|d| {
+            let shape = AttnShape::square(8, 32, 4096, d);
+            let cfg = dispatch(arch, sms, HalfType::F16, &shape, false, 0.1).ok()?;
+            Some(format!("d{d} -> {}", cfg.id()))
+        })
+        .collect();
+    out!(
+        "  other multiples of 8 up to 256 run the next larger sm80 kernel, padded: {}",
+        padded.join(", ")
+    );
     match detected {
         Some(arch) => fp8_info(arch),
         // No GPU here: the two architectures with FP8 tensor cores.
