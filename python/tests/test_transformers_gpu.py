@@ -14,12 +14,12 @@ from conftest import requires_gpu
 pytestmark = requires_gpu
 
 
-def small_llama(dtype):
+def small_llama(dtype, hidden_size=512):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
         vocab_size=1000,
-        hidden_size=512,
+        hidden_size=hidden_size,
         intermediate_size=1024,
         num_hidden_layers=2,
         num_attention_heads=8,
@@ -35,6 +35,27 @@ def small_llama(dtype):
 def rel_l2(a, b):
     a, b = a.double(), b.double()
     return ((a - b).norm() / b.norm()).item()
+
+
+def test_a_head_dim_without_its_own_kernel_runs_on_flashcore(seed):
+    # Head dim 80 (hidden 640 over 8 heads, as Phi-2's): padded onto the 96 kernel rather
+    # than left to SDPA, prefill and cached steps alike.
+    name = flashcore.register_transformers()
+    model = small_llama(torch.float16, hidden_size=640)
+    ids = torch.randint(1, 1000, (2, 100), device="cuda")
+    with torch.no_grad():
+        model.set_attn_implementation("sdpa")
+        logits_sdpa = model(ids).logits
+        model.set_attn_implementation(name)
+        reset_stats()
+        logits_ours = model(ids).logits
+        out = model(ids[:, :99], use_cache=True)
+        model(ids[:, 99:], past_key_values=out.past_key_values, use_cache=True)
+    err = rel_l2(logits_ours, logits_sdpa)
+    print(f"head dim 80: logits rel L2 vs SDPA {err:.2e}; stats {transformers_backend.stats}")
+    assert err <= 5e-3
+    assert transformers_backend.stats["sdpa"] == {}
+    assert transformers_backend.stats["flashcore"] >= 3 * 2
 
 
 def reset_stats():
