@@ -418,15 +418,16 @@ impl Attention {
         let planned = self.plan(&problem)?;
         let arch = self.device.compute_capability();
         let head_dim = problem.shape.head_dim as u32;
-        // The problem's dtype, head dim and masking, on a path and tile this GPU runs; a
-        // head dim without a kernel of its own only on the padded sm80 kernel the dispatch
-        // takes for it.
-        let same = (cfg.dtype, cfg.causal) == (planned.dtype, planned.causal)
-            && match padded_head_dim(problem.shape.head_dim) {
-                Some((d, false)) => cfg.head_dim == d && !cfg.padded,
-                Some((d, true)) => cfg.head_dim == d && cfg.padded && cfg.path == Path::Sm80,
-                None => false,
-            };
+        // The problem's dtype, masking and kernel head dim (padded or not, as the dispatch
+        // has it), on a path and tile this GPU runs; padded kernels are sm80 ones.
+        let same = (cfg.dtype, cfg.causal, cfg.head_dim, cfg.padded)
+            == (
+                planned.dtype,
+                planned.causal,
+                planned.head_dim,
+                planned.padded,
+            )
+            && (!cfg.padded || cfg.path == Path::Sm80);
         let runs = match cfg.path {
             Path::Sm80 => {
                 [BLOCK_M_WIDE, BLOCK_M_NARROW].contains(&cfg.block_m)
