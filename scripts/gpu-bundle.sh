@@ -136,7 +136,7 @@ cat >"$bundle/run.sh" <<'RUN_SH'
 # Runs on the GPU machine (no cargo) from the repository root:
 #
 #   bash gpu-bundle/run.sh                 # everything
-#   bash gpu-bundle/run.sh tests bench     # some groups: system hopper tests sanitize decode fp8 calibrate c python bench criterion profile
+#   bash gpu-bundle/run.sh tests bench     # some groups: system hopper tests sanitize decode fp8 calibrate c python bench padded criterion profile
 #
 # Writes under $OUT (default ./out), at most 12 files, no subfolders:
 #   system.log     manifest, nvidia-smi, flashcore info
@@ -149,7 +149,8 @@ cat >"$bundle/run.sh" <<'RUN_SH'
 #                  quantizer bandwidth; the calibration table (group calibrate)
 #   decode.log     serving: gpu_decode and gpu_varlen under the sanitizers, decode GB/s against SDPA
 #                  (decode_ours.json, decode_sdpa.json)
-#   bench.log      flashcore bench, SDPA bench, comparison, harness, criterion, ncu profile
+#   bench.log      flashcore bench, SDPA bench, comparison, harness, padded head dims, criterion,
+#                  ncu profile
 #   ours.json      flashcore bench --json
 #   sdpa.json      sdpa_bench.py --json
 #   (harness.py and the GEMM benches print their tables into the logs; their JSON stays in scratch)
@@ -313,11 +314,18 @@ if want sanitize; then
         "--batch 1 --heads 2 --kv-heads 1 --seqlen-q 300 --seqlen-k 1100 --head-dim 64 --dtype f16"
         "--batch 2 --heads 68 --kv-heads 17 --seqlen-q 300 --seqlen-k 129 --head-dim 64 --dtype f16 --split-keys on"
         "--batch 2 --heads 68 --kv-heads 17 --seqlen-q 200 --seqlen-k 300 --head-dim 64 --dtype bf16 --causal --split-keys on"
-        # Head dims without a kernel of their own: padded sm80 kernels (80 on 96, 40 on 64,
-        # 248 on 256), whose loads skip and whose stores leave out the columns past d.
+        # Head dims without a kernel of their own: padded kernels (on Hopper sm90a ones, 80
+        # and 96 on 128, 40 on 64, 160 and 248 on 256, one TMA box per column block; the
+        # sm80 ones, 80 on 96, 40 on 64, 248 on 256, whose loads skip and whose stores
+        # leave out the columns past d).
         "--batch 1 --heads 4 --kv-heads 2 --seqlen-q 113 --seqlen-k 200 --head-dim 80 --dtype f16 --causal"
         "--batch 2 --heads 2 --kv-heads 1 --seqlen-q 300 --seqlen-k 129 --head-dim 40 --dtype bf16"
         "--batch 1 --heads 2 --kv-heads 2 --seqlen-q 77 --seqlen-k 333 --head-dim 248 --dtype f16 --causal"
+        "--batch 2 --heads 68 --kv-heads 17 --seqlen-q 200 --seqlen-k 300 --head-dim 96 --dtype bf16 --causal"
+        "--batch 1 --heads 4 --kv-heads 2 --seqlen-q 300 --seqlen-k 200 --head-dim 160 --dtype f16 --block-m 128"
+        "--batch 1 --heads 4 --kv-heads 2 --seqlen-q 113 --seqlen-k 200 --head-dim 80 --dtype f16 --causal --path sm80"
+        "--batch 2 --heads 2 --kv-heads 1 --seqlen-q 300 --seqlen-k 129 --head-dim 40 --dtype bf16 --path sm80"
+        "--batch 1 --heads 2 --kv-heads 2 --seqlen-q 77 --seqlen-k 333 --head-dim 248 --dtype f16 --causal --path sm80"
     )
     for tool in memcheck racecheck synccheck; do
         for s in "${shapes[@]}"; do
@@ -439,6 +447,16 @@ if want bench; then
     step bench.log "compare sm80 path" 60 python3 "$bundle/sdpa_bench.py" --compare "$scratch/sm80.json" "$OUT/sdpa.json"
     step bench.log "harness (C ABI vs SDPA)" 240 python3 "$bundle/harness.py" \
         --lib "$bundle/release/libflashcore.so" --json "$scratch/harness.json"
+fi
+
+# The head dims without an sm90 kernel of their own (on Hopper: padded sm90a kernels),
+# on the best path and the sm80 one, beside SDPA.
+if want padded; then
+    step bench.log "flashcore bench --shapes padded" 240 "$fc" bench --shapes padded --dtype f16 --json "$scratch/padded_ours.json"
+    step bench.log "flashcore bench --shapes padded --path sm80" 240 "$fc" bench --shapes padded --dtype f16 --path sm80 --json "$scratch/padded_sm80.json"
+    step bench.log "sdpa_bench --shapes padded" 240 python3 "$bundle/sdpa_bench.py" --shapes padded --dtype f16 --json "$scratch/padded_sdpa.json"
+    step bench.log "compare padded" 60 python3 "$bundle/sdpa_bench.py" --compare "$scratch/padded_ours.json" "$scratch/padded_sdpa.json"
+    step bench.log "compare padded sm80" 60 python3 "$bundle/sdpa_bench.py" --compare "$scratch/padded_sm80.json" "$scratch/padded_sdpa.json"
 fi
 
 if want profile; then

@@ -3,7 +3,7 @@
 
 Usage:
     python3 sdpa_bench.py [--json OUT.json] [--dtype f16,bf16] [--backends flash,cudnn]
-                          [--iters 50] [--budget-s 0.5] [--shapes small|all|hopper]
+                          [--iters 50] [--budget-s 0.5] [--shapes small|all|hopper|padded]
     python3 sdpa_bench.py --compare ours.json sdpa.json
 
 Measures torch.nn.functional.scaled_dot_product_attention restricted to one backend at a
@@ -78,6 +78,14 @@ def hopper_shapes():
         for s in (512, 1024, 2048, 4096, 8192, 16384):
             shapes.append((16384 // s, 2048 // d, 2048 // d, s, d, (False, True)))
     return shapes
+
+def padded_shapes():
+    """The head dims without an sm90 kernel of their own: D in {32, 40, 80, 96, 112, 160,
+    192} at H = 16 and B * S = 16384 for S 2048 and 8192, causal and not.
+    `flashcore bench --shapes padded` runs the same."""
+    return [(16384 // s, 16, 16, s, d, (False, True))
+            for d in (32, 40, 80, 96, 112, 160, 192) for s in (2048, 8192)]
+
 
 BACKENDS = {"flash": "FLASH_ATTENTION", "cudnn": "CUDNN_ATTENTION"}
 KEY_FIELDS = ("batch", "heads", "kv_heads", "seqlen_q", "seqlen_k", "head_dim", "causal", "dtype")
@@ -190,7 +198,8 @@ def run_bench(args):
     )
     torch.backends.cuda.matmul.allow_tf32 = False
 
-    shapes = {"small": SHAPES[:1], "all": SHAPES, "hopper": hopper_shapes()}[args.shapes]
+    shapes = {"small": SHAPES[:1], "all": SHAPES, "hopper": hopper_shapes(),
+              "padded": padded_shapes()}[args.shapes]
     backends = [x.strip() for x in args.backends.split(",") if x.strip()]
     records = []
     for dname, b, h, hkv, s, d, causal in (
@@ -404,7 +413,7 @@ def main():
     p.add_argument("--backends", default="flash,cudnn", help="comma list of: flash, cudnn")
     p.add_argument("--iters", type=int, default=50, help="most timed calls per measurement")
     p.add_argument("--budget-s", type=float, default=0.5, help="aimed seconds per measurement")
-    p.add_argument("--shapes", choices=["all", "small", "hopper"], default="all")
+    p.add_argument("--shapes", choices=["all", "small", "hopper", "padded"], default="all")
     p.add_argument("--compare", nargs=2, metavar=("OURS_JSON", "SDPA_JSON"),
                    help="print the comparison table of two record files and exit")
     args = p.parse_args()

@@ -156,6 +156,20 @@ pub fn hopper_bench_shapes() -> Vec<(usize, usize, usize, usize, usize)> {
     v
 }
 
+/// The head dims without an sm90 kernel of their own (on Hopper they run a larger one,
+/// padded, or their own sm80 kernel), `(B, Hq, Hkv, S, D)`: D in {32, 40, 80, 96, 112,
+/// 160, 192} at H = 16 and B · S = 16384 for S 2048 and 8192. (`scripts/sdpa_bench.py
+/// --shapes padded` measures the same list.)
+pub fn padded_bench_shapes() -> Vec<(usize, usize, usize, usize, usize)> {
+    let mut v = Vec::new();
+    for d in [32, 40, 80, 96, 112, 160, 192] {
+        for s in [2048, 8192] {
+            v.push((16384 / s, 16, 16, s, d));
+        }
+    }
+    v
+}
+
 impl std::fmt::Display for FwdCase {
     /// `B2 H8 S512 D64 f16 causal [B, H, S, D]`.
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {

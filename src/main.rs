@@ -58,7 +58,7 @@ const USAGE: &str = "usage:
                 [--block-m 64|128|192] [--split-keys on|off] [--fold on|off] [--path best|sm80]
                 e4m3 only: [--in-dtype f16|bf16] [--smooth-k] [--hadamard SEED]
   flashcore bench [--json FILE] [--iters N] [--dtype f16,bf16] [--path best|sm80]
-                  [--shapes default|hopper] [--fold on|off]
+                  [--shapes default|hopper|padded] [--fold on|off]
   flashcore gemm [--m M] [--n N] [--k K] [--dtype bf16|f16|e4m3|all] [--iters N] [--json FILE]
   flashcore decode [--shapes BxSKV,...] [--pages 0,16,64] [--heads 32] [--kv-heads 8]
                    [--head-dim 128] [--seqlen-q 1] [--causal] [--dtype f16|bf16] [--iters N]
@@ -202,7 +202,7 @@ fn info() -> Result<(), Failure> {
             }
         }
     }
-    let padded: Vec<String> = [8, 40, 80, 160, 248]
+    let padded: Vec<String> = [8, 40, 80, 96, 160, 192, 248]
         .into_iter()
         .filter_map(|d| {
             let shape = AttnShape::square(8, 32, 4096, d);
@@ -211,7 +211,8 @@ fn info() -> Result<(), Failure> {
         })
         .collect();
     out!(
-        "  other multiples of 8 up to 256 run the next larger sm80 kernel, padded: {}",
+        "  other multiples of 8 up to 256 run the next larger kernel, padded (sm80 ones for \
+         packed batches): {}",
         padded.join(", ")
     );
     match detected {
@@ -686,6 +687,7 @@ fn bench(args: &[String]) -> Result<(), Failure> {
             .map(|&(b, h, s, d)| (b, h, h, s, d))
             .collect(),
         Some("hopper") => flashcore::check::hopper_bench_shapes(),
+        Some("padded") => flashcore::check::padded_bench_shapes(),
         Some(other) => return Err(Failure::Usage(format!("unknown shapes `{other}`"))),
     };
     let choice = parse_path(o.value("--path"))?;

@@ -11,10 +11,12 @@ use std::sync::Arc;
 
 use common::{pick, random_len};
 use flashcore::check::{CheckResult, FwdCase, Layout, TestSeeds, check_forward, tolerance};
-use flashcore::host::attention::Attention;
+use flashcore::host::attention::{Attention, dispatch_sm80};
 use flashcore::host::device::Device;
 use flashcore::host::tensor::{AttentionParams, DType, TensorView};
-use flashcore::kernels::attention::{BLOCK_M_NARROW, BLOCK_M_WIDE, FwdConfig, HalfType, Path};
+use flashcore::kernels::attention::{
+    BLOCK_M_NARROW, BLOCK_M_WIDE, FwdConfig, HalfType, Path, sm90,
+};
 use flashcore::reference::Rng;
 use flashcore::shape::AttnShape;
 
@@ -197,8 +199,8 @@ fn sm90_seqlen_grid(dtype: HalfType, d: usize) {
     }
     let mut cases = Vec::new();
     for causal in [false, true] {
-        for block_m in flashcore::kernels::attention::sm90::BLOCK_MS {
-            if !flashcore::kernels::attention::sm90::has_tile(d as u32, block_m) {
+        for block_m in sm90::BLOCK_MS {
+            if !sm90::has_tile(d as u32, block_m) {
                 continue;
             }
             // The scale folded into the exponent (what the dispatch takes at the
@@ -633,9 +635,64 @@ fn padded_head_dims() {
         cases.push(bhsd);
     }
     let (attn, _) = setup();
+    // On Hopper they run padded sm90 kernels; the sm80 ones stay selectable there, and
+    // are checked too.
+    let hopper = attn.device().compute_capability() == (9, 0);
+    let path = if hopper { Path::Sm90 } else { Path::Sm80 };
+    let mut sm80 = Vec::new();
     for c in &cases {
         let cfg = flashcore::check::planned_kernel(&attn, c).unwrap();
-        assert!(cfg.padded && cfg.path == Path::Sm80, "{c}: {}", cfg.id());
+        assert!(cfg.padded && cfg.path == path, "{c}: {}", cfg.id());
+        if hopper {
+            let (arch, sms) = (attn.device().compute_capability(), attn.device().sm_count());
+            let forced = dispatch_sm80(arch, sms, c.dtype, &c.shape, c.causal).unwrap();
+            assert!(forced.padded, "{c}: {}", forced.id());
+            sm80.push(FwdCase {
+                kernel: Some(forced),
+                ..*c
+            });
+        }
+    }
+    cases.extend(sm80);
+    run_cases(&cases);
+}
+
+/// The padded sm90 kernels (head dims with no sm90 kernel of their own, on the next
+/// larger one) with each query tile and exponent form, causal and not, GQA 2:1, at
+/// lengths on and off every tile.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn sm90_padded_kernels() {
+    if !on_sm90() {
+        return;
+    }
+    let mut cases = Vec::new();
+    for (i, d) in [40, 80, 96, 160, 192].into_iter().enumerate() {
+        let dtype = [HalfType::F16, HalfType::Bf16][i % 2];
+        let head_dim = sm90::padded_head_dim(d).unwrap();
+        for causal in [false, true] {
+            for block_m in [128, 64] {
+                for fold_scale in [true, false] {
+                    let kernel = FwdConfig {
+                        path: Path::Sm90,
+                        dtype,
+                        head_dim,
+                        causal,
+                        block_m,
+                        split_keys: false,
+                        fold_scale,
+                        padded: true,
+                    };
+                    let pairs = [(1, 1), (17, 113), (113, 17), (128, 1000), (1000, 128)];
+                    for (sq, sk) in pairs.into_iter().chain([(2048, 2048)]) {
+                        cases.push(FwdCase {
+                            kernel: Some(kernel),
+                            ..case(dtype, d, causal, 1, 2, 1, sq, sk)
+                        });
+                    }
+                }
+            }
+        }
     }
     run_cases(&cases);
 }

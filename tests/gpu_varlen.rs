@@ -327,8 +327,9 @@ fn bf16_ragged_sm80_path() {
     grid(PathChoice::Sm80, HalfType::Bf16);
 }
 
-/// Head dims only the sm80 path has (80 and 160 padded to its 96 and 192 kernels), packed
-/// with no gaps, without host copies.
+/// Head dims whose packed batches take the sm80 path on every GPU (32, 96 and 192 on
+/// their own kernels, 80 and 160 padded onto the 96 and 192 ones), packed with no gaps,
+/// without host copies.
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn other_head_dims_without_host_copies() {

@@ -14,7 +14,7 @@ use super::validate::{FWD_PADDED_HEAD_DIMS_TEXT, FwdProblem, validate_fwd};
 use crate::error::{Error, Result};
 use crate::kernels::attention::{
     BLOCK_M_NARROW, BLOCK_M_WIDE, FwdArgs, FwdConfig, HalfType, Path, Tiling, padded_head_dim,
-    scale_folds, sm90,
+    scale_folds, sm90, sm90::MapColumns,
 };
 use crate::shape::AttnShape;
 use crate::tma::{TensorMap, TiledMap, TmaType};
@@ -42,8 +42,10 @@ pub enum PathChoice {
 
 /// The kernel configuration a problem with softmax scale `scale` dispatches to on a GPU
 /// of architecture `arch` with `sm_count` SMs: the sm90 path on Hopper for head dims 64,
-/// 128 and 256 (the scale folded into the exponent where that is safe, see
-/// [`scale_folds`]), the sm80 path otherwise ([`dispatch_sm80`]).
+/// 128 and 256, and padded onto the next of them for the other multiples of 8 up to 256
+/// ([`sm90::padded_head_dim`]; the scale folded into the exponent where that is safe,
+/// see [`scale_folds`]), the sm80 path otherwise ([`dispatch_sm80`]). (Packed batches
+/// take the sm80 path for padded head dims: see [`Attention::plan`].)
 pub fn dispatch(
     arch: (i32, i32),
     sm_count: u32,
@@ -53,9 +55,9 @@ pub fn dispatch(
     scale: f32,
 ) -> Result<FwdConfig, String> {
     let path = path_for_arch(arch)?;
-    let head_dim = kernel_head_dim(shape)?;
     let block_m = sm90_block_m(shape, sm_count, causal);
     if path == Path::Sm90 && sm90_has_kernel(shape, block_m) {
+        let (head_dim, padded) = sm90_head_dim(shape).expect("checked by sm90_has_kernel");
         let split_keys = sm90_split_keys(shape, block_m);
         return Ok(FwdConfig {
             path,
@@ -65,10 +67,31 @@ pub fn dispatch(
             block_m,
             split_keys,
             fold_scale: !split_keys && scale_folds(dtype, head_dim, scale),
-            padded: false,
+            padded,
         });
     }
     dispatch_sm80(arch, sm_count, dtype, shape, causal)
+}
+
+/// [`Attention::plan`] on a GPU of architecture `arch` with `sm_count` SMs.
+fn plan_problem(
+    arch: (i32, i32),
+    sm_count: u32,
+    choice: PathChoice,
+    problem: &FwdProblem,
+) -> Result<FwdConfig, String> {
+    let shape = dispatch_shape(problem);
+    let sm80 = || dispatch_sm80(arch, sm_count, problem.dtype, &shape, problem.causal);
+    match choice {
+        PathChoice::Best => {
+            let (dtype, causal, scale) = (problem.dtype, problem.causal, problem.scale);
+            match dispatch(arch, sm_count, dtype, &shape, causal, scale)? {
+                cfg if cfg.path == Path::Sm90 && cfg.padded && problem.packed.is_some() => sm80(),
+                cfg => Ok(cfg),
+            }
+        }
+        PathChoice::Sm80 => sm80(),
+    }
 }
 
 /// The shape the dispatch judges a problem by: its own, except that a packed batch's key
@@ -101,11 +124,26 @@ pub(crate) fn kernel_head_dim(shape: &AttnShape) -> Result<u32, String> {
     u32::try_from(shape.head_dim).map_err(|_| format!("no kernel for head dim {}", shape.head_dim))
 }
 
+/// The sm90 path's kernel head dim for `shape`, and whether it is padded
+/// ([`FwdConfig::padded`]): its own head dim where the path has kernels for it, else the
+/// next one up ([`sm90::padded_head_dim`]).
+pub(crate) fn sm90_head_dim(shape: &AttnShape) -> Option<(u32, bool)> {
+    match kernel_head_dim(shape) {
+        Ok(d) if sm90::HEAD_DIMS.contains(&d) => Some((d, false)),
+        _ => sm90::padded_head_dim(shape.head_dim).map(|d| (d, true)),
+    }
+}
+
 /// Whether the sm90 path has a kernel for `shape` with `block_m`-row query tiles: its head
-/// dim and tile, and work items that fit the 31 bits the persistent kernel numbers them in.
+/// dim (padded or not) and tile, and work items that fit the 31 bits the persistent
+/// kernel numbers them in.
 fn sm90_has_kernel(shape: &AttnShape, block_m: u32) -> bool {
-    kernel_head_dim(shape).is_ok_and(|d| sm90::has_tile(d, block_m))
-        && work_items(shape, block_m) < 1 << 31
+    let tile = match sm90_head_dim(shape) {
+        Some((d, false)) => sm90::has_tile(d, block_m),
+        Some((d, true)) => sm90::has_padded(d, block_m, false),
+        None => false,
+    };
+    tile && work_items(shape, block_m) < 1 << 31
 }
 
 /// The sm90 path's query tile: 128 rows (two consumer warpgroups in ping-pong), except
@@ -185,18 +223,59 @@ pub fn dispatch_sm80(
 /// stepped, so its stride (which validation leaves unchecked) is replaced by one TMA
 /// accepts.
 pub(crate) fn sm90_map(t: &TensorView, rows: u32) -> Result<TensorMap> {
-    sm90_map_boxed(t, [rows, t.shape[3] as u32 / 64])
+    sm90_map_boxed(t, [rows, t.shape[3] as u32 / 64], MapColumns::Blocked)
 }
 
 /// The map of O the sm90a epilogues store through, one `{64, 16}` box (a warp's rows,
 /// one column block) at a time; `None` where O cannot go out by TMA: packed sequences
 /// (a box would cross into the next sequence's rows) or a layout TMA cannot describe.
 pub(crate) fn sm90_output_map(o: &TensorView, packed: bool) -> Option<TensorMap> {
-    (!packed).then(|| sm90_map_boxed(o, [16, 1]).ok()).flatten()
+    (!packed)
+        .then(|| sm90_map_boxed(o, [16, 1], MapColumns::Blocked).ok())
+        .flatten()
 }
 
-/// [`sm90_map`] with a box of `rows` rows by `blocks` 64-column blocks.
-fn sm90_map_boxed(t: &TensorView, [rows, blocks]: [u32; 2]) -> Result<TensorMap> {
+/// The maps an sm90 forward launch of `cfg` takes: Q's, K's and V's, and O's where O can
+/// go out by TMA ([`sm90_output_map`]). A padded kernel ([`FwdConfig::padded`]) has no
+/// direct stores of O (they would write the kernel's columns, past the tensors'), so
+/// there a packed batch or a refused map of O refuses the launch, as a refused input map
+/// does.
+fn sm90_maps(
+    cfg: &FwdConfig,
+    [q, k, v, o]: [&TensorView; 4],
+    packed: bool,
+) -> Result<([TensorMap; 3], Option<TensorMap>)> {
+    let Tiling {
+        block_m, block_n, ..
+    } = cfg.tiling();
+    if !cfg.padded {
+        let maps = [
+            sm90_map(q, block_m)?,
+            sm90_map(k, block_n)?,
+            sm90_map(v, block_n)?,
+        ];
+        return Ok((maps, sm90_output_map(o, packed)));
+    }
+    if packed {
+        // Never planned (see `Attention::plan`), and refused by `forward_with_config`.
+        return Err(Error::InvalidArgument(
+            "a padded sm90 kernel stores O by TMA, which a packed batch cannot take".into(),
+        ));
+    }
+    let map = |t: &TensorView, rows| sm90_map_boxed(t, [rows, 1], MapColumns::PerBlock);
+    let maps = [map(q, block_m)?, map(k, block_n)?, map(v, block_n)?];
+    Ok((maps, Some(map(o, 16)?)))
+}
+
+/// The 5-D map of a `[B, S, H, D]` view with a box of `rows` rows by `blocks` 64-column
+/// blocks: through a dimension of column blocks ([`sm90_map`]), or per block
+/// (`{D, seq, 1, heads, batch}`, boxes `{64, rows, 1, 1, 1}`; a padded kernel's, see
+/// [`MapColumns::PerBlock`]).
+fn sm90_map_boxed(
+    t: &TensorView,
+    [rows, blocks]: [u32; 2],
+    columns: MapColumns,
+) -> Result<TensorMap> {
     let dtype = match t.dtype {
         super::tensor::DType::Bf16 => TmaType::Bf16,
         _ => TmaType::F16,
@@ -209,10 +288,14 @@ fn sm90_map_boxed(t: &TensorView, [rows, blocks]: [u32; 2]) -> Result<TensorMap>
             t.strides[dim] as u64 * 2
         }
     };
+    let (inner, col_blocks) = match columns {
+        MapColumns::Blocked => (64, d / 64),
+        MapColumns::PerBlock => (d, 1),
+    };
     let dims = [
-        64,
+        inner,
         t.shape[1] as u64,
-        d / 64,
+        col_blocks,
         t.shape[2] as u64,
         t.shape[0] as u64,
     ];
@@ -268,23 +351,13 @@ impl Attention {
     }
 
     /// The configuration `problem` runs with on this device (before the sm90 path's
-    /// fallback for views TMA cannot describe, see [`Attention::forward`]).
+    /// fallback for views TMA cannot describe, see [`Attention::forward`]). A packed batch
+    /// at a padded head dim takes the sm80 path: the padded sm90 kernels store O only by
+    /// TMA, whose boxes would cross into the next sequence's rows.
     pub fn plan(&self, problem: &FwdProblem) -> Result<FwdConfig> {
         let arch = self.device.compute_capability();
         let sms = self.device.sm_count();
-        let shape = dispatch_shape(problem);
-        let planned = match self.choice {
-            PathChoice::Best => dispatch(
-                arch,
-                sms,
-                problem.dtype,
-                &shape,
-                problem.causal,
-                problem.scale,
-            ),
-            PathChoice::Sm80 => dispatch_sm80(arch, sms, problem.dtype, &shape, problem.causal),
-        };
-        planned.map_err(|why| {
+        plan_problem(arch, sms, self.choice, problem).map_err(|why| {
             let (major, minor) = arch;
             Error::UnsupportedGpu {
                 name: format!("{} ({why})", self.device.name()),
@@ -377,7 +450,7 @@ impl Attention {
         let problem = *problem;
         let cfg = self.plan(&problem)?;
         let cfg = match cfg.path {
-            Path::Sm90 => match sm90_maps(&cfg, [q, k, v]) {
+            Path::Sm90 => match sm90_maps(&cfg, [q, k, v, o], problem.packed.is_some()) {
                 Ok(maps) => {
                     // SAFETY: this function's contract, passed on unchanged.
                     return unsafe { self.launch_sm90(&problem, &cfg, maps, o, lse, stream) };
@@ -416,18 +489,21 @@ impl Attention {
     ) -> Result<()> {
         let problem = validate_fwd(q, k, v, o, lse, params)?;
         let planned = self.plan(&problem)?;
-        let arch = self.device.compute_capability();
+        let (arch, sms) = (self.device.compute_capability(), self.device.sm_count());
         let head_dim = problem.shape.head_dim as u32;
-        // The problem's dtype, masking and kernel head dim (padded or not, as the dispatch
-        // has it), on a path and tile this GPU runs; padded kernels are sm80 ones.
-        let same = (cfg.dtype, cfg.causal, cfg.head_dim, cfg.padded)
-            == (
-                planned.dtype,
-                planned.causal,
-                planned.head_dim,
-                planned.padded,
-            )
-            && (!cfg.padded || cfg.path == Path::Sm80);
+        // The problem's dtype and masking, and the kernel head dim (padded or not) the
+        // dispatch gives it on the configuration's path; a padded sm90 kernel stores O by
+        // TMA only, which a packed batch cannot take.
+        let shape = dispatch_shape(&problem);
+        let kernel_head_dim = match cfg.path {
+            Path::Sm80 => dispatch_sm80(arch, sms, problem.dtype, &shape, problem.causal)
+                .ok()
+                .map(|c| (c.head_dim, c.padded)),
+            Path::Sm90 => sm90_head_dim(&shape),
+        };
+        let same = (cfg.dtype, cfg.causal) == (planned.dtype, planned.causal)
+            && kernel_head_dim == Some((cfg.head_dim, cfg.padded))
+            && !(cfg.path == Path::Sm90 && cfg.padded && problem.packed.is_some());
         let runs = match cfg.path {
             Path::Sm80 => {
                 [BLOCK_M_WIDE, BLOCK_M_NARROW].contains(&cfg.block_m)
@@ -439,7 +515,7 @@ impl Attention {
                     && sm90_has_kernel(&problem.shape, cfg.block_m)
                     && (!cfg.split_keys || sm90::has_split(head_dim, cfg.block_m))
                     && (!cfg.fold_scale
-                        || (!cfg.split_keys && scale_folds(cfg.dtype, head_dim, problem.scale)))
+                        || (!cfg.split_keys && scale_folds(cfg.dtype, cfg.head_dim, problem.scale)))
             }
         };
         if !same || !runs {
@@ -450,7 +526,7 @@ impl Attention {
             )));
         }
         if cfg.path == Path::Sm90 {
-            let maps = sm90_maps(cfg, [q, k, v])?;
+            let maps = sm90_maps(cfg, [q, k, v, o], problem.packed.is_some())?;
             // SAFETY: this function's contract, passed on unchanged.
             return unsafe { self.launch_sm90(&problem, cfg, maps, o, lse, stream) };
         }
@@ -500,12 +576,13 @@ impl Attention {
     ///
     /// # Safety
     ///
-    /// As for [`Attention::launch_forward`]; `maps` must describe this problem's Q, K, V.
+    /// As for [`Attention::launch_forward`]; `maps` must describe this problem's Q, K, V
+    /// (and O, where there is a map of O), as [`sm90_maps`] makes them for `cfg`.
     unsafe fn launch_sm90(
         &self,
         problem: &FwdProblem,
         cfg: &FwdConfig,
-        maps: [TensorMap; 3],
+        (maps, o_map): ([TensorMap; 3], Option<TensorMap>),
         o: &TensorView,
         lse: Option<&LseView>,
         stream: CUstream,
@@ -514,7 +591,6 @@ impl Attention {
         // Q, K and V reach the kernel through the maps; the block carries O and sizes.
         let none = TensorView { ptr: 0, ..*o };
         let mut args = fwd_args(problem, cfg, [&none, &none, &none, o], lse);
-        let o_map = sm90_output_map(o, problem.packed.is_some());
         // SAFETY: the maps cover exactly the validated extents of Q, K and V (their boxes'
         // out-of-bounds parts are zero-filled by the hardware, never read), `args` is the
         // kernel's `FwdArgs` block, and the kernel writes only O's and the LSE's validated
@@ -724,18 +800,6 @@ pub(crate) fn sm90_schedule(
     }
 }
 
-/// The tensor maps of Q, K and V for an sm90 configuration.
-fn sm90_maps(cfg: &FwdConfig, [q, k, v]: [&TensorView; 3]) -> Result<[TensorMap; 3]> {
-    let Tiling {
-        block_m, block_n, ..
-    } = cfg.tiling();
-    Ok([
-        sm90_map(q, block_m)?,
-        sm90_map(k, block_n)?,
-        sm90_map(v, block_n)?,
-    ])
-}
-
 /// The argument block of a validated problem.
 fn fwd_args(
     problem: &FwdProblem,
@@ -817,6 +881,7 @@ fn strides(t: &TensorView) -> [u64; 3] {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::kernels::attention::all_fwd_configs;
 
     #[test]
     fn gpus_below_sm80_get_no_path() {
@@ -832,20 +897,20 @@ mod tests {
     }
 
     #[test]
-    fn hopper_takes_the_sm90_path_where_it_has_kernels() {
+    fn hopper_takes_the_sm90_path_for_every_head_dim() {
         for d in [32, 64, 96, 128, 192, 256] {
             let shape = AttnShape::square(2, 16, 4096, d);
             let cfg = dispatch((9, 0), 132, HalfType::Bf16, &shape, true, 0.125).unwrap();
-            let want = if sm90::HEAD_DIMS.contains(&(d as u32)) {
-                Path::Sm90
-            } else {
-                Path::Sm80
+            let want = match sm90::HEAD_DIMS.contains(&(d as u32)) {
+                true => (d as u32, false),
+                false => (sm90::padded_head_dim(d).unwrap(), true),
             };
-            assert_eq!(cfg.path, want, "d{d}");
+            assert_eq!(cfg.path, Path::Sm90, "d{d}");
+            assert_eq!((cfg.head_dim, cfg.padded), want, "d{d}");
             let forced = dispatch_sm80((9, 0), 132, HalfType::Bf16, &shape, true).unwrap();
             assert_eq!(
-                forced.path,
-                Path::Sm80,
+                (forced.path, forced.head_dim, forced.padded),
+                (Path::Sm80, d as u32, false),
                 "d{d}: the sm80 path stays selectable"
             );
             assert_eq!(
@@ -959,31 +1024,40 @@ mod tests {
         );
     }
 
-    /// A multiple of 8 with no kernel of its own runs the next larger sm80 kernel,
-    /// padded, on every GPU (Hopper included); anything else has no kernel.
+    /// A multiple of 8 with no kernel of its own runs the next larger kernel, padded: an
+    /// sm90 one on Hopper, an sm80 one elsewhere; anything else has no kernel.
     #[test]
-    fn head_dims_without_a_kernel_run_padded_on_the_sm80_path() {
+    fn head_dims_without_a_kernel_run_padded() {
         for (arch, sms) in [((9, 0), 132), ((8, 0), 108), ((8, 9), 58)] {
-            for (d, kernel) in [
-                (8, 64),
-                (40, 64),
-                (72, 96),
-                (80, 96),
-                (112, 128),
-                (160, 192),
+            for (d, sm80_kernel, sm90_kernel) in [
+                (8, 64, 64),
+                (40, 64, 64),
+                (72, 96, 128),
+                (80, 96, 128),
+                (112, 128, 128),
+                (160, 192, 256),
+                (248, 256, 256),
             ] {
                 for causal in [false, true] {
                     let shape = AttnShape::square(2, 16, 1024, d);
                     let cfg = dispatch(arch, sms, HalfType::F16, &shape, causal, 0.1).unwrap();
+                    let want = match arch {
+                        (9, 0) => (Path::Sm90, sm90_kernel),
+                        _ => (Path::Sm80, sm80_kernel),
+                    };
                     assert_eq!(
                         (cfg.path, cfg.head_dim, cfg.padded, cfg.causal),
-                        (Path::Sm80, kernel, true, causal),
+                        (want.0, want.1, true, causal),
                         "{d} on {arch:?}"
                     );
                     assert!(cfg.id().contains("_padded"), "{}", cfg.id());
+                    assert!(!cfg.split_keys && cfg.block_m != 192, "{}", cfg.id());
+                    assert!(all_fwd_configs().contains(&cfg), "{}", cfg.id());
+                    let sm80 = dispatch_sm80(arch, sms, HalfType::F16, &shape, causal).unwrap();
+                    assert_eq!((sm80.head_dim, sm80.padded), (sm80_kernel, true), "{d}");
                 }
             }
-            for d in [64, 96, 128, 256] {
+            for d in [64, 128, 256] {
                 let shape = AttnShape::square(2, 16, 1024, d);
                 let cfg = dispatch(arch, sms, HalfType::F16, &shape, false, 0.1).unwrap();
                 assert!(!cfg.padded && cfg.head_dim as usize == d, "{cfg:?}");
@@ -996,6 +1070,56 @@ mod tests {
                 );
             }
         }
+    }
+
+    /// A packed batch at a padded head dim takes the sm80 path on Hopper (the padded
+    /// sm90 kernels store O only by TMA); a dense one the padded sm90 kernel.
+    #[test]
+    fn packed_batches_at_padded_head_dims_take_the_sm80_path() {
+        for d in [40, 80, 96, 160, 192] {
+            let dense = FwdProblem {
+                shape: AttnShape::square(4, 16, 1024, d),
+                dtype: HalfType::F16,
+                scale: 0.1,
+                causal: true,
+                packed: None,
+            };
+            let packed = FwdProblem {
+                packed: Some(crate::host::validate::Packed {
+                    cu_seqlens_q: 0x1000,
+                    cu_seqlens_k: 0x2000,
+                    total_q: 4096,
+                    total_k: 4096,
+                }),
+                ..dense
+            };
+            let cfg = plan_problem((9, 0), 132, PathChoice::Best, &dense).unwrap();
+            assert_eq!((cfg.path, cfg.padded), (Path::Sm90, true), "{d}");
+            let cfg = plan_problem((9, 0), 132, PathChoice::Best, &packed).unwrap();
+            let sm80 = padded_head_dim(d).unwrap();
+            assert_eq!(
+                (cfg.path, (cfg.head_dim, cfg.padded)),
+                (Path::Sm80, sm80),
+                "{d}"
+            );
+            let cfg = plan_problem((9, 0), 132, PathChoice::Sm80, &dense).unwrap();
+            assert_eq!(cfg.path, Path::Sm80, "{d}");
+        }
+        // Head dims with sm90 kernels of their own keep them for packed batches.
+        let packed = FwdProblem {
+            shape: AttnShape::square(4, 16, 1024, 128),
+            dtype: HalfType::Bf16,
+            scale: 0.1,
+            causal: false,
+            packed: Some(crate::host::validate::Packed {
+                cu_seqlens_q: 0x1000,
+                cu_seqlens_k: 0x2000,
+                total_q: 4096,
+                total_k: 4096,
+            }),
+        };
+        let cfg = plan_problem((9, 0), 132, PathChoice::Best, &packed).unwrap();
+        assert_eq!((cfg.path, cfg.padded), (Path::Sm90, false));
     }
 
     #[test]

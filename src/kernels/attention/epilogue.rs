@@ -13,6 +13,7 @@ use std::mem::offset_of;
 use super::FwdArgs;
 use super::rows::{Rows, Slab, half_of};
 use super::sequence::Sequence;
+use super::sm90::MapColumns;
 use super::softmax::OnlineSoftmax;
 use crate::ptx::{
     Cmp, F32, Half2, Kernel, ParamBytes, Pred, Reg, S32, Smem, SmemAddr, Special, TileSlot,
@@ -102,6 +103,9 @@ pub struct OutputStage {
     /// The staging tile (the block's, not the warp's).
     pub tile: TileSlot,
     pub map: TmaDesc,
+    /// How `map` addresses the column blocks (one box per block where O's head dim is
+    /// below the kernel's, whose extra columns the store clips).
+    pub columns: MapColumns,
     /// Lane 0 of the warp: it issues the stores.
     pub leader: Reg<Pred>,
     /// The first thread of the warps that hold O: warp `w` from there holds rows
@@ -181,9 +185,8 @@ impl OutputStage {
                     0 => warp_rows,
                     b => k.smem_offset(warp_rows, b * block_stride),
                 };
-                let cb = k.mov::<S32>(block as i32);
-                let col = k.mov::<S32>(0i32);
-                k.tma_store(map, [col, row, cb, head, batch], src);
+                let coords = self.columns.coords(k, block, [row, head, batch]);
+                k.tma_store(map, coords, src);
             }
         });
         k.guarded(self.leader, true, |k| {

@@ -75,10 +75,13 @@ pub struct FwdConfig {
     /// Only where `s·c` stays finite for every score the dtype can give
     /// ([`scale_folds`]); the dispatch takes the unfolded kernel otherwise.
     pub fold_scale: bool,
-    /// sm80 path: the tensors' head dim is a multiple of 8 below `head_dim` (say 80 on
-    /// the 96 kernel), passed to the kernel as a second parameter. Columns past it are
-    /// zero-filled in shared memory, where they add nothing to `Q·Kᵀ` and make O's
-    /// extra columns 0, which are not stored (see [`padded_head_dim`]).
+    /// The tensors' head dim is a multiple of 8 below `head_dim` (say 80 on the 96
+    /// kernel). Columns past it are zero-filled in shared memory, where they add nothing
+    /// to `Q·Kᵀ` and make O's extra columns 0, which are not stored. sm80 path: the head
+    /// dim is the kernel's second parameter and the loads and stores check it (see
+    /// [`padded_head_dim`]); sm90 path: the tensor maps carry it, and the kernel moves a
+    /// tile one 64-column box at a time ([`sm90::MapColumns::PerBlock`]; see
+    /// [`sm90::padded_head_dim`]).
     pub padded: bool,
 }
 
@@ -236,17 +239,26 @@ pub fn all_fwd_configs() -> Vec<FwdConfig> {
                         // Split keys: unfolded only (the two warpgroups' hand-over merges
                         // raw maxima).
                         let folds: &[bool] = if split_keys { &[false] } else { &[true, false] };
-                        for &fold_scale in folds {
-                            v.push(FwdConfig {
-                                path: Path::Sm90,
-                                dtype,
-                                head_dim,
-                                causal,
-                                block_m,
-                                split_keys,
-                                fold_scale,
-                                padded: false,
-                            });
+                        // Padded: where the dispatch can pick them (no split keys, no
+                        // 192-row tiles, which it keeps for head dim 64 itself).
+                        let paddings: &[bool] = if sm90::has_padded(head_dim, block_m, split_keys) {
+                            &[false, true]
+                        } else {
+                            &[false]
+                        };
+                        for &padded in paddings {
+                            for &fold_scale in folds {
+                                v.push(FwdConfig {
+                                    path: Path::Sm90,
+                                    dtype,
+                                    head_dim,
+                                    causal,
+                                    block_m,
+                                    split_keys,
+                                    fold_scale,
+                                    padded,
+                                });
+                            }
                         }
                     }
                 }

@@ -51,9 +51,10 @@ use super::softmax::{OnlineSoftmax, pack_probs_into, rescale_rows};
 use super::{FwdArgs, FwdConfig, HalfType, Tiling};
 use crate::ptx::{
     Acc, BarrierRing, Bf16x2, Cmp, F16x2, F32, Half2, InFlight, KMajor, Kernel, KernelText,
-    MnMajor, Module, N64, N80, N128, N176, N256, NamedBarrier, ParamBytes, Pred, PtxError, RawSlot,
-    Reg, RingBarriers, S32, ScaleD, Smem, SmemAddr, SmemDesc, SmemLayout, SmemPlan, Special,
-    StageRing, Swizzle, Target, TileSlot, TmaDesc, U32, U64, WgmmaD, WgmmaInput, WgmmaN,
+    Mbarrier, MnMajor, Module, N64, N80, N128, N176, N256, NamedBarrier, ParamBytes, Pred,
+    PtxError, RawSlot, Reg, RingBarriers, S32, ScaleD, Smem, SmemAddr, SmemDesc, SmemLayout,
+    SmemPlan, Special, StageRing, Swizzle, Target, TileSlot, TmaDesc, U32, U64, WgmmaD, WgmmaInput,
+    WgmmaN,
 };
 
 /// Query rows per block by default: two consumer warpgroups of 64.
@@ -80,6 +81,25 @@ pub fn has_tile(head_dim: u32, block_m: u32) -> bool {
 pub fn has_split(head_dim: u32, block_m: u32) -> bool {
     head_dim == 64 && block_m == 64
 }
+/// Whether there is a padded kernel ([`FwdConfig::padded`]) for head dim `head_dim` with
+/// `block_m`-row query tiles (and split keys or not): the two- and one-consumer kernels
+/// of each head dim.
+pub fn has_padded(head_dim: u32, block_m: u32, split_keys: bool) -> bool {
+    has_tile(head_dim, block_m) && block_m != 192 && !split_keys
+}
+
+/// The kernel head dim that runs a tensor head dim of `d` that has no kernel of its
+/// own on this path: the smallest larger one of [`HEAD_DIMS`], for a multiple of 8 up
+/// to 256 (8 to 56 on the 64 kernel, 72 to 120 on 128, 136 to 248 on 256). `None` for
+/// the path's own head dims and for anything else.
+pub fn padded_head_dim(d: usize) -> Option<u32> {
+    let d = u32::try_from(d).ok()?;
+    if d == 0 || !d.is_multiple_of(8) || HEAD_DIMS.contains(&d) {
+        return None;
+    }
+    HEAD_DIMS.iter().copied().find(|&k| k > d)
+}
+
 /// Registers per thread after reallocation: 128·40 + 256·232 = 64512 <= 65536 (but see
 /// [`Shape::registers`]).
 pub const PRODUCER_REGS: u32 = 40;
@@ -113,6 +133,68 @@ pub struct Shape {
     /// warpgroup per SM cannot keep the tensor cores and the exponent units busy at
     /// once: two in turns can.
     pub split_keys: bool,
+    /// How the tensor maps address a tile's 64-column blocks: through a dimension of
+    /// their own, or one box per block where the tensors' head dim is below the kernel's
+    /// ([`FwdConfig::padded`]).
+    pub columns: MapColumns,
+}
+
+/// How an sm90a kernel's tensor maps of `[B, S, H, D]` tensors address the 64-column
+/// blocks of a tile (which lands in shared memory as `[d/64][rows][128 B]`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MapColumns {
+    /// The 5-D view `{64, seq, d/64, heads, batch}`: one box `{64, rows, d/64}` moves
+    /// the whole tile.
+    Blocked,
+    /// The 5-D view `{D, seq, 1, heads, batch}` with the tensors' own head dim `D`,
+    /// below the kernel's (a padded kernel): one box `{64, rows, 1}` per column block,
+    /// at column `64·b`. Loads zero-fill the columns past `D` (they add nothing to
+    /// `Q·Kᵀ` and make O's extra columns 0), stores clip them.
+    PerBlock,
+}
+
+impl MapColumns {
+    /// The coordinates of column block `block` of the tile whose first row is `row`, in
+    /// head `head` of batch `batch` (the block's, then the column's, made here).
+    pub fn coords(
+        self,
+        k: &mut Kernel,
+        block: u32,
+        [row, head, batch]: [Reg<S32>; 3],
+    ) -> [Reg<S32>; 5] {
+        let (cb, col) = match self {
+            MapColumns::Blocked => (block as i32, 0),
+            MapColumns::PerBlock => (0, 64 * block as i32),
+        };
+        let cb = k.mov::<S32>(cb);
+        let col = k.mov::<S32>(col);
+        [col, row, cb, head, batch]
+    }
+
+    /// Loads the tile at `row` of `head`/`batch` through `map` into `at` (laid out as
+    /// `layout`), completing on `full`: one TMA, or one per column block. `zero` holds 0.
+    pub fn load_tile(
+        self,
+        k: &mut Kernel,
+        (at, layout): (SmemAddr, &SmemLayout),
+        map: TmaDesc,
+        ([row, head, batch], zero): ([Reg<S32>; 3], Reg<S32>),
+        full: Mbarrier,
+    ) {
+        match self {
+            MapColumns::Blocked => k.tma_load(at, map, [zero, row, zero, head, batch], full),
+            MapColumns::PerBlock => {
+                for block in 0..layout.col_blocks() {
+                    let dst = match block {
+                        0 => at,
+                        b => k.smem_offset(at, b * layout.rows * layout.block_bytes),
+                    };
+                    let col = k.mov::<S32>(64 * block as i32);
+                    k.tma_load(dst, map, [col, row, zero, head, batch], full);
+                }
+            }
+        }
+    }
 }
 
 /// Where everything lives in shared memory.
@@ -155,6 +237,11 @@ impl Shape {
             block_m: cfg.block_m,
             block_n,
             split_keys: cfg.split_keys,
+            columns: if cfg.padded {
+                MapColumns::PerBlock
+            } else {
+                MapColumns::Blocked
+            },
         }
     }
 
@@ -283,6 +370,14 @@ pub(crate) fn generate(cfg: &FwdConfig) -> Result<Module, PtxError> {
     if !exists {
         return Err(PtxError::BadOperand(format!(
             "no sm90 forward for head dim {} with {}-row query tiles{}",
+            s.head_dim,
+            s.block_m,
+            if s.split_keys { " and split keys" } else { "" }
+        )));
+    }
+    if cfg.padded && !has_padded(s.head_dim, s.block_m, s.split_keys) {
+        return Err(PtxError::BadOperand(format!(
+            "no padded sm90 forward for head dim {} with {}-row query tiles{}",
             s.head_dim,
             s.block_m,
             if s.split_keys { " and split keys" } else { "" }
@@ -708,13 +803,14 @@ impl ConsumerRoles {
         &self,
         smem: Smem,
         tile: TileSlot,
-        map: TmaDesc,
+        (map, columns): (TmaDesc, MapColumns),
         shared: bool,
     ) -> OutputStage {
         OutputStage {
             smem,
             tile,
             map,
+            columns,
             leader: self.leader,
             first_thread: 128,
             shared,
@@ -773,10 +869,13 @@ fn produce(k: &mut Kernel, f: &Fwd, tid: Reg<U32>) {
                     let full = qr.full_barrier(k);
                     let q_at = qr.slot(k, f.slots.q);
                     let q_row = k.add(b.seq.q_start, b.m_start);
-                    k.tma_load(q_at, f.maps[0], [zero, q_row, zero, head, batch], full);
+                    let q_tile = (q_at, &f.s.q_layout());
+                    let coords = ([q_row, head, batch], zero);
+                    f.s.columns.load_tile(k, q_tile, f.maps[0], coords, full);
                     qr.advance(k);
                 };
-                let kv_bytes = f.s.kv_layout().bytes();
+                let kv_layout = f.s.kv_layout();
+                let kv_bytes = kv_layout.bytes();
                 let mut load_kv = |k: &mut Kernel, n: Reg<S32>| {
                     let row = k.mad(n, f.s.block_n as i32, b.seq.k_start);
                     let rings = [
@@ -788,7 +887,9 @@ fn produce(k: &mut Kernel, f: &Fwd, tid: Reg<U32>) {
                         ring.arrive_expect_tx(k, kv_bytes);
                         let full = ring.full_barrier(k);
                         let at = ring.slot(k, slot);
-                        k.tma_load(at, map, [zero, row, zero, kv_head, batch], full);
+                        let coords = ([row, kv_head, batch], zero);
+                        f.s.columns
+                            .load_tile(k, (at, &kv_layout), map, coords, full);
                         ring.advance(k);
                     }
                 };
@@ -849,7 +950,7 @@ where
     let q = roles.q_rows(k, q_at, &f.s.q_layout());
     let scale_log2 = k.load_param_at::<F32>(f.args, offset_of!(FwdArgs, scale_log2));
     let o_in_q = f.s.o_in_q();
-    let stage = roles.output_stage(f.smem, f.slots.o, f.maps[3], o_in_q);
+    let stage = roles.output_stage(f.smem, f.slots.o, (f.maps[3], f.s.columns), o_in_q);
     let mut rings = Rings {
         q: f.slots.q_ring.consumer(k, f.smem),
         k: f.slots.k_ring.consumer(k, f.smem),
@@ -1765,6 +1866,75 @@ mod tests {
                     "d{d} {dtype:?}"
                 );
             }
+        }
+    }
+
+    /// A padded kernel (head dims below its own) moves each tile of Q, K and V as one TMA
+    /// box per 64-column block, at column 64·b of a map whose innermost dimension is the
+    /// tensors' head dim, and stores O the same way; everything else is its unpadded
+    /// sibling's.
+    #[test]
+    fn padded_kernels_move_one_box_per_column_block() {
+        let count = |ptx: &str, what: &str| ptx.matches(what).count() as u32;
+        let loads = "cp.async.bulk.tensor.5d.shared::cluster.global";
+        let stores = "cp.async.bulk.tensor.5d.global.shared::cta";
+        let padded: Vec<_> = crate::kernels::attention::all_fwd_configs()
+            .into_iter()
+            .filter(|c| c.path == super::super::Path::Sm90 && c.padded)
+            .collect();
+        assert_eq!(padded.len(), 48);
+        for cfg in padded {
+            let id = cfg.id();
+            let ptx = generate(&cfg).unwrap().to_ptx();
+            let plain = generate(&FwdConfig {
+                padded: false,
+                ..cfg
+            })
+            .unwrap()
+            .to_ptx();
+            let blocks = cfg.head_dim / 64;
+            assert_eq!(count(&ptx, loads), blocks * count(&plain, loads), "{id}");
+            assert_eq!(count(&ptx, stores), count(&plain, stores), "{id}");
+            for what in ["wgmma.mma_async", "ex2.approx", "stmatrix", "mbarrier."] {
+                assert_eq!(count(&ptx, what), count(&plain, what), "{id}: {what}");
+            }
+            // The first coordinate (the column) of each load and store: 0, 64, ... there.
+            let mut columns: Vec<u32> = ptx
+                .lines()
+                .filter(|l| l.contains(loads) || l.contains(stores))
+                .map(|l| {
+                    let reg = l.split('{').nth(1).unwrap().split(',').next().unwrap();
+                    let def = format!("mov.s32 {reg}, ");
+                    let line = ptx.lines().find(|l| l.contains(&def)).unwrap();
+                    line.split(", ")
+                        .nth(1)
+                        .unwrap()
+                        .trim_end_matches(';')
+                        .parse()
+                        .unwrap()
+                })
+                .collect();
+            columns.sort();
+            columns.dedup();
+            let want: Vec<u32> = (0..blocks).map(|b| 64 * b).collect();
+            assert_eq!(columns, want, "{id}");
+        }
+        assert!(
+            generate(&FwdConfig {
+                padded: true,
+                ..config(64, HalfType::F16, false)
+            })
+            .is_ok()
+        );
+        for (block_m, split_keys) in [(192, false), (64, true)] {
+            let cfg = FwdConfig {
+                block_m,
+                split_keys,
+                fold_scale: false,
+                padded: true,
+                ..config(64, HalfType::F16, false)
+            };
+            assert!(generate(&cfg).is_err(), "{}", cfg.id());
         }
     }
 

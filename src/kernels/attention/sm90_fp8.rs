@@ -51,7 +51,9 @@ use super::epilogue::{LseForm, OutputBlock, store_output_lse, store_output_stage
 use super::fp8::{Fp8Args, Fp8Config, MAX_LAG_LOG2, P_SHIFT_LOG2, SCALE_BLOCK};
 use super::mask::apply_mask;
 use super::rows::{Slab, zeroed_slabs};
-use super::sm90::{Block, ConsumerRoles, Role, WorkQueue, advance, for_each_item, split_roles};
+use super::sm90::{
+    Block, ConsumerRoles, MapColumns, Role, WorkQueue, advance, for_each_item, split_roles,
+};
 use super::softmax::{OnlineSoftmax, rescale_rows};
 use super::{FwdArgs, HalfType, Tiling};
 use crate::ptx::{
@@ -491,7 +493,7 @@ where
     let stage = f
         .slots
         .o
-        .map(|slot| roles.output_stage(f.smem, slot, f.maps[3], false));
+        .map(|slot| roles.output_stage(f.smem, slot, (f.maps[3], MapColumns::Blocked), false));
     f.for_each_item(k, Role::Consumer, |k, b| {
         let scales = item_scales(k, f.args, b);
         let c = Consumer {
