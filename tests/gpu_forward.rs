@@ -238,16 +238,16 @@ fn all_seqlen_pairs(kernel: FwdConfig) -> Vec<FwdCase> {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn sm90_fp16_seqlens() {
-    for d in [64, 128, 256] {
-        sm90_seqlen_grid(HalfType::F16, d);
+    for d in sm90::HEAD_DIMS {
+        sm90_seqlen_grid(HalfType::F16, d as usize);
     }
 }
 
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn sm90_bf16_seqlens() {
-    for d in [64, 128, 256] {
-        sm90_seqlen_grid(HalfType::Bf16, d);
+    for d in sm90::HEAD_DIMS {
+        sm90_seqlen_grid(HalfType::Bf16, d as usize);
     }
 }
 
@@ -667,7 +667,7 @@ fn sm90_padded_kernels() {
         return;
     }
     let mut cases = Vec::new();
-    for (i, d) in [40, 80, 96, 160, 192].into_iter().enumerate() {
+    for (i, d) in [40, 80, 96, 160, 200].into_iter().enumerate() {
         let dtype = [HalfType::F16, HalfType::Bf16][i % 2];
         let head_dim = sm90::padded_head_dim(d).unwrap();
         for causal in [false, true] {

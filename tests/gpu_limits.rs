@@ -330,7 +330,7 @@ fn strides_no_tensor_map_holds_fall_back_to_the_sm80_kernel() {
     let up16 = |x: &[u16]| stream.clone_htod(x).expect("upload");
     let dev = |x: &CudaSlice<u16>| x.device_ptr(&stream).0;
     let mut failures = Vec::new();
-    for d in [64, 128, 256] {
+    for d in [64, 80, 128, 192, 256] {
         for causal in [false, true] {
             let dtype = HalfType::F16;
             let shape = AttnShape {

@@ -42,8 +42,8 @@ pub enum PathChoice {
 
 /// The kernel configuration a problem with softmax scale `scale` dispatches to on a GPU
 /// of architecture `arch` with `sm_count` SMs: the sm90 path on Hopper for head dims 64,
-/// 128 and 256, and padded onto the next of them for the other multiples of 8 up to 256
-/// ([`sm90::padded_head_dim`]; the scale folded into the exponent where that is safe,
+/// 128, 192 and 256, and padded onto the next of them for the other multiples of 8 up to
+/// 256 ([`sm90::padded_head_dim`]; the scale folded into the exponent where that is safe,
 /// see [`scale_folds`]), the sm80 path otherwise ([`dispatch_sm80`]). (Packed batches
 /// take the sm80 path for padded head dims: see [`Attention::plan`].)
 pub fn dispatch(
@@ -1035,7 +1035,8 @@ mod tests {
                 (72, 96, 128),
                 (80, 96, 128),
                 (112, 128, 128),
-                (160, 192, 256),
+                (160, 192, 192),
+                (200, 256, 256),
                 (248, 256, 256),
             ] {
                 for causal in [false, true] {
@@ -1057,7 +1058,7 @@ mod tests {
                     assert_eq!((sm80.head_dim, sm80.padded), (sm80_kernel, true), "{d}");
                 }
             }
-            for d in [64, 128, 256] {
+            for d in [64, 128, 192, 256] {
                 let shape = AttnShape::square(2, 16, 1024, d);
                 let cfg = dispatch(arch, sms, HalfType::F16, &shape, false, 0.1).unwrap();
                 assert!(!cfg.padded && cfg.head_dim as usize == d, "{cfg:?}");
@@ -1076,7 +1077,7 @@ mod tests {
     /// sm90 kernels store O only by TMA); a dense one the padded sm90 kernel.
     #[test]
     fn packed_batches_at_padded_head_dims_take_the_sm80_path() {
-        for d in [40, 80, 96, 160, 192] {
+        for d in [40, 80, 96, 160, 200] {
             let dense = FwdProblem {
                 shape: AttnShape::square(4, 16, 1024, d),
                 dtype: HalfType::F16,

@@ -35,8 +35,8 @@
 //! O leaves through shared memory: each warp writes its 16 rows with `stmatrix` into a
 //! staging tile laid out as Q's and one lane sends them out by TMA, which clips the rows
 //! past the sequence end (direct stores of O took 3–9% of the time at S 2048). The
-//! staging tile is O's own at d ≤ 128; at d = 256, where shared memory is full, it is
-//! Q's tile, so Q is released after the store rather than after the last `Q Kᵀ` (see
+//! staging tile is O's own at d ≤ 128; at d = 192 and 256, where shared memory is full,
+//! it is Q's tile, so Q is released after the store rather than after the last `Q Kᵀ` (see
 //! [`Shape::o_in_q`]). Launches that cannot describe O to TMA (packed sequences, whose
 //! boxes would cross into the next sequence) pass no map of O, and the epilogue stores it
 //! directly.
@@ -51,8 +51,8 @@ use super::softmax::{OnlineSoftmax, pack_probs_into, rescale_rows};
 use super::{FwdArgs, FwdConfig, HalfType, Tiling};
 use crate::ptx::{
     Acc, BarrierRing, Bf16x2, Cmp, F16x2, F32, Half2, InFlight, KMajor, Kernel, KernelText,
-    Mbarrier, MnMajor, Module, N64, N80, N128, N176, N256, NamedBarrier, ParamBytes, Pred,
-    PtxError, RawSlot, Reg, RingBarriers, S32, ScaleD, Smem, SmemAddr, SmemDesc, SmemLayout,
+    Mbarrier, MnMajor, Module, N64, N80, N112, N128, N176, N192, N256, NamedBarrier, ParamBytes,
+    Pred, PtxError, RawSlot, Reg, RingBarriers, S32, ScaleD, Smem, SmemAddr, SmemDesc, SmemLayout,
     SmemPlan, Special, StageRing, Swizzle, Target, TileSlot, TmaDesc, U32, U64, WgmmaD, WgmmaInput,
     WgmmaN,
 };
@@ -90,8 +90,8 @@ pub fn has_padded(head_dim: u32, block_m: u32, split_keys: bool) -> bool {
 
 /// The kernel head dim that runs a tensor head dim of `d` that has no kernel of its
 /// own on this path: the smallest larger one of [`HEAD_DIMS`], for a multiple of 8 up
-/// to 256 (8 to 56 on the 64 kernel, 72 to 120 on 128, 136 to 248 on 256). `None` for
-/// the path's own head dims and for anything else.
+/// to 256 (8 to 56 on the 64 kernel, 72 to 120 on 128, 136 to 184 on 192, 200 to 248 on
+/// 256). `None` for the path's own head dims and for anything else.
 pub fn padded_head_dim(d: usize) -> Option<u32> {
     let d = u32::try_from(d).ok()?;
     if d == 0 || !d.is_multiple_of(8) || HEAD_DIMS.contains(&d) {
@@ -114,8 +114,9 @@ pub const D64_STAGES: u32 = 4;
 /// K and V stages of the split-keys kernel: two per consumer warpgroup, so that each
 /// one's next tile lands while it works on its current one.
 pub const SPLIT_STAGES: u32 = 4;
-/// Head dimensions this path has kernels for (others run on the sm80 path).
-pub const HEAD_DIMS: [u32; 3] = [64, 128, 256];
+/// Head dimensions this path has kernels for (the other multiples of 8 up to 256 run
+/// padded on the next of them, see [`padded_head_dim`]).
+pub const HEAD_DIMS: [u32; 4] = [64, 128, 192, 256];
 
 /// The compile-time shape of one configuration.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -230,6 +231,11 @@ impl Shape {
         // B8 H16 S2048: 579.7 against 614.2 TFLOP/s, 2026-11-22.)
         let block_n = match cfg.head_dim {
             64 | 128 => 128,
+            // d192: 112-key tiles, the most that fit two K and two V stages beside Q
+            // (O staged in Q's tile); 96 measured level (H100, same call: D192 B2 H16
+            // S8192 721.3 / 728.6 TFLOP/s full / causal with 112, 723.1 / 733.4 with 96;
+            // D160 on it 598.4 / 660.1 against 589.5 / 650.0 without a mask).
+            192 => 112,
             _ => 80,
         };
         Shape {
@@ -297,15 +303,15 @@ impl Shape {
         SmemLayout::new(self.block_n, self.head_dim, 2, Swizzle::B128)
     }
 
-    /// Registers per producer and per consumer thread. At d = 256 the consumers take 8
-    /// more (128·24 + 256·240 = 64512, the FP8 kernels' split): O's 128 beside S and P
-    /// spilled 80 bytes in the key loop once the epilogue issued TMA stores. The producer's
-    /// one thread fits in 24.
+    /// Registers per producer and per consumer thread. At d = 192 and 256 the consumers
+    /// take 8 more (128·24 + 256·240 = 64512, the FP8 kernels' split): at 256, O's 128
+    /// beside S and P spilled 80 bytes in the key loop once the epilogue issued TMA
+    /// stores. The producer's one thread fits in 24.
     pub fn registers(&self) -> (u32, u32) {
         match (self.consumers(), self.head_dim) {
             // 128·24 + 384·160 = 64512.
             (3, _) => (24, 160),
-            (_, 256) => (24, 240),
+            (_, 192 | 256) => (24, 240),
             _ => (PRODUCER_REGS, CONSUMER_REGS),
         }
     }
@@ -316,8 +322,8 @@ impl Shape {
     }
 
     /// O is staged in Q's tile when a tile of its own does not fit beside the rings
-    /// (d = 256). Q's tile is then free only once O has left it, so the next work item's
-    /// Q loads after the epilogue rather than beside it.
+    /// (d = 192 and 256). Q's tile is then free only once O has left it, so the next work
+    /// item's Q loads after the epilogue rather than beside it.
     pub fn o_in_q(&self) -> bool {
         self.plan_with(false).0.bytes() > MAX_SMEM
     }
@@ -395,6 +401,8 @@ pub(crate) fn generate(cfg: &FwdConfig) -> Result<Module, PtxError> {
         (HalfType::Bf16, 128, 128) => build::<Bf16x2, N128, N128>(cfg),
         (HalfType::F16, 128, 176) => build::<F16x2, N176, N128>(cfg),
         (HalfType::Bf16, 128, 176) => build::<Bf16x2, N176, N128>(cfg),
+        (HalfType::F16, 192, 112) => build::<F16x2, N112, N192>(cfg),
+        (HalfType::Bf16, 192, 112) => build::<Bf16x2, N112, N192>(cfg),
         (HalfType::F16, 256, 80) => build::<F16x2, N80, N256>(cfg),
         (HalfType::Bf16, 256, 80) => build::<Bf16x2, N80, N256>(cfg),
         (_, d, n) => Err(PtxError::BadOperand(format!(
@@ -1788,7 +1796,7 @@ mod tests {
                 }
             }
         }
-        assert_eq!(configs.len(), 16);
+        assert_eq!(configs.len(), 20);
         for cfg in configs {
             let s = Shape::of(&cfg);
             let ptx = generate(&cfg).unwrap().to_ptx();
@@ -1833,7 +1841,7 @@ mod tests {
             assert!(narrow.plan().0.bytes() <= MAX_SMEM, "d{d}");
             let (plan, slots) = s.plan();
             assert!(plan.bytes() <= MAX_SMEM, "d{d}: {} bytes", plan.bytes());
-            assert_eq!(s.o_in_q(), d == 256, "d{d}");
+            assert_eq!(s.o_in_q(), d >= 192, "d{d}");
             assert_eq!(slots.o == slots.q, s.o_in_q(), "d{d}");
             assert_eq!(slots.o.layout, s.q_layout());
         }
@@ -1882,7 +1890,7 @@ mod tests {
             .into_iter()
             .filter(|c| c.path == super::super::Path::Sm90 && c.padded)
             .collect();
-        assert_eq!(padded.len(), 48);
+        assert_eq!(padded.len(), 64);
         for cfg in padded {
             let id = cfg.id();
             let ptx = generate(&cfg).unwrap().to_ptx();
