@@ -202,17 +202,18 @@ fn info() -> Result<(), Failure> {
             }
         }
     }
-    let padded: Vec<String> = [8, 40, 80, 96, 160, 192, 248]
+    // Those of these head dims that have no kernel of their own on this GPU's path.
+    let padded: Vec<String> = [8, 32, 40, 80, 96, 160, 192, 248]
         .into_iter()
         .filter_map(|d| {
             let shape = AttnShape::square(8, 32, 4096, d);
             let cfg = dispatch(arch, sms, HalfType::F16, &shape, false, 0.1).ok()?;
-            Some(format!("d{d} -> {}", cfg.id()))
+            cfg.padded.then(|| format!("d{d} -> {}", cfg.id()))
         })
         .collect();
     out!(
-        "  other multiples of 8 up to 256 run the next larger kernel, padded (sm80 ones for \
-         packed batches): {}",
+        "  head dims without a kernel of their own (any multiple of 8 up to 256) run the next \
+         larger one, padded (packed batches: an sm80 one): {}",
         padded.join(", ")
     );
     match detected {

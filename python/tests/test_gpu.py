@@ -74,7 +74,8 @@ CASES = [
     (1, 4, 4, 1023, 1023, 96),
     (2, 16, 2, 257, 257, 192),
     (1, 16, 2, 2048, 2048, 128),
-    # Head dims without a kernel of their own: padded onto the next larger sm80 kernel.
+    # Head dims without a kernel of their own: padded onto the next larger kernel (on Hopper
+    # an sm90a one, elsewhere an sm80 one).
     (2, 8, 8, 77, 333, 40),
     (1, 8, 2, 300, 129, 80),
     (2, 4, 4, 1, 17, 160),

@@ -81,6 +81,7 @@ pub fn has_tile(head_dim: u32, block_m: u32) -> bool {
 pub fn has_split(head_dim: u32, block_m: u32) -> bool {
     head_dim == 64 && block_m == 64
 }
+
 /// Whether there is a padded kernel ([`FwdConfig::padded`]) for head dim `head_dim` with
 /// `block_m`-row query tiles (and split keys or not): the two- and one-consumer kernels
 /// of each head dim.
