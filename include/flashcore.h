@@ -197,8 +197,8 @@ void flashcore_destroy(FlashcoreContext *ctx);
  *
  *   q: [B, Sq, Hq, D]    k, v: [B, Sk, Hkv, D]    o: [B, Sq, Hq, D] (written)
  *   all of one dtype (f16 or bf16), D a multiple of 8 up to 256 (kernels for 32, 64, 96, 128, 192,
- *   256; the others run on the next larger one, their extra columns zero-filled and never
- *   written), Hq a multiple of Hkv (GQA/MQA),
+ *   256, on Hopper 64, 128, 192, 256; the others run on the next larger one, their extra
+ *   columns zero-filled and never written), Hq a multiple of Hkv (GQA/MQA),
  *   pointers 16-byte aligned, strides[3] == 1 and other strides multiples of 16 bytes.
  *   lse:           0, or a device pointer to float32 [B, Hq, Sq] (contiguous) that receives
  *                  the natural-log log-sum-exp of each row's scaled scores.
