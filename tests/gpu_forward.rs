@@ -669,7 +669,8 @@ fn sm90_padded_kernels() {
     let mut cases = Vec::new();
     for (i, d) in [40, 80, 96, 160, 200].into_iter().enumerate() {
         let dtype = [HalfType::F16, HalfType::Bf16][i % 2];
-        let head_dim = sm90::padded_head_dim(d).unwrap();
+        let (head_dim, padded) = sm90::padded_head_dim(d).unwrap();
+        assert!(padded, "{d}");
         for causal in [false, true] {
             for block_m in [128, 64] {
                 for fold_scale in [true, false] {

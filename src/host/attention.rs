@@ -56,8 +56,10 @@ pub fn dispatch(
 ) -> Result<FwdConfig, String> {
     let path = path_for_arch(arch)?;
     let block_m = sm90_block_m(shape, sm_count, causal);
-    if path == Path::Sm90 && sm90_has_kernel(shape, block_m) {
-        let (head_dim, padded) = sm90_head_dim(shape).expect("checked by sm90_has_kernel");
+    let sm90_kernel = sm90::padded_head_dim(shape.head_dim);
+    if let (Path::Sm90, Some((head_dim, padded))) = (path, sm90_kernel)
+        && sm90_has_kernel(shape, block_m)
+    {
         let split_keys = sm90_split_keys(shape, block_m);
         return Ok(FwdConfig {
             path,
@@ -124,21 +126,11 @@ pub(crate) fn kernel_head_dim(shape: &AttnShape) -> Result<u32, String> {
     u32::try_from(shape.head_dim).map_err(|_| format!("no kernel for head dim {}", shape.head_dim))
 }
 
-/// The sm90 path's kernel head dim for `shape`, and whether it is padded
-/// ([`FwdConfig::padded`]): its own head dim where the path has kernels for it, else the
-/// next one up ([`sm90::padded_head_dim`]).
-pub(crate) fn sm90_head_dim(shape: &AttnShape) -> Option<(u32, bool)> {
-    match kernel_head_dim(shape) {
-        Ok(d) if sm90::HEAD_DIMS.contains(&d) => Some((d, false)),
-        _ => sm90::padded_head_dim(shape.head_dim).map(|d| (d, true)),
-    }
-}
-
 /// Whether the sm90 path has a kernel for `shape` with `block_m`-row query tiles: its head
 /// dim (padded or not) and tile, and work items that fit the 31 bits the persistent
 /// kernel numbers them in.
 fn sm90_has_kernel(shape: &AttnShape, block_m: u32) -> bool {
-    let tile = match sm90_head_dim(shape) {
+    let tile = match sm90::padded_head_dim(shape.head_dim) {
         Some((d, false)) => sm90::has_tile(d, block_m),
         Some((d, true)) => sm90::has_padded(d, block_m, false),
         None => false,
@@ -236,10 +228,10 @@ pub(crate) fn sm90_output_map(o: &TensorView, packed: bool) -> Option<TensorMap>
 }
 
 /// The maps an sm90 forward launch of `cfg` takes: Q's, K's and V's, and O's where O can
-/// go out by TMA ([`sm90_output_map`]). A padded kernel ([`FwdConfig::padded`]) has no
-/// direct stores of O (they would write the kernel's columns, past the tensors'), so
-/// there a packed batch or a refused map of O refuses the launch, as a refused input map
-/// does.
+/// go out by TMA ([`sm90_output_map`]). A padded kernel ([`FwdConfig::padded`]) must
+/// store O by TMA, which clips its extra columns (its direct stores would write the
+/// kernel's columns, past the tensors'), so there a packed batch or a refused map of O
+/// refuses the launch, as a refused input map does.
 fn sm90_maps(
     cfg: &FwdConfig,
     [q, k, v, o]: [&TensorView; 4],
@@ -499,7 +491,7 @@ impl Attention {
             Path::Sm80 => dispatch_sm80(arch, sms, problem.dtype, &shape, problem.causal)
                 .ok()
                 .map(|c| (c.head_dim, c.padded)),
-            Path::Sm90 => sm90_head_dim(&shape),
+            Path::Sm90 => sm90::padded_head_dim(shape.head_dim),
         };
         let same = (cfg.dtype, cfg.causal) == (planned.dtype, planned.causal)
             && kernel_head_dim == Some((cfg.head_dim, cfg.padded))
@@ -903,8 +895,9 @@ mod tests {
             let cfg = dispatch((9, 0), 132, HalfType::Bf16, &shape, true, 0.125).unwrap();
             let want = match sm90::HEAD_DIMS.contains(&(d as u32)) {
                 true => (d as u32, false),
-                false => (sm90::padded_head_dim(d).unwrap(), true),
+                false => (sm90::padded_head_dim(d).unwrap().0, true),
             };
+            assert_eq!(sm90::padded_head_dim(d), Some(want), "d{d}");
             assert_eq!(cfg.path, Path::Sm90, "d{d}");
             assert_eq!((cfg.head_dim, cfg.padded), want, "d{d}");
             let forced = dispatch_sm80((9, 0), 132, HalfType::Bf16, &shape, true).unwrap();

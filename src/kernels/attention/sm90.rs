@@ -89,16 +89,20 @@ pub fn has_padded(head_dim: u32, block_m: u32, split_keys: bool) -> bool {
     has_tile(head_dim, block_m) && block_m != 192 && !split_keys
 }
 
-/// The kernel head dim that runs a tensor head dim of `d` that has no kernel of its
-/// own on this path: the smallest larger one of [`HEAD_DIMS`], for a multiple of 8 up
-/// to 256 (8 to 56 on the 64 kernel, 72 to 120 on 128, 136 to 184 on 192, 200 to 248 on
-/// 256). `None` for the path's own head dims and for anything else.
-pub fn padded_head_dim(d: usize) -> Option<u32> {
+/// The kernel head dim of this path that serves a tensor head dim of `d`, and whether it
+/// is padded ([`FwdConfig::padded`]), as [`super::padded_head_dim`] gives it for the sm80
+/// path: `d` itself where [`HEAD_DIMS`] has it, else the smallest larger one for a
+/// multiple of 8 up to 256 (8 to 56 on the 64 kernel, 72 to 120 on 128, 136 to 184 on
+/// 192, 200 to 248 on 256). `None` for anything else.
+pub fn padded_head_dim(d: usize) -> Option<(u32, bool)> {
     let d = u32::try_from(d).ok()?;
-    if d == 0 || !d.is_multiple_of(8) || HEAD_DIMS.contains(&d) {
+    if HEAD_DIMS.contains(&d) {
+        return Some((d, false));
+    }
+    if d == 0 || !d.is_multiple_of(8) {
         return None;
     }
-    HEAD_DIMS.iter().copied().find(|&k| k > d)
+    HEAD_DIMS.iter().find(|&&k| k > d).map(|&k| (k, true))
 }
 
 /// Registers per thread after reallocation: 128·40 + 256·232 = 64512 <= 65536 (but see
