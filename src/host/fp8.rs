@@ -689,14 +689,32 @@ mod tests {
         let cfg = dispatch_fp8((9, 0), PathChoice::Best, &problem(d, b, h, s)).unwrap();
         assert_eq!(cfg.path, Fp8Path::Sm90);
         // A batch stride of 2^40 bytes passes validation's 16-byte rule, but no tensor
-        // map holds it: no maps, so the launch takes the sm89 kernel. 16 bytes less is
-        // a map (encoding it needs the driver, absent on CPU machines).
+        // map holds it: no maps, so the launch takes the sm89 kernel. 16 bytes less
+        // passes the maps' own checks (the driver has the last word); the ordinary
+        // stride gets maps (encoding them needs the driver, absent on CPU machines).
         ops.k.strides[0] = 1 << 40;
         assert!(matches!(sm90_maps_or_fallback(&cfg, &ops), Ok(None)));
         ops.k.strides[0] = (1 << 40) - 16;
-        match sm90_maps_or_fallback(&cfg, &ops) {
-            Ok(Some(_)) | Err(Error::NoDriver) => {}
-            other => panic!("a describable view gave {other:?}"),
+        let specs = sm90_map_specs(&cfg, &ops);
+        assert!(specs.iter().all(|(map, ptr)| map.validate(*ptr).is_ok()));
+        ops.k.strides[0] = s * h * d;
+        // Encoding needs a current context (without one the driver refuses every map):
+        // device 0's where the machine has a GPU; a machine without a driver gets
+        // NoDriver.
+        let gpu = crate::host::device::device_count().unwrap_or(0) > 0;
+        let device = gpu.then(|| crate::host::device::Device::new(0).expect("device 0"));
+        if let Some(device) = &device {
+            device
+                .context()
+                .bind_to_thread()
+                .expect("a current context");
+        }
+        // (A driver without a device has no context to encode in.)
+        if device.is_some() || !crate::host::device::driver_present() {
+            match sm90_maps_or_fallback(&cfg, &ops) {
+                Ok(Some(_)) | Err(Error::NoDriver) => {}
+                other => panic!("a describable view gave {other:?}"),
+            }
         }
         ops.vt.strides[1] = 1 << 40;
         assert!(matches!(sm90_maps_or_fallback(&cfg, &ops), Ok(None)));
