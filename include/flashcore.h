@@ -50,7 +50,7 @@ extern "C" {
 #define FLASHCORE_ERROR_SHAPE_MISMATCH 4       /* tensors disagree on a dimension */
 #define FLASHCORE_ERROR_BAD_STRIDES 5          /* unusable or negative stride */
 #define FLASHCORE_ERROR_EMPTY_DIMENSION 6      /* a dimension is zero */
-#define FLASHCORE_ERROR_UNSUPPORTED_HEAD_DIM 7 /* head_dim has no kernel (forward: a multiple of 8 up to 256; decode, merge: 32, 64, 96, 128, 192, 256; FP8: 64, 128, 256) */
+#define FLASHCORE_ERROR_UNSUPPORTED_HEAD_DIM 7 /* head_dim has no kernel (forward, decode, merge: a multiple of 8 up to 256; FP8 and e4m3 caches: 64, 128, 256) */
 #define FLASHCORE_ERROR_UNSUPPORTED_DTYPE 8    /* not f16/bf16 (FP8: e4m3 codes), mixed, or unknown code */
 #define FLASHCORE_ERROR_HEAD_RATIO 9           /* q heads not a multiple of k/v heads */
 #define FLASHCORE_ERROR_NULL_POINTER 10        /* a tensor's device pointer is 0 */
@@ -291,8 +291,10 @@ int32_t flashcore_check_forward_varlen(const FlashcoreTensor *q, const Flashcore
  * cache, asynchronously on `stream`. Query i of Sq is position len - Sq + i of its
  * sequence (the lengths count the new tokens: append them first).
  *
- *   q, o:          [B, Sq, Hq, D], 1 <= Sq <= 16, of the cache's dtype; D in
- *                  {32, 64, 96, 128, 192, 256}; Hq a multiple of Hkv (GQA/MQA); pointers
+ *   q, o:          [B, Sq, Hq, D], 1 <= Sq <= 16, of the cache's dtype; D a multiple of 8
+ *                  up to 256 (one without a kernel of its own, 80 say, runs the next
+ *                  larger of 32, 64, 96, 128, 192, 256 padded; an e4m3 cache: 64, 128,
+ *                  256); Hq a multiple of Hkv (GQA/MQA); pointers
  *                  16-byte aligned, strides[3] == 1 and other strides multiples of 16 bytes.
  *   cache:         see FlashcoreKvCache; its batch is q's.
  *   host_seqlens, host_block_table: NULL, or host copies (see above).
@@ -413,8 +415,8 @@ int32_t flashcore_check_append_kv_fp8kv(const FlashcoreKvCache *cache, const Fla
  * their keys gives, asynchronously on `stream`:
  *   out = sum_i exp(lse_i - lse) * o_i,   lse = log(sum_i exp(lse_i)).
  *
- *   parts:         shard 0's output, [B, S, H, D], f16, bf16 or f32, D in {32, 64, 96,
- *                  128, 192, 256}; shard i's is the same view moved i * shard_stride
+ *   parts:         shard 0's output, [B, S, H, D], f16, bf16 or f32, D a multiple of 8
+ *                  up to 256; shard i's is the same view moved i * shard_stride
  *                  elements (shard_stride * element size a multiple of 16 bytes when
  *                  count > 1). Pointer 16-byte aligned, strides[3] == 1 and other strides
  *                  multiples of 16 bytes.

@@ -162,7 +162,7 @@ return_codes! {
     FLASHCORE_ERROR_EMPTY_DIMENSION = 6 for Error::EmptyDimension { .. },
         "a dimension is zero";
     FLASHCORE_ERROR_UNSUPPORTED_HEAD_DIM = 7 for Error::UnsupportedHeadDim(..),
-        "head_dim has no kernel (forward: a multiple of 8 up to 256; decode, merge: 32, 64, 96, 128, 192, 256; FP8: 64, 128, 256)";
+        "head_dim has no kernel (forward, decode, merge: a multiple of 8 up to 256; FP8 and e4m3 caches: 64, 128, 256)";
     FLASHCORE_ERROR_UNSUPPORTED_DTYPE = 8 for Error::UnsupportedDType(_),
         "not f16/bf16 (FP8: e4m3 codes), mixed, or unknown code";
     FLASHCORE_ERROR_HEAD_RATIO = 9 for Error::HeadRatio { .. },

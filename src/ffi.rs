@@ -2210,11 +2210,12 @@ mod tests {
             code(&bshd(4 * GB, [3, 1, 4, 64]), &cache(false)),
             FLASHCORE_ERROR_SHAPE_MISMATCH
         );
-        let mut d80 = cache(false);
-        d80.k.shape[3] = 80;
-        d80.v.shape[3] = 80;
+        // 264: no kernel (80 runs the 96 one padded).
+        let mut d264 = cache(false);
+        d264.k.shape[3] = 264;
+        d264.v.shape[3] = 264;
         assert_eq!(
-            code(&bshd(4 * GB, [2, 1, 4, 80]), &d80),
+            code(&bshd(4 * GB, [2, 1, 4, 264]), &d264),
             FLASHCORE_ERROR_UNSUPPORTED_HEAD_DIM
         );
         let mut bf = c;
@@ -2996,10 +2997,11 @@ mod tests {
             check(&parts, 3, n, 2 * GB, &longer),
             FLASHCORE_ERROR_SHAPE_MISMATCH
         );
-        let d80 = bshd(GB, [2, 5, 4, 80]);
-        let o80 = bshd(3 * GB, [2, 5, 4, 80]);
+        // 264: no kernel (80 runs the 96 one padded).
+        let d264 = bshd(GB, [2, 5, 4, 264]);
+        let o264 = bshd(3 * GB, [2, 5, 4, 264]);
         assert_eq!(
-            check(&d80, 1, 0, 2 * GB, &o80),
+            check(&d264, 1, 0, 2 * GB, &o264),
             FLASHCORE_ERROR_UNSUPPORTED_HEAD_DIM
         );
         // SAFETY: null struct pointers are allowed and reported.

@@ -66,6 +66,9 @@ struct Case {
     host_check: bool,
     /// Pass a workspace instead of letting the call allocate.
     workspace: bool,
+    /// Elements between one row of O's head dim and the next row (a view into a wider
+    /// tensor): they must keep their poison.
+    o_gap: usize,
 }
 
 impl std::fmt::Display for Case {
@@ -85,7 +88,11 @@ impl std::fmt::Display for Case {
                 format!("page {}", self.page)
             },
             if self.causal { " causal" } else { "" }
-        )
+        )?;
+        if self.o_gap > 0 {
+            write!(f, " o gap {}", self.o_gap)?;
+        }
+        Ok(())
     }
 }
 
@@ -324,11 +331,20 @@ fn run_case(attn: &Attention, s: &Arc<CudaStream>, rng: &mut Rng, c: &Case) -> (
     let nq = b * c.seqlen_q * c.heads_q * c.head_dim;
     let (q_bits, q) = reference::random_half(rng, nq, c.dtype);
     let dq = up(s, &q_bits);
-    let o = up(s, &vec![reference::poison(c.dtype); nq]);
+    // O's rows are `o_gap` elements wider than the head dim.
+    let o_row = c.head_dim + c.o_gap;
+    let rows = b * c.seqlen_q * c.heads_q;
+    let poison = reference::poison(c.dtype);
+    let o = up(s, &vec![poison; rows * o_row]);
     let lse = up(s, &vec![f32::NAN; b * c.heads_q * c.seqlen_q]);
     let dt = dtype_of(c.dtype);
     let qv = TensorView::bshd(ptr(s, &dq), dt, b, c.seqlen_q, c.heads_q, c.head_dim);
-    let ov = TensorView::bshd(ptr(s, &o), dt, b, c.seqlen_q, c.heads_q, c.head_dim);
+    let ov = TensorView::strided(
+        ptr(s, &o),
+        dt,
+        [b, c.seqlen_q, c.heads_q, c.head_dim],
+        [c.seqlen_q * c.heads_q * o_row, c.heads_q * o_row, o_row, 1],
+    );
     let kv = cache.view(s, c);
     let params = AttentionParams {
         softmax_scale: None,
@@ -356,7 +372,18 @@ fn run_case(attn: &Attention, s: &Arc<CudaStream>, rng: &mut Rng, c: &Case) -> (
         )
     }
     .unwrap_or_else(|e| panic!("{c}: {e}"));
-    let got = half_bits_to_f64(&down(s, &o), c.dtype);
+    let o_bits = down(s, &o);
+    let written = o_bits
+        .chunks(o_row)
+        .enumerate()
+        .flat_map(|(r, row)| row[c.head_dim..].iter().map(move |&x| (r, x)))
+        .find(|&(_, x)| x != poison);
+    assert_eq!(written, None, "{c}: a column past the head dim was written");
+    let o_bits: Vec<u16> = o_bits
+        .chunks(o_row)
+        .flat_map(|row| row[..c.head_dim].iter().copied())
+        .collect();
+    let got = half_bits_to_f64(&o_bits, c.dtype);
     let got_lse: Vec<f64> = down(s, &lse).into_iter().map(f64::from).collect();
     let scale = 1.0 / (c.head_dim as f64).sqrt();
     let (want, want_lse) = reference_decode(c, &q, &cache, scale as f32 as f64);
@@ -420,6 +447,7 @@ fn case(
         causal,
         host_check: true,
         workspace: false,
+        o_gap: 0,
     }
 }
 
@@ -511,6 +539,7 @@ fn random_case(rng: &mut Rng, head_dims: &[usize]) -> Case {
         causal: rng.uniform() < 0.5,
         host_check: rng.uniform() < 0.5,
         workspace: rng.uniform() < 0.5,
+        o_gap: 0,
     }
 }
 
@@ -529,6 +558,52 @@ fn random_cases(count: usize, head_dims: &[usize]) -> Vec<Case> {
 #[ignore = "needs a CUDA GPU"]
 fn decode_random_configurations() {
     run_all(&random_cases(40, &[32, 64, 96, 128, 192, 256]));
+}
+
+/// The head dims without a decode kernel of their own (the next larger one runs
+/// padded): several of each kernel's, contiguous and paged, one split and many (their
+/// merge padded too), GQA and MQA, causal speculative rows; O a view into a wider tensor
+/// whose columns past the head dim must stay unwritten.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn decode_padded_head_dims() {
+    let mut cases = Vec::new();
+    for d in [8, 40, 56, 80, 112, 136, 160, 200, 248] {
+        cases.push(case(HalfType::F16, (8, 2), d, 2, &[777, 3, 2048], 16, true));
+        let mut wide = case(HalfType::Bf16, (4, 4), d, 1, &[1500, 1], 0, false);
+        wide.o_gap = 8;
+        cases.push(wide);
+    }
+    // Long sequences: many splits, GQA 8:1, with a workspace from the caller.
+    let mut long = case(HalfType::F16, (8, 1), 80, 1, &[32768], 64, false);
+    long.workspace = true;
+    long.o_gap = 16;
+    cases.push(long);
+    let mut long = case(HalfType::Bf16, (16, 2), 80, 16, &[32768, 9, 4097], 0, true);
+    long.host_check = false;
+    cases.push(long);
+    cases.push(case(
+        HalfType::Bf16,
+        (32, 8),
+        136,
+        1,
+        &[8192, 7],
+        256,
+        false,
+    ));
+    run_all(&cases);
+}
+
+/// Random configurations (as [`decode_random_configurations`]) at head dims that run a
+/// padded kernel.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn decode_padded_random_configurations() {
+    let dims: Vec<usize> = (8..=248)
+        .step_by(8)
+        .filter(|d| ![32, 64, 96, 128, 192].contains(d))
+        .collect();
+    run_all(&random_cases(24, &dims));
 }
 
 /// One decode step (kernel and merge) captured in a CUDA graph and replayed with new
@@ -817,14 +892,18 @@ fn merge_of_shards_matches_one_shot_attention() {
     let mut seeds = seeds();
     let few = vec![700, 1, 0, 333];
     let many: Vec<usize> = (0..43).map(|i| [0, 1, 90, 7, 300, 33][i % 6]).collect();
-    for (dtype, out_dtype, shards) in [
-        (HalfType::F16, DType::F16, &few),
-        (HalfType::Bf16, DType::F32, &few),
-        (HalfType::F16, DType::Bf16, &few),
-        (HalfType::Bf16, DType::Bf16, &many),
+    // Head dims of a merge kernel, and padded ones (80 on the 96 kernel, 136 on 256).
+    for (dtype, out_dtype, shards, d) in [
+        (HalfType::F16, DType::F16, &few, 128),
+        (HalfType::Bf16, DType::F32, &few, 128),
+        (HalfType::F16, DType::Bf16, &few, 128),
+        (HalfType::Bf16, DType::Bf16, &many, 128),
+        (HalfType::F16, DType::F16, &few, 80),
+        (HalfType::Bf16, DType::F32, &few, 136),
+        (HalfType::F16, DType::Bf16, &few, 40),
     ] {
         let mut rng = seeds.next_case();
-        let (b, sq, hq, hkv, d) = (2, 37, 8, 2, 128);
+        let (b, sq, hq, hkv) = (2, 37, 8, 2);
         let sk: usize = shards.iter().sum();
         let nq = b * sq * hq * d;
         let (qb, q) = reference::random_half(&mut rng, nq, dtype);
@@ -932,11 +1011,11 @@ fn merge_of_shards_matches_one_shot_attention() {
             .zip(&want.lse)
             .map(|(g, w)| (g - w).abs())
             .fold(0.0, f64::max);
-        println!("merge {dtype:?} -> {out_dtype}: out {err:.2e} lse {lse_err:.2e}");
+        println!("merge {dtype:?} -> {out_dtype} d{d}: out {err:.2e} lse {lse_err:.2e}");
         let tol = tolerance(dtype).max(out_dtype.half_type().map_or(0.0, tolerance));
         assert!(
             err <= tol && lse_err < 1e-3,
-            "merge {dtype:?} -> {out_dtype}: {err} {lse_err}"
+            "merge {dtype:?} -> {out_dtype} d{d}: {err} {lse_err}"
         );
     }
 }
@@ -955,6 +1034,16 @@ fn decode_small_for_sanitizers() {
     for d in [32, 96, 192, 256] {
         cases.push(case(HalfType::F16, (2, 1), d, 2, &[70, 3], 64, true));
     }
+    // Padded kernels: two splits and their padded merge, and single splits storing only
+    // the head dim's columns.
+    let mut split = case(HalfType::F16, (8, 2), 80, 3, &[1, 7, 300], 16, true);
+    split.workspace = true;
+    cases.push(split);
+    let mut wide = case(HalfType::Bf16, (4, 2), 40, 1, &[5, 40], 0, false);
+    wide.o_gap = 8;
+    cases.push(wide);
+    cases.push(case(HalfType::F16, (2, 1), 136, 2, &[70, 3], 64, true));
+    cases.push(case(HalfType::Bf16, (2, 1), 248, 1, &[300, 2], 0, false));
     run_all(&cases);
 }
 

@@ -405,8 +405,9 @@ def decode(
 ):
     """Attention of a few new query tokens per sequence against a KV cache (split-KV decode).
 
-    q: [B, Sq, Hq, D], 1 <= Sq <= 16 new tokens per sequence; float16 or bfloat16; D in
-        32, 64, 96, 128, 192, 256; Hq a multiple of Hkv (GQA/MQA by head count).
+    q: [B, Sq, Hq, D], 1 <= Sq <= 16 new tokens per sequence; float16 or bfloat16; D a
+        multiple of 8 up to 256 (80, say, runs the 96 kernel padded); Hq a multiple of Hkv
+        (GQA/MQA by head count).
     k_cache, v_cache: q's dtype, or torch.float8_e4m3fn codes with k_scale and v_scale (an
         FP8 cache: D in 64, 128, 256, a GPU of sm_89 or newer; q either 16-bit dtype).
         Contiguous cache (block_table None): [B, capacity, Hkv, D].
@@ -692,7 +693,7 @@ def merge(o_parts, lse_parts, *, out_dtype=None, return_lse=False, layout="bshd"
 
     o_parts: [N, B, S, H, D] (layout="bshd", decode's and FlashAttention's order) or
         [N, B, H, S, D] (layout="bhsd", flashcore.attention's default), float16, bfloat16
-        or float32, D in 32, 64, 96, 128, 192, 256; or a list of N such 4-d tensors
+        or float32, D a multiple of 8 up to 256; or a list of N such 4-d tensors
         (stacked first). Read in place when each shard is kernel-ready and the shard
         stride is a multiple of 16 bytes, else copied.
     lse_parts: float32 [N, B, H, S] (as flashcore.attention(..., return_lse=True) and

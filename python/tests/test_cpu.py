@@ -268,18 +268,22 @@ def test_c_abi_serving_checks_arrive_as_flashcore_errors():
         assert e.value.name == name, (count, stride, lse)
 
 
+@pytest.mark.parametrize("d", [128, 80], ids=["d128", "d80"])
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
-def test_serving_fake_shapes(paged):
-    q, lens = meta(3, 4, 32, 128), i32(3)
+def test_serving_fake_shapes(paged, d):
+    # 80 has no kernel of its own: the 96 one runs padded, for decode and the merge.
+    q, lens = meta(3, 4, 32, d), i32(3)
     if paged:
-        k, v, table = meta(96, 16, 8, 128), meta(96, 16, 8, 128), i32(3, 32)
+        k, v, table = meta(96, 16, 8, d), meta(96, 16, 8, d), i32(3, 32)
     else:
-        k, v, table = meta(3, 512, 8, 128), meta(3, 512, 8, 128), None
+        k, v, table = meta(3, 512, 8, d), meta(3, 512, 8, d), None
     o = flashcore.decode(q, k, v, lens, block_table=table, causal=True)
     assert o.shape == q.shape and o.dtype == q.dtype and o.device.type == "meta" and o.is_contiguous()
     o, lse = flashcore.decode(q, k, v, lens, block_table=table, return_lse=True, scale=0.1)
     assert o.shape == q.shape and lse.shape == (3, 32, 4) and lse.dtype == torch.float32
-    assert flashcore.append_kv(k, v, lens, meta(3, 2, 8, 128), meta(3, 2, 8, 128), block_table=table) is None
+    assert flashcore.append_kv(k, v, lens, meta(3, 2, 8, d), meta(3, 2, 8, d), block_table=table) is None
+    parts = meta(3, 3, 4, 32, d, dtype=torch.float32)
+    assert flashcore.merge(parts, meta(3, 3, 32, 4, dtype=torch.float32)).shape == q.shape
 
 
 def test_merge_fake_shapes():
@@ -299,7 +303,7 @@ def test_merge_fake_shapes():
     [
         ((2, 17, 8, 128), (2, 64, 8, 128), None, torch.float16, None, "FLASHCORE_ERROR_INVALID_ARGUMENT", "1 to 16"),
         ((2, 1, 12, 128), (2, 64, 8, 128), None, torch.float16, None, "FLASHCORE_ERROR_HEAD_RATIO", "12"),
-        ((2, 1, 8, 80), (2, 64, 8, 80), None, torch.float16, None, "FLASHCORE_ERROR_UNSUPPORTED_HEAD_DIM", "80"),
+        ((2, 1, 8, 264), (2, 64, 8, 264), None, torch.float16, None, "FLASHCORE_ERROR_UNSUPPORTED_HEAD_DIM", "264"),
         ((2, 1, 8, 64), (2, 64, 8, 64), None, torch.float16, torch.bfloat16, "FLASHCORE_ERROR_UNSUPPORTED_DTYPE", "share"),
         ((2, 1, 8, 64), (2, 64, 8, 64), None, torch.float32, None, "FLASHCORE_ERROR_UNSUPPORTED_DTYPE", "f16 or bf16"),
         ((2, 1, 8, 64), (3, 64, 8, 64), None, torch.float16, None, "FLASHCORE_ERROR_SHAPE_MISMATCH", "batch"),
@@ -328,7 +332,7 @@ def test_fake_append_and_merge_apply_flashcore_rules():
     with pytest.raises(FlashcoreError, match="too many for one append"):
         flashcore.append_kv(k, k.clone(), lens, meta(2, 65, 8, 64), meta(2, 65, 8, 64))
     with pytest.raises(FlashcoreError, match="UNSUPPORTED_HEAD_DIM"):
-        flashcore.merge(meta(2, 1, 3, 4, 80), meta(2, 1, 4, 3, dtype=torch.float32))
+        flashcore.merge(meta(2, 1, 3, 4, 264), meta(2, 1, 4, 3, dtype=torch.float32))
     with pytest.raises(FlashcoreError, match="EMPTY_DIMENSION"):
         flashcore.merge(meta(0, 1, 3, 4, 64), meta(0, 1, 4, 3, dtype=torch.float32))
 

@@ -22,18 +22,20 @@ use super::launch::{LaunchDims, launch, launch_programmatic};
 use super::module::{Carveout, LoadedKernel};
 use super::tensor::{AttentionParams, DType, LseView, TensorView};
 use super::validate::{
-    LSE_ALIGN, MAX_GRID_YZ, MAX_SEQLEN, TENSOR_ALIGN, byte_range_of, check_no_self_overlap,
-    check_not_empty, check_pointer, check_scale, check_strides, head_dim_in, lse_byte_range,
-    overlaps, views_disjoint,
+    FWD_PADDED_HEAD_DIMS_TEXT, LSE_ALIGN, MAX_GRID_YZ, MAX_SEQLEN, TENSOR_ALIGN, byte_range_of,
+    check_no_self_overlap, check_not_empty, check_pointer, check_scale, check_strides,
+    lse_byte_range, overlaps, views_disjoint,
 };
 use crate::error::{Error, Result};
 use crate::kernels::attention::HalfType;
 use crate::kernels::attention::append::{AppendArgs, AppendConfig, THREADS as APPEND_THREADS};
 use crate::kernels::attention::decode::{self, DecodeArgs, DecodeConfig, MAX_QUERIES, ROWS};
-use crate::kernels::attention::merge::{MergeArgs, MergeConfig, MergeType};
+use crate::kernels::attention::merge::{self, MergeArgs, MergeConfig, MergeType};
 
-/// The head dims of the serving kernels, as error text.
-const HEAD_DIMS_TEXT: &str = "32, 64, 96, 128, 192, 256";
+/// The head dims of decode with a 16-bit cache and of the merge, as error text: those of
+/// the forward, the same kernels serving them ([`decode::kernel_head_dim`],
+/// [`merge::kernel_head_dim`]).
+const HEAD_DIMS_TEXT: &str = FWD_PADDED_HEAD_DIMS_TEXT;
 /// The fewest keys a split is given: below this the merge costs more than it saves.
 const MIN_SPLIT_KEYS: usize = 256;
 /// The most splits of one sequence.
@@ -216,9 +218,7 @@ pub fn decode_problem(
             shape.head_dim
         )));
     }
-    if !head_dim_in(&decode::HEAD_DIMS, head_dim) {
-        return Err(Error::UnsupportedHeadDim(head_dim, HEAD_DIMS_TEXT));
-    }
+    decode_head_dim(head_dim, shape.fp8)?;
     if !heads_q.is_multiple_of(shape.heads_kv) {
         return Err(Error::HeadRatio {
             hq: heads_q,
@@ -252,6 +252,20 @@ pub fn decode_problem(
     }
     check_scale(params)?;
     Ok(problem)
+}
+
+/// The decode kernel head dim for a cache of head dim `head_dim`, and whether it runs
+/// padded ([`decode::kernel_head_dim`]); an error naming the head dims the cache's type
+/// takes otherwise.
+fn decode_head_dim(head_dim: usize, fp8: bool) -> Result<(u32, bool)> {
+    decode::kernel_head_dim(head_dim, fp8).ok_or_else(|| {
+        let text = if fp8 {
+            super::fp8::FP8_HEAD_DIMS_TEXT
+        } else {
+            HEAD_DIMS_TEXT
+        };
+        Error::UnsupportedHeadDim(head_dim, text)
+    })
 }
 
 fn check_lse_pointer(lse: Option<&LseView>) -> Result<()> {
@@ -310,14 +324,7 @@ pub fn plan_decode(p: &DecodeProblem, sm_count: u32, smem_optin: u32) -> Result<
             c.batch, p.heads_q, c.heads_kv, c.head_dim, c.capacity, p.seqlen_q
         )));
     }
-    let (dims, text): (&[u32], _) = if c.fp8 {
-        (&decode::FP8_HEAD_DIMS, super::fp8::FP8_HEAD_DIMS_TEXT)
-    } else {
-        (&decode::HEAD_DIMS, HEAD_DIMS_TEXT)
-    };
-    if !head_dim_in(dims, c.head_dim) {
-        return Err(Error::UnsupportedHeadDim(c.head_dim, text));
-    }
+    let kernel_head_dim = decode_head_dim(c.head_dim, c.fp8)?;
     // The partial results' rows (one per split, sequence, query and head) are counted in
     // 31 bits by the merge, as `validate_merge` requires of a caller's.
     let rows = c
@@ -332,7 +339,7 @@ pub fn plan_decode(p: &DecodeProblem, sm_count: u32, smem_optin: u32) -> Result<
                 c.batch, p.seqlen_q, p.heads_q
             ))
         })?;
-    let cfg = DecodeConfig::candidates(p.dtype, c.head_dim as u32, c.page_size > 0, c.fp8)
+    let cfg = DecodeConfig::candidates(p.dtype, kernel_head_dim, c.page_size > 0, c.fp8)
         .into_iter()
         .find(|c| c.smem_bytes() <= smem_optin)
         .ok_or_else(|| {
@@ -399,7 +406,8 @@ pub fn plan_decode(p: &DecodeProblem, sm_count: u32, smem_optin: u32) -> Result<
         splits
             .checked_mul(rows)
             .and_then(|split_rows| {
-                let partials = split_rows.checked_mul(p.cache.head_dim * 4)?;
+                // Rows of the kernel's head dim (a padded kernel's extra columns are 0).
+                let partials = split_rows.checked_mul(cfg.head_dim as usize * 4)?;
                 partials
                     .checked_next_multiple_of(256)?
                     .checked_add(split_rows * 4)
@@ -539,9 +547,8 @@ pub fn validate_merge(
     let input = merge_type("parts", o.dtype)?;
     let output = merge_type("out", out.dtype)?;
     let [batch, seqlen, heads, head_dim] = o.shape;
-    if !head_dim_in(&decode::HEAD_DIMS, head_dim) {
-        return Err(Error::UnsupportedHeadDim(head_dim, HEAD_DIMS_TEXT));
-    }
+    let (kernel_head_dim, padded) = merge::kernel_head_dim(head_dim)
+        .ok_or(Error::UnsupportedHeadDim(head_dim, HEAD_DIMS_TEXT))?;
     let rows = batch.checked_mul(seqlen).and_then(|n| n.checked_mul(heads));
     if rows.is_none_or(|r| r >= 1 << 31) || parts.count >= 1 << 31 {
         return Err(Error::InvalidArgument(format!(
@@ -615,9 +622,50 @@ pub fn validate_merge(
     Ok(MergeConfig {
         input,
         output,
-        head_dim: head_dim as u32,
+        head_dim: kernel_head_dim,
         programmatic: false,
+        padded,
     })
+}
+
+/// Launches a merge kernel with its by-value `args` and, in a padded kernel, the rows'
+/// head dim `columns` (the parts' innermost extent).
+///
+/// # Safety
+///
+/// As for [`launch`]: `args` must describe live device memory of the kernel's context
+/// that it may read (the parts) and write (the output), `stream` be null or a live stream
+/// of that context.
+unsafe fn launch_merge(
+    kernel: &LoadedKernel,
+    cfg: &MergeConfig,
+    args: &mut MergeArgs,
+    columns: usize,
+    dims: &LaunchDims,
+    stream: CUstream,
+    programmatic: bool,
+) -> Result<()> {
+    // Validated (or the decode's own cache's): at most 256.
+    let mut head_dim = columns as u32;
+    let args_ptr = (args as *mut MergeArgs).cast::<c_void>();
+    let head_dim_ptr = (&mut head_dim as *mut u32).cast::<c_void>();
+    let mut with_head_dim = [args_ptr, head_dim_ptr];
+    let mut alone = [args_ptr];
+    let params: &mut [*mut c_void] = if cfg.padded {
+        &mut with_head_dim
+    } else {
+        &mut alone
+    };
+    // SAFETY: the kernel's parameters are the by-value `MergeArgs`, which `args` is, and
+    // in a padded kernel the `u32` head dim, which `head_dim` is; both outlive the call;
+    // the caller vouches for the memory `args` names and for `stream`.
+    unsafe {
+        if programmatic {
+            launch_programmatic(kernel, dims, stream, params)
+        } else {
+            launch(kernel, dims, stream, params)
+        }
+    }
 }
 
 /// The merge kernel's arguments and grid.
@@ -749,11 +797,17 @@ impl Attention {
         )?;
         // On Hopper the combine is launched programmatically behind the decode kernel.
         let programmatic = self.device().compute_capability().0 >= 9;
+        // The merge reads the cache's columns of the workspace's rows, which are the
+        // decode kernel's (wider where it is padded).
+        let (merge_head_dim, merge_padded) = merge::kernel_head_dim(problem.cache.head_dim).ok_or(
+            Error::UnsupportedHeadDim(problem.cache.head_dim, HEAD_DIMS_TEXT),
+        )?;
         let merge_cfg = MergeConfig {
             input: MergeType::F32,
             output: merge_type("o", o.dtype)?,
-            head_dim: problem.cache.head_dim as u32,
+            head_dim: merge_head_dim,
             programmatic,
+            padded: merge_padded,
         };
         let merge = if plan.splits > 1 {
             Some(self.load_merge(&merge_cfg)?)
@@ -766,7 +820,8 @@ impl Attention {
             (bytes, None) => (self.alloc_async(bytes, stream)?, true),
         };
         let rows = plan.splits * problem.cache.batch * problem.seqlen_q * problem.heads_q;
-        let lse_part = ws + (rows * problem.cache.head_dim * 4).next_multiple_of(256) as u64;
+        let row = plan.config.head_dim as usize;
+        let lse_part = ws + (rows * row * 4).next_multiple_of(256) as u64;
         let c = &problem.cache;
         let (block_table, table_stride) = cache.layout.table();
         let (k_scale, v_scale, k_scale_stride, v_scale_stride) = scale_fields(cache);
@@ -811,14 +866,26 @@ impl Attention {
             block: (plan.config.threads(), 1, 1),
             dynamic_smem: plan.config.smem_bytes(),
         };
-        let mut params = [(&mut args as *mut DecodeArgs).cast::<c_void>()];
-        // SAFETY: the kernel's one parameter is the by-value `DecodeArgs`, which `args` is;
-        // validation checked every pointer the block carries (non-null, aligned, extents
-        // that fit, outputs apart from inputs); the kernel clamps the device lengths to the
-        // capacity and follows no block-table entry outside the pool, so it reads only the
-        // cache's extents; the workspace holds `workspace_bytes` (checked, or allocated
+        // A padded kernel's second parameter: the cache's head dim (below the kernel's).
+        let mut head_dim = c.head_dim as u32;
+        let args_ptr = (&mut args as *mut DecodeArgs).cast::<c_void>();
+        let head_dim_ptr = (&mut head_dim as *mut u32).cast::<c_void>();
+        let mut with_head_dim = [args_ptr, head_dim_ptr];
+        let mut alone = [args_ptr];
+        let params: &mut [*mut c_void] = if plan.config.padded {
+            &mut with_head_dim
+        } else {
+            &mut alone
+        };
+        // SAFETY: the kernel's parameters are the by-value `DecodeArgs`, which `args` is,
+        // and in a padded kernel the `u32` head dim, which `head_dim` is; both outlive the
+        // call. Validation checked every pointer the block carries (non-null, aligned,
+        // extents that fit, outputs apart from inputs); the kernel clamps the device
+        // lengths to the capacity and follows no block-table entry outside the pool, so it
+        // reads only the cache's extents (a padded kernel no column past the head dim, nor
+        // writes one of o); the workspace holds `workspace_bytes` (checked, or allocated
         // above); this function's contract makes the memory live and `stream` valid.
-        let launched = unsafe { launch(&kernel, &dims, stream, &mut params) };
+        let launched = unsafe { launch(&kernel, &dims, stream, params) };
         let merged = match (launched, merge) {
             (Ok(()), Some(merge)) => {
                 let parts = MergeParts {
@@ -827,29 +894,32 @@ impl Attention {
                         DType::F32,
                         [c.batch, problem.seqlen_q, problem.heads_q, c.head_dim],
                         [
-                            problem.seqlen_q * problem.heads_q * c.head_dim,
-                            problem.heads_q * c.head_dim,
-                            c.head_dim,
+                            problem.seqlen_q * problem.heads_q * row,
+                            problem.heads_q * row,
+                            row,
                             1,
                         ],
                     ),
                     count: plan.splits,
-                    shard_stride: c.batch * problem.seqlen_q * problem.heads_q * c.head_dim,
+                    shard_stride: c.batch * problem.seqlen_q * problem.heads_q * row,
                     lse: lse_part,
                 };
                 let (mut margs, mdims) = merge_launch(&parts, o, lse, &merge_cfg);
-                let mut mparams = [(&mut margs as *mut MergeArgs).cast::<c_void>()];
-                // SAFETY: the merge kernel's one parameter is the by-value `MergeArgs`; it
-                // reads the partial results the decode kernel wrote to the workspace
-                // (its layout is `parts`) and writes `o` and `lse`, validated above. A
-                // programmatic launch may start it before the decode kernel has
-                // finished: its first instruction waits for that kernel's end and writes.
+                // SAFETY: `margs` describes the partial results the decode kernel wrote to
+                // the workspace (its layout is `parts`), which the merge reads, and `o` and
+                // `lse`, validated above, which it writes. A programmatic launch may start
+                // it before the decode kernel has finished: its first instruction waits
+                // for that kernel's end and writes.
                 unsafe {
-                    if programmatic {
-                        launch_programmatic(&merge, &mdims, stream, &mut mparams)
-                    } else {
-                        launch(&merge, &mdims, stream, &mut mparams)
-                    }
+                    launch_merge(
+                        &merge,
+                        &merge_cfg,
+                        &mut margs,
+                        c.head_dim,
+                        &mdims,
+                        stream,
+                        programmatic,
+                    )
                 }
             }
             (r, _) => r,
@@ -951,11 +1021,11 @@ impl Attention {
         let cfg = validate_merge(parts, out, out_lse)?;
         let kernel = self.load_merge(&cfg)?;
         let (mut args, dims) = merge_launch(parts, out, out_lse, &cfg);
-        let mut params = [(&mut args as *mut MergeArgs).cast::<c_void>()];
-        // SAFETY: the one parameter is the by-value `MergeArgs`; the kernel reads the
-        // shards' validated extents and writes `out` and
-        // `out_lse`'s; this function's contract makes the memory live.
-        unsafe { launch(&kernel, &dims, stream, &mut params) }
+        let columns = parts.o.shape[3];
+        // SAFETY: `args` describes the shards' validated extents, which the kernel reads,
+        // and `out`'s and `out_lse`'s, which it writes (a padded kernel only the rows'
+        // columns); this function's contract makes the memory live.
+        unsafe { launch_merge(&kernel, &cfg, &mut args, columns, &dims, stream, false) }
     }
 
     /// An e4m3 cache needs sm_89's conversions.
@@ -1339,10 +1409,12 @@ mod tests {
             check(&q(3, 1, 4, 64, 4 * GB), &cache(2, 64, 2, 64, None)),
             Err(Error::ShapeMismatch(_))
         ));
-        assert!(matches!(
-            check(&q(2, 1, 4, 80, 4 * GB), &cache(2, 64, 2, 80, None)),
-            Err(Error::UnsupportedHeadDim(80, _))
-        ));
+        for d in [264, 512, 1024] {
+            assert!(matches!(
+                check(&q(2, 1, 4, d, 4 * GB), &cache(2, 64, 2, d, None)),
+                Err(Error::UnsupportedHeadDim(got, HEAD_DIMS_TEXT)) if got == d
+            ));
+        }
         assert!(matches!(
             check(&q(2, 1, 4, 64, 4 * GB + 8), &c),
             Err(Error::Misaligned { .. })
@@ -1411,9 +1483,18 @@ mod tests {
         let mut uneven = p;
         uneven.heads_q = 7;
         assert!(plan_decode(&uneven, 132, 227 * 1024).is_err());
-        // Head dims without a kernel: 80 (whose generator would index past its tables),
-        // 2^32 + 64 (not narrowed onto 64), and the 16-bit-only ones on an e4m3 cache.
-        for (d, fp8) in [(80, false), ((1 << 32) + 64, false), (32, true), (96, true)] {
+        // Head dims without a kernel: 84 and 264 (whose generators would index past
+        // their tables), 2^32 + 64 (not narrowed onto 64), and the 16-bit-only ones on an
+        // e4m3 cache, 80 among them.
+        let unserved = [
+            (84, false),
+            (264, false),
+            ((1 << 32) + 64, false),
+            (32, true),
+            (96, true),
+            (80, true),
+        ];
+        for (d, fp8) in unserved {
             let mut odd = p;
             odd.cache.head_dim = d;
             odd.cache.fp8 = fp8;
@@ -1702,6 +1783,63 @@ mod tests {
         assert!(matches!(
             plan_decode(&huge, 132, 227 * 1024),
             Err(Error::InvalidArgument(_))
+        ));
+    }
+
+    #[test]
+    fn head_dims_without_a_kernel_run_the_next_one_padded() {
+        let q80 = q(2, 3, 8, 80, 4 * GB);
+        for paged in [None, Some(16)] {
+            let c = cache(2, 32768, 2, 80, paged);
+            let p = check(&q80, &c).unwrap();
+            let plan = plan_decode(&p, 132, 227 * 1024).unwrap();
+            assert_eq!(
+                (plan.config.head_dim, plan.config.padded),
+                (96, true),
+                "{paged:?}"
+            );
+            assert!(plan.config.id().ends_with("_padded"));
+            assert!(plan.splits > 1);
+            // The workspace holds rows of the kernel's 96 columns, then the LSEs.
+            let rows = plan.splits * 2 * 3 * 8;
+            assert_eq!(
+                plan.workspace_bytes,
+                (rows * 96 * 4).next_multiple_of(256) + rows * 4
+            );
+        }
+        // Head dims of a kernel stay unpadded; an e4m3 cache takes only its own three.
+        for d in [32, 64, 96, 128, 192, 256] {
+            let p = check(&q(1, 1, 8, d, 4 * GB), &cache(1, 4096, 2, d, None)).unwrap();
+            let cfg = plan_decode(&p, 132, 227 * 1024).unwrap().config;
+            assert_eq!((cfg.head_dim, cfg.padded), (d as u32, false));
+        }
+        let e4m3 = fp8_cache(2, 64, 2, 80, None);
+        assert!(matches!(
+            decode_problem(&q(2, 1, 4, 80, 4 * GB), &e4m3, &AttentionParams::default()),
+            Err(Error::UnsupportedHeadDim(80, _))
+        ));
+        // The merge: 80 on the padded 96 kernel, 136 on the 256 one.
+        for (d, kernel) in [(80, 96), (136, 256), (8, 64), (248, 256)] {
+            let parts = MergeParts {
+                o: TensorView::bshd(GB, DType::F32, 2, 5, 4, d),
+                count: 3,
+                shard_stride: 2 * 5 * 4 * d,
+                lse: 2 * GB,
+            };
+            let out = TensorView::bshd(3 * GB, DType::Bf16, 2, 5, 4, d);
+            let cfg = validate_merge(&parts, &out, None).unwrap();
+            assert_eq!((cfg.head_dim, cfg.padded), (kernel, true), "d{d}");
+        }
+        let parts = MergeParts {
+            o: TensorView::bshd(GB, DType::F32, 2, 5, 4, 84),
+            count: 3,
+            shard_stride: 2 * 5 * 4 * 88,
+            lse: 2 * GB,
+        };
+        let out = TensorView::bshd(3 * GB, DType::F32, 2, 5, 4, 84);
+        assert!(matches!(
+            validate_merge(&parts, &out, None),
+            Err(Error::UnsupportedHeadDim(84, HEAD_DIMS_TEXT))
         ));
     }
 

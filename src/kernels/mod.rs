@@ -266,6 +266,7 @@ mod tests {
             stages: 3,
             warps: 4,
             fp8: false,
+            padded: false,
         };
         refused("decode at head dim 80", decode.generate());
         let e4m3 = DecodeConfig {
@@ -274,13 +275,27 @@ mod tests {
             ..decode
         };
         refused("e4m3 decode at head dim 0", e4m3.generate());
+        let e4m3_padded = DecodeConfig {
+            head_dim: 128,
+            fp8: true,
+            padded: true,
+            ..decode
+        };
+        refused("padded e4m3 decode", e4m3_padded.generate());
         let merge = MergeConfig {
             input: MergeType::F32,
             output: MergeType::F16,
             head_dim: 80,
             programmatic: false,
+            padded: false,
         };
         refused("merge at head dim 80", merge.generate());
+        let merge = MergeConfig {
+            head_dim: 192,
+            padded: true,
+            ..merge
+        };
+        refused("padded merge at head dim 192", merge.generate());
         // The catalog's own pass (their modules are the assembly test's).
         for spec in catalog().into_iter().take(3) {
             assert!(spec.generate().is_ok(), "{}", spec.id());

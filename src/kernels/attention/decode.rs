@@ -57,11 +57,11 @@ use std::mem::offset_of;
 use super::rows::{Rows, Slab, half_of, zeroed_slabs};
 use super::sm80::{LaneRoles, frag_addresses};
 use super::softmax::{OnlineSoftmax, pack_probs, rescale_rows};
-use super::{FWD_HEAD_DIMS, HalfType};
+use super::{FWD_HEAD_DIMS, HalfType, PADDED_HEAD_DIMS, padded_head_dim};
 use crate::ptx::{
-    B32, Bf16x2, Cmp, F16x2, F32, Half2, Kernel, KernelText, Module, ParamBytes, Pred, PtxError,
-    PtxType, RawSlot, Reg, S32, Smem, SmemAddr, SmemLayout, SmemPlan, Special, Swizzle, Target,
-    TileSlot, U32, U64,
+    B32, Bf16x2, Cmp, F16x2, F32, Half2, Kernel, KernelText, Module, Param, ParamBytes, Pred,
+    PtxError, PtxType, RawSlot, Reg, S32, Smem, SmemAddr, SmemLayout, SmemPlan, Special, Swizzle,
+    Target, TileSlot, U32, U64,
 };
 
 /// Packed query rows per block (one MMA tile).
@@ -97,6 +97,24 @@ pub struct DecodeConfig {
     pub warps: u32,
     /// The cache holds e4m3 codes with per-(position, head) scales.
     pub fp8: bool,
+    /// The cache's head dim is a multiple of 8 below `head_dim` (80 on the 96 kernel;
+    /// see [`kernel_head_dim`]), the kernel's second parameter. The copies zero-fill the
+    /// columns past it in shared memory, where they add nothing to `Q·Kᵀ` and give O
+    /// zero columns, which a single split does not store (several write them to the
+    /// workspace, whose merge reads only the cache's columns). 16-bit caches only.
+    pub padded: bool,
+}
+
+/// The decode kernel head dim that serves a cache of head dim `d`, and whether it runs
+/// padded ([`DecodeConfig::padded`]): a 16-bit cache's as the forward's
+/// ([`padded_head_dim`]: every multiple of 8 up to 256, 80 on the 96 kernel); an e4m3
+/// cache's only [`FP8_HEAD_DIMS`], unpadded.
+pub fn kernel_head_dim(d: usize, fp8: bool) -> Option<(u32, bool)> {
+    if fp8 {
+        let d = u32::try_from(d).ok()?;
+        return FP8_HEAD_DIMS.contains(&d).then_some((d, false));
+    }
+    padded_head_dim(d)
 }
 
 impl DecodeConfig {
@@ -123,7 +141,12 @@ impl DecodeConfig {
 
     /// The ring shapes to try, best first, on a GPU whose blocks may use `smem_optin`
     /// bytes: the preferred ring, two stages, two stages of half the keys.
-    pub fn candidates(dtype: HalfType, head_dim: u32, paged: bool, fp8: bool) -> [DecodeConfig; 3] {
+    pub fn candidates(
+        dtype: HalfType,
+        (head_dim, padded): (u32, bool),
+        paged: bool,
+        fp8: bool,
+    ) -> [DecodeConfig; 3] {
         let cfg = |stages, warps| DecodeConfig {
             dtype,
             head_dim,
@@ -131,6 +154,7 @@ impl DecodeConfig {
             stages,
             warps,
             fp8,
+            padded,
         };
         [
             cfg(Self::preferred_stages(head_dim, paged, fp8), 4),
@@ -140,16 +164,18 @@ impl DecodeConfig {
     }
 
     /// The kernel id, also its PTX entry name: `attn_decode_f16_d128_s3w4_paged`,
-    /// `attn_decode_bf16_kv_e4m3_d128_s4w4` (an e4m3 cache, bf16 queries).
+    /// `attn_decode_bf16_kv_e4m3_d128_s4w4` (an e4m3 cache, bf16 queries),
+    /// `attn_decode_f16_d96_s3w4_padded`.
     pub fn id(&self) -> String {
         format!(
-            "attn_decode_{}{}_d{}_s{}w{}{}",
+            "attn_decode_{}{}_d{}_s{}w{}{}{}",
             self.dtype.name(),
             if self.fp8 { "_kv_e4m3" } else { "" },
             self.head_dim,
             self.stages,
             self.warps,
-            if self.paged { "_paged" } else { "" }
+            if self.paged { "_paged" } else { "" },
+            if self.padded { "_padded" } else { "" }
         )
     }
 
@@ -315,7 +341,8 @@ impl Slots {
 }
 
 /// Every decode configuration the dispatch can choose: each head dim's
-/// [`DecodeConfig::candidates`], for 16-bit caches and (head dims 64, 128, 256) e4m3.
+/// [`DecodeConfig::candidates`], for 16-bit caches (unpadded, and padded where
+/// [`PADDED_HEAD_DIMS`] has the head dim) and (head dims 64, 128, 256) e4m3.
 pub fn all_decode_configs() -> Vec<DecodeConfig> {
     let mut v = Vec::new();
     for fp8 in [false, true] {
@@ -324,10 +351,18 @@ pub fn all_decode_configs() -> Vec<DecodeConfig> {
                 if fp8 && !FP8_HEAD_DIMS.contains(&head_dim) {
                     continue;
                 }
-                for paged in [false, true] {
-                    for cfg in DecodeConfig::candidates(dtype, head_dim, paged, fp8) {
-                        if !v.contains(&cfg) {
-                            v.push(cfg);
+                let paddings: &[bool] = if !fp8 && PADDED_HEAD_DIMS.contains(&head_dim) {
+                    &[false, true]
+                } else {
+                    &[false]
+                };
+                for &padded in paddings {
+                    for paged in [false, true] {
+                        let kernel = (head_dim, padded);
+                        for cfg in DecodeConfig::candidates(dtype, kernel, paged, fp8) {
+                            if !v.contains(&cfg) {
+                                v.push(cfg);
+                            }
                         }
                     }
                 }
@@ -496,7 +531,7 @@ struct Work {
 /// One thread's part in filling a tile of `layout` with `cp.async`: thread `t` copies
 /// 16-byte chunk `t % cpb` of rows `t / cpb + i · rows_per_pass` of every column block
 /// (`cpb` chunks per column-block row).
-#[derive(Clone, Copy)]
+#[derive(Clone)]
 struct Loader {
     layout: SmemLayout,
     threads: u32,
@@ -504,10 +539,28 @@ struct Loader {
     thread_row: Reg<U32>,
     /// Swizzled shared offset of this thread's chunk in its first row (column block 0).
     line: Reg<U32>,
+    /// A padded kernel's ([`DecodeConfig::padded`]) column checks.
+    columns: Option<Columns>,
+}
+
+/// Which of a thread's chunks lie inside the cache's head dim, in a padded kernel.
+#[derive(Clone)]
+struct Columns {
+    /// Per column block, whether this thread's chunk of it does.
+    inside: Vec<Reg<Pred>>,
+    /// Bytes from a row's start to this thread's chunk of column block 0.
+    chunk_bytes: Reg<U64>,
 }
 
 impl Loader {
-    fn new(k: &mut Kernel, layout: SmemLayout, threads: u32, tid: Reg<U32>) -> Loader {
+    /// `head_dim`: the cache's head dim, in a padded kernel.
+    fn new(
+        k: &mut Kernel,
+        layout: SmemLayout,
+        threads: u32,
+        tid: Reg<U32>,
+        head_dim: Option<Reg<U32>>,
+    ) -> Loader {
         let row_bytes = layout.block_bytes;
         let cpb = row_bytes / 16;
         let chunk = k.and(tid, cpb - 1);
@@ -515,12 +568,27 @@ impl Loader {
         let line = k.mul(thread_row, row_bytes);
         let line = k.mad(chunk, 16u32, line);
         let line = layout.swizzle.apply_in(k, line);
+        let columns = head_dim.map(|d| {
+            let first_col = k.mul(chunk, 16 / layout.elem_bytes);
+            let inside = (0..layout.col_blocks())
+                .map(|block| {
+                    let col = k.add(first_col, block * layout.block_cols());
+                    k.setp(Cmp::Lt, col, d)
+                })
+                .collect();
+            let chunk_bytes = k.shl(chunk, 4);
+            Columns {
+                inside,
+                chunk_bytes: k.cvt_u64_u32(chunk_bytes),
+            }
+        });
         Loader {
             layout,
             threads,
             chunk,
             thread_row,
             line,
+            columns,
         }
     }
 
@@ -541,11 +609,20 @@ impl Loader {
         16 / self.layout.elem_bytes
     }
 
-    /// Copies one row (this thread's chunk of each column block) from `src` to the
-    /// tile row at shared address `dst`, or zero-fills it when `bytes` is 0.
+    /// Copies one row (this thread's chunk of each column block) from `src` (this
+    /// thread's chunk of column block 0 of a row of the tensor) to the tile row at shared
+    /// address `dst`, or zero-fills it when `bytes` is 0. In a padded kernel the chunks
+    /// past the head dim are zero-filled, by copies of 0 bytes from the row's start.
     fn copy_row(&self, k: &mut Kernel, dst: SmemAddr, rows: u32, src: Reg<U64>, bytes: Reg<U32>) {
+        let origin = self.columns.as_ref().map(|c| k.sub(src, c.chunk_bytes));
         for block in 0..self.col_blocks() {
-            let from = k.add(src, (block * self.row_bytes()) as u64);
+            let mut from = k.add(src, (block * self.row_bytes()) as u64);
+            let mut bytes = bytes;
+            if let (Some(c), Some(origin)) = (&self.columns, origin) {
+                let inside = c.inside[block as usize];
+                from = k.selp(from, origin, inside);
+                bytes = k.selp(bytes, 0u32, inside);
+            }
             let to = k.smem_offset(dst, block * rows * self.row_bytes());
             k.cp_async_16(to, from, bytes);
         }
@@ -908,6 +985,8 @@ fn build<H: Half2>(cfg: &DecodeConfig) -> Result<KernelText, PtxError> {
     k.max_threads(cfg.threads())
         .min_blocks_per_sm(cfg.resident_blocks());
     let args = k.param_bytes("args", DecodeArgs::SIZE, 8);
+    // A padded kernel's second parameter: the cache's head dim (below the kernel's).
+    let head_dim = cfg.padded.then(|| k.param::<U32>("head_dim"));
     let smem = k.shared_memory(&plan);
     let tid = k.special(Special::TidX);
     let lane = k.and(tid, 31u32);
@@ -920,11 +999,12 @@ fn build<H: Half2>(cfg: &DecodeConfig) -> Result<KernelText, PtxError> {
     let packed_rows = k.mul(seqlen_q, group);
     let row_base = k.mul(block.chunk, ROWS);
 
-    let loader = Loader::new(&mut k, cfg.kv_layout(), cfg.threads(), tid);
-    // The ring's loader: the 16-bit one, or one for rows of e4m3 codes.
+    let columns = head_dim.map(|p| k.load_param(p));
+    let loader = Loader::new(&mut k, cfg.kv_layout(), cfg.threads(), tid, columns);
+    // The ring's loader: the 16-bit one, or one for rows of e4m3 codes (never padded).
     let ring_loader = match &slots.codes {
-        Some(_) => Loader::new(&mut k, cfg.code_layout(), cfg.threads(), tid),
-        None => loader,
+        Some(_) => Loader::new(&mut k, cfg.code_layout(), cfg.threads(), tid, None),
+        None => loader.clone(),
     };
     let cache = Cache::new(&mut k, args, cfg, &block, &ring_loader);
     let scale_loader = slots
@@ -1070,7 +1150,13 @@ fn build<H: Half2>(cfg: &DecodeConfig) -> Result<KernelText, PtxError> {
         let e = k.add(e, c);
         let e = k.shl(e, 1);
         let src = k.add(q, e);
-        let src = k.selp(src, q, valid);
+        // A row past the queries copies nothing, from this thread's chunk of Q's row 0
+        // (the whole chunk address, so that a padded kernel's row start is Q's).
+        let fallback = match &loader.columns {
+            Some(c) => k.add(q, c.chunk_bytes),
+            None => q,
+        };
+        let src = k.selp(src, fallback, valid);
         let bytes = k.selp(16u32, 0u32, valid);
         let dst = smem.tile_byte(&mut k, q_slot, loader.line);
         let dst = k.smem_offset(dst, pass * rpp * loader.row_bytes());
@@ -1227,6 +1313,7 @@ fn build<H: Half2>(cfg: &DecodeConfig) -> Result<KernelText, PtxError> {
         lane,
         row_base,
         packed_rows,
+        head_dim,
     );
     k.finish()
 }
@@ -1537,6 +1624,7 @@ fn merge_warps_and_store<H: Half2>(
     lane: Reg<U32>,
     row_base: Reg<U32>,
     packed_rows: Reg<U32>,
+    head_dim: Option<Param<U32>>,
 ) {
     let d = cfg.head_dim;
     k.comment("Merge the warps: (m, l) and O of each through shared memory.");
@@ -1582,12 +1670,15 @@ fn merge_warps_and_store<H: Half2>(
     let r = k.add(row_base, row);
     let inside = k.setp(Cmp::Lt, r, packed_rows);
     k.if_(inside, |k| {
-        merge_row_and_store::<H>(k, cfg, args, base, w, [row, part, r], cols);
+        merge_row_and_store::<H>(k, cfg, args, base, w, [row, part, r], cols, head_dim);
     });
 }
 
 /// One thread's share of the warps' merge: columns `part·cols ..` of packed row `row`
-/// (`r` counted from the batch's first), from the scratch at `base`; stores them.
+/// (`r` counted from the batch's first), from the scratch at `base`; stores them (in a
+/// padded kernel, those below the cache's head dim `head_dim` in O; all of them in the
+/// workspace, whose rows are the kernel's).
+#[allow(clippy::too_many_arguments)]
 fn merge_row_and_store<H: Half2>(
     k: &mut Kernel,
     cfg: &DecodeConfig,
@@ -1596,6 +1687,7 @@ fn merge_row_and_store<H: Half2>(
     w: &Work,
     [row, part, r]: [Reg<U32>; 3],
     cols: u32,
+    head_dim: Option<Param<U32>>,
 ) {
     let d = cfg.head_dim;
     let stats_bytes = cfg.stats_bytes();
@@ -1671,9 +1763,20 @@ fn merge_row_and_store<H: Half2>(
             let e = k.add(e, c);
             let e = k.shl(e, 1);
             let addr = k.add(o, e);
+            // A padded kernel: the columns left to the head dim from this thread's first.
+            let left = head_dim.map(|p| {
+                let d = k.load_param(p);
+                k.sub(d.cast::<S32>(), col0.cast::<S32>())
+            });
             for (i, pair) in acc.chunks(2).enumerate() {
                 let word = k.pack_half2::<H>(pair[0], pair[1]);
-                k.st_global(addr, (4 * i) as i32, word);
+                match left {
+                    Some(left) => {
+                        let inside = k.setp(Cmp::Gt, left, (2 * i) as i32);
+                        k.guarded(inside, true, |k| k.st_global(addr, (4 * i) as i32, word));
+                    }
+                    None => k.st_global(addr, (4 * i) as i32, word),
+                }
             }
             let lse_ptr = arg::<U64>(k, args, offset_of!(DecodeArgs, lse));
             let wanted = k.setp(Cmp::Ne, lse_ptr, 0u64);
@@ -1785,6 +1888,79 @@ mod tests {
         }
     }
 
+    /// Every multiple of 8 up to 256 has a 16-bit-cache kernel (80 on the padded 96
+    /// one); an e4m3 cache only its three; nothing else has one.
+    #[test]
+    fn head_dims_map_onto_listed_kernels() {
+        let listed = all_decode_configs();
+        for d in (8..=256).step_by(8) {
+            let (kd, padded) = kernel_head_dim(d, false).unwrap();
+            assert!(kd as usize >= d && padded == (kd as usize != d), "{d}");
+            for paged in [false, true] {
+                for c in DecodeConfig::candidates(HalfType::Bf16, (kd, padded), paged, false) {
+                    assert!(listed.contains(&c), "{d}: {}", c.id());
+                }
+            }
+        }
+        assert_eq!(kernel_head_dim(80, false), Some((96, true)));
+        assert_eq!(kernel_head_dim(136, false), Some((192, true)));
+        assert_eq!(kernel_head_dim(96, false), Some((96, false)));
+        for d in [0, 4, 84, 264, 1 << 40] {
+            assert_eq!(kernel_head_dim(d, false), None, "{d}");
+        }
+        for d in (8..=256).step_by(8) {
+            let fp8 = FP8_HEAD_DIMS.contains(&(d as u32));
+            assert_eq!(kernel_head_dim(d, true), fp8.then_some((d as u32, false)));
+        }
+        assert!(listed.iter().all(|c| !(c.fp8 && c.padded)));
+    }
+
+    /// A padded kernel takes the cache's head dim as a second parameter and checks each
+    /// column block of every copy against it (zero-filling those past it) and each pair
+    /// of O's columns before storing it; the same copies and stores as the unpadded
+    /// kernel of its shape, which has none of that.
+    #[test]
+    fn padded_kernels_check_their_columns() {
+        let count = |ptx: &str, what: &str| ptx.matches(what).count();
+        let mut seen = 0;
+        for cfg in all_decode_configs().into_iter().filter(|c| c.padded) {
+            let id = cfg.id();
+            let padded = cfg.generate().unwrap().to_ptx();
+            let plain = DecodeConfig {
+                padded: false,
+                ..cfg
+            }
+            .generate()
+            .unwrap()
+            .to_ptx();
+            assert!(padded.contains(".param .u32 head_dim"), "{id}");
+            assert!(!plain.contains(".param .u32 head_dim"), "{id}");
+            for what in ["cp.async.cg.shared.global", "st.global"] {
+                assert_eq!(count(&padded, what), count(&plain, what), "{id}: {what}");
+            }
+            // Q's copies and each pass of K's and V's: one check per column block.
+            let blocks = cfg.kv_layout().col_blocks() as usize;
+            let copies = count(&plain, "cp.async.cg.shared.global");
+            assert!(
+                count(&padded, "selp.b32") >= count(&plain, "selp.b32") + copies,
+                "{id}"
+            );
+            assert!(copies % blocks == 0, "{id}");
+            // Every 16-bit store of O (one split) under a guard.
+            let words = (cfg.head_dim / (cfg.threads() / ROWS) / 2) as usize;
+            let guarded = |ptx: &str| {
+                ptx.lines()
+                    .filter(|l| l.trim_start().starts_with('@') && l.contains("st.global.b32"))
+                    .count()
+            };
+            assert_eq!(guarded(&padded), guarded(&plain) + words, "{id}");
+            seen += 1;
+        }
+        // Five kernel head dims, two dtypes, contiguous and paged, three rings each at 64,
+        // 96 and 128 and two at 192 and 256 (whose preferred ring has two stages).
+        assert_eq!(seen, 52);
+    }
+
     #[test]
     fn blocks_per_sm_follow_the_bytes_in_flight_and_fit_registers() {
         let cfg = |head_dim, stages, fp8| DecodeConfig {
@@ -1794,6 +1970,7 @@ mod tests {
             stages,
             warps: 4,
             fp8,
+            padded: false,
         };
         // 16-bit rings: 64 KiB in flight per SM. Head dim 128 (two 32 KiB stages in
         // flight) and 256 (one of 64 KiB) want one block per SM; head dim 64 (three of
@@ -1870,7 +2047,7 @@ mod tests {
         // Every head dim has a ring that fits the 99 KiB of sm_86/sm_89, and two blocks
         // of the preferred e4m3 ring fit an sm_90 SM at head dims 64 and 128.
         for d in HEAD_DIMS {
-            let [.., last] = DecodeConfig::candidates(HalfType::F16, d, true, false);
+            let [.., last] = DecodeConfig::candidates(HalfType::F16, (d, false), true, false);
             assert!(
                 last.smem_bytes() <= 99 * 1024,
                 "d{d}: {}",
@@ -1878,7 +2055,7 @@ mod tests {
             );
         }
         for d in FP8_HEAD_DIMS {
-            let [first, .., last] = DecodeConfig::candidates(HalfType::F16, d, true, true);
+            let [first, .., last] = DecodeConfig::candidates(HalfType::F16, (d, false), true, true);
             assert!(
                 last.smem_bytes() <= 99 * 1024,
                 "d{d}: {}",

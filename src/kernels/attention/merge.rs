@@ -24,7 +24,7 @@
 use std::mem::offset_of;
 
 use crate::ptx::{
-    Bf16x2, Cmp, F16x2, F32, Half2, Kernel, KernelText, Module, ParamBytes, Pred, PtxError,
+    Bf16x2, Cmp, F16x2, F32, Half2, Kernel, KernelText, Module, Param, ParamBytes, Pred, PtxError,
     PtxType, RawSlot, Reg, S32, SmemAddr, SmemPlan, Special, Target, U32, U64,
 };
 
@@ -71,6 +71,33 @@ pub struct MergeConfig {
     /// drains and wait (`griddepcontrol.wait`) for its writes before reading, which
     /// takes the second launch's latency off a decode step.
     pub programmatic: bool,
+    /// The rows have fewer columns than `head_dim` (80 on the 96 kernel; see
+    /// [`kernel_head_dim`]): the kernel's second parameter, which sets how many lanes
+    /// take columns. Only kernels whose lanes take a power of two of columns each
+    /// ([`PADDED_HEAD_DIMS`]).
+    pub padded: bool,
+}
+
+/// The merge kernel head dims with a padded variant ([`MergeConfig::padded`]): each
+/// lane takes 2, 4, 4 and 8 columns, which divide every multiple of 8.
+pub const PADDED_HEAD_DIMS: [u32; 4] = [64, 96, 128, 256];
+
+/// The merge kernel head dim that serves rows of `d` columns, and whether it runs
+/// padded ([`MergeConfig::padded`]): `d` itself where a kernel has it, else the smallest
+/// larger one of [`PADDED_HEAD_DIMS`] for a multiple of 8 up to 256 (80 on 96, 136 on
+/// 256). `None` for anything else.
+pub fn kernel_head_dim(d: usize) -> Option<(u32, bool)> {
+    let d = u32::try_from(d).ok()?;
+    if FWD_HEAD_DIMS.contains(&d) {
+        return Some((d, false));
+    }
+    if d == 0 || !d.is_multiple_of(8) {
+        return None;
+    }
+    PADDED_HEAD_DIMS
+        .iter()
+        .find(|&&k| k > d)
+        .map(|&k| (k, true))
 }
 
 /// The by-value argument block of the merge kernel. Strides in elements. The shards'
@@ -102,10 +129,11 @@ impl MergeArgs {
 impl MergeConfig {
     pub fn id(&self) -> String {
         format!(
-            "attn_merge_{}_to_{}_d{}{}",
+            "attn_merge_{}_to_{}_d{}{}{}",
             self.input.name(),
             self.output.name(),
             self.head_dim,
+            if self.padded { "_padded" } else { "" },
             if self.programmatic { "_pdl" } else { "" }
         )
     }
@@ -160,30 +188,34 @@ impl MergeConfig {
 
 /// Every merge configuration: any of the three element types in and out, every head
 /// dim; and the decode combine's (float32 partial results to a 16-bit output) launched
-/// programmatically on Hopper.
+/// programmatically on Hopper. Then the same for the padded kernels.
 pub fn all_merge_configs() -> Vec<MergeConfig> {
     let types = [MergeType::F16, MergeType::Bf16, MergeType::F32];
     let mut v = Vec::new();
-    for input in types {
-        for output in types {
-            for head_dim in FWD_HEAD_DIMS {
-                v.push(MergeConfig {
-                    input,
-                    output,
-                    head_dim,
-                    programmatic: false,
-                });
+    for (padded, head_dims) in [(false, &FWD_HEAD_DIMS[..]), (true, &PADDED_HEAD_DIMS[..])] {
+        for input in types {
+            for output in types {
+                for &head_dim in head_dims {
+                    v.push(MergeConfig {
+                        input,
+                        output,
+                        head_dim,
+                        programmatic: false,
+                        padded,
+                    });
+                }
             }
         }
-    }
-    for output in [MergeType::F16, MergeType::Bf16] {
-        for head_dim in FWD_HEAD_DIMS {
-            v.push(MergeConfig {
-                input: MergeType::F32,
-                output,
-                head_dim,
-                programmatic: true,
-            });
+        for output in [MergeType::F16, MergeType::Bf16] {
+            for &head_dim in head_dims {
+                v.push(MergeConfig {
+                    input: MergeType::F32,
+                    output,
+                    head_dim,
+                    programmatic: true,
+                    padded,
+                });
+            }
         }
     }
     v
@@ -255,6 +287,8 @@ fn build(cfg: &MergeConfig) -> Result<KernelText, PtxError> {
     let mut k = Kernel::new(&cfg.id());
     k.max_threads(cfg.threads());
     let args = k.param_bytes("args", MergeArgs::SIZE, 8);
+    // A padded kernel's second parameter: the rows' columns (below the kernel's).
+    let head_dim = cfg.padded.then(|| k.param::<U32>("head_dim"));
     if cfg.programmatic {
         k.comment("Wait for the kernel this one was launched behind: its writes are the input.");
         k.grid_dependency_wait();
@@ -273,7 +307,7 @@ fn build(cfg: &MergeConfig) -> Result<KernelText, PtxError> {
         totals: smem.raw(&mut k, totals),
     };
     k.if_(inside, |k| {
-        merge_row(k, cfg, args, row, [warp, lane], shared)
+        merge_row(k, cfg, args, row, [warp, lane], shared, head_dim)
     });
     k.finish()
 }
@@ -292,6 +326,7 @@ fn merge_row(
     row: Reg<U32>,
     [warp, lane]: [Reg<U32>; 2],
     shared: Shared,
+    head_dim: Option<Param<U32>>,
 ) {
     let heads = arg::<U32>(k, args, offset_of!(MergeArgs, heads));
     let seqlen = arg::<U32>(k, args, offset_of!(MergeArgs, seqlen));
@@ -317,7 +352,16 @@ fn merge_row(
         "This warp's shards: O_w = sum w_i O_i, w_i = exp(LSE_i - m_w), m_w its running max.",
     );
     let cpl = cfg.cols_per_lane();
-    let active = k.setp(Cmp::Lt, lane, cfg.head_dim / cpl);
+    // The lanes that take the row's columns: a padded kernel's from its parameter (`cpl`
+    // a power of two that divides it).
+    let lanes = head_dim.map(|p| {
+        let d = k.load_param(p);
+        k.shr(d, cpl.trailing_zeros())
+    });
+    let active = match lanes {
+        Some(n) => k.setp(Cmp::Lt, lane, n),
+        None => k.setp(Cmp::Lt, lane, cfg.head_dim / cpl),
+    };
     let st: [Reg<U64>; 4] =
         std::array::from_fn(|i| arg::<U64>(k, args, offset_of!(MergeArgs, part_stride) + 8 * i));
     let parts = arg::<U64>(k, args, offset_of!(MergeArgs, parts));
@@ -327,7 +371,13 @@ fn merge_row(
     let e = k.mad(s64, st[2], e);
     let e = k.mad(h64, st[3], e);
     // Lanes past the row's columns read the last lane's (they store nothing).
-    let col_lane = k.min(lane, cfg.head_dim / cpl - 1);
+    let col_lane = match lanes {
+        Some(n) => {
+            let last = k.sub(n, 1u32);
+            k.min(lane, last)
+        }
+        None => k.min(lane, cfg.head_dim / cpl - 1),
+    };
     let c = k.mul_wide_u32(col_lane, cpl);
     let e = k.add(e, c);
     let e = k.mul(e, u64::from(cfg.input.bytes()));
@@ -534,11 +584,53 @@ mod tests {
             output: MergeType::F16,
             head_dim,
             programmatic: false,
+            padded: false,
         };
         assert_eq!(d(128).cols_per_lane(), 4);
         assert_eq!(d(96).cols_per_lane(), 4);
         assert_eq!(d(32).cols_per_lane(), 2);
         assert_eq!(d(192).cols_per_lane(), 6);
+    }
+
+    /// Every multiple of 8 up to 256 merges on a kernel whose lanes take a whole number
+    /// of its columns (80 on the padded 96 kernel, four columns a lane); a padded kernel
+    /// counts its lanes from its second parameter.
+    #[test]
+    fn every_multiple_of_8_has_a_kernel() {
+        let listed = all_merge_configs();
+        for d in (8..=256u32).step_by(8) {
+            let (head_dim, padded) = kernel_head_dim(d as usize).unwrap();
+            assert!(head_dim >= d && padded == (head_dim != d), "{d}");
+            for programmatic in [false, true] {
+                let cfg = MergeConfig {
+                    input: MergeType::F32,
+                    output: MergeType::F16,
+                    head_dim,
+                    programmatic,
+                    padded,
+                };
+                assert!(listed.contains(&cfg), "{d}: {}", cfg.id());
+                let cpl = cfg.cols_per_lane();
+                assert_eq!(d % cpl, 0, "{d}");
+                assert!(cpl.is_power_of_two() || !padded, "{d}");
+                assert!(d / cpl <= 32, "{d}");
+            }
+        }
+        assert_eq!(kernel_head_dim(80), Some((96, true)));
+        assert_eq!(kernel_head_dim(136), Some((256, true)));
+        assert_eq!(kernel_head_dim(192), Some((192, false)));
+        for d in [0, 12, 84, 264] {
+            assert_eq!(kernel_head_dim(d), None, "{d}");
+        }
+        for cfg in listed.iter().filter(|c| c.padded) {
+            let ptx = cfg.generate().unwrap().to_ptx();
+            assert!(ptx.contains(".param .u32 head_dim"), "{}", cfg.id());
+            let plain = MergeConfig {
+                padded: false,
+                ..*cfg
+            };
+            assert!(!plain.generate().unwrap().to_ptx().contains("head_dim"));
+        }
     }
 
     #[test]
@@ -548,6 +640,7 @@ mod tests {
             output: MergeType::Bf16,
             head_dim: 128,
             programmatic: false,
+            padded: false,
         };
         let chained = MergeConfig {
             programmatic: true,
