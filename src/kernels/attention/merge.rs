@@ -28,7 +28,7 @@ use crate::ptx::{
     PtxType, RawSlot, Reg, S32, SmemAddr, SmemPlan, Special, Target, U32, U64,
 };
 
-use super::FWD_HEAD_DIMS;
+use super::{FWD_HEAD_DIMS, serving_head_dim};
 
 /// Element type of the shards or of the output.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -87,17 +87,7 @@ pub const PADDED_HEAD_DIMS: [u32; 4] = [64, 96, 128, 256];
 /// larger one of [`PADDED_HEAD_DIMS`] for a multiple of 8 up to 256 (80 on 96, 136 on
 /// 256). `None` for anything else.
 pub fn kernel_head_dim(d: usize) -> Option<(u32, bool)> {
-    let d = u32::try_from(d).ok()?;
-    if FWD_HEAD_DIMS.contains(&d) {
-        return Some((d, false));
-    }
-    if d == 0 || !d.is_multiple_of(8) {
-        return None;
-    }
-    PADDED_HEAD_DIMS
-        .iter()
-        .find(|&&k| k > d)
-        .map(|&k| (k, true))
+    serving_head_dim(d, &FWD_HEAD_DIMS, &PADDED_HEAD_DIMS)
 }
 
 /// The by-value argument block of the merge kernel. Strides in elements. The shards'

@@ -97,17 +97,23 @@ pub const PADDED_HEAD_DIMS: [u32; 5] = [64, 96, 128, 192, 256];
 /// loaded 16 bytes at a time, so a head dim that is not a multiple of 8 would share a
 /// load with what follows it.
 pub fn padded_head_dim(d: usize) -> Option<(u32, bool)> {
+    serving_head_dim(d, &FWD_HEAD_DIMS, &PADDED_HEAD_DIMS)
+}
+
+/// The kernel head dim that serves a tensor head dim of `d` among kernels of head dims
+/// `own`, with padded variants at `padded`, and whether it runs padded: `d` itself where
+/// `own` has it, else the smallest of `padded` above it for a multiple of 8. `None` for
+/// anything else (past the largest of `padded`, or not a multiple of 8: the columns move
+/// 16 bytes at a time, so such a head dim would share a load with what follows it).
+pub fn serving_head_dim(d: usize, own: &[u32], padded: &[u32]) -> Option<(u32, bool)> {
     let d = u32::try_from(d).ok()?;
-    if FWD_HEAD_DIMS.contains(&d) {
+    if own.contains(&d) {
         return Some((d, false));
     }
     if d == 0 || !d.is_multiple_of(8) {
         return None;
     }
-    PADDED_HEAD_DIMS
-        .iter()
-        .find(|&&k| k > d)
-        .map(|&k| (k, true))
+    padded.iter().find(|&&k| k > d).map(|&k| (k, true))
 }
 
 /// Whether the folded exponent ([`FwdConfig::fold_scale`]) is as safe as the unfolded

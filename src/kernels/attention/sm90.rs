@@ -95,14 +95,7 @@ pub fn has_padded(head_dim: u32, block_m: u32, split_keys: bool) -> bool {
 /// multiple of 8 up to 256 (8 to 56 on the 64 kernel, 72 to 120 on 128, 136 to 184 on
 /// 192, 200 to 248 on 256). `None` for anything else.
 pub fn padded_head_dim(d: usize) -> Option<(u32, bool)> {
-    let d = u32::try_from(d).ok()?;
-    if HEAD_DIMS.contains(&d) {
-        return Some((d, false));
-    }
-    if d == 0 || !d.is_multiple_of(8) {
-        return None;
-    }
-    HEAD_DIMS.iter().find(|&&k| k > d).map(|&k| (k, true))
+    super::serving_head_dim(d, &HEAD_DIMS, &HEAD_DIMS)
 }
 
 /// Registers per thread after reallocation: 128·40 + 256·232 = 64512 <= 65536 (but see
