@@ -138,21 +138,21 @@ cat >"$bundle/run.sh" <<'RUN_SH'
 #   bash gpu-bundle/run.sh                 # everything
 #   bash gpu-bundle/run.sh tests bench     # some groups: system hopper tests sanitize decode fp8 calibrate c python bench padded criterion profile
 #
-# Writes under $OUT (default ./out), at most 12 files, no subfolders:
+# Writes under $OUT (default ./out) at most 8 files, no subfolders (the device machine
+# returns no more than 8 files of a call):
 #   system.log     manifest, nvidia-smi, flashcore info
-#   tests.log      every test binary (--include-ignored --test-threads=1)
+#   tests.log      every test binary (--include-ignored --test-threads=1); first (group
+#                  hopper) the sm_90a proof kernels: TMA round trip + GEMM tests, GEMM vs
+#                  cuBLAS, sanitizers
 #   python.log     the wheel installed (pip --target, on PYTHONPATH): pytest, the harness
 #                  through the package, the Llama per-token benchmark
 #   sanitizer.log  compute-sanitizer memcheck / racecheck / synccheck on `flashcore run`
-#   hopper.log     sm_90a proof kernels: TMA round trip + GEMM tests, GEMM vs cuBLAS, sanitizers
 #   fp8.log        FP8: quantizer + both kernel families under the sanitizers, FP8 vs f16 and SDPA,
 #                  quantizer bandwidth; the calibration table (group calibrate)
-#   decode.log     serving: gpu_decode and gpu_varlen under the sanitizers, decode GB/s against SDPA
-#                  (decode_ours.json, decode_sdpa.json)
+#   decode.log     serving: gpu_decode and gpu_varlen under the sanitizers, decode GB/s against
+#                  SDPA; at its end the JSON of both sides (decode_ours*.json, decode_sdpa.json)
 #   bench.log      flashcore bench, SDPA bench, comparison, harness, padded head dims, criterion,
-#                  ncu profile
-#   ours.json      flashcore bench --json
-#   sdpa.json      sdpa_bench.py --json
+#                  ncu profile; at its end the JSON of both sides (ours.json, sdpa.json)
 #   (harness.py and the GEMM benches print their tables into the logs; their JSON stays in scratch)
 #   summary.txt    one line per step: status, exit code, seconds, log
 # Each step runs under a timeout; one failing step never stops the others. Steps that
@@ -252,19 +252,19 @@ fi
 if want hopper; then
     t="$bundle/tests/gpu_hopper"
     failed_before=$n_fail
-    [[ -x $t ]] && step hopper.log "test gpu_hopper" 120 "$t" --include-ignored --test-threads=1 --nocapture
+    [[ -x $t ]] && step tests.log "test gpu_hopper" 120 "$t" --include-ignored --test-threads=1 --nocapture
     if ((n_fail > failed_before)); then
         echo "gpu_hopper failed: skipping the Hopper benches and sanitizers (a hang would eat their limits)"
     else
         rm -f "$scratch/gemm_ours.json" "$scratch/gemm_cublas.json"
-        step hopper.log "flashcore gemm (8192^3)" 90 "$fc" gemm --json "$scratch/gemm_ours.json"
-        step hopper.log "cublas gemm (8192^3)" 90 python3 "$bundle/gemm_bench.py" --json "$scratch/gemm_cublas.json"
-        step hopper.log "gemm compare" 30 python3 "$bundle/gemm_bench.py" --compare "$scratch/gemm_ours.json" "$scratch/gemm_cublas.json"
+        step tests.log "flashcore gemm (8192^3)" 90 "$fc" gemm --json "$scratch/gemm_ours.json"
+        step tests.log "cublas gemm (8192^3)" 90 python3 "$bundle/gemm_bench.py" --json "$scratch/gemm_cublas.json"
+        step tests.log "gemm compare" 30 python3 "$bundle/gemm_bench.py" --compare "$scratch/gemm_ours.json" "$scratch/gemm_cublas.json"
         for tool in memcheck racecheck synccheck; do
-            step hopper.log "$tool gemm 300x520x4112" 120 \
+            step tests.log "$tool gemm 300x520x4112" 120 \
                 compute-sanitizer --tool "$tool" --error-exitcode 1 \
                 "$fc" gemm --m 300 --n 520 --k 4112 --iters 1
-            [[ -x $t ]] && step hopper.log "$tool tma round trips" 120 \
+            [[ -x $t ]] && step tests.log "$tool tma round trips" 120 \
                 compute-sanitizer --tool "$tool" --error-exitcode 1 \
                 "$t" --include-ignored --test-threads=1 tma_round_trips
         done
@@ -359,12 +359,11 @@ if want decode; then
     done
     step decode.log "flashcore varlen" 120 "$fc" varlen
     step decode.log "flashcore varlen causal" 120 "$fc" varlen --causal
-    rm -f "$OUT/decode_ours.json" "$OUT/decode_sdpa.json"
-    step decode.log "flashcore decode" 240 "$fc" decode --json "$OUT/decode_ours.json"
-    step decode.log "decode_sdpa_bench" 240 python3 "$bundle/decode_sdpa_bench.py" --json "$OUT/decode_sdpa.json"
-    step decode.log "decode compare" 30 python3 "$bundle/decode_sdpa_bench.py" --compare "$OUT/decode_ours.json" "$OUT/decode_sdpa.json"
-    step decode.log "flashcore decode (e4m3 cache)" 240 "$fc" decode --kv-dtype e4m3 --json "$OUT/decode_ours_e4m3.json"
-    step decode.log "decode compare (e4m3 cache)" 30 python3 "$bundle/decode_sdpa_bench.py" --compare "$OUT/decode_ours_e4m3.json" "$OUT/decode_sdpa.json"
+    step decode.log "flashcore decode" 240 "$fc" decode --json "$scratch/decode_ours.json"
+    step decode.log "decode_sdpa_bench" 240 python3 "$bundle/decode_sdpa_bench.py" --json "$scratch/decode_sdpa.json"
+    step decode.log "decode compare" 30 python3 "$bundle/decode_sdpa_bench.py" --compare "$scratch/decode_ours.json" "$scratch/decode_sdpa.json"
+    step decode.log "flashcore decode (e4m3 cache)" 240 "$fc" decode --kv-dtype e4m3 --json "$scratch/decode_ours_e4m3.json"
+    step decode.log "decode compare (e4m3 cache)" 30 python3 "$bundle/decode_sdpa_bench.py" --compare "$scratch/decode_ours_e4m3.json" "$scratch/decode_sdpa.json"
     step decode.log "harness --decode (C ABI vs SDPA)" 120 python3 "$bundle/harness.py" --decode \
         --lib "$bundle/release/libflashcore.so" --json "$scratch/harness_decode.json"
     step decode.log "harness --decode --kv-dtype e4m3 (C ABI vs SDPA)" 120 python3 "$bundle/harness.py" \
@@ -439,12 +438,11 @@ fi
 if want bench; then
     # The Hopper grid (D 64/128/256, S 512..16384, GQA, the reference shape; it contains
     # the default shapes) on the best path, then the sm80 path on the default shapes.
-    rm -f "$OUT/ours.json" "$OUT/sdpa.json"
-    step bench.log "flashcore bench" 300 "$fc" bench --shapes hopper --dtype f16,bf16 --json "$OUT/ours.json"
-    step bench.log "sdpa_bench" 300 python3 "$bundle/sdpa_bench.py" --shapes hopper --dtype f16,bf16 --json "$OUT/sdpa.json"
-    step bench.log "compare" 60 python3 "$bundle/sdpa_bench.py" --compare "$OUT/ours.json" "$OUT/sdpa.json"
+    step bench.log "flashcore bench" 300 "$fc" bench --shapes hopper --dtype f16,bf16 --json "$scratch/ours.json"
+    step bench.log "sdpa_bench" 300 python3 "$bundle/sdpa_bench.py" --shapes hopper --dtype f16,bf16 --json "$scratch/sdpa.json"
+    step bench.log "compare" 60 python3 "$bundle/sdpa_bench.py" --compare "$scratch/ours.json" "$scratch/sdpa.json"
     step bench.log "flashcore bench --path sm80" 120 "$fc" bench --path sm80 --json "$scratch/sm80.json"
-    step bench.log "compare sm80 path" 60 python3 "$bundle/sdpa_bench.py" --compare "$scratch/sm80.json" "$OUT/sdpa.json"
+    step bench.log "compare sm80 path" 60 python3 "$bundle/sdpa_bench.py" --compare "$scratch/sm80.json" "$scratch/sdpa.json"
     step bench.log "harness (C ABI vs SDPA)" 240 python3 "$bundle/harness.py" \
         --lib "$bundle/release/libflashcore.so" --json "$scratch/harness.json"
 fi
@@ -480,10 +478,19 @@ for i in "${!failed_logs[@]}"; do
     echo "---- ${failed_logs[$i]}: last lines ----"
     tail -n 12 "$scratch/fail.$i" | cut -c1-200
 done
-if want bench && [[ -s $OUT/ours.json || -s $OUT/sdpa.json ]]; then
+if want bench && [[ -s $scratch/ours.json || -s $scratch/sdpa.json ]]; then
     echo
-    python3 "$bundle/sdpa_bench.py" --compare "$OUT/ours.json" "$OUT/sdpa.json" 2>&1 | tail -n 40
+    python3 "$bundle/sdpa_bench.py" --compare "$scratch/ours.json" "$scratch/sdpa.json" 2>&1 | tail -n 40
 fi
+# The benchmarks' JSON rides at the end of their logs (the machine returns 8 files).
+for pair in bench.log:ours bench.log:sdpa decode.log:decode_ours decode.log:decode_ours_e4m3 \
+    decode.log:decode_sdpa; do
+    json="$scratch/${pair#*:}.json"
+    if [[ -s $json ]]; then
+        printf '\n===== %s.json\n' "${pair#*:}" >>"$OUT/${pair%%:*}"
+        cat "$json" >>"$OUT/${pair%%:*}"
+    fi
+done
 {
     echo
     echo "==== flashcore gpu run summary ($((SECONDS - t_start))s; logs in $OUT) ===="
