@@ -873,7 +873,76 @@ fn strides(t: &TensorView) -> [u64; 3] {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::host::draw::Draw;
     use crate::kernels::attention::all_fwd_configs;
+
+    /// Random q, k, v, o and LSE ([`Draw`]: shapes from edge values to 2^63, strides
+    /// contiguous in either order or drawn, pointers null, misaligned or at the end of the
+    /// address space, every dtype, odd softmax scales): validation answers each with a
+    /// problem or an error, never a panic, and every problem it accepts plans, on each
+    /// architecture and path choice, onto a listed kernel at or above its head dim, or
+    /// gets a refusal.
+    #[test]
+    fn validation_and_plans_of_random_inputs_never_panic() {
+        let listed = all_fwd_configs();
+        let mut r = Draw::new(0xA77E_4710);
+        let (mut accepted, mut planned) = (0, 0);
+        for i in 0..20_000 {
+            r.start(i % 2 == 0);
+            let (b, hkv, d) = (r.size(), r.size(), r.head_dim());
+            let hq = if r.chance(0.8) {
+                hkv * r.pick(&[1, 4, 8])
+            } else {
+                r.size()
+            };
+            let (sq, sk) = (r.size(), r.size());
+            let dtype = r.dtype();
+            let view = |r: &mut Draw, shape| {
+                if r.chance(0.9) {
+                    r.view(dtype, shape)
+                } else {
+                    r.any_view(shape)
+                }
+            };
+            let q = view(&mut r, [b, sq, hq, d]);
+            let k = view(&mut r, [b, sk, hkv, d]);
+            let v = view(&mut r, [b, sk, hkv, d]);
+            let o = view(&mut r, [b, sq, hq, d]);
+            let lse = r.chance(0.5).then(|| LseView { ptr: r.ptr() });
+            let params = AttentionParams {
+                softmax_scale: r.softmax_scale(),
+                causal: r.chance(0.5),
+            };
+            let arch = r.pick(&[(7, 5), (8, 0), (8, 6), (8, 9), (9, 0), (10, 0)]);
+            let sms = r.pick(&[1, 108, 132]);
+            let choice = r.pick(&[PathChoice::Best, PathChoice::Sm80]);
+            let run = std::panic::catch_unwind(|| {
+                let Ok(problem) = validate_fwd(&q, &k, &v, &o, lse.as_ref(), &params) else {
+                    return (0, 0);
+                };
+                let Ok(cfg) = plan_problem(arch, sms, choice, &problem) else {
+                    return (1, 0);
+                };
+                assert!(listed.contains(&cfg), "{}", cfg.id());
+                let kd = cfg.head_dim as usize;
+                assert!(kd >= d && cfg.padded == (kd != d), "{}", cfg.id());
+                (1, 1)
+            });
+            match run {
+                Ok((a, p)) => {
+                    accepted += a;
+                    planned += p;
+                }
+                Err(_) => panic!(
+                    "draw {i}: q {q:?}\nk {k:?}\nv {v:?}\no {o:?}\nlse {lse:?} {params:?} \
+                     sm_{}{} {sms} SMs {choice:?}",
+                    arch.0, arch.1
+                ),
+            }
+        }
+        println!("accepted {accepted}, planned {planned}");
+        assert!(accepted > 1000 && planned > 1000, "{accepted} {planned}");
+    }
 
     #[test]
     fn gpus_below_sm80_get_no_path() {

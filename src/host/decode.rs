@@ -1103,6 +1103,7 @@ fn check_workspace(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::host::draw::Draw;
     use crate::host::kv_cache::{CacheLayout, KvScales};
 
     const GB: u64 = 1 << 30;
@@ -1841,6 +1842,151 @@ mod tests {
             validate_merge(&parts, &out, None),
             Err(Error::UnsupportedHeadDim(84, HEAD_DIMS_TEXT))
         ));
+    }
+
+    /// Random queries, caches (contiguous and paged, 16-bit and e4m3), new tokens and
+    /// shards: shapes from edge values to 2^63, strides contiguous in either order or
+    /// drawn (zero, misaligned, huge), pointers null, misaligned or at the end of the
+    /// address space, every dtype, odd softmax scales. Decode, append and merge
+    /// validation and the decode plan answer each with a value or an error, never a
+    /// panic; what they accept names a listed kernel at or above the tensors' head dim.
+    #[test]
+    fn validation_of_random_inputs_never_panics() {
+        let decode_kernels = decode::all_decode_configs();
+        let merge_kernels = crate::kernels::attention::merge::all_merge_configs();
+        let mut r = Draw::new(0xF1A5_C0DE);
+        let (mut decodes, mut plans, mut appends, mut merges) = (0, 0, 0, 0);
+        for i in 0..20_000 {
+            r.start(i % 2 == 0);
+            let (b, hkv, d) = (r.size(), r.size(), r.head_dim());
+            let dtype = r.dtype();
+            let sq = r.pick(&[0, 1, 2, 16, 17]);
+            let hq = if r.chance(0.8) {
+                hkv * r.pick(&[1, 4, 8])
+            } else {
+                r.size()
+            };
+            let cache_dtype = if r.chance(0.8) { dtype } else { r.dtype() };
+            let paged = r.chance(0.5);
+            let (outer, rows) = if paged {
+                (r.size(), r.pick(&[0, 1, 16, 48, 64, 256, 2048]))
+            } else {
+                (b, r.size())
+            };
+            let shape = [outer, rows, hkv, d];
+            let (k, v) = (r.view(cache_dtype, shape), r.view(cache_dtype, shape));
+            let max_pages = r.size();
+            let layout = if paged {
+                CacheLayout::Paged {
+                    block_table: r.ptr(),
+                    max_pages,
+                    table_stride: if r.chance(0.8) { max_pages } else { r.size() },
+                }
+            } else {
+                CacheLayout::Contiguous
+            };
+            let scales = (cache_dtype == DType::E4m3 || r.chance(0.1)).then(|| {
+                let one = [outer, rows, hkv, 1];
+                KvScales {
+                    k: r.view(DType::F32, one),
+                    v: r.view(DType::F32, one),
+                }
+            });
+            let cache = KvCache {
+                k,
+                v,
+                seqlens: r.ptr(),
+                layout,
+                scales,
+            };
+            let q = r.view(dtype, [b, sq, hq, d]);
+            let o = if r.chance(0.8) {
+                TensorView { ptr: r.ptr(), ..q }
+            } else {
+                r.any_view([b, sq, hq, d])
+            };
+            let lse = r.chance(0.5).then(|| LseView { ptr: r.ptr() });
+            let params = AttentionParams {
+                softmax_scale: r.softmax_scale(),
+                causal: r.chance(0.5),
+            };
+            let new = [b, r.pick(&[0, 1, 3, 64, 1 << 20]), hkv, d];
+            let k_new = r.any_view(new);
+            let v_new = if r.chance(0.8) {
+                TensorView {
+                    ptr: r.ptr(),
+                    ..k_new
+                }
+            } else {
+                r.any_view(new)
+            };
+            let count = r.pick(&[0, 1, 3, 1 << 31]);
+            let parts = MergeParts {
+                o: r.any_view([b, sq.max(1), hq, d]),
+                count,
+                shard_stride: r.pick(&[0, 3, b * sq * hq * d, 1 << 40]),
+                lse: r.ptr(),
+            };
+            let out = TensorView {
+                ptr: r.ptr(),
+                dtype: r.dtype(),
+                ..parts.o
+            };
+            let (sms, smem) = (
+                r.pick(&[0, 1, 108, 132]),
+                r.pick(&[0, 48 << 10, 99 << 10, 227 << 10]),
+            );
+
+            let run = std::panic::catch_unwind(|| {
+                let _ = decode_problem(&q, &cache, &params);
+                let _ = decode_q_problem(&q, &cache);
+                let mut counts = (0, 0, 0, 0);
+                if let Ok(p) = validate_decode(&q, &cache, &o, lse.as_ref(), &params) {
+                    counts.0 += 1;
+                    if let Ok(plan) = plan_decode(&p, sms, smem) {
+                        counts.1 += 1;
+                        let cfg = plan.config;
+                        assert!(decode_kernels.contains(&cfg), "{}", cfg.id());
+                        assert!(
+                            cfg.head_dim as usize >= d
+                                && cfg.padded == (cfg.head_dim as usize != d)
+                        );
+                    }
+                }
+                if validate_append(&cache, &k_new, &v_new).is_ok() {
+                    counts.2 += 1;
+                }
+                if let Ok(cfg) = validate_merge(&parts, &out, lse.as_ref()) {
+                    counts.3 += 1;
+                    assert!(merge_kernels.contains(&cfg), "{}", cfg.id());
+                    assert!(
+                        cfg.head_dim as usize >= d && cfg.padded == (cfg.head_dim as usize != d)
+                    );
+                }
+                counts
+            });
+            match run {
+                Ok(c) => {
+                    decodes += c.0;
+                    plans += c.1;
+                    appends += c.2;
+                    merges += c.3;
+                }
+                Err(_) => panic!(
+                    "draw {i}: q {q:?}\ncache {cache:?}\no {o:?} lse {lse:?} {params:?}\n\
+                     k_new {k_new:?}\nv_new {v_new:?}\nparts {parts:?}\nout {out:?}\n\
+                     {sms} SMs, {smem} bytes"
+                ),
+            }
+        }
+        println!(
+            "accepted: {decodes} decodes ({plans} planned), {appends} appends, {merges} merges"
+        );
+        // The draws reach every call's accepting end too.
+        assert!(
+            decodes > 50 && plans > 50 && appends > 50 && merges > 50,
+            "{decodes} {plans} {appends} {merges}"
+        );
     }
 
     #[test]

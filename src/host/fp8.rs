@@ -594,6 +594,106 @@ fn sm90_map_specs(cfg: &Fp8Config, ops: &Fp8Operands) -> [(TiledMap, u64); 3] {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::host::decode::Workspace;
+    use crate::host::draw::Draw;
+    use crate::host::quantize::{QuantizeOptions, validate_quantize};
+    use crate::kernels::attention::fp8::all_fp8_configs;
+
+    /// Random FP8 operands and 16-bit inputs to quantize (see [`Draw`]; Vᵀ with drawn
+    /// pitches and strides, scale pointers anywhere): validation answers each with a
+    /// problem or an error, never a panic; each FP8 problem it accepts dispatches, on
+    /// each architecture and path choice, to a listed kernel of its head dim, or gets a
+    /// refusal.
+    #[test]
+    fn validation_of_random_fp8_inputs_never_panics() {
+        let listed = all_fp8_configs();
+        let mut r = Draw::new(0xE43E_E43E);
+        let (mut accepted, mut dispatched, mut quantizable) = (0, 0, 0);
+        for i in 0..20_000 {
+            let tame = i % 2 == 0;
+            r.start(tame);
+            let (b, hkv, sq, sk) = (r.size(), r.size(), r.size(), r.size());
+            let d = if tame {
+                r.pick(&[64, 128, 256])
+            } else {
+                r.head_dim()
+            };
+            let hq = hkv * r.pick(&[1, 4, 8]);
+            let e4 = if tame || r.chance(0.9) {
+                DType::E4m3
+            } else {
+                r.dtype()
+            };
+            let mut vt = VtView::contiguous(r.ptr(), b, hkv, d, sk);
+            if !tame && r.chance(0.3) {
+                vt.strides = [r.size(), r.size(), r.pick(&[0, 16, 17, sk, 1 << 40])];
+            }
+            let ops = Fp8Operands {
+                q: r.view(e4, [b, sq, hq, d]),
+                k: r.view(e4, [b, sk, hkv, d]),
+                vt,
+                q_scale: r.ptr(),
+                k_scale: r.ptr(),
+                v_scale: r.ptr(),
+                lse_shift: r.chance(0.3).then(|| r.ptr()),
+            };
+            let out = if tame { DType::Bf16 } else { r.dtype() };
+            let o = r.view(out, [b, sq, hq, d]);
+            let lse = r.chance(0.5).then(|| LseView { ptr: r.ptr() });
+            let params = AttentionParams {
+                softmax_scale: r.softmax_scale(),
+                causal: r.chance(0.5),
+            };
+            let arch = r.pick(&[(8, 0), (8, 9), (9, 0), (10, 0)]);
+            let choice = r.pick(&[PathChoice::Best, PathChoice::Sm80]);
+            let dtype = r.dtype();
+            let (q16, k16, v16) = (
+                r.view(dtype, [b, sq, hq, d]),
+                r.view(dtype, [b, sk, hkv, d]),
+                r.view(dtype, [b, sk, hkv, d]),
+            );
+            let options = QuantizeOptions {
+                smooth_k: r.chance(0.5),
+                hadamard_seed: r.chance(0.5).then_some(7),
+            };
+            let workspace = Workspace {
+                ptr: r.ptr(),
+                bytes: r.pick(&[0, 1 << 20, 1 << 34, usize::MAX]),
+            };
+            let run = std::panic::catch_unwind(|| {
+                let mut c = (0, 0, 0);
+                if let Ok(p) = validate_fp8(&ops, &o, lse.as_ref(), &params) {
+                    c.0 = 1;
+                    if let Ok(cfg) = dispatch_fp8(arch, choice, &p) {
+                        c.1 = 1;
+                        assert!(listed.contains(&cfg), "{}", cfg.id());
+                        assert_eq!(cfg.head_dim as usize, d);
+                    }
+                }
+                if validate_quantize(&q16, &k16, &v16, &options, &workspace).is_ok() {
+                    c.2 = 1;
+                }
+                c
+            });
+            match run {
+                Ok(c) => {
+                    accepted += c.0;
+                    dispatched += c.1;
+                    quantizable += c.2;
+                }
+                Err(_) => panic!(
+                    "draw {i}: {ops:?}\no {o:?} lse {lse:?} {params:?} sm_{}{} {choice:?}\n\
+                     q {q16:?}\nk {k16:?}\nv {v16:?}\n{options:?} {workspace:?}",
+                    arch.0, arch.1
+                ),
+            }
+        }
+        println!("accepted {accepted}, dispatched {dispatched}, quantizable {quantizable}");
+        assert!(
+            accepted > 500 && dispatched > 500 && quantizable > 100,
+            "{accepted} {dispatched} {quantizable}"
+        );
+    }
 
     fn problem(d: usize, batch: usize, heads: usize, seqlen: usize) -> Fp8Problem {
         Fp8Problem {

@@ -20,6 +20,8 @@ pub mod attention;
 pub mod cache;
 pub mod decode;
 pub mod device;
+#[cfg(test)]
+pub(crate) mod draw;
 pub mod fp8;
 pub mod gemm;
 pub mod kv_cache;

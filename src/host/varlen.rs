@@ -256,9 +256,86 @@ impl Attention {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::host::draw::Draw;
     use crate::host::tensor::DType;
 
     const GB: u64 = 1 << 30;
+
+    /// Host offsets for `batch` sequences over `total` rows: non-decreasing from 0 to
+    /// `total` (tame), or drawn anyhow (negative, decreasing, past the rows, short).
+    fn offsets(r: &mut Draw, batch: usize, total: usize, tame: bool) -> Vec<i32> {
+        let n = if tame || r.chance(0.8) {
+            batch + 1
+        } else {
+            r.pick(&[0, 1, batch])
+        };
+        let mut v: Vec<i32> = (0..n)
+            .map(|i| (total * i / batch.max(1)).min(i32::MAX as usize) as i32)
+            .collect();
+        if !tame {
+            for x in &mut v {
+                if r.chance(0.1) {
+                    *x = r.pick(&[-1, 0, 7, i32::MAX, total as i32 + 1]);
+                }
+            }
+        }
+        v
+    }
+
+    /// Random packed q, k, v, o with random offsets (see [`Draw`]): validation answers
+    /// each with a problem or an error, never a panic; what it accepts counts the rows
+    /// the offsets give.
+    #[test]
+    fn validation_of_random_packed_batches_never_panics() {
+        let mut r = Draw::new(0x7A41_E4E4);
+        let mut accepted = 0;
+        for i in 0..20_000 {
+            let tame = i % 2 == 0;
+            r.start(tame);
+            let batch = r.pick(&[0, 1, 2, 3, 17]);
+            let (hkv, d) = (r.size(), r.head_dim());
+            let hq = hkv * r.pick(&[1, 4, 8]);
+            let (tq, tk) = (r.size(), r.size());
+            let dtype = r.dtype();
+            let q = r.view(dtype, [1, tq, hq, d]);
+            let k = r.view(dtype, [1, tk, hkv, d]);
+            let v = r.view(dtype, [1, tk, hkv, d]);
+            let o = r.view(dtype, [1, tq, hq, d]);
+            let lse = r.chance(0.5).then(|| LseView { ptr: r.ptr() });
+            let (hq_off, hk_off) = (
+                offsets(&mut r, batch, tq, tame),
+                offsets(&mut r, batch, tk, tame),
+            );
+            let varlen = Varlen {
+                cu_seqlens_q: r.ptr(),
+                cu_seqlens_k: r.ptr(),
+                batch,
+                max_seqlen_q: r.pick(&[0, 1, tq, tq + 5, usize::MAX]),
+                host: r.chance(0.7).then_some(VarlenHost {
+                    cu_seqlens_q: &hq_off,
+                    cu_seqlens_k: &hk_off,
+                }),
+            };
+            let params = AttentionParams {
+                softmax_scale: r.softmax_scale(),
+                causal: r.chance(0.5),
+            };
+            let run = std::panic::catch_unwind(|| {
+                validate_varlen(&q, &k, &v, &o, lse.as_ref(), &varlen, &params).map(|p| {
+                    let packed = p.packed.expect("a packed problem");
+                    assert_eq!((packed.total_q, packed.total_k), (tq, tk));
+                })
+            });
+            match run {
+                Ok(r) => accepted += usize::from(r.is_ok()),
+                Err(_) => panic!(
+                    "draw {i}: q {q:?}\nk {k:?}\nv {v:?}\no {o:?}\nlse {lse:?}\n\
+                     {varlen:?} {params:?}"
+                ),
+            }
+        }
+        assert!(accepted > 1000, "{accepted}");
+    }
 
     /// Packed views at well-separated addresses: 300 query rows, 500 key rows.
     fn views() -> [TensorView; 4] {
