@@ -164,16 +164,7 @@ fn seqlen_grid(dtype: HalfType, d: usize) {
     let mut cases = Vec::new();
     for causal in [false, true] {
         for block_m in [BLOCK_M_WIDE, BLOCK_M_NARROW] {
-            let kernel = FwdConfig {
-                path: Path::Sm80,
-                dtype,
-                head_dim: d as u32,
-                causal,
-                block_m,
-                split_keys: false,
-                fold_scale: false,
-                padded: false,
-            };
+            let kernel = FwdConfig::sm80(dtype, d as u32, causal, block_m, false);
             cases.extend(all_seqlen_pairs(kernel));
         }
     }
@@ -477,16 +468,7 @@ fn other_head_dims_and_bhsd_layout() {
                     cases.push(c);
                     let head_dim = d as u32;
                     let block_m = BLOCK_M_WIDE;
-                    let wide = FwdConfig {
-                        path: Path::Sm80,
-                        dtype,
-                        head_dim,
-                        causal,
-                        block_m,
-                        split_keys: false,
-                        fold_scale: false,
-                        padded: false,
-                    };
+                    let wide = FwdConfig::sm80(dtype, head_dim, causal, block_m, false);
                     cases.push(FwdCase {
                         kernel: Some(wide),
                         ..c

@@ -119,16 +119,7 @@ impl Buffers {
 fn longest_sequences_are_exact() {
     let (attn, stream) = setup();
     let mut seeds = seeds();
-    let wide = |d: u32| FwdConfig {
-        path: Path::Sm80,
-        dtype: HalfType::F16,
-        head_dim: d,
-        causal: false,
-        block_m: BLOCK_M_WIDE,
-        split_keys: false,
-        fold_scale: false,
-        padded: false,
-    };
+    let wide = |d: u32| FwdConfig::sm80(HalfType::F16, d, false, BLOCK_M_WIDE, false);
     // (head dim, Sk, Sq, causal, forced kernel)
     let cases = [
         (64, MAX_SEQLEN, 1, false, None),

@@ -197,16 +197,7 @@ pub fn dispatch_sm80(
     } else {
         BLOCK_M_WIDE
     };
-    Ok(FwdConfig {
-        path: Path::Sm80,
-        dtype,
-        head_dim,
-        causal,
-        block_m,
-        split_keys: false,
-        fold_scale: false,
-        padded,
-    })
+    Ok(FwdConfig::sm80(dtype, head_dim, causal, block_m, padded))
 }
 
 /// The sm90 kernels' tensor map of a `[B, S, H, D]` view: the 5-D view

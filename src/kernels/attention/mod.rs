@@ -138,6 +138,20 @@ pub const BLOCK_M_WIDE: u32 = 128;
 pub const BLOCK_M_NARROW: u32 = 64;
 
 impl FwdConfig {
+    /// An sm80-path configuration (that path has no split keys and no folded scale).
+    pub fn sm80(dtype: HalfType, head_dim: u32, causal: bool, block_m: u32, padded: bool) -> Self {
+        FwdConfig {
+            path: Path::Sm80,
+            dtype,
+            head_dim,
+            causal,
+            block_m,
+            split_keys: false,
+            fold_scale: false,
+            padded,
+        }
+    }
+
     /// The kernel id: also the PTX entry name, e.g. `attn_fwd_sm80_f16_d128_m128_causal`,
     /// `attn_fwd_sm90a_bf16_d64_m64_splitkv`, `attn_fwd_sm90a_f16_d128_m128_fold_causal`.
     pub fn id(&self) -> String {
@@ -214,16 +228,7 @@ pub fn all_fwd_configs() -> Vec<FwdConfig> {
                         &[false]
                     };
                     for &padded in paddings {
-                        v.push(FwdConfig {
-                            path: Path::Sm80,
-                            dtype,
-                            head_dim,
-                            causal,
-                            block_m,
-                            split_keys: false,
-                            fold_scale: false,
-                            padded,
-                        });
+                        v.push(FwdConfig::sm80(dtype, head_dim, causal, block_m, padded));
                     }
                 }
             }
