@@ -126,11 +126,14 @@ impl DecodeConfig {
     /// head dim 128 takes a stage more: with small pages each tile's copies wait on
     /// their block-table entries, and 96 KiB in flight hides that (on the H200, page 16
     /// at B1 Skv 32768: 40.0–40.2 µs against 40.9–41.8 with three stages, 39.0–39.7
-    /// contiguous; B64 Skv 4096 1% slower).
+    /// contiguous; B64 Skv 4096 1% slower). Head dim 96 (and 80 on it) takes four
+    /// stages too, 72 KiB in flight where three gave 48: on an H100, Hq32 Hkv8, two
+    /// rounds each, B16 Skv 8192 147.7 µs against 151.4, B64 Skv 4096 293 against 300,
+    /// B1 Skv 32768 42.1 against 44.0; at 80, B16 130.4 against 145.5.
     pub fn preferred_stages(head_dim: u32, paged: bool, fp8: bool) -> u32 {
         match (head_dim, fp8) {
-            (0..=64, false) => 4,
-            (65..=128, false) if paged => 4,
+            (0..=96, false) => 4,
+            (97..=128, false) if paged => 4,
             (65..=128, false) => 3,
             (_, false) => 2,
             (0..=64, true) => 4,
@@ -1976,6 +1979,7 @@ mod tests {
         // flight) and 256 (one of 64 KiB) want one block per SM; head dim 64 (three of
         // 16 KiB) two; head dim 32 (three of 8 KiB) three.
         assert_eq!(cfg(128, 3, false).blocks_per_sm(), 1);
+        assert_eq!(cfg(96, 4, false).blocks_per_sm(), 1);
         assert_eq!(cfg(256, 2, false).blocks_per_sm(), 1);
         assert_eq!(cfg(64, 4, false).blocks_per_sm(), 2);
         assert_eq!(cfg(32, 4, false).blocks_per_sm(), 3);
