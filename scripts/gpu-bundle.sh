@@ -351,7 +351,7 @@ if want decode; then
             decode_fp8_cache_small_for_sanitizers fp8_append_quantizes_rows_where_they_belong
     done
     t="$bundle/tests/gpu_varlen"
-    [[ -x $t ]] && ! want tests && step decode.log "test gpu_varlen" 300 "$t" --include-ignored --test-threads=1 --nocapture
+    [[ -x $t ]] && ! want tests && step decode.log "test gpu_varlen" 420 "$t" --include-ignored --test-threads=1 --nocapture
     for tool in memcheck racecheck synccheck; do
         [[ -x $t ]] && step decode.log "$tool varlen prefill" 240 \
             compute-sanitizer --tool "$tool" --error-exitcode 1 \

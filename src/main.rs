@@ -213,7 +213,7 @@ fn info() -> Result<(), Failure> {
         .collect();
     out!(
         "  head dims without a kernel of their own (any multiple of 8 up to 256) run the next \
-         larger one, padded (packed batches: an sm80 one): {}",
+         larger one, padded: {}",
         padded.join(", ")
     );
     match detected {

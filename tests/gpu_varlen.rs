@@ -49,6 +49,9 @@ struct Case {
     /// The gaps' keys and values are NaN and ±∞ rather than ±200: rows no sequence
     /// covers must not reach any output, not even as `0 · v`.
     non_finite_gaps: bool,
+    /// O's heads are `head_dim + o_pad` elements apart: the columns past the head dim
+    /// must keep their poison.
+    o_pad: usize,
 }
 
 impl std::fmt::Display for Case {
@@ -69,7 +72,11 @@ impl std::fmt::Display for Case {
             },
             if self.causal { " causal" } else { "" },
             if self.host_check { " host-checked" } else { "" }
-        )
+        )?;
+        match self.o_pad {
+            0 => Ok(()),
+            pad => write!(f, " O pitch D+{pad}"),
+        }
     }
 }
 
@@ -134,7 +141,10 @@ impl Packed {
             q: up(s, &qb),
             k: up(s, &kb),
             v: up(s, &vb),
-            o: up(s, &vec![reference::poison(c.dtype); qb.len()]),
+            o: up(
+                s,
+                &vec![reference::poison(c.dtype); total_q * hq * (d + c.o_pad)],
+            ),
             lse: up(s, &vec![f32::NAN; hq * total_q]),
             cu_q_dev: up(s, &cu_q),
             cu_k_dev: up(s, &cu_k),
@@ -153,7 +163,11 @@ impl Packed {
             TensorView::bshd(ptr(s, &self.q), dt, 1, self.total_q, hq, d),
             TensorView::bshd(ptr(s, &self.k), dt, 1, self.total_k, hkv, d),
             TensorView::bshd(ptr(s, &self.v), dt, 1, self.total_k, hkv, d),
-            TensorView::bshd(ptr(s, &self.o), dt, 1, self.total_q, hq, d),
+            {
+                let pitch = d + c.o_pad;
+                let strides = [self.total_q * hq * pitch, hq * pitch, pitch, 1];
+                TensorView::strided(ptr(s, &self.o), dt, [1, self.total_q, hq, d], strides)
+            },
         ]
     }
 
@@ -203,6 +217,22 @@ fn run(attn: &Attention, s: &Arc<CudaStream>, rng: &mut Rng, c: &Case) -> (f64, 
     let lse_got = down(s, &p.lse);
 
     let (hq, hkv, d) = (c.heads_q, c.heads_kv, c.head_dim);
+    let poison = reference::poison(c.dtype);
+    // O's heads without their padding columns, which must keep their poison.
+    let pitch = d + c.o_pad;
+    let o_bits: Vec<u16> = o_bits
+        .chunks(pitch)
+        .enumerate()
+        .flat_map(|(i, head)| {
+            assert!(
+                head[d..].iter().all(|&x| x == poison),
+                "{c}: columns past the head dim written (row {}, head {})",
+                i / hq,
+                i % hq
+            );
+            head[..d].to_vec()
+        })
+        .collect();
     let scale = 1.0 / (d as f64).sqrt();
     let (mut got, mut want, mut lse_g, mut lse_w) = (vec![], vec![], vec![], vec![]);
     let mut covered = vec![false; p.total_q];
@@ -229,7 +259,6 @@ fn run(attn: &Attention, s: &Arc<CudaStream>, rng: &mut Rng, c: &Case) -> (f64, 
             }
         }
     }
-    let poison = reference::poison(c.dtype);
     for (row, &cov) in covered.iter().enumerate() {
         if cov {
             continue;
@@ -297,6 +326,7 @@ fn grid(path: PathChoice, dtype: HalfType) {
                 gap: 3,
                 host_check: true,
                 non_finite_gaps: false,
+                o_pad: 0,
             });
         }
     }
@@ -327,17 +357,23 @@ fn bf16_ragged_sm80_path() {
     grid(PathChoice::Sm80, HalfType::Bf16);
 }
 
-/// Head dims whose packed batches take the sm80 path on every GPU (32, 96 and 192 on
-/// their own kernels, 80 and 160 padded onto the 96 and 192 ones), packed with no gaps,
-/// without host copies.
+/// Head dims other than 64, 128 and 256, packed with no gaps, without host copies, on
+/// both paths. On Hopper the sm90a path runs 32, 40, 80 and 96 padded onto its 64 and 128
+/// kernels and 160 and 200 onto 192 and 256 (its direct stores of O skip the columns
+/// past the head dim: O here has 8 more per head, which must keep their poison); the
+/// sm80 path has 32, 96 and 192 of its own and pads the rest.
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn other_head_dims_without_host_copies() {
     let mut cases = Vec::new();
-    for d in [32, 80, 96, 160, 192] {
+    for d in [32, 40, 80, 96, 160, 192, 200] {
         for causal in [false, true] {
             cases.push(Case {
-                dtype: HalfType::F16,
+                dtype: if causal {
+                    HalfType::Bf16
+                } else {
+                    HalfType::F16
+                },
                 heads_q: 4,
                 heads_kv: 1,
                 head_dim: d,
@@ -346,10 +382,13 @@ fn other_head_dims_without_host_copies() {
                 gap: 0,
                 host_check: false,
                 non_finite_gaps: false,
+                o_pad: 8,
             });
         }
     }
-    run_cases(PathChoice::Best, &cases);
+    for path in [PathChoice::Best, PathChoice::Sm80] {
+        run_cases(path, &cases);
+    }
 }
 
 /// Many short sequences, as a serving batch of prompts has.
@@ -377,6 +416,7 @@ fn many_short_sequences() {
                 gap: 0,
                 host_check: true,
                 non_finite_gaps: false,
+                o_pad: 0,
             })
             .collect();
         run_cases(path, &cases);
@@ -402,6 +442,10 @@ fn non_finite_rows_after_the_sequences_stay_out() {
         (32, 8, 128, vec![(1000, 513)]),
         (2, 1, 256, vec![(77, 200)]),
         (16, 16, 256, vec![(600, 1100)]),
+        // Padded kernels (sm90a: 40 and 80 on the 64 and 128 kernels, 160 on 192).
+        (4, 2, 40, vec![(300, 513), (64, 700)]),
+        (8, 2, 80, vec![(100, 1100), (129, 77)]),
+        (4, 4, 160, vec![(200, 300)]),
     ] {
         for causal in [false, true] {
             cases.push(Case {
@@ -418,6 +462,7 @@ fn non_finite_rows_after_the_sequences_stay_out() {
                 gap: 200,
                 host_check: true,
                 non_finite_gaps: true,
+                o_pad: 0,
             });
         }
     }
@@ -468,12 +513,13 @@ fn random_packed_batches() {
                 },
                 heads_q,
                 heads_kv,
-                head_dim: pick(&mut rng, &[32, 64, 96, 128, 192, 256]),
+                head_dim: pick(&mut rng, &[32, 40, 64, 80, 96, 128, 160, 192, 200, 256]),
                 lens,
                 causal: rng.uniform() < 0.5,
                 gap: pick(&mut rng, &[0, 1, 5]),
                 host_check: rng.uniform() < 0.5,
                 non_finite_gaps: rng.uniform() < 0.5,
+                o_pad: pick(&mut rng, &[0, 8]),
             }
         })
         .collect();
@@ -487,20 +533,27 @@ fn random_packed_batches() {
 #[ignore = "needs a CUDA GPU"]
 fn varlen_small_for_sanitizers() {
     for path in [PathChoice::Best, PathChoice::Sm80] {
-        let cases: Vec<Case> = [(false, 128), (true, 64), (true, 256)]
-            .into_iter()
-            .map(|(causal, d)| Case {
-                dtype: HalfType::F16,
-                heads_q: 4,
-                heads_kv: 2,
-                head_dim: d,
-                lens: vec![(3, 130), (0, 7), (150, 20)],
-                causal,
-                gap: 5,
-                host_check: false,
-                non_finite_gaps: true,
-            })
-            .collect();
+        let cases: Vec<Case> = [
+            (false, 128),
+            (true, 64),
+            (true, 256),
+            (true, 80),
+            (false, 40),
+        ]
+        .into_iter()
+        .map(|(causal, d)| Case {
+            dtype: HalfType::F16,
+            heads_q: 4,
+            heads_kv: 2,
+            head_dim: d,
+            lens: vec![(3, 130), (0, 7), (150, 20)],
+            causal,
+            gap: 5,
+            host_check: false,
+            non_finite_gaps: true,
+            o_pad: if d % 64 == 0 { 0 } else { 8 },
+        })
+        .collect();
         run_cases(path, &cases);
     }
 }
@@ -523,6 +576,7 @@ fn bad_offsets() {
         gap: 0,
         host_check: true,
         non_finite_gaps: false,
+        o_pad: 0,
     };
     let p = Packed::new(&s, &mut rng, &c);
     let [q, k, v, o] = p.views(&s, &c);

@@ -685,7 +685,9 @@ VARLEN_LENS = [(1, 1), (7, 7), (0, 5), (5, 0), (17, 300), (300, 17), (1023, 1023
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["f16", "bf16"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("heads", [(4, 2, 128), (8, 1, 64), (2, 2, 256)], ids=["gqa2-d128", "mqa-d64", "d256"])
+@pytest.mark.parametrize(
+    "heads", [(4, 2, 128), (8, 1, 64), (2, 2, 256), (4, 2, 80)], ids=["gqa2-d128", "mqa-d64", "d256", "gqa2-d80"]
+)
 def test_varlen_matches_float64_per_sequence(dtype, causal, heads, seed):
     hq, hkv, d = heads
     lens_q = [a for a, _ in VARLEN_LENS]
@@ -725,7 +727,7 @@ def test_varlen_matches_float64_per_sequence(dtype, causal, heads, seed):
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("d", [64, 128, 256, 80, 160])
 def test_varlen_sequences_never_see_other_rows(d, causal, seed):
     # Key counts that end inside a tile: the Hopper kernels' TMA tiles run past each
     # sequence's end into the next sequence's rows, or past the last into the rest of a

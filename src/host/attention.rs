@@ -87,10 +87,7 @@ fn plan_problem(
     match choice {
         PathChoice::Best => {
             let (dtype, causal, scale) = (problem.dtype, problem.causal, problem.scale);
-            match dispatch(arch, sm_count, dtype, &shape, causal, scale)? {
-                cfg if cfg.path == Path::Sm90 && cfg.padded && problem.packed.is_some() => sm80(),
-                cfg => Ok(cfg),
-            }
+            dispatch(arch, sm_count, dtype, &shape, causal, scale)
         }
         PathChoice::Sm80 => sm80(),
     }
@@ -218,36 +215,46 @@ pub(crate) fn sm90_output_map(o: &TensorView, packed: bool) -> Option<TensorMap>
         .flatten()
 }
 
-/// The maps an sm90 forward launch of `cfg` takes: Q's, K's and V's, and O's where O can
-/// go out by TMA ([`sm90_output_map`]). A padded kernel ([`FwdConfig::padded`]) must
-/// store O by TMA, which clips its extra columns (its direct stores would write the
-/// kernel's columns, past the tensors'), so there a packed batch or a refused map of O
-/// refuses the launch, as a refused input map does.
+/// What an sm90a forward launch takes beside its argument block: the tensor maps of Q, K
+/// and V, O's where O goes out by TMA ([`sm90_output_map`]; direct stores otherwise), and
+/// a padded kernel's ([`FwdConfig::padded`]) last parameter, the tensors' head dim.
+pub(crate) struct Sm90Operands {
+    pub inputs: [TensorMap; 3],
+    pub output: Option<TensorMap>,
+    pub head_dim: Option<u32>,
+}
+
+/// The [`Sm90Operands`] of a launch of `cfg`. A padded kernel's maps hold the tensors'
+/// own head dim: the loads zero-fill the kernel's columns past it, O's TMA store clips
+/// them, and the direct stores (a packed batch, or an O that TMA cannot describe) check
+/// them against the head dim parameter.
 fn sm90_maps(
     cfg: &FwdConfig,
     [q, k, v, o]: [&TensorView; 4],
     packed: bool,
-) -> Result<([TensorMap; 3], Option<TensorMap>)> {
+) -> Result<Sm90Operands> {
     let Tiling {
         block_m, block_n, ..
     } = cfg.tiling();
     if !cfg.padded {
-        let maps = [
-            sm90_map(q, block_m)?,
-            sm90_map(k, block_n)?,
-            sm90_map(v, block_n)?,
-        ];
-        return Ok((maps, sm90_output_map(o, packed)));
-    }
-    if packed {
-        // Never planned (see `Attention::plan`), and refused by `forward_with_config`.
-        return Err(Error::InvalidArgument(
-            "a padded sm90 kernel stores O by TMA, which a packed batch cannot take".into(),
-        ));
+        return Ok(Sm90Operands {
+            inputs: [
+                sm90_map(q, block_m)?,
+                sm90_map(k, block_n)?,
+                sm90_map(v, block_n)?,
+            ],
+            output: sm90_output_map(o, packed),
+            head_dim: None,
+        });
     }
     let map = |t: &TensorView, rows| sm90_map_boxed(t, [rows, 1], MapColumns::PerBlock);
-    let maps = [map(q, block_m)?, map(k, block_n)?, map(v, block_n)?];
-    Ok((maps, Some(map(o, 16)?)))
+    let head_dim = u32::try_from(q.shape[3])
+        .map_err(|_| Error::UnsupportedHeadDim(q.shape[3], FWD_PADDED_HEAD_DIMS_TEXT))?;
+    Ok(Sm90Operands {
+        inputs: [map(q, block_m)?, map(k, block_n)?, map(v, block_n)?],
+        output: (!packed).then(|| map(o, 16).ok()).flatten(),
+        head_dim: Some(head_dim),
+    })
 }
 
 /// The 5-D map of a `[B, S, H, D]` view with a box of `rows` rows by `blocks` 64-column
@@ -434,9 +441,9 @@ impl Attention {
         let cfg = self.plan(&problem)?;
         let cfg = match cfg.path {
             Path::Sm90 => match sm90_maps(&cfg, [q, k, v, o], problem.packed.is_some()) {
-                Ok(maps) => {
+                Ok(operands) => {
                     // SAFETY: this function's contract, passed on unchanged.
-                    return unsafe { self.launch_sm90(&problem, &cfg, maps, o, lse, stream) };
+                    return unsafe { self.launch_sm90(&problem, &cfg, operands, o, lse, stream) };
                 }
                 Err(e) if e.is_map_refusal() => {
                     let (arch, sms) = (self.device.compute_capability(), self.device.sm_count());
@@ -475,8 +482,7 @@ impl Attention {
         let (arch, sms) = (self.device.compute_capability(), self.device.sm_count());
         let head_dim = problem.shape.head_dim as u32;
         // The problem's dtype and masking, and the kernel head dim (padded or not) the
-        // dispatch gives it on the configuration's path; a padded sm90 kernel stores O by
-        // TMA only, which a packed batch cannot take.
+        // dispatch gives it on the configuration's path.
         let shape = dispatch_shape(&problem);
         let kernel_head_dim = match cfg.path {
             Path::Sm80 => dispatch_sm80(arch, sms, problem.dtype, &shape, problem.causal)
@@ -485,8 +491,7 @@ impl Attention {
             Path::Sm90 => sm90::padded_head_dim(shape.head_dim),
         };
         let same = (cfg.dtype, cfg.causal) == (planned.dtype, planned.causal)
-            && kernel_head_dim == Some((cfg.head_dim, cfg.padded))
-            && !(cfg.path == Path::Sm90 && cfg.padded && problem.packed.is_some());
+            && kernel_head_dim == Some((cfg.head_dim, cfg.padded));
         let runs = match cfg.path {
             Path::Sm80 => {
                 [BLOCK_M_WIDE, BLOCK_M_NARROW].contains(&cfg.block_m)
@@ -509,9 +514,9 @@ impl Attention {
             )));
         }
         if cfg.path == Path::Sm90 {
-            let maps = sm90_maps(cfg, [q, k, v, o], problem.packed.is_some())?;
+            let operands = sm90_maps(cfg, [q, k, v, o], problem.packed.is_some())?;
             // SAFETY: this function's contract, passed on unchanged.
-            return unsafe { self.launch_sm90(&problem, cfg, maps, o, lse, stream) };
+            return unsafe { self.launch_sm90(&problem, cfg, operands, o, lse, stream) };
         }
         // SAFETY: this function's contract, passed on unchanged.
         unsafe { self.launch_forward(&problem, cfg, [q, k, v, o], lse, stream) }
@@ -559,13 +564,13 @@ impl Attention {
     ///
     /// # Safety
     ///
-    /// As for [`Attention::launch_forward`]; `maps` must describe this problem's Q, K, V
-    /// (and O, where there is a map of O), as [`sm90_maps`] makes them for `cfg`.
+    /// As for [`Attention::launch_forward`]; `operands` must describe this problem's Q, K,
+    /// V (and O, where there is a map of O), as [`sm90_maps`] makes them for `cfg`.
     unsafe fn launch_sm90(
         &self,
         problem: &FwdProblem,
         cfg: &FwdConfig,
-        (maps, o_map): ([TensorMap; 3], Option<TensorMap>),
+        operands: Sm90Operands,
         o: &TensorView,
         lse: Option<&LseView>,
         stream: CUstream,
@@ -586,14 +591,15 @@ impl Attention {
                 cfg.tiling(),
                 cfg.causal,
                 &mut args,
-                (maps, o_map),
+                operands,
                 stream,
             )
         }
     }
 
-    /// Launches an sm90a forward (`kernel`, whose parameters are `args` and the four tensor
-    /// maps: the three inputs', and O's where it has one, see [`sm90_output_map`]) with the
+    /// Launches an sm90a forward (`kernel`, whose parameters are `args`, the four tensor
+    /// maps (the three inputs', and O's where it has one, see [`sm90_output_map`]) and a
+    /// padded kernel's head dim, see [`Sm90Operands`]) with the
     /// launch shape and the `base` block of the [`sm90_schedule`] of `shape`:
     /// when the schedule takes a tile counter, a zeroed 4-byte one from the stream-ordered
     /// allocator, freed behind the launch. Where that allocator cannot give one (a device
@@ -602,7 +608,7 @@ impl Attention {
     ///
     /// # Safety
     ///
-    /// As for [`launch_with_maps`]: `args` and `maps` must be what `kernel` expects, every
+    /// As for [`launch_with_maps`]: `args` and `operands` must be what `kernel` expects, every
     /// address they hold live memory the kernel may use as its contract says, and `stream`
     /// null or a live stream of this device's context.
     #[allow(clippy::too_many_arguments)]
@@ -613,7 +619,7 @@ impl Attention {
         tiling: Tiling,
         causal: bool,
         args: &mut A,
-        (maps, o_map): ([TensorMap; 3], Option<TensorMap>),
+        operands: Sm90Operands,
         stream: CUstream,
     ) -> Result<()> {
         let schedule = sm90_schedule(shape, tiling.block_m, causal, self.device.sm_count());
@@ -630,17 +636,15 @@ impl Attention {
         let base = args.as_mut();
         base.tile_counter = counter.unwrap_or(0);
         base.tail_heads = schedule.tail_heads;
-        base.o_by_tma = o_map.is_some() as u32;
-        let [q, k, v] = maps;
-        let maps = [q, k, v, o_map.unwrap_or(TensorMap::unused())];
+        base.o_by_tma = operands.output.is_some() as u32;
         let dims = LaunchDims {
             grid: (schedule.blocks, 1, 1),
             block: (tiling.threads, 1, 1),
             dynamic_smem: tiling.smem_bytes,
         };
-        // SAFETY: the caller vouches for `args`, `maps` and `stream`; the counter (if any)
-        // is 4 live bytes of this context, zeroed before the launch on the same stream.
-        let launched = unsafe { launch_with_maps(kernel, &dims, stream, args, maps) };
+        // SAFETY: the caller vouches for `args`, `operands` and `stream`; the counter (if
+        // any) is 4 live bytes of this context, zeroed before the launch on the same stream.
+        let launched = unsafe { launch_with_maps(kernel, &dims, stream, args, operands) };
         if let Some(ptr) = counter {
             self.free_behind_launch(ptr, stream);
         }
@@ -697,32 +701,38 @@ impl Attention {
 }
 
 /// Launches a kernel whose parameters are a by-value argument block followed by four
-/// by-value tensor maps (the sm90a forward kernels).
+/// by-value tensor maps and, in a padded kernel, its head dim (the sm90a forward
+/// kernels).
 ///
 /// # Safety
 ///
-/// `args` must be the argument block `kernel` expects and `maps` its four maps, and
-/// every address they hold must be live memory of the kernel's context that the kernel
-/// may read or write as its contract says; `stream` is null or a stream of that context.
+/// `args` must be the argument block `kernel` expects and `operands` its maps (and head
+/// dim), and every address they hold must be live memory of the kernel's context that
+/// the kernel may read or write as its contract says; `stream` is null or a stream of
+/// that context.
 unsafe fn launch_with_maps<A>(
     kernel: &LoadedKernel,
     dims: &LaunchDims,
     stream: CUstream,
     args: &mut A,
-    maps: [TensorMap; 4],
+    operands: Sm90Operands,
 ) -> Result<()> {
-    let [mut mq, mut mk, mut mv, mut mo] = maps;
-    let mut params: [*mut c_void; 5] = [
+    let [mut mq, mut mk, mut mv] = operands.inputs;
+    let mut mo = operands.output.unwrap_or(TensorMap::unused());
+    let mut head_dim = operands.head_dim.unwrap_or(0);
+    let mut params: [*mut c_void; 6] = [
         (args as *mut A).cast(),
         (&mut mq as *mut TensorMap).cast(),
         (&mut mk as *mut TensorMap).cast(),
         (&mut mv as *mut TensorMap).cast(),
         (&mut mo as *mut TensorMap).cast(),
+        (&mut head_dim as *mut u32).cast(),
     ];
-    // SAFETY: the parameters are the by-value argument block and four by-value 128-byte
-    // tensor maps, which these point at and which outlive the call; the caller vouches
-    // for their contents and the stream.
-    unsafe { launch(kernel, dims, stream, &mut params) }
+    let count = if operands.head_dim.is_some() { 6 } else { 5 };
+    // SAFETY: the parameters are the by-value argument block, four by-value 128-byte
+    // tensor maps and (padded) the `u32` head dim, which these point at and which outlive
+    // the call; the caller vouches for their contents and the stream.
+    unsafe { launch(kernel, dims, stream, &mut params[..count]) }
 }
 
 /// How an sm90a forward launch hands out its work items (the kernels' `for_each_item`).
@@ -1126,10 +1136,11 @@ mod tests {
         }
     }
 
-    /// A packed batch at a padded head dim takes the sm80 path on Hopper (the padded
-    /// sm90 kernels store O only by TMA); a dense one the padded sm90 kernel.
+    /// A packed batch at a padded head dim takes the padded sm90 kernel on Hopper, as a
+    /// dense one does (its direct stores check the columns); the sm80 path stays
+    /// selectable.
     #[test]
-    fn packed_batches_at_padded_head_dims_take_the_sm80_path() {
+    fn packed_batches_at_padded_head_dims_take_the_padded_sm90_kernel() {
         for d in [40, 80, 96, 160, 200] {
             let dense = FwdProblem {
                 shape: AttnShape::square(4, 16, 1024, d),
@@ -1147,33 +1158,15 @@ mod tests {
                 }),
                 ..dense
             };
-            let cfg = plan_problem((9, 0), 132, PathChoice::Best, &dense).unwrap();
-            assert_eq!((cfg.path, cfg.padded), (Path::Sm90, true), "{d}");
-            let cfg = plan_problem((9, 0), 132, PathChoice::Best, &packed).unwrap();
-            let sm80 = padded_head_dim(d).unwrap();
-            assert_eq!(
-                (cfg.path, (cfg.head_dim, cfg.padded)),
-                (Path::Sm80, sm80),
-                "{d}"
-            );
-            let cfg = plan_problem((9, 0), 132, PathChoice::Sm80, &dense).unwrap();
-            assert_eq!(cfg.path, Path::Sm80, "{d}");
+            let sm90 = sm90::padded_head_dim(d).unwrap();
+            for problem in [&dense, &packed] {
+                let cfg = plan_problem((9, 0), 132, PathChoice::Best, problem).unwrap();
+                assert_eq!((cfg.path, (cfg.head_dim, cfg.padded)), (Path::Sm90, sm90));
+                let cfg = plan_problem((9, 0), 132, PathChoice::Sm80, problem).unwrap();
+                let sm80 = padded_head_dim(d).unwrap();
+                assert_eq!((cfg.path, (cfg.head_dim, cfg.padded)), (Path::Sm80, sm80));
+            }
         }
-        // Head dims with sm90 kernels of their own keep them for packed batches.
-        let packed = FwdProblem {
-            shape: AttnShape::square(4, 16, 1024, 128),
-            dtype: HalfType::Bf16,
-            scale: 0.1,
-            causal: false,
-            packed: Some(crate::host::validate::Packed {
-                cu_seqlens_q: 0x1000,
-                cu_seqlens_k: 0x2000,
-                total_q: 4096,
-                total_k: 4096,
-            }),
-        };
-        let cfg = plan_problem((9, 0), 132, PathChoice::Best, &packed).unwrap();
-        assert_eq!((cfg.path, cfg.padded), (Path::Sm90, false));
     }
 
     #[test]

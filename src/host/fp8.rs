@@ -488,7 +488,11 @@ impl Attention {
                 unsafe { launch(&kernel, &dims, stream, &mut params) }
             }
             Some(maps) => {
-                let o_map = super::attention::sm90_output_map(o, false);
+                let operands = super::attention::Sm90Operands {
+                    inputs: maps,
+                    output: super::attention::sm90_output_map(o, false),
+                    head_dim: None,
+                };
                 // SAFETY: `args` is the kernel's `Fp8Args` block and `maps` cover exactly
                 // the validated extents of Q8, K8 and Vᵀ8 (out-of-bounds box parts are
                 // zero-filled by the hardware); the kernel writes only O's and the LSE's
@@ -496,13 +500,7 @@ impl Attention {
                 // this context and `stream` a stream of it.
                 unsafe {
                     self.launch_scheduled(
-                        &kernel,
-                        &shape,
-                        tiling,
-                        cfg.causal,
-                        &mut args,
-                        (maps, o_map),
-                        stream,
+                        &kernel, &shape, tiling, cfg.causal, &mut args, operands, stream,
                     )
                 }
             }

@@ -206,7 +206,8 @@ impl OutputStage {
 
 /// [`store_output_lse`] for a warp holding one 16-row slab of O: when `enabled` (the
 /// launch passed a map of O), O goes out through `stage` by TMA; otherwise by direct
-/// stores as [`store_output_lse`] writes it.
+/// stores as [`store_output_lse`] writes it, only the 8-column tiles below `columns`
+/// where given (a padded kernel; its map of O clips the rest).
 #[allow(clippy::too_many_arguments)]
 pub fn store_output_staged<H: Half2>(
     k: &mut Kernel,
@@ -215,11 +216,12 @@ pub fn store_output_staged<H: Half2>(
     o: &Slab,
     softmax: &OnlineSoftmax,
     at: OutputBlock,
-    form: LseForm,
+    (form, columns): (LseForm, Option<Reg<U32>>),
     (stage, enabled): (&OutputStage, Reg<Pred>),
 ) {
     k.comment("Epilogue: O / l through shared memory and a TMA store, and the log-sum-exp.");
     let out = Destination::new(k, args, rows, at, form);
+    let out = Destination { columns, ..out };
     let halves: [_; 2] = std::array::from_fn(|half| reciprocal(k, softmax, 0, half));
     k.if_else(
         enabled,
@@ -295,7 +297,7 @@ struct Destination {
     want_lse: Reg<Pred>,
     scale: Reg<F32>,
     form: LseForm,
-    /// The tensors' head dim where it is below the kernel's (a padded sm80 kernel): the
+    /// The tensors' head dim where it is below the kernel's (a padded kernel): the
     /// 8-column tiles past it are not stored.
     columns: Option<Reg<U32>>,
 }

@@ -38,8 +38,9 @@
 //! staging tile is O's own at d ≤ 128; at d = 192 and 256, where shared memory is full,
 //! it is Q's tile, so Q is released after the store rather than after the last `Q Kᵀ` (see
 //! [`Shape::o_in_q`]). Launches that cannot describe O to TMA (packed sequences, whose
-//! boxes would cross into the next sequence) pass no map of O, and the epilogue stores it
-//! directly.
+//! boxes would cross into the next sequence, or views whose strides TMA refuses) pass no
+//! map of O, and the epilogue stores it directly; a padded kernel's direct stores skip
+//! the 8-column tiles past the tensors' head dim, its last parameter.
 
 use std::mem::offset_of;
 
@@ -433,6 +434,10 @@ struct Fwd {
     args: crate::ptx::ParamBytes,
     /// Q, K, V and O.
     maps: [TmaDesc; 4],
+    /// A padded kernel's last parameter: the tensors' head dim, below the kernel's. O's
+    /// TMA store clips the columns past it; the direct stores (packed batches, or an O
+    /// that TMA cannot describe) check them.
+    head_dim: Option<crate::ptx::Param<U32>>,
     smem: Smem,
     slots: Slots,
 }
@@ -454,6 +459,7 @@ where
         k.tensor_map_param("tmap_v"),
         k.tensor_map_param("tmap_o"),
     ];
+    let head_dim = cfg.padded.then(|| k.param::<U32>("head_dim"));
     let (plan, slots) = s.plan();
     let smem = k.shared_memory(&plan);
     let tid = k.special(Special::TidX);
@@ -463,6 +469,7 @@ where
         fold_scale: cfg.fold_scale,
         args,
         maps,
+        head_dim,
         smem,
         slots,
     };
@@ -1033,7 +1040,9 @@ where
         let rows = &c.roles.rows;
         let stage = (&stage, by_tma);
         let epilogue = |k: &mut Kernel| {
-            store_output_staged::<H>(k, f.args, rows, &o.tiles(), &c.softmax, at, form, stage)
+            let columns = f.head_dim.map(|p| k.load_param(p));
+            let (o, softmax) = (&o.tiles(), &c.softmax);
+            store_output_staged::<H>(k, f.args, rows, o, softmax, at, (form, columns), stage)
         };
         match &exchange {
             None => epilogue(k),
@@ -1877,8 +1886,9 @@ mod tests {
 
     /// A padded kernel (head dims below its own) moves each tile of Q, K and V as one TMA
     /// box per 64-column block, at column 64·b of a map whose innermost dimension is the
-    /// tensors' head dim, and stores O the same way; everything else is its unpadded
-    /// sibling's.
+    /// tensors' head dim, and stores O the same way; its direct stores of O (no map of O)
+    /// check each 8-column tile against its last parameter, the tensors' head dim;
+    /// everything else is its unpadded sibling's.
     #[test]
     fn padded_kernels_move_one_box_per_column_block() {
         let count = |ptx: &str, what: &str| ptx.matches(what).count() as u32;
@@ -1904,6 +1914,14 @@ mod tests {
             for what in ["wgmma.mma_async", "ex2.approx", "stmatrix", "mbarrier."] {
                 assert_eq!(count(&ptx, what), count(&plain, what), "{id}: {what}");
             }
+            assert!(ptx.contains(".param .u32 head_dim"), "{id}");
+            assert!(!plain.contains("head_dim"), "{id}");
+            // One direct store per 8-column tile and row half, each behind its own check.
+            let direct = count(&plain, "st.global.b32");
+            assert_eq!(count(&ptx, "st.global.b32"), direct, "{id}");
+            assert_eq!(direct, cfg.head_dim / 8 * 2, "{id}");
+            let checks = count(&ptx, "setp.lt.u32") - count(&plain, "setp.lt.u32");
+            assert!(checks >= direct, "{id}");
             // The first coordinate (the column) of each load and store: 0, 64, ... there.
             let mut columns: Vec<u32> = ptx
                 .lines()

@@ -536,7 +536,7 @@ where
             Some(stage) => {
                 let by_tma = ConsumerRoles::o_by_tma(k, f.args);
                 let stage = (stage, by_tma);
-                store_output_staged::<H>(k, f.args, rows, &o, &c.softmax, at, form, stage);
+                store_output_staged::<H>(k, f.args, rows, &o, &c.softmax, at, (form, None), stage);
             }
             None => {
                 let o = std::slice::from_ref(&o);
