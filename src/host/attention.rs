@@ -7,7 +7,7 @@ use cudarc::driver::sys::{self, CUstream};
 
 use super::cache::ModuleCache;
 use super::device::{ContextScope, Device, check};
-use super::launch::{LaunchDims, launch};
+use super::launch::{LaunchDims, PaddedParams, launch};
 use super::module::{Carveout, LoadedKernel};
 use super::tensor::{AttentionParams, LseView, TensorView};
 use super::validate::{FWD_PADDED_HEAD_DIMS_TEXT, FwdProblem, validate_fwd};
@@ -542,22 +542,15 @@ impl Attention {
         let d = problem.shape.head_dim;
         let mut head_dim = u32::try_from(d)
             .map_err(|_| Error::UnsupportedHeadDim(d, FWD_PADDED_HEAD_DIMS_TEXT))?;
-        let args_ptr = &mut args as *mut FwdArgs as *mut c_void;
-        let head_dim_ptr = &mut head_dim as *mut u32 as *mut c_void;
-        let mut with_head_dim = [args_ptr, head_dim_ptr];
-        let mut alone = [args_ptr];
-        let params: &mut [*mut c_void] = if cfg.padded {
-            &mut with_head_dim
-        } else {
-            &mut alone
-        };
+        let args_ptr = (&mut args as *mut FwdArgs).cast::<c_void>();
+        let mut params = PaddedParams::new([args_ptr], cfg.padded.then_some(&mut head_dim));
         // SAFETY: the kernel's parameters are the by-value `FwdArgs` block, which `args` is,
         // and in a padded kernel the `u32` head dim, which `head_dim` is; both outlive the
         // call. validate_fwd checked every pointer is non-null and aligned and that the
         // kernel's accesses stay inside the views' extents (a padded kernel reads and writes
         // no column past the head dim); this function's contract makes those extents live
         // memory of this context and `stream` a stream of it.
-        unsafe { launch(&kernel, &dims, stream, params) }
+        unsafe { launch(&kernel, &dims, stream, params.list()) }
     }
 
     /// Launches an sm90 configuration with its tensor maps of Q, K and V.
@@ -719,20 +712,20 @@ unsafe fn launch_with_maps<A>(
 ) -> Result<()> {
     let [mut mq, mut mk, mut mv] = operands.inputs;
     let mut mo = operands.output.unwrap_or(TensorMap::unused());
-    let mut head_dim = operands.head_dim.unwrap_or(0);
-    let mut params: [*mut c_void; 6] = [
+    let mut head_dim = operands.head_dim;
+    let map = |m: &mut TensorMap| (m as *mut TensorMap).cast::<c_void>();
+    let values = [
         (args as *mut A).cast(),
-        (&mut mq as *mut TensorMap).cast(),
-        (&mut mk as *mut TensorMap).cast(),
-        (&mut mv as *mut TensorMap).cast(),
-        (&mut mo as *mut TensorMap).cast(),
-        (&mut head_dim as *mut u32).cast(),
+        map(&mut mq),
+        map(&mut mk),
+        map(&mut mv),
+        map(&mut mo),
     ];
-    let count = if operands.head_dim.is_some() { 6 } else { 5 };
+    let mut params = PaddedParams::new(values, head_dim.as_mut());
     // SAFETY: the parameters are the by-value argument block, four by-value 128-byte
     // tensor maps and (padded) the `u32` head dim, which these point at and which outlive
     // the call; the caller vouches for their contents and the stream.
-    unsafe { launch(kernel, dims, stream, &mut params[..count]) }
+    unsafe { launch(kernel, dims, stream, params.list()) }
 }
 
 /// How an sm90a forward launch hands out its work items (the kernels' `for_each_item`).

@@ -18,7 +18,7 @@ use cudarc::driver::sys::CUstream;
 
 use super::attention::Attention;
 use super::kv_cache::{CacheShape, HostMetadata, KvCache};
-use super::launch::{LaunchDims, launch, launch_programmatic};
+use super::launch::{LaunchDims, PaddedParams, launch, launch_programmatic};
 use super::module::{Carveout, LoadedKernel};
 use super::tensor::{AttentionParams, DType, LseView, TensorView};
 use super::validate::{
@@ -648,22 +648,15 @@ unsafe fn launch_merge(
     // Validated (or the decode's own cache's): at most 256.
     let mut head_dim = columns as u32;
     let args_ptr = (args as *mut MergeArgs).cast::<c_void>();
-    let head_dim_ptr = (&mut head_dim as *mut u32).cast::<c_void>();
-    let mut with_head_dim = [args_ptr, head_dim_ptr];
-    let mut alone = [args_ptr];
-    let params: &mut [*mut c_void] = if cfg.padded {
-        &mut with_head_dim
-    } else {
-        &mut alone
-    };
+    let mut params = PaddedParams::new([args_ptr], cfg.padded.then_some(&mut head_dim));
     // SAFETY: the kernel's parameters are the by-value `MergeArgs`, which `args` is, and
     // in a padded kernel the `u32` head dim, which `head_dim` is; both outlive the call;
     // the caller vouches for the memory `args` names and for `stream`.
     unsafe {
         if programmatic {
-            launch_programmatic(kernel, dims, stream, params)
+            launch_programmatic(kernel, dims, stream, params.list())
         } else {
-            launch(kernel, dims, stream, params)
+            launch(kernel, dims, stream, params.list())
         }
     }
 }
@@ -869,14 +862,8 @@ impl Attention {
         // A padded kernel's second parameter: the cache's head dim (below the kernel's).
         let mut head_dim = c.head_dim as u32;
         let args_ptr = (&mut args as *mut DecodeArgs).cast::<c_void>();
-        let head_dim_ptr = (&mut head_dim as *mut u32).cast::<c_void>();
-        let mut with_head_dim = [args_ptr, head_dim_ptr];
-        let mut alone = [args_ptr];
-        let params: &mut [*mut c_void] = if plan.config.padded {
-            &mut with_head_dim
-        } else {
-            &mut alone
-        };
+        let padded = plan.config.padded.then_some(&mut head_dim);
+        let mut params = PaddedParams::new([args_ptr], padded);
         // SAFETY: the kernel's parameters are the by-value `DecodeArgs`, which `args` is,
         // and in a padded kernel the `u32` head dim, which `head_dim` is; both outlive the
         // call. Validation checked every pointer the block carries (non-null, aligned,
@@ -885,7 +872,7 @@ impl Attention {
         // reads only the cache's extents (a padded kernel no column past the head dim, nor
         // writes one of o); the workspace holds `workspace_bytes` (checked, or allocated
         // above); this function's contract makes the memory live and `stream` valid.
-        let launched = unsafe { launch(&kernel, &dims, stream, params) };
+        let launched = unsafe { launch(&kernel, &dims, stream, params.list()) };
         let merged = match (launched, merge) {
             (Ok(()), Some(merge)) => {
                 let parts = MergeParts {

@@ -73,6 +73,41 @@ impl LaunchDims {
     }
 }
 
+/// The parameter pointers of a kernel whose parameters are by-value values (an argument
+/// block, tensor maps) followed, in a padded kernel, by the tensors' `u32` head dim: the
+/// sm80 forward, decode, merge and sm90a forward kernels. The pointers borrow nothing:
+/// the values they point at must outlive the launch that reads them.
+pub(crate) struct PaddedParams {
+    ptrs: [*mut c_void; PaddedParams::MAX],
+    len: usize,
+}
+
+impl PaddedParams {
+    /// The most parameters (an argument block, four tensor maps, a head dim).
+    const MAX: usize = 6;
+
+    /// `values` in order, then `head_dim` where given.
+    pub(crate) fn new<const N: usize>(
+        values: [*mut c_void; N],
+        head_dim: Option<&mut u32>,
+    ) -> Self {
+        const { assert!(N < Self::MAX, "one slot stays for the head dim") };
+        let mut ptrs = [ptr::null_mut(); Self::MAX];
+        ptrs[..N].copy_from_slice(&values);
+        let mut len = N;
+        if let Some(d) = head_dim {
+            ptrs[len] = (d as *mut u32).cast();
+            len += 1;
+        }
+        PaddedParams { ptrs, len }
+    }
+
+    /// The pointer list [`launch`] takes.
+    pub(crate) fn list(&mut self) -> &mut [*mut c_void] {
+        &mut self.ptrs[..self.len]
+    }
+}
+
 /// Launches `kernel` with `dims` on `stream` (null = the context's legacy default stream).
 /// The shape is validated first ([`LaunchDims::validate`]); the kernel's context is current
 /// during the call only (the calling thread's current context is put back before it
@@ -181,6 +216,23 @@ fn prepare(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The values in order, then the head dim's address where a padded kernel takes it.
+    #[test]
+    fn padded_params_append_the_head_dim() {
+        let (mut a, mut b, mut d) = (1u64, 2u64, 80u32);
+        let a_ptr = (&mut a as *mut u64).cast::<c_void>();
+        let b_ptr = (&mut b as *mut u64).cast::<c_void>();
+        let d_ptr = (&mut d as *mut u32).cast::<c_void>();
+        assert_eq!(
+            PaddedParams::new([a_ptr, b_ptr], None).list(),
+            [a_ptr, b_ptr]
+        );
+        let mut padded = PaddedParams::new([a_ptr, b_ptr], Some(&mut d));
+        assert_eq!(padded.list(), [a_ptr, b_ptr, d_ptr]);
+        let five = [a_ptr; 5];
+        assert_eq!(PaddedParams::new(five, Some(&mut d)).list().len(), 6);
+    }
 
     fn dims(grid: (u32, u32, u32), block: (u32, u32, u32), smem: u32) -> LaunchDims {
         LaunchDims {
