@@ -118,23 +118,31 @@ pub fn kernel_head_dim(d: usize, fp8: bool) -> Option<(u32, bool)> {
 }
 
 impl DecodeConfig {
-    /// The ring depth a head dim gets when shared memory allows: about 96 KiB of K/V
-    /// tiles, so two blocks fit an sm_90 SM and each keeps 64 KiB of reads in flight
-    /// (e4m3 codes: a stage is half the bytes, and the ring is kept short so that three
-    /// blocks (head dim 128) share an SM: widening the codes lengthens each tile's
-    /// chain of dependent steps, which more warps per SM hide). A paged 16-bit cache at
-    /// head dim 128 takes a stage more: with small pages each tile's copies wait on
-    /// their block-table entries, and 96 KiB in flight hides that (on the H200, page 16
-    /// at B1 Skv 32768: 40.0–40.2 µs against 40.9–41.8 with three stages, 39.0–39.7
-    /// contiguous; B64 Skv 4096 1% slower). Head dim 96 (and 80 on it) takes four
-    /// stages too, 72 KiB in flight where three gave 48: on an H100, Hq32 Hkv8, two
-    /// rounds each, B16 Skv 8192 147.7 µs against 151.4, B64 Skv 4096 293 against 300,
-    /// B1 Skv 32768 42.1 against 44.0; at 80, B16 130.4 against 145.5.
+    /// The ring depth a head dim gets when shared memory allows. A 16-bit cache keeps at
+    /// least 64 KiB of reads in flight per block (`stages − 1` stages of K and V), which
+    /// one block per SM needs to stream at the memory's rate: head dim 64 five stages of
+    /// 16 KiB, 96 four of 24 (72 KiB), 128 three of 32, 192 and 256 two. With fewer, a
+    /// step whose blocks are one per SM (B16, B64) was bound by the bytes in flight: on
+    /// an H100, Hq32 Hkv8, same call, two rounds each, head dim 64 with five stages
+    /// against four: B16 Skv 8192 90.8–91.0 µs against 99.6–100.1, B64 Skv 4096
+    /// 183.5–183.8 against 189.9, B1 Skv 32768 28.6–28.8 against 30.1 (six stages: 92.5–
+    /// 92.7, 185.5–185.6, 29.0–29.1); head dim 96 with four against three: B16 147.7
+    /// against 151.4, B64 293 against 300, B1 Skv 32768 42.1 against 44.0 (80 on it: B16
+    /// 130.4 against 145.5). A paged cache at head dim 128 takes a stage more: with small
+    /// pages each tile's copies wait on their block-table entries, and 96 KiB in flight
+    /// hides that (on the H200, page 16 at B1 Skv 32768: 40.0–40.2 µs against 40.9–41.8
+    /// with three stages, 39.0–39.7 contiguous; B64 Skv 4096 1% slower). Head dim 32
+    /// keeps four stages: three of its blocks share an SM. e4m3 codes: a stage is half
+    /// the bytes, and the ring is kept short so that three blocks (head dim 128) share an
+    /// SM: widening the codes lengthens each tile's chain of dependent steps, which more
+    /// warps per SM hide.
     pub fn preferred_stages(head_dim: u32, paged: bool, fp8: bool) -> u32 {
         match (head_dim, fp8) {
-            (0..=96, false) => 4,
+            (0..=32, false) => 4,
+            (33..=64, false) => 5,
+            (65..=96, false) => 4,
             (97..=128, false) if paged => 4,
-            (65..=128, false) => 3,
+            (97..=128, false) => 3,
             (_, false) => 2,
             (0..=64, true) => 4,
             (65..=128, true) => 3,
@@ -1980,6 +1988,7 @@ mod tests {
         // 16 KiB) two; head dim 32 (three of 8 KiB) three.
         assert_eq!(cfg(128, 3, false).blocks_per_sm(), 1);
         assert_eq!(cfg(96, 4, false).blocks_per_sm(), 1);
+        assert_eq!(cfg(64, 5, false).blocks_per_sm(), 1);
         assert_eq!(cfg(256, 2, false).blocks_per_sm(), 1);
         assert_eq!(cfg(64, 4, false).blocks_per_sm(), 2);
         assert_eq!(cfg(32, 4, false).blocks_per_sm(), 3);
