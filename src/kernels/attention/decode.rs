@@ -90,7 +90,7 @@ pub struct DecodeConfig {
     pub head_dim: u32,
     /// Paged cache (block table) rather than contiguous.
     pub paged: bool,
-    /// K/V tiles in the ring (2 to 4).
+    /// K/V tiles in the ring (2 to 9; see [`DecodeConfig::preferred_stages`]).
     pub stages: u32,
     /// Warps per block (4, or 2 where shared memory is short): each takes 16 keys of
     /// every stage.
@@ -120,29 +120,33 @@ pub fn kernel_head_dim(d: usize, fp8: bool) -> Option<(u32, bool)> {
 impl DecodeConfig {
     /// The ring depth a head dim gets when shared memory allows. A 16-bit cache keeps at
     /// least 64 KiB of reads in flight per block (`stages − 1` stages of K and V), which
-    /// one block per SM needs to stream at the memory's rate: head dim 64 five stages of
-    /// 16 KiB, 96 four of 24 (72 KiB), 128 three of 32, 192 and 256 two. With fewer, a
-    /// step whose blocks are one per SM (B16, B64) was bound by the bytes in flight: on
-    /// an H100, Hq32 Hkv8, same call, two rounds each, head dim 64 with five stages
-    /// against four: B16 Skv 8192 90.8–91.0 µs against 99.6–100.1, B64 Skv 4096
-    /// 183.5–183.8 against 189.9, B1 Skv 32768 28.6–28.8 against 30.1 (six stages: 92.5–
-    /// 92.7, 185.5–185.6, 29.0–29.1); head dim 96 with four against three: B16 147.7
-    /// against 151.4, B64 293 against 300, B1 Skv 32768 42.1 against 44.0 (80 on it: B16
-    /// 130.4 against 145.5). A paged cache at head dim 128 takes a stage more: with small
-    /// pages each tile's copies wait on their block-table entries, and 96 KiB in flight
-    /// hides that (on the H200, page 16 at B1 Skv 32768: 40.0–40.2 µs against 40.9–41.8
-    /// with three stages, 39.0–39.7 contiguous; B64 Skv 4096 1% slower). Head dim 32
-    /// keeps four stages: three of its blocks share an SM. e4m3 codes: a stage is half
-    /// the bytes, and the ring is kept short so that three blocks (head dim 128) share an
-    /// SM: widening the codes lengthens each tile's chain of dependent steps, which more
-    /// warps per SM hide.
+    /// one block per SM needs to stream at the memory's rate: head dim 32 nine stages of
+    /// 8 KiB, 64 five of 16 KiB, 96 four of 24 (72 KiB), 128 three of 32, 192 three of 48
+    /// (96 KiB), 256 two of 64. With fewer, a step whose blocks are one per SM (B16, B64)
+    /// was bound by the bytes in flight. On an H100, Hq32 Hkv8, same call, two rounds
+    /// each, µs:
+    ///
+    /// | head dim, stages | B16 Skv 8192 | B64 Skv 4096 | B1 Skv 32768 |
+    /// |---|---|---|---|
+    /// | 32: 9 / 4 | 55.2–55.3 / 60.9–61.4 | 120.5–120.6 / 133.5–134.3 | 19.4–19.6 / 20.5–20.8 |
+    /// | 64: 5 / 4 (6) | 90.8–91.0 / 99.6–100.1 (92.5–92.7) | 183.5–183.8 / 189.9 (185.5–185.6) | 28.6–28.8 / 30.1 (29.0–29.1) |
+    /// | 96: 4 / 3 | 147.6–147.7 / 151.3–151.4 | 292.8–293.0 / 299.8–300.0 | 42.0–42.2 / 43.9–44.1 |
+    /// | 192: 3 / 2 | 269.3–269.6 / 273.7 | 530.0–530.1 / 534.7–534.8 | 73.3–73.5 / 74.9–75.2 |
+    ///
+    /// (80 on the 96 kernel: B16 130.4 against 145.5.) A paged cache at head dim 128
+    /// takes a stage more: with small pages each tile's copies wait on their block-table
+    /// entries, and 96 KiB in flight hides that (on the H200, page 16 at B1 Skv 32768:
+    /// 40.0–40.2 µs against 40.9–41.8 with three stages, 39.0–39.7 contiguous; B64 Skv
+    /// 4096 1% slower). e4m3 codes: a stage is half the bytes, and the ring is kept short
+    /// so that three blocks (head dim 128) share an SM: widening the codes lengthens each
+    /// tile's chain of dependent steps, which more warps per SM hide.
     pub fn preferred_stages(head_dim: u32, paged: bool, fp8: bool) -> u32 {
         match (head_dim, fp8) {
-            (0..=32, false) => 4,
+            (0..=32, false) => 9,
             (33..=64, false) => 5,
             (65..=96, false) => 4,
             (97..=128, false) if paged => 4,
-            (97..=128, false) => 3,
+            (97..=192, false) => 3,
             (_, false) => 2,
             (0..=64, true) => 4,
             (65..=128, true) => 3,
@@ -1968,8 +1972,8 @@ mod tests {
             seen += 1;
         }
         // Five kernel head dims, two dtypes, contiguous and paged, three rings each at 64,
-        // 96 and 128 and two at 192 and 256 (whose preferred ring has two stages).
-        assert_eq!(seen, 52);
+        // 96, 128 and 192 and two at 256 (whose preferred ring has two stages).
+        assert_eq!(seen, 56);
     }
 
     #[test]
@@ -1989,6 +1993,8 @@ mod tests {
         assert_eq!(cfg(128, 3, false).blocks_per_sm(), 1);
         assert_eq!(cfg(96, 4, false).blocks_per_sm(), 1);
         assert_eq!(cfg(64, 5, false).blocks_per_sm(), 1);
+        assert_eq!(cfg(32, 9, false).blocks_per_sm(), 1);
+        assert_eq!(cfg(192, 3, false).blocks_per_sm(), 1);
         assert_eq!(cfg(256, 2, false).blocks_per_sm(), 1);
         assert_eq!(cfg(64, 4, false).blocks_per_sm(), 2);
         assert_eq!(cfg(32, 4, false).blocks_per_sm(), 3);
