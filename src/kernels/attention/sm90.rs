@@ -52,10 +52,10 @@ use super::softmax::{OnlineSoftmax, pack_probs_into, rescale_rows};
 use super::{FwdArgs, FwdConfig, HalfType, Tiling};
 use crate::ptx::{
     Acc, BarrierRing, Bf16x2, Cmp, F16x2, F32, Half2, InFlight, KMajor, Kernel, KernelText,
-    Mbarrier, MnMajor, Module, N64, N80, N112, N128, N176, N192, N256, NamedBarrier, ParamBytes,
-    Pred, PtxError, RawSlot, Reg, RingBarriers, S32, ScaleD, Smem, SmemAddr, SmemDesc, SmemLayout,
-    SmemPlan, Special, StageRing, Swizzle, Target, TileSlot, TmaDesc, U32, U64, WgmmaD, WgmmaInput,
-    WgmmaN,
+    Mbarrier, MnMajor, Module, N64, N80, N112, N128, N176, N192, N256, NamedBarrier, Param,
+    ParamBytes, Pred, PtxError, RawSlot, Reg, RingBarriers, S32, ScaleD, Smem, SmemAddr, SmemDesc,
+    SmemLayout, SmemPlan, Special, StageRing, Swizzle, Target, TileSlot, TmaDesc, U32, U64, WgmmaD,
+    WgmmaInput, WgmmaN,
 };
 
 /// Query rows per block by default: two consumer warpgroups of 64.
@@ -431,13 +431,13 @@ struct Fwd {
     causal: bool,
     /// The scale folded into the exponent ([`FwdConfig::fold_scale`]).
     fold_scale: bool,
-    args: crate::ptx::ParamBytes,
+    args: ParamBytes,
     /// Q, K, V and O.
     maps: [TmaDesc; 4],
     /// A padded kernel's last parameter: the tensors' head dim, below the kernel's. O's
     /// TMA store clips the columns past it; the direct stores (packed batches, or an O
     /// that TMA cannot describe) check them.
-    head_dim: Option<crate::ptx::Param<U32>>,
+    head_dim: Option<Param<U32>>,
     smem: Smem,
     slots: Slots,
 }
