@@ -207,12 +207,23 @@ pub(crate) fn sm90_map(t: &TensorView, rows: u32) -> Result<TensorMap> {
 }
 
 /// The map of O the sm90a epilogues store through, one `{64, 16}` box (a warp's rows,
-/// one column block) at a time; `None` where O cannot go out by TMA: packed sequences
-/// (a box would cross into the next sequence's rows) or a layout TMA cannot describe.
-pub(crate) fn sm90_output_map(o: &TensorView, packed: bool) -> Option<TensorMap> {
+/// one column block) at a time, its column blocks addressed as `columns` says; `None`
+/// where O cannot go out by TMA: packed sequences (a box would cross into the next
+/// sequence's rows) or a layout TMA cannot describe.
+pub(crate) fn sm90_output_map(
+    o: &TensorView,
+    packed: bool,
+    columns: MapColumns,
+) -> Option<TensorMap> {
     (!packed)
-        .then(|| sm90_map_boxed(o, [16, 1], MapColumns::Blocked).ok())
+        .then(|| sm90_map_boxed(o, [16, 1], columns).ok())
         .flatten()
+}
+
+/// A padded kernel's head dim parameter: the tensors' head dim, which has a kernel only
+/// if it fits a `u32`.
+fn head_dim_param(d: usize) -> Result<u32> {
+    u32::try_from(d).map_err(|_| Error::UnsupportedHeadDim(d, FWD_PADDED_HEAD_DIMS_TEXT))
 }
 
 /// What an sm90a forward launch takes beside its argument block: the tensor maps of Q, K
@@ -236,24 +247,16 @@ fn sm90_maps(
     let Tiling {
         block_m, block_n, ..
     } = cfg.tiling();
-    if !cfg.padded {
-        return Ok(Sm90Operands {
-            inputs: [
-                sm90_map(q, block_m)?,
-                sm90_map(k, block_n)?,
-                sm90_map(v, block_n)?,
-            ],
-            output: sm90_output_map(o, packed),
-            head_dim: None,
-        });
-    }
-    let map = |t: &TensorView, rows| sm90_map_boxed(t, [rows, 1], MapColumns::PerBlock);
-    let head_dim = u32::try_from(q.shape[3])
-        .map_err(|_| Error::UnsupportedHeadDim(q.shape[3], FWD_PADDED_HEAD_DIMS_TEXT))?;
+    let d = q.shape[3];
+    let (columns, blocks) = match cfg.padded {
+        false => (MapColumns::Blocked, d as u32 / 64),
+        true => (MapColumns::PerBlock, 1),
+    };
+    let map = |t: &TensorView, rows| sm90_map_boxed(t, [rows, blocks], columns);
     Ok(Sm90Operands {
         inputs: [map(q, block_m)?, map(k, block_n)?, map(v, block_n)?],
-        output: (!packed).then(|| map(o, 16).ok()).flatten(),
-        head_dim: Some(head_dim),
+        output: sm90_output_map(o, packed, columns),
+        head_dim: cfg.padded.then(|| head_dim_param(d)).transpose()?,
     })
 }
 
@@ -539,9 +542,7 @@ impl Attention {
         let mut args = fwd_args(problem, cfg, [q, k, v, o], lse);
         let dims = sm80_grid(problem, cfg);
         // A padded kernel's second parameter: the tensors' head dim (below the kernel's).
-        let d = problem.shape.head_dim;
-        let mut head_dim = u32::try_from(d)
-            .map_err(|_| Error::UnsupportedHeadDim(d, FWD_PADDED_HEAD_DIMS_TEXT))?;
+        let mut head_dim = head_dim_param(problem.shape.head_dim)?;
         let args_ptr = (&mut args as *mut FwdArgs).cast::<c_void>();
         let mut params = PaddedParams::new([args_ptr], cfg.padded.then_some(&mut head_dim));
         // SAFETY: the kernel's parameters are the by-value `FwdArgs` block, which `args` is,

@@ -23,7 +23,7 @@ use crate::error::{Error, Result};
 use crate::kernels::attention::fp8::{
     Fp8Args, Fp8Config, Fp8Path, HEAD_DIMS, scale_blocks, vt_min_pitch, vt_min_pitch_checked,
 };
-use crate::kernels::attention::{FwdArgs, HalfType, sm90_fp8};
+use crate::kernels::attention::{FwdArgs, HalfType, sm90, sm90_fp8};
 use crate::ptx::SmemLayout;
 use crate::shape::AttnShape;
 use crate::tma::{TensorMap, TiledMap, TmaType};
@@ -490,7 +490,7 @@ impl Attention {
             Some(maps) => {
                 let operands = super::attention::Sm90Operands {
                     inputs: maps,
-                    output: super::attention::sm90_output_map(o, false),
+                    output: super::attention::sm90_output_map(o, false, sm90::MapColumns::Blocked),
                     head_dim: None,
                 };
                 // SAFETY: `args` is the kernel's `Fp8Args` block and `maps` cover exactly
