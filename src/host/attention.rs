@@ -44,8 +44,9 @@ pub enum PathChoice {
 /// of architecture `arch` with `sm_count` SMs: the sm90 path on Hopper for head dims 64,
 /// 128, 192 and 256, and padded onto the next of them for the other multiples of 8 up to
 /// 256 ([`sm90::padded_head_dim`]; the scale folded into the exponent where that is safe,
-/// see [`scale_folds`]), the sm80 path otherwise ([`dispatch_sm80`]). (Packed batches
-/// take the sm80 path for padded head dims: see [`Attention::plan`].)
+/// see [`scale_folds`]), the sm80 path otherwise ([`dispatch_sm80`]). Packed batches
+/// dispatch the same way (a padded kernel's direct stores of O skip the columns past the
+/// head dim, its last parameter).
 pub fn dispatch(
     arch: (i32, i32),
     sm_count: u32,
