@@ -1808,22 +1808,12 @@ mod tests {
         ));
         // The merge: 80 on the padded 96 kernel, 136 on the 256 one.
         for (d, kernel) in [(80, 96), (136, 256), (8, 64), (248, 256)] {
-            let parts = MergeParts {
-                o: TensorView::bshd(GB, DType::F32, 2, 5, 4, d),
-                count: 3,
-                shard_stride: 2 * 5 * 4 * d,
-                lse: 2 * GB,
-            };
+            let parts = three_shards(DType::F32, d, d);
             let out = TensorView::bshd(3 * GB, DType::Bf16, 2, 5, 4, d);
             let cfg = validate_merge(&parts, &out, None).unwrap();
             assert_eq!((cfg.head_dim, cfg.padded), (kernel, true), "d{d}");
         }
-        let parts = MergeParts {
-            o: TensorView::bshd(GB, DType::F32, 2, 5, 4, 84),
-            count: 3,
-            shard_stride: 2 * 5 * 4 * 88,
-            lse: 2 * GB,
-        };
+        let parts = three_shards(DType::F32, 84, 88);
         let out = TensorView::bshd(3 * GB, DType::F32, 2, 5, 4, 84);
         assert!(matches!(
             validate_merge(&parts, &out, None),
@@ -1976,14 +1966,20 @@ mod tests {
         );
     }
 
+    /// Three shards' partial results of a `[2, 5, 4, d]` problem at `GB`, one shard every
+    /// `2·5·4·span` elements, their LSEs at `2 GB`.
+    fn three_shards(dtype: DType, d: usize, span: usize) -> MergeParts {
+        MergeParts {
+            o: TensorView::bshd(GB, dtype, 2, 5, 4, d),
+            count: 3,
+            shard_stride: 2 * 5 * 4 * span,
+            lse: 2 * GB,
+        }
+    }
+
     #[test]
     fn merge_and_append_validation() {
-        let parts = MergeParts {
-            o: TensorView::bshd(GB, DType::F16, 2, 5, 4, 128),
-            count: 3,
-            shard_stride: 2 * 5 * 4 * 128,
-            lse: 2 * GB,
-        };
+        let parts = three_shards(DType::F16, 128, 128);
         let out = TensorView::bshd(3 * GB, DType::F32, 2, 5, 4, 128);
         let cfg = validate_merge(&parts, &out, None).unwrap();
         assert_eq!((cfg.input, cfg.output), (MergeType::F16, MergeType::F32));
