@@ -62,7 +62,7 @@ const USAGE: &str = "usage:
   flashcore gemm [--m M] [--n N] [--k K] [--dtype bf16|f16|e4m3|all] [--iters N] [--json FILE]
   flashcore decode [--shapes BxSKV,...] [--pages 0,16,64] [--heads 32] [--kv-heads 8]
                    [--head-dim 128] [--seqlen-q 1] [--causal] [--dtype f16|bf16] [--iters N]
-                   [--json FILE]
+                   [--kv-dtype e4m3] [--cache-layout bshd|bhsd] [--json FILE]
   flashcore varlen [--lens 512,4096,...] [--heads 32] [--kv-heads 8] [--head-dim 128]
                    [--causal] [--dtype f16|bf16] [--path sm80] [--iters N] [--json FILE]
   flashcore fp8 [--shapes B:H:S:D,...] [--path best|sm80] [--iters N]
@@ -901,10 +901,22 @@ fn decode(args: &[String]) -> Result<(), Failure> {
             "--shapes",
             "--pages",
             "--kv-dtype",
+            "--cache-layout",
         ],
         &["--causal"],
     )?;
     let iters = o.num("--iters", 100)?;
+    // A contiguous cache as `[B, Skv, Hkv, D]` (the serving layout) or with each head's
+    // rows together, `[B, Hkv, Skv, D]` (SDPA's layout), passed as a strided view.
+    let head_major = match o.value("--cache-layout").unwrap_or("bshd") {
+        "bshd" => false,
+        "bhsd" => true,
+        t => {
+            return Err(Failure::Usage(format!(
+                "--cache-layout takes bshd or bhsd, got `{t}`"
+            )));
+        }
+    };
     let dtype = parse_dtype(o.value("--dtype").unwrap_or("f16"))?;
     // A 16-bit cache has the queries' dtype; e4m3 serves either.
     let fp8 = match o.value("--kv-dtype") {
@@ -966,10 +978,11 @@ fn decode(args: &[String]) -> Result<(), Failure> {
         causal,
     };
     out!(
-        "{} ({}), flashcore decode, {} cache",
+        "{} ({}), flashcore decode, {} cache, contiguous as {}",
         dev.name(),
         dev.arch_name(),
-        cache_dt.name()
+        cache_dt.name(),
+        if head_major { "bhsd" } else { "bshd" }
     );
     out!(
         "{:<34} {:>6} {:>10} {:>9}  kernel",
@@ -1066,9 +1079,13 @@ fn decode(args: &[String]) -> Result<(), Failure> {
                             v: view(vs),
                         }
                     });
+                    let view = |ptr| match (page, head_major) {
+                        (0, true) => TensorView::bhsd(ptr, cache_dt, outer, rows, hkv, d),
+                        _ => TensorView::bshd(ptr, cache_dt, outer, rows, hkv, d),
+                    };
                     KvCache {
-                        k: TensorView::bshd(k, cache_dt, outer, rows, hkv, d),
-                        v: TensorView::bshd(v, cache_dt, outer, rows, hkv, d),
+                        k: view(k),
+                        v: view(v),
                         seqlens: lens.device_ptr(&stream).0,
                         layout: match page {
                             0 => CacheLayout::Contiguous,
