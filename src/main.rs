@@ -216,6 +216,12 @@ fn info() -> Result<(), Failure> {
          larger one, padded: {}",
         padded.join(", ")
     );
+    out!(
+        "  up to {} queries per sequence against {} keys or more: the split-KV decode \
+         kernels (GQA packed), as `flashcore decode` runs them",
+        flashcore::kernels::attention::decode::MAX_QUERIES,
+        flashcore::host::decode::FORWARD_DECODE_MIN_KEYS
+    );
     match detected {
         Some(arch) => fp8_info(arch),
         // No GPU here: the two architectures with FP8 tensor cores.

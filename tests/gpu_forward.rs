@@ -752,3 +752,86 @@ fn padded_head_dims_touch_only_their_columns() {
         println!("{dtype:?} d{d} causal={causal} Sq{sq} Sk{sk}: same bits, nothing past d");
     }
 }
+
+/// Forward calls shaped like decode steps (at most 16 queries per sequence against at
+/// least `FORWARD_DECODE_MIN_KEYS` keys) run on the split-KV decode kernels, right for
+/// every head dim, GQA ratio, mask and layout, LSE included; an Attention restricted to
+/// the sm80 path keeps its forward kernels.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn decode_shaped_forwards_run_on_the_decode_kernels() {
+    use flashcore::host::attention::PathChoice;
+    use flashcore::host::decode::FORWARD_DECODE_MIN_KEYS;
+    let mut cases = Vec::new();
+    let min = FORWARD_DECODE_MIN_KEYS;
+    for dtype in [HalfType::F16, HalfType::Bf16] {
+        for (d, hq, hkv) in [
+            (128, 32, 8),
+            (64, 8, 8),
+            (80, 12, 4),
+            (256, 4, 1),
+            (32, 16, 2),
+        ] {
+            for (b, sq, sk) in [(1, 1, min), (3, 7, min + 1), (2, 16, 4097), (1, 5, 32768)] {
+                for causal in [false, true] {
+                    let mut c = case(dtype, d, causal, b, hq, hkv, sq, sk);
+                    if (sq + d) % 3 == 0 {
+                        c.layout = Layout::Bhsd;
+                    }
+                    cases.push(c);
+                }
+            }
+        }
+    }
+    let (attn, stream) = setup();
+    let mut seeds = seeds();
+    let mut failures = Vec::new();
+    for c in &cases {
+        let mut rng = seeds.next_case();
+        let replay = seeds.replay(&rng);
+        let r = check_forward(&attn, &stream, *c, &mut rng)
+            .unwrap_or_else(|e| panic!("{c} ({replay}): {e}"));
+        let line = format!(
+            "{c}: out {:.2e} lse {:.2e} unwritten {} ({replay})",
+            r.out_err, r.lse_err, r.unwritten
+        );
+        println!("{line}");
+        if !r.passes(c.dtype) || r.lse_err.is_nan() || r.lse_err > 1e-4 {
+            failures.push(line);
+        }
+    }
+    assert!(failures.is_empty(), "failed:\n{}", failures.join("\n"));
+    let loaded = attn.loaded_kernels();
+    let forwards = loaded
+        .iter()
+        .filter(|k| k.0.starts_with("attn_fwd"))
+        .count();
+    let decodes = loaded
+        .iter()
+        .filter(|k| k.0.starts_with("attn_decode"))
+        .count();
+    assert!(decodes > 0 && forwards == 0, "loaded: {loaded:?}");
+
+    // Below the threshold, and on the sm80 path, the forward kernels run.
+    let (attn, stream) = setup();
+    let attn = attn.with_path(PathChoice::Sm80);
+    let short = case(HalfType::F16, 128, true, 1, 32, 8, 16, min - 1);
+    let long = case(HalfType::F16, 128, true, 1, 32, 8, 16, min);
+    for c in [short, long] {
+        let r = check_forward(&attn, &stream, c, &mut seeds.next_case()).unwrap();
+        assert!(r.passes(c.dtype), "{c}: {:.2e}", r.out_err);
+    }
+    assert!(
+        attn.loaded_kernels()
+            .iter()
+            .all(|k| k.0.starts_with("attn_fwd"))
+    );
+    let (attn, stream) = setup();
+    let r = check_forward(&attn, &stream, short, &mut seeds.next_case()).unwrap();
+    assert!(r.passes(short.dtype), "{short}: {:.2e}", r.out_err);
+    assert!(
+        attn.loaded_kernels()
+            .iter()
+            .all(|k| k.0.starts_with("attn_fwd"))
+    );
+}

@@ -74,6 +74,8 @@ CASES = [
     (1, 4, 4, 1023, 1023, 96),
     (2, 16, 2, 257, 257, 192),
     (1, 16, 2, 2048, 2048, 128),
+    # Decode-shaped (up to 16 queries against 1536 keys or more): the split-KV decode kernels.
+    (3, 8, 8, 1, 1536, 64),
     # Head dims without a kernel of their own: padded onto the next larger kernel (on Hopper
     # an sm90a one, elsewhere an sm80 one).
     (2, 8, 8, 77, 333, 40),
@@ -217,9 +219,13 @@ def test_torch_compile(seed):
 
 # B2 H8: 64 query tiles, one block each; B4 H16: 256, which on a Hopper the blocks take
 # from a tile counter the call allocates and zeroes on the stream (captured as well).
-@pytest.mark.parametrize("batch,heads", [(2, 8), (4, 16)])
-def test_cuda_graph_capture_and_replay(seed, batch, heads):
-    q, k, v = make(batch, heads, heads, 512, 512, 64, torch.float16)
+# B2 Hq32/8 Sq1 Sk4096: a decode-shaped call, which runs on the split-KV decode kernels and
+# their merge, with partial results the call allocates on the stream.
+@pytest.mark.parametrize(
+    "batch,heads,kv_heads,sq,sk", [(2, 8, 8, 512, 512), (4, 16, 16, 512, 512), (2, 32, 8, 1, 4096)]
+)
+def test_cuda_graph_capture_and_replay(seed, batch, heads, kv_heads, sq, sk):
+    q, k, v = make(batch, heads, kv_heads, sq, sk, 64, torch.float16)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):

@@ -302,9 +302,10 @@ fn sm90_map_boxed(
 ///
 /// The first call for a configuration generates its PTX and loads it (milliseconds);
 /// later calls validate, look the kernel up and launch, with no allocation but a causal
-/// sm90a launch's 4-byte tile counter (stream-ordered, `cuMemAllocAsync`, zeroed and freed
-/// on the caller's stream; without that allocator such a launch runs one block per work
-/// item instead), so they can be captured in a CUDA graph. Every call (and dropping it)
+/// sm90a launch's 4-byte tile counter and a decode-shaped call's partial results
+/// (stream-ordered, `cuMemAllocAsync`, freed on the caller's stream; without that
+/// allocator such a launch runs one block per work item, or on the forward kernels,
+/// instead), so they can be captured in a CUDA graph. Every call (and dropping it)
 /// leaves the calling thread's current CUDA context as it found it: the device's primary
 /// context is current only inside the driver calls (see
 /// [`ContextScope`](super::device::ContextScope)).
@@ -344,10 +345,11 @@ impl Attention {
         self.cache.loaded()
     }
 
-    /// The configuration `problem` runs with on this device (before the sm90 path's
-    /// fallback for views TMA cannot describe, see [`Attention::forward`]). A packed batch
-    /// at a padded head dim takes the sm80 path: the padded sm90 kernels store O only by
-    /// TMA, whose boxes would cross into the next sequence's rows.
+    /// The forward configuration `problem` runs with on this device (before the sm90
+    /// path's fallback for views TMA cannot describe, and unless the call is shaped like a
+    /// decode step, see [`Attention::forward`]). A packed batch at a padded head dim takes
+    /// the padded sm90 kernels too, which store its O by direct stores that skip the
+    /// columns past the head dim.
     pub fn plan(&self, problem: &FwdProblem) -> Result<FwdConfig> {
         let arch = self.device.compute_capability();
         let sms = self.device.sm_count();
@@ -406,6 +408,14 @@ impl Attention {
     /// below 2^40 bytes, which validation's 16-byte rule leaves as the only limit); a
     /// view that cannot be runs on the sm80 path instead.
     ///
+    /// A call shaped like a decode step (at most 16 queries per sequence against at least
+    /// [`FORWARD_DECODE_MIN_KEYS`](super::decode::FORWARD_DECODE_MIN_KEYS) keys, with the
+    /// best path chosen) runs on the split-KV decode kernels, GQA packed, as
+    /// [`Attention::decode`] against a cache every sequence of which is full: the same
+    /// mask, output and LSE, 2–4.5x faster there than the forward kernels (H100). Its
+    /// partial results take memory from the stream-ordered allocator for the call; where
+    /// none can be had, or the decode kernels refuse the views, the forward kernels run.
+    ///
     /// # Safety
     ///
     /// The views' pointers must be device memory of this device's context, valid for the
@@ -425,6 +435,12 @@ impl Attention {
         stream: CUstream,
     ) -> Result<()> {
         let problem = validate_fwd(q, k, v, o, lse, params)?;
+        // SAFETY: this function's contract, passed on unchanged; `problem` validates these views.
+        let by_decode =
+            unsafe { self.forward_by_decode(&problem, [q, k, v, o], lse, params, stream) };
+        if let Some(ran) = by_decode {
+            return ran;
+        }
         // SAFETY: this function's contract, passed on unchanged.
         unsafe { self.run(&problem, [q, k, v, o], lse, stream) }
     }

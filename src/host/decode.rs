@@ -16,15 +16,15 @@ use std::sync::Arc;
 
 use cudarc::driver::sys::CUstream;
 
-use super::attention::Attention;
-use super::kv_cache::{CacheShape, HostMetadata, KvCache};
+use super::attention::{Attention, PathChoice};
+use super::kv_cache::{CacheLayout, CacheShape, HostMetadata, KvCache};
 use super::launch::{LaunchDims, PaddedParams, launch, launch_programmatic};
 use super::module::{Carveout, LoadedKernel};
 use super::tensor::{AttentionParams, DType, LseView, TensorView};
 use super::validate::{
-    FWD_PADDED_HEAD_DIMS_TEXT, LSE_ALIGN, MAX_GRID_YZ, MAX_SEQLEN, TENSOR_ALIGN, byte_range_of,
-    check_no_self_overlap, check_not_empty, check_pointer, check_scale, check_strides,
-    lse_byte_range, overlaps, views_disjoint,
+    FWD_PADDED_HEAD_DIMS_TEXT, FwdProblem, LSE_ALIGN, MAX_GRID_YZ, MAX_SEQLEN, TENSOR_ALIGN,
+    byte_range_of, check_no_self_overlap, check_not_empty, check_pointer, check_scale,
+    check_strides, lse_byte_range, overlaps, views_disjoint,
 };
 use crate::error::{Error, Result};
 use crate::kernels::attention::HalfType;
@@ -717,6 +717,24 @@ fn strides3(t: &TensorView) -> [u64; 3] {
     ]
 }
 
+/// Keys from which a dense forward call with at most [`MAX_QUERIES`] queries per sequence
+/// runs on the decode kernels ([`Attention::forward_by_decode`]). Measured on an H100
+/// (`flashcore run`, the forward kernels' TFLOP/s against decode's, same call): Hq32 Hkv8
+/// D128 Sq1 B1 1.2 against 1.1 at 1024 keys, 1.4 against 2.0 at 1536, 1.6 against 3.0 at
+/// 2048; B8 4.3 against 6.8 at 1024; Sq16 causal 18.7 against 21.7 at 1024; without GQA
+/// (B32 H32 D128, B4 H16 D64) level from 1024 keys, 0.9 against 0.6 at 512.
+pub const FORWARD_DECODE_MIN_KEYS: usize = 1536;
+
+/// Whether a dense forward call runs on the decode kernels: on the best path (an
+/// Attention restricted to the sm80 path keeps the forward kernels), at most
+/// [`MAX_QUERIES`] queries per sequence against at least [`FORWARD_DECODE_MIN_KEYS`] keys.
+pub(crate) fn forward_takes_decode(problem: &FwdProblem, choice: PathChoice) -> bool {
+    choice == PathChoice::Best
+        && problem.packed.is_none()
+        && problem.shape.seqlen_q <= MAX_QUERIES
+        && problem.shape.seqlen_k >= FORWARD_DECODE_MIN_KEYS
+}
+
 impl Attention {
     /// How a decode call of this problem runs on this device: its kernel, its splits
     /// and the workspace it needs.
@@ -780,6 +798,30 @@ impl Attention {
         {
             check_workspace(&w, plan.workspace_bytes, cache, q, o, lse, &problem)?;
         }
+        // SAFETY: this function's contract; the call was validated above.
+        unsafe { self.run_decode(&problem, &plan, q, cache, o, lse, workspace, stream) }
+    }
+
+    /// Launches a validated decode call (and its merge): its kernels, its workspace (the
+    /// caller's, checked, or taken from the stream-ordered allocator and freed behind).
+    /// A cache whose `seqlens` is 0 is full: every sequence holds `capacity` positions.
+    ///
+    /// # Safety
+    ///
+    /// As for [`Attention::decode`]; `problem` and `plan` must come from validating and
+    /// planning these views.
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn run_decode(
+        &self,
+        problem: &DecodeProblem,
+        plan: &DecodePlan,
+        q: &TensorView,
+        cache: &KvCache,
+        o: &TensorView,
+        lse: Option<&LseView>,
+        workspace: Option<Workspace>,
+        stream: CUstream,
+    ) -> Result<()> {
         // Both kernels of a step ask for all of the SMs' shared memory, so that no SM
         // changes its L1/shared split between them.
         let kernel = self.load_with(
@@ -915,6 +957,59 @@ impl Attention {
             self.free_behind_launch(ws, stream);
         }
         merged
+    }
+
+    /// A dense forward call with at most [`MAX_QUERIES`] queries per sequence, run as a
+    /// decode step against a full cache where [`forward_takes_decode`] says that is faster:
+    /// the keys split across the SMs, and each K/V tile read once for its whole query
+    /// group. The kernels take no lengths (every sequence holds all `Sk` keys, so the
+    /// causal mask is the forward's bottom-right one); the partial results of several
+    /// splits go to memory from the stream-ordered allocator, freed behind the launch.
+    /// `None` where the call keeps the forward kernels, with nothing launched or written:
+    /// a problem the decode kernels refuse, or no memory for the partial results.
+    ///
+    /// # Safety
+    ///
+    /// As for [`Attention::forward`]; `problem` must come from validating these views.
+    pub(crate) unsafe fn forward_by_decode(
+        &self,
+        problem: &FwdProblem,
+        [q, k, v, o]: [&TensorView; 4],
+        lse: Option<&LseView>,
+        params: &AttentionParams,
+        stream: CUstream,
+    ) -> Option<Result<()>> {
+        if !forward_takes_decode(problem, self.path_choice()) {
+            return None;
+        }
+        let mut cache = KvCache {
+            k: *k,
+            v: *v,
+            // Validation wants a lengths address; q's is aligned and, being an input, may
+            // overlap other inputs. The launch passes none.
+            seqlens: q.ptr,
+            layout: CacheLayout::Contiguous,
+            scales: None,
+        };
+        let decode = validate_decode(q, &cache, o, lse, params).ok()?;
+        let plan = self.decode_plan(&decode).ok()?;
+        let workspace = match plan.workspace_bytes {
+            0 => None,
+            bytes => Some(Workspace {
+                ptr: self.alloc_async(bytes, stream).ok()?,
+                bytes,
+            }),
+        };
+        cache.seqlens = 0;
+        // SAFETY: the views are the caller's (this function's contract), validated as a
+        // decode call just above; a cache without lengths is read up to its capacity, Sk;
+        // the workspace is `workspace_bytes` of fresh memory, live until its free is
+        // queued behind the kernels.
+        let ran = unsafe { self.run_decode(&decode, &plan, q, &cache, o, lse, workspace, stream) };
+        if let Some(w) = workspace {
+            self.free_behind_launch(w.ptr, stream);
+        }
+        Some(ran)
     }
 
     /// Writes `k_new`, `v_new` (`[B, Snew, Hkv, D]`) into `cache` at each sequence's
@@ -1090,6 +1185,54 @@ fn check_workspace(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn forward_problem(batch: usize, seqlen_q: usize, seqlen_k: usize) -> FwdProblem {
+        FwdProblem {
+            shape: crate::shape::AttnShape {
+                batch,
+                seqlen_q,
+                seqlen_k,
+                heads_q: 32,
+                heads_kv: 8,
+                head_dim: 128,
+            },
+            dtype: HalfType::F16,
+            scale: 0.125,
+            causal: true,
+            packed: None,
+        }
+    }
+
+    #[test]
+    fn decode_shaped_forwards_take_the_decode_kernels() {
+        let min = FORWARD_DECODE_MIN_KEYS;
+        for (sq, sk, routed) in [
+            (1, min, true),
+            (16, min, true),
+            (16, 1 << 20, true),
+            (1, min - 1, false),
+            (17, min, false),
+            (17, 1 << 20, false),
+        ] {
+            let p = forward_problem(4, sq, sk);
+            assert_eq!(
+                forward_takes_decode(&p, PathChoice::Best),
+                routed,
+                "{sq} {sk}"
+            );
+            assert!(!forward_takes_decode(&p, PathChoice::Sm80), "{sq} {sk}");
+        }
+        let packed = FwdProblem {
+            packed: Some(super::super::validate::Packed {
+                cu_seqlens_q: 256,
+                cu_seqlens_k: 512,
+                total_q: 4,
+                total_k: 4 * min,
+            }),
+            ..forward_problem(4, 1, min)
+        };
+        assert!(!forward_takes_decode(&packed, PathChoice::Best));
+    }
     use crate::host::draw::Draw;
     use crate::host::kv_cache::{CacheLayout, KvScales};
 

@@ -403,7 +403,8 @@ pub struct DecodeArgs {
     pub o_part: u64,
     /// Partial log-sum-exps, float32 `[splits, B, Hq, Sq]`.
     pub lse_part: u64,
-    /// int32 `[B]`: each sequence's length (the new tokens included).
+    /// int32 `[B]`: each sequence's length (the new tokens included); 0: every sequence
+    /// holds `capacity` positions (a contiguous cache; the forward's decode route).
     pub seqlens: u64,
     /// int32 `[B, block_table_stride]` page indices (paged only).
     pub block_table: u64,
@@ -484,7 +485,11 @@ impl Block {
         let seqlens = arg::<U64>(k, args, offset_of!(DecodeArgs, seqlens));
         let at = k.mul_wide_u32(batch, 4u32);
         let at = k.add(seqlens, at);
-        let loaded_len = k.ld_global::<S32>(at, 0);
+        let capacity = arg::<S32>(k, args, offset_of!(DecodeArgs, capacity));
+        // No lengths (a forward call run as decode): every sequence fills the cache.
+        let loaded_len = k.mov::<S32>(capacity);
+        let given = k.setp(Cmp::Ne, seqlens, 0u64);
+        k.guarded(given, true, |k| k.ld_global_into(loaded_len, at, 0));
         let split = k.special(Special::CtaidX);
         let y = k.special(Special::CtaidY);
         let row_chunks = arg::<U32>(k, args, offset_of!(DecodeArgs, row_chunks));
@@ -497,7 +502,7 @@ impl Block {
             chunk,
             split,
             splits: arg::<S32>(k, args, offset_of!(DecodeArgs, splits)),
-            capacity: arg::<S32>(k, args, offset_of!(DecodeArgs, capacity)),
+            capacity,
             loaded_len,
             block_n,
         }
