@@ -93,20 +93,81 @@ fn warm_forward_does_not_allocate() {
     let mut rng = seeds.next_case();
     let replay = seeds.replay(&rng);
     let dev = DeviceCase::new(&stream, case, &mut rng).unwrap();
-    let ([q, k, v, o], lse) = dev.views();
-    let params = AttentionParams::default();
-    let cu = stream.cu_stream();
-    // SAFETY: the views are the case's own live buffers, on its stream.
-    unsafe { attn.forward(&q, &k, &v, &o, Some(&lse), &params, cu) }.unwrap();
-    let n = allocations_in(|| {
-        for _ in 0..100 {
-            // SAFETY: as above.
-            unsafe { attn.forward(&q, &k, &v, &o, Some(&lse), &params, cu) }.unwrap();
-        }
-    });
-    stream.synchronize().unwrap();
+    let n = warm_forward_allocations(&attn, &stream, &dev, &AttentionParams::default());
     assert_eq!(
         n, 0,
         "100 warm forward calls allocated {n} times ({replay})"
+    );
+}
+
+/// The host allocations of 100 forward calls on `dev`'s buffers, after one that loads the
+/// kernels.
+fn warm_forward_allocations(
+    attn: &flashcore::host::attention::Attention,
+    stream: &std::sync::Arc<cudarc::driver::CudaStream>,
+    dev: &flashcore::check::DeviceCase,
+    params: &AttentionParams,
+) -> usize {
+    let ([q, k, v, o], lse) = dev.views();
+    let cu = stream.cu_stream();
+    // SAFETY: the views are the case's own live buffers, on its stream.
+    unsafe { attn.forward(&q, &k, &v, &o, Some(&lse), params, cu) }.unwrap();
+    let n = allocations_in(|| {
+        for _ in 0..100 {
+            // SAFETY: as above.
+            unsafe { attn.forward(&q, &k, &v, &o, Some(&lse), params, cu) }.unwrap();
+        }
+    });
+    stream.synchronize().unwrap();
+    n
+}
+
+/// The same for calls shaped like decode steps, which run on the split-KV decode kernels and
+/// their merge: validation as a decode call, the kernel lookups and the launches allocate
+/// nothing on the host (the partial results come from the stream-ordered allocator).
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn warm_decode_shaped_forward_does_not_allocate() {
+    use flashcore::check::{DeviceCase, FwdCase, Layout as L};
+    use flashcore::host::decode::FORWARD_DECODE_MIN_KEYS;
+    use std::sync::Arc;
+    let device = Arc::new(flashcore::host::device::Device::new(0).unwrap());
+    let stream = device.context().default_stream();
+    let attn = flashcore::host::attention::Attention::new(device).unwrap();
+    let mut seeds = flashcore::check::TestSeeds::from_env().unwrap_or_else(|e| panic!("{e}"));
+    for (batch, seqlen_q, causal) in [(1, 1, false), (2, 16, true)] {
+        let case = FwdCase {
+            shape: flashcore::shape::AttnShape {
+                batch,
+                seqlen_q,
+                seqlen_k: 2 * FORWARD_DECODE_MIN_KEYS,
+                heads_q: 32,
+                heads_kv: 8,
+                head_dim: 128,
+            },
+            dtype: HalfType::F16,
+            causal,
+            layout: L::Bshd,
+            kernel: None,
+        };
+        let mut rng = seeds.next_case();
+        let replay = seeds.replay(&rng);
+        let dev = DeviceCase::new(&stream, case, &mut rng).unwrap();
+        let params = AttentionParams {
+            softmax_scale: None,
+            causal,
+        };
+        let n = warm_forward_allocations(&attn, &stream, &dev, &params);
+        assert_eq!(
+            n, 0,
+            "100 warm calls of {case} allocated {n} times ({replay})"
+        );
+    }
+    let loaded = attn.loaded_kernels();
+    assert!(
+        loaded.iter().any(|k| k.0.starts_with("attn_decode"))
+            && loaded.iter().any(|k| k.0.starts_with("attn_merge"))
+            && !loaded.iter().any(|k| k.0.starts_with("attn_fwd")),
+        "{loaded:?}"
     );
 }

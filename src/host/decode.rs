@@ -125,7 +125,7 @@ fn check_append_targets(cache: &KvCache, batch: usize) -> Result<()> {
         ));
     }
     let metadata = cache.metadata_ranges(batch)?;
-    for (name, r) in cache.data_ranges() {
+    for (name, r) in cache.data_ranges().into_iter().flatten() {
         for &(other, o) in metadata.iter().flatten() {
             if overlaps(r, o) {
                 return Err(Error::InvalidArgument(format!(
@@ -169,8 +169,9 @@ pub fn validate_decode(
         check_strides(name, t)?;
     }
     let o_range = byte_range_of("o", o)?;
-    let mut inputs = cache.byte_ranges(batch);
-    inputs.push(("q", byte_range_of("q", q)?));
+    let [k, v, k_scale, v_scale, lengths, table] = cache.byte_ranges(batch);
+    let q_range = Some(("q", byte_range_of("q", q)?));
+    let inputs = [k, v, k_scale, v_scale, lengths, table, q_range];
     check_no_self_overlap("o", o)?;
     let lse_range = match lse {
         Some(l) => Some(lse_byte_range(l, batch, heads_q, seqlen_q)?),
@@ -277,7 +278,7 @@ fn check_lse_pointer(lse: Option<&LseView>) -> Result<()> {
 
 /// The output (and the LSE) overlap none of the inputs, nor each other.
 fn check_outputs(
-    inputs: &[(&'static str, (u64, u64))],
+    inputs: &[Option<(&'static str, (u64, u64))>],
     (out_name, out): (&'static str, (u64, u64)),
     lse: Option<(u64, u64)>,
 ) -> Result<()> {
@@ -285,6 +286,7 @@ fn check_outputs(
     for (name, r) in outputs {
         let others = inputs
             .iter()
+            .flatten()
             .copied()
             .chain((name == "lse").then_some((out_name, out)));
         for (other, o) in others {
@@ -496,7 +498,7 @@ pub fn validate_append(
         check_pointer(name, t.ptr, TENSOR_ALIGN)?;
         check_strides(name, t)?;
         let r = byte_range_of(name, t)?;
-        for (other, o) in cache.byte_ranges(batch) {
+        for (other, o) in cache.byte_ranges(batch).into_iter().flatten() {
             if overlaps(r, o) {
                 return Err(Error::InvalidArgument(format!(
                     "{name} overlaps the cache's {other}"
@@ -613,8 +615,8 @@ pub fn validate_merge(
     };
     check_outputs(
         &[
-            ("parts", parts_range),
-            ("lse_parts", (parts.lse, lse_bytes)),
+            Some(("parts", parts_range)),
+            Some(("lse_parts", (parts.lse, lse_bytes))),
         ],
         ("out", out_range),
         lse_range,
@@ -825,7 +827,7 @@ impl Attention {
         // Both kernels of a step ask for all of the SMs' shared memory, so that no SM
         // changes its L1/shared split between them.
         let kernel = self.load_with(
-            &plan.config.id(),
+            plan.config.id_static(),
             plan.config.smem_bytes(),
             Carveout::MaxShared,
             || plan.config.generate(),
@@ -1115,9 +1117,12 @@ impl Attention {
     /// merge of float32 shards share an id where the combine is not launched
     /// programmatically (before Hopper), and an id always loads with one carveout.
     fn load_merge(&self, cfg: &MergeConfig) -> Result<Arc<LoadedKernel>> {
-        self.load_with(&cfg.id(), cfg.smem_bytes(), Carveout::MaxShared, || {
-            cfg.generate()
-        })
+        self.load_with(
+            cfg.id_static(),
+            cfg.smem_bytes(),
+            Carveout::MaxShared,
+            || cfg.generate(),
+        )
     }
 
     fn check_fp8_cache_gpu(&self) -> Result<()> {
@@ -1163,16 +1168,23 @@ fn check_workspace(
             ))
         })?;
     let range = (w.ptr, end);
-    let mut others = cache.byte_ranges(p.cache.batch);
-    others.extend(q.byte_range().map(|r| ("q", r)));
-    others.extend(o.byte_range().map(|r| ("o", r)));
-    if let Some(l) = lse {
-        others.push((
+    let lse = match lse {
+        Some(l) => Some((
             "lse",
             lse_byte_range(l, p.cache.batch, p.heads_q, p.seqlen_q)?,
-        ));
-    }
-    for (name, r) in others {
+        )),
+        None => None,
+    };
+    let [k, v, k_scale, v_scale, lengths, table] = cache.byte_ranges(p.cache.batch);
+    let views = [
+        q.byte_range().map(|r| ("q", r)),
+        o.byte_range().map(|r| ("o", r)),
+        lse,
+    ];
+    let others = [k, v, k_scale, v_scale, lengths, table]
+        .into_iter()
+        .chain(views);
+    for (name, r) in others.flatten() {
         if overlaps(range, r) {
             return Err(Error::InvalidArgument(format!(
                 "the workspace overlaps {name}"

@@ -291,33 +291,30 @@ impl KvCache {
         Ok([Some(("seqlens", seqlens)), table])
     }
 
-    /// The byte ranges of what an append writes: K, V and an e4m3 cache's scales.
-    pub(crate) fn data_ranges(&self) -> Vec<NamedRange> {
-        let mut v = Vec::with_capacity(6);
-        for (name, t) in [("k_cache", &self.k), ("v_cache", &self.v)] {
-            if let Some(r) = t.byte_range() {
-                v.push((name, r));
-            }
-        }
-        if let Some(scales) = &self.scales {
-            for (name, t) in [("k_scale", &scales.k), ("v_scale", &scales.v)] {
-                if let Some(r) = t.byte_range() {
-                    v.push((name, r));
-                }
-            }
-        }
-        v
+    /// The byte ranges of what an append writes: K, V and an e4m3 cache's scales (arrays,
+    /// not Vecs: decode and append validate on every call, and allocate nothing).
+    pub(crate) fn data_ranges(&self) -> [Option<NamedRange>; 4] {
+        let named = |name, t: &TensorView| t.byte_range().map(|r| (name, r));
+        let (k_scale, v_scale) = match &self.scales {
+            Some(s) => (named("k_scale", &s.k), named("v_scale", &s.v)),
+            None => (None, None),
+        };
+        [
+            named("k_cache", &self.k),
+            named("v_cache", &self.v),
+            k_scale,
+            v_scale,
+        ]
     }
 
-    /// The device byte ranges the cache's kernels may write or read: K, V, the lengths
-    /// and the block table (of a cache [`KvCache::validate`] accepted for `batch`).
-    pub fn byte_ranges(&self, batch: usize) -> Vec<NamedRange> {
-        let mut v = self.data_ranges();
+    /// The device byte ranges the cache's kernels may write or read: K, V, an e4m3 cache's
+    /// scales, the lengths and the block table (of a cache [`KvCache::validate`] accepted
+    /// for `batch`).
+    pub fn byte_ranges(&self, batch: usize) -> [Option<NamedRange>; 6] {
+        let [k, v, k_scale, v_scale] = self.data_ranges();
         // Validation refused metadata past the address space: nothing is left out here.
-        if let Ok(meta) = self.metadata_ranges(batch) {
-            v.extend(meta.into_iter().flatten());
-        }
-        v
+        let [lengths, table] = self.metadata_ranges(batch).unwrap_or_default();
+        [k, v, k_scale, v_scale, lengths, table]
     }
 }
 

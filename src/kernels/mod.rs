@@ -12,6 +12,25 @@ use crate::ptx::{Module, PtxError};
 /// catalog's head dims, tile shapes and stage counts: from a hand-made configuration
 /// outside it (a head dim of 80, no warps, a ring of no stages) they would build a wrong
 /// kernel, panic, or never stop.
+/// A catalog configuration's kernel id without allocating: the catalog's ids are made once
+/// per process (into `ids`), so a warm launch looks its kernel up with no allocation. A
+/// configuration outside the catalog gets `unknown` (its generation refuses it).
+pub(crate) fn static_id<C: Copy + Eq + std::hash::Hash + 'static>(
+    ids: &'static std::sync::OnceLock<std::collections::HashMap<C, &'static str>>,
+    config: &C,
+    catalog: impl FnOnce() -> Vec<C>,
+    id: impl Fn(&C) -> String,
+    unknown: &'static str,
+) -> &'static str {
+    let ids = ids.get_or_init(|| {
+        catalog()
+            .into_iter()
+            .map(|c| (c, &*Box::leak(id(&c).into_boxed_str())))
+            .collect()
+    });
+    ids.get(config).copied().unwrap_or(unknown)
+}
+
 pub(crate) fn listed<C: PartialEq + std::fmt::Debug>(
     what: &str,
     config: &C,

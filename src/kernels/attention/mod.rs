@@ -170,16 +170,15 @@ impl FwdConfig {
 
     /// [`FwdConfig::id`] without allocating: ids of the catalog are made once per process.
     pub fn id_static(&self) -> &'static str {
-        use std::collections::HashMap;
-        use std::sync::OnceLock;
-        static IDS: OnceLock<HashMap<FwdConfig, &'static str>> = OnceLock::new();
-        let ids = IDS.get_or_init(|| {
-            all_fwd_configs()
-                .into_iter()
-                .map(|c| (c, &*Box::leak(c.id().into_boxed_str())))
-                .collect()
-        });
-        ids.get(self).copied().unwrap_or("attn_fwd_unknown")
+        static IDS: std::sync::OnceLock<std::collections::HashMap<FwdConfig, &'static str>> =
+            std::sync::OnceLock::new();
+        crate::kernels::static_id(
+            &IDS,
+            self,
+            all_fwd_configs,
+            FwdConfig::id,
+            "attn_fwd_unknown",
+        )
     }
 
     /// Tile shape and launch geometry.
