@@ -333,10 +333,12 @@ if want sanitize; then
         "--batch 2 --heads 2 --kv-heads 1 --seqlen-q 300 --seqlen-k 129 --head-dim 40 --dtype bf16 --path sm80"
         "--batch 1 --heads 2 --kv-heads 2 --seqlen-q 77 --seqlen-k 333 --head-dim 248 --dtype f16 --causal --path sm80"
         # Decode-shaped forwards (up to 16 queries against 1536 keys or more): the split-KV
-        # decode kernels with their merge, padded (80 on 96), and one split in [B, H, S, D].
+        # decode kernels with their merge, padded (80 on 96), one split in [B, H, S, D], and a
+        # batch of many GQA-packed KV heads against 700 keys.
         "--batch 2 --heads 32 --kv-heads 8 --seqlen-q 16 --seqlen-k 2049 --head-dim 128 --dtype f16 --causal"
         "--batch 1 --heads 12 --kv-heads 4 --seqlen-q 5 --seqlen-k 4097 --head-dim 80 --dtype bf16"
         "--batch 64 --heads 8 --kv-heads 8 --seqlen-q 1 --seqlen-k 1536 --head-dim 64 --dtype f16 --layout bhsd"
+        "--batch 16 --heads 32 --kv-heads 8 --seqlen-q 16 --seqlen-k 700 --head-dim 64 --dtype f16 --causal"
     )
     for tool in memcheck racecheck synccheck; do
         for s in "${shapes[@]}"; do

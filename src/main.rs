@@ -217,10 +217,13 @@ fn info() -> Result<(), Failure> {
         padded.join(", ")
     );
     out!(
-        "  up to {} queries per sequence against {} keys or more: the split-KV decode \
-         kernels (GQA packed), as `flashcore decode` runs them",
+        "  up to {} queries per sequence against {} keys or more ({} where {} or more KV \
+         heads each serve 4 query heads or more): the split-KV decode kernels (GQA packed), \
+         as `flashcore decode` runs them",
         flashcore::kernels::attention::decode::MAX_QUERIES,
-        flashcore::host::decode::FORWARD_DECODE_MIN_KEYS
+        flashcore::host::decode::FORWARD_DECODE_MIN_KEYS,
+        flashcore::host::decode::FORWARD_DECODE_MIN_KEYS_GQA,
+        flashcore::host::decode::FORWARD_DECODE_MIN_KV_HEADS
     );
     match detected {
         Some(arch) => fp8_info(arch),

@@ -754,7 +754,8 @@ fn padded_head_dims_touch_only_their_columns() {
 }
 
 /// Forward calls shaped like decode steps (at most 16 queries per sequence against at
-/// least `FORWARD_DECODE_MIN_KEYS` keys) run on the split-KV decode kernels, right for
+/// least `FORWARD_DECODE_MIN_KEYS` keys, fewer with many GQA-packed KV heads) run on the
+/// split-KV decode kernels, right for
 /// every head dim, GQA ratio, mask and layout, LSE included; an Attention restricted to
 /// the sm80 path keeps its forward kernels.
 #[test]
@@ -782,6 +783,16 @@ fn decode_shaped_forwards_run_on_the_decode_kernels() {
                 }
             }
         }
+    }
+    // Shorter key sets where at least 128 KV heads each serve 4 query heads or more.
+    let gqa = flashcore::host::decode::FORWARD_DECODE_MIN_KEYS_GQA;
+    for (b, hq, hkv, sq, sk, d, causal) in [
+        (16, 32, 8, 1, gqa, 128, false),
+        (16, 32, 8, 16, gqa + 188, 64, true),
+        (128, 8, 1, 3, gqa + 88, 80, true),
+    ] {
+        cases.push(case(HalfType::F16, d, causal, b, hq, hkv, sq, sk));
+        cases.push(case(HalfType::Bf16, d, !causal, b, hq, hkv, sq, sk));
     }
     let (attn, stream) = setup();
     let mut seeds = seeds();

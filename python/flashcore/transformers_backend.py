@@ -14,7 +14,8 @@ What runs where. Masks are built exactly as for "sdpa" (the same mask function i
 registered under this name), so transformers hands over no mask whenever SDPA would run
 with `is_causal` alone: a prompt without padding, or a decode step without padding. Those
 calls, prefill and KV-cache decode alike, go to flashcore (causal for a prompt; a single
-query token sees the whole cache; a decode step against 1536 cached keys or more runs on
+query token sees the whole cache; a decode step against 1536 cached keys or more, or 512
+with 128 or more KV heads in the batch each serving 4 query heads or more, runs on
 flashcore's split-KV decode kernels). A call that comes with a mask (padded batches,
 sliding-window layers, chunked prefill against a cache), a dtype other than float16 or
 bfloat16, a head dim flashcore has no kernel for (or value's differing from query's), a

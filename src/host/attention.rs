@@ -409,8 +409,10 @@ impl Attention {
     /// view that cannot be runs on the sm80 path instead.
     ///
     /// A call shaped like a decode step (at most 16 queries per sequence against at least
-    /// [`FORWARD_DECODE_MIN_KEYS`](super::decode::FORWARD_DECODE_MIN_KEYS) keys, with the
-    /// best path chosen) runs on the split-KV decode kernels, GQA packed, as
+    /// [`FORWARD_DECODE_MIN_KEYS`](super::decode::FORWARD_DECODE_MIN_KEYS) keys, or
+    /// [`FORWARD_DECODE_MIN_KEYS_GQA`](super::decode::FORWARD_DECODE_MIN_KEYS_GQA) where
+    /// the batch has many KV heads each serving 4 query heads or more, with the best path
+    /// chosen) runs on the split-KV decode kernels, GQA packed, as
     /// [`Attention::decode`] against a cache every sequence of which is full: the same
     /// mask, output and LSE, 2–4.5x faster there than the forward kernels (H100). Its
     /// partial results take memory from the stream-ordered allocator for the call; where

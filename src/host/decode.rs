@@ -727,14 +727,36 @@ fn strides3(t: &TensorView) -> [u64; 3] {
 /// (B32 H32 D128, B4 H16 D64) level from 1024 keys, 0.9 against 0.6 at 512.
 pub const FORWARD_DECODE_MIN_KEYS: usize = 1536;
 
+/// The same for a batch whose KV heads fill a wave of decode blocks on their own (see
+/// [`FORWARD_DECODE_MIN_KV_HEADS`]) with at least 4 query heads to each: there the forward
+/// kernels read each K/V tile once per query head. Measured on an H100 (Hq32 Hkv8 D128,
+/// TFLOP/s, same call): B16 Sq1 3.8 against 8.0 at 512 keys and 4.8 against 9.7 at 1024,
+/// Sq16 causal 53.6 against 76.9 and 69.9 against 102.6; at B2 and B4 (16 and 32 KV heads)
+/// the forward kernels were as fast or faster (B2 Sq16 causal 24.3 against 16.5 at 512).
+pub const FORWARD_DECODE_MIN_KEYS_GQA: usize = 512;
+
+/// Batch × KV heads from which [`FORWARD_DECODE_MIN_KEYS_GQA`] applies.
+pub const FORWARD_DECODE_MIN_KV_HEADS: usize = 128;
+
 /// Whether a dense forward call runs on the decode kernels: on the best path (an
 /// Attention restricted to the sm80 path keeps the forward kernels), at most
-/// [`MAX_QUERIES`] queries per sequence against at least [`FORWARD_DECODE_MIN_KEYS`] keys.
+/// [`MAX_QUERIES`] queries per sequence against at least [`FORWARD_DECODE_MIN_KEYS`] keys,
+/// or [`FORWARD_DECODE_MIN_KEYS_GQA`] where the batch has [`FORWARD_DECODE_MIN_KV_HEADS`]
+/// KV heads or more, each shared by 4 query heads or more.
 pub(crate) fn forward_takes_decode(problem: &FwdProblem, choice: PathChoice) -> bool {
+    let s = &problem.shape;
+    let packs_kv = s.heads_kv > 0
+        && s.heads_q / s.heads_kv >= 4
+        && s.batch.saturating_mul(s.heads_kv) >= FORWARD_DECODE_MIN_KV_HEADS;
+    let min_keys = if packs_kv {
+        FORWARD_DECODE_MIN_KEYS_GQA
+    } else {
+        FORWARD_DECODE_MIN_KEYS
+    };
     choice == PathChoice::Best
         && problem.packed.is_none()
-        && problem.shape.seqlen_q <= MAX_QUERIES
-        && problem.shape.seqlen_k >= FORWARD_DECODE_MIN_KEYS
+        && s.seqlen_q <= MAX_QUERIES
+        && s.seqlen_k >= min_keys
 }
 
 impl Attention {
@@ -1199,13 +1221,23 @@ mod tests {
     use super::*;
 
     fn forward_problem(batch: usize, seqlen_q: usize, seqlen_k: usize) -> FwdProblem {
+        forward_problem_h(batch, 32, 8, seqlen_q, seqlen_k)
+    }
+
+    fn forward_problem_h(
+        batch: usize,
+        heads_q: usize,
+        heads_kv: usize,
+        seqlen_q: usize,
+        seqlen_k: usize,
+    ) -> FwdProblem {
         FwdProblem {
             shape: crate::shape::AttnShape {
                 batch,
                 seqlen_q,
                 seqlen_k,
-                heads_q: 32,
-                heads_kv: 8,
+                heads_q,
+                heads_kv,
                 head_dim: 128,
             },
             dtype: HalfType::F16,
@@ -1244,6 +1276,24 @@ mod tests {
             ..forward_problem(4, 1, min)
         };
         assert!(!forward_takes_decode(&packed, PathChoice::Best));
+        // Shorter key sets where enough KV heads each serve 4 query heads or more.
+        let (gqa, kv) = (FORWARD_DECODE_MIN_KEYS_GQA, FORWARD_DECODE_MIN_KV_HEADS);
+        for (b, hq, hkv, sk, routed) in [
+            (kv / 8, 32, 8, gqa, true),
+            (kv / 8, 32, 8, gqa - 1, false),
+            (kv / 8 - 1, 32, 8, gqa, false),
+            (kv / 8, 24, 8, gqa, false),
+            (kv / 8, 24, 8, min, true),
+            (kv, 8, 1, gqa, true),
+            (kv, 3, 1, gqa, false),
+        ] {
+            let p = forward_problem_h(b, hq, hkv, 16, sk);
+            assert_eq!(
+                forward_takes_decode(&p, PathChoice::Best),
+                routed,
+                "B{b} Hq{hq} Hkv{hkv} Sk{sk}"
+            );
+        }
     }
     use crate::host::draw::Draw;
     use crate::host::kv_cache::{CacheLayout, KvScales};
