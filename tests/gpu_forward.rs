@@ -824,25 +824,22 @@ fn decode_shaped_forwards_run_on_the_decode_kernels() {
     assert!(decodes > 0 && forwards == 0, "loaded: {loaded:?}");
 
     // Below the threshold, and on the sm80 path, the forward kernels run.
-    let (attn, stream) = setup();
-    let attn = attn.with_path(PathChoice::Sm80);
     let short = case(HalfType::F16, 128, true, 1, 32, 8, 16, min - 1);
     let long = case(HalfType::F16, 128, true, 1, 32, 8, 16, min);
-    for c in [short, long] {
-        let r = check_forward(&attn, &stream, c, &mut seeds.next_case()).unwrap();
-        assert!(r.passes(c.dtype), "{c}: {:.2e}", r.out_err);
+    for (choice, cases) in [
+        (PathChoice::Sm80, vec![short, long]),
+        (PathChoice::Best, vec![short]),
+    ] {
+        let (attn, stream) = setup();
+        let attn = attn.with_path(choice);
+        for c in cases {
+            let r = check_forward(&attn, &stream, c, &mut seeds.next_case()).unwrap();
+            assert!(r.passes(c.dtype), "{c} ({choice:?}): {:.2e}", r.out_err);
+        }
+        let loaded = attn.loaded_kernels();
+        assert!(
+            loaded.iter().all(|k| k.0.starts_with("attn_fwd")),
+            "{choice:?}: {loaded:?}"
+        );
     }
-    assert!(
-        attn.loaded_kernels()
-            .iter()
-            .all(|k| k.0.starts_with("attn_fwd"))
-    );
-    let (attn, stream) = setup();
-    let r = check_forward(&attn, &stream, short, &mut seeds.next_case()).unwrap();
-    assert!(r.passes(short.dtype), "{short}: {:.2e}", r.out_err);
-    assert!(
-        attn.loaded_kernels()
-            .iter()
-            .all(|k| k.0.starts_with("attn_fwd"))
-    );
 }

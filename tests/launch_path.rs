@@ -78,10 +78,7 @@ fn validation_and_dispatch_do_not_allocate() {
 #[ignore = "needs a CUDA GPU"]
 fn warm_forward_does_not_allocate() {
     use flashcore::check::{DeviceCase, FwdCase, Layout as L};
-    use std::sync::Arc;
-    let device = Arc::new(flashcore::host::device::Device::new(0).unwrap());
-    let stream = device.context().default_stream();
-    let attn = flashcore::host::attention::Attention::new(device).unwrap();
+    let (attn, stream, mut seeds) = gpu_setup();
     let case = FwdCase {
         shape: flashcore::shape::AttnShape::square(2, 8, 512, 64),
         dtype: HalfType::F16,
@@ -89,7 +86,6 @@ fn warm_forward_does_not_allocate() {
         layout: L::Bhsd,
         kernel: None,
     };
-    let mut seeds = flashcore::check::TestSeeds::from_env().unwrap_or_else(|e| panic!("{e}"));
     let mut rng = seeds.next_case();
     let replay = seeds.replay(&rng);
     let dev = DeviceCase::new(&stream, case, &mut rng).unwrap();
@@ -98,6 +94,19 @@ fn warm_forward_does_not_allocate() {
         n, 0,
         "100 warm forward calls allocated {n} times ({replay})"
     );
+}
+
+/// An Attention on GPU 0, its default stream and the run's seeds.
+fn gpu_setup() -> (
+    flashcore::host::attention::Attention,
+    std::sync::Arc<cudarc::driver::CudaStream>,
+    flashcore::check::TestSeeds,
+) {
+    let device = std::sync::Arc::new(flashcore::host::device::Device::new(0).unwrap());
+    let stream = device.context().default_stream();
+    let attn = flashcore::host::attention::Attention::new(device).unwrap();
+    let seeds = flashcore::check::TestSeeds::from_env().unwrap_or_else(|e| panic!("{e}"));
+    (attn, stream, seeds)
 }
 
 /// The host allocations of 100 forward calls on `dev`'s buffers, after one that loads the
@@ -130,11 +139,7 @@ fn warm_forward_allocations(
 fn warm_decode_shaped_forward_does_not_allocate() {
     use flashcore::check::{DeviceCase, FwdCase, Layout as L};
     use flashcore::host::decode::FORWARD_DECODE_MIN_KEYS;
-    use std::sync::Arc;
-    let device = Arc::new(flashcore::host::device::Device::new(0).unwrap());
-    let stream = device.context().default_stream();
-    let attn = flashcore::host::attention::Attention::new(device).unwrap();
-    let mut seeds = flashcore::check::TestSeeds::from_env().unwrap_or_else(|e| panic!("{e}"));
+    let (attn, stream, mut seeds) = gpu_setup();
     for (batch, seqlen_q, causal) in [(1, 1, false), (2, 16, true)] {
         let case = FwdCase {
             shape: flashcore::shape::AttnShape {

@@ -414,7 +414,7 @@ impl Attention {
     /// the batch has many KV heads each serving 4 query heads or more, with the best path
     /// chosen) runs on the split-KV decode kernels, GQA packed, as
     /// [`Attention::decode`] against a cache every sequence of which is full: the same
-    /// mask, output and LSE, 2–4.5x faster there than the forward kernels (H100). Its
+    /// mask, output and LSE, 1.4–4.6x faster there than the forward kernels (H100). Its
     /// partial results take memory from the stream-ordered allocator for the call; where
     /// none can be had, or the decode kernels refuse the views, the forward kernels run.
     ///

@@ -1220,11 +1220,7 @@ fn check_workspace(
 mod tests {
     use super::*;
 
-    fn forward_problem(batch: usize, seqlen_q: usize, seqlen_k: usize) -> FwdProblem {
-        forward_problem_h(batch, 32, 8, seqlen_q, seqlen_k)
-    }
-
-    fn forward_problem_h(
+    fn forward_problem(
         batch: usize,
         heads_q: usize,
         heads_kv: usize,
@@ -1258,7 +1254,7 @@ mod tests {
             (17, min, false),
             (17, 1 << 20, false),
         ] {
-            let p = forward_problem(4, sq, sk);
+            let p = forward_problem(4, 32, 8, sq, sk);
             assert_eq!(
                 forward_takes_decode(&p, PathChoice::Best),
                 routed,
@@ -1273,7 +1269,7 @@ mod tests {
                 total_q: 4,
                 total_k: 4 * min,
             }),
-            ..forward_problem(4, 1, min)
+            ..forward_problem(4, 32, 8, 1, min)
         };
         assert!(!forward_takes_decode(&packed, PathChoice::Best));
         // Shorter key sets where enough KV heads each serve 4 query heads or more.
@@ -1287,7 +1283,7 @@ mod tests {
             (kv, 8, 1, gqa, true),
             (kv, 3, 1, gqa, false),
         ] {
-            let p = forward_problem_h(b, hq, hkv, 16, sk);
+            let p = forward_problem(b, hq, hkv, 16, sk);
             assert_eq!(
                 forward_takes_decode(&p, PathChoice::Best),
                 routed,
