@@ -349,6 +349,15 @@ fn check(id: &str, a: &Assembled, entries: &[String], expected_sass: &[&str]) ->
             ));
         }
     }
+    // ptxas lowers a 64-bit integer division, even by a constant, to a call of a routine
+    // of about a hundred instructions that starts from this conversion.
+    if a.sass.contains("I2F.U64.RP") {
+        errs.push(format!(
+            "{id} [{}]: SASS calls the 64-bit integer division routine (I2F.U64.RP): divide \
+             by a shift or a reciprocal instead",
+            a.arch
+        ));
+    }
     for w in FORBIDDEN_WARNINGS {
         if a.log.contains(w) {
             let line = a.log.lines().find(|l| l.contains(w)).unwrap_or(w);

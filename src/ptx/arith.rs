@@ -74,6 +74,8 @@ impl Kernel {
         div, div_to, Arith, |t| format!("{}.{t}", T::DIV));
     binary!(/// `d = a % b` (integers only).
         rem, rem_to, Int, |t| format!("rem.{t}"));
+    binary!(/// The high half of the double-width product `a * b` (integers only).
+        mul_hi, mul_hi_to, Int, |t| format!("mul.hi.{t}"));
     binary!(/// Bitwise and.
         and, and_to, Bits, |_t| format!("and.{}", T::BITS_NAME));
     binary!(/// Bitwise or.

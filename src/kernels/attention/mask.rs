@@ -10,7 +10,7 @@
 //! Tiles need not be a power of two keys wide (the sm90 path's d256 tile has 80).
 
 use super::rows::{Rows, Slab};
-use crate::ptx::{Cmp, Kernel, Reg, S32, S64, U32};
+use crate::ptx::{Cmp, Kernel, Reg, S32, S64, U32, U64};
 
 /// The key tiles a query block visits, `0..end`, of which `mask_from..end` need a mask.
 #[derive(Debug, Clone, Copy)]
@@ -19,16 +19,43 @@ pub struct KeyTiles {
     pub mask_from: Reg<S32>,
 }
 
-/// `floor(max(x, 0) / d)` in 64 bits: a shift for a power-of-two `d`, a division
-/// otherwise. (Every caller clamps its result at 0, and a clamped negative numerator gives
-/// the same answer, so only non-negative numerators need dividing.)
+/// `floor(max(x, 0) / d)` in 64 bits: a shift for a power-of-two `d`, a multiplication
+/// by its reciprocal otherwise. (Every caller clamps its result at 0, and a clamped
+/// negative numerator gives the same answer, so only non-negative numerators need
+/// dividing.) ptxas turns a 64-bit `div` into a call of a division routine even for a
+/// constant divisor, about a hundred instructions; the tiles of 80 and 112 keys would pay
+/// it on every work item.
 fn floor_div64(k: &mut Kernel, x: Reg<S64>, d: u32) -> Reg<S64> {
     let x = k.max(x, 0i64);
     if d.is_power_of_two() {
-        k.shr(x, d.trailing_zeros())
-    } else {
-        k.div(x, i64::from(d))
+        return k.shr(x, d.trailing_zeros());
     }
+    // Numerators here stay below 2^34; the clamp only makes the reciprocal's bound hold
+    // by construction.
+    let x = k.min(x, (1i64 << RECIPROCAL_BITS) - 1);
+    let q = k.mul_hi(x.cast::<U64>(), reciprocal(d));
+    q.cast::<S64>()
+}
+
+/// Numerators below `2^RECIPROCAL_BITS` divide exactly by [`reciprocal`].
+const RECIPROCAL_BITS: u32 = 48;
+
+/// `m` with `floor(x / d) == (x · m) >> 64` for every `x < 2^RECIPROCAL_BITS`, for a `d`
+/// that is not a power of two, at most 2^16.
+///
+/// With `l = ceil(log2 d)`, `s = RECIPROCAL_BITS + l` and `M = ceil(2^s / d)`, write
+/// `M · d = 2^s + e` with `0 <= e < d`; then `x · M / 2^s = x / d + x · e / (d · 2^s)`,
+/// and the second term is below `1 / d`, too little to carry `x / d` past the next
+/// integer. `m = M · 2^(64 − s)` is below `2^(65 − l)`, so it fits 64 bits for `l >= 1`.
+fn reciprocal(d: u32) -> u64 {
+    assert!(
+        !d.is_power_of_two() && d > 2 && d <= 1 << 16,
+        "reciprocal of {d}"
+    );
+    let l = 32 - (d - 1).leading_zeros();
+    let s = RECIPROCAL_BITS + l;
+    let m = (1u128 << s).div_ceil(u128::from(d));
+    u64::try_from(m << (64 - s)).expect("the reciprocal fits 64 bits")
 }
 
 /// `ceil(max(x, 0) / d)` in 64 bits.
@@ -160,5 +187,48 @@ pub fn query_block(k: &mut Kernel, block: Reg<U32>, blocks: Reg<U32>, causal: bo
         k.sub(last, block)
     } else {
         block
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// What `mul.hi.u64` computes.
+    fn mul_hi(x: u64, m: u64) -> u64 {
+        ((u128::from(x) * u128::from(m)) >> 64) as u64
+    }
+
+    #[test]
+    fn reciprocals_divide_exactly_below_their_bound() {
+        let top = (1u64 << RECIPROCAL_BITS) - 1;
+        // Every divisor a tile could have, and the largest allowed.
+        let divisors = (3..=1024u32).chain([65535, 65536 - 3]);
+        let mut state = 0x9e37_79b9_7f4a_7c15u64;
+        for d in divisors.filter(|d| !d.is_power_of_two()) {
+            let m = reciprocal(d);
+            let d64 = u64::from(d);
+            // Around 0, around multiples of d near 2^34 and near the bound, and random.
+            let mut xs = vec![0, 1, d64 - 1, d64, d64 + 1, top, top - 1];
+            for base in [1u64 << 34, top - d64 * 3] {
+                let q = base / d64 * d64;
+                xs.extend([q - 1, q, q + 1, q + d64 - 1]);
+            }
+            for _ in 0..200 {
+                state ^= state << 13;
+                state ^= state >> 7;
+                state ^= state << 17;
+                xs.push(state & top);
+            }
+            for x in xs {
+                assert_eq!(mul_hi(x, m), x / d64, "{x} / {d}");
+            }
+        }
+    }
+
+    #[test]
+    #[should_panic(expected = "reciprocal of 64")]
+    fn powers_of_two_take_the_shift() {
+        reciprocal(64);
     }
 }
