@@ -128,16 +128,15 @@ impl Fp8Config {
 
     /// [`Fp8Config::id`] without allocating (the launch path looks kernels up by it).
     pub fn id_static(&self) -> &'static str {
-        use std::collections::HashMap;
-        use std::sync::OnceLock;
-        static IDS: OnceLock<HashMap<Fp8Config, &'static str>> = OnceLock::new();
-        let ids = IDS.get_or_init(|| {
-            all_fp8_configs()
-                .into_iter()
-                .map(|c| (c, &*Box::leak(c.id().into_boxed_str())))
-                .collect()
-        });
-        ids.get(self).copied().unwrap_or("attn_fwd_fp8_unknown")
+        static IDS: std::sync::OnceLock<std::collections::HashMap<Fp8Config, &'static str>> =
+            std::sync::OnceLock::new();
+        crate::kernels::static_id(
+            &IDS,
+            self,
+            all_fp8_configs,
+            Fp8Config::id,
+            "attn_fwd_fp8_unknown",
+        )
     }
 
     /// Tile shape and launch geometry.
