@@ -13,7 +13,7 @@ use std::mem::offset_of;
 use super::FwdArgs;
 use super::rows::{Rows, Slab, half_of};
 use super::sequence::Sequence;
-use super::sm90::MapColumns;
+use super::sm90::shape::MapColumns;
 use super::softmax::OnlineSoftmax;
 use crate::ptx::{
     Cmp, F32, Half2, Kernel, ParamBytes, Pred, Reg, S32, Smem, SmemAddr, Special, TileSlot,

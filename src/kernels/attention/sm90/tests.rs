@@ -1,0 +1,450 @@
+use super::*;
+
+fn config(head_dim: u32, dtype: HalfType, causal: bool) -> FwdConfig {
+    FwdConfig {
+        path: super::super::Path::Sm90,
+        dtype,
+        head_dim,
+        causal,
+        block_m: BLOCK_M,
+        split_keys: false,
+        fold_scale: true,
+        padded: false,
+    }
+}
+
+/// The arrival count of every `mbarrier.init` in `ptx`.
+fn mbarrier_counts(ptx: &str) -> Vec<&str> {
+    ptx.lines()
+        .filter(|l| l.contains("mbarrier.init"))
+        .filter_map(|l| l.trim().strip_suffix(';')?.rsplit(", ").next())
+        .collect()
+}
+
+/// The one-consumer kernel: 256 threads, 64-row Q (and O) tiles, EMPTY barriers
+/// counting its four warps, no ping-pong barriers; the two-consumer kernel keeps its
+/// pair.
+#[test]
+fn one_consumer_kernel_takes_no_turns() {
+    for d in HEAD_DIMS {
+        for causal in [false, true] {
+            let narrow = FwdConfig {
+                block_m: 64,
+                ..config(d, HalfType::F16, causal)
+            };
+            let s = Shape::of(&narrow);
+            assert_eq!((s.consumers(), s.threads()), (1, 256));
+            assert_eq!(s.q_layout().rows, 64);
+            assert!(s.plan().0.bytes() <= MAX_SMEM, "d{d}");
+            let t = narrow.tiling();
+            assert_eq!((t.block_m, t.threads), (64, 256));
+            let ptx = generate(&narrow).unwrap().to_ptx();
+            assert!(ptx.contains(".maxntid 256, 1, 1"), "d{d}");
+            assert!(!ptx.contains("bar.arrive"), "d{d}: a turn is passed");
+            let counts = mbarrier_counts(&ptx);
+            // FULL: the producer; EMPTY: 4 warps; the causal queue's EMPTY: 128 threads.
+            let want: &[&str] = if causal {
+                &["1", "4", "128"]
+            } else {
+                &["1", "4"]
+            };
+            assert!(counts.iter().all(|c| want.contains(c)), "d{d}: {counts:?}");
+            let wide = generate(&config(d, HalfType::F16, causal))
+                .unwrap()
+                .to_ptx();
+            assert!(wide.contains(".maxntid 384, 1, 1") && wide.contains("bar.arrive"));
+        }
+    }
+}
+
+/// O gets a staging tile of its own where one fits beside Q and the rings, else
+/// (d = 256) it is staged in Q's; every plan fits the GPU.
+/// The three-consumer kernel (head dim 64 only): 512 threads, 24 and 160 registers,
+/// EMPTY barriers counting twelve warps, turns passed round a ring of three named
+/// barriers that the last warpgroup opens at barrier 1 (the first of the ring); with
+/// a causal mask, items from the counter that all 384 consumer threads wait for.
+#[test]
+fn three_consumers_pass_turns_round_a_ring() {
+    assert!(has_tile(64, 192));
+    assert!(!has_tile(128, 192) && !has_tile(256, 192));
+    let cfg = FwdConfig {
+        block_m: 192,
+        ..config(64, HalfType::Bf16, false)
+    };
+    let s = Shape::of(&cfg);
+    assert_eq!(
+        (s.consumers(), s.threads(), s.registers()),
+        (3, 512, (24, 160))
+    );
+    let (t, regs) = (cfg.tiling(), s.registers());
+    assert_eq!((t.block_m, t.threads), (192, 512));
+    assert!(128 * regs.0 + 384 * regs.1 <= 65536);
+    let ptx = generate(&cfg).unwrap().to_ptx();
+    assert!(ptx.contains(".maxntid 512, 1, 1"));
+    assert!(ptx.contains("setmaxnreg.inc.sync.aligned.u32 160;"));
+    let counts = mbarrier_counts(&ptx);
+    assert!(counts.iter().all(|c| ["1", "12"].contains(c)), "{counts:?}");
+    assert_eq!(ptx.matches("bar.arrive 1, 256;").count(), 1);
+    assert!(ptx.contains("setp.eq.u32") && ptx.matches("bar.arrive %r").count() >= 2);
+    let causal = FwdConfig {
+        causal: true,
+        ..cfg
+    };
+    let ptx = generate(&causal).unwrap().to_ptx();
+    assert!(ptx.contains(".maxntid 512, 1, 1"));
+    assert!(ptx.contains("atom.global.add.u32"), "items from a counter");
+    assert!(
+        mbarrier_counts(&ptx).contains(&"384"),
+        "the consumers wait for their next item together"
+    );
+}
+
+/// The split-keys kernel (head dim 64, 64-row tiles only): 384 threads on one 64-row
+/// Q tile, a 4-stage K/V ring whose EMPTY barriers count one warpgroup's four warps
+/// (each stage has one user) while Q's counts both's eight, turns taken round two
+/// named barriers, and the partial result handed over through shared memory between
+/// two more barriers of both warpgroups.
+/// Head dim 64 runs a 4-stage K/V ring on every query tile, in shared memory;
+/// the larger head dims keep two stages.
+#[test]
+fn head_dim_64_rings_have_four_stages() {
+    for (d, block_ms, stages) in [
+        (64, &[64, 128, 192][..], 4),
+        (128, &[64, 128], 2),
+        (256, &[64, 128], 2),
+    ] {
+        for &block_m in block_ms {
+            for causal in [false, true] {
+                let cfg = FwdConfig {
+                    block_m,
+                    ..config(d, HalfType::Bf16, causal)
+                };
+                let s = Shape::of(&cfg);
+                let (plan, slots) = s.plan();
+                assert_eq!(
+                    (s.stages(), slots.k.copies, slots.v.copies),
+                    (stages, stages, stages),
+                    "{}",
+                    cfg.id()
+                );
+                assert!(plan.bytes() <= MAX_SMEM, "{}", cfg.id());
+            }
+        }
+    }
+}
+
+/// The folded kernels compute each score's exponent as one FMA where the unfolded
+/// take a subtraction and a multiplication; nothing else in the key loop changes.
+#[test]
+fn folded_exponent_is_one_fma_per_score() {
+    let count = |ptx: &str, op: &str| {
+        ptx.lines()
+            .filter(|l| l.trim_start().starts_with(op))
+            .count()
+    };
+    for (d, block_m) in [(64, 192), (64, 64), (128, 128), (256, 128)] {
+        for causal in [false, true] {
+            let folded = FwdConfig {
+                block_m,
+                ..config(d, HalfType::Bf16, causal)
+            };
+            let unfolded = FwdConfig {
+                fold_scale: false,
+                ..folded
+            };
+            let [f, u] = [folded, unfolded].map(|c| generate(&c).unwrap().to_ptx());
+            // The folded softmax sends one exponential in `fma_exp_every` to the FMA
+            // pipe: one round-down add, two subtractions, three FMAs and a multiply
+            // each, in place of one `ex2.approx`.
+            let on_fma = count(&f, "add.rm.f32");
+            let every = Shape::of(&folded).fma_exp_every();
+            assert_eq!(on_fma > 0, every > 0, "{}", folded.id());
+            assert_eq!(count(&f, "ex2.approx") + on_fma, count(&u, "ex2.approx"));
+            let fmas = count(&f, "fma.rn.f32") - 3 * on_fma - count(&u, "fma.rn.f32");
+            // At least a thread's scores (64 rows of `block_n` over 128 threads) of
+            // two tiles: the first, and the loop's.
+            let scores = Shape::of(&folded).block_n as usize / 2;
+            assert!(fmas >= 2 * scores, "{}: {fmas}", folded.id());
+            // The same number fewer subtractions and multiplications, give or take
+            // the few per row that raise the maxima and form the LSE.
+            let fewer = |op| count(&u, op) as i64 - count(&f, op) as i64;
+            for (op, per_fma_exp) in [("sub.f32", 2), ("mul.rn.f32", 1)] {
+                let fewer = fewer(op) + per_fma_exp * on_fma as i64;
+                assert!((fewer - fmas as i64).abs() <= 8, "{op}: {fewer}");
+            }
+            assert!(folded.id().contains("_fold") && !unfolded.id().contains("_fold"));
+        }
+    }
+}
+
+#[test]
+fn split_keys_share_one_query_tile_between_two_consumers() {
+    assert!(has_split(64, 64));
+    assert!(!has_split(64, 128) && !has_split(128, 64) && !has_split(256, 64));
+    for causal in [false, true] {
+        let cfg = FwdConfig {
+            block_m: 64,
+            split_keys: true,
+            fold_scale: false,
+            ..config(64, HalfType::F16, causal)
+        };
+        // The hand-over merges raw maxima: no folded split-keys kernel.
+        assert!(
+            generate(&FwdConfig {
+                fold_scale: true,
+                ..cfg
+            })
+            .is_err()
+        );
+        let s = Shape::of(&cfg);
+        assert_eq!((s.consumers(), s.kv_consumers(), s.stages()), (2, 1, 4));
+        assert_eq!(s.q_layout().rows, 64);
+        let (plan, slots) = s.plan();
+        assert!(plan.bytes() <= MAX_SMEM);
+        assert_eq!((slots.k.copies, slots.v.copies), (4, 4));
+        assert!(slots.exchange.is_some());
+        assert_eq!(cfg.tiling().threads, 384);
+        assert!(cfg.id().ends_with(if causal {
+            "_m64_splitkv_causal"
+        } else {
+            "_m64_splitkv"
+        }));
+        let ptx = generate(&cfg).unwrap().to_ptx();
+        assert!(ptx.contains(".maxntid 384, 1, 1"));
+        let counts = mbarrier_counts(&ptx);
+        let want: &[&str] = if causal {
+            &["1", "4", "8", "256"]
+        } else {
+            &["1", "4", "8"]
+        };
+        assert!(counts.iter().all(|c| want.contains(c)), "{counts:?}");
+        assert_eq!(counts.iter().filter(|&&c| c == "8").count(), 1, "Q's EMPTY");
+        assert_eq!(
+            counts.iter().filter(|&&c| c == "4").count(),
+            8,
+            "K and V EMPTY"
+        );
+        // Turns at barriers 1 and 2; the hand-over at 3 and 4.
+        assert!(ptx.contains("bar.arrive 1, 256;"));
+        assert!(ptx.contains("bar.sync 3, 256;") && ptx.contains("bar.sync 4, 256;"));
+        // O's 8 vectors and the statistics, out and back.
+        assert_eq!(ptx.matches("st.shared.v4.f32").count(), 9);
+        assert_eq!(ptx.matches("ld.shared.v4.f32").count(), 9);
+    }
+    let missing = FwdConfig {
+        block_m: 64,
+        split_keys: true,
+        fold_scale: false,
+        ..config(128, HalfType::F16, false)
+    };
+    assert!(generate(&missing).is_err());
+}
+
+/// Every 16-bit kernel zeroes the V rows past a packed sequence's end before the
+/// first `P V` reads them: whole rows of every column block, in passes of the sharing
+/// threads' 16-byte chunks, then a proxy fence and a barrier of exactly those threads
+/// (all consumers, or one warpgroup with split keys).
+#[test]
+fn packed_tails_zero_their_v_rows_before_p_v() {
+    let mut configs = Vec::new();
+    for d in HEAD_DIMS {
+        for block_m in BLOCK_MS.into_iter().filter(|&m| has_tile(d, m)) {
+            for causal in [false, true] {
+                configs.push(FwdConfig {
+                    block_m,
+                    ..config(d, HalfType::Bf16, causal)
+                });
+                if has_split(d, block_m) {
+                    configs.push(FwdConfig {
+                        block_m,
+                        split_keys: true,
+                        fold_scale: false,
+                        ..config(d, HalfType::F16, causal)
+                    });
+                }
+            }
+        }
+    }
+    assert_eq!(configs.len(), 20);
+    for cfg in configs {
+        let s = Shape::of(&cfg);
+        let ptx = generate(&cfg).unwrap().to_ptx();
+        let id = cfg.id();
+        let at = ptx
+            .find("Zero the V rows past the packed sequence's end.")
+            .unwrap_or_else(|| panic!("{id}: no zeroing"));
+        let threads = 128 * s.kv_consumers();
+        let zeroing = &ptx[at..];
+        let fence = zeroing.find("fence.proxy.async.shared::cta;").unwrap();
+        let barrier = &zeroing[fence..].lines().nth(1).unwrap().trim();
+        assert!(
+            barrier.starts_with("bar.sync ") && barrier.ends_with(&format!(", {threads};")),
+            "{id}: {barrier}"
+        );
+        let stores = zeroing[..fence].matches("st.shared.v4.b32").count() as u32;
+        let passes = s.block_n.div_ceil(threads / 8);
+        assert_eq!(stores, passes * s.kv_layout().col_blocks(), "{id}");
+        // Before the first P V: the first wgmma whose A operand is registers (`}, {%`
+        // after the accumulator; `Q Kᵀ` reads A through a descriptor).
+        let first_pv = ptx
+            .lines()
+            .scan(0, |at, l| {
+                let here = *at;
+                *at += l.len() + 1;
+                Some((here, l))
+            })
+            .find(|(_, l)| l.contains("wgmma.mma_async") && l.contains("}, {%"))
+            .map(|(at, _)| at)
+            .unwrap_or_else(|| panic!("{id}: no P V"));
+        assert!(at < first_pv, "{id}: V zeroed after the first P V");
+    }
+}
+
+#[test]
+fn output_is_staged_beside_q_where_it_fits() {
+    for d in HEAD_DIMS {
+        let s = Shape::of(&config(d, HalfType::F16, false));
+        // With 64-row tiles O has a tile of its own at every head dim.
+        let narrow = Shape { block_m: 64, ..s };
+        assert!(!narrow.o_in_q(), "d{d}");
+        assert!(narrow.plan().0.bytes() <= MAX_SMEM, "d{d}");
+        let (plan, slots) = s.plan();
+        assert!(plan.bytes() <= MAX_SMEM, "d{d}: {} bytes", plan.bytes());
+        assert_eq!(s.o_in_q(), d >= 192, "d{d}");
+        assert_eq!(slots.o == slots.q, s.o_in_q(), "d{d}");
+        assert_eq!(slots.o.layout, s.q_layout());
+    }
+}
+
+/// The epilogue writes O with stmatrix and sends it by TMA (one `{64, 16}` box per
+/// warp and 64-column block), and keeps the direct stores for launches without a map
+/// of O.
+#[test]
+fn causal_diagonal_tile_can_take_its_softmax_on_the_left_part_alone() {
+    let count = |ptx: &str, op: &str| ptx.lines().filter(|l| l.contains(op)).count();
+    for d in HEAD_DIMS {
+        for dtype in [HalfType::F16, HalfType::Bf16] {
+            let full = generate(&config(d, dtype, false)).unwrap().to_ptx();
+            let causal = generate(&config(d, dtype, true)).unwrap().to_ptx();
+            // One warp-uniform choice, only under a causal mask.
+            assert_eq!(count(&full, "vote.sync.all.pred"), 0, "d{d}");
+            assert_eq!(count(&causal, "vote.sync.all.pred"), 1, "d{d}");
+            // The left part's softmax is a second copy of the first tile's: its
+            // exponentials (4 per 8-column tile) and the two rows' rescales.
+            let block_n = Shape::of(&config(d, dtype, true)).block_n as usize;
+            let left_tiles = (block_n / 2).div_ceil(16) * 2;
+            assert!(
+                left_tiles * 8 < block_n && left_tiles.is_multiple_of(2),
+                "d{d}"
+            );
+            assert_eq!(
+                count(&causal, "ex2.approx"),
+                count(&full, "ex2.approx") + 4 * left_tiles + 2,
+                "d{d} {dtype:?}"
+            );
+        }
+    }
+}
+
+/// A padded kernel (head dims below its own) moves each tile of Q, K and V as one TMA
+/// box per 64-column block, at column 64·b of a map whose innermost dimension is the
+/// tensors' head dim, and stores O the same way; its direct stores of O (no map of O)
+/// check each 8-column tile against its last parameter, the tensors' head dim;
+/// everything else is its unpadded sibling's.
+#[test]
+fn padded_kernels_move_one_box_per_column_block() {
+    let count = |ptx: &str, what: &str| ptx.matches(what).count() as u32;
+    let loads = "cp.async.bulk.tensor.5d.shared::cluster.global";
+    let stores = "cp.async.bulk.tensor.5d.global.shared::cta";
+    let padded: Vec<_> = crate::kernels::attention::all_fwd_configs()
+        .into_iter()
+        .filter(|c| c.path == super::super::Path::Sm90 && c.padded)
+        .collect();
+    assert_eq!(padded.len(), 64);
+    for cfg in padded {
+        let id = cfg.id();
+        let ptx = generate(&cfg).unwrap().to_ptx();
+        let plain = generate(&FwdConfig {
+            padded: false,
+            ..cfg
+        })
+        .unwrap()
+        .to_ptx();
+        let blocks = cfg.head_dim / 64;
+        assert_eq!(count(&ptx, loads), blocks * count(&plain, loads), "{id}");
+        assert_eq!(count(&ptx, stores), count(&plain, stores), "{id}");
+        for what in ["wgmma.mma_async", "ex2.approx", "stmatrix", "mbarrier."] {
+            assert_eq!(count(&ptx, what), count(&plain, what), "{id}: {what}");
+        }
+        assert!(ptx.contains(".param .u32 head_dim"), "{id}");
+        assert!(!plain.contains("head_dim"), "{id}");
+        // One direct store per 8-column tile and row half, each behind its own check.
+        let direct = count(&plain, "st.global.b32");
+        assert_eq!(count(&ptx, "st.global.b32"), direct, "{id}");
+        assert_eq!(direct, cfg.head_dim / 8 * 2, "{id}");
+        let checks = count(&ptx, "setp.lt.u32") - count(&plain, "setp.lt.u32");
+        assert!(checks >= direct, "{id}");
+        // The first coordinate (the column) of each load and store: 0, 64, ... there.
+        let mut columns: Vec<u32> = ptx
+            .lines()
+            .filter(|l| l.contains(loads) || l.contains(stores))
+            .map(|l| {
+                let reg = l.split('{').nth(1).unwrap().split(',').next().unwrap();
+                let def = format!("mov.s32 {reg}, ");
+                let line = ptx.lines().find(|l| l.contains(&def)).unwrap();
+                line.split(", ")
+                    .nth(1)
+                    .unwrap()
+                    .trim_end_matches(';')
+                    .parse()
+                    .unwrap()
+            })
+            .collect();
+        columns.sort();
+        columns.dedup();
+        let want: Vec<u32> = (0..blocks).map(|b| 64 * b).collect();
+        assert_eq!(columns, want, "{id}");
+    }
+    assert!(
+        generate(&FwdConfig {
+            padded: true,
+            ..config(64, HalfType::F16, false)
+        })
+        .is_ok()
+    );
+    for (block_m, split_keys) in [(192, false), (64, true)] {
+        let cfg = FwdConfig {
+            block_m,
+            split_keys,
+            fold_scale: false,
+            padded: true,
+            ..config(64, HalfType::F16, false)
+        };
+        assert!(generate(&cfg).is_err(), "{}", cfg.id());
+    }
+}
+
+#[test]
+fn epilogue_stages_output_for_a_tma_store() {
+    for d in HEAD_DIMS {
+        for causal in [false, true] {
+            let cfg = config(d, HalfType::Bf16, causal);
+            let ptx = generate(&cfg).unwrap().to_ptx();
+            let stores = ptx
+                .matches("cp.async.bulk.tensor.5d.global.shared::cta")
+                .count();
+            assert_eq!(stores as u32, d / 64, "d{d} causal={causal}");
+            assert_eq!(
+                ptx.matches("stmatrix.sync.aligned.x4.m8n8").count() as u32,
+                d / 16
+            );
+            assert!(ptx.contains("st.global.b32"), "d{d}: no direct stores");
+            let read = ptx.matches("cp.async.bulk.wait_group.read 0;").count();
+            // Own tile: waited for before the next write; Q's: right after the store,
+            // before Q's tile is released.
+            assert_eq!(read, 1, "d{d} causal={causal}");
+            let wait_all = ptx.matches("cp.async.bulk.wait_group 0;").count();
+            assert_eq!(wait_all, 1, "d{d}: the exit drains the stores");
+        }
+    }
+}
