@@ -283,8 +283,10 @@ int32_t flashcore_check_forward_varlen(const FlashcoreTensor *q, const Flashcore
  * host int32 array of (B - 1) * table_stride + max_pages entries equal to the device's
  * block table. When host_seqlens is given, each length (plus the new tokens, for an
  * append) must be within the capacity and, for a paged cache, host_block_table must be
- * given too and every page those lengths reach must lie in the pool; otherwise the call
- * fails with FLASHCORE_ERROR_INVALID_ARGUMENT before anything runs. host_block_table
+ * given too and every page those lengths reach must lie in the pool, no page named twice
+ * among one sequence's (an append's new tokens must also not land on rows another
+ * sequence's new tokens take); otherwise the call fails with
+ * FLASHCORE_ERROR_INVALID_ARGUMENT before anything runs. host_block_table
  * without host_seqlens, or with a contiguous cache, is FLASHCORE_ERROR_INVALID_ARGUMENT. */
 
 /* Decode: o = softmax(q k^T * scale) v for Sq new query tokens per sequence against the

@@ -424,8 +424,8 @@ def decode(
     scale: the softmax scale; None for 1/sqrt(D). Must be finite and positive.
     return_lse: also return the float32 [B, Hq, Sq] natural-log log-sum-exp of each row.
     host_seqlens, host_block_table: optional host copies of seqlens and block_table (CPU
-        tensors or sequences of ints): checked against the capacity and the pool before
-        anything runs (not under torch.compile's fake tensors, where they are not read).
+        tensors or sequences of ints): checked against the capacity and the pool (no page
+        named twice within one sequence) before anything runs (not under torch.compile's fake tensors, where they are not read).
     k_scale, v_scale: an FP8 cache's scales (required with one, refused without): float32
         [B, capacity, Hkv] (contiguous) or [pages, page_size, Hkv] (paged), the caches'
         first three dimensions ([..., 1] 4-d tensors are taken too; any strides): each
@@ -557,8 +557,9 @@ def append_kv(
     must be readable by the kernels as they are; they are never copied).
     host_seqlens, host_block_table: optional host copies of the lengths before the append
         and of the block table, checked first: seqlens[b] + Snew must not exceed the
-        capacity, every page it reaches must lie in the pool, and no two sequences' new
-        tokens may land on the same rows of a shared page.
+        capacity, every page it reaches must lie in the pool (none named twice within
+        one sequence), and no two sequences' new tokens may land on the same rows of a
+        shared page.
     k_scale, v_scale: an FP8 cache's scales, as for `decode` (written in place too). The
         cache's k and v are then torch.float8_e4m3fn and k_new, v_new float16 or bfloat16
         (one dtype for both): each new (position, KV head) row of D values is quantized on

@@ -905,7 +905,7 @@ mod tests {
             r.start(i % 2 == 0);
             let (b, hkv, d) = (r.size(), r.size(), r.head_dim());
             let hq = if r.chance(0.8) {
-                hkv * r.pick(&[1, 4, 8])
+                hkv.saturating_mul(r.pick(&[1, 4, 8]))
             } else {
                 r.size()
             };

@@ -1814,6 +1814,35 @@ mod tests {
         assert!(meta(&[16, 0]).check(&c, &shape, 16).is_ok());
     }
 
+    /// One sequence's live pages are distinct: a page named twice would put two of its
+    /// positions on one row. Entries past the live positions are not looked at.
+    #[test]
+    fn a_sequence_never_names_one_page_twice() {
+        let c = cache(2, 64, 2, 64, Some(16));
+        let shape = c.validate(2).unwrap();
+        // Sequence 0's pages 0 and 2 are both pool page 1.
+        let table = [1, 4, 1, 3, 0, 5, 6, 7];
+        let meta = |lens: &'static [i32]| HostMetadata {
+            seqlens: lens,
+            block_table: Some(&table),
+        };
+        assert!(
+            meta(&[32, 64]).check(&c, &shape, 0).is_ok(),
+            "two live pages"
+        );
+        assert!(
+            meta(&[31, 0]).check(&c, &shape, 1).is_ok(),
+            "the append ends in page 1"
+        );
+        for (lens, extra) in [(&[33, 0][..], 0), (&[32, 0], 1), (&[20, 0], 30)] {
+            let e = meta(lens).check(&c, &shape, extra);
+            assert!(
+                matches!(e, Err(Error::InvalidArgument(ref m)) if m.contains("page 1 twice")),
+                "{lens:?} + {extra}: {e:?}"
+            );
+        }
+    }
+
     #[test]
     fn host_metadata_is_checked_against_capacity_and_pool() {
         let c = cache(2, 64, 2, 64, Some(16));
@@ -2040,7 +2069,7 @@ mod tests {
             let dtype = r.dtype();
             let sq = r.pick(&[0, 1, 2, 16, 17]);
             let hq = if r.chance(0.8) {
-                hkv * r.pick(&[1, 4, 8])
+                hkv.saturating_mul(r.pick(&[1, 4, 8]))
             } else {
                 r.size()
             };
@@ -2102,7 +2131,12 @@ mod tests {
             let parts = MergeParts {
                 o: r.any_view([b, sq.max(1), hq, d]),
                 count,
-                shard_stride: r.pick(&[0, 3, b * sq * hq * d, 1 << 40]),
+                shard_stride: r.pick(&[
+                    0,
+                    3,
+                    b.wrapping_mul(sq).wrapping_mul(hq).wrapping_mul(d),
+                    1 << 40,
+                ]),
                 lse: r.ptr(),
             };
             let out = TensorView {

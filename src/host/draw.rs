@@ -97,7 +97,8 @@ impl Draw {
             _ => {
                 let mut strides = [0; 4];
                 for st in &mut strides {
-                    *st = self.pick(&[0, 1, 8, 16, d, h * d, 4096, 1 << 37, usize::MAX]);
+                    *st =
+                        self.pick(&[0, 1, 8, 16, d, h.wrapping_mul(d), 4096, 1 << 37, usize::MAX]);
                 }
                 if self.chance(0.7) {
                     strides[3] = 1;

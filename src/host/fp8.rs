@@ -616,7 +616,7 @@ mod tests {
             } else {
                 r.head_dim()
             };
-            let hq = hkv * r.pick(&[1, 4, 8]);
+            let hq = hkv.saturating_mul(r.pick(&[1, 4, 8]));
             let e4 = if tame || r.chance(0.9) {
                 DType::E4m3
             } else {

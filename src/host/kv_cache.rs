@@ -8,7 +8,7 @@
 //! lengths are clamped to the capacity, block table entries outside the pool are never
 //! followed. A caller that keeps host copies of the metadata passes them as
 //! [`HostMetadata`] and gets a typed error, with nothing launched, for a length beyond
-//! the capacity or an entry outside the pool.
+//! the capacity, an entry outside the pool, or a page named twice among one sequence's.
 //!
 //! A cache may hold FP8: E4M3 codes in `k` and `v` and, in [`KvScales`], one float32
 //! scale per (position, KV head) for each, written by [`crate::Attention::append_kv`]
@@ -364,8 +364,9 @@ impl KvScales {
 
 impl HostMetadata<'_> {
     /// Checks the lengths (after `extra` more tokens: an append's) against the capacity
-    /// and, for a paged cache, that every page they reach is inside the pool and (an
-    /// append) that no two sequences' new tokens land on the same rows of a page.
+    /// and, for a paged cache, that every page they reach is inside the pool, that no
+    /// sequence reaches one page twice, and (an append) that no two sequences' new tokens
+    /// land on the same rows of a page.
     pub fn check(&self, cache: &KvCache, shape: &CacheShape, extra: usize) -> Result<()> {
         if self.seqlens.len() != shape.batch {
             return Err(Error::ShapeMismatch(format!(
@@ -424,6 +425,12 @@ impl HostMetadata<'_> {
                 need.map_or_else(|| "more than 2^64".to_string(), |n| n.to_string())
             )));
         }
+        // Each sequence's pages: inside the pool, and none named twice. A page named twice
+        // puts two of the sequence's positions on one row, so a decode would read one of
+        // them twice and never the other (and an append could write over the sequence's
+        // own cached token). Pages shared between sequences stay the caller's to manage
+        // (only two appends onto one row are refused, below).
+        let mut sorted = Vec::new();
         for (b, &len) in self.seqlens.iter().enumerate() {
             let pages = (len as usize + extra).div_ceil(shape.page_size);
             let row = &table[b * table_stride..b * table_stride + pages];
@@ -435,6 +442,16 @@ impl HostMetadata<'_> {
                 return Err(Error::InvalidArgument(format!(
                     "block_table[{b}][{i}] = {p} is outside the pool of {} pages",
                     shape.pool_pages
+                )));
+            }
+            sorted.clear();
+            sorted.extend_from_slice(row);
+            sorted.sort_unstable();
+            if let Some(w) = sorted.windows(2).find(|w| w[0] == w[1]) {
+                return Err(Error::InvalidArgument(format!(
+                    "sequence {b}'s block table names page {} twice within its {} positions",
+                    w[0],
+                    len as usize + extra
                 )));
             }
         }

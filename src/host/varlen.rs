@@ -270,12 +270,12 @@ mod tests {
             r.pick(&[0, 1, batch])
         };
         let mut v: Vec<i32> = (0..n)
-            .map(|i| (total * i / batch.max(1)).min(i32::MAX as usize) as i32)
+            .map(|i| (total.saturating_mul(i) / batch.max(1)).min(i32::MAX as usize) as i32)
             .collect();
         if !tame {
             for x in &mut v {
                 if r.chance(0.1) {
-                    *x = r.pick(&[-1, 0, 7, i32::MAX, total as i32 + 1]);
+                    *x = r.pick(&[-1, 0, 7, i32::MAX, (total as i32).wrapping_add(1)]);
                 }
             }
         }
@@ -294,7 +294,7 @@ mod tests {
             r.start(tame);
             let batch = r.pick(&[0, 1, 2, 3, 17]);
             let (hkv, d) = (r.size(), r.head_dim());
-            let hq = hkv * r.pick(&[1, 4, 8]);
+            let hq = hkv.saturating_mul(r.pick(&[1, 4, 8]));
             let (tq, tk) = (r.size(), r.size());
             let dtype = r.dtype();
             let q = r.view(dtype, [1, tq, hq, d]);
