@@ -1427,6 +1427,13 @@ fn quantize_bench(args: &[String]) -> Result<(), Failure> {
         heads_kv: hkv,
         head_dim: d,
     };
+    let all_options = QuantizeOptions {
+        smooth_k: true,
+        hadamard_seed: Some(1),
+    };
+    // Sizes first: the layout refuses operands past the address space (so the element
+    // counts below fit), before a GPU is opened.
+    let ws_bytes = Fp8Layout::new(&shape, &all_options)?.bytes;
     let dev = open_gpu()?;
     let stream = dev.context().default_stream();
     let attn = Attention::new(dev.clone())?;
@@ -1440,11 +1447,6 @@ fn quantize_bench(args: &[String]) -> Result<(), Failure> {
     let k = stream.clone_htod(&fill(nkv)).map_err(err)?;
     let v = stream.clone_htod(&fill(nkv)).map_err(err)?;
     let mut copy = stream.alloc_zeros::<u16>(nq).map_err(err)?;
-    let all_options = QuantizeOptions {
-        smooth_k: true,
-        hadamard_seed: Some(1),
-    };
-    let ws_bytes = Fp8Layout::new(&shape, &all_options)?.bytes;
     let ws = stream
         .alloc_zeros::<u8>(ws_bytes + Fp8Layout::ALIGN)
         .map_err(err)?;
