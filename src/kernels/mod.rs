@@ -1,5 +1,27 @@
 //! Kernel generators and the catalog of every kernel flashcore can load.
 
+/// Adds `pub fn id_static(&self) -> &'static str` to a kernel configuration type that has
+/// `id()` and a catalog: its id without allocating. The catalog's ids are made once per
+/// process, so a warm launch looks its kernel up with no allocation; a configuration
+/// outside the catalog gets `$unknown` (its generation refuses it).
+macro_rules! id_static {
+    ($config:ty, $catalog:path, $unknown:literal) => {
+        /// [`Self::id`] without allocating: the catalog's ids are made once per process.
+        pub fn id_static(&self) -> &'static str {
+            use std::collections::HashMap;
+            use std::sync::OnceLock;
+            static IDS: OnceLock<HashMap<$config, &'static str>> = OnceLock::new();
+            let ids = IDS.get_or_init(|| {
+                $catalog()
+                    .into_iter()
+                    .map(|c| (c, &*Box::leak(c.id().into_boxed_str())))
+                    .collect()
+            });
+            ids.get(self).copied().unwrap_or($unknown)
+        }
+    };
+}
+
 pub mod attention;
 pub mod gemm;
 pub mod quantize;
@@ -12,25 +34,6 @@ use crate::ptx::{Module, PtxError};
 /// catalog's head dims, tile shapes and stage counts: from a hand-made configuration
 /// outside it (a head dim of 80, no warps, a ring of no stages) they would build a wrong
 /// kernel, panic, or never stop.
-/// A catalog configuration's kernel id without allocating: the catalog's ids are made once
-/// per process (into `ids`), so a warm launch looks its kernel up with no allocation. A
-/// configuration outside the catalog gets `unknown` (its generation refuses it).
-pub(crate) fn static_id<C: Copy + Eq + std::hash::Hash + 'static>(
-    ids: &'static std::sync::OnceLock<std::collections::HashMap<C, &'static str>>,
-    config: &C,
-    catalog: impl FnOnce() -> Vec<C>,
-    id: impl Fn(&C) -> String,
-    unknown: &'static str,
-) -> &'static str {
-    let ids = ids.get_or_init(|| {
-        catalog()
-            .into_iter()
-            .map(|c| (c, &*Box::leak(id(&c).into_boxed_str())))
-            .collect()
-    });
-    ids.get(config).copied().unwrap_or(unknown)
-}
-
 pub(crate) fn listed<C: PartialEq + std::fmt::Debug>(
     what: &str,
     config: &C,
@@ -242,6 +245,39 @@ mod tests {
     use super::attention::merge::{MergeConfig, MergeType};
     use super::attention::{FwdConfig, HalfType, Path};
     use super::*;
+
+    /// `id_static` gives every catalog configuration its `id`, and one outside the
+    /// catalog the type's placeholder.
+    #[test]
+    fn static_ids_match_the_ids() {
+        use super::attention::all_fwd_configs;
+        use super::attention::decode::all_decode_configs;
+        use super::attention::fp8::all_fp8_configs;
+        use super::attention::merge::all_merge_configs;
+        for c in all_fwd_configs() {
+            assert_eq!(c.id_static(), c.id());
+        }
+        for c in all_decode_configs() {
+            assert_eq!(c.id_static(), c.id());
+        }
+        for c in all_merge_configs() {
+            assert_eq!(c.id_static(), c.id());
+        }
+        for c in all_fp8_configs() {
+            assert_eq!(c.id_static(), c.id());
+        }
+        let outside = FwdConfig {
+            path: Path::Sm80,
+            dtype: HalfType::F16,
+            head_dim: 24,
+            causal: false,
+            block_m: 0,
+            split_keys: false,
+            fold_scale: false,
+            padded: false,
+        };
+        assert_eq!(outside.id_static(), "attn_fwd_unknown");
+    }
 
     /// Hand-made configurations outside the catalog get an error, where the generators
     /// divided by zero, indexed past their tables or built a kernel for a head dim that

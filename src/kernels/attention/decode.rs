@@ -178,18 +178,7 @@ impl DecodeConfig {
         ]
     }
 
-    /// [`DecodeConfig::id`] without allocating (see [`crate::kernels::static_id`]).
-    pub fn id_static(&self) -> &'static str {
-        static IDS: std::sync::OnceLock<std::collections::HashMap<DecodeConfig, &'static str>> =
-            std::sync::OnceLock::new();
-        crate::kernels::static_id(
-            &IDS,
-            self,
-            all_decode_configs,
-            DecodeConfig::id,
-            "attn_decode_unknown",
-        )
-    }
+    id_static!(DecodeConfig, all_decode_configs, "attn_decode_unknown");
 
     /// The kernel id, also its PTX entry name: `attn_decode_f16_d128_s3w4_paged`,
     /// `attn_decode_bf16_kv_e4m3_d128_s4w4` (an e4m3 cache, bf16 queries),

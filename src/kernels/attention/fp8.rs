@@ -126,18 +126,7 @@ impl Fp8Config {
         )
     }
 
-    /// [`Fp8Config::id`] without allocating (the launch path looks kernels up by it).
-    pub fn id_static(&self) -> &'static str {
-        static IDS: std::sync::OnceLock<std::collections::HashMap<Fp8Config, &'static str>> =
-            std::sync::OnceLock::new();
-        crate::kernels::static_id(
-            &IDS,
-            self,
-            all_fp8_configs,
-            Fp8Config::id,
-            "attn_fwd_fp8_unknown",
-        )
-    }
+    id_static!(Fp8Config, all_fp8_configs, "attn_fwd_fp8_unknown");
 
     /// Tile shape and launch geometry.
     pub fn tiling(&self) -> super::Tiling {

@@ -117,18 +117,7 @@ impl MergeArgs {
 }
 
 impl MergeConfig {
-    /// [`MergeConfig::id`] without allocating (see [`crate::kernels::static_id`]).
-    pub fn id_static(&self) -> &'static str {
-        static IDS: std::sync::OnceLock<std::collections::HashMap<MergeConfig, &'static str>> =
-            std::sync::OnceLock::new();
-        crate::kernels::static_id(
-            &IDS,
-            self,
-            all_merge_configs,
-            MergeConfig::id,
-            "attn_merge_unknown",
-        )
-    }
+    id_static!(MergeConfig, all_merge_configs, "attn_merge_unknown");
 
     pub fn id(&self) -> String {
         format!(

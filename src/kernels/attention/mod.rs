@@ -168,18 +168,7 @@ impl FwdConfig {
         )
     }
 
-    /// [`FwdConfig::id`] without allocating: ids of the catalog are made once per process.
-    pub fn id_static(&self) -> &'static str {
-        static IDS: std::sync::OnceLock<std::collections::HashMap<FwdConfig, &'static str>> =
-            std::sync::OnceLock::new();
-        crate::kernels::static_id(
-            &IDS,
-            self,
-            all_fwd_configs,
-            FwdConfig::id,
-            "attn_fwd_unknown",
-        )
-    }
+    id_static!(FwdConfig, all_fwd_configs, "attn_fwd_unknown");
 
     /// Tile shape and launch geometry.
     pub fn tiling(&self) -> Tiling {
