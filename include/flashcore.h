@@ -502,6 +502,11 @@ int32_t flashcore_check_quantize_fp8(const FlashcoreTensor *q, const FlashcoreTe
  *                  each row's natural-log log-sum-exp (with lse_shift added, when given).
  *   softmax_scale, causal, stream: as for flashcore_forward (causal aligned bottom-right).
  *
+ * Range: exact up to FP8's rounding while each row's largest logit (softmax_scale times its
+ * largest score) is below about 1.2e7 in magnitude; past that a row's o loses precision
+ * (its LSE stays right), and past about 7e8 a row can come out as one that saw no key (o
+ * zero, LSE -inf). No output is ever NaN or infinite, whatever the scales and softmax_scale.
+ *
  * Accuracy: E4M3 keeps 3 mantissa bits, so o differs from 16-bit attention by a few percent
  * (relative L2 about 4-5% for normal inputs, most of it from rounding Q, K and V). All
  * arguments are checked before anything runs; on error nothing is launched or written. */

@@ -30,7 +30,7 @@ use crate::host::attention::Attention;
 use crate::host::fp8::{Fp8Operands, VtView};
 use crate::host::tensor::{AttentionParams, DType, LseView, TensorView};
 use crate::kernels::attention::HalfType;
-use crate::kernels::attention::fp8::{SCALE_BLOCK, vt_min_pitch, vt_position};
+use crate::kernels::attention::fp8::{SCALE_BLOCK, max_dequant, vt_min_pitch, vt_position};
 use crate::quant::{
     self, Granularity, HadamardSigns, Quantized, RowTransform, e4m3_from_f32, e4m3_to_f32,
 };
@@ -412,7 +412,8 @@ pub fn fp8_model(x: &Inputs, f: &HostFp8, rows: &[usize], block_n: usize) -> Row
             let kv_block = (b * s.heads_kv + kh) * kb + first / SCALE_BLOCK as usize;
             let k_scale = f.k.scales[kv_block] as f64;
             let v_scale = f.vt.scales[kv_block] as f64;
-            let dequant = (q_scale * k_scale * scale_log2).max(f32::MIN_POSITIVE as f64);
+            let dequant = (q_scale * k_scale * scale_log2)
+                .clamp(f32::MIN_POSITIVE as f64, max_dequant(d as u32) as f64);
             let scores: Vec<f64> = keys
                 .clone()
                 .map(|j| {

@@ -126,6 +126,7 @@ impl Fp8Case {
 }
 
 /// A case's quantized operands, as the kernel reads them.
+#[derive(Clone)]
 struct Inputs {
     q: Quantized,
     k: Quantized,
@@ -412,6 +413,173 @@ fn sm89_gqa() {
 #[ignore = "needs a CUDA GPU"]
 fn sm89_outlier_and_zero_blocks_with_lse_shift() {
     check_cases(PathChoice::Sm80, Fp8Path::Sm89, &blocks_and_shift());
+}
+
+/// Logits at the far end of the range (`fp8` module docs, "Range"). Q is all ones and key
+/// `j` all `c_j`, so every row scores key 97 highest (`c = 1`, a logit of `scale · D`; the
+/// others at most a quarter of that), and at these scales the softmax puts all weight on
+/// it: O is V's row 97. On the sm89 kernel and, on Hopper, the sm90a one, head dims 64,
+/// 128, 256, causal or not:
+/// - the largest logit at 2^20 / log2 e: the running maximum's rounding (an ulp there is
+///   1/8) already leaves the largest probability off 256, so its E4M3 rounding shows: O
+///   within the module's 4e-2, the LSE within 1e-5;
+/// - at 1.1 · 2^26 / log2 e: there a maximum rounded to nearest falls 3.6 log2 units
+///   below the exact product (on both kernels' order of multiplications), which put the
+///   largest probability at 2^11.6, past E4M3's 448; rounded up it is 2^3.6. Bounds as
+///   above;
+/// - a caller's scales of 2^60 for every block of Q and K with the default softmax scale
+///   (the dequantization factor clamped): O finite, the LSE never NaN.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn extreme_logits_stay_finite_and_pick_the_top_key() {
+    let device = Arc::new(Device::new(0).expect("a CUDA device"));
+    let s = device.context().default_stream();
+    let mut paths = vec![(PathChoice::Sm80, Fp8Path::Sm89)];
+    if device.compute_capability() == (9, 0) {
+        paths.push((PathChoice::Best, Fp8Path::Sm90));
+    }
+    let mut seeds = seeds();
+    let (sq, sk, top) = (4usize, 300usize, 97usize);
+    let log2e = std::f64::consts::LOG2_E;
+    let mut failures = Vec::new();
+    for (choice, expect) in paths {
+        let attn = Attention::new(device.clone())
+            .expect("an sm_80+ GPU")
+            .with_path(choice);
+        for d in HEAD_DIMS {
+            for causal in [false, true] {
+                let mut rng = seeds.next_case();
+                let replay = seeds.replay(&rng);
+                let c = Fp8Case {
+                    heads_q: 1,
+                    heads_kv: 1,
+                    causal,
+                    ..Fp8Case::new(HalfType::F16, (sq, sk), d)
+                };
+                let problem = Fp8Problem {
+                    shape: c.shape(),
+                    out: c.out,
+                    scale: c.scale() as f32,
+                    causal,
+                };
+                let cfg = attn.plan_fp8(&problem).expect("an FP8-capable GPU");
+                assert_eq!(cfg.path, expect, "{c}: the dispatch picked {}", cfg.id());
+                let q = vec![1f32; sq * d];
+                let k: Vec<f32> = (0..sk)
+                    .flat_map(|j| {
+                        let cj = if j == top {
+                            1.0
+                        } else {
+                            (j % 7) as f32 / 8.0 - 0.5
+                        };
+                        std::iter::repeat_n(cj, d)
+                    })
+                    .collect();
+                let v: Vec<f32> = (0..sk * d).map(|_| rng.normal() as f32).collect();
+                let (qs, ks) = ([1, sq, 1, d], [1, sk, 1, d]);
+                let pitch = vt_min_pitch(sk as u64) as usize;
+                let quantized = Inputs {
+                    q: quantize_rows(&q, qs, Granularity::PerBlock),
+                    k: quantize_rows(&k, ks, Granularity::PerBlock),
+                    vt: quantize_vt(&v, ks, pitch, Granularity::PerBlock),
+                    pitch,
+                    lse_shift: None,
+                };
+                let mut callers = quantized.clone();
+                callers.q.scales.fill(2f32.powi(60));
+                callers.k.scales.fill(2f32.powi(60));
+                // The scale that puts the largest logit (scale · D) at `l / log2 e`.
+                let at = |l: f64| Some((l / (d as f64 * log2e)) as f32);
+                for (name, x, scale, bound) in [
+                    (
+                        "logits 2^20",
+                        &quantized,
+                        at(2f64.powi(20)),
+                        Some(OUT_BOUND),
+                    ),
+                    (
+                        "logits 1.1·2^26",
+                        &quantized,
+                        at(1.1 * 2f64.powi(26)),
+                        Some(OUT_BOUND),
+                    ),
+                    ("scales of 2^60", &callers, None, None),
+                ] {
+                    let up_all = |v: &Quantized| (up(&s, &v.codes), up(&s, &v.scales));
+                    let (q8, qsc) = up_all(&x.q);
+                    let (k8, ksc) = up_all(&x.k);
+                    let (vt8, vsc) = up_all(&x.vt);
+                    let o = up(&s, &vec![reference::poison(c.out); sq * d]);
+                    let lse = up(&s, &vec![f32::NAN; sq]);
+                    let ops = Fp8Operands {
+                        q: TensorView::bshd(ptr(&s, &q8), DType::E4m3, 1, sq, 1, d),
+                        k: TensorView::bshd(ptr(&s, &k8), DType::E4m3, 1, sk, 1, d),
+                        vt: VtView::contiguous(ptr(&s, &vt8), 1, 1, d, sk),
+                        q_scale: ptr(&s, &qsc),
+                        k_scale: ptr(&s, &ksc),
+                        v_scale: ptr(&s, &vsc),
+                        lse_shift: None,
+                    };
+                    let o_view = TensorView::bshd(ptr(&s, &o), DType::F16, 1, sq, 1, d);
+                    let params = AttentionParams {
+                        softmax_scale: scale,
+                        causal,
+                    };
+                    // SAFETY: every view is a live allocation of this context with the
+                    // extents given; the default stream orders the call before the downloads.
+                    unsafe {
+                        attn.forward_fp8(
+                            &ops,
+                            &o_view,
+                            Some(&LseView { ptr: ptr(&s, &lse) }),
+                            &params,
+                            std::ptr::null_mut(),
+                        )
+                    }
+                    .unwrap_or_else(|e| panic!("{c} {name}: {e}"));
+                    let got_o = half_bits_to_f64(&down(&s, &o), c.out);
+                    let got_lse = down(&s, &lse);
+                    let finite = got_o.iter().all(|x| x.is_finite());
+                    let (ok, detail) = match bound {
+                        Some(bound) => {
+                            let want = attention_f64(
+                                &c.shape(),
+                                &dequantize_rows(&x.q, qs),
+                                &dequantize_rows(&x.k, ks),
+                                &dequantize_vt(&x.vt, ks, pitch),
+                                scale.map_or(c.scale(), f64::from),
+                                causal,
+                            );
+                            let err = rel_l2(&got_o, &want.out);
+                            let lse_err = got_lse
+                                .iter()
+                                .zip(&want.lse)
+                                .map(|(&g, &w)| ((g as f64 - w) / w).abs())
+                                .fold(
+                                    0f64,
+                                    |a, e| if e.is_nan() { f64::INFINITY } else { a.max(e) },
+                                );
+                            let ok = finite && err <= bound && lse_err <= 1e-5;
+                            (
+                                ok,
+                                format!("out {err:.2e} (bound {bound:.0e}), lse rel {lse_err:.1e}"),
+                            )
+                        }
+                        None => {
+                            let ok = finite && got_lse.iter().all(|x| !x.is_nan());
+                            (ok, format!("o finite {finite}, lse {got_lse:?}"))
+                        }
+                    };
+                    let line = format!("{} {c} {name}: {detail} ({replay})", expect.name());
+                    println!("{line}");
+                    if !ok {
+                        failures.push(line);
+                    }
+                }
+            }
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
 
 // ---- the bounds, on the CPU ---------------------------------------------------------

@@ -283,6 +283,15 @@ impl Kernel {
         d
     }
 
+    /// `a · b` rounded toward +∞ (`mul.rp.f32`): never below the exact product.
+    pub fn mul_rp(&mut self, a: impl Src<F32>, b: impl Src<F32>) -> Reg<F32> {
+        let d = self.reg::<F32>();
+        self.check_owner(&[a.owner(), b.owner()]);
+        let (a, b) = (a.operand(), b.operand());
+        self.emit(format!("mul.rp.f32 {}, {a}, {b};", d.name()));
+        d
+    }
+
     /// `a + b` rounded toward −∞ (`add.rm.f32`).
     pub fn add_rm(&mut self, a: impl Src<F32>, b: impl Src<F32>) -> Reg<F32> {
         let d = self.reg::<F32>();

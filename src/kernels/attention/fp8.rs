@@ -18,8 +18,7 @@
 //!   `v_scale` over keys. Real values are `e4m3 · scale`. The quantizer's scale is
 //!   `amax / 448` (1 for a block of zeros), so a block's largest magnitude maps to E4M3's
 //!   largest finite value and an outlier in one block leaves the others' precision alone.
-//!   Scales must be finite and positive; the kernels clamp them below at the smallest
-//!   normal f32 so a zero never turns a masked score into NaN.
+//!   Scales must be finite and positive.
 //!
 //! # What the kernels compute
 //!
@@ -34,12 +33,37 @@
 //! per-block scale is exact. The row sum is taken over the f32 probabilities; the factor
 //! 256 cancels in `O / l` and is taken out of the log-sum-exp.
 //!
+//!
+//! # Range
+//!
+//! Write `L` for a row's largest score in the exponent's units, `max(S8) · dc` (its largest
+//! logit times log2 e). The running maximum is that product rounded up
+//! ([`OnlineSoftmax::with_max_rounded_up`]), so the row's largest probability is
+//! `2^(8 − ε)` with `0 <= ε < ulp(L)`: a factor common to the whole row, which cancels in
+//! `O / l` and comes back in the log-sum-exp. Hence:
+//! - `|L|` below 2^24 (logits up to about 1.2e7, far beyond real models'): `ε < 1`, exact
+//!   up to FP8's rounding;
+//! - from 2^24 to 2^30: `ε` up to 128, so first a row's smallest probabilities and then
+//!   its largest fall out of E4M3's range: O loses precision, down to zeros, while the
+//!   log-sum-exp (from the f32 sums) stays right;
+//! - beyond: a row's probabilities can all underflow, and it comes out as a row that saw
+//!   no key (O zero, log-sum-exp −∞).
+//!
+//! Each tile's factor `dc` is also clamped into `[smallest normal f32, max_dequant(D)]`
+//! ([`clamp_dequant`]): below, so a zero scale never turns a masked score into NaN
+//! (`−∞ · 0`); above, so no score or running maximum in the exponent's units overflows
+//! f32 (a raw score is at most `448² · D` in magnitude). Together, no output is ever NaN or
+//! infinite, whatever the scales and the softmax scale. (A factor that large puts `|L|`
+//! past 2^30 unless the row's largest raw score is within 2^-70 of zero.)
+//!
+//! [`OnlineSoftmax::with_max_rounded_up`]: super::softmax::OnlineSoftmax::with_max_rounded_up
+//!
 //! `lse_shift` (optional, f32 `[B, Hq, Sq]`) is added, times the softmax scale, to each
 //! row's log-sum-exp: with K smoothing (`K − mean_k`) the kernel's scores are `q·k − q·mean`,
 //! and the quantizer's `q·mean` per row restores the true log-sum-exp.
 
 use super::{FwdArgs, HalfType};
-use crate::ptx::{Module, PtxError};
+use crate::ptx::{F32, Kernel, Module, PtxError, Reg};
 
 /// Rows of Q, and keys of K and V, that share one scale.
 pub const SCALE_BLOCK: u32 = 128;
@@ -60,6 +84,25 @@ pub const P_SHIFT_LOG2: f32 = 8.0;
 pub const MAX_LAG_LOG2: f32 = 0.75;
 /// Head dimensions with FP8 kernels (powers of two: the Hadamard option needs them too).
 pub const HEAD_DIMS: [u32; 3] = [64, 128, 256];
+
+/// The largest per-tile dequantization factor the kernels use at head dim `head_dim`
+/// ([`clamp_dequant`]): a raw score `S8` is a sum of `D` products of E4M3 values, at most
+/// `448² · D` in magnitude, so `S8 · dc` (a scaled score, and a row's running maximum)
+/// stays within a quarter of f32's range, which leaves room for the exponent's offset and
+/// for differences between maxima.
+pub fn max_dequant(head_dim: u32) -> f32 {
+    f32::MAX / (4.0 * E4M3_MAX * E4M3_MAX * head_dim as f32)
+}
+
+/// A tile's dequantization factor `q_scale · k_scale · scale · log2 e` from `product`,
+/// clamped into `[f32::MIN_POSITIVE, max_dequant(head_dim)]`: a zero would turn masked
+/// `−∞` scores into NaN, and a factor above the bound would let scores overflow (the
+/// module docs say what the result is then). PTX `max` and `min` return the other operand
+/// for a NaN, so a NaN product becomes the smallest normal float.
+pub fn clamp_dequant(k: &mut Kernel, product: Reg<F32>, head_dim: u32) -> Reg<F32> {
+    let dc = k.max(product, f32::MIN_POSITIVE);
+    k.min(dc, max_dequant(head_dim))
+}
 
 /// The stored position of key `key` in its row of `Vᵀ8` (the inverse of [`VT_KEY_ORDER`]).
 pub const fn vt_position(key: u32) -> u32 {
@@ -232,6 +275,33 @@ mod tests {
             for (b, col) in cols.into_iter().enumerate() {
                 assert_eq!(VT_KEY_ORDER[(4 * c) as usize + b] as u32, col);
             }
+        }
+    }
+
+    /// The module docs' "Range": in every FP8 kernel each tile's factor is clamped on
+    /// both sides (as many upper clamps as lower ones) and the maxima in the exponent's
+    /// units are rounded up (`mul.rp`); the 16-bit forward kernels keep rounding to
+    /// nearest.
+    #[test]
+    fn fp8_kernels_clamp_their_factors_and_round_their_maxima_up() {
+        let lines = |ptx: &str, op: &str, last: &str| {
+            ptx.lines()
+                .map(str::trim)
+                .filter(|l| l.starts_with(op) && l.ends_with(last))
+                .count()
+        };
+        for cfg in all_fp8_configs() {
+            let ptx = cfg.generate().unwrap().to_ptx();
+            let upper = format!(", 0f{:08X};", max_dequant(cfg.head_dim).to_bits());
+            let clamps_below = lines(&ptx, "max.f32", ", 0f00800000;");
+            assert!(clamps_below > 0, "{}", cfg.id());
+            assert_eq!(lines(&ptx, "min.f32", &upper), clamps_below, "{}", cfg.id());
+            let rounded_up = lines(&ptx, "mul.rp.f32", ";");
+            assert!(rounded_up > 0, "{}", cfg.id());
+        }
+        for cfg in super::super::all_fwd_configs() {
+            let ptx = cfg.generate().unwrap().to_ptx();
+            assert!(!ptx.contains("mul.rp"), "{}", cfg.id());
         }
     }
 

@@ -18,7 +18,7 @@
 //!     wait K8[n]; issue Vt8[n]                      (Vt lands while S is computed)
 //!     S = Q8 K8[n]^T                                (ldmatrix + mma.sync m16n8k32 e4m3)
 //!     [mask S]
-//!     dc = max(q_scale · k_scale[n] · scale · log2e, smallest normal)
+//!     dc = q_scale · k_scale[n] · scale · log2e, clamped (fp8::clamp_dequant)
 //!     online softmax in log2 units: m' = max(m, max(S)·dc); O, l *= exp2(m − m')
 //!     P = exp2(S·dc − m' + 8) in [0, 256]; l += rowsum(P); P8 = e4m3(P)   (registers)
 //!     wait Vt8[n]; issue K8[n-1]                    (K lands while PV is computed)
@@ -48,7 +48,7 @@ use std::mem::offset_of;
 use std::ops::Range;
 
 use super::epilogue::{LseForm, OutputBlock, store_output_lse};
-use super::fp8::{Fp8Args, Fp8Config, P_SHIFT_LOG2, SCALE_BLOCK};
+use super::fp8::{Fp8Args, Fp8Config, P_SHIFT_LOG2, SCALE_BLOCK, clamp_dequant};
 use super::mask::{apply_mask, key_tiles};
 use super::rows::{Slab, zeroed_slabs};
 use super::sequence::sequence;
@@ -406,8 +406,7 @@ fn build<H: Half2>(cfg: &Fp8Config) -> Result<KernelText, PtxError> {
             let scale_log2 = arg::<F32>(k, args, offset_of!(FwdArgs, scale_log2));
             let qk = k.mul(q_scale, k_scale);
             let dequant = k.mul(qk, scale_log2);
-            // A zero (or underflowing) scale would make a masked score −∞·0 = NaN.
-            k.max(dequant, f32::MIN_POSITIVE)
+            clamp_dequant(k, dequant, s.head_dim)
         };
 
         // Every warp is done with K8[n], and Vt8[n] has landed: refill K8 with K8[n-1],
@@ -487,7 +486,7 @@ impl Fwd {
     fn new(k: &mut Kernel, s: Shape, causal: bool, smem: &Smem, tiles: Tiles) -> Self {
         k.comment("Accumulators and per-thread fragment addresses.");
         let o = zeroed_slabs(k, 1, (s.head_dim / 8) as usize);
-        let softmax = OnlineSoftmax::new(k, 1);
+        let softmax = OnlineSoftmax::new(k, 1).with_max_rounded_up();
 
         let (warp_rows, _) = thread_rows(k, 1);
         let tid = k.special(Special::TidX);

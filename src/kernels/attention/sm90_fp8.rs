@@ -48,7 +48,7 @@
 use std::mem::offset_of;
 
 use super::epilogue::{LseForm, OutputBlock, store_output_lse, store_output_staged};
-use super::fp8::{Fp8Args, Fp8Config, MAX_LAG_LOG2, P_SHIFT_LOG2, SCALE_BLOCK};
+use super::fp8::{Fp8Args, Fp8Config, MAX_LAG_LOG2, P_SHIFT_LOG2, SCALE_BLOCK, clamp_dequant};
 use super::mask::apply_mask;
 use super::rows::{Slab, zeroed_slabs};
 use super::sm90::{
@@ -502,7 +502,9 @@ where
             roles,
             q,
             scales,
-            softmax: OnlineSoftmax::new(k, 1).with_fma_exps(fma_exp_every(f.s.head_dim)),
+            softmax: OnlineSoftmax::new(k, 1)
+                .with_fma_exps(fma_exp_every(f.s.head_dim))
+                .with_max_rounded_up(),
             factors: [k.mov(1f32), k.mov(1f32)],
             p_v_scale: k.mov(0f32),
             p: (0..f.s.block_n / 32)
@@ -780,12 +782,11 @@ impl Consumer<'_> {
     }
 
     /// Key tile `n`'s dequantization factor in the exponent: `q_scale · k_scale[n] ·
-    /// scale · log2 e`, at least the smallest normal f32 (a zero would turn masked −∞
-    /// scores into NaN).
+    /// scale · log2 e`, clamped ([`clamp_dequant`]).
     fn dequant(&self, k: &mut Kernel, n: Reg<S32>) -> Reg<F32> {
         let k_scale = self.scale_of(k, offset_of!(Fp8Args, k_scale), n);
         let dc = k.mul(k_scale, self.scales.q_log2);
-        k.max(dc, f32::MIN_POSITIVE)
+        clamp_dequant(k, dc, self.f.s.head_dim)
     }
 
     /// Key tile `n`'s entry of the per-block scales at parameter offset `field`.

@@ -34,6 +34,9 @@ pub struct OnlineSoftmax {
     /// One probability in `fma_exp_every` of [`OnlineSoftmax::update_scaled`] is
     /// exponentiated on the FMA pipe ([`Kernel::ex2_fma`]) rather than MUFU; 0: none.
     pub fma_exp_every: usize,
+    /// Round each tile's maximum in log2 units up (`mul.rp`) rather than to nearest
+    /// ([`OnlineSoftmax::with_max_rounded_up`]).
+    pub max_rounds_up: bool,
 }
 
 /// The maximum of row half `half` of a slab's tiles, over its quad.
@@ -66,7 +69,22 @@ impl OnlineSoftmax {
             max: (0..slabs).map(|_| [k.mov(ninf), k.mov(ninf)]).collect(),
             sum: (0..slabs).map(|_| [k.mov(0f32), k.mov(0f32)]).collect(),
             fma_exp_every: 0,
+            max_rounds_up: false,
         }
+    }
+
+    /// For the FP8 kernels, whose maxima in log2 units (`max(S8)·dc`) are products of a
+    /// raw score and a per-tile factor: rounded to nearest, such a maximum can sit below
+    /// the exact product by half an ulp, and the row's largest probability becomes
+    /// `2^(offset + ulp/2)`: past E4M3's 448 once the maximum reaches 2^24, and infinite
+    /// (O then NaN) past 2^31. Rounded up, it sits above by less than an ulp, so no
+    /// probability exceeds `2^offset` (times the lag's `2^t`); the shortfall is one
+    /// factor common to the whole row, which cancels in `O / l` and comes back in the
+    /// log-sum-exp (`m + log2 l`). Probabilities stay in E4M3's normal range while the
+    /// maximum is below 2^27 in log2 units.
+    pub fn with_max_rounded_up(mut self) -> OnlineSoftmax {
+        self.max_rounds_up = true;
+        self
     }
 
     /// Sends one exponential in `every` of [`OnlineSoftmax::update_scaled`] to the FMA
@@ -380,7 +398,11 @@ impl OnlineSoftmax {
         rescale_into: Option<Reg<F32>>,
     ) -> (Reg<F32>, Reg<F32>) {
         let tile_max = row_max(k, tiles, half);
-        let tile_max = k.mul(tile_max, dequant);
+        let tile_max = if self.max_rounds_up {
+            k.mul_rp(tile_max, dequant)
+        } else {
+            k.mul(tile_max, dequant)
+        };
         let old_max = self.max[slab][half];
         let new_max = k.max(old_max, tile_max);
         let new_max = match lag {
