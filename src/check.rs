@@ -21,6 +21,7 @@ use crate::host::fp8::Fp8Operands;
 use crate::host::quantize::{Fp8Layout, QuantizeOptions};
 use crate::host::tensor::{AttentionParams, DType, LseView, TensorView};
 use crate::host::timing::{TimingStats, median_ms};
+use crate::host::validate::validate_fwd;
 use crate::kernels::attention::{FwdConfig, HalfType};
 use crate::reference::{self, Rng};
 use crate::shape::AttnShape;
@@ -197,6 +198,53 @@ impl FwdCase {
         self.shape.io_bytes(2)
     }
 
+    /// What a forward call on this case would be refused for (dtype, empty dimensions,
+    /// head dim, head ratio, the size limits), found before anything is allocated: its
+    /// tensors laid out one after another from a made-up address, as [`validate_fwd`]
+    /// sees them. Tensors past the address space are [`Error::InvalidArgument`] too.
+    /// [`DeviceCase::new`] and [`DeviceCase::for_timing`] check this first, so no size is
+    /// multiplied, and nothing is drawn or uploaded, for a case no kernel would take.
+    pub fn validate(&self) -> Result<()> {
+        let s = &self.shape;
+        let too_large = || {
+            Error::InvalidArgument(format!(
+                "the tensors of {} pass the address space",
+                self.shape
+            ))
+        };
+        let mut at = 1u64 << 16;
+        let mut place = |dims: &[usize], elem: usize| -> Result<u64> {
+            let bytes = dims
+                .iter()
+                .try_fold(elem, |n, &d| n.checked_mul(d))
+                .and_then(|n| u64::try_from(n).ok())
+                .ok_or_else(too_large)?;
+            let ptr = at;
+            at = at
+                .checked_add(bytes)
+                .and_then(|end| end.checked_next_multiple_of(256))
+                .ok_or_else(too_large)?;
+            Ok(ptr)
+        };
+        let (b, d) = (s.batch, s.head_dim);
+        let (q_dims, kv_dims) = (
+            [b, s.seqlen_q, s.heads_q, d],
+            [b, s.seqlen_k, s.heads_kv, d],
+        );
+        let q = self.view(place(&q_dims, 2)?, s.seqlen_q, s.heads_q);
+        let k = self.view(place(&kv_dims, 2)?, s.seqlen_k, s.heads_kv);
+        let v = self.view(place(&kv_dims, 2)?, s.seqlen_k, s.heads_kv);
+        let o = self.view(place(&q_dims, 2)?, s.seqlen_q, s.heads_q);
+        let lse = LseView {
+            ptr: place(&[b, s.heads_q, s.seqlen_q], 4)?,
+        };
+        let params = AttentionParams {
+            softmax_scale: None,
+            causal: self.causal,
+        };
+        validate_fwd(&q, &k, &v, &o, Some(&lse), &params).map(|_| ())
+    }
+
     fn view(&self, ptr: u64, seqlen: usize, heads: usize) -> TensorView {
         let dtype = DType::from(self.dtype);
         let (b, d) = (self.shape.batch, self.shape.head_dim);
@@ -252,6 +300,7 @@ pub struct DeviceCase {
 impl DeviceCase {
     /// Draws fresh N(0, 1) inputs and uploads them; O and LSE are poisoned (NaN).
     pub fn new(stream: &Arc<CudaStream>, case: FwdCase, rng: &mut Rng) -> Result<DeviceCase> {
+        case.validate()?;
         let c = &case;
         let n_q = c.shape.batch * c.shape.seqlen_q * c.shape.heads_q * c.shape.head_dim;
         let n_kv = c.shape.batch * c.shape.seqlen_k * c.shape.heads_kv * c.shape.head_dim;
@@ -293,6 +342,7 @@ impl DeviceCase {
         case: FwdCase,
         rng: &mut Rng,
     ) -> Result<DeviceCase> {
+        case.validate()?;
         const POOL: usize = 1 << 16;
         let (pool, _) = reference::random_half(rng, POOL, case.dtype);
         let mut fill = |n: usize| -> Vec<u16> {

@@ -421,6 +421,20 @@ fn parse_dtype(s: &str) -> Result<HalfType, Failure> {
     }
 }
 
+/// The library's checks of a forward over these sizes (empty dimensions, head dim, head
+/// ratio, the size limits, the address space), before a GPU is opened or a host buffer is
+/// sized from them: the serving and FP8 commands size their buffers from the same numbers.
+fn check_sizes(shape: AttnShape, dtype: HalfType, causal: bool) -> Result<(), Failure> {
+    let case = FwdCase {
+        shape,
+        dtype,
+        causal,
+        layout: Layout::Bshd,
+        kernel: None,
+    };
+    Ok(case.validate()?)
+}
+
 fn run(args: &[String]) -> Result<(), Failure> {
     let o = Opts { args };
     o.check_known(
@@ -499,6 +513,10 @@ fn run(args: &[String]) -> Result<(), Failure> {
         kernel: None,
     };
     let iters = o.num("--iters", 20)?;
+    case.validate()?;
+    if let Some(options) = &options {
+        flashcore::host::quantize::Fp8Layout::new(&case.shape, options)?;
+    }
     if !driver_present() {
         out!("no CUDA driver on this machine (libcuda not found): no forward pass can run here.");
         out!("The kernels flashcore would generate for a GPU:\n");
@@ -970,6 +988,17 @@ fn decode(args: &[String]) -> Result<(), Failure> {
                 .map_err(|_| Failure::Usage(format!("bad page size `{p}`")))
         })
         .collect::<Result<_, _>>()?;
+    for &(b, skv) in &shapes {
+        let shape = AttnShape {
+            batch: b,
+            seqlen_q: sq,
+            seqlen_k: skv,
+            heads_q: hq,
+            heads_kv: hkv,
+            head_dim: d,
+        };
+        check_sizes(shape, dtype, causal)?;
+    }
     let dev = open_gpu()?;
     let stream = dev.context().default_stream();
     let attn = Attention::new(dev.clone())?;
@@ -1271,11 +1300,22 @@ fn varlen(args: &[String]) -> Result<(), Failure> {
             })
             .collect::<Result<_, _>>()?,
     };
-    let (b, total, longest) = (
-        lens.len(),
-        lens.iter().sum::<usize>(),
-        lens.iter().copied().max().unwrap_or(0),
-    );
+    let (b, longest) = (lens.len(), lens.iter().copied().max().unwrap_or(0));
+    // The padded tensors below are [B, longest, H, D]; the offsets are i32.
+    let padded = AttnShape {
+        batch: b,
+        seqlen_q: longest,
+        seqlen_k: longest,
+        heads_q: hq,
+        heads_kv: hkv,
+        head_dim: d,
+    };
+    check_sizes(padded, dtype, causal)?;
+    let total = lens
+        .iter()
+        .try_fold(0usize, |t, &l| t.checked_add(l))
+        .filter(|&t| t <= i32::MAX as usize)
+        .ok_or_else(|| Failure::Usage("--lens add up to more than 2^31 - 1 rows".into()))?;
     let dev = open_gpu()?;
     let stream = dev.context().default_stream();
     let attn = Attention::new(dev.clone())?.with_path(parse_path(o.value("--path"))?);
@@ -1630,6 +1670,11 @@ fn fp8_bench(args: &[String]) -> Result<(), Failure> {
             })
             .collect::<Result<_, _>>()?,
     };
+    for &(b, h, s, d) in &shapes {
+        let shape = AttnShape::square(b, h, s, d);
+        check_sizes(shape, HalfType::F16, false)?;
+        Fp8Layout::new(&shape, &QuantizeOptions::default())?;
+    }
     let dev = open_gpu()?;
     let stream = dev.context().default_stream();
     let attn = Attention::new(dev.clone())?.with_path(parse_path(o.value("--path"))?);

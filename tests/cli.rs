@@ -35,3 +35,44 @@ fn quantize_bench_refuses_sizes_past_the_address_space() {
     assert_ne!(code, Some(0), "{text}");
     assert!(text.contains("overflow the address space"), "{text}");
 }
+
+/// Sizes the library would refuse are refused by every command that sizes buffers from
+/// them, with the library's message and before a GPU is opened (so also on a machine
+/// without one): they used to be multiplied, drawn and uploaded first.
+#[test]
+fn commands_check_their_sizes_before_opening_a_gpu() {
+    let cases: [(&[&str], &str); 8] = [
+        (&["run", "--batch", "0"], "zero-size dimension (batch)"),
+        (
+            &["run", "--batch", "4000000000", "--seqlen", "4000000000"],
+            "pass the address space",
+        ),
+        (
+            &["run", "--head-dim", "12"],
+            "unsupported head dimension 12",
+        ),
+        (
+            &["run", "--dtype", "e4m3", "--heads", "5", "--kv-heads", "2"],
+            "must be a multiple of key/value heads",
+        ),
+        (
+            &["fp8", "--shapes", "1:1:0:128"],
+            "zero-size dimension (seqlen)",
+        ),
+        (
+            &["decode", "--shapes", "0x100"],
+            "zero-size dimension (batch)",
+        ),
+        (
+            &["varlen", "--lens", "5,0,7", "--head-dim", "300"],
+            "unsupported head dimension 300",
+        ),
+        (&["decode", "--shapes", "1x100000000"], "exceeds the limit"),
+    ];
+    for (args, want) in cases {
+        let (code, text) = flashcore(args);
+        // 1: a run failure with the library's error (not 101, a panic; not 2, usage).
+        assert_eq!(code, Some(1), "{args:?}: {text}");
+        assert!(text.contains(want), "{args:?}: {text}");
+    }
+}
