@@ -18,7 +18,7 @@ use crate::host::attention::Attention;
 use crate::host::decode::Workspace;
 use crate::host::device::driver_err;
 use crate::host::fp8::Fp8Operands;
-use crate::host::quantize::{Fp8Layout, QuantizeOptions};
+use crate::host::quantize::{Fp8Layout, QuantizeOptions, validate_quantize_inputs};
 use crate::host::tensor::{AttentionParams, DType, LseView, TensorView};
 use crate::host::timing::{TimingStats, median_ms};
 use crate::host::validate::validate_fwd;
@@ -205,6 +205,25 @@ impl FwdCase {
     /// [`DeviceCase::new`] and [`DeviceCase::for_timing`] check this first, so no size is
     /// multiplied, and nothing is drawn or uploaded, for a case no kernel would take.
     pub fn validate(&self) -> Result<()> {
+        let ([q, k, v, o], lse) = self.made_up_views()?;
+        let params = AttentionParams {
+            softmax_scale: None,
+            causal: self.causal,
+        };
+        validate_fwd(&q, &k, &v, &o, Some(&lse), &params).map(|_| ())
+    }
+
+    /// [`FwdCase::validate`] for the FP8 path: what quantizing this case's inputs with
+    /// `options` would be refused for ([`validate_quantize_inputs`]: FP8 head dims, sizes,
+    /// the workspace's layout).
+    pub fn validate_fp8(&self, options: &QuantizeOptions) -> Result<()> {
+        let ([q, k, v, _], _) = self.made_up_views()?;
+        validate_quantize_inputs(&q, &k, &v, options).map(|_| ())
+    }
+
+    /// Views of Q, K, V, O and LSE laid out one after another from a made-up address,
+    /// 256-byte aligned; [`Error::InvalidArgument`] where they pass the address space.
+    fn made_up_views(&self) -> Result<([TensorView; 4], LseView)> {
         let s = &self.shape;
         let too_large = || {
             Error::InvalidArgument(format!(
@@ -238,11 +257,7 @@ impl FwdCase {
         let lse = LseView {
             ptr: place(&[b, s.heads_q, s.seqlen_q], 4)?,
         };
-        let params = AttentionParams {
-            softmax_scale: None,
-            causal: self.causal,
-        };
-        validate_fwd(&q, &k, &v, &o, Some(&lse), &params).map(|_| ())
+        Ok(([q, k, v, o], lse))
     }
 
     fn view(&self, ptr: u64, seqlen: usize, heads: usize) -> TensorView {

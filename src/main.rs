@@ -515,7 +515,7 @@ fn run(args: &[String]) -> Result<(), Failure> {
     let iters = o.num("--iters", 20)?;
     case.validate()?;
     if let Some(options) = &options {
-        flashcore::host::quantize::Fp8Layout::new(&case.shape, options)?;
+        case.validate_fp8(options)?;
     }
     if !driver_present() {
         out!("no CUDA driver on this machine (libcuda not found): no forward pass can run here.");
@@ -1671,9 +1671,15 @@ fn fp8_bench(args: &[String]) -> Result<(), Failure> {
             .collect::<Result<_, _>>()?,
     };
     for &(b, h, s, d) in &shapes {
-        let shape = AttnShape::square(b, h, s, d);
-        check_sizes(shape, HalfType::F16, false)?;
-        Fp8Layout::new(&shape, &QuantizeOptions::default())?;
+        let case = FwdCase {
+            shape: AttnShape::square(b, h, s, d),
+            dtype: HalfType::F16,
+            causal: false,
+            layout: Layout::Bshd,
+            kernel: None,
+        };
+        case.validate()?;
+        case.validate_fp8(&QuantizeOptions::default())?;
     }
     let dev = open_gpu()?;
     let stream = dev.context().default_stream();

@@ -41,7 +41,7 @@ fn quantize_bench_refuses_sizes_past_the_address_space() {
 /// without one): they used to be multiplied, drawn and uploaded first.
 #[test]
 fn commands_check_their_sizes_before_opening_a_gpu() {
-    let cases: [(&[&str], &str); 8] = [
+    let cases: [(&[&str], &str); 10] = [
         (&["run", "--batch", "0"], "zero-size dimension (batch)"),
         (
             &["run", "--batch", "4000000000", "--seqlen", "4000000000"],
@@ -58,6 +58,15 @@ fn commands_check_their_sizes_before_opening_a_gpu() {
         (
             &["fp8", "--shapes", "1:1:0:128"],
             "zero-size dimension (seqlen)",
+        ),
+        // FP8 has head dims 64, 128 and 256 only.
+        (
+            &["run", "--dtype", "e4m3", "--head-dim", "96"],
+            "unsupported head dimension 96",
+        ),
+        (
+            &["fp8", "--shapes", "1:1:128:96"],
+            "unsupported head dimension 96",
         ),
         (
             &["decode", "--shapes", "0x100"],
