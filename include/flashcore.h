@@ -504,7 +504,7 @@ int32_t flashcore_check_quantize_fp8(const FlashcoreTensor *q, const FlashcoreTe
  *
  * Range: exact up to FP8's rounding while each row's largest logit (softmax_scale times its
  * largest score) is below about 1.2e7 in magnitude; past that a row's o loses precision
- * (its LSE stays right), and past about 7e8 a row can come out as one that saw no key (o
+ * (its LSE stays right), and past about 1.5e9 a row can come out as one that saw no key (o
  * zero, LSE -inf). No output is ever NaN or infinite, whatever the scales and softmax_scale.
  *
  * Accuracy: E4M3 keeps 3 mantissa bits, so o differs from 16-bit attention by a few percent

@@ -33,7 +33,6 @@
 //! per-block scale is exact. The row sum is taken over the f32 probabilities; the factor
 //! 256 cancels in `O / l` and is taken out of the log-sum-exp.
 //!
-//!
 //! # Range
 //!
 //! Write `L` for a row's largest score in the exponent's units, `max(S8) · dc` (its largest
@@ -43,9 +42,9 @@
 //! `O / l` and comes back in the log-sum-exp. Hence:
 //! - `|L|` below 2^24 (logits up to about 1.2e7, far beyond real models'): `ε < 1`, exact
 //!   up to FP8's rounding;
-//! - from 2^24 to 2^30: `ε` up to 128, so first a row's smallest probabilities and then
+//! - from 2^24 to 2^31: `ε` below 128, so first a row's smallest probabilities and then
 //!   its largest fall out of E4M3's range: O loses precision, down to zeros, while the
-//!   log-sum-exp (from the f32 sums) stays right;
+//!   log-sum-exp (from the f32 sums, whose largest term stays above 2^-120) stays right;
 //! - beyond: a row's probabilities can all underflow, and it comes out as a row that saw
 //!   no key (O zero, log-sum-exp −∞).
 //!
@@ -54,7 +53,7 @@
 //! (`−∞ · 0`); above, so no score or running maximum in the exponent's units overflows
 //! f32 (a raw score is at most `448² · D` in magnitude). Together, no output is ever NaN or
 //! infinite, whatever the scales and the softmax scale. (A factor that large puts `|L|`
-//! past 2^30 unless the row's largest raw score is within 2^-70 of zero.)
+//! past 2^31 unless the row's largest raw score is within 2^-69 of zero.)
 //!
 //! [`OnlineSoftmax::with_max_rounded_up`]: super::softmax::OnlineSoftmax::with_max_rounded_up
 //!
