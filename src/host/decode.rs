@@ -1777,6 +1777,14 @@ mod tests {
         assert!(matches!(e, Err(Error::InvalidArgument(_))), "{e:?}");
     }
 
+    /// Host metadata of a paged cache: `seqlens` and the block table `table`.
+    fn paged_meta<'a>(seqlens: &'a [i32], table: &'a [i32]) -> HostMetadata<'a> {
+        HostMetadata {
+            seqlens,
+            block_table: Some(table),
+        }
+    }
+
     /// Sequences may share pages (a common prefix) for reading; an append whose new
     /// rows of two sequences land on the same rows of one page is refused.
     #[test]
@@ -1785,10 +1793,7 @@ mod tests {
         let shape = c.validate(2).unwrap();
         // Page 0 is both sequences' first page.
         let table = [0, 1, 2, 3, 0, 5, 6, 7];
-        let meta = |lens: &'static [i32]| HostMetadata {
-            seqlens: lens,
-            block_table: Some(&table),
-        };
+        let meta = |lens: &'static [i32]| paged_meta(lens, &table);
         assert!(
             meta(&[3, 3]).check(&c, &shape, 0).is_ok(),
             "reads share pages"
@@ -1822,10 +1827,7 @@ mod tests {
         let shape = c.validate(2).unwrap();
         // Sequence 0's pages 0 and 2 are both pool page 1.
         let table = [1, 4, 1, 3, 0, 5, 6, 7];
-        let meta = |lens: &'static [i32]| HostMetadata {
-            seqlens: lens,
-            block_table: Some(&table),
-        };
+        let meta = |lens: &'static [i32]| paged_meta(lens, &table);
         assert!(
             meta(&[32, 64]).check(&c, &shape, 0).is_ok(),
             "two live pages"

@@ -246,6 +246,20 @@ mod tests {
     use super::attention::{FwdConfig, HalfType, Path};
     use super::*;
 
+    /// An sm80 forward configuration no catalog lists (head dim 24, no query rows).
+    fn outside_sm80() -> FwdConfig {
+        FwdConfig {
+            path: Path::Sm80,
+            dtype: HalfType::F16,
+            head_dim: 24,
+            causal: false,
+            block_m: 0,
+            split_keys: false,
+            fold_scale: false,
+            padded: false,
+        }
+    }
+
     /// `id_static` gives every catalog configuration its `id`, and one outside the
     /// catalog the type's placeholder.
     #[test]
@@ -266,17 +280,7 @@ mod tests {
         for c in all_fp8_configs() {
             assert_eq!(c.id_static(), c.id());
         }
-        let outside = FwdConfig {
-            path: Path::Sm80,
-            dtype: HalfType::F16,
-            head_dim: 24,
-            causal: false,
-            block_m: 0,
-            split_keys: false,
-            fold_scale: false,
-            padded: false,
-        };
-        assert_eq!(outside.id_static(), "attn_fwd_unknown");
+        assert_eq!(outside_sm80().id_static(), "attn_fwd_unknown");
     }
 
     /// Hand-made configurations outside the catalog get an error, where the generators
@@ -289,16 +293,7 @@ mod tests {
             Err(PtxError::BadOperand(m)) => assert!(m.contains("not a configuration"), "{m}"),
             other => panic!("{what}: {:?}", other.map(|_| "a module")),
         };
-        let fwd = FwdConfig {
-            path: Path::Sm80,
-            dtype: HalfType::F16,
-            head_dim: 24,
-            causal: false,
-            block_m: 0,
-            split_keys: false,
-            fold_scale: false,
-            padded: false,
-        };
+        let fwd = outside_sm80();
         refused("sm80, no query rows", fwd.generate());
         let sm90 = FwdConfig {
             path: Path::Sm90,
