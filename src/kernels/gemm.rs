@@ -279,16 +279,14 @@ fn produce(k: &mut Kernel, cfg: &GemmConfig, g: &Gemm, tid: Reg<U32>) {
             let row_a = k.mul(tm, BLOCK_M).cast::<S32>();
             let row_b = k.mul(tn, BLOCK_N).cast::<S32>();
             k.for_range(0i32, g.k_tiles, 1, |k, kt| {
-                ring.acquire(k);
-                ring.arrive_expect_tx(k, cfg.stage_bytes());
-                let full = ring.full_barrier(k);
-                let a = ring.slot(k, g.slots.a);
-                let b = ring.slot(k, g.slots.b);
-                let col = k.mul(kt, k_elems);
-                k.tma_load(a, g.tmap_a, [col, row_a], full);
-                // B is re-read by every tile-row of the group: keep it in L2.
-                k.tma_load_hint(b, g.tmap_b, [col, row_b], full, CachePolicy::EvictLast);
-                ring.advance(k);
+                ring.fill(k, cfg.stage_bytes(), |k, ring, full| {
+                    let a = ring.slot(k, g.slots.a);
+                    let b = ring.slot(k, g.slots.b);
+                    let col = k.mul(kt, k_elems);
+                    k.tma_load(a, g.tmap_a, [col, row_a], full);
+                    // B is re-read by every tile-row of the group: keep it in L2.
+                    k.tma_load_hint(b, g.tmap_b, [col, row_b], full, CachePolicy::EvictLast);
+                });
             });
         });
     });

@@ -409,30 +409,28 @@ fn produce(k: &mut Kernel, r: &Rotate, tid: Reg<U32>) {
         let mean_bytes = if r.slots.mean.is_some() { 4 * d } else { 0 };
         let bytes = r.cfg.x_layout().bytes() + mean_bytes;
         r.for_each_item(k, |k, it| {
-            ring.acquire(k);
-            ring.arrive_expect_tx(k, bytes);
-            let full = ring.full_barrier(k);
-            let at = ring.slot(k, r.slots.x);
-            let row = k.mul(it.block, SCALE_BLOCK).cast::<S32>();
-            let (head, batch) = (it.head.cast::<S32>(), it.batch.cast::<S32>());
-            // Rows past the sequence arrive as zeros (the consumers keep them out of the
-            // amax where K's mean makes them nonzero).
-            k.tma_load(at, r.map, [zero, row, zero, head, batch], full);
-            if let Some(slot) = r.slots.mean {
-                k.comment("... and the head's mean beside them.");
-                // mean[b, head / group]: Q's group of heads shares its KV head's mean;
-                // K's (group 1) is its own, rotated.
-                let mean = arg::<U64>(k, r.args, offset_of!(QuantArgs, mean));
-                let heads = arg::<U32>(k, r.args, offset_of!(QuantArgs, mean_heads));
-                let group = arg::<U32>(k, r.args, offset_of!(QuantArgs, group));
-                let kv_head = k.div(it.head, group);
-                let bh = k.mad(it.batch, heads, kv_head);
-                let from = k.mul_wide_u32(bh, 4 * d);
-                let from = k.add(mean, from);
-                let to = ring.slot(k, slot);
-                k.bulk_load(to, from, mean_bytes, full);
-            }
-            ring.advance(k);
+            ring.fill(k, bytes, |k, ring, full| {
+                let at = ring.slot(k, r.slots.x);
+                let row = k.mul(it.block, SCALE_BLOCK).cast::<S32>();
+                let (head, batch) = (it.head.cast::<S32>(), it.batch.cast::<S32>());
+                // Rows past the sequence arrive as zeros (the consumers keep them out of the
+                // amax where K's mean makes them nonzero).
+                k.tma_load(at, r.map, [zero, row, zero, head, batch], full);
+                if let Some(slot) = r.slots.mean {
+                    k.comment("... and the head's mean beside them.");
+                    // mean[b, head / group]: Q's group of heads shares its KV head's mean;
+                    // K's (group 1) is its own, rotated.
+                    let mean = arg::<U64>(k, r.args, offset_of!(QuantArgs, mean));
+                    let heads = arg::<U32>(k, r.args, offset_of!(QuantArgs, mean_heads));
+                    let group = arg::<U32>(k, r.args, offset_of!(QuantArgs, group));
+                    let kv_head = k.div(it.head, group);
+                    let bh = k.mad(it.batch, heads, kv_head);
+                    let from = k.mul_wide_u32(bh, 4 * d);
+                    let from = k.add(mean, from);
+                    let to = ring.slot(k, slot);
+                    k.bulk_load(to, from, mean_bytes, full);
+                }
+            });
         });
     });
 }

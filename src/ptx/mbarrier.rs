@@ -219,6 +219,23 @@ impl StageRing {
         k.mbarrier_arrive_expect_tx(bar, bytes);
     }
 
+    /// Producer: fills the current stage by asynchronous copies: waits until the consumers
+    /// have released it, announces `bytes` on its FULL barrier, lets `load` issue the
+    /// copies (given this ring, for [`StageRing::slot`], and the FULL barrier they
+    /// complete on), and moves to the next stage.
+    pub fn fill(
+        &mut self,
+        k: &mut Kernel,
+        bytes: u32,
+        load: impl FnOnce(&mut Kernel, &StageRing, Mbarrier),
+    ) {
+        self.acquire(k);
+        self.arrive_expect_tx(k, bytes);
+        let full = self.full_barrier(k);
+        load(k, self, full);
+        self.advance(k);
+    }
+
     /// Producer: arrives on the current FULL barrier with no copies to wait for, having
     /// written the stage itself (the arrival releases those writes to the consumers).
     pub fn arrive_full(&self, k: &mut Kernel) {

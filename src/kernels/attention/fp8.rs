@@ -213,6 +213,14 @@ pub fn all_fp8_configs() -> Vec<Fp8Config> {
     v
 }
 
+/// The FP8 configurations of one kernel family.
+#[cfg(test)]
+pub(crate) fn fp8_configs_on(path: Fp8Path) -> impl Iterator<Item = Fp8Config> {
+    all_fp8_configs()
+        .into_iter()
+        .filter(move |c| c.path == path)
+}
+
 /// The by-value argument block of the FP8 kernels: the 16-bit kernels' block first (so
 /// every helper that reads [`FwdArgs`] fields reads them here at the same offsets), then
 /// `Vᵀ8` and the scales. `base.q`/`base.k` and their strides describe Q8 and K8 (strides

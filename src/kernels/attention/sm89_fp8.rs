@@ -575,12 +575,10 @@ impl Fwd {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::kernels::attention::fp8::{Fp8Path, all_fp8_configs};
+    use crate::kernels::attention::fp8::{Fp8Path, fp8_configs_on};
 
     fn sm89_configs() -> impl Iterator<Item = Fp8Config> {
-        all_fp8_configs()
-            .into_iter()
-            .filter(|c| c.path == Fp8Path::Sm89)
+        fp8_configs_on(Fp8Path::Sm89)
     }
 
     /// The address arithmetic adds pass, 16-row and column-block offsets to a swizzled

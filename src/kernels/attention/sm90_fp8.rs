@@ -49,10 +49,10 @@ use std::mem::offset_of;
 
 use super::epilogue::{LseForm, OutputBlock, store_output_lse, store_output_staged};
 use super::fp8::{Fp8Args, Fp8Config, MAX_LAG_LOG2, P_SHIFT_LOG2, SCALE_BLOCK, clamp_dequant};
-use super::mask::apply_mask;
 use super::rows::{Slab, zeroed_slabs};
 use super::sm90::{
-    Block, ConsumerRoles, MapColumns, Role, WorkQueue, advance, for_each_item, split_roles,
+    Block, ConsumerRoles, ItemLoop, MapColumns, Rings, Role, WorkQueue, advance, produce_items,
+    split_roles,
 };
 use super::softmax::{OnlineSoftmax, rescale_rows};
 use super::{FwdArgs, HalfType, Tiling};
@@ -371,11 +371,15 @@ where
 }
 
 impl Fwd {
-    /// The 16-bit kernel's persistent loop over (query tile, head, batch) work items.
-    fn for_each_item(&self, k: &mut Kernel, role: Role, body: impl FnOnce(&mut Kernel, &Block)) {
-        let queue = (&self.slots.work, self.smem, role);
-        let tile = (BLOCK_M, self.s.block_n);
-        for_each_item(k, self.args, queue, self.causal, tile, body);
+    /// The work items: the 16-bit kernel's persistent loop, with this kernel's tile.
+    fn items(&self) -> ItemLoop<'_> {
+        ItemLoop {
+            args: self.args,
+            smem: self.smem,
+            queue: &self.slots.work,
+            causal: self.causal,
+            tile: (BLOCK_M, self.s.block_n),
+        }
     }
 }
 
@@ -383,56 +387,32 @@ impl Fwd {
 /// last tile first.
 fn produce(k: &mut Kernel, f: &Fwd, tid: Reg<U32>) {
     k.comment("Producer: TMA loads of Q8, then K8 and V8 transposed, into their rings.");
-    k.setmaxnreg_dec(PRODUCER_REGS);
-    k.elected_thread_of_warp_0(tid, |k| {
-        for map in &f.maps[..3] {
-            k.tma_prefetch_desc(*map);
-        }
-        let group = k.load_param_at::<U32>(f.args, offset_of!(FwdArgs, group));
-        let zero = k.mov::<S32>(0i32);
-        let mut qr = f.slots.q_ring.producer(k, f.smem);
-        let mut kr = f.slots.k_ring.producer(k, f.smem);
-        let mut vr = f.slots.v_ring.producer(k, f.smem);
-        f.for_each_item(k, Role::Producer, |k, b| {
-            let any = k.setp(Cmp::Gt, b.tiles.end, 0i32);
-            k.if_(any, |k| {
-                let kv_head = k.div(b.head, group).cast::<S32>();
-                let batch = b.seq.tensor_batch.cast::<S32>();
-                let head = b.head.cast::<S32>();
-                qr.acquire(k);
-                qr.arrive_expect_tx(k, f.s.q_layout().bytes());
-                let full = qr.full_barrier(k);
-                let q_at = qr.slot(k, f.slots.q);
-                k.tma_load(q_at, f.maps[0], [zero, b.m_start, zero, head, batch], full);
-                qr.advance(k);
-
-                let last = k.sub(b.tiles.end, 1i32);
-                k.for_range(last, -1i32, -1, |k, n| {
-                    let key = k.mul(n, f.s.block_n as i32);
-                    kr.acquire(k);
-                    kr.arrive_expect_tx(k, f.s.k_layout().bytes());
-                    let full = kr.full_barrier(k);
-                    let at = kr.slot(k, f.slots.k);
-                    k.tma_load(at, f.maps[1], [zero, key, zero, kv_head, batch], full);
-                    kr.advance(k);
-
-                    vr.acquire(k);
-                    vr.arrive_expect_tx(k, f.s.vt_layout().bytes());
-                    let full = vr.full_barrier(k);
-                    let at = vr.slot(k, f.slots.vt);
-                    k.tma_load(at, f.maps[2], [key, zero, kv_head, batch], full);
-                    vr.advance(k);
-                });
+    let inputs = (
+        [f.maps[0], f.maps[1], f.maps[2]],
+        [&f.slots.q_ring, &f.slots.k_ring, &f.slots.v_ring],
+    );
+    let producer = (tid, PRODUCER_REGS);
+    produce_items(k, producer, f.items(), inputs, |k, b, at, rings| {
+        let zero = at.zero;
+        rings.q.fill(k, f.s.q_layout().bytes(), |k, qr, full| {
+            let q_at = qr.slot(k, f.slots.q);
+            let coords = [zero, b.m_start, zero, at.head, at.batch];
+            k.tma_load(q_at, f.maps[0], coords, full);
+        });
+        let last = k.sub(b.tiles.end, 1i32);
+        k.for_range(last, -1i32, -1, |k, n| {
+            let key = k.mul(n, f.s.block_n as i32);
+            rings.k.fill(k, f.s.k_layout().bytes(), |k, kr, full| {
+                let k_at = kr.slot(k, f.slots.k);
+                let coords = [zero, key, zero, at.kv_head, at.batch];
+                k.tma_load(k_at, f.maps[1], coords, full);
+            });
+            rings.v.fill(k, f.s.vt_layout().bytes(), |k, vr, full| {
+                let vt_at = vr.slot(k, f.slots.vt);
+                k.tma_load(vt_at, f.maps[2], [key, zero, at.kv_head, at.batch], full);
             });
         });
     });
-}
-
-/// The rings a consumer walks through, kept across work items.
-struct Rings {
-    q: StageRing,
-    k: StageRing,
-    v: StageRing,
 }
 
 /// Where a work item's per-block scales are.
@@ -494,7 +474,7 @@ where
         .slots
         .o
         .map(|slot| roles.output_stage(f.smem, slot, (f.maps[3], MapColumns::Blocked), false));
-    f.for_each_item(k, Role::Consumer, |k, b| {
+    f.items().run(k, Role::Consumer, |k, b| {
         let scales = item_scales(k, f.args, b);
         let c = Consumer {
             f,
@@ -800,17 +780,10 @@ impl Consumer<'_> {
     }
 
     fn mask<NS: WgmmaN>(&self, k: &mut Kernel, s: &Acc<NS>, n: Reg<S32>) {
-        let first_key = k.mul(n, self.f.s.block_n as i32);
-        let causal = self.f.causal.then_some(self.b.causal_offset);
-        apply_mask(
-            k,
-            &self.roles.rows,
-            &[s.tiles()],
-            first_key,
-            self.b.m_start,
-            self.b.seq.seqlen_k,
-            causal,
-        );
+        let scores = [s.tiles()];
+        let tile = (n, self.f.s.block_n);
+        self.b
+            .mask_tile(k, (&self.roles.rows, &scores), tile, self.f.causal);
     }
 
     fn release(&self, k: &mut Kernel, ring: &mut StageRing) {
@@ -839,14 +812,15 @@ pub fn pack_probs_e4m3(k: &mut Kernel, scores: &Slab, p: &[[Reg<E4m3x4>; 4]]) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::kernels::attention::fp8::all_fp8_configs;
+    use crate::kernels::attention::fp8::{Fp8Path, fp8_configs_on};
+
+    fn sm90_configs() -> impl Iterator<Item = Fp8Config> {
+        fp8_configs_on(Fp8Path::Sm90)
+    }
 
     #[test]
     fn tiles_fit_shared_memory_and_scale_blocks() {
-        for cfg in all_fp8_configs()
-            .into_iter()
-            .filter(|c| c.path == super::super::fp8::Fp8Path::Sm90)
-        {
+        for cfg in sm90_configs() {
             let s = Shape::of(&cfg);
             assert!(SCALE_BLOCK.is_multiple_of(s.block_n), "{cfg:?}");
             assert!(s.head_dim.is_multiple_of(s.chunk_n));
@@ -859,10 +833,7 @@ mod tests {
 
     #[test]
     fn every_config_generates() {
-        for cfg in all_fp8_configs()
-            .into_iter()
-            .filter(|c| c.path == super::super::fp8::Fp8Path::Sm90)
-        {
+        for cfg in sm90_configs() {
             let m = generate(&cfg).unwrap_or_else(|e| panic!("{}: {e}", cfg.id()));
             let ptx = m.to_ptx();
             assert!(ptx.contains("e4m3.e4m3"), "{}", cfg.id());
@@ -874,10 +845,7 @@ mod tests {
     /// at 64 with no named barrier at all.
     #[test]
     fn the_consumers_take_turns_above_head_dim_64() {
-        for cfg in all_fp8_configs()
-            .into_iter()
-            .filter(|c| c.path == super::super::fp8::Fp8Path::Sm90)
-        {
+        for cfg in sm90_configs() {
             let ptx = generate(&cfg).unwrap().to_ptx();
             let named = |op: &str| {
                 ptx.lines()
@@ -905,10 +873,7 @@ mod tests {
         use crate::kernels::attention::fp8::E4M3_MAX;
         assert!(2f32.powf(P_SHIFT_LOG2 + MAX_LAG_LOG2) < E4M3_MAX);
         let lag = format!("0f{:08X};", MAX_LAG_LOG2.to_bits());
-        for cfg in all_fp8_configs()
-            .into_iter()
-            .filter(|c| c.path == super::super::fp8::Fp8Path::Sm90)
-        {
+        for cfg in sm90_configs() {
             let ptx = generate(&cfg).unwrap().to_ptx();
             let compares = ptx
                 .lines()
@@ -924,10 +889,7 @@ mod tests {
     /// [`fma_exp_every`] to the FMA pipe (one `add.rm` each); at 256 none.
     #[test]
     fn one_exponential_in_32_runs_on_the_fma_pipe_below_head_dim_256() {
-        for cfg in all_fp8_configs()
-            .into_iter()
-            .filter(|c| c.path == super::super::fp8::Fp8Path::Sm90)
-        {
+        for cfg in sm90_configs() {
             let ptx = generate(&cfg).unwrap().to_ptx();
             let count = |op: &str| {
                 ptx.lines()

@@ -8,7 +8,7 @@ use super::roles::{ConsumerRoles, Rings};
 use super::schedule::{Block, Role};
 use crate::kernels::attention::FwdArgs;
 use crate::kernels::attention::epilogue::{LseForm, OutputBlock, store_output_staged};
-use crate::kernels::attention::mask::{apply_mask, row_key_limit};
+use crate::kernels::attention::mask::row_key_limit;
 use crate::kernels::attention::rows::Slab;
 use crate::kernels::attention::softmax::{OnlineSoftmax, pack_probs_into, rescale_rows};
 use crate::ptx::{
@@ -60,7 +60,7 @@ where
         .exchange
         .map(|slot| Exchange::new(k, f, &roles, slot, &mut rings));
     let v_zeroed = k.named_barrier(128 * f.s.kv_consumers());
-    f.for_each_item(k, Role::Consumer, |k, b| {
+    f.items().run(k, Role::Consumer, |k, b| {
         let c = Consumer {
             f,
             b,
@@ -425,18 +425,9 @@ impl<H: Half2 + WgmmaInput> Consumer<'_, H> {
 
     /// [`Consumer::mask`] on some of the tile's 8-column tiles, from its first.
     fn mask_tiles(&self, k: &mut Kernel, tiles: &Slab, n: Reg<S32>) {
-        let first_key = k.mul(n, self.f.s.block_n as i32);
-        let causal = self.f.causal.then_some(self.b.causal_offset);
-        let scores = [tiles.clone()];
-        apply_mask(
-            k,
-            &self.roles.rows,
-            &scores,
-            first_key,
-            self.b.m_start,
-            self.b.seq.seqlen_k,
-            causal,
-        );
+        let scores = (&self.roles.rows, std::slice::from_ref(tiles));
+        let tile = (n, self.f.s.block_n);
+        self.b.mask_tile(k, scores, tile, self.f.causal);
     }
 
     fn release(&self, k: &mut Kernel, ring: &mut StageRing) {

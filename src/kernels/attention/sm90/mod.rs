@@ -59,9 +59,10 @@ mod tests;
 pub(super) use consumer::advance;
 use consumer::consume;
 use producer::produce;
+pub(super) use producer::produce_items;
 use roles::Fwd;
-pub(super) use roles::{ConsumerRoles, split_roles};
-pub(super) use schedule::{Block, Role, WorkQueue, for_each_item};
+pub(super) use roles::{ConsumerRoles, Rings, split_roles};
+pub(super) use schedule::{Block, ItemLoop, Role, WorkQueue};
 pub use shape::{
     CONSUMER_REGS, D64_STAGES, MAX_SMEM, MapColumns, PRODUCER_REGS, SPLIT_STAGES, STAGES, Shape,
     Slots,

@@ -4,7 +4,7 @@
 
 use std::mem::offset_of;
 
-use super::schedule::{Block, Role, WorkQueue, for_each_item};
+use super::schedule::{ItemLoop, WorkQueue};
 use super::shape::{MapColumns, Shape, Slots};
 use crate::kernels::attention::FwdArgs;
 use crate::kernels::attention::epilogue::OutputStage;
@@ -207,21 +207,22 @@ pub(super) struct Fwd {
 }
 
 impl Fwd {
-    pub(super) fn for_each_item(
-        &self,
-        k: &mut Kernel,
-        role: Role,
-        body: impl FnOnce(&mut Kernel, &Block),
-    ) {
-        let queue = (&self.slots.work, self.smem, role);
-        let tile = (self.s.block_m, self.s.block_n);
-        for_each_item(k, self.args, queue, self.causal, tile, body);
+    /// The work items, with this kernel's tile.
+    pub(super) fn items(&self) -> ItemLoop<'_> {
+        ItemLoop {
+            args: self.args,
+            smem: self.smem,
+            queue: &self.slots.work,
+            causal: self.causal,
+            tile: (self.s.block_m, self.s.block_n),
+        }
     }
 }
 
-/// The rings a consumer walks through, kept across work items.
-pub(super) struct Rings {
-    pub(super) q: StageRing,
-    pub(super) k: StageRing,
-    pub(super) v: StageRing,
+/// One side of the Q, K and V rings, kept across work items: the producer's, or a
+/// consumer warpgroup's.
+pub(crate) struct Rings {
+    pub q: StageRing,
+    pub k: StageRing,
+    pub v: StageRing,
 }

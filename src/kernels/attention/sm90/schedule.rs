@@ -4,7 +4,8 @@
 use std::mem::offset_of;
 
 use crate::kernels::attention::FwdArgs;
-use crate::kernels::attention::mask::{KeyTiles, key_tiles, query_block};
+use crate::kernels::attention::mask::{KeyTiles, apply_mask, key_tiles, query_block};
+use crate::kernels::attention::rows::{Rows, Slab};
 use crate::kernels::attention::sequence::{Sequence, sequence};
 use crate::ptx::{
     Cmp, Kernel, ParamBytes, RawSlot, Reg, RingBarriers, S32, Smem, SmemAddr, SmemPlan, Special,
@@ -21,6 +22,24 @@ pub(crate) struct Block {
     pub seq: Sequence,
     pub causal_offset: Reg<S32>,
     pub tiles: KeyTiles,
+}
+
+impl Block {
+    /// Masks key tile `n` of `block_n` keys in `scores` (the accumulator rows `rows`
+    /// holds): keys past the sequence's end and, in a causal kernel, past each row's
+    /// diagonal.
+    pub fn mask_tile(
+        &self,
+        k: &mut Kernel,
+        (rows, scores): (&Rows, &[Slab]),
+        (n, block_n): (Reg<S32>, u32),
+        causal: bool,
+    ) {
+        let first_key = k.mul(n, block_n as i32);
+        let causal = causal.then_some(self.causal_offset);
+        let (m_start, seqlen_k) = (self.m_start, self.seq.seqlen_k);
+        apply_mask(k, rows, scores, first_key, m_start, seqlen_k, causal);
+    }
 }
 
 /// A causal kernel's work items, handed from the producer to the consumers through shared
@@ -67,6 +86,26 @@ pub(crate) enum Role {
     Consumer,
 }
 
+/// The persistent loop of an sm90a forward (16-bit or FP8): its argument block, shared
+/// memory and work queue, whether it is causal, and its (query rows, keys) tile. See
+/// [`ItemLoop::run`].
+#[derive(Clone, Copy)]
+pub(crate) struct ItemLoop<'a> {
+    pub args: ParamBytes,
+    pub smem: Smem,
+    pub queue: &'a WorkQueue,
+    pub causal: bool,
+    pub tile: (u32, u32),
+}
+
+impl ItemLoop<'_> {
+    /// Runs `body` on each work item this block's `role` takes: [`for_each_item`].
+    pub fn run(&self, k: &mut Kernel, role: Role, body: impl FnOnce(&mut Kernel, &Block)) {
+        let queue = (self.queue, self.smem, role);
+        for_each_item(k, self.args, queue, self.causal, self.tile, body);
+    }
+}
+
 /// The persistent loop of the sm90a kernels. Work items are the
 /// `q_blocks · heads · batch` (query tile of `block_m` rows, head, batch) triples (sizes
 /// read from the [`FwdArgs`] at the start of `args`), visited with `block_n`-key tiles,
@@ -84,7 +123,7 @@ pub(crate) enum Role {
 /// end, which stops the consumers. Each head's heaviest query tiles (the last ones) come
 /// first, and the last `tail_heads` heads are taken query tile by query tile across those
 /// heads, heaviest first, so that the items left at the end of the grid are the lightest.
-pub(crate) fn for_each_item(
+fn for_each_item(
     k: &mut Kernel,
     args: ParamBytes,
     (queue, smem, role): (&WorkQueue, Smem, Role),
