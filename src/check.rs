@@ -1,5 +1,5 @@
 //! End-to-end checks and timing of the forward kernel on a GPU: random inputs, poisoned
-//! outputs, a run, and the comparison with the float64 [`reference`](crate::reference).
+//! outputs, a run, and the comparison with the float64 [reference](mod@crate::reference).
 //! Used by the GPU tests, the `flashcore run` / `bench` commands and the benches. The FP8
 //! path is checked the same way from the same 16-bit inputs: quantized on the GPU
 //! ([`Attention::quantize_fp8`]), then [`Attention::forward_fp8`], against float64

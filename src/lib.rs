@@ -5,7 +5,7 @@
 //! - [`kernels`]: kernel generators (`config -> ptx::Module`) and the dispatch catalog.
 //! - [`tma`]: tensor-map descriptions for the Hopper path.
 //! - [`host`]: the driver layer and the public forward API.
-//! - [`reference`]: float64 CPU reference with the kernels' exact semantics.
+//! - [`reference`](mod@reference): float64 CPU reference with the kernels' exact semantics.
 //! - [`quant`]: the CPU E4M3 quantizer, the GPU one's reference (bit for bit but for
 //!   Hopper's tensor-core rotation, which agrees to f32 rounding).
 //! - [`calibrate`]: FP8 error against float64 on inputs built to break FP8.

@@ -308,7 +308,7 @@ fn sm90_map_boxed(
 /// instead), so they can be captured in a CUDA graph. Every call (and dropping it)
 /// leaves the calling thread's current CUDA context as it found it: the device's primary
 /// context is current only inside the driver calls (see
-/// [`ContextScope`](super::device::ContextScope)).
+/// [`ContextScope`]).
 pub struct Attention {
     device: Arc<Device>,
     cache: ModuleCache,

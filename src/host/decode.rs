@@ -305,7 +305,7 @@ fn check_outputs(
 /// blocks may use `smem_optin` bytes of shared memory.
 ///
 /// The splits fill the GPU, a wave being [`DecodeConfig::blocks_per_sm`] blocks per SM
-/// (what fits, if less), with at least [`MIN_SPLIT_KEYS`] positions of capacity per
+/// (what fits, if less), with at least `MIN_SPLIT_KEYS` positions of capacity per
 /// split. Where the `batch · kv_heads · row_chunks` blocks of one split fit a wave,
 /// the most splits whose blocks all fit it: the blocks run at once, each with a
 /// smaller share of the keys (on the H200, B1 Hkv8 D128 with 16 splits rather than
@@ -720,7 +720,7 @@ fn strides3(t: &TensorView) -> [u64; 3] {
 }
 
 /// Keys from which a dense forward call with at most [`MAX_QUERIES`] queries per sequence
-/// runs on the decode kernels ([`Attention::forward_by_decode`]). Measured on an H100
+/// runs on the decode kernels (`Attention::forward_by_decode`). Measured on an H100
 /// (`flashcore run`, the forward kernels' TFLOP/s against decode's, same call): Hq32 Hkv8
 /// D128 Sq1 B1 1.2 against 1.1 at 1024 keys, 1.4 against 2.0 at 1536, 1.6 against 3.0 at
 /// 2048; B8 4.3 against 6.8 at 1024; Sq16 causal 18.7 against 21.7 at 1024; without GQA

@@ -11,7 +11,7 @@
 //! the capacity, an entry outside the pool, or a page named twice among one sequence's.
 //!
 //! A cache may hold FP8: E4M3 codes in `k` and `v` and, in [`KvScales`], one float32
-//! scale per (position, KV head) for each, written by [`crate::Attention::append_kv`]
+//! scale per (position, KV head) for each, written by [`crate::host::attention::Attention::append_kv`]
 //! from the new tokens' own maxima (a value is its code times its scale). A scale
 //! covers one block of `D` values, the finest block there is: an append never has to
 //! requantize what is already cached, as a scale shared by several positions would

@@ -45,7 +45,7 @@ pub const THREADS: u32 = 384;
 /// Registers per thread after reallocation: 128·40 + 256·232 = 64512 <= 65536.
 pub const PRODUCER_REGS: u32 = 40;
 pub const CONSUMER_REGS: u32 = 232;
-/// Tile rows per group of the rasterization (see [`tile_coords`]).
+/// Tile rows per group of the rasterization (see `tile_coords`).
 pub const GROUP_M: u32 = 8;
 
 /// Input element type (and so the output's).

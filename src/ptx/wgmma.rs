@@ -2,7 +2,7 @@
 //! descriptors, and the in-flight rule.
 //!
 //! - An accumulator of an m64nN instruction is an [`Acc<N>`]: `N/2` f32 registers per
-//!   thread, a count that follows from the type `N` ([`N64`], [`N256`], ...).
+//!   thread, a count that follows from the type `N` ([`N64`](shapes::N64), [`N256`](shapes::N256), ...).
 //! - Issuing a wgmma consumes the accumulator and returns an [`InFlight<N>`], which has
 //!   no registers to read or rescale; only [`Kernel::wgmma_retire`] turns it back into an
 //!   `Acc`, and it refuses (at `finish`) unless a `wgmma.wait_group` has retired the

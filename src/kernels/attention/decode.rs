@@ -35,7 +35,7 @@
 //!
 //! The cache is contiguous `[B, capacity, Hkv, D]` or paged: a pool `[pages, page_size,
 //! Hkv, D]` and a block table `[B, max_pages]` of page indices. The table entries travel
-//! through shared memory a ring ahead of the copies that use them ([`TableRing`]), so the
+//! through shared memory a ring ahead of the copies that use them (`TableRing`), so the
 //! copies never wait on the table.
 //!
 //! **FP8 caches** (`.target sm_89`): the ring holds e4m3 codes and their per-(position,
@@ -291,7 +291,7 @@ impl DecodeConfig {
     }
 
     /// Blocks per SM a decode launch aims for (the split count follows from it): a
-    /// 16-bit ring, enough blocks to keep [`IN_FLIGHT_PER_SM`] bytes of reads in
+    /// 16-bit ring, enough blocks to keep `IN_FLIGHT_PER_SM` bytes of reads in
     /// flight; an e4m3 ring, every block that fits: widening the codes lengthens each
     /// tile's chain of dependent steps, which more warps per SM hide.
     pub fn blocks_per_sm(&self) -> u32 {

@@ -36,7 +36,7 @@
 //!   with no shuffles ([`pack_probs_e4m3`]).
 //! - `P·V` runs in 64-column chunks of O, so T is 32 registers beside O's `d / 2`.
 //! - At head dim 256, O's upper 128 columns are parked in shared memory, each thread's
-//!   own fragment in its own slots ([`Parked`]): 128 registers of O beside S, T and P
+//!   own fragment in its own slots (`Parked`): 128 registers of O beside S, T and P
 //!   spilled in every arrangement tried, and the f32 fold (which reads and writes O
 //!   anyway) costs one load and one store per four values.
 //! - At head dim 256 only O's first 64 columns lag a tile behind as drawn above. The
@@ -94,10 +94,10 @@ pub struct Shape {
     pub chunk_n: u32,
     /// Output columns, from the first, whose `P·V` runs a key tile behind the scores,
     /// beside the softmax; the others run after it, on the P it makes (see
-    /// [`Consumer::step`]). A multiple of `chunk_n`.
+    /// `Consumer::step`). A multiple of `chunk_n`.
     pub lagging_cols: u32,
     /// Output columns, from the last, whose f32 accumulators live in shared memory
-    /// ([`Parked`]) rather than in registers: a multiple of `chunk_n`.
+    /// (`Parked`) rather than in registers: a multiple of `chunk_n`.
     pub parked_cols: u32,
     /// Whether the two consumers take turns at the tensor cores (ping-pong). Turns keep
     /// one consumer's softmax beside the other's products, which pays where the products

@@ -323,7 +323,7 @@ impl<H: Half2 + WgmmaInput> Consumer<'_, H> {
 
     /// The online softmax's step on tile `s`: the running maxima raised, the pending
     /// rescale of O in `factors`, the scores turned into unnormalised probabilities,
-    /// with the scale folded into the exponent or not ([`FwdConfig::fold_scale`]).
+    /// with the scale folded into the exponent or not ([`FwdConfig::fold_scale`](crate::kernels::attention::FwdConfig::fold_scale)).
     fn exponentiate<NS: WgmmaN>(&self, k: &mut Kernel, s: &Acc<NS>) {
         self.exponentiate_tiles(k, &s.tiles());
     }

@@ -9,7 +9,7 @@ use crate::ptx::{
     Acc, Cmp, F32, Kernel, NamedBarrier, Pred, RawSlot, Reg, S32, Smem, Special, U32, WgmmaN,
 };
 
-/// Split keys ([`Shape::split_keys`]): which key tiles each consumer warpgroup takes, and
+/// Split keys ([`Shape::split_keys`](super::Shape::split_keys)): which key tiles each consumer warpgroup takes, and
 /// how the second hands its partial result to the first.
 ///
 /// The producer fills the K and V rings with every item's tiles in turn, so the ring

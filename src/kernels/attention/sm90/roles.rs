@@ -193,7 +193,7 @@ impl ConsumerRoles {
 pub(super) struct Fwd {
     pub(super) s: Shape,
     pub(super) causal: bool,
-    /// The scale folded into the exponent ([`FwdConfig::fold_scale`]).
+    /// The scale folded into the exponent ([`FwdConfig::fold_scale`](crate::kernels::attention::FwdConfig::fold_scale)).
     pub(super) fold_scale: bool,
     pub(super) args: ParamBytes,
     /// Q, K, V and O.

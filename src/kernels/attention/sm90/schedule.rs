@@ -13,7 +13,7 @@ use crate::ptx::{
 };
 
 /// A work item's coordinates and the parameters every role reads (shared with the FP8
-/// kernel, [`super::sm90_fp8`]).
+/// kernel, [`sm90_fp8`](crate::kernels::attention::sm90_fp8)).
 pub(crate) struct Block {
     pub batch: Reg<U32>,
     pub head: Reg<U32>,
