@@ -485,6 +485,46 @@ fn mbarrier_and_stage_ring_golden() {
     assert!(text.contains("xor.b32"), "{text}");
 }
 
+/// `StageRing::fill` is the producer's whole turn at a stage, in order: wait for the
+/// consumers' release, announce the bytes, the copies onto the stage's FULL barrier,
+/// then the next stage (the same PTX as those four steps written out).
+#[test]
+fn stage_ring_fill_is_acquire_expect_copy_advance() {
+    let kernel = |by_fill: bool| {
+        let (mut k, smem, tile, ring) = hopper_kernel("fill");
+        let map = k.tensor_map_param("tmap_a");
+        let mut producer = ring.producer(&mut k, smem);
+        let copy = |k: &mut Kernel, ring: &StageRing, full: Mbarrier| {
+            let at = ring.slot(k, tile);
+            let x = k.mov::<S32>(64i32);
+            k.tma_load(at, map, [x, x], full);
+        };
+        for _ in 0..3 {
+            if by_fill {
+                producer.fill(&mut k, 8192, copy);
+            } else {
+                producer.acquire(&mut k);
+                producer.arrive_expect_tx(&mut k, 8192);
+                let full = producer.full_barrier(&mut k);
+                copy(&mut k, &producer, full);
+                producer.advance(&mut k);
+            }
+        }
+        body_90a(k)
+    };
+    let (filled, spelled_out) = (kernel(true), kernel(false));
+    assert_eq!(filled, spelled_out);
+    let text = filled.join("\n");
+    let at = |what: &str| {
+        text.find(what)
+            .unwrap_or_else(|| panic!("no {what}: {text}"))
+    };
+    assert!(at("try_wait") < at("expect_tx"), "{text}");
+    assert!(at("expect_tx") < at("cp.async.bulk.tensor"), "{text}");
+    assert!(at("cp.async.bulk.tensor") < at("xor.b32"), "{text}");
+    assert_eq!(text.matches("cp.async.bulk.tensor").count(), 3, "{text}");
+}
+
 #[test]
 fn plain_full_arrivals_and_global_tickets() {
     let (mut k, smem, _, ring) = hopper_kernel("tickets");
