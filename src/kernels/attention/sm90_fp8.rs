@@ -461,11 +461,8 @@ where
     let roles = ConsumerRoles::new(k, tid, CONSUMER_REGS, consumers, false);
     let q_at = f.smem.tile(k, f.slots.q, 0);
     let q = roles.q_rows(k, q_at, &f.s.q_layout());
-    let mut rings = Rings {
-        q: f.slots.q_ring.consumer(k, f.smem),
-        k: f.slots.k_ring.consumer(k, f.smem),
-        v: f.slots.v_ring.consumer(k, f.smem),
-    };
+    let ring_barriers = [&f.slots.q_ring, &f.slots.k_ring, &f.slots.v_ring];
+    let mut rings = Rings::consumer(k, f.smem, ring_barriers);
     let parked = f
         .slots
         .parked
@@ -572,13 +569,9 @@ impl Consumer<'_> {
 
         let dc = self.dequant(k, last);
         let v_scale = self.scale_of(k, offset_of!(Fp8Args, v_scale), last);
-        self.roles.wait_turn(k);
-        kr.wait_full(k);
-        let s = self.scores::<NS>(k, kr);
-        k.wgmma_commit();
-        self.roles.pass_turn(k);
-        k.wgmma_wait(0);
-        let s = k.wgmma_retire(s);
+        let s = self
+            .roles
+            .scores_alone(k, kr, |k, kr| self.scores::<NS>(k, kr));
         self.release(k, kr);
         self.mask(k, &s, last);
         self.exponentiate(k, &s, dc);

@@ -50,11 +50,8 @@ where
     let scale_log2 = k.load_param_at::<F32>(f.args, offset_of!(FwdArgs, scale_log2));
     let o_in_q = f.s.o_in_q();
     let stage = roles.output_stage(f.smem, f.slots.o, (f.maps[3], f.s.columns), o_in_q);
-    let mut rings = Rings {
-        q: f.slots.q_ring.consumer(k, f.smem),
-        k: f.slots.k_ring.consumer(k, f.smem),
-        v: f.slots.v_ring.consumer(k, f.smem),
-    };
+    let ring_barriers = [&f.slots.q_ring, &f.slots.k_ring, &f.slots.v_ring];
+    let mut rings = Rings::consumer(k, f.smem, ring_barriers);
     let exchange = f
         .slots
         .exchange
@@ -161,13 +158,9 @@ impl<H: Half2 + WgmmaInput> Consumer<'_, H> {
         } = rings;
         let last = first;
 
-        self.roles.wait_turn(k);
-        kr.wait_full(k);
-        let s = self.scores::<NS>(k, kr);
-        k.wgmma_commit();
-        self.roles.pass_turn(k);
-        k.wgmma_wait(0);
-        let s = k.wgmma_retire(s);
+        let s = self
+            .roles
+            .scores_alone(k, kr, |k, kr| self.scores::<NS>(k, kr));
         self.release_kv(k, kr);
         let tiles = s.tiles();
         let full = |k: &mut Kernel| {

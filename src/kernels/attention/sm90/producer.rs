@@ -36,8 +36,7 @@ pub(crate) fn produce_items(
         }
         let group = k.load_param_at::<U32>(items.args, offset_of!(FwdArgs, group));
         let zero = k.mov::<S32>(0i32);
-        let [q, kk, v] = rings.map(|ring| ring.producer(k, items.smem));
-        let mut rings = Rings { q, k: kk, v };
+        let mut rings = Rings::producer(k, items.smem, rings);
         items.run(k, Role::Producer, |k, b| {
             let any = k.setp(Cmp::Gt, b.tiles.end, 0i32);
             k.if_(any, |k| {
@@ -71,14 +70,9 @@ pub(super) fn produce(k: &mut Kernel, f: &Fwd, tid: Reg<U32>) {
             batch,
             zero,
         } = at;
-        let Rings {
-            q: qr,
-            k: kr,
-            v: vr,
-        } = rings;
         let q_layout = f.s.q_layout();
         let mut load_q = |k: &mut Kernel| {
-            qr.fill(k, q_layout.bytes(), |k, qr, full| {
+            rings.q.fill(k, q_layout.bytes(), |k, qr, full| {
                 let q_at = qr.slot(k, f.slots.q);
                 let q_row = k.add(b.seq.q_start, b.m_start);
                 let coords = ([q_row, head, batch], zero);
@@ -91,8 +85,8 @@ pub(super) fn produce(k: &mut Kernel, f: &Fwd, tid: Reg<U32>) {
         let mut load_kv = |k: &mut Kernel, n: Reg<S32>| {
             let row = k.mad(n, f.s.block_n as i32, b.seq.k_start);
             let rings = [
-                (&mut *kr, f.slots.k, f.maps[1]),
-                (&mut *vr, f.slots.v, f.maps[2]),
+                (&mut rings.k, f.slots.k, f.maps[1]),
+                (&mut rings.v, f.slots.v, f.maps[2]),
             ];
             for (ring, slot, map) in rings {
                 ring.fill(k, kv_bytes, |k, ring, full| {

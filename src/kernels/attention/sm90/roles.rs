@@ -10,8 +10,8 @@ use crate::kernels::attention::FwdArgs;
 use crate::kernels::attention::epilogue::OutputStage;
 use crate::kernels::attention::rows::Rows;
 use crate::ptx::{
-    BarrierRing, Cmp, KMajor, Kernel, Param, ParamBytes, Reg, RingBarriers, Smem, SmemAddr,
-    SmemDesc, SmemLayout, Special, StageRing, TileSlot, TmaDesc, U32,
+    Acc, BarrierRing, Cmp, InFlight, KMajor, Kernel, Param, ParamBytes, Reg, RingBarriers, Smem,
+    SmemAddr, SmemDesc, SmemLayout, Special, StageRing, TileSlot, TmaDesc, U32, WgmmaN,
 };
 
 /// The warp-specialized frame of the sm90a forwards (16-bit and FP8): thread 0
@@ -130,6 +130,24 @@ impl ConsumerRoles {
         }
     }
 
+    /// A key tile's scores with nothing else in flight (the first tile of an item): in
+    /// this warpgroup's turn, once the tile has landed in `kr`'s current stage, `issue`
+    /// the product; hand the turn on and wait for it.
+    pub fn scores_alone<N: WgmmaN>(
+        &self,
+        k: &mut Kernel,
+        kr: &StageRing,
+        issue: impl FnOnce(&mut Kernel, &StageRing) -> InFlight<N>,
+    ) -> Acc<N> {
+        self.wait_turn(k);
+        kr.wait_full(k);
+        let s = issue(k, kr);
+        k.wgmma_commit();
+        self.pass_turn(k);
+        k.wgmma_wait(0);
+        k.wgmma_retire(s)
+    }
+
     /// Hands the tensor cores to the next warpgroup once this one's products are issued.
     pub fn pass_turn(&self, k: &mut Kernel) {
         if let Some(turns) = self.turns {
@@ -225,4 +243,18 @@ pub(crate) struct Rings {
     pub q: StageRing,
     pub k: StageRing,
     pub v: StageRing,
+}
+
+impl Rings {
+    /// The producer's side of the Q, K and V rings `[q, k, v]`.
+    pub fn producer(k: &mut Kernel, smem: Smem, rings: [&RingBarriers; 3]) -> Rings {
+        let [q, kr, v] = rings.map(|ring| ring.producer(k, smem));
+        Rings { q, k: kr, v }
+    }
+
+    /// A consumer warpgroup's side of the Q, K and V rings `[q, k, v]`.
+    pub fn consumer(k: &mut Kernel, smem: Smem, rings: [&RingBarriers; 3]) -> Rings {
+        let [q, kr, v] = rings.map(|ring| ring.consumer(k, smem));
+        Rings { q, k: kr, v }
+    }
 }
