@@ -380,7 +380,8 @@ int32_t flashcore_check_decode_fp8kv(const FlashcoreTensor *q, const FlashcoreKv
  *                  count 16-byte chunks in 32 bits, with room for their last step).
  *   host_seqlens, host_block_table: NULL, or host copies of the lengths before the append
  *                  (see above): len_b + Snew must not exceed the capacity, and (paged) no
- *                  two sequences' new tokens may land on the same rows of a shared page.
+ *                  sequence's new tokens may land on rows of a shared page that another
+ *                  sequence holds (a position below its length) or writes in this call.
  *
  * Positions past the capacity, and pages outside the pool, are never written whatever
  * the device metadata holds. All arguments are checked before anything runs. */

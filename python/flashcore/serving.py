@@ -558,8 +558,9 @@ def append_kv(
     host_seqlens, host_block_table: optional host copies of the lengths before the append
         and of the block table, checked first: seqlens[b] + Snew must not exceed the
         capacity, every page it reaches must lie in the pool (none named twice within
-        one sequence), and no two sequences' new tokens may land on the same rows of a
-        shared page.
+        one sequence), and no sequence's new tokens may land on rows of a shared page
+        that another sequence holds (a position below its length) or writes in the same
+        call.
     k_scale, v_scale: an FP8 cache's scales, as for `decode` (written in place too). The
         cache's k and v are then torch.float8_e4m3fn and k_new, v_new float16 or bfloat16
         (one dtype for both): each new (position, KV head) row of D values is quantized on

@@ -1039,7 +1039,9 @@ impl Attention {
     /// Writes `k_new`, `v_new` (`[B, Snew, Hkv, D]`) into `cache` at each sequence's
     /// positions `len .. len + Snew` (the lengths as the device holds them before the
     /// call; the caller advances them). Positions past the capacity and pages outside the
-    /// pool are not written; `host` turns them into errors before anything runs.
+    /// pool are not written; `host` turns them into errors before anything runs, and
+    /// also refuses new tokens on rows of a shared page that another sequence holds or
+    /// writes in the same call ([`HostMetadata::check`]).
     ///
     /// # Safety
     ///
@@ -1785,8 +1787,9 @@ mod tests {
         }
     }
 
-    /// Sequences may share pages (a common prefix) for reading; an append whose new
-    /// rows of two sequences land on the same rows of one page is refused.
+    /// Sequences may share pages (a common prefix) for reading. An append is refused
+    /// where two sequences' new tokens land on the same rows of one page, and where a
+    /// sequence's new tokens land on rows another sequence holds on a page they share.
     #[test]
     fn appends_into_shared_pages_must_not_collide() {
         let c = cache(2, 64, 2, 64, Some(16));
@@ -1794,29 +1797,45 @@ mod tests {
         // Page 0 is both sequences' first page.
         let table = [0, 1, 2, 3, 0, 5, 6, 7];
         let meta = |lens: &'static [i32]| paged_meta(lens, &table);
-        assert!(
-            meta(&[3, 3]).check(&c, &shape, 0).is_ok(),
-            "reads share pages"
-        );
-        assert!(
-            meta(&[20, 3]).check(&c, &shape, 2).is_ok(),
-            "different pages"
-        );
-        assert!(
-            meta(&[3, 5]).check(&c, &shape, 2).is_ok(),
-            "rows 3..5 and 5..7"
-        );
+        for lens in [&[3, 3][..], &[3, 5], &[20, 3], &[0, 0]] {
+            assert!(meta(lens).check(&c, &shape, 0).is_ok(), "{lens:?}: reads");
+        }
+        // A full shared page, each sequence appending on its own pages, within one page
+        // and across two.
+        for (lens, extra) in [(&[16, 16][..], 2), (&[20, 16], 2), (&[16, 16], 20)] {
+            assert!(
+                meta(lens).check(&c, &shape, extra).is_ok(),
+                "{lens:?} + {extra}"
+            );
+        }
+        // Both append onto the same rows of page 0.
         for lens in [&[3, 3][..], &[3, 4], &[4, 3], &[1, 0]] {
             let e = meta(lens).check(&c, &shape, 2);
             assert!(
-                matches!(e, Err(Error::InvalidArgument(ref m)) if m.contains("page 0")),
+                matches!(e, Err(Error::InvalidArgument(ref m)) if m.contains("both append")
+                    && m.contains("page 0")),
                 "{lens:?}: {e:?}"
             );
         }
-        // Longer appends cross pages: sequence 0 from row 10 of page 0 on into page 1,
-        // sequence 1 from position 0 of the shared page 0.
-        assert!(meta(&[10, 0]).check(&c, &shape, 12).is_err());
-        assert!(meta(&[16, 0]).check(&c, &shape, 16).is_ok());
+        // One appends over rows the other holds: sequence 0 over sequence 1's positions
+        // 3..5; sequence 1 over rows 3..5 of the page sequence 0 has filled; longer appends
+        // that reach the shared page from position 0 or cross into the next page.
+        for (lens, extra, writer, holder, rows) in [
+            (&[3, 5][..], 2, 0, 1, "rows 3..5 of page 0"),
+            (&[20, 3], 2, 1, 0, "rows 3..5 of page 0"),
+            (&[16, 0], 16, 1, 0, "rows 0..16 of page 0"),
+            (&[10, 0], 10, 1, 0, "rows 0..10 of page 0"),
+        ] {
+            let e = meta(lens).check(&c, &shape, extra);
+            let Err(Error::InvalidArgument(m)) = &e else {
+                panic!("{lens:?} + {extra}: {e:?}");
+            };
+            assert!(
+                m.contains(&format!("sequence {writer} would append over {rows}"))
+                    && m.contains(&format!("sequence {holder} holds")),
+                "{lens:?} + {extra}: {m}"
+            );
+        }
     }
 
     /// One sequence's live pages are distinct: a page named twice would put two of its

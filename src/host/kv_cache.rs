@@ -8,7 +8,8 @@
 //! lengths are clamped to the capacity, block table entries outside the pool are never
 //! followed. A caller that keeps host copies of the metadata passes them as
 //! [`HostMetadata`] and gets a typed error, with nothing launched, for a length beyond
-//! the capacity, an entry outside the pool, or a page named twice among one sequence's.
+//! the capacity, an entry outside the pool, a page named twice among one sequence's, or
+//! an append onto rows of a shared page that another sequence holds or writes.
 //!
 //! A cache may hold FP8: E4M3 codes in `k` and `v` and, in [`KvScales`], one float32
 //! scale per (position, KV head) for each, written by [`crate::host::attention::Attention::append_kv`]
@@ -365,8 +366,8 @@ impl KvScales {
 impl HostMetadata<'_> {
     /// Checks the lengths (after `extra` more tokens: an append's) against the capacity
     /// and, for a paged cache, that every page they reach is inside the pool, that no
-    /// sequence reaches one page twice, and (an append) that no two sequences' new tokens
-    /// land on the same rows of a page.
+    /// sequence reaches one page twice, and (an append) that no sequence's new tokens land
+    /// on rows of a page that another sequence holds or writes in the same call.
     pub fn check(&self, cache: &KvCache, shape: &CacheShape, extra: usize) -> Result<()> {
         if self.seqlens.len() != shape.batch {
             return Err(Error::ShapeMismatch(format!(
@@ -428,8 +429,8 @@ impl HostMetadata<'_> {
         // Each sequence's pages: inside the pool, and none named twice. A page named twice
         // puts two of the sequence's positions on one row, so a decode would read one of
         // them twice and never the other (and an append could write over the sequence's
-        // own cached token). Pages shared between sequences stay the caller's to manage
-        // (only two appends onto one row are refused, below).
+        // own cached token). Pages shared between sequences (a common prefix) are fine
+        // to read; what an append may write on them is checked below.
         let mut sorted = Vec::new();
         for (b, &len) in self.seqlens.iter().enumerate() {
             let pages = (len as usize + extra).div_ceil(shape.page_size);
@@ -456,33 +457,87 @@ impl HostMetadata<'_> {
             }
         }
         if extra > 0 {
-            // An append writes positions len .. len + extra of each sequence: no two may
-            // land on one (page, row) of the pool, or the result depends on the order
-            // the kernel's threads run in. (Shared pages that are only read are fine.)
-            let mut spans = Vec::new();
-            for (b, &len) in self.seqlens.iter().enumerate() {
-                let (mut pos, end) = (len as usize, len as usize + extra);
-                while pos < end {
-                    let (index, row) = (pos / shape.page_size, pos % shape.page_size);
-                    let rows = (shape.page_size - row).min(end - pos);
-                    spans.push((table[b * table_stride + index], row, row + rows, b));
-                    pos += rows;
-                }
-            }
-            spans.sort_unstable();
-            // Sorted by page and first row, any overlap shows between neighbours.
-            if let Some(w) = spans
-                .windows(2)
-                .find(|w| w[0].0 == w[1].0 && w[1].1 < w[0].2)
-            {
-                return Err(Error::InvalidArgument(format!(
-                    "sequences {} and {} would both append to rows {}.. of page {}",
-                    w[0].3, w[1].3, w[1].1, w[0].0
-                )));
-            }
+            check_append_rows(
+                self.seqlens,
+                table,
+                table_stride,
+                shape.page_size,
+                shape.pool_pages,
+                extra,
+            )?;
         }
         Ok(())
     }
+}
+
+/// An append writes positions `len .. len + extra` of each sequence. Each of those rows
+/// must be its writer's alone: a row that two sequences' new tokens share would hold
+/// whichever write the kernel's threads happen to run last, and a row that another
+/// sequence already holds (a position below its length, on a page the two share) would
+/// silently change that sequence's cached token. Sharing pages for reading, a common
+/// prefix, stays fine: a fork that shares a partly filled page must give each sequence
+/// its own copy before either appends to it (copy on write).
+fn check_append_rows(
+    seqlens: &[i32],
+    table: &[i32],
+    table_stride: usize,
+    page_size: usize,
+    pool_pages: usize,
+    extra: usize,
+) -> Result<()> {
+    // The rows each sequence writes, as (page, first row, end row, sequence).
+    let mut writes = Vec::new();
+    for (b, &len) in seqlens.iter().enumerate() {
+        let (mut pos, end) = (len as usize, len as usize + extra);
+        while pos < end {
+            let (index, row) = (pos / page_size, pos % page_size);
+            let rows = (page_size - row).min(end - pos);
+            writes.push((table[b * table_stride + index], row, row + rows, b));
+            pos += rows;
+        }
+    }
+    writes.sort_unstable();
+    // Sorted by page and first row, two writes onto one row show as neighbours.
+    if let Some(w) = writes
+        .windows(2)
+        .find(|w| w[0].0 == w[1].0 && w[1].1 < w[0].2)
+    {
+        return Err(Error::InvalidArgument(format!(
+            "sequences {} and {} would both append to rows {}.. of page {}",
+            w[0].3, w[1].3, w[1].1, w[0].0
+        )));
+    }
+    // Every page some sequence holds rows of: does another sequence write below the
+    // holder's last row there? A mark per pool page finds the few pages written on.
+    let mut written = vec![false; pool_pages];
+    for w in &writes {
+        written[w.0 as usize] = true;
+    }
+    for (holder, &len) in seqlens.iter().enumerate() {
+        let len = len as usize;
+        for index in 0..len.div_ceil(page_size) {
+            let page = table[holder * table_stride + index];
+            if !written[page as usize] {
+                continue;
+            }
+            let held = (len - index * page_size).min(page_size);
+            let on_page = writes.partition_point(|w| w.0 < page);
+            if let Some(&(_, first, end, writer)) = writes[on_page..]
+                .iter()
+                .take_while(|w| w.0 == page)
+                .find(|&&(_, first, _, writer)| writer != holder && first < held)
+            {
+                let end = end.min(held);
+                return Err(Error::InvalidArgument(format!(
+                    "sequence {writer} would append over rows {first}..{end} of page {page}, \
+                     which sequence {holder} holds (its positions {}..{})",
+                    index * page_size + first,
+                    index * page_size + end
+                )));
+            }
+        }
+    }
+    Ok(())
 }
 
 /// The decode kernels step from one position to the next, and (paged) from one page to
