@@ -55,7 +55,8 @@ const USAGE: &str = "usage:
   flashcore report
   flashcore run [--batch B] [--heads H] [--kv-heads HKV] [--seqlen S | --seqlen-q SQ --seqlen-k SK]
                 [--head-dim D] [--dtype f16|bf16|e4m3] [--causal] [--layout bshd|bhsd] [--iters N]
-                [--block-m 64|128|192] [--split-keys on|off] [--fold on|off] [--path best|sm80]
+                [--block-m 64|128|192] [--split-keys on|off] [--fold on|off]
+                [--narrow-keys on|off] [--path best|sm80]
                 e4m3 only: [--in-dtype f16|bf16] [--smooth-k] [--hadamard SEED]
   flashcore bench [--json FILE] [--iters N] [--dtype f16,bf16] [--path best|sm80]
                   [--shapes default|hopper|padded] [--fold on|off]
@@ -452,6 +453,7 @@ fn run(args: &[String]) -> Result<(), Failure> {
             "--block-m",
             "--split-keys",
             "--fold",
+            "--narrow-keys",
             "--path",
             "--in-dtype",
             "--hadamard",
@@ -460,7 +462,7 @@ fn run(args: &[String]) -> Result<(), Failure> {
     )?;
     let fp8 = o.value("--dtype") == Some("e4m3");
     let options = if fp8 {
-        let forced = ["--block-m", "--split-keys", "--fold"];
+        let forced = ["--block-m", "--split-keys", "--fold", "--narrow-keys"];
         if forced.iter().any(|f| o.value(f).is_some()) {
             return Err(Failure::Usage(
                 "--block-m, --split-keys and --fold choose a 16-bit kernel; the e4m3 path has \
@@ -538,10 +540,16 @@ fn run(args: &[String]) -> Result<(), Failure> {
     };
     let split_keys = on_off("--split-keys")?;
     let fold = on_off("--fold")?;
-    if o.value("--block-m").is_some() || split_keys.is_some() || fold.is_some() {
-        // Force a query tile, the split-keys kernel or the exponent's form (to compare
-        // kernels); otherwise the dispatch chooses. The split-keys kernel has 64-row
-        // tiles; the scale folds where the default scale allows it, unless `--fold off`.
+    let narrow_keys = on_off("--narrow-keys")?;
+    if o.value("--block-m").is_some()
+        || split_keys.is_some()
+        || fold.is_some()
+        || narrow_keys.is_some()
+    {
+        // Force a query tile, the split-keys kernel, the exponent's form or the key tile
+        // (to compare kernels); otherwise the dispatch chooses. The split-keys kernel has
+        // 64-row tiles; the scale folds where the default scale allows it, unless
+        // `--fold off`; the key tile is the dispatch's unless `--narrow-keys` says.
         let planned = planned_kernel(&attn, &case)?;
         let block_m = match o.value("--block-m") {
             Some(b) => b.parse().map_err(|_| {
@@ -557,6 +565,7 @@ fn run(args: &[String]) -> Result<(), Failure> {
             block_m,
             split_keys,
             fold_scale: planned.path == Path::Sm90 && !split_keys && fold.unwrap_or(folds),
+            narrow_keys: narrow_keys.unwrap_or(planned.narrow_keys),
             ..planned
         });
     }

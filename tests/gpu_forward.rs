@@ -195,19 +195,28 @@ fn sm90_seqlen_grid(dtype: HalfType, d: usize) {
                 continue;
             }
             // The scale folded into the exponent (what the dispatch takes at the
-            // default scale) and not (what it takes for scales that could overflow).
+            // default scale) and not (what it takes for scales that could overflow);
+            // at head dim 256 both key tiles.
+            let narrow: &[bool] = if sm90::has_narrow_keys(d as u32, block_m, false) {
+                &[false, true]
+            } else {
+                &[false]
+            };
             for fold_scale in [true, false] {
-                let kernel = FwdConfig {
-                    path: Path::Sm90,
-                    dtype,
-                    head_dim: d as u32,
-                    causal,
-                    block_m,
-                    split_keys: false,
-                    fold_scale,
-                    padded: false,
-                };
-                cases.extend(all_seqlen_pairs(kernel));
+                for &narrow_keys in narrow {
+                    let kernel = FwdConfig {
+                        path: Path::Sm90,
+                        dtype,
+                        head_dim: d as u32,
+                        causal,
+                        block_m,
+                        split_keys: false,
+                        fold_scale,
+                        padded: false,
+                        narrow_keys,
+                    };
+                    cases.extend(all_seqlen_pairs(kernel));
+                }
             }
         }
     }
@@ -287,6 +296,7 @@ fn sm90_kernel(c: FwdCase, block_m: u32, split_keys: bool) -> FwdCase {
             split_keys,
             fold_scale: !split_keys,
             padded: false,
+            narrow_keys: false,
         }),
         ..c
     }
@@ -665,6 +675,8 @@ fn sm90_padded_kernels() {
                         split_keys: false,
                         fold_scale,
                         padded: true,
+                        // The padded head dim 200 on 64-key tiles as well.
+                        narrow_keys: head_dim == 256 && block_m == 128 && fold_scale,
                     };
                     let pairs = [(1, 1), (17, 113), (113, 17), (128, 1000), (1000, 128)];
                     for (sq, sk) in pairs.into_iter().chain([(2048, 2048)]) {

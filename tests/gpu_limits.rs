@@ -272,6 +272,7 @@ fn huge_scales_pick_the_top_keys() {
                 split_keys: false,
                 fold_scale: true,
                 padded: false,
+                narrow_keys: false,
             };
             match buf.run(&attn, sk, d, &params, Some(&folded)) {
                 Err(Error::InvalidArgument(m)) => println!("scale {scale}, folded: {m}"),

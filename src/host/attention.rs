@@ -71,6 +71,7 @@ pub fn dispatch(
             split_keys,
             fold_scale: !split_keys && scale_folds(dtype, head_dim, scale),
             padded,
+            narrow_keys: sm90_narrow_keys(shape, (head_dim, block_m, split_keys), causal),
         });
     }
     dispatch_sm80(arch, sm_count, dtype, shape, causal)
@@ -164,6 +165,24 @@ pub(crate) fn sm90_block_m(shape: &AttnShape, sm_count: u32, causal: bool) -> u3
 /// slower, where the merge and the second warpgroup's turns cost more than the shorter
 /// chain of tiles saves.
 pub const SPLIT_MIN_KEYS: usize = 1024;
+
+/// Keys up to which head dim 256 takes 64-key tiles ([`FwdConfig::narrow_keys`]), without
+/// a mask and with a causal one. Against 80-key tiles on an H100, same call (f16, H8,
+/// B·S = 16384): S 512 +1.9% without a mask and +3.0% causal, S 1024 causal +1.4% but
+/// 3.4% slower without a mask, and 2–6% slower from S 2048 either way.
+pub const NARROW_KEYS_MAX: [usize; 2] = [512, 1024];
+
+/// Whether a problem on the sm90 path takes the 64-key tiles: where there is such a
+/// kernel (`(head_dim, block_m, split_keys)`) and the keys are few
+/// ([`NARROW_KEYS_MAX`]).
+pub(crate) fn sm90_narrow_keys(
+    shape: &AttnShape,
+    (head_dim, block_m, split_keys): (u32, u32, bool),
+    causal: bool,
+) -> bool {
+    sm90::has_narrow_keys(head_dim, block_m, split_keys)
+        && shape.seqlen_k <= NARROW_KEYS_MAX[usize::from(causal)]
+}
 
 /// Whether a problem on the sm90 path with `block_m`-row tiles takes the split-keys
 /// kernel: where there is one (64-row tiles, which the dispatch picks for grids that
@@ -519,11 +538,14 @@ impl Attention {
                 [BLOCK_M_WIDE, BLOCK_M_NARROW].contains(&cfg.block_m)
                     && !cfg.split_keys
                     && !cfg.fold_scale
+                    && !cfg.narrow_keys
             }
             Path::Sm90 => {
                 path_for_arch(arch) == Ok(Path::Sm90)
                     && sm90_has_kernel(&problem.shape, cfg.block_m)
                     && (!cfg.split_keys || sm90::has_split(head_dim, cfg.block_m))
+                    && (!cfg.narrow_keys
+                        || sm90::has_narrow_keys(cfg.head_dim, cfg.block_m, cfg.split_keys))
                     && (!cfg.fold_scale
                         || (!cfg.split_keys && scale_folds(cfg.dtype, cfg.head_dim, problem.scale)))
             }
@@ -1021,6 +1043,43 @@ mod tests {
         assert_eq!(cfg.path, Path::Sm80);
     }
 
+    /// Head dim 256 (and the head dims padded onto it) takes 64-key tiles on Hopper for
+    /// short key ranges only: up to 512 keys, or 1024 with a causal mask, on the
+    /// two-consumer kernel; never on the sm80 path or other head dims.
+    #[test]
+    fn head_dim_256_takes_64_key_tiles_for_short_key_ranges() {
+        let narrow = |d: usize, s: usize, causal: bool| {
+            let shape = AttnShape::square(32, 8, s, d);
+            let cfg = dispatch((9, 0), 132, HalfType::F16, &shape, causal, 0.06).unwrap();
+            assert_eq!((cfg.path, cfg.block_m), (Path::Sm90, 128), "d{d} s{s}");
+            if cfg.narrow_keys {
+                assert_eq!(sm90::Shape::of(&cfg).block_n, 64);
+            }
+            cfg.narrow_keys
+        };
+        for d in [256, 200] {
+            assert!(narrow(d, 512, false) && narrow(d, 512, true), "d{d}");
+            assert!(!narrow(d, 1024, false) && narrow(d, 1024, true), "d{d}");
+            assert!(!narrow(d, 1025, true) && !narrow(d, 2048, true), "d{d}");
+        }
+        for d in [64, 128, 192] {
+            assert!(!narrow(d, 512, true), "d{d}");
+        }
+        // A grid of 64-row tiles (one wave), and the sm80 path on sm_89.
+        let small = AttnShape::square(1, 8, 512, 256);
+        let cfg = dispatch((9, 0), 132, HalfType::F16, &small, true, 0.06).unwrap();
+        assert_eq!((cfg.block_m, cfg.narrow_keys), (64, false));
+        let sm80 = dispatch(
+            (8, 9),
+            58,
+            HalfType::F16,
+            &AttnShape::square(32, 8, 512, 256),
+            true,
+            0.06,
+        );
+        assert!(!sm80.unwrap().narrow_keys);
+    }
+
     /// The sm90 kernels fold the scale into the exponent wherever `s·scale·log2 e` cannot
     /// overflow: every usual scale, f16 up to ~1e26, never bf16 beyond `ln 2`; the
     /// split-keys kernels and the sm80 path never.
@@ -1071,7 +1130,7 @@ mod tests {
                 for causal in [false, true] {
                     // Four wide grids, and small ones (two heads) that take 64-row tiles.
                     let shapes = [(4, 32), (1, 2)].into_iter().flat_map(|(b, h)| {
-                        [1, 1024, 4096, 8192].map(|s| AttnShape::square(b, h, s, d))
+                        [1, 512, 1024, 4096, 8192].map(|s| AttnShape::square(b, h, s, d))
                     });
                     for shape in shapes {
                         // A usual scale folds; 1e30 folds for neither dtype.

@@ -257,6 +257,7 @@ mod tests {
             split_keys: false,
             fold_scale: false,
             padded: false,
+            narrow_keys: false,
         }
     }
 

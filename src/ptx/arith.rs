@@ -249,6 +249,14 @@ impl Kernel {
         p
     }
 
+    /// `p = !a` on a predicate.
+    pub fn not_pred(&mut self, a: Reg<Pred>) -> Reg<Pred> {
+        let p = self.reg::<Pred>();
+        self.check_owner(&[a.owner()]);
+        self.emit(format!("not.pred {}, {};", p.name(), a.name()));
+        p
+    }
+
     /// `d = p ? a : b`.
     pub fn selp<T: PtxType>(&mut self, a: impl Src<T>, b: impl Src<T>, p: Reg<Pred>) -> Reg<T> {
         let d = self.reg();

@@ -83,6 +83,11 @@ pub struct FwdConfig {
     /// tile one 64-column box at a time ([`sm90::MapColumns::PerBlock`]; see
     /// [`sm90::padded_head_dim`]).
     pub padded: bool,
+    /// sm90 path, head dim 256 with two consumer warpgroups: key tiles of 64 rather than
+    /// 80 ([`sm90::has_narrow_keys`]). For short key ranges, where the causal diagonal's
+    /// masked scores weigh most: 64-key tiles line up with the warpgroups' 64 rows, so
+    /// the first warpgroup passes a whole tile of each item by.
+    pub narrow_keys: bool,
 }
 
 /// The kernel head dims with a padded variant ([`FwdConfig::padded`]): every one but 32,
@@ -149,18 +154,21 @@ impl FwdConfig {
             split_keys: false,
             fold_scale: false,
             padded,
+            narrow_keys: false,
         }
     }
 
     /// The kernel id: also the PTX entry name, e.g. `attn_fwd_sm80_f16_d128_m128_causal`,
-    /// `attn_fwd_sm90a_bf16_d64_m64_splitkv`, `attn_fwd_sm90a_f16_d128_m128_fold_causal`.
+    /// `attn_fwd_sm90a_bf16_d64_m64_splitkv`, `attn_fwd_sm90a_f16_d128_m128_fold_causal`,
+    /// `attn_fwd_sm90a_f16_d256_m128_n64_fold_causal` (64-key tiles).
     pub fn id(&self) -> String {
         format!(
-            "attn_fwd_{}_{}_d{}_m{}{}{}{}{}",
+            "attn_fwd_{}_{}_d{}_m{}{}{}{}{}{}",
             self.path.name(),
             self.dtype.name(),
             self.head_dim,
             self.block_m,
+            if self.narrow_keys { "_n64" } else { "" },
             if self.split_keys { "_splitkv" } else { "" },
             if self.fold_scale { "_fold" } else { "" },
             if self.padded { "_padded" } else { "" },
@@ -245,18 +253,27 @@ pub fn all_fwd_configs() -> Vec<FwdConfig> {
                         } else {
                             &[false]
                         };
+                        let narrow: &[bool] =
+                            if sm90::has_narrow_keys(head_dim, block_m, split_keys) {
+                                &[false, true]
+                            } else {
+                                &[false]
+                            };
                         for &padded in paddings {
                             for &fold_scale in folds {
-                                v.push(FwdConfig {
-                                    path: Path::Sm90,
-                                    dtype,
-                                    head_dim,
-                                    causal,
-                                    block_m,
-                                    split_keys,
-                                    fold_scale,
-                                    padded,
-                                });
+                                for &narrow_keys in narrow {
+                                    v.push(FwdConfig {
+                                        path: Path::Sm90,
+                                        dtype,
+                                        head_dim,
+                                        causal,
+                                        block_m,
+                                        split_keys,
+                                        fold_scale,
+                                        padded,
+                                        narrow_keys,
+                                    });
+                                }
                             }
                         }
                     }

@@ -156,7 +156,13 @@ impl<H: Half2 + WgmmaInput> Consumer<'_, H> {
             k: kr,
             v: vr,
         } = rings;
-        let last = first;
+        let last = if self.may_see_none_of_last_tile() {
+            let last = k.mov::<S32>(first);
+            self.pass_unseen_tile(k, kr, vr, last);
+            last
+        } else {
+            first
+        };
 
         let s = self
             .roles
@@ -230,6 +236,62 @@ impl<H: Half2 + WgmmaInput> Consumer<'_, H> {
         let o = k.wgmma_retire(pv);
         self.release_kv(k, vr);
         o
+    }
+
+    /// Whether this kernel's warpgroups can differ in their last visible key tile: causal,
+    /// with two warpgroups on different rows of an item, whose last tile is that of its
+    /// last row. (The first warpgroup's rows end 64 keys before the item's last, so with
+    /// tiles of 64 keys or more only the last tile can be unseen. The three-consumer
+    /// kernels, at 160 registers, spilled 12–16 bytes with the check.)
+    fn may_see_none_of_last_tile(&self) -> bool {
+        let s = &self.f.s;
+        self.f.causal && !s.split_keys && s.consumers() == 2
+    }
+
+    /// Where none of this warpgroup's rows sees key tile `last` (the item's last, there
+    /// for the item's later rows; at least one tile below it), the warpgroup passes it
+    /// by: it takes its turn with nothing to issue, so that the turns keep alternating,
+    /// and releases the tile's K and V stages once they have landed. `last` then names
+    /// the tile below. The tile's scores and `P V` would cost a whole tile of tensor-core
+    /// time and exponentials for nothing but zeros.
+    ///
+    /// Not in packed batches: there the tile may hold the sequence's end, whose V rows
+    /// past it the warpgroups sharing the stage zero and then meet at a barrier
+    /// ([`Consumer::zero_v_past_end`]). A warpgroup passing the tile by would have to
+    /// meet them from a second `bar.sync` site, which compute-sanitizer's synccheck
+    /// reports as divergent (arriving there instead, `bar.arrive`, is the likely fix).
+    fn pass_unseen_tile(
+        &self,
+        k: &mut Kernel,
+        kr: &mut StageRing,
+        vr: &mut StageRing,
+        last: Reg<S32>,
+    ) {
+        let b = self.b;
+        // The warpgroup's last row: 64 per warpgroup, the rows in turn.
+        let which = self.roles.which(k);
+        let wg_last = k.mad(which, 64u32, 63u32);
+        let row = k.add_sat(b.m_start, wg_last.cast::<S32>());
+        let limit = k.add_sat(row, b.causal_offset);
+        let limit = k.add_sat(limit, 1i32);
+        let limit = k.min(limit, b.seq.seqlen_k);
+        let first_key = k.mul(last, self.f.s.block_n as i32);
+        let unseen = k.setp(Cmp::Ge, first_key, limit);
+        let below = k.setp(Cmp::Gt, last, 0i32);
+        let pass = k.and_pred(unseen, below);
+        let dense = k.not_pred(b.seq.packed);
+        let pass = k.and_pred(pass, dense);
+        k.if_(pass, |k| {
+            k.comment("No row of this warpgroup sees the item's last key tile: pass it by.");
+            self.roles.wait_turn(k);
+            self.roles.pass_turn(k);
+            kr.wait_full(k);
+            self.release_kv(k, kr);
+            vr.wait_full(k);
+            self.release_kv(k, vr);
+            let next = k.sub(last, 1i32);
+            k.mov_to(last, next);
+        });
     }
 
     /// Packed sequences: key tile `last` (this warpgroup's first) may run past its

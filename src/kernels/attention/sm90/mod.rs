@@ -21,7 +21,11 @@
 //! ```
 //!
 //! On the causal diagonal a warp whose rows see none of the last tile's right half (the
-//! first 64 rows of a 128-row item) runs that tile's softmax on the left half alone.
+//! first 64 rows of a 128-row item) runs that tile's softmax on the left half alone, and
+//! a consumer warpgroup whose rows see none of the item's last tile passes it by (an
+//! empty turn; its stages released unread; not in packed batches). Head dim 256 takes 64-key tiles for short key
+//! ranges ([`FwdConfig::narrow_keys`]): they line up with the warpgroups' rows, so the
+//! first warpgroup passes a whole tile of each diagonal item by.
 //!
 //! The softmax of tile n runs while the tensor cores multiply P·V of tile n+1 (the
 //! intra-warpgroup overlap), and while one consumer warpgroup does its softmax the other
@@ -99,6 +103,13 @@ pub fn has_split(head_dim: u32, block_m: u32) -> bool {
     head_dim == 64 && block_m == 64
 }
 
+/// Whether there is a kernel with 64-key tiles ([`FwdConfig::narrow_keys`]) for head dim
+/// `head_dim` and `block_m`-row tiles (and split keys or not): head dim 256 with two
+/// consumer warpgroups, whose usual tiles are 80 keys.
+pub fn has_narrow_keys(head_dim: u32, block_m: u32, split_keys: bool) -> bool {
+    head_dim == 256 && block_m == BLOCK_M && !split_keys
+}
+
 /// Whether there is a padded kernel ([`FwdConfig::padded`]) for head dim `head_dim` with
 /// `block_m`-row query tiles (and split keys or not): the two- and one-consumer kernels
 /// of each head dim.
@@ -168,6 +179,8 @@ pub(crate) fn generate(cfg: &FwdConfig) -> Result<Module, PtxError> {
         (HalfType::Bf16, 192, 112) => build::<Bf16x2, N112, N192>(cfg),
         (HalfType::F16, 256, 80) => build::<F16x2, N80, N256>(cfg),
         (HalfType::Bf16, 256, 80) => build::<Bf16x2, N80, N256>(cfg),
+        (HalfType::F16, 256, 64) => build::<F16x2, N64, N256>(cfg),
+        (HalfType::Bf16, 256, 64) => build::<Bf16x2, N64, N256>(cfg),
         (_, d, n) => Err(PtxError::BadOperand(format!(
             "no sm90 forward for head dim {d} with {n}-key tiles"
         ))),

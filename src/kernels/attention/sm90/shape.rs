@@ -147,6 +147,8 @@ impl Shape {
             // S8192 721.3 / 728.6 TFLOP/s full / causal with 112, 723.1 / 733.4 with 96;
             // D160 on it 598.4 / 660.1 against 589.5 / 650.0 without a mask).
             192 => 112,
+            // d256 with 64-key tiles where they pay (see `FwdConfig::narrow_keys`).
+            _ if cfg.narrow_keys => 64,
             _ => 80,
         };
         Shape {

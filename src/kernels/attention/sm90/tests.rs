@@ -10,6 +10,7 @@ fn config(head_dim: u32, dtype: HalfType, causal: bool) -> FwdConfig {
         split_keys: false,
         fold_scale: true,
         padded: false,
+        narrow_keys: false,
     }
 }
 
@@ -360,7 +361,9 @@ fn padded_kernels_move_one_box_per_column_block() {
         .into_iter()
         .filter(|c| c.path == super::super::Path::Sm90 && c.padded)
         .collect();
-    assert_eq!(padded.len(), 64);
+    // f16/bf16 x causal or not x folded or not, on 64- and 128-row tiles of head dims
+    // 64/128/192/256, and head dim 256's 64-key tiles.
+    assert_eq!(padded.len(), 64 + 8);
     for cfg in padded {
         let id = cfg.id();
         let ptx = generate(&cfg).unwrap().to_ptx();
@@ -445,6 +448,64 @@ fn epilogue_stages_output_for_a_tma_store() {
             assert_eq!(read, 1, "d{d} causal={causal}");
             let wait_all = ptx.matches("cp.async.bulk.wait_group 0;").count();
             assert_eq!(wait_all, 1, "d{d}: the exit drains the stores");
+        }
+    }
+}
+
+/// Under a causal mask the two-consumer kernels let a warpgroup none of whose rows sees
+/// the item's last key tile pass that tile by (an empty turn, its K and V stages released
+/// unread) in dense launches; no other kernel has the branch, and it issues no product.
+#[test]
+fn causal_warpgroups_pass_by_a_last_tile_they_do_not_see() {
+    const MARK: &str = "pass it by";
+    let ptx = |c: FwdConfig| {
+        generate(&c)
+            .unwrap_or_else(|e| panic!("{c:?}: {e}"))
+            .to_ptx()
+    };
+    for d in HEAD_DIMS {
+        for dtype in [HalfType::F16, HalfType::Bf16] {
+            let causal = ptx(config(d, dtype, true));
+            assert_eq!(causal.matches(MARK).count(), 1, "d{d} {dtype:?}");
+            // Dense launches only: the packed flag's negation joins the predicate.
+            let before = &causal[..causal.find(MARK).unwrap()];
+            assert!(before.contains("not.pred"), "d{d}");
+            // Between the mark and the next product: turns, zeroing, waits and releases.
+            let after = &causal[causal.find(MARK).unwrap()..];
+            let branch = &after[..after.find("wgmma.mma_async").unwrap()];
+            // Only turns: the passed tile's, passed on, then the next tile's before the
+            // first product. No zeroing of V rows (packed batches never pass a tile by).
+            assert_eq!(branch.matches("bar.sync").count(), 2, "d{d}: two turns");
+            assert_eq!(
+                branch.matches("bar.arrive").count(),
+                1,
+                "d{d}: turn passed on"
+            );
+            assert!(!branch.contains("Zero the V rows"), "d{d}");
+            assert_eq!(
+                branch.matches("mbarrier.arrive").count(),
+                2,
+                "d{d}: K and V released"
+            );
+            assert!(!ptx(config(d, dtype, false)).contains(MARK), "d{d} full");
+            for block_m in [64, 192] {
+                if has_tile(d, block_m) {
+                    let c = FwdConfig {
+                        block_m,
+                        ..config(d, dtype, true)
+                    };
+                    assert!(!ptx(c).contains(MARK), "d{d} m{block_m}");
+                }
+            }
+            if has_split(d, 64) {
+                let c = FwdConfig {
+                    block_m: 64,
+                    split_keys: true,
+                    fold_scale: false,
+                    ..config(d, dtype, true)
+                };
+                assert!(!ptx(c).contains(MARK), "d{d} split keys");
+            }
         }
     }
 }
