@@ -23,9 +23,9 @@
 //! On the causal diagonal a warp whose rows see none of the last tile's right half (the
 //! first 64 rows of a 128-row item) runs that tile's softmax on the left half alone, and
 //! a consumer warpgroup whose rows see none of the item's last tile passes it by (an
-//! empty turn; its stages released unread; not in packed batches). Head dim 256 takes 64-key tiles for short key
-//! ranges ([`FwdConfig::narrow_keys`]): they line up with the warpgroups' rows, so the
-//! first warpgroup passes a whole tile of each diagonal item by.
+//! empty turn; its stages released unread; not in packed batches). Head dim 256 takes
+//! 64-key tiles for short key ranges ([`FwdConfig::narrow_keys`]): they line up with the
+//! warpgroups' rows, so the first warpgroup passes a whole tile of each diagonal item by.
 //!
 //! The softmax of tile n runs while the tensor cores multiply P·V of tile n+1 (the
 //! intra-warpgroup overlap), and while one consumer warpgroup does its softmax the other
