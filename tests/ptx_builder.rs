@@ -93,6 +93,8 @@ fn arithmetic_golden() {
     let _ = k.selp(e, 0f32, p);
     let w = k.mul_wide_u32(7u32, 9u32);
     let _ = k.add(w, 16u64);
+    let q = k.not_pred(p);
+    let _ = k.and_pred(p, q);
     assert_eq!(
         body(k),
         [
@@ -106,6 +108,8 @@ fn arithmetic_golden() {
             "selp.f32 %f4, %f3, 0f00000000, %p0;",
             "mul.wide.u32 %rd0, 7, 9;",
             "add.u64 %rd1, %rd0, 16;",
+            "not.pred %p1, %p0;",
+            "and.pred %p2, %p0, %p1;",
         ]
     );
 }
