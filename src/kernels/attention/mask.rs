@@ -138,11 +138,23 @@ pub fn row_key_limit(
     let Some(offset) = causal_offset else {
         return seqlen_k;
     };
-    // Row + offset + 1 may exceed 2^31 − 1 for rows past Sq (never stored): saturate
-    // instead of wrapping into a negative limit.
     let row = k.add_sat(m_start, rows.row0);
     let row = k.add_sat(row, Rows::offset(slab, half) as i32);
-    let diag = k.add_sat(row, offset);
+    causal_key_limit(k, row, seqlen_k, offset)
+}
+
+/// One past the last key query row `row` sees under a causal mask shifted by
+/// `causal_offset` (bottom-right alignment): `min(seqlen_k, row + offset + 1)`, negative
+/// for a row that sees no key.
+pub fn causal_key_limit(
+    k: &mut Kernel,
+    row: Reg<S32>,
+    seqlen_k: Reg<S32>,
+    causal_offset: Reg<S32>,
+) -> Reg<S32> {
+    // Row + offset + 1 may exceed 2^31 − 1 for rows past Sq (never stored): saturate
+    // instead of wrapping into a negative limit.
+    let diag = k.add_sat(row, causal_offset);
     let diag = k.add_sat(diag, 1i32);
     k.min(seqlen_k, diag)
 }

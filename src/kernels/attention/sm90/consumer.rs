@@ -8,7 +8,7 @@ use super::roles::{ConsumerRoles, Rings};
 use super::schedule::{Block, Role};
 use crate::kernels::attention::FwdArgs;
 use crate::kernels::attention::epilogue::{LseForm, OutputBlock, store_output_staged};
-use crate::kernels::attention::mask::row_key_limit;
+use crate::kernels::attention::mask::{causal_key_limit, row_key_limit};
 use crate::kernels::attention::rows::Slab;
 use crate::kernels::attention::softmax::{OnlineSoftmax, pack_probs_into, rescale_rows};
 use crate::ptx::{
@@ -272,9 +272,7 @@ impl<H: Half2 + WgmmaInput> Consumer<'_, H> {
         let which = self.roles.which(k);
         let wg_last = k.mad(which, 64u32, 63u32);
         let row = k.add_sat(b.m_start, wg_last.cast::<S32>());
-        let limit = k.add_sat(row, b.causal_offset);
-        let limit = k.add_sat(limit, 1i32);
-        let limit = k.min(limit, b.seq.seqlen_k);
+        let limit = causal_key_limit(k, row, b.seq.seqlen_k, b.causal_offset);
         let first_key = k.mul(last, self.f.s.block_n as i32);
         let unseen = k.setp(Cmp::Ge, first_key, limit);
         let below = k.setp(Cmp::Gt, last, 0i32);
