@@ -34,6 +34,16 @@ pub(super) struct Consumer<'a, H: Half2> {
     v_zeroed: NamedBarrier,
 }
 
+/// How a warpgroup meets the others at the barrier after zeroing V rows past a packed
+/// sequence's end.
+#[derive(Debug, Clone, Copy)]
+enum Meet {
+    /// It reads the tile next: it waits until every thread sharing the stage has zeroed.
+    Wait,
+    /// It passes the tile by: it only tells the others that its share is zeroed.
+    ArriveOnly,
+}
+
 /// Warpgroups 1 and 2: the attention itself, for 64 query rows each of every work item.
 pub(super) fn consume<H, NS, NO>(k: &mut Kernel, f: &Fwd, tid: Reg<U32>)
 where
@@ -198,7 +208,7 @@ impl<H: Half2 + WgmmaInput> Consumer<'_, H> {
         } else {
             full(k);
         }
-        self.zero_v_past_end(k, vr, last);
+        self.zero_v_past_end(k, vr, last, Meet::Wait);
 
         k.comment("Tiles that cross the sequence end or the diagonal, last to first.");
         let stride = self.tile_stride();
@@ -255,11 +265,12 @@ impl<H: Half2 + WgmmaInput> Consumer<'_, H> {
     /// the tile below. The tile's scores and `P V` would cost a whole tile of tensor-core
     /// time and exponentials for nothing but zeros.
     ///
-    /// Not in packed batches: there the tile may hold the sequence's end, whose V rows
-    /// past it the warpgroups sharing the stage zero and then meet at a barrier
-    /// ([`Consumer::zero_v_past_end`]). A warpgroup passing the tile by would have to
-    /// meet them from a second `bar.sync` site, which compute-sanitizer's synccheck
-    /// reports as divergent (arriving there instead, `bar.arrive`, is the likely fix).
+    /// In packed batches the tile may hold the sequence's end, whose V rows past it the
+    /// warpgroups sharing the stage zero before the other warpgroup's `P V` reads them
+    /// ([`Consumer::zero_v_past_end`]). The passing warpgroup zeroes its share too, and
+    /// only arrives at their barrier: the other waits there from its own site, and
+    /// waiting at one barrier from two `bar.sync` sites is what compute-sanitizer's
+    /// synccheck reports as divergent.
     fn pass_unseen_tile(
         &self,
         k: &mut Kernel,
@@ -277,14 +288,13 @@ impl<H: Half2 + WgmmaInput> Consumer<'_, H> {
         let unseen = k.setp(Cmp::Ge, first_key, limit);
         let below = k.setp(Cmp::Gt, last, 0i32);
         let pass = k.and_pred(unseen, below);
-        let dense = k.not_pred(b.seq.packed);
-        let pass = k.and_pred(pass, dense);
         k.if_(pass, |k| {
             k.comment("No row of this warpgroup sees the item's last key tile: pass it by.");
             self.roles.wait_turn(k);
             self.roles.pass_turn(k);
             kr.wait_full(k);
             self.release_kv(k, kr);
+            self.zero_v_past_end(k, vr, last, Meet::ArriveOnly);
             vr.wait_full(k);
             self.release_kv(k, vr);
             let next = k.sub(last, 1i32);
@@ -299,8 +309,9 @@ impl<H: Half2 + WgmmaInput> Consumer<'_, H> {
     /// before any `P V` reads the tile, the warpgroups that share its V stage zero those
     /// rows: whole 128-byte rows of every column block (the swizzle only permutes the
     /// 16-byte chunks within a row), each thread a chunk per pass, then a proxy fence
-    /// (the tensor cores read through the async proxy) and a barrier among them.
-    fn zero_v_past_end(&self, k: &mut Kernel, vr: &StageRing, last: Reg<S32>) {
+    /// (the tensor cores read through the async proxy) and a barrier among them, which
+    /// a warpgroup that will not read the tile only arrives at (`meet`).
+    fn zero_v_past_end(&self, k: &mut Kernel, vr: &StageRing, last: Reg<S32>, meet: Meet) {
         let f = self.f;
         let block_n = f.s.block_n;
         let first_key = k.mul(last, block_n as i32);
@@ -340,7 +351,10 @@ impl<H: Half2 + WgmmaInput> Consumer<'_, H> {
                 }
             }
             k.fence_proxy_async();
-            k.bar_wait(self.v_zeroed);
+            match meet {
+                Meet::Wait => k.bar_wait(self.v_zeroed),
+                Meet::ArriveOnly => k.bar_arrive(self.v_zeroed),
+            }
         });
     }
 

@@ -23,7 +23,8 @@
 //! On the causal diagonal a warp whose rows see none of the last tile's right half (the
 //! first 64 rows of a 128-row item) runs that tile's softmax on the left half alone, and
 //! a consumer warpgroup whose rows see none of the item's last tile passes it by (an
-//! empty turn; its stages released unread; not in packed batches). Head dim 256 takes
+//! empty turn; its stages released unread, past a packed sequence's end its share of the
+//! V rows zeroed first). Head dim 256 takes
 //! 64-key tiles for short key ranges ([`FwdConfig::narrow_keys`]): they line up with the
 //! warpgroups' rows, so the first warpgroup passes a whole tile of each diagonal item by.
 //!
