@@ -20,7 +20,7 @@ use crate::host::device::driver_err;
 use crate::host::fp8::Fp8Operands;
 use crate::host::quantize::{Fp8Layout, QuantizeOptions, validate_quantize_inputs};
 use crate::host::tensor::{AttentionParams, DType, LseView, TensorView};
-use crate::host::timing::{TimingStats, median_ms};
+use crate::host::timing::{Backlog, TimingStats, median_ms, median_ms_queued};
 use crate::host::validate::validate_fwd;
 use crate::kernels::attention::{FwdConfig, HalfType};
 use crate::reference::{self, Rng};
@@ -717,8 +717,9 @@ pub fn check_forward_fp8(
 }
 
 /// Times the FP8 path on `case`: the quantizer (Q, K and V with `options`) and the FP8
-/// forward, each the median of `iters` calls after warm-up, rotating over enough input
-/// sets that together they exceed twice the L2 cache. Returns (quantize, forward).
+/// forward, each the median of `iters` calls after warm-up, queued behind GPU work (as
+/// [`median_ms_queued`] does), rotating over enough input sets that together they exceed
+/// twice the L2 cache. Returns (quantize, forward).
 pub fn time_fp8(
     attn: &Attention,
     stream: &Arc<CudaStream>,
@@ -740,32 +741,20 @@ pub fn time_fp8(
     // case's and workspace's buffers were made with), alive for the whole call; the
     // calls enqueue on it.
     let quantize = unsafe {
-        median_ms(
-            attn.device().context(),
-            stream.cu_stream(),
-            3,
-            iters,
-            || {
-                next = (next + 1) % cases.len();
-                cases[next].quantize_fp8(attn, options, &mut workspaces[next])
-            },
-        )
+        median_queued(attn, stream, iters, || {
+            next = (next + 1) % cases.len();
+            cases[next].quantize_fp8(attn, options, &mut workspaces[next])
+        })
     }?;
     for (c, ws) in cases.iter().zip(&mut workspaces) {
         c.quantize_fp8(attn, options, ws)?;
     }
     // SAFETY: as above.
     let forward = unsafe {
-        median_ms(
-            attn.device().context(),
-            stream.cu_stream(),
-            3,
-            iters,
-            || {
-                next = (next + 1) % cases.len();
-                cases[next].run_fp8(attn, &workspaces[next], &params)
-            },
-        )
+        median_queued(attn, stream, iters, || {
+            next = (next + 1) % cases.len();
+            cases[next].run_fp8(attn, &workspaces[next], &params)
+        })
     }?;
     if !(quantize.median_ms.is_finite() && forward.median_ms.is_finite()) {
         return Err(Error::InvalidArgument(
@@ -817,8 +806,45 @@ fn timing_sets(
         .collect()
 }
 
-/// Times `case`: median of `iters` forward calls after warm-up, rotating over enough
-/// input sets that together they exceed twice the L2 cache.
+/// The bytes cleared per pass of the backlog the timings queue ahead of their calls.
+const BACKLOG_BYTES: usize = 256 << 20;
+
+/// Median of `iters` calls of `f` after 3 warm-up calls, each bracketed by its own event
+/// pair, with GPU work queued ahead of the timed calls as the SDPA scripts queue theirs
+/// ([`median_ms_queued`]): 8 clears of 256 MiB, and one more for every 4 calls (about 85
+/// µs on an H100 for the host time of 4 launches, with room to spare). Where the backlog's
+/// memory cannot be had, the calls are timed without it.
+///
+/// # Safety
+///
+/// `stream` must be a live stream of `attn`'s device context, alive for the whole call,
+/// and whatever `f` enqueues must be valid work on it.
+unsafe fn median_queued(
+    attn: &Attention,
+    stream: &Arc<CudaStream>,
+    iters: usize,
+    f: impl FnMut() -> Result<()>,
+) -> Result<TimingStats> {
+    let ctx = attn.device().context();
+    let Ok(busy) = stream.alloc_zeros::<u8>(BACKLOG_BYTES) else {
+        // SAFETY: this function's contract.
+        return unsafe { median_ms(ctx, stream.cu_stream(), 3, iters, f) };
+    };
+    let backlog = Backlog {
+        ptr: busy.device_ptr(stream).0,
+        bytes: BACKLOG_BYTES,
+        passes: 8 + iters / 4,
+    };
+    // SAFETY: this function's contract; `busy` is live memory of the stream's context,
+    // used by nothing else, and outlives the timing (dropped after it).
+    let stats = unsafe { median_ms_queued(ctx, stream.cu_stream(), backlog, 3, iters, f) };
+    drop(busy);
+    stats
+}
+
+/// Times `case`: median of `iters` forward calls after warm-up, each call bracketed by
+/// its own event pair and queued behind GPU work (as [`median_ms_queued`] does), rotating
+/// over enough input sets that together they exceed twice the L2 cache.
 pub fn time_forward(
     attn: &Attention,
     stream: &Arc<CudaStream>,
@@ -835,16 +861,10 @@ pub fn time_forward(
     // SAFETY: `stream` is a live cudarc stream of the device's context (the one every
     // case's buffers were made with), alive for the whole call; `run` enqueues on it.
     let stats = unsafe {
-        median_ms(
-            attn.device().context(),
-            stream.cu_stream(),
-            3,
-            iters,
-            || {
-                next = (next + 1) % cases.len();
-                cases[next].run(attn, &params)
-            },
-        )
+        median_queued(attn, stream, iters, || {
+            next = (next + 1) % cases.len();
+            cases[next].run(attn, &params)
+        })
     }?;
     if !stats.median_ms.is_finite() {
         return Err(Error::InvalidArgument(

@@ -1604,9 +1604,9 @@ fn quantize_bench(args: &[String]) -> Result<(), Failure> {
 }
 
 /// The median time of `call(turn)` in µs (CUDA events, 5 warm-up calls, then `iters`),
-/// with milliseconds of GPU work (`busy` cleared 8 times) queued ahead of the timed calls:
-/// the host then queues them faster than they run, so each span is GPU time, not launch
-/// overhead (as the SDPA benches' sleep does).
+/// with GPU work queued ahead of the timed calls (`busy` cleared at least 8 times, and
+/// 64 MiB more for every call): the host then queues them faster than they run, so each
+/// span is GPU time, not launch overhead (as the SDPA benches' sleep does).
 ///
 /// # Safety
 ///
@@ -1619,24 +1619,28 @@ unsafe fn median_us_queued(
     iters: usize,
     mut call: impl FnMut(usize) -> flashcore::Result<()>,
 ) -> Result<f64, Failure> {
+    use cudarc::driver::DevicePtrMut;
+    let bytes = busy.len();
+    let backlog = flashcore::host::timing::Backlog {
+        ptr: busy.device_ptr_mut(stream).0,
+        bytes,
+        passes: (iters * (64 << 20)).div_ceil(bytes.max(1)).max(8),
+    };
     let mut turn = 0;
-    // SAFETY: `stream` is a live stream of the device's context; the caller vouches for
-    // what `call` launches.
+    // SAFETY: `stream` is a live stream of the device's context and `busy` live memory of
+    // it that nothing else uses meanwhile; the caller vouches for what `call` launches.
     let t = unsafe {
-        flashcore::host::timing::median_ms(dev.context(), stream.cu_stream(), 5, iters, || {
-            turn += 1;
-            if turn == 5 {
-                for _ in 0..8 {
-                    stream
-                        .memset_zeros(busy)
-                        .map_err(|e| flashcore::Error::Driver {
-                            call: "cuMemsetD8Async",
-                            code: e.to_string(),
-                        })?;
-                }
-            }
-            call(turn)
-        })
+        flashcore::host::timing::median_ms_queued(
+            dev.context(),
+            stream.cu_stream(),
+            backlog,
+            5,
+            iters,
+            || {
+                turn += 1;
+                call(turn)
+            },
+        )
     }?;
     Ok(t.median_ms as f64 * 1e3)
 }

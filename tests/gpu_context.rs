@@ -7,6 +7,7 @@
 use std::ptr;
 use std::sync::Arc;
 
+use cudarc::driver::DevicePtr;
 use cudarc::driver::sys::{self, CUcontext, CUdevice, CUresult};
 
 use flashcore::check::{DeviceCase, FwdCase, Layout, TestSeeds, tolerance};
@@ -14,7 +15,7 @@ use flashcore::ffi::{self, FLASHCORE_SUCCESS, FlashcoreContext, FlashcoreTensor}
 use flashcore::host::attention::Attention;
 use flashcore::host::device::{Device, device_count};
 use flashcore::host::tensor::{AttentionParams, TensorView};
-use flashcore::host::timing::{EventTimer, median_ms};
+use flashcore::host::timing::{Backlog, EventTimer, median_ms, median_ms_queued};
 use flashcore::kernels::attention::HalfType;
 use flashcore::reference;
 use flashcore::shape::AttnShape;
@@ -123,6 +124,12 @@ fn every_entry_point_keeps(expect: CUcontext, what: &str) {
         causal: true,
     };
     let cu_stream = stream.cu_stream();
+    let backlog = stream.alloc_zeros::<u8>(1 << 20).expect("backlog");
+    let backlog = Backlog {
+        ptr: backlog.device_ptr(&stream).0,
+        bytes: backlog.len(),
+        passes: 2,
+    };
     set_current(expect);
 
     let attn = Attention::new(device.clone()).expect("an sm_80+ GPU");
@@ -183,6 +190,12 @@ fn every_entry_point_keeps(expect: CUcontext, what: &str) {
     let stats = unsafe { median_ms(device.context(), cu_stream, 1, 2, run) }.expect("median_ms");
     assert!(stats.median_ms >= 0.0);
     check("median_ms");
+    // SAFETY: as above; the backlog's bytes are live memory of the device's context,
+    // which nothing else uses.
+    let stats = unsafe { median_ms_queued(device.context(), cu_stream, backlog, 1, 2, run) }
+        .expect("median_ms_queued");
+    assert!(stats.median_ms >= 0.0);
+    check("median_ms_queued");
 
     // The C ABI: create, forward, a refused forward, destroy.
     let mut handle: *mut FlashcoreContext = ptr::null_mut();
@@ -261,4 +274,74 @@ fn no_current_context_stays_none() {
     })
     .join()
     .expect("the test thread panicked");
+}
+
+/// Timing queued behind a backlog, as the SDPA scripts time: each span holds the call's
+/// GPU time, not the host's time between the events (here a 300 µs pause before each
+/// call's tiny clear, which the plain median spans and the queued one must not), and the
+/// backlog itself lies in no span.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn queued_timing_leaves_host_time_and_the_backlog_out_of_the_spans() {
+    assert!(device_count().expect("a CUDA driver") > 0, "no CUDA device");
+    let device = Arc::new(Device::new(0).expect("device 0"));
+    let stream = device.context().new_stream().expect("stream");
+    let busy = stream.alloc_zeros::<u8>(256 << 20).expect("backlog");
+    let mut word = stream.alloc_zeros::<u32>(1).expect("a word");
+    let (warmup, iters) = (2, 9);
+    let calls = std::cell::Cell::new(0);
+    let mut call = || {
+        calls.set(calls.get() + 1);
+        std::thread::sleep(std::time::Duration::from_micros(300));
+        stream
+            .memset_zeros(&mut word)
+            .map_err(|e| flashcore::Error::Driver {
+                call: "cuMemsetD8Async",
+                code: e.to_string(),
+            })
+    };
+    let cu = stream.cu_stream();
+    // SAFETY: `cu` is a live stream of the device's context; `call` enqueues a clear of a
+    // live buffer of it.
+    let plain = unsafe { median_ms(device.context(), cu, warmup, iters, &mut call) }.unwrap();
+    assert!(
+        plain.median_ms > 0.25,
+        "plain spans hold the pause: {plain:?}"
+    );
+
+    // One pass of the backlog, timed alone.
+    let ptr = busy.device_ptr(&stream).0;
+    let one = Backlog {
+        ptr,
+        bytes: busy.len(),
+        passes: 1,
+    };
+    let timer = EventTimer::new(device.context()).unwrap();
+    // SAFETY: as above; `busy` is live memory of the context that nothing else uses.
+    unsafe {
+        timer.record_start(cu).unwrap();
+        sys::cuMemsetD8Async(one.ptr, 0, one.bytes, cu)
+            .result()
+            .unwrap();
+        timer.record_stop(cu).unwrap();
+    }
+    let pass_ms = timer.elapsed_ms().unwrap();
+    // Enough passes to outlast the host's queueing of every call, twice over.
+    let passes = ((2.0 * iters as f32 * 0.35) / pass_ms).ceil() as usize + 1;
+    let backlog = Backlog { passes, ..one };
+    calls.set(0);
+    // SAFETY: as above.
+    let queued =
+        unsafe { median_ms_queued(device.context(), cu, backlog, warmup, iters, &mut call) }
+            .unwrap();
+    assert_eq!((calls.get(), queued.iters), (warmup + iters, iters));
+    assert!(
+        queued.median_ms < 0.05,
+        "queued spans held the host's pause: {queued:?}"
+    );
+    let backlog_ms = passes as f32 * pass_ms;
+    assert!(
+        queued.max_ms < backlog_ms / 2.0,
+        "a span held the backlog ({backlog_ms} ms): {queued:?}"
+    );
 }

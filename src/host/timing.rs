@@ -192,6 +192,68 @@ pub unsafe fn median_ms(
     stream: CUstream,
     warmup: usize,
     iters: usize,
+    f: impl FnMut() -> Result<()>,
+) -> Result<TimingStats> {
+    // SAFETY: this function's contract, passed on unchanged.
+    unsafe { median_ms_after(ctx, stream, warmup, iters, || Ok(()), f) }
+}
+
+/// GPU work queued ahead of timed calls: `passes` clears of `bytes` bytes at device
+/// address `ptr`.
+#[derive(Debug, Clone, Copy)]
+pub struct Backlog {
+    pub ptr: u64,
+    pub bytes: usize,
+    pub passes: usize,
+}
+
+/// [`median_ms`] with `backlog` queued on `stream` between the warm-up and the timed
+/// calls. The host then queues the timed calls while the GPU is still busy, so each span
+/// holds the call's GPU time and not the host's launch overhead: the way the SDPA scripts
+/// time (behind `torch.cuda._sleep`). A call whose launch takes longer on the host than it
+/// runs on the GPU otherwise leaves the GPU idle inside its span.
+///
+/// The backlog must last while the host queues the calls: a clear of 256 MiB keeps an
+/// H100 busy for about 85 µs (3 TB/s), the host time of eight or more launches.
+///
+/// # Safety
+///
+/// As for [`median_ms`]; `backlog.ptr` must be `backlog.bytes` live bytes of `ctx` that
+/// nothing else uses while this runs.
+pub unsafe fn median_ms_queued(
+    ctx: &Arc<CudaContext>,
+    stream: CUstream,
+    backlog: Backlog,
+    warmup: usize,
+    iters: usize,
+    f: impl FnMut() -> Result<()>,
+) -> Result<TimingStats> {
+    let queue = || {
+        for _ in 0..backlog.passes {
+            // SAFETY: the bytes are live memory of the current context (this function's
+            // contract); `stream` is null or a live stream of it.
+            check("cuMemsetD8Async", unsafe {
+                sys::cuMemsetD8Async(backlog.ptr, 0, backlog.bytes, stream)
+            })?;
+        }
+        Ok(())
+    };
+    // SAFETY: this function's contract, passed on unchanged.
+    unsafe { median_ms_after(ctx, stream, warmup, iters, queue, f) }
+}
+
+/// [`median_ms`], running `before_timing` (on the host, with the context current) after
+/// the warm-up calls and before the first timed one.
+///
+/// # Safety
+///
+/// As for [`median_ms`]; whatever `before_timing` enqueues must be valid work on `stream`.
+unsafe fn median_ms_after(
+    ctx: &Arc<CudaContext>,
+    stream: CUstream,
+    warmup: usize,
+    iters: usize,
+    before_timing: impl FnOnce() -> Result<()>,
     mut f: impl FnMut() -> Result<()>,
 ) -> Result<TimingStats> {
     if iters == 0 {
@@ -207,6 +269,7 @@ pub unsafe fn median_ms(
     for _ in 0..warmup {
         f()?;
     }
+    before_timing()?;
     for (start, stop) in &marks {
         // SAFETY: `stream` is null or a live stream of `ctx`, in which every mark was
         // created (this function's contract).
