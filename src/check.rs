@@ -811,8 +811,7 @@ const BACKLOG_BYTES: usize = 256 << 20;
 
 /// Median of `iters` calls of `f` after 3 warm-up calls, each bracketed by its own event
 /// pair, with GPU work queued ahead of the timed calls as the SDPA scripts queue theirs
-/// ([`median_ms_queued`]): 8 clears of 256 MiB, and one more for every 4 calls (about 85
-/// µs on an H100 for the host time of 4 launches, with room to spare). Where the backlog's
+/// ([`median_ms_queued`], a backlog [`Backlog::covering`] the calls). Where the backlog's
 /// memory cannot be had, the calls are timed without it.
 ///
 /// # Safety
@@ -830,11 +829,7 @@ unsafe fn median_queued(
         // SAFETY: this function's contract.
         return unsafe { median_ms(ctx, stream.cu_stream(), 3, iters, f) };
     };
-    let backlog = Backlog {
-        ptr: busy.device_ptr(stream).0,
-        bytes: BACKLOG_BYTES,
-        passes: 8 + iters / 4,
-    };
+    let backlog = Backlog::covering(busy.device_ptr(stream).0, BACKLOG_BYTES, iters);
     // SAFETY: this function's contract; `busy` is live memory of the stream's context,
     // used by nothing else, and outlives the timing (dropped after it).
     let stats = unsafe { median_ms_queued(ctx, stream.cu_stream(), backlog, 3, iters, f) };

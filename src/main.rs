@@ -465,8 +465,8 @@ fn run(args: &[String]) -> Result<(), Failure> {
         let forced = ["--block-m", "--split-keys", "--fold", "--narrow-keys"];
         if forced.iter().any(|f| o.value(f).is_some()) {
             return Err(Failure::Usage(
-                "--block-m, --split-keys and --fold choose a 16-bit kernel; the e4m3 path has \
-                 its own"
+                "--block-m, --split-keys, --fold and --narrow-keys choose a 16-bit kernel; the \
+                 e4m3 path has its own"
                     .into(),
             ));
         }
@@ -1604,9 +1604,10 @@ fn quantize_bench(args: &[String]) -> Result<(), Failure> {
 }
 
 /// The median time of `call(turn)` in µs (CUDA events, 5 warm-up calls, then `iters`),
-/// with GPU work queued ahead of the timed calls (`busy` cleared at least 8 times, and
-/// 64 MiB more for every call): the host then queues them faster than they run, so each
-/// span is GPU time, not launch overhead (as the SDPA benches' sleep does).
+/// with GPU work queued ahead of the timed calls (`busy` cleared as often as
+/// [`flashcore::host::timing::Backlog::covering`] says): the host then queues them faster
+/// than they run, so each span is GPU time, not launch overhead (as the SDPA benches'
+/// sleep does).
 ///
 /// # Safety
 ///
@@ -1620,12 +1621,8 @@ unsafe fn median_us_queued(
     mut call: impl FnMut(usize) -> flashcore::Result<()>,
 ) -> Result<f64, Failure> {
     use cudarc::driver::DevicePtrMut;
-    let bytes = busy.len();
-    let backlog = flashcore::host::timing::Backlog {
-        ptr: busy.device_ptr_mut(stream).0,
-        bytes,
-        passes: (iters * (64 << 20)).div_ceil(bytes.max(1)).max(8),
-    };
+    let ptr = busy.device_ptr_mut(stream).0;
+    let backlog = flashcore::host::timing::Backlog::covering(ptr, busy.len(), iters);
     let mut turn = 0;
     // SAFETY: `stream` is a live stream of the device's context and `busy` live memory of
     // it that nothing else uses meanwhile; the caller vouches for what `call` launches.

@@ -207,14 +207,26 @@ pub struct Backlog {
     pub passes: usize,
 }
 
+impl Backlog {
+    /// Clears of the `bytes` at `ptr` enough to outlast the host's queueing of `calls`
+    /// launches: 64 MiB a call (about 21 µs on an H100 at 3 TB/s, twice a forward call's
+    /// host time), and at least 8 passes.
+    pub fn covering(ptr: u64, bytes: usize, calls: usize) -> Backlog {
+        Backlog {
+            ptr,
+            bytes,
+            passes: (calls * (64 << 20)).div_ceil(bytes.max(1)).max(8),
+        }
+    }
+}
+
 /// [`median_ms`] with `backlog` queued on `stream` between the warm-up and the timed
 /// calls. The host then queues the timed calls while the GPU is still busy, so each span
 /// holds the call's GPU time and not the host's launch overhead: the way the SDPA scripts
 /// time (behind `torch.cuda._sleep`). A call whose launch takes longer on the host than it
 /// runs on the GPU otherwise leaves the GPU idle inside its span.
 ///
-/// The backlog must last while the host queues the calls: a clear of 256 MiB keeps an
-/// H100 busy for about 85 µs (3 TB/s), the host time of eight or more launches.
+/// The backlog must last while the host queues the calls ([`Backlog::covering`]).
 ///
 /// # Safety
 ///
@@ -290,6 +302,16 @@ unsafe fn median_ms_after(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_backlog_covers_64_mib_a_call_and_at_least_8_passes() {
+        let passes = |bytes, calls| Backlog::covering(0, bytes, calls).passes;
+        assert_eq!(passes(1 << 30, 30), 8);
+        assert_eq!(passes(1 << 30, 300), 19);
+        assert_eq!(passes(256 << 20, 30), 8);
+        assert_eq!(passes(256 << 20, 1000), 250);
+        assert_eq!(passes(64 << 20, 9), 9);
+    }
 
     #[test]
     fn summarize_odd_even_and_empty() {

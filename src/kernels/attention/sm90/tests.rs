@@ -469,7 +469,8 @@ fn epilogue_stages_output_for_a_tma_store() {
 
 /// Under a causal mask the two-consumer kernels let a warpgroup none of whose rows sees
 /// the item's last key tile pass that tile by (an empty turn, its K and V stages released
-/// unread) in dense launches; no other kernel has the branch, and it issues no product.
+/// unread, its share of a packed sequence's V rows zeroed); no other kernel has the
+/// branch, and it issues no product.
 #[test]
 fn causal_warpgroups_pass_by_a_last_tile_they_do_not_see() {
     const MARK: &str = "pass it by";
