@@ -1,0 +1,743 @@
+//! Random and extreme arguments through every `flashcore_check_*` entry point of the C
+//! ABI (no GPU needed): each starts from a call that is valid, changes up to three of its
+//! fields to values from the edges of their types (zero, negative, 2^31, 2^63, NaN,
+//! misaligned or overlapping pointers, unknown dtype codes, ...), and must answer with
+//! one of the documented codes. A panic inside flashcore (caught at the boundary as
+//! `FLASHCORE_ERROR_PANIC`) fails the test with the arguments that caused it; so does a
+//! valid starting call that is refused, which would mean the generator, not the checks,
+//! decides what gets tested.
+//!
+//! Run it without `--release` too: debug builds check integer overflow, so an unchecked
+//! size computation shows up there as a panic.
+
+use flashcore::error::RETURN_CODES;
+use flashcore::ffi::{
+    FLASHCORE_BF16, FLASHCORE_E4M3, FLASHCORE_ERROR_PANIC, FLASHCORE_F16, FLASHCORE_F32,
+    FLASHCORE_SUCCESS, FlashcoreFp8Operands, FlashcoreKvCache, FlashcoreKvScales,
+    FlashcoreQuantizeOptions, FlashcoreTensor, FlashcoreVarlen, flashcore_check_append_kv,
+    flashcore_check_append_kv_fp8kv, flashcore_check_decode, flashcore_check_decode_fp8kv,
+    flashcore_check_forward, flashcore_check_forward_fp8, flashcore_check_forward_varlen,
+    flashcore_check_merge, flashcore_check_quantize_fp8, flashcore_last_error,
+};
+use std::ffi::CStr;
+use std::ptr;
+
+/// Calls per entry point and seed.
+const ROUNDS: usize = 1500;
+const SEEDS: [u64; 3] = [0x5eed_0001, 0x5eed_0002, 0xfeed_beef_cafe_f00d];
+
+/// xorshift64*: reproducible without a dependency.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
+    }
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n
+    }
+    fn pick<T: Copy>(&mut self, xs: &[T]) -> T {
+        xs[self.below(xs.len() as u64) as usize]
+    }
+    fn chance(&mut self, one_in: u64) -> bool {
+        self.below(one_in) == 0
+    }
+}
+
+/// Integers from the edges: what a 64-bit field of the ABI can hold that a shape or a
+/// stride should not.
+const EDGE_I64: [i64; 22] = [
+    0,
+    1,
+    -1,
+    2,
+    3,
+    7,
+    8,
+    15,
+    16,
+    17,
+    255,
+    65_535,
+    65_536,
+    1 << 25,
+    (1 << 25) + 1,
+    (1 << 31) - 1,
+    1 << 31,
+    1 << 32,
+    1 << 40,
+    1 << 62,
+    i64::MAX,
+    i64::MIN,
+];
+
+/// Device addresses from the edges: null, unaligned, near the top of the address space.
+const EDGE_PTR: [u64; 9] = [
+    0,
+    1,
+    4,
+    8,
+    1 << 40,
+    1 << 63,
+    u64::MAX,
+    u64::MAX - 15,
+    u64::MAX - 255,
+];
+
+const DTYPE_CODES: [i32; 8] = [
+    FLASHCORE_F16,
+    FLASHCORE_BF16,
+    FLASHCORE_F32,
+    FLASHCORE_E4M3,
+    0,
+    -1,
+    99,
+    i32::MIN,
+];
+
+const SCALES: [f32; 9] = [
+    0.0,
+    -0.125,
+    0.125,
+    f32::NAN,
+    f32::INFINITY,
+    f32::NEG_INFINITY,
+    f32::MIN_POSITIVE,
+    f32::MAX,
+    1e-40,
+];
+
+/// A contiguous `[b, s, h, d]` view at `ptr`.
+fn bshd(ptr: u64, dtype: i32, [b, s, h, d]: [i64; 4]) -> FlashcoreTensor {
+    FlashcoreTensor {
+        ptr,
+        dtype,
+        shape: [b, s, h, d],
+        strides: [s * h * d, h * d, d, 1],
+    }
+}
+
+/// Device addresses of separate 16 GiB regions, so that valid calls never overlap.
+fn region(i: u64) -> u64 {
+    (i + 1) << 34
+}
+
+/// Changes one field of `t` to an edge value.
+fn mutate_tensor(rng: &mut Rng, t: &mut FlashcoreTensor) {
+    match rng.below(6) {
+        0 => t.ptr = rng.pick(&EDGE_PTR),
+        1 => t.ptr = t.ptr.wrapping_add(rng.pick(&[2, 8, 16, 1 << 33])),
+        2 => t.dtype = rng.pick(&DTYPE_CODES),
+        3 => t.shape[rng.below(4) as usize] = rng.pick(&EDGE_I64),
+        4 => t.strides[rng.below(4) as usize] = rng.pick(&EDGE_I64),
+        _ => {
+            // A plausible but wrong size: off by one, doubled, halved.
+            let i = rng.below(4) as usize;
+            let x = t.shape[i];
+            t.shape[i] = rng.pick(&[
+                x.wrapping_add(1),
+                x.wrapping_sub(1),
+                x.wrapping_mul(2),
+                x / 2,
+            ]);
+        }
+    }
+}
+
+/// The code's name, or a failure for a code the ABI does not document.
+fn code_name(rc: i32) -> &'static str {
+    RETURN_CODES
+        .iter()
+        .find(|c| c.code == rc)
+        .map(|c| c.name)
+        .unwrap_or_else(|| panic!("undocumented return code {rc}"))
+}
+
+fn last_error() -> String {
+    // SAFETY: flashcore_last_error never returns null and the string lives until the
+    // next flashcore call on this thread.
+    unsafe { CStr::from_ptr(flashcore_last_error()) }
+        .to_string_lossy()
+        .into_owned()
+}
+
+/// Checks one answer: a documented code, no panic; `valid` calls must pass.
+fn judge(what: &str, valid: bool, rc: i32, args: &dyn std::fmt::Debug) {
+    let name = code_name(rc);
+    assert_ne!(
+        rc,
+        FLASHCORE_ERROR_PANIC,
+        "{what} panicked: {}\nwith {args:#?}",
+        last_error()
+    );
+    if valid {
+        assert_eq!(
+            rc,
+            FLASHCORE_SUCCESS,
+            "{what} refused a valid call with {name}: {}\nwith {args:#?}",
+            last_error()
+        );
+    }
+}
+
+/// How many fields to change: none for one call in four (which must then pass).
+fn mutations(rng: &mut Rng) -> usize {
+    rng.pick(&[0, 1, 1, 1, 2, 2, 3])
+}
+
+fn head_dim(rng: &mut Rng) -> i64 {
+    rng.pick(&[8, 32, 64, 80, 96, 128, 192, 256])
+}
+
+fn dtype16(rng: &mut Rng) -> i32 {
+    rng.pick(&[FLASHCORE_F16, FLASHCORE_BF16])
+}
+
+#[test]
+fn forward_checks_answer_every_argument_with_a_code() {
+    for seed in SEEDS {
+        let mut rng = Rng(seed);
+        for _ in 0..ROUNDS {
+            let (b, hkv) = (rng.pick(&[1, 2, 3, 16]), rng.pick(&[1, 2, 8]));
+            let hq = hkv * rng.pick(&[1, 4, 8]);
+            let (sq, sk) = (
+                rng.pick(&[1, 17, 113, 1024, 4097]),
+                rng.pick(&[1, 17, 113, 1024, 4097]),
+            );
+            let (d, dt) = (head_dim(&mut rng), dtype16(&mut rng));
+            let mut t = [
+                bshd(region(0), dt, [b, sq, hq, d]),
+                bshd(region(1), dt, [b, sk, hkv, d]),
+                bshd(region(2), dt, [b, sk, hkv, d]),
+                bshd(region(3), dt, [b, sq, hq, d]),
+            ];
+            let mut lse = if rng.chance(2) { region(4) } else { 0 };
+            let mut scale = 0.0f32;
+            let mut causal = rng.below(2) as i32;
+            let n = mutations(&mut rng);
+            for _ in 0..n {
+                match rng.below(8) {
+                    0 => lse = rng.pick(&[2, region(0), region(3) + 64, u64::MAX - 3]),
+                    1 => scale = rng.pick(&SCALES),
+                    2 => causal = rng.pick(&[-1, 2, i32::MAX]),
+                    _ => {
+                        let i = rng.below(4) as usize;
+                        mutate_tensor(&mut rng, &mut t[i]);
+                    }
+                }
+            }
+            // SAFETY: every pointer argument points at a live struct of its type.
+            let rc =
+                unsafe { flashcore_check_forward(&t[0], &t[1], &t[2], &t[3], lse, scale, causal) };
+            judge(
+                "flashcore_check_forward",
+                n == 0,
+                rc,
+                &(t, lse, scale, causal),
+            );
+        }
+    }
+}
+
+#[test]
+fn varlen_checks_answer_every_argument_with_a_code() {
+    for seed in SEEDS {
+        let mut rng = Rng(seed ^ 1);
+        for _ in 0..ROUNDS {
+            let batch = rng.pick(&[1usize, 2, 5, 33]);
+            let mut cu_q = vec![0i32];
+            let mut cu_k = vec![0i32];
+            for _ in 0..batch {
+                let (lq, lk) = (
+                    rng.pick(&[0, 1, 7, 100, 513]),
+                    rng.pick(&[0, 1, 7, 100, 513]),
+                );
+                cu_q.push(cu_q.last().unwrap() + lq);
+                cu_k.push(cu_k.last().unwrap() + lk);
+            }
+            let max_q = cu_q.windows(2).map(|w| w[1] - w[0]).max().unwrap().max(1) as i64;
+            let (total_q, total_k) = (
+                i64::from(*cu_q.last().unwrap()).max(1),
+                i64::from(*cu_k.last().unwrap()).max(1),
+            );
+            let (hkv, d, dt) = (rng.pick(&[1, 4]), head_dim(&mut rng), dtype16(&mut rng));
+            let hq = hkv * rng.pick(&[1, 2]);
+            let mut t = [
+                bshd(region(0), dt, [1, total_q, hq, d]),
+                bshd(region(1), dt, [1, total_k, hkv, d]),
+                bshd(region(2), dt, [1, total_k, hkv, d]),
+                bshd(region(3), dt, [1, total_q, hq, d]),
+            ];
+            let mut varlen = FlashcoreVarlen {
+                cu_seqlens_q: region(5),
+                cu_seqlens_k: region(6),
+                batch: batch as i64,
+                max_seqlen_q: max_q,
+            };
+            let mut lse = if rng.chance(2) { region(4) } else { 0 };
+            let mut host = rng.chance(2);
+            let n = mutations(&mut rng);
+            for _ in 0..n {
+                match rng.below(9) {
+                    0 => varlen.batch = rng.pick(&EDGE_I64),
+                    1 => varlen.max_seqlen_q = rng.pick(&EDGE_I64),
+                    2 => varlen.cu_seqlens_q = rng.pick(&[0, 2, region(3), region(0) + 16]),
+                    3 => varlen.cu_seqlens_k = rng.pick(&[0, 6, region(5), region(4)]),
+                    4 => lse = rng.pick(&[2, region(3), region(5)]),
+                    5 if !cu_q.is_empty() => {
+                        // Host offsets that decrease, start below 0 or run past the tensors.
+                        host = true;
+                        let i = rng.below(cu_q.len() as u64) as usize;
+                        let v = rng.pick(&[-1, i32::MIN, i32::MAX, 1 << 25]);
+                        if rng.chance(2) {
+                            cu_q[i] = v
+                        } else {
+                            cu_k[i] = v
+                        }
+                    }
+                    _ => {
+                        let i = rng.below(4) as usize;
+                        mutate_tensor(&mut rng, &mut t[i]);
+                    }
+                }
+            }
+            // The host arrays must hold batch + 1 entries whenever they are passed.
+            let fits = host && varlen.batch >= 0 && (varlen.batch as usize) < cu_q.len();
+            let (hq_ptr, hk_ptr) = if fits {
+                (cu_q.as_ptr(), cu_k.as_ptr())
+            } else {
+                (ptr::null(), ptr::null())
+            };
+            let causal = rng.below(2) as i32;
+            // SAFETY: the structs are live; the host arrays hold batch + 1 entries when
+            // passed.
+            let rc = unsafe {
+                flashcore_check_forward_varlen(
+                    &t[0], &t[1], &t[2], &t[3], lse, &varlen, hq_ptr, hk_ptr, 0.0, causal,
+                )
+            };
+            judge(
+                "flashcore_check_forward_varlen",
+                n == 0,
+                rc,
+                &(t, varlen, lse, fits, &cu_q, &cu_k),
+            );
+        }
+    }
+}
+
+/// A valid cache for `batch` sequences: contiguous, or paged with `page` tokens a page.
+struct CacheCase {
+    cache: FlashcoreKvCache,
+    seqlens: Vec<i32>,
+    table: Vec<i32>,
+}
+
+fn cache_case(rng: &mut Rng, batch: i64, hkv: i64, d: i64, dtype: i32, room: i64) -> CacheCase {
+    let capacity = rng.pick(&[64i64, 1000, 4096]);
+    let seqlens: Vec<i32> = (0..batch)
+        .map(|_| rng.below((capacity - room + 1) as u64) as i32)
+        .collect();
+    if rng.chance(2) {
+        let cache = FlashcoreKvCache {
+            k: bshd(region(10), dtype, [batch, capacity, hkv, d]),
+            v: bshd(region(11), dtype, [batch, capacity, hkv, d]),
+            seqlens: region(12),
+            block_table: 0,
+            max_pages: 0,
+            table_stride: 0,
+        };
+        return CacheCase {
+            cache,
+            seqlens,
+            table: Vec::new(),
+        };
+    }
+    let page = rng.pick(&[16i64, 64, 256]);
+    let max_pages = (capacity + page - 1) / page;
+    let pages = batch * max_pages;
+    // Every sequence its own pages, in a shuffled order.
+    let mut table: Vec<i32> = (0..pages as i32).collect();
+    for i in (1..table.len()).rev() {
+        let j = rng.below(i as u64 + 1) as usize;
+        table.swap(i, j);
+    }
+    let cache = FlashcoreKvCache {
+        k: bshd(region(10), dtype, [pages, page, hkv, d]),
+        v: bshd(region(11), dtype, [pages, page, hkv, d]),
+        seqlens: region(12),
+        block_table: region(13),
+        max_pages,
+        table_stride: max_pages,
+    };
+    CacheCase {
+        cache,
+        seqlens,
+        table,
+    }
+}
+
+fn mutate_cache(rng: &mut Rng, c: &mut CacheCase) {
+    match rng.below(7) {
+        0 => c.cache.seqlens = rng.pick(&[0, 2, region(10)]),
+        1 => c.cache.block_table = rng.pick(&[0, 2, region(11) + 32, region(13)]),
+        2 => c.cache.max_pages = rng.pick(&EDGE_I64),
+        3 => c.cache.table_stride = rng.pick(&EDGE_I64),
+        4 if !c.seqlens.is_empty() => {
+            let i = rng.below(c.seqlens.len() as u64) as usize;
+            c.seqlens[i] = rng.pick(&[-1, i32::MIN, i32::MAX, 5000, 1 << 20]);
+        }
+        5 if !c.table.is_empty() => {
+            let i = rng.below(c.table.len() as u64) as usize;
+            let j = rng.below(c.table.len() as u64) as usize;
+            c.table[i] = rng.pick(&[-1, i32::MIN, i32::MAX, c.table[j]]);
+        }
+        _ => {
+            let t = if rng.chance(2) {
+                &mut c.cache.k
+            } else {
+                &mut c.cache.v
+            };
+            mutate_tensor(rng, t);
+        }
+    }
+}
+
+/// The host copies to pass with `c`: both, lengths only (contiguous), or none; null
+/// wherever the arrays could not hold what the cache's own fields say they hold.
+fn host_arrays(rng: &mut Rng, c: &CacheCase, batch: i64) -> (*const i32, *const i32) {
+    let k = &c.cache;
+    let paged = k.block_table != 0 || k.max_pages != 0 || k.table_stride != 0;
+    let lengths_fit = batch >= 0 && batch as usize <= c.seqlens.len();
+    let table_fits = !paged
+        || (batch >= 1
+            && k.max_pages >= 0
+            && k.table_stride >= 0
+            && (batch - 1)
+                .checked_mul(k.table_stride)
+                .and_then(|x| x.checked_add(k.max_pages))
+                .is_some_and(|n| n as usize <= c.table.len()));
+    if !lengths_fit || !table_fits || rng.chance(3) {
+        return (ptr::null(), ptr::null());
+    }
+    let table = if paged && !c.table.is_empty() {
+        c.table.as_ptr()
+    } else {
+        ptr::null()
+    };
+    (c.seqlens.as_ptr(), table)
+}
+
+#[test]
+fn decode_checks_answer_every_argument_with_a_code() {
+    for seed in SEEDS {
+        let mut rng = Rng(seed ^ 2);
+        for _ in 0..ROUNDS {
+            let fp8 = rng.chance(3);
+            let batch = rng.pick(&[1i64, 3, 8]);
+            let (hkv, sq) = (rng.pick(&[1i64, 8]), rng.pick(&[1i64, 5, 16]));
+            let hq = hkv * rng.pick(&[1, 4]);
+            let d = if fp8 {
+                rng.pick(&[64, 128, 256])
+            } else {
+                head_dim(&mut rng)
+            };
+            let dt = dtype16(&mut rng);
+            let mut c = cache_case(
+                &mut rng,
+                batch,
+                hkv,
+                d,
+                if fp8 { FLASHCORE_E4M3 } else { dt },
+                0,
+            );
+            let rows = c.cache.k.shape[0..3].to_vec();
+            let mut scales = FlashcoreKvScales {
+                k_scale: bshd(region(20), FLASHCORE_F32, [rows[0], rows[1], rows[2], 1]),
+                v_scale: bshd(region(21), FLASHCORE_F32, [rows[0], rows[1], rows[2], 1]),
+            };
+            let mut q = bshd(region(0), dt, [batch, sq, hq, d]);
+            let mut o = bshd(region(3), dt, [batch, sq, hq, d]);
+            let mut lse = if rng.chance(2) { region(4) } else { 0 };
+            let mut scale = 0.0f32;
+            let n = mutations(&mut rng);
+            for _ in 0..n {
+                match rng.below(8) {
+                    0 => mutate_tensor(&mut rng, &mut q),
+                    1 => mutate_tensor(&mut rng, &mut o),
+                    2 => lse = rng.pick(&[2, region(0), region(12)]),
+                    3 => scale = rng.pick(&SCALES),
+                    4 if fp8 => {
+                        let t = if rng.chance(2) {
+                            &mut scales.k_scale
+                        } else {
+                            &mut scales.v_scale
+                        };
+                        mutate_tensor(&mut rng, t);
+                    }
+                    _ => mutate_cache(&mut rng, &mut c),
+                }
+            }
+            let (hs, ht) = host_arrays(&mut rng, &c, q.shape[0]);
+            let causal = rng.below(2) as i32;
+            // SAFETY: the structs are live; the host arrays hold what the cache's fields
+            // say (host_arrays passes null otherwise).
+            let rc = unsafe {
+                if fp8 {
+                    flashcore_check_decode_fp8kv(
+                        &q, &c.cache, &scales, hs, ht, &o, lse, scale, causal,
+                    )
+                } else {
+                    flashcore_check_decode(&q, &c.cache, hs, ht, &o, lse, scale, causal)
+                }
+            };
+            judge(
+                "flashcore_check_decode",
+                n == 0,
+                rc,
+                &(q, c.cache, scales, o, lse, scale, fp8),
+            );
+        }
+    }
+}
+
+#[test]
+fn append_checks_answer_every_argument_with_a_code() {
+    for seed in SEEDS {
+        let mut rng = Rng(seed ^ 3);
+        for _ in 0..ROUNDS {
+            let fp8 = rng.chance(3);
+            let batch = rng.pick(&[1i64, 3, 8]);
+            let (hkv, new) = (rng.pick(&[1i64, 8]), rng.pick(&[1i64, 7, 64]));
+            let d = if fp8 {
+                rng.pick(&[64, 128, 256])
+            } else {
+                head_dim(&mut rng)
+            };
+            let dt = dtype16(&mut rng);
+            let mut c = cache_case(
+                &mut rng,
+                batch,
+                hkv,
+                d,
+                if fp8 { FLASHCORE_E4M3 } else { dt },
+                new,
+            );
+            let rows = c.cache.k.shape[0..3].to_vec();
+            let mut scales = FlashcoreKvScales {
+                k_scale: bshd(region(20), FLASHCORE_F32, [rows[0], rows[1], rows[2], 1]),
+                v_scale: bshd(region(21), FLASHCORE_F32, [rows[0], rows[1], rows[2], 1]),
+            };
+            let mut k_new = bshd(region(1), dt, [batch, new, hkv, d]);
+            let mut v_new = bshd(region(2), dt, [batch, new, hkv, d]);
+            let n = mutations(&mut rng);
+            for _ in 0..n {
+                match rng.below(6) {
+                    0 => mutate_tensor(&mut rng, &mut k_new),
+                    1 => mutate_tensor(&mut rng, &mut v_new),
+                    2 if fp8 => {
+                        let t = if rng.chance(2) {
+                            &mut scales.k_scale
+                        } else {
+                            &mut scales.v_scale
+                        };
+                        mutate_tensor(&mut rng, t);
+                    }
+                    _ => mutate_cache(&mut rng, &mut c),
+                }
+            }
+            let (hs, ht) = host_arrays(&mut rng, &c, k_new.shape[0]);
+            // SAFETY: as in the decode test.
+            let rc = unsafe {
+                if fp8 {
+                    flashcore_check_append_kv_fp8kv(&c.cache, &scales, &k_new, &v_new, hs, ht)
+                } else {
+                    flashcore_check_append_kv(&c.cache, &k_new, &v_new, hs, ht)
+                }
+            };
+            judge(
+                "flashcore_check_append_kv",
+                n == 0,
+                rc,
+                &(c.cache, scales, k_new, v_new, fp8, &c.seqlens),
+            );
+        }
+    }
+}
+
+#[test]
+fn merge_checks_answer_every_argument_with_a_code() {
+    for seed in SEEDS {
+        let mut rng = Rng(seed ^ 4);
+        for _ in 0..ROUNDS {
+            let (b, s, h, d) = (
+                rng.pick(&[1i64, 4]),
+                rng.pick(&[1i64, 16, 1000]),
+                rng.pick(&[1i64, 32]),
+                head_dim(&mut rng),
+            );
+            let dt = rng.pick(&[FLASHCORE_F16, FLASHCORE_BF16, FLASHCORE_F32]);
+            let mut parts = bshd(region(0), dt, [b, s, h, d]);
+            let mut count = rng.pick(&[1i64, 2, 16]);
+            let mut shard_stride = b * s * h * d;
+            let mut lse_parts = region(1);
+            let mut out = bshd(
+                region(2),
+                rng.pick(&[FLASHCORE_F16, FLASHCORE_BF16, FLASHCORE_F32]),
+                [b, s, h, d],
+            );
+            let mut out_lse = if rng.chance(2) { region(3) } else { 0 };
+            let n = mutations(&mut rng);
+            for _ in 0..n {
+                match rng.below(8) {
+                    0 => count = rng.pick(&EDGE_I64),
+                    1 => shard_stride = rng.pick(&EDGE_I64),
+                    2 => lse_parts = rng.pick(&[0, 2, region(0), region(2)]),
+                    3 => out_lse = rng.pick(&[2, region(1), region(2)]),
+                    4 | 5 => mutate_tensor(&mut rng, &mut parts),
+                    _ => mutate_tensor(&mut rng, &mut out),
+                }
+            }
+            // SAFETY: the structs are live.
+            let rc = unsafe {
+                flashcore_check_merge(&parts, count, shard_stride, lse_parts, &out, out_lse)
+            };
+            judge(
+                "flashcore_check_merge",
+                n == 0,
+                rc,
+                &(parts, count, shard_stride, lse_parts, out, out_lse),
+            );
+        }
+    }
+}
+
+#[test]
+fn fp8_checks_answer_every_argument_with_a_code() {
+    for seed in SEEDS {
+        let mut rng = Rng(seed ^ 5);
+        for _ in 0..ROUNDS {
+            let (b, hkv) = (rng.pick(&[1i64, 2]), rng.pick(&[1i64, 8]));
+            let hq = hkv * rng.pick(&[1, 4]);
+            let (sq, sk, d) = (
+                rng.pick(&[1i64, 130, 1024]),
+                rng.pick(&[1i64, 130, 1024]),
+                rng.pick(&[64i64, 128, 256]),
+            );
+            let dt = dtype16(&mut rng);
+
+            // The quantizer's inputs.
+            let mut t = [
+                bshd(region(0), dt, [b, sq, hq, d]),
+                bshd(region(1), dt, [b, sk, hkv, d]),
+                bshd(region(2), dt, [b, sk, hkv, d]),
+            ];
+            let mut options = FlashcoreQuantizeOptions {
+                smooth_k: rng.below(2) as i32,
+                hadamard: rng.below(2) as i32,
+                hadamard_seed: rng.next(),
+            };
+            let mut workspace = region(3);
+            let mut bytes = 1usize << 33;
+            let n = mutations(&mut rng);
+            for _ in 0..n {
+                match rng.below(6) {
+                    0 => workspace = rng.pick(&[0, 16, region(0), region(2) + 256]),
+                    1 => bytes = rng.pick(&[0, 1, 255, usize::MAX]),
+                    2 => options.smooth_k = rng.pick(&[-1, 2, i32::MIN]),
+                    _ => {
+                        let i = rng.below(3) as usize;
+                        mutate_tensor(&mut rng, &mut t[i]);
+                    }
+                }
+            }
+            // SAFETY: the structs are live.
+            let rc = unsafe {
+                flashcore_check_quantize_fp8(&t[0], &t[1], &t[2], &options, workspace, bytes)
+            };
+            judge(
+                "flashcore_check_quantize_fp8",
+                n == 0,
+                rc,
+                &(t, options, workspace, bytes),
+            );
+
+            // The forward's operands, as the quantizer lays them out (V^T pitch: Sk
+            // rounded up to 16).
+            let pitch = (sk + 15) / 16 * 16;
+            let mut ops = FlashcoreFp8Operands {
+                q: bshd(region(4), FLASHCORE_E4M3, [b, sq, hq, d]),
+                k: bshd(region(5), FLASHCORE_E4M3, [b, sk, hkv, d]),
+                vt: region(6),
+                vt_shape: [b, hkv, d, sk],
+                vt_strides: [hkv * d * pitch, d * pitch, pitch],
+                q_scale: region(7),
+                k_scale: region(8),
+                v_scale: region(9),
+                lse_shift: 0,
+            };
+            let mut o = bshd(region(10), dt, [b, sq, hq, d]);
+            let mut lse = if rng.chance(2) { region(11) } else { 0 };
+            let mut scale = 0.0f32;
+            let n = mutations(&mut rng);
+            for _ in 0..n {
+                match rng.below(10) {
+                    0 => ops.vt = rng.pick(&EDGE_PTR),
+                    1 => ops.vt_shape[rng.below(4) as usize] = rng.pick(&EDGE_I64),
+                    2 => ops.vt_strides[rng.below(3) as usize] = rng.pick(&EDGE_I64),
+                    3 => ops.q_scale = rng.pick(&[0, 2, region(4)]),
+                    4 => ops.lse_shift = rng.pick(&[2, region(11), region(12)]),
+                    5 => scale = rng.pick(&SCALES),
+                    6 => lse = rng.pick(&[2, region(10)]),
+                    7 => mutate_tensor(&mut rng, &mut o),
+                    8 => mutate_tensor(&mut rng, &mut ops.q),
+                    _ => mutate_tensor(&mut rng, &mut ops.k),
+                }
+            }
+            let causal = rng.below(2) as i32;
+            // SAFETY: the structs are live.
+            let rc = unsafe { flashcore_check_forward_fp8(&ops, &o, lse, scale, causal) };
+            judge(
+                "flashcore_check_forward_fp8",
+                n == 0,
+                rc,
+                &(ops, o, lse, scale, causal),
+            );
+        }
+    }
+}
+
+/// Null struct pointers are refused as such by every entry point, never dereferenced.
+#[test]
+fn null_structs_are_refused() {
+    let t = bshd(region(0), FLASHCORE_F16, [1, 16, 1, 64]);
+    // SAFETY: null is what is being tested; everything else is live.
+    let codes = unsafe {
+        [
+            flashcore_check_forward(ptr::null(), &t, &t, &t, 0, 0.0, 0),
+            flashcore_check_forward_varlen(
+                &t,
+                &t,
+                &t,
+                &t,
+                0,
+                ptr::null(),
+                ptr::null(),
+                ptr::null(),
+                0.0,
+                0,
+            ),
+            flashcore_check_decode(&t, ptr::null(), ptr::null(), ptr::null(), &t, 0, 0.0, 0),
+            flashcore_check_append_kv(ptr::null(), &t, &t, ptr::null(), ptr::null()),
+            flashcore_check_merge(ptr::null(), 1, 0, 0, &t, 0),
+            flashcore_check_quantize_fp8(&t, ptr::null(), &t, ptr::null(), 0, 0),
+            flashcore_check_forward_fp8(ptr::null(), &t, 0, 0.0, 0),
+        ]
+    };
+    for rc in codes {
+        assert_eq!(code_name(rc), "FLASHCORE_ERROR_NULL_ARGUMENT");
+    }
+}
