@@ -7,8 +7,11 @@
 //! valid starting call that is refused, which would mean the generator, not the checks,
 //! decides what gets tested.
 //!
-//! Run it without `--release` too: debug builds check integer overflow, so an unchecked
-//! size computation shows up there as a panic.
+//! CI runs it in a debug build as well (`.ci/run`, step `overflow`), where integer
+//! overflow panics: an unchecked size computation shows up there, not only wrong sizes.
+//! It complements the library's own `*never_panic*` unit tests, which draw views through
+//! the Rust validators and plans; this one goes through the C structs and covers the
+//! merge, the append and the quantizer's checks too.
 
 use flashcore::error::RETURN_CODES;
 use flashcore::ffi::{
