@@ -113,13 +113,15 @@ const SCALES: [f32; 9] = [
     1e-40,
 ];
 
-/// A contiguous `[b, s, h, d]` view at `ptr`.
+/// A contiguous `[b, s, h, d]` view at `ptr` (the strides wrap where the sizes are
+/// already edge values: the checks must refuse those views either way).
 fn bshd(ptr: u64, dtype: i32, [b, s, h, d]: [i64; 4]) -> FlashcoreTensor {
+    let hd = h.wrapping_mul(d);
     FlashcoreTensor {
         ptr,
         dtype,
         shape: [b, s, h, d],
-        strides: [s * h * d, h * d, d, 1],
+        strides: [s.wrapping_mul(hd), hd, d, 1],
     }
 }
 
@@ -149,6 +151,18 @@ fn mutate_tensor(rng: &mut Rng, t: &mut FlashcoreTensor) {
         }
     }
 }
+
+/// Gives every view in `ts` head dim `d` (contiguous strides again): what reaches the
+/// head-dim rules, where changing one view's would stop at the shapes' agreement.
+fn set_head_dim(ts: &mut [FlashcoreTensor], d: i64) {
+    for t in ts {
+        let [b, s, h, _] = t.shape;
+        *t = bshd(t.ptr, t.dtype, [b, s, h, d]);
+    }
+}
+
+/// Head dims with no kernel, or none at all.
+const BAD_HEAD_DIMS: [i64; 7] = [0, 4, 12, 260, 264, 1 << 20, -8];
 
 /// The code's name, or a failure for a code the ABI does not document.
 fn code_name(rc: i32) -> &'static str {
@@ -222,10 +236,11 @@ fn forward_checks_answer_every_argument_with_a_code() {
             let mut causal = rng.below(2) as i32;
             let n = mutations(&mut rng);
             for _ in 0..n {
-                match rng.below(8) {
+                match rng.below(9) {
                     0 => lse = rng.pick(&[2, region(0), region(3) + 64, u64::MAX - 3]),
                     1 => scale = rng.pick(&SCALES),
                     2 => causal = rng.pick(&[-1, 2, i32::MAX]),
+                    3 => set_head_dim(&mut t, rng.pick(&BAD_HEAD_DIMS)),
                     _ => {
                         let i = rng.below(4) as usize;
                         mutate_tensor(&mut rng, &mut t[i]);
@@ -468,8 +483,13 @@ fn decode_checks_answer_every_argument_with_a_code() {
             let mut scale = 0.0f32;
             let n = mutations(&mut rng);
             for _ in 0..n {
-                match rng.below(8) {
+                match rng.below(9) {
                     0 => mutate_tensor(&mut rng, &mut q),
+                    5 => {
+                        let mut views = [q, o, c.cache.k, c.cache.v];
+                        set_head_dim(&mut views, rng.pick(&BAD_HEAD_DIMS));
+                        [q, o, c.cache.k, c.cache.v] = views;
+                    }
                     1 => mutate_tensor(&mut rng, &mut o),
                     2 => lse = rng.pick(&[2, region(0), region(12)]),
                     3 => scale = rng.pick(&SCALES),
