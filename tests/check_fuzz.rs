@@ -347,55 +347,81 @@ fn varlen_checks_answer_every_argument_with_a_code() {
     }
 }
 
-/// A valid cache for `batch` sequences: contiguous, or paged with `page` tokens a page.
+/// A cache, the host copies of its lengths and block table, and its scales.
 struct CacheCase {
     cache: FlashcoreKvCache,
+    /// An e4m3 cache's scales: float32 `[outer, rows, Hkv, 1]`, the cache's own first
+    /// three dimensions (unused with a 16-bit cache).
+    scales: FlashcoreKvScales,
     seqlens: Vec<i32>,
     table: Vec<i32>,
 }
 
-fn cache_case(rng: &mut Rng, batch: i64, hkv: i64, d: i64, dtype: i32, room: i64) -> CacheCase {
+/// A valid cache for `batch` sequences with room for `room` more tokens each: contiguous,
+/// or paged (16 to 256 tokens a page, every sequence on pages of its own, shuffled), of
+/// e4m3 codes with their scales when `fp8`, else of the 16-bit `dtype`.
+fn cache_case(
+    rng: &mut Rng,
+    [batch, hkv, d]: [i64; 3],
+    (dtype, fp8): (i32, bool),
+    room: i64,
+) -> CacheCase {
     let capacity = rng.pick(&[64i64, 1000, 4096]);
     let seqlens: Vec<i32> = (0..batch)
         .map(|_| rng.below((capacity - room + 1) as u64) as i32)
         .collect();
-    if rng.chance(2) {
-        let cache = FlashcoreKvCache {
-            k: bshd(region(10), dtype, [batch, capacity, hkv, d]),
-            v: bshd(region(11), dtype, [batch, capacity, hkv, d]),
-            seqlens: region(12),
-            block_table: 0,
-            max_pages: 0,
-            table_stride: 0,
-        };
-        return CacheCase {
-            cache,
-            seqlens,
-            table: Vec::new(),
-        };
-    }
-    let page = rng.pick(&[16i64, 64, 256]);
-    let max_pages = (capacity + page - 1) / page;
-    let pages = batch * max_pages;
-    // Every sequence its own pages, in a shuffled order.
-    let mut table: Vec<i32> = (0..pages as i32).collect();
-    for i in (1..table.len()).rev() {
-        let j = rng.below(i as u64 + 1) as usize;
-        table.swap(i, j);
-    }
+    // (outer, rows) of the tensors, the block table's address, pages per sequence.
+    let (outer, rows, block_table, max_pages, table) = if rng.chance(2) {
+        (batch, capacity, 0, 0, Vec::new())
+    } else {
+        let page = rng.pick(&[16i64, 64, 256]);
+        let max_pages = (capacity + page - 1) / page;
+        let pages = batch * max_pages;
+        let mut table: Vec<i32> = (0..pages as i32).collect();
+        for i in (1..table.len()).rev() {
+            let j = rng.below(i as u64 + 1) as usize;
+            table.swap(i, j);
+        }
+        (pages, page, region(13), max_pages, table)
+    };
+    let codes = if fp8 { FLASHCORE_E4M3 } else { dtype };
     let cache = FlashcoreKvCache {
-        k: bshd(region(10), dtype, [pages, page, hkv, d]),
-        v: bshd(region(11), dtype, [pages, page, hkv, d]),
+        k: bshd(region(10), codes, [outer, rows, hkv, d]),
+        v: bshd(region(11), codes, [outer, rows, hkv, d]),
         seqlens: region(12),
-        block_table: region(13),
+        block_table,
         max_pages,
         table_stride: max_pages,
     };
+    let scales = FlashcoreKvScales {
+        k_scale: bshd(region(20), FLASHCORE_F32, [outer, rows, hkv, 1]),
+        v_scale: bshd(region(21), FLASHCORE_F32, [outer, rows, hkv, 1]),
+    };
     CacheCase {
         cache,
+        scales,
         seqlens,
         table,
     }
+}
+
+/// A head dim a cache may have: one of the FP8 kernels' for e4m3 codes.
+fn cache_head_dim(rng: &mut Rng, fp8: bool) -> i64 {
+    if fp8 {
+        rng.pick(&[64, 128, 256])
+    } else {
+        head_dim(rng)
+    }
+}
+
+/// Changes one field of an e4m3 cache's scales.
+fn mutate_scales(rng: &mut Rng, scales: &mut FlashcoreKvScales) {
+    let t = if rng.chance(2) {
+        &mut scales.k_scale
+    } else {
+        &mut scales.v_scale
+    };
+    mutate_tensor(rng, t);
 }
 
 fn mutate_cache(rng: &mut Rng, c: &mut CacheCase) {
@@ -458,25 +484,9 @@ fn decode_checks_answer_every_argument_with_a_code() {
             let batch = rng.pick(&[1i64, 3, 8]);
             let (hkv, sq) = (rng.pick(&[1i64, 8]), rng.pick(&[1i64, 5, 16]));
             let hq = hkv * rng.pick(&[1, 4]);
-            let d = if fp8 {
-                rng.pick(&[64, 128, 256])
-            } else {
-                head_dim(&mut rng)
-            };
+            let d = cache_head_dim(&mut rng, fp8);
             let dt = dtype16(&mut rng);
-            let mut c = cache_case(
-                &mut rng,
-                batch,
-                hkv,
-                d,
-                if fp8 { FLASHCORE_E4M3 } else { dt },
-                0,
-            );
-            let rows = c.cache.k.shape[0..3].to_vec();
-            let mut scales = FlashcoreKvScales {
-                k_scale: bshd(region(20), FLASHCORE_F32, [rows[0], rows[1], rows[2], 1]),
-                v_scale: bshd(region(21), FLASHCORE_F32, [rows[0], rows[1], rows[2], 1]),
-            };
+            let mut c = cache_case(&mut rng, [batch, hkv, d], (dt, fp8), 0);
             let mut q = bshd(region(0), dt, [batch, sq, hq, d]);
             let mut o = bshd(region(3), dt, [batch, sq, hq, d]);
             let mut lse = if rng.chance(2) { region(4) } else { 0 };
@@ -485,21 +495,14 @@ fn decode_checks_answer_every_argument_with_a_code() {
             for _ in 0..n {
                 match rng.below(9) {
                     0 => mutate_tensor(&mut rng, &mut q),
+                    1 => mutate_tensor(&mut rng, &mut o),
+                    2 => lse = rng.pick(&[2, region(0), region(12)]),
+                    3 => scale = rng.pick(&SCALES),
+                    4 if fp8 => mutate_scales(&mut rng, &mut c.scales),
                     5 => {
                         let mut views = [q, o, c.cache.k, c.cache.v];
                         set_head_dim(&mut views, rng.pick(&BAD_HEAD_DIMS));
                         [q, o, c.cache.k, c.cache.v] = views;
-                    }
-                    1 => mutate_tensor(&mut rng, &mut o),
-                    2 => lse = rng.pick(&[2, region(0), region(12)]),
-                    3 => scale = rng.pick(&SCALES),
-                    4 if fp8 => {
-                        let t = if rng.chance(2) {
-                            &mut scales.k_scale
-                        } else {
-                            &mut scales.v_scale
-                        };
-                        mutate_tensor(&mut rng, t);
                     }
                     _ => mutate_cache(&mut rng, &mut c),
                 }
@@ -511,7 +514,7 @@ fn decode_checks_answer_every_argument_with_a_code() {
             let rc = unsafe {
                 if fp8 {
                     flashcore_check_decode_fp8kv(
-                        &q, &c.cache, &scales, hs, ht, &o, lse, scale, causal,
+                        &q, &c.cache, &c.scales, hs, ht, &o, lse, scale, causal,
                     )
                 } else {
                     flashcore_check_decode(&q, &c.cache, hs, ht, &o, lse, scale, causal)
@@ -521,7 +524,7 @@ fn decode_checks_answer_every_argument_with_a_code() {
                 "flashcore_check_decode",
                 n == 0,
                 rc,
-                &(q, c.cache, scales, o, lse, scale, fp8),
+                &(q, c.cache, c.scales, o, lse, scale, fp8),
             );
         }
     }
@@ -535,25 +538,9 @@ fn append_checks_answer_every_argument_with_a_code() {
             let fp8 = rng.chance(3);
             let batch = rng.pick(&[1i64, 3, 8]);
             let (hkv, new) = (rng.pick(&[1i64, 8]), rng.pick(&[1i64, 7, 64]));
-            let d = if fp8 {
-                rng.pick(&[64, 128, 256])
-            } else {
-                head_dim(&mut rng)
-            };
+            let d = cache_head_dim(&mut rng, fp8);
             let dt = dtype16(&mut rng);
-            let mut c = cache_case(
-                &mut rng,
-                batch,
-                hkv,
-                d,
-                if fp8 { FLASHCORE_E4M3 } else { dt },
-                new,
-            );
-            let rows = c.cache.k.shape[0..3].to_vec();
-            let mut scales = FlashcoreKvScales {
-                k_scale: bshd(region(20), FLASHCORE_F32, [rows[0], rows[1], rows[2], 1]),
-                v_scale: bshd(region(21), FLASHCORE_F32, [rows[0], rows[1], rows[2], 1]),
-            };
+            let mut c = cache_case(&mut rng, [batch, hkv, d], (dt, fp8), new);
             let mut k_new = bshd(region(1), dt, [batch, new, hkv, d]);
             let mut v_new = bshd(region(2), dt, [batch, new, hkv, d]);
             let n = mutations(&mut rng);
@@ -561,14 +548,7 @@ fn append_checks_answer_every_argument_with_a_code() {
                 match rng.below(6) {
                     0 => mutate_tensor(&mut rng, &mut k_new),
                     1 => mutate_tensor(&mut rng, &mut v_new),
-                    2 if fp8 => {
-                        let t = if rng.chance(2) {
-                            &mut scales.k_scale
-                        } else {
-                            &mut scales.v_scale
-                        };
-                        mutate_tensor(&mut rng, t);
-                    }
+                    2 if fp8 => mutate_scales(&mut rng, &mut c.scales),
                     _ => mutate_cache(&mut rng, &mut c),
                 }
             }
@@ -576,7 +556,7 @@ fn append_checks_answer_every_argument_with_a_code() {
             // SAFETY: as in the decode test.
             let rc = unsafe {
                 if fp8 {
-                    flashcore_check_append_kv_fp8kv(&c.cache, &scales, &k_new, &v_new, hs, ht)
+                    flashcore_check_append_kv_fp8kv(&c.cache, &c.scales, &k_new, &v_new, hs, ht)
                 } else {
                     flashcore_check_append_kv(&c.cache, &k_new, &v_new, hs, ht)
                 }
@@ -585,7 +565,7 @@ fn append_checks_answer_every_argument_with_a_code() {
                 "flashcore_check_append_kv",
                 n == 0,
                 rc,
-                &(c.cache, scales, k_new, v_new, fp8, &c.seqlens),
+                &(c.cache, c.scales, k_new, v_new, fp8, &c.seqlens),
             );
         }
     }
