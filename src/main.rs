@@ -64,8 +64,9 @@ const USAGE: &str = "usage:
   flashcore decode [--shapes BxSKV,...] [--pages 0,16,64] [--heads 32] [--kv-heads 8]
                    [--head-dim 128] [--seqlen-q 1] [--causal] [--dtype f16|bf16] [--iters N]
                    [--kv-dtype e4m3] [--cache-layout bshd|bhsd] [--json FILE]
-  flashcore varlen [--lens 512,4096,...] [--heads 32] [--kv-heads 8] [--head-dim 128]
-                   [--causal] [--dtype f16|bf16] [--path sm80] [--iters N] [--json FILE]
+  flashcore varlen [--lens 512,4096,...] [--q-lens 1,16,...] [--heads 32] [--kv-heads 8]
+                   [--head-dim 128] [--causal] [--dtype f16|bf16] [--path sm80] [--iters N]
+                   [--json FILE]
   flashcore fp8 [--shapes B:H:S:D,...] [--path best|sm80] [--iters N]
   flashcore quantize-bench [--batch 4] [--heads 32] [--kv-heads H] [--seqlen 8192]
                            [--head-dim 128] [--dtype f16|bf16] [--iters N] [--json FILE]
@@ -1287,6 +1288,7 @@ fn varlen(args: &[String]) -> Result<(), Failure> {
             "--kv-heads",
             "--head-dim",
             "--lens",
+            "--q-lens",
             "--path",
         ],
         &["--causal"],
@@ -1299,32 +1301,48 @@ fn varlen(args: &[String]) -> Result<(), Failure> {
         o.num("--head-dim", 128)?,
     );
     let causal = o.flag("--causal");
-    let lens: Vec<usize> = match o.value("--lens") {
-        None => VARLEN_LENS.to_vec(),
-        Some(list) => list
-            .split(',')
-            .map(|x| {
-                x.parse()
-                    .map_err(|_| Failure::Usage(format!("bad length `{x}`")))
+    let list = |name: &str| -> Result<Option<Vec<usize>>, Failure> {
+        o.value(name)
+            .map(|list| {
+                list.split(',')
+                    .map(|x| {
+                        x.parse()
+                            .map_err(|_| Failure::Usage(format!("bad length `{x}` in {name}")))
+                    })
+                    .collect::<Result<Vec<usize>, _>>()
             })
-            .collect::<Result<_, _>>()?,
+            .transpose()
     };
-    let (b, longest) = (lens.len(), lens.iter().copied().max().unwrap_or(0));
+    // Key lengths, and query lengths (the same unless given: a batch of prompts).
+    let lens = list("--lens")?.unwrap_or_else(|| VARLEN_LENS.to_vec());
+    let q_lens = list("--q-lens")?.unwrap_or_else(|| lens.clone());
+    if q_lens.len() != lens.len() {
+        return Err(Failure::Usage(format!(
+            "--q-lens has {} lengths, --lens {}",
+            q_lens.len(),
+            lens.len()
+        )));
+    }
+    let b = lens.len();
+    let longest = |l: &[usize]| l.iter().copied().max().unwrap_or(0);
+    let (longest_q, longest_k) = (longest(&q_lens), longest(&lens));
     // The padded tensors below are [B, longest, H, D]; the offsets are i32.
     let padded = AttnShape {
         batch: b,
-        seqlen_q: longest,
-        seqlen_k: longest,
+        seqlen_q: longest_q,
+        seqlen_k: longest_k,
         heads_q: hq,
         heads_kv: hkv,
         head_dim: d,
     };
     check_sizes(padded, dtype, causal)?;
-    let total = lens
-        .iter()
-        .try_fold(0usize, |t, &l| t.checked_add(l))
-        .filter(|&t| t <= i32::MAX as usize)
-        .ok_or_else(|| Failure::Usage("--lens add up to more than 2^31 - 1 rows".into()))?;
+    let sum = |l: &[usize], name: &str| {
+        l.iter()
+            .try_fold(0usize, |t, &l| t.checked_add(l))
+            .filter(|&t| t <= i32::MAX as usize)
+            .ok_or_else(|| Failure::Usage(format!("{name} add up to more than 2^31 - 1 rows")))
+    };
+    let (total_q, total_k) = (sum(&q_lens, "--q-lens")?, sum(&lens, "--lens")?);
     let dev = open_gpu()?;
     let stream = dev.context().default_stream();
     let attn = Attention::new(dev.clone())?.with_path(parse_path(o.value("--path"))?);
@@ -1334,18 +1352,24 @@ fn varlen(args: &[String]) -> Result<(), Failure> {
     let (pool, _) = flashcore::reference::random_half(&mut rng, 1 << 16, dtype);
     let fill = |n: usize| -> Vec<u16> { (0..n).map(|i| pool[(i * 7 + 13) % pool.len()]).collect() };
     // The padded tensors hold the packed ones' room too: [B, longest, H, D].
-    let padded_q = b * longest * hq * d;
-    let padded_kv = b * longest * hkv * d;
+    let padded_q = b * longest_q * hq * d;
+    let padded_kv = b * longest_k * hkv * d;
     let q = stream.clone_htod(&fill(padded_q)).map_err(err)?;
     let k = stream.clone_htod(&fill(padded_kv)).map_err(err)?;
     let v = stream.clone_htod(&fill(padded_kv)).map_err(err)?;
     let out = stream.alloc_zeros::<u16>(padded_q).map_err(err)?;
-    let lse = stream.alloc_zeros::<f32>(b * hq * longest).map_err(err)?;
-    let mut cu = vec![0i32];
-    for &l in &lens {
-        cu.push(cu.last().copied().unwrap_or(0) + l as i32);
-    }
-    let cu_dev = stream.clone_htod(&cu).map_err(err)?;
+    let lse = stream.alloc_zeros::<f32>(b * hq * longest_q).map_err(err)?;
+    let offsets = |l: &[usize]| -> Vec<i32> {
+        std::iter::once(0)
+            .chain(l.iter().scan(0i32, |t, &l| {
+                *t += l as i32;
+                Some(*t)
+            }))
+            .collect()
+    };
+    let (cu_q, cu_k) = (offsets(&q_lens), offsets(&lens));
+    let cu_q_dev = stream.clone_htod(&cu_q).map_err(err)?;
+    let cu_k_dev = stream.clone_htod(&cu_k).map_err(err)?;
     let p = |x: &cudarc::driver::CudaSlice<u16>| x.device_ptr(&stream).0;
     let params = AttentionParams {
         softmax_scale: None,
@@ -1354,35 +1378,47 @@ fn varlen(args: &[String]) -> Result<(), Failure> {
     let lv = LseView {
         ptr: lse.device_ptr(&stream).0,
     };
-    let cu_ptr = cu_dev.device_ptr(&stream).0;
     let varlen = Varlen {
-        cu_seqlens_q: cu_ptr,
-        cu_seqlens_k: cu_ptr,
+        cu_seqlens_q: cu_q_dev.device_ptr(&stream).0,
+        cu_seqlens_k: cu_k_dev.device_ptr(&stream).0,
         batch: b,
-        max_seqlen_q: longest,
+        max_seqlen_q: longest_q,
         host: Some(VarlenHost {
-            cu_seqlens_q: &cu,
-            cu_seqlens_k: &cu,
+            cu_seqlens_q: &cu_q,
+            cu_seqlens_k: &cu_k,
         }),
     };
-    let visible: f64 = lens
+    // (query, key) pairs the mask lets through: query i of sq sees keys up to
+    // sk − sq + i (bottom-right aligned) when causal.
+    let visible: f64 = q_lens
         .iter()
-        .map(|&l| {
-            let l = l as f64;
-            if causal { l * (l + 1.0) / 2.0 } else { l * l }
+        .zip(&lens)
+        .map(|(&sq, &sk)| {
+            if !causal {
+                return (sq * sk) as f64;
+            }
+            (0..sq)
+                .map(|i| (sk + i + 1).saturating_sub(sq).min(sk) as f64)
+                .sum()
         })
         .sum();
     let flops = 4.0 * visible * (hq * d) as f64;
+    // K and V of every sequence, read once.
+    let kv_bytes = (2 * total_k * hkv * d * 2) as f64;
     let mut busy = stream.alloc_zeros::<u8>(1 << 30).map_err(err)?;
     let mut time = |packed: bool| -> Result<f64, Failure> {
-        let rows = if packed { total } else { longest };
+        let (rows_q, rows_k) = if packed {
+            (total_q, total_k)
+        } else {
+            (longest_q, longest_k)
+        };
         let batch = if packed { 1 } else { b };
-        let view = |ptr, h| TensorView::bshd(ptr, dt, batch, rows, h, d);
+        let view = |ptr, rows, h| TensorView::bshd(ptr, dt, batch, rows, h, d);
         let (qv, kv, vv, ov) = (
-            view(p(&q), hq),
-            view(p(&k), hkv),
-            view(p(&v), hkv),
-            view(p(&out), hq),
+            view(p(&q), rows_q, hq),
+            view(p(&k), rows_k, hkv),
+            view(p(&v), rows_k, hkv),
+            view(p(&out), rows_q, hq),
         );
         // SAFETY: the views lie inside the buffers above (sized for the padded batch),
         // which outlive the timing, on their own stream.
@@ -1408,24 +1444,34 @@ fn varlen(args: &[String]) -> Result<(), Failure> {
     let packed_us = time(true)?;
     let padded_us = time(false)?;
     out!("{} ({}), flashcore varlen", dev.name(), dev.arch_name());
-    out!(
-        "{b} sequences {lens:?} (total {total}), Hq{hq} Hkv{hkv} D{d} {}{}",
-        dtype.name(),
-        if causal { " causal" } else { "" }
-    );
+    if q_lens == lens {
+        out!(
+            "{b} sequences {lens:?} (total {total_k}), Hq{hq} Hkv{hkv} D{d} {}{}",
+            dtype.name(),
+            if causal { " causal" } else { "" }
+        );
+    } else {
+        out!(
+            "{b} sequences, queries {q_lens:?} (total {total_q}), keys {lens:?} (total \
+             {total_k}), Hq{hq} Hkv{hkv} D{d} {}{}",
+            dtype.name(),
+            if causal { " causal" } else { "" }
+        );
+    }
     for (what, us) in [
         ("packed (varlen)", packed_us),
         ("padded (dense)", padded_us),
     ] {
         out!(
-            "  {what:<16} {us:>9.1} us  {:>6.1} TFLOP/s of real work",
-            flops / (us * 1e6)
+            "  {what:<16} {us:>9.1} us  {:>6.1} TFLOP/s of real work  {:>7.1} GB/s of K+V",
+            flops / (us * 1e6),
+            kv_bytes / (us * 1e3)
         );
     }
     out!("  packed / padded speed: {:.2}x", padded_us / packed_us);
     if let Some(path) = o.value("--json") {
         let json = format!(
-            "{{\"lens\": {lens:?}, \"heads_q\": {hq}, \"heads_kv\": {hkv}, \"head_dim\": {d}, \
+            "{{\"lens\": {lens:?}, \"q_lens\": {q_lens:?}, \"heads_q\": {hq}, \"heads_kv\": {hkv}, \"head_dim\": {d}, \
              \"dtype\": \"{}\", \"causal\": {causal}, \"packed_us\": {packed_us:.3}, \
              \"padded_us\": {padded_us:.3}, \"flops\": {flops}}}\n",
             dtype.name()
