@@ -357,6 +357,133 @@ fn bf16_ragged_sm80_path() {
     grid(PathChoice::Sm80, HalfType::Bf16);
 }
 
+/// Packed batches shaped like decode steps (at most 16 queries a sequence, keys
+/// averaging `FORWARD_DECODE_MIN_KEYS` or more, or `FORWARD_DECODE_MIN_KEYS_GQA` with
+/// 128 KV heads of 4 query heads or more) run on the decode kernels' packed variants:
+/// right for ragged lengths (one query against 32768 keys, sequences with no queries or
+/// no keys, causal rows past their keys), GQA 1, 4 and 8, padded head dims, gaps of
+/// NaN keys, with and without host copies (which change the splits), LSE included; no
+/// forward kernel loaded. An Attention restricted to the sm80 path keeps its forward
+/// kernels.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn decode_shaped_batches_run_on_the_decode_kernels() {
+    use flashcore::host::decode::{FORWARD_DECODE_MIN_KEYS, FORWARD_DECODE_MIN_KEYS_GQA};
+    let min = FORWARD_DECODE_MIN_KEYS;
+    let long_keys = [
+        vec![(1, min), (1, 32768), (1, 1), (0, 3000), (1, 7)],
+        vec![
+            (16, 4097),
+            (7, 3),
+            (5, 0),
+            (16, min + 1),
+            (3, 4000),
+            (13, 129),
+        ],
+    ];
+    let mut cases = Vec::new();
+    for (i, (hq, hkv, d)) in [
+        (32, 8, 128),
+        (8, 8, 64),
+        (12, 4, 80),
+        (4, 1, 256),
+        (16, 2, 32),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        for (j, lens) in long_keys.iter().enumerate() {
+            for dtype in [HalfType::F16, HalfType::Bf16] {
+                for causal in [false, true] {
+                    let odd = (i + j + usize::from(causal)) % 2 == 1;
+                    cases.push(Case {
+                        dtype,
+                        heads_q: hq,
+                        heads_kv: hkv,
+                        head_dim: d,
+                        lens: lens.clone(),
+                        causal,
+                        gap: if odd { 3 } else { 0 },
+                        host_check: odd == (dtype == HalfType::F16),
+                        non_finite_gaps: odd,
+                        o_pad: if d % 64 == 0 { 0 } else { 8 },
+                    });
+                }
+            }
+        }
+    }
+    // Shorter keys where the batch has 128 KV heads or more, each of 4 query heads.
+    let gqa = FORWARD_DECODE_MIN_KEYS_GQA;
+    let mut seeds = seeds();
+    let mut rng = seeds.next_case();
+    let mut draw = |n: usize, most_q: u64| -> Vec<(usize, usize)> {
+        (0..n)
+            .map(|_| {
+                let sq = 1 + (rng.next_u64() % most_q) as usize;
+                (sq, gqa + (rng.next_u64() % 400) as usize)
+            })
+            .collect()
+    };
+    for (hq, hkv, lens, causal) in [
+        (32, 8, draw(16, 16), true),
+        (32, 8, draw(16, 1), false),
+        (8, 1, draw(128, 3), true),
+    ] {
+        cases.push(Case {
+            dtype: HalfType::Bf16,
+            heads_q: hq,
+            heads_kv: hkv,
+            head_dim: 128,
+            lens,
+            causal,
+            gap: 2,
+            host_check: !causal,
+            non_finite_gaps: true,
+            o_pad: 0,
+        });
+    }
+    let (attn, s) = setup(PathChoice::Best);
+    let mut failures = Vec::new();
+    for c in &cases {
+        let mut rng = seeds.next_case();
+        let replay = seeds.replay(&rng);
+        let (out, lse) = run(&attn, &s, &mut rng, c);
+        let line = format!("{c}: out {out:.2e} lse {lse:.2e} ({replay})");
+        println!("{line}");
+        let tol = tolerance(c.dtype);
+        if !(out <= tol && lse <= tol) {
+            failures.push(line);
+        }
+    }
+    assert!(failures.is_empty(), "failed:\n{}", failures.join("\n"));
+    let loaded: Vec<String> = attn.loaded_kernels().into_iter().map(|k| k.0).collect();
+    let count = |prefix: &str| {
+        loaded
+            .iter()
+            .filter(|id| id.starts_with(prefix) && id.contains("_packed"))
+            .count()
+    };
+    assert!(
+        count("attn_decode") > 0 && count("attn_merge") > 0,
+        "loaded: {loaded:?}"
+    );
+    assert!(
+        !loaded.iter().any(|id| id.starts_with("attn_fwd")),
+        "loaded: {loaded:?}"
+    );
+
+    // The sm80 path keeps the forward kernels.
+    let (sm80, s) = setup(PathChoice::Sm80);
+    let mut rng = seeds.next_case();
+    let (out, lse) = run(&sm80, &s, &mut rng, &cases[0]);
+    assert!(out <= tolerance(cases[0].dtype) && lse <= tolerance(cases[0].dtype));
+    let loaded: Vec<String> = sm80.loaded_kernels().into_iter().map(|k| k.0).collect();
+    assert!(
+        loaded.iter().all(|id| id.starts_with("attn_fwd")),
+        "loaded: {loaded:?}"
+    );
+}
+
 /// Head dims other than 64, 128 and 256, packed with no gaps, without host copies, on
 /// both paths. On Hopper the sm90a path runs 32, 40, 80 and 96 padded onto its 64 and 128
 /// kernels and 160 and 200 onto 192 and 256 (its direct stores of O skip the columns
@@ -529,6 +656,36 @@ fn random_packed_batches() {
     }
 }
 
+/// A small batch shaped like a decode step, for compute-sanitizer: the decode kernels'
+/// packed variants with one split and with several (host copies give the longest
+/// sequence as the capacity, which changes the splits), sequences with no queries or no
+/// keys, causal rows past their keys, gaps of NaN keys, a padded head dim.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn decode_shaped_varlen_for_sanitizers() {
+    let lens = vec![(1, 3000), (16, 5000), (0, 50), (3, 0), (16, 5)];
+    let cases: Vec<Case> = [(false, 128, true), (true, 80, false), (true, 256, true)]
+        .into_iter()
+        .map(|(causal, d, host_check)| Case {
+            dtype: if causal {
+                HalfType::Bf16
+            } else {
+                HalfType::F16
+            },
+            heads_q: 8,
+            heads_kv: 2,
+            head_dim: d,
+            lens: lens.clone(),
+            causal,
+            gap: 4,
+            host_check,
+            non_finite_gaps: true,
+            o_pad: if d % 64 == 0 { 0 } else { 8 },
+        })
+        .collect();
+    run_cases(PathChoice::Best, &cases);
+}
+
 /// A small batch for compute-sanitizer: tails, gaps, an empty sequence, causal, GQA.
 #[test]
 #[ignore = "needs a CUDA GPU"]
@@ -570,13 +727,11 @@ fn varlen_small_for_sanitizers() {
 }
 
 /// Offsets the host checks are refused with nothing written; offsets it cannot check
-/// (no host copies) keep the kernels inside the tensors (memcheck runs this test).
+/// (no host copies) keep the kernels inside the tensors (memcheck runs this test), on
+/// the forward kernels and, for a batch shaped like a decode step, the decode kernels.
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn bad_offsets() {
-    let (attn, s) = setup(PathChoice::Best);
-    let mut seeds = seeds();
-    let mut rng = seeds.next_case();
     let c = Case {
         dtype: HalfType::F16,
         heads_q: 4,
@@ -589,18 +744,58 @@ fn bad_offsets() {
         non_finite_gaps: false,
         o_pad: 0,
     };
-    let p = Packed::new(&s, &mut rng, &c);
-    let [q, k, v, o] = p.views(&s, &c);
+    let (attn, _) = bad_offsets_on(
+        &c,
+        &[&[0, 120, 100], &[0, 100, 151], &[-3, 100, 150]],
+        [[0, i32::MAX, -5], [i32::MIN, -1, i32::MAX], [150, 0, 0]],
+        200,
+    );
+    assert!(
+        attn.loaded_kernels()
+            .iter()
+            .all(|k| k.0.starts_with("attn_fwd"))
+    );
+    // 17 query rows against 5000 keys: the decode kernels.
+    let c = Case {
+        lens: vec![(1, 2000), (16, 3000)],
+        ..c
+    };
+    let (attn, _) = bad_offsets_on(
+        &c,
+        &[&[0, 20, 17], &[0, 1, 18], &[-3, 1, 17]],
+        [[0, i32::MAX, -5], [i32::MIN, -1, i32::MAX], [15, 0, 0]],
+        16,
+    );
+    let loaded = attn.loaded_kernels();
+    assert!(
+        loaded.iter().all(|k| k.0.contains("_packed")),
+        "loaded: {loaded:?}"
+    );
+}
+
+/// Runs `c`'s batch with each of `bad` as the query offsets, checked (refused, nothing
+/// written) and unchecked (runs, clamped), then with each of `absurd` as both offsets,
+/// unchecked; `max_q` is the calls' `max_seqlen_q`.
+fn bad_offsets_on(
+    c: &Case,
+    bad: &[&[i32]],
+    absurd: [[i32; 3]; 3],
+    max_q: usize,
+) -> (Attention, Arc<CudaStream>) {
+    let (attn, s) = setup(PathChoice::Best);
+    let mut seeds = seeds();
+    let mut rng = seeds.next_case();
+    let p = Packed::new(&s, &mut rng, c);
+    let [q, k, v, o] = p.views(&s, c);
     let params = AttentionParams::default();
-    let bad: [&[i32]; 3] = [&[0, 120, 100], &[0, 100, 151], &[-3, 100, 150]];
-    for cu in bad {
+    for &cu in bad {
         let before = down(&s, &p.o);
         let dev = up(&s, cu);
         let varlen = Varlen {
             cu_seqlens_q: ptr(&s, &dev),
             cu_seqlens_k: ptr(&s, &p.cu_k_dev),
             batch: 2,
-            max_seqlen_q: 200,
+            max_seqlen_q: max_q,
             host: Some(VarlenHost {
                 cu_seqlens_q: cu,
                 cu_seqlens_k: &p.cu_k,
@@ -634,13 +829,13 @@ fn bad_offsets() {
         s.synchronize().expect("an unchecked call completes");
     }
     // Absurd device offsets: huge, negative, decreasing.
-    for cu in [[0, i32::MAX, -5], [i32::MIN, -1, i32::MAX], [150, 0, 0]] {
+    for cu in absurd {
         let dev = up(&s, &cu);
         let varlen = Varlen {
             cu_seqlens_q: ptr(&s, &dev),
             cu_seqlens_k: ptr(&s, &dev),
             batch: 2,
-            max_seqlen_q: 150,
+            max_seqlen_q: max_q,
             host: None,
         };
         // SAFETY: as above.
@@ -651,4 +846,5 @@ fn bad_offsets() {
         s.synchronize()
             .expect("a call with absurd offsets completes");
     }
+    (attn, s)
 }

@@ -22,15 +22,19 @@ use super::launch::{LaunchDims, PaddedParams, launch, launch_programmatic};
 use super::module::{Carveout, LoadedKernel};
 use super::tensor::{AttentionParams, DType, LseView, TensorView};
 use super::validate::{
-    FWD_PADDED_HEAD_DIMS_TEXT, FwdProblem, LSE_ALIGN, MAX_GRID_YZ, MAX_SEQLEN, TENSOR_ALIGN,
-    byte_range_of, check_no_self_overlap, check_not_empty, check_pointer, check_scale,
-    check_strides, lse_byte_range, overlaps, views_disjoint,
+    FWD_PADDED_HEAD_DIMS_TEXT, FwdProblem, LSE_ALIGN, MAX_GRID_YZ, MAX_SEQLEN, Packed,
+    TENSOR_ALIGN, byte_range_of, check_no_self_overlap, check_not_empty, check_pointer,
+    check_scale, check_strides, lse_byte_range, overlaps, views_disjoint,
 };
+use super::varlen::Varlen;
 use crate::error::{Error, Result};
 use crate::kernels::attention::HalfType;
 use crate::kernels::attention::append::{AppendArgs, AppendConfig, THREADS as APPEND_THREADS};
-use crate::kernels::attention::decode::{self, DecodeArgs, DecodeConfig, MAX_QUERIES, ROWS};
+use crate::kernels::attention::decode::{
+    self, DecodeArgs, DecodeConfig, DecodeLayout, MAX_QUERIES, ROWS,
+};
 use crate::kernels::attention::merge::{self, MergeArgs, MergeConfig, MergeType};
+use crate::shape::AttnShape;
 
 /// The head dims of decode with a 16-bit cache and of the merge, as error text: those of
 /// the forward, the same kernels serving them ([`decode::kernel_head_dim`],
@@ -50,9 +54,23 @@ pub struct DecodeProblem {
     pub heads_q: usize,
     pub scale: f32,
     pub causal: bool,
+    /// A variable-length forward call's packed sequences, run on the decode kernels
+    /// (`Attention::varlen_by_decode`): `cache` then counts the sequences, the keys of
+    /// the longest one (or an upper bound) as the capacity, and `seqlen_q` bounds each
+    /// sequence's queries.
+    pub packed: Option<Packed>,
 }
 
 impl DecodeProblem {
+    /// Where the decode kernels find the sequences' keys.
+    pub fn layout(&self) -> DecodeLayout {
+        match (self.packed, self.cache.page_size) {
+            (Some(_), _) => DecodeLayout::Packed,
+            (None, 0) => DecodeLayout::Contiguous,
+            (None, _) => DecodeLayout::Paged,
+        }
+    }
+
     /// Query heads per KV head (a problem from [`decode_problem`] divides evenly; a
     /// hand-made one with no KV heads counts as one, so this never divides by zero).
     pub fn group(&self) -> usize {
@@ -244,6 +262,7 @@ pub fn decode_problem(
         heads_q,
         scale: params.scale_for(head_dim),
         causal: params.causal,
+        packed: None,
     };
     if batch > MAX_GRID_YZ || shape.heads_kv * problem.row_chunks() > MAX_GRID_YZ {
         return Err(Error::InvalidArgument(format!(
@@ -341,7 +360,7 @@ pub fn plan_decode(p: &DecodeProblem, sm_count: u32, smem_optin: u32) -> Result<
                 c.batch, p.seqlen_q, p.heads_q
             ))
         })?;
-    let cfg = DecodeConfig::candidates(p.dtype, kernel_head_dim, c.page_size > 0, c.fp8)
+    let cfg = DecodeConfig::candidates(p.dtype, kernel_head_dim, p.layout(), c.fp8)
         .into_iter()
         .find(|c| c.smem_bytes() <= smem_optin)
         .ok_or_else(|| {
@@ -627,6 +646,7 @@ pub fn validate_merge(
         head_dim: kernel_head_dim,
         programmatic: false,
         padded,
+        packed: false,
     })
 }
 
@@ -663,12 +683,14 @@ unsafe fn launch_merge(
     }
 }
 
-/// The merge kernel's arguments and grid.
+/// The merge kernel's arguments and grid; `packed`, the packed batch `out` holds (a
+/// packed merge configuration's).
 fn merge_launch(
     parts: &MergeParts,
     out: &TensorView,
     out_lse: Option<&LseView>,
     cfg: &MergeConfig,
+    packed: Option<&Packed>,
 ) -> (MergeArgs, LaunchDims) {
     let [batch, seqlen, heads, _] = parts.o.shape;
     let rows = (batch * seqlen * heads) as u32;
@@ -692,6 +714,9 @@ fn merge_launch(
         seqlen: seqlen as u32,
         heads: heads as u32,
         rows,
+        cu_seqlens: packed.map_or(0, |p| p.cu_seqlens_q),
+        total: packed.map_or(0, |p| p.total_q as u32),
+        pad: 0,
     };
     let dims = LaunchDims {
         grid: (rows.div_ceil(cfg.rows_per_block()), 1, 1),
@@ -738,12 +763,47 @@ pub const FORWARD_DECODE_MIN_KEYS_GQA: usize = 512;
 /// Batch × KV heads from which [`FORWARD_DECODE_MIN_KEYS_GQA`] applies.
 pub const FORWARD_DECODE_MIN_KV_HEADS: usize = 128;
 
+/// Query rows per KV head (`Sq · group`) from which a call whose forward work items fill
+/// most of one wave keeps the forward kernels (`forward_fills_one_wave`).
+pub const FORWARD_ONE_WAVE_ROWS: usize = 64;
+
+/// Whether the forward kernels' work items (one per sequence, query head and 64-row query
+/// tile) fill between three quarters of the SMs and all of them, while the decode kernels
+/// would take the `Sq · group` rows of a KV head in [`FORWARD_ONE_WAVE_ROWS`] / 16 blocks
+/// or more, each reading the KV head's keys again. There one wave of the forward kernels
+/// beats the decode kernels. On an H200, Hq32 Hkv8 causal, µs, decode / forward, same
+/// call:
+///
+/// | Sq, D, Sk | B2 | B4 (128 items) | B8 |
+/// |---|---|---|---|
+/// | 16, 128, 8192 | 46.6 / 66.2 | 79.1 / 68.0 | 116.9 / 197.2 |
+/// | 16, 128, 2048 | 19.2 / 21.7 | 24.1 / 22.3 | 35.8 / 58.1 |
+/// | 16, 64, 8192 | 33.7 / 44.3 | 54.5 / 45.2 | 73.2 / 196.1 |
+/// | 8, 128, 8192 | 28.7 / 66.2 | 48.1 / 67.6 | 79.8 / 192.3 |
+///
+/// With fewer rows per KV head (Sq 8 above, or no GQA: Hq8 Hkv8 Sq16 B4 39.7 / 66.9)
+/// the decode kernels were faster at every batch.
+pub(crate) fn forward_fills_one_wave(s: &AttnShape, sm_count: u32) -> bool {
+    let sms = sm_count as usize;
+    let items = s
+        .batch
+        .saturating_mul(s.heads_q)
+        .saturating_mul(s.seqlen_q.div_ceil(64));
+    let rows = s.seqlen_q * (s.heads_q / s.heads_kv.max(1));
+    rows >= FORWARD_ONE_WAVE_ROWS && items <= sms && 4 * items >= 3 * sms
+}
+
 /// Whether a dense forward call runs on the decode kernels: on the best path (an
 /// Attention restricted to the sm80 path keeps the forward kernels), at most
 /// [`MAX_QUERIES`] queries per sequence against at least [`FORWARD_DECODE_MIN_KEYS`] keys,
 /// or [`FORWARD_DECODE_MIN_KEYS_GQA`] where the batch has [`FORWARD_DECODE_MIN_KV_HEADS`]
-/// KV heads or more, each shared by 4 query heads or more.
-pub(crate) fn forward_takes_decode(problem: &FwdProblem, choice: PathChoice) -> bool {
+/// KV heads or more, each shared by 4 query heads or more; and not where one wave of the
+/// forward kernels does better ([`forward_fills_one_wave`], on a GPU of `sm_count` SMs).
+pub(crate) fn forward_takes_decode(
+    problem: &FwdProblem,
+    choice: PathChoice,
+    sm_count: u32,
+) -> bool {
     let s = &problem.shape;
     let packs_kv = s.heads_kv > 0
         && s.heads_q / s.heads_kv >= 4
@@ -757,6 +817,20 @@ pub(crate) fn forward_takes_decode(problem: &FwdProblem, choice: PathChoice) -> 
         && problem.packed.is_none()
         && s.seqlen_q <= MAX_QUERIES
         && s.seqlen_k >= min_keys
+        && !forward_fills_one_wave(s, sm_count)
+}
+
+/// Whether a packed (variable-length) forward call runs on the decode kernels: as
+/// [`forward_takes_decode`] decides for a dense call of as many sequences, each with the
+/// mean key count `total_k / batch`.
+pub(crate) fn varlen_takes_decode(problem: &FwdProblem, choice: PathChoice, sm_count: u32) -> bool {
+    let Some(packed) = problem.packed else {
+        return false;
+    };
+    let mut dense = *problem;
+    dense.packed = None;
+    dense.shape.seqlen_k = packed.total_k / problem.shape.batch.max(1);
+    forward_takes_decode(&dense, choice, sm_count)
 }
 
 impl Attention {
@@ -867,6 +941,7 @@ impl Attention {
             head_dim: merge_head_dim,
             programmatic,
             padded: merge_padded,
+            packed: problem.packed.is_some(),
         };
         let merge = if plan.splits > 1 {
             Some(self.load_merge(&merge_cfg)?)
@@ -915,6 +990,10 @@ impl Attention {
             v_scale,
             k_scale_stride,
             v_scale_stride,
+            cu_seqlens_q: problem.packed.map_or(0, |p| p.cu_seqlens_q),
+            cu_seqlens_k: problem.packed.map_or(0, |p| p.cu_seqlens_k),
+            total_q: problem.packed.map_or(0, |p| p.total_q as u32),
+            total_k: problem.packed.map_or(0, |p| p.total_k as u32),
         };
         let dims = LaunchDims {
             grid: (
@@ -957,7 +1036,8 @@ impl Attention {
                     shard_stride: c.batch * problem.seqlen_q * problem.heads_q * row,
                     lse: lse_part,
                 };
-                let (mut margs, mdims) = merge_launch(&parts, o, lse, &merge_cfg);
+                let (mut margs, mdims) =
+                    merge_launch(&parts, o, lse, &merge_cfg, problem.packed.as_ref());
                 // SAFETY: `margs` describes the partial results the decode kernel wrote to
                 // the workspace (its layout is `parts`), which the merge reads, and `o` and
                 // `lse`, validated above, which it writes. A programmatic launch may start
@@ -1003,7 +1083,7 @@ impl Attention {
         params: &AttentionParams,
         stream: CUstream,
     ) -> Option<Result<()>> {
-        if !forward_takes_decode(problem, self.path_choice()) {
+        if !forward_takes_decode(problem, self.path_choice(), self.device().sm_count()) {
             return None;
         }
         let mut cache = KvCache {
@@ -1016,7 +1096,96 @@ impl Attention {
             scales: None,
         };
         let decode = validate_decode(q, &cache, o, lse, params).ok()?;
-        let plan = self.decode_plan(&decode).ok()?;
+        cache.seqlens = 0;
+        // SAFETY: the views are the caller's (this function's contract), validated as a
+        // decode call just above; a cache without lengths is read up to its capacity, Sk.
+        unsafe { self.run_decode_for_forward(&decode, q, &cache, o, lse, stream) }
+    }
+
+    /// A packed (variable-length) forward call with at most [`MAX_QUERIES`] queries per
+    /// sequence, run on the decode kernels' packed variants where [`varlen_takes_decode`]
+    /// says that is faster, as [`Attention::forward_by_decode`] runs a dense one. Each
+    /// sequence's keys are its rows of `k` and `v`, found through `cu_seqlens_k` by the
+    /// kernels; the plan's capacity is the longest sequence's keys where the host copies
+    /// tell it, else every key (an upper bound: it only sizes the splits). `None` where
+    /// the call keeps the forward kernels, with nothing launched or written.
+    ///
+    /// # Safety
+    ///
+    /// As for [`Attention::forward_varlen`]; `problem` must come from validating these
+    /// views with `varlen`.
+    pub(crate) unsafe fn varlen_by_decode(
+        &self,
+        problem: &FwdProblem,
+        varlen: &Varlen,
+        [q, k, v, o]: [&TensorView; 4],
+        lse: Option<&LseView>,
+        stream: CUstream,
+    ) -> Option<Result<()>> {
+        if !varlen_takes_decode(problem, self.path_choice(), self.device().sm_count()) {
+            return None;
+        }
+        let packed = problem.packed?;
+        let s = &problem.shape;
+        // The kernels step through K and V rows in 32-bit byte counts.
+        let rows_fit = [k, v].iter().all(|t| {
+            t.shape[1] <= 1
+                || t.strides[1] as u128 * t.dtype.size_bytes() as u128 <= u32::MAX.into()
+        });
+        let longest = varlen.host.map_or(packed.total_k, |h| {
+            let keys = h.cu_seqlens_k.windows(2).map(|w| (w[1] - w[0]) as usize);
+            keys.max().unwrap_or(0)
+        });
+        let decode = DecodeProblem {
+            cache: CacheShape {
+                batch: s.batch,
+                heads_kv: s.heads_kv,
+                head_dim: s.head_dim,
+                capacity: longest.max(1),
+                page_size: 0,
+                pool_pages: 0,
+                fp8: false,
+            },
+            dtype: problem.dtype,
+            seqlen_q: s.seqlen_q,
+            heads_q: s.heads_q,
+            scale: problem.scale,
+            causal: problem.causal,
+            packed: Some(packed),
+        };
+        if !rows_fit || s.heads_kv.saturating_mul(decode.row_chunks()) > MAX_GRID_YZ {
+            return None;
+        }
+        let cache = KvCache {
+            k: *k,
+            v: *v,
+            seqlens: 0,
+            layout: CacheLayout::Contiguous,
+            scales: None,
+        };
+        // SAFETY: the views and offsets are the caller's (this function's contract),
+        // validated as a packed forward call; the kernels clamp every offset to the
+        // tensors' rows, and read K and V in steps that fit 32 bits (checked above).
+        unsafe { self.run_decode_for_forward(&decode, q, &cache, o, lse, stream) }
+    }
+
+    /// Plans and runs a forward call's decode (dense or packed) with its partial results
+    /// in memory from the stream-ordered allocator, freed behind the launch. `None`,
+    /// with nothing launched, where no plan or no memory is to be had.
+    ///
+    /// # Safety
+    ///
+    /// As for [`Attention::forward`]; `problem` must describe these views, validated.
+    unsafe fn run_decode_for_forward(
+        &self,
+        problem: &DecodeProblem,
+        q: &TensorView,
+        cache: &KvCache,
+        o: &TensorView,
+        lse: Option<&LseView>,
+        stream: CUstream,
+    ) -> Option<Result<()>> {
+        let plan = self.decode_plan(problem).ok()?;
         let workspace = match plan.workspace_bytes {
             0 => None,
             bytes => Some(Workspace {
@@ -1024,12 +1193,9 @@ impl Attention {
                 bytes,
             }),
         };
-        cache.seqlens = 0;
-        // SAFETY: the views are the caller's (this function's contract), validated as a
-        // decode call just above; a cache without lengths is read up to its capacity, Sk;
-        // the workspace is `workspace_bytes` of fresh memory, live until its free is
-        // queued behind the kernels.
-        let ran = unsafe { self.run_decode(&decode, &plan, q, &cache, o, lse, workspace, stream) };
+        // SAFETY: this function's contract; the workspace is `workspace_bytes` of fresh
+        // memory, live until its free is queued behind the kernels.
+        let ran = unsafe { self.run_decode(problem, &plan, q, cache, o, lse, workspace, stream) };
         if let Some(w) = workspace {
             self.free_behind_launch(w.ptr, stream);
         }
@@ -1128,7 +1294,7 @@ impl Attention {
     ) -> Result<()> {
         let cfg = validate_merge(parts, out, out_lse)?;
         let kernel = self.load_merge(&cfg)?;
-        let (mut args, dims) = merge_launch(parts, out, out_lse, &cfg);
+        let (mut args, dims) = merge_launch(parts, out, out_lse, &cfg, None);
         let columns = parts.o.shape[3];
         // SAFETY: `args` describes the shards' validated extents, which the kernel reads,
         // and `out`'s and `out_lse`'s, which it writes (a padded kernel only the rows'
@@ -1256,13 +1422,16 @@ mod tests {
             (17, min, false),
             (17, 1 << 20, false),
         ] {
-            let p = forward_problem(4, 32, 8, sq, sk);
+            let p = forward_problem(2, 32, 8, sq, sk);
             assert_eq!(
-                forward_takes_decode(&p, PathChoice::Best),
+                forward_takes_decode(&p, PathChoice::Best, 132),
                 routed,
                 "{sq} {sk}"
             );
-            assert!(!forward_takes_decode(&p, PathChoice::Sm80), "{sq} {sk}");
+            assert!(
+                !forward_takes_decode(&p, PathChoice::Sm80, 132),
+                "{sq} {sk}"
+            );
         }
         let packed = FwdProblem {
             packed: Some(super::super::validate::Packed {
@@ -1273,7 +1442,7 @@ mod tests {
             }),
             ..forward_problem(4, 32, 8, 1, min)
         };
-        assert!(!forward_takes_decode(&packed, PathChoice::Best));
+        assert!(!forward_takes_decode(&packed, PathChoice::Best, 132));
         // Shorter key sets where enough KV heads each serve 4 query heads or more.
         let (gqa, kv) = (FORWARD_DECODE_MIN_KEYS_GQA, FORWARD_DECODE_MIN_KV_HEADS);
         for (b, hq, hkv, sk, routed) in [
@@ -1287,11 +1456,115 @@ mod tests {
         ] {
             let p = forward_problem(b, hq, hkv, 16, sk);
             assert_eq!(
-                forward_takes_decode(&p, PathChoice::Best),
+                forward_takes_decode(&p, PathChoice::Best, 132),
                 routed,
                 "B{b} Hq{hq} Hkv{hkv} Sk{sk}"
             );
         }
+    }
+
+    /// Where the forward kernels' items fill most of one wave and the decode kernels
+    /// would read each KV head's keys for 4 row chunks or more, the forward kernels stay.
+    #[test]
+    fn one_wave_of_forward_items_keeps_the_forward_kernels() {
+        let min = FORWARD_DECODE_MIN_KEYS;
+        for (b, hq, hkv, sq, sms, routed) in [
+            // 128 items of 64 rows per KV head on 132 SMs: the forward kernels.
+            (4, 32, 8, 16, 132, false),
+            (3, 32, 8, 16, 128, false),
+            (8, 16, 2, 8, 132, false),
+            // Fewer rows per KV head, fewer items, or more than a wave: decode.
+            (4, 32, 8, 8, 132, true),
+            (4, 32, 32, 16, 132, true),
+            (3, 32, 8, 16, 132, true),
+            (5, 32, 8, 16, 132, true),
+            (4, 32, 8, 16, 120, true),
+        ] {
+            let p = forward_problem(b, hq, hkv, sq, min);
+            let at = format!("B{b} Hq{hq} Hkv{hkv} Sq{sq} on {sms} SMs");
+            assert_eq!(
+                forward_takes_decode(&p, PathChoice::Best, sms),
+                routed,
+                "{at}"
+            );
+            let packed = packed_problem(b, (hq, hkv), sq, b * min);
+            assert_eq!(
+                varlen_takes_decode(&packed, PathChoice::Best, sms),
+                routed,
+                "{at}"
+            );
+        }
+    }
+
+    /// A packed batch of `batch` sequences, `max_q` queries at most, `total_k` keys.
+    fn packed_problem(
+        batch: usize,
+        heads: (usize, usize),
+        max_q: usize,
+        total_k: usize,
+    ) -> FwdProblem {
+        let mut p = forward_problem(batch, heads.0, heads.1, max_q, total_k);
+        p.packed = Some(Packed {
+            cu_seqlens_q: 256,
+            cu_seqlens_k: 512,
+            total_q: batch * max_q,
+            total_k,
+        });
+        p
+    }
+
+    /// Packed batches take the decode kernels as dense calls of their mean key count
+    /// would; the plan is a packed kernel's.
+    #[test]
+    fn decode_shaped_packed_batches_take_the_decode_kernels() {
+        let (min, gqa) = (FORWARD_DECODE_MIN_KEYS, FORWARD_DECODE_MIN_KEYS_GQA);
+        let kv = FORWARD_DECODE_MIN_KV_HEADS;
+        for (b, heads, max_q, total_k, routed) in [
+            (4, (32, 8), 1, 4 * min, true),
+            (2, (32, 8), 16, 2 * min + 3, true),
+            (1, (8, 8), 5, 32768, true),
+            (4, (32, 8), 1, 4 * min - 1, false),
+            (4, (32, 8), 17, 1 << 20, false),
+            (kv / 8, (32, 8), 16, kv / 8 * gqa, true),
+            (kv / 8, (32, 8), 16, kv / 8 * gqa - 1, false),
+            (kv / 8 - 1, (32, 8), 16, (kv / 8 - 1) * gqa, false),
+        ] {
+            let p = packed_problem(b, heads, max_q, total_k);
+            let at = format!("B{b} {heads:?} {max_q} {total_k}");
+            assert_eq!(
+                varlen_takes_decode(&p, PathChoice::Best, 132),
+                routed,
+                "{at}"
+            );
+            assert!(!varlen_takes_decode(&p, PathChoice::Sm80, 132), "{at}");
+            assert!(!forward_takes_decode(&p, PathChoice::Best, 132), "{at}");
+        }
+        // A dense call is not a packed one.
+        let dense = forward_problem(4, 32, 8, 1, 1 << 20);
+        assert!(!varlen_takes_decode(&dense, PathChoice::Best, 132));
+        // The plan of a packed problem runs a packed kernel.
+        let p = packed_problem(4, (32, 8), 16, 1 << 16);
+        let problem = DecodeProblem {
+            cache: CacheShape {
+                batch: 4,
+                heads_kv: 8,
+                head_dim: 128,
+                capacity: 1 << 14,
+                page_size: 0,
+                pool_pages: 0,
+                fp8: false,
+            },
+            dtype: HalfType::F16,
+            seqlen_q: 16,
+            heads_q: 32,
+            scale: 0.1,
+            causal: true,
+            packed: p.packed,
+        };
+        assert_eq!(problem.layout(), DecodeLayout::Packed);
+        let plan = plan_decode(&problem, 132, 227 * 1024).unwrap();
+        assert!(plan.config.packed && !plan.config.paged, "{plan:?}");
+        assert!(plan.config.id().ends_with("_packed"), "{plan:?}");
     }
     use crate::host::draw::Draw;
     use crate::host::kv_cache::{CacheLayout, KvScales};
@@ -2004,6 +2277,7 @@ mod tests {
             heads_q,
             scale: 0.1,
             causal: false,
+            packed: None,
         };
         for capacity in [1 << 25, 1 << 27, 1 << 29, 1 << 30] {
             // 256 heads of 16 queries fill a wave without splits.

@@ -318,8 +318,21 @@ mod tests {
             warps: 4,
             fp8: false,
             padded: false,
+            packed: false,
         };
         refused("decode at head dim 80", decode.generate());
+        let packed = DecodeConfig {
+            head_dim: 128,
+            packed: true,
+            ..decode
+        };
+        refused("packed paged decode", packed.generate());
+        let packed_e4m3 = DecodeConfig {
+            paged: false,
+            fp8: true,
+            ..packed
+        };
+        refused("packed e4m3 decode", packed_e4m3.generate());
         let e4m3 = DecodeConfig {
             head_dim: 0,
             fp8: true,
@@ -339,8 +352,16 @@ mod tests {
             head_dim: 80,
             programmatic: false,
             padded: false,
+            packed: false,
         };
         refused("merge at head dim 80", merge.generate());
+        let packed = MergeConfig {
+            input: MergeType::F16,
+            head_dim: 128,
+            packed: true,
+            ..merge
+        };
+        refused("packed merge of 16-bit shards", packed.generate());
         let merge = MergeConfig {
             head_dim: 192,
             padded: true,

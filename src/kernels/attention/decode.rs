@@ -50,6 +50,17 @@
 //! outside the pool would name are never read (zero-filled instead); lengths are clamped
 //! to the capacity. Queries sit at the end of their sequence: query `qi` of `Sq` is
 //! position `len − Sq + qi`, and with causal masking sees keys up to that position.
+//!
+//! **Packed batches** ([`DecodeConfig::packed`]): a variable-length forward call's
+//! sequences, one after another in `[1, total, H, D]` tensors, with at most
+//! [`MAX_QUERIES`] queries each. Block `(.., b)` reads sequence `b`'s query and key
+//! offsets first: its queries are rows `cu_q[b] ..` of Q and O (`n_b` of them, fewer than
+//! `Sq` where the sequence is short, bottom-right aligned against its own keys), its keys
+//! rows `cu_k[b] .. cu_k[b + 1]` of K and V, which stand in for the cache's capacity, so
+//! the first tile waits for them. Offsets are clamped to the tensors. A block whose row
+//! chunk holds none of the sequence's `n_b · group` rows returns at once; the partial
+//! results keep the dense `[splits, B, Sq, Hq, D]` layout, whose rows past `n_b` the
+//! packed merge skips.
 
 use std::marker::PhantomData;
 use std::mem::offset_of;
@@ -103,6 +114,10 @@ pub struct DecodeConfig {
     /// zero columns, which a single split does not store (several write them to the
     /// workspace, whose merge reads only the cache's columns). 16-bit caches only.
     pub padded: bool,
+    /// Packed sequences of a variable-length forward call (see the module docs): query
+    /// and key rows found through the cumulative offsets `cu_seqlens_q`/`cu_seqlens_k`.
+    /// Contiguous 16-bit K/V only.
+    pub packed: bool,
 }
 
 /// The decode kernel head dim that serves a cache of head dim `d`, and whether it runs
@@ -159,9 +174,10 @@ impl DecodeConfig {
     pub fn candidates(
         dtype: HalfType,
         (head_dim, padded): (u32, bool),
-        paged: bool,
+        layout: DecodeLayout,
         fp8: bool,
     ) -> [DecodeConfig; 3] {
+        let paged = layout == DecodeLayout::Paged;
         let cfg = |stages, warps| DecodeConfig {
             dtype,
             head_dim,
@@ -170,6 +186,7 @@ impl DecodeConfig {
             warps,
             fp8,
             padded,
+            packed: layout == DecodeLayout::Packed,
         };
         [
             cfg(Self::preferred_stages(head_dim, paged, fp8), 4),
@@ -185,13 +202,14 @@ impl DecodeConfig {
     /// `attn_decode_f16_d96_s3w4_padded`.
     pub fn id(&self) -> String {
         format!(
-            "attn_decode_{}{}_d{}_s{}w{}{}{}",
+            "attn_decode_{}{}_d{}_s{}w{}{}{}{}",
             self.dtype.name(),
             if self.fp8 { "_kv_e4m3" } else { "" },
             self.head_dim,
             self.stages,
             self.warps,
             if self.paged { "_paged" } else { "" },
+            if self.packed { "_packed" } else { "" },
             if self.padded { "_padded" } else { "" }
         )
     }
@@ -357,9 +375,21 @@ impl Slots {
     }
 }
 
+/// Where a decode kernel finds each sequence's keys.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DecodeLayout {
+    /// `[B, capacity, Hkv, D]`.
+    Contiguous,
+    /// Pages of a pool through a block table.
+    Paged,
+    /// Rows `cu_k[b] .. cu_k[b + 1]` of `[1, total_k, Hkv, D]` ([`DecodeConfig::packed`]).
+    Packed,
+}
+
 /// Every decode configuration the dispatch can choose: each head dim's
 /// [`DecodeConfig::candidates`], for 16-bit caches (unpadded, and padded where
-/// [`PADDED_HEAD_DIMS`] has the head dim) and (head dims 64, 128, 256) e4m3.
+/// [`PADDED_HEAD_DIMS`] has the head dim; contiguous, paged and packed) and (head dims
+/// 64, 128, 256, contiguous and paged) e4m3.
 pub fn all_decode_configs() -> Vec<DecodeConfig> {
     let mut v = Vec::new();
     for fp8 in [false, true] {
@@ -373,10 +403,19 @@ pub fn all_decode_configs() -> Vec<DecodeConfig> {
                 } else {
                     &[false]
                 };
+                let layouts: &[DecodeLayout] = if fp8 {
+                    &[DecodeLayout::Contiguous, DecodeLayout::Paged]
+                } else {
+                    &[
+                        DecodeLayout::Contiguous,
+                        DecodeLayout::Paged,
+                        DecodeLayout::Packed,
+                    ]
+                };
                 for &padded in paddings {
-                    for paged in [false, true] {
+                    for &layout in layouts {
                         let kernel = (head_dim, padded);
-                        for cfg in DecodeConfig::candidates(dtype, kernel, paged, fp8) {
+                        for cfg in DecodeConfig::candidates(dtype, kernel, layout, fp8) {
                             if !v.contains(&cfg) {
                                 v.push(cfg);
                             }
@@ -399,7 +438,7 @@ pub struct DecodeArgs {
     pub k: u64,
     pub v: u64,
     pub o: u64,
-    /// float32 `[B, Hq, Sq]`, or 0.
+    /// float32 `[B, Hq, Sq]` (packed: `[Hq, total_q]`), or 0.
     pub lse: u64,
     /// Partial outputs, float32 `[splits, B, Sq, Hq, D]` (unused with one split).
     pub o_part: u64,
@@ -437,6 +476,12 @@ pub struct DecodeArgs {
     pub v_scale: u64,
     pub k_scale_stride: [u64; 3],
     pub v_scale_stride: [u64; 3],
+    /// Packed kernels: int32 `[B + 1]` cumulative query and key offsets (rows of Q and O,
+    /// of K and V), and the rows the tensors hold, which clamp them.
+    pub cu_seqlens_q: u64,
+    pub cu_seqlens_k: u64,
+    pub total_q: u32,
+    pub total_k: u32,
 }
 
 impl DecodeArgs {
@@ -478,12 +523,82 @@ struct Block {
     /// The sequence's length as loaded, first used by [`Block::keys`].
     loaded_len: Reg<S32>,
     block_n: u32,
+    /// A packed kernel's sequence: where its rows are.
+    packed: Option<PackedSequence>,
+}
+
+/// A packed sequence's rows ([`DecodeConfig::packed`]), its offsets clamped to the
+/// tensors.
+#[derive(Clone, Copy)]
+struct PackedSequence {
+    /// Its first row of Q and O.
+    q_start: Reg<U32>,
+    /// Its queries: at most `Sq`.
+    queries: Reg<U32>,
+    /// Its first row of K and V.
+    k_start: Reg<U32>,
+}
+
+impl PackedSequence {
+    /// Loads sequence `batch`'s offsets: rows `[start, end)` of each, with
+    /// `0 ≤ start ≤ end ≤ total` whatever the arrays hold. Returns the sequence and its
+    /// key count.
+    fn load(k: &mut Kernel, args: ParamBytes, batch: Reg<U32>) -> (PackedSequence, Reg<S32>) {
+        let at = k.mul_wide_u32(batch, 4u32);
+        let rows = |k: &mut Kernel, cu_at: usize, total_at: usize| {
+            let cu = arg::<U64>(k, args, cu_at);
+            let cu = k.add(cu, at);
+            let start = k.ld_global::<S32>(cu, 0);
+            let end = k.ld_global::<S32>(cu, 4);
+            let total = arg::<S32>(k, args, total_at);
+            let start = k.max(start, 0i32);
+            let start = k.min(start, total);
+            let end = k.max(end, start);
+            let end = k.min(end, total);
+            (start, k.sub(end, start))
+        };
+        let (q_start, queries) = rows(
+            k,
+            offset_of!(DecodeArgs, cu_seqlens_q),
+            offset_of!(DecodeArgs, total_q),
+        );
+        let (k_start, keys) = rows(
+            k,
+            offset_of!(DecodeArgs, cu_seqlens_k),
+            offset_of!(DecodeArgs, total_k),
+        );
+        let most = arg::<S32>(k, args, offset_of!(DecodeArgs, seqlen_q));
+        let queries = k.min(queries, most);
+        let seq = PackedSequence {
+            q_start: q_start.cast::<U32>(),
+            queries: queries.cast::<U32>(),
+            k_start: k_start.cast::<U32>(),
+        };
+        (seq, keys)
+    }
 }
 
 impl Block {
-    /// Issues the length's load before anything else.
-    fn new(k: &mut Kernel, args: ParamBytes, block_n: u32) -> Block {
+    /// Issues the length's load before anything else (packed: the sequence's offsets,
+    /// whose key count stands in for the capacity as well).
+    fn new(k: &mut Kernel, args: ParamBytes, cfg: &DecodeConfig) -> Block {
+        let block_n = cfg.block_n();
         let batch = k.special(Special::CtaidZ);
+        if cfg.packed {
+            let (seq, keys) = PackedSequence::load(k, args, batch);
+            let (split, kv_head, chunk) = Block::position(k, args);
+            return Block {
+                batch,
+                kv_head,
+                chunk,
+                split,
+                splits: arg::<S32>(k, args, offset_of!(DecodeArgs, splits)),
+                capacity: keys,
+                loaded_len: keys,
+                block_n,
+                packed: Some(seq),
+            };
+        }
         let seqlens = arg::<U64>(k, args, offset_of!(DecodeArgs, seqlens));
         let at = k.mul_wide_u32(batch, 4u32);
         let at = k.add(seqlens, at);
@@ -492,12 +607,7 @@ impl Block {
         let loaded_len = k.mov::<S32>(capacity);
         let given = k.setp(Cmp::Ne, seqlens, 0u64);
         k.guarded(given, true, |k| k.ld_global_into(loaded_len, at, 0));
-        let split = k.special(Special::CtaidX);
-        let y = k.special(Special::CtaidY);
-        let row_chunks = arg::<U32>(k, args, offset_of!(DecodeArgs, row_chunks));
-        let kv_head = k.div(y, row_chunks);
-        let chunk = k.mad(kv_head, row_chunks, 0u32);
-        let chunk = k.sub(y, chunk);
+        let (split, kv_head, chunk) = Block::position(k, args);
         Block {
             batch,
             kv_head,
@@ -507,6 +617,45 @@ impl Block {
             capacity,
             loaded_len,
             block_n,
+            packed: None,
+        }
+    }
+
+    /// The block's split, KV head and row chunk, from its grid position.
+    fn position(k: &mut Kernel, args: ParamBytes) -> (Reg<U32>, Reg<U32>, Reg<U32>) {
+        let split = k.special(Special::CtaidX);
+        let y = k.special(Special::CtaidY);
+        let row_chunks = arg::<U32>(k, args, offset_of!(DecodeArgs, row_chunks));
+        let kv_head = k.div(y, row_chunks);
+        let chunk = k.mad(kv_head, row_chunks, 0u32);
+        let chunk = k.sub(y, chunk);
+        (split, kv_head, chunk)
+    }
+
+    /// The sequence's queries: `Sq`, or a packed sequence's own count.
+    fn queries(&self, k: &mut Kernel, args: ParamBytes) -> Reg<U32> {
+        match &self.packed {
+            Some(seq) => seq.queries,
+            None => arg::<U32>(k, args, offset_of!(DecodeArgs, seqlen_q)),
+        }
+    }
+
+    /// The element offset of query `qi`'s row of `head` in Q or O (with their
+    /// `strides`): in the block's batch, or a packed sequence's row `q_start + qi`.
+    fn query_row(
+        &self,
+        k: &mut Kernel,
+        strides: [Reg<U64>; 3],
+        qi: Reg<U32>,
+        head: Reg<U32>,
+    ) -> Reg<U64> {
+        match &self.packed {
+            Some(seq) => {
+                let zero = k.mov(0u32);
+                let row = k.add(seq.q_start, qi);
+                row_offset(k, strides, [zero, row, head])
+            }
+            None => row_offset(k, strides, [self.batch, qi, head]),
         }
     }
 
@@ -698,11 +847,16 @@ impl Cache {
             let base = arg::<U64>(k, args, base_at);
             let s = strides(k, args, strides_at);
             let e = k.mad(h, s[2], c);
-            let e = if cfg.paged {
-                e
-            } else {
-                let b = k.cvt_u64_u32(block.batch);
-                k.mad(b, s[0], e)
+            let e = match (cfg.paged, &block.packed) {
+                (true, _) => e,
+                (false, Some(seq)) => {
+                    let row = k.cvt_u64_u32(seq.k_start);
+                    k.mad(row, s[1], e)
+                }
+                (false, None) => {
+                    let b = k.cvt_u64_u32(block.batch);
+                    k.mad(b, s[0], e)
+                }
             };
             let e = k.shl(e, elem_shift);
             let at = k.add(base, e);
@@ -1015,11 +1169,16 @@ fn build<H: Half2>(cfg: &DecodeConfig) -> Result<KernelText, PtxError> {
     let warp = k.shr(tid, 5);
 
     k.comment("Which (batch, kv head, row chunk, split) this block owns; its length's load.");
-    let block = Block::new(&mut k, args, cfg.block_n());
-    let seqlen_q = arg::<U32>(&mut k, args, offset_of!(DecodeArgs, seqlen_q));
+    let block = Block::new(&mut k, args, cfg);
+    let seqlen_q = block.queries(&mut k, args);
     let group = arg::<U32>(&mut k, args, offset_of!(DecodeArgs, group));
     let packed_rows = k.mul(seqlen_q, group);
     let row_base = k.mul(block.chunk, ROWS);
+    if block.packed.is_some() {
+        k.comment("A row chunk past the packed sequence's queries has nothing to do.");
+        let idle = k.setp(Cmp::Ge, row_base, packed_rows);
+        k.if_(idle, |k| k.ret());
+    }
 
     let columns = head_dim.map(|p| k.load_param(p));
     let loader = Loader::new(&mut k, cfg.kv_layout(), cfg.threads(), tid, columns);
@@ -1166,7 +1325,7 @@ fn build<H: Half2>(cfg: &DecodeConfig) -> Result<KernelText, PtxError> {
         let head = k.mad(block.kv_head, group, g);
         let q = arg::<U64>(&mut k, args, offset_of!(DecodeArgs, q));
         let s = strides(&mut k, args, offset_of!(DecodeArgs, q_stride));
-        let e = row_offset(&mut k, s, [block.batch, qi, head]);
+        let e = block.query_row(&mut k, s, qi, head);
         let c = k.cvt_u64_u32(loader.chunk);
         let c = k.shl(c, 3);
         let e = k.add(e, c);
@@ -1319,7 +1478,7 @@ fn build<H: Half2>(cfg: &DecodeConfig) -> Result<KernelText, PtxError> {
     }
 
     // Read again from the arguments rather than kept live through the loop.
-    let seqlen_q = arg::<U32>(&mut k, args, offset_of!(DecodeArgs, seqlen_q));
+    let seqlen_q = block.queries(&mut k, args);
     let group = arg::<U32>(&mut k, args, offset_of!(DecodeArgs, group));
     let packed_rows = k.mul(seqlen_q, group);
     merge_warps_and_store::<H>(
@@ -1780,7 +1939,7 @@ fn merge_row_and_store<H: Half2>(
         |k| {
             let o = arg::<U64>(k, args, offset_of!(DecodeArgs, o));
             let s = strides(k, args, offset_of!(DecodeArgs, o_stride));
-            let e = row_offset(k, s, [w.block.batch, qi, head]);
+            let e = w.block.query_row(k, s, qi, head);
             let c = k.cvt_u64_u32(col0);
             let e = k.add(e, c);
             let e = k.shl(e, 1);
@@ -1803,9 +1962,21 @@ fn merge_row_and_store<H: Half2>(
             let lse_ptr = arg::<U64>(k, args, offset_of!(DecodeArgs, lse));
             let wanted = k.setp(Cmp::Ne, lse_ptr, 0u64);
             let wanted = k.and_pred(wanted, first_part);
-            let index = k.mul_wide_u32(bh, seqlen_q);
-            let q64 = k.cvt_u64_u32(qi);
-            let index = k.add(index, q64);
+            // [B, Hq, Sq]; packed, [Hq, total_q] at the sequence's first row.
+            let index = match &w.block.packed {
+                Some(seq) => {
+                    let total_q = arg::<U32>(k, args, offset_of!(DecodeArgs, total_q));
+                    let row = k.add(seq.q_start, qi);
+                    let index = k.mul_wide_u32(head, total_q);
+                    let row = k.cvt_u64_u32(row);
+                    k.add(index, row)
+                }
+                None => {
+                    let index = k.mul_wide_u32(bh, seqlen_q);
+                    let q64 = k.cvt_u64_u32(qi);
+                    k.add(index, q64)
+                }
+            };
             let index = k.shl(index, 2);
             let at = k.add(lse_ptr, index);
             k.guarded(wanted, true, |k| k.st_global(at, 0, lse));
@@ -1879,7 +2050,8 @@ mod tests {
 
     #[test]
     fn the_first_tile_is_issued_before_the_length_is_used() {
-        for c in all_decode_configs() {
+        // (A packed kernel's first tile needs its sequence's offsets.)
+        for c in all_decode_configs().into_iter().filter(|c| !c.packed) {
             let ptx = c.generate().unwrap().to_ptx();
             // The length is the kernel's first global load.
             let at = ptx.find("ld.global.b32 ").unwrap();
@@ -1918,8 +2090,12 @@ mod tests {
         for d in (8..=256).step_by(8) {
             let (kd, padded) = kernel_head_dim(d, false).unwrap();
             assert!(kd as usize >= d && padded == (kd as usize != d), "{d}");
-            for paged in [false, true] {
-                for c in DecodeConfig::candidates(HalfType::Bf16, (kd, padded), paged, false) {
+            for layout in [
+                DecodeLayout::Contiguous,
+                DecodeLayout::Paged,
+                DecodeLayout::Packed,
+            ] {
+                for c in DecodeConfig::candidates(HalfType::Bf16, (kd, padded), layout, false) {
                     assert!(listed.contains(&c), "{d}: {}", c.id());
                 }
             }
@@ -1978,9 +2154,10 @@ mod tests {
             assert_eq!(guarded(&padded), guarded(&plain) + words, "{id}");
             seen += 1;
         }
-        // Five kernel head dims, two dtypes, contiguous and paged, three rings each at 64,
-        // 96, 128 and 192 and two at 256 (whose preferred ring has two stages).
-        assert_eq!(seen, 56);
+        // Five kernel head dims, two dtypes, contiguous, paged and packed, three rings
+        // each at 64, 96, 128 and 192 and two at 256 (whose preferred ring has two
+        // stages).
+        assert_eq!(seen, 84);
     }
 
     #[test]
@@ -1993,6 +2170,7 @@ mod tests {
             warps: 4,
             fp8,
             padded: false,
+            packed: false,
         };
         // 16-bit rings: 64 KiB in flight per SM. Head dim 128 (two 32 KiB stages in
         // flight) and 256 (one of 64 KiB) want one block per SM; head dim 64 (three of
@@ -2073,7 +2251,8 @@ mod tests {
         // Every head dim has a ring that fits the 99 KiB of sm_86/sm_89, and two blocks
         // of the preferred e4m3 ring fit an sm_90 SM at head dims 64 and 128.
         for d in HEAD_DIMS {
-            let [.., last] = DecodeConfig::candidates(HalfType::F16, (d, false), true, false);
+            let paged = DecodeLayout::Paged;
+            let [.., last] = DecodeConfig::candidates(HalfType::F16, (d, false), paged, false);
             assert!(
                 last.smem_bytes() <= 99 * 1024,
                 "d{d}: {}",
@@ -2081,7 +2260,9 @@ mod tests {
             );
         }
         for d in FP8_HEAD_DIMS {
-            let [first, .., last] = DecodeConfig::candidates(HalfType::F16, (d, false), true, true);
+            let paged = DecodeLayout::Paged;
+            let [first, .., last] =
+                DecodeConfig::candidates(HalfType::F16, (d, false), paged, true);
             assert!(
                 last.smem_bytes() <= 99 * 1024,
                 "d{d}: {}",

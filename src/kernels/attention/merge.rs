@@ -76,6 +76,9 @@ pub struct MergeConfig {
     /// take columns. Only kernels whose lanes take a power of two of columns each
     /// ([`PADDED_HEAD_DIMS`]).
     pub padded: bool,
+    /// The output is a packed (variable-length) batch, as a decode of one writes it
+    /// (see [`MergeArgs::cu_seqlens`]). Only the decode combine's configurations.
+    pub packed: bool,
 }
 
 /// The merge kernel head dims with a padded variant ([`MergeConfig::padded`]): each
@@ -110,6 +113,14 @@ pub struct MergeArgs {
     pub heads: u32,
     /// `B · S · H`.
     pub rows: u32,
+    /// Packed kernels: int32 `[B + 1]` cumulative offsets. Row `(b, s, h)` of the shards
+    /// goes to row `(0, cu[b] + s, h)` of the output and index `h · total + cu[b] + s`
+    /// of its LSE (`[H, total]`), and only where `s < cu[b + 1] − cu[b]` (offsets
+    /// clamped to `[0, total]`): rows past a sequence's end are not written.
+    pub cu_seqlens: u64,
+    /// Packed kernels: the output's rows.
+    pub total: u32,
+    pub pad: u32,
 }
 
 impl MergeArgs {
@@ -121,11 +132,12 @@ impl MergeConfig {
 
     pub fn id(&self) -> String {
         format!(
-            "attn_merge_{}_to_{}_d{}{}{}",
+            "attn_merge_{}_to_{}_d{}{}{}{}",
             self.input.name(),
             self.output.name(),
             self.head_dim,
             if self.padded { "_padded" } else { "" },
+            if self.packed { "_packed" } else { "" },
             if self.programmatic { "_pdl" } else { "" }
         )
     }
@@ -180,7 +192,8 @@ impl MergeConfig {
 
 /// Every merge configuration: any of the three element types in and out, every head
 /// dim; and the decode combine's (float32 partial results to a 16-bit output) launched
-/// programmatically on Hopper. Then the same for the padded kernels.
+/// programmatically on Hopper. Then the same for the padded kernels. Last, the decode
+/// combine's into packed outputs, launched either way.
 pub fn all_merge_configs() -> Vec<MergeConfig> {
     let types = [MergeType::F16, MergeType::Bf16, MergeType::F32];
     let mut v = Vec::new();
@@ -194,6 +207,7 @@ pub fn all_merge_configs() -> Vec<MergeConfig> {
                         head_dim,
                         programmatic: false,
                         padded,
+                        packed: false,
                     });
                 }
             }
@@ -206,7 +220,24 @@ pub fn all_merge_configs() -> Vec<MergeConfig> {
                     head_dim,
                     programmatic: true,
                     padded,
+                    packed: false,
                 });
+            }
+        }
+    }
+    for (padded, head_dims) in [(false, &FWD_HEAD_DIMS[..]), (true, &PADDED_HEAD_DIMS[..])] {
+        for programmatic in [false, true] {
+            for output in [MergeType::F16, MergeType::Bf16] {
+                for &head_dim in head_dims {
+                    v.push(MergeConfig {
+                        input: MergeType::F32,
+                        output,
+                        head_dim,
+                        programmatic,
+                        padded,
+                        packed: true,
+                    });
+                }
             }
         }
     }
@@ -334,6 +365,8 @@ fn merge_row(
     let lse_index = k.mul_wide_u32(bh, seqlen);
     let s64 = k.cvt_u64_u32(s);
     let lse_index = k.add(lse_index, s64);
+    // A packed output: the sequence's offsets, loaded with the shards' first rows.
+    let packed = cfg.packed.then(|| PackedRow::load(k, args, b, s));
     let lse_parts = arg::<U64>(k, args, offset_of!(MergeArgs, lse_parts));
     let lse_shard = arg::<U64>(k, args, offset_of!(MergeArgs, lse_shard_stride));
     let lse_row = k.shl(lse_index, 2);
@@ -475,6 +508,17 @@ fn merge_row(
     k.sync_threads();
     let first = k.setp(Cmp::Eq, warp, 0u32);
     k.if_(first, |k| {
+        let (lse_index, b64, s64, holds) = match packed {
+            None => (lse_index, b64, s64, None),
+            Some(row) => {
+                // Row (0, cu[b] + s, h) of O; h · total + cu[b] + s of the LSE.
+                let zero = k.mov(0u64);
+                let total = arg::<U32>(k, args, offset_of!(MergeArgs, total));
+                let index = k.mul_wide_u32(h, total);
+                let index = k.add(index, row.at);
+                (index, zero, row.at, Some(row.holds))
+            }
+        };
         finish_row(
             k,
             cfg,
@@ -484,8 +528,40 @@ fn merge_row(
             lse_index,
             [b64, s64, h64, c],
             active,
+            holds,
         )
     });
+}
+
+/// Where a packed output takes row `(b, s)` of the shards.
+#[derive(Clone, Copy)]
+struct PackedRow {
+    /// Row `cu[b] + s` of the output.
+    at: Reg<U64>,
+    /// `s` is one of sequence `b`'s rows.
+    holds: Reg<Pred>,
+}
+
+impl PackedRow {
+    fn load(k: &mut Kernel, args: ParamBytes, b: Reg<U32>, s: Reg<U32>) -> PackedRow {
+        let cu = arg::<U64>(k, args, offset_of!(MergeArgs, cu_seqlens));
+        let at = k.mul_wide_u32(b, 4u32);
+        let cu = k.add(cu, at);
+        let start = k.ld_global::<S32>(cu, 0);
+        let end = k.ld_global::<S32>(cu, 4);
+        let total = arg::<S32>(k, args, offset_of!(MergeArgs, total));
+        let start = k.max(start, 0i32);
+        let start = k.min(start, total);
+        let end = k.max(end, start);
+        let end = k.min(end, total);
+        let rows = k.sub(end, start);
+        let holds = k.setp(Cmp::Lt, s.cast::<S32>(), rows);
+        let row = k.add(start.cast::<U32>(), s);
+        PackedRow {
+            at: k.cvt_u64_u32(row),
+            holds,
+        }
+    }
 }
 
 /// Warp 0: weighs the warps' partial sums by `exp(m_w − M)`, adds them, normalises,
@@ -500,7 +576,13 @@ fn finish_row(
     lse_index: Reg<U64>,
     [b64, s64, h64, c]: [Reg<U64>; 4],
     active: Reg<Pred>,
+    holds: Option<Reg<Pred>>,
 ) {
+    // `active`: the lane holds columns; `holds` (packed outputs): the row is written.
+    let active = match holds {
+        Some(h) => k.and_pred(active, h),
+        None => active,
+    };
     let cpl = cfg.cols_per_lane();
     let maxima: Vec<Reg<F32>> = (0..WARPS)
         .map(|w| k.ld_shared::<F32>(shared.totals, (4 * (WARPS + w)) as i32))
@@ -554,6 +636,10 @@ fn finish_row(
     let wanted = k.setp(Cmp::Ne, out_lse, 0u64);
     let lane0 = k.setp(Cmp::Eq, lane, 0u32);
     let wanted = k.and_pred(wanted, lane0);
+    let wanted = match holds {
+        Some(h) => k.and_pred(wanted, h),
+        None => wanted,
+    };
     let at = k.shl(lse_index, 2);
     let at = k.add(out_lse, at);
     k.guarded(wanted, true, |k| k.st_global(at, 0, lse));
@@ -577,6 +663,7 @@ mod tests {
             head_dim,
             programmatic: false,
             padded: false,
+            packed: false,
         };
         assert_eq!(d(128).cols_per_lane(), 4);
         assert_eq!(d(96).cols_per_lane(), 4);
@@ -600,6 +687,7 @@ mod tests {
                     head_dim,
                     programmatic,
                     padded,
+                    packed: false,
                 };
                 assert!(listed.contains(&cfg), "{d}: {}", cfg.id());
                 let cpl = cfg.cols_per_lane();
@@ -619,6 +707,7 @@ mod tests {
             assert!(ptx.contains(".param .u32 head_dim"), "{}", cfg.id());
             let plain = MergeConfig {
                 padded: false,
+                packed: false,
                 ..*cfg
             };
             assert!(!plain.generate().unwrap().to_ptx().contains("head_dim"));
@@ -633,6 +722,7 @@ mod tests {
             head_dim: 128,
             programmatic: false,
             padded: false,
+            packed: false,
         };
         let chained = MergeConfig {
             programmatic: true,
@@ -655,6 +745,14 @@ mod tests {
     fn each_shard_is_read_in_one_pass() {
         for cfg in all_merge_configs() {
             let ptx = cfg.generate().unwrap().to_ptx();
+            // A packed output's two offsets (32-bit words; its shards are float32) are
+            // loaded first, beside the row's setup, outside the loop.
+            let ptx = if cfg.packed {
+                assert_eq!(ptx.matches("ld.global.b32").count(), 2, "{}", cfg.id());
+                &ptx[ptx.rfind("ld.global.b32").unwrap() + 1..]
+            } else {
+                &ptx[..]
+            };
             // Every load (LSEs and rows of a step's shards) is issued in one loop, before
             // the first exponential.
             let first_load = ptx.find("ld.global").unwrap();
