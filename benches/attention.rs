@@ -6,6 +6,11 @@
 //! caches of 8192 positions, contiguous and paged (pages of 16 in shuffled order); its
 //! throughput is the K and V bytes read (so `GiB/s` is the cache bandwidth).
 //!
+//! The varlen group times packed (variable-length) batches, Hq 32, Hkv 8, D 128, f16:
+//! eight causal prompts of 128 to 4096 tokens (throughput in FLOPs) and sixteen decode
+//! steps of one query against 8192 keys each, which run on the decode kernels
+//! (throughput in K and V bytes read).
+//!
 //! `cargo bench` on a machine without a GPU prints a notice and measures nothing.
 
 use std::sync::Arc;
@@ -23,6 +28,7 @@ use flashcore::host::device::{Device, driver_present};
 use flashcore::host::kv_cache::{CacheLayout, KvCache};
 use flashcore::host::tensor::{AttentionParams, DType, TensorView};
 use flashcore::host::timing::EventTimer;
+use flashcore::host::varlen::Varlen;
 use flashcore::kernels::attention::HalfType;
 use flashcore::reference::{self, Rng};
 use flashcore::shape::AttnShape;
@@ -201,6 +207,120 @@ fn decode_group(
     group.finish();
 }
 
+/// A packed batch: (query rows, key rows) per sequence.
+struct PackedBatch {
+    name: &'static str,
+    lens: Vec<(usize, usize)>,
+    causal: bool,
+}
+
+fn varlen_batches() -> [PackedBatch; 2] {
+    let prompts = [4096, 333, 2048, 1500, 777, 3000, 128, 1024];
+    [
+        PackedBatch {
+            name: "prompts",
+            lens: prompts.iter().map(|&l| (l, l)).collect(),
+            causal: true,
+        },
+        PackedBatch {
+            name: "decode_steps",
+            lens: vec![(1, 8192); 16],
+            causal: false,
+        },
+    ]
+}
+
+/// Packed (variable-length) forward calls, CUDA-event timed. Each batch's K and V are
+/// larger than twice the L2 cache on their own.
+fn varlen_group(
+    c: &mut Criterion,
+    attn: &Attention,
+    stream: &Arc<CudaStream>,
+    timer: &EventTimer,
+    rng: &mut Rng,
+) {
+    let (hq, hkv, d) = (32, 8, 128);
+    let mut group = c.benchmark_group(format!("varlen/{}", attn.device().arch_name()));
+    let (pool, _) = reference::random_half(rng, 1 << 16, HalfType::F16);
+    let fill = |n: usize| -> Vec<u16> { (0..n).map(|i| pool[(i * 7 + 13) % pool.len()]).collect() };
+    for PackedBatch { name, lens, causal } in varlen_batches() {
+        let offsets = |rows: &dyn Fn(&(usize, usize)) -> usize| -> Vec<i32> {
+            let mut cu = vec![0i32];
+            for l in &lens {
+                cu.push(cu[cu.len() - 1] + rows(l) as i32);
+            }
+            cu
+        };
+        let (cu_q, cu_k) = (offsets(&|l| l.0), offsets(&|l| l.1));
+        let (tq, tk) = (cu_q[lens.len()] as usize, cu_k[lens.len()] as usize);
+        let q = stream.clone_htod(&fill(tq * hq * d)).expect("upload");
+        let k = stream.clone_htod(&fill(tk * hkv * d)).expect("upload");
+        let v = stream.clone_htod(&fill(tk * hkv * d)).expect("upload");
+        let o = stream.alloc_zeros::<u16>(tq * hq * d).expect("alloc");
+        let cu_q_dev = stream.clone_htod(&cu_q).expect("upload");
+        let cu_k_dev = stream.clone_htod(&cu_k).expect("upload");
+        let view = |x: &CudaSlice<u16>, rows, h| {
+            TensorView::bshd(x.device_ptr(stream).0, DType::F16, 1, rows, h, d)
+        };
+        let (qv, kv, vv, ov) = (
+            view(&q, tq, hq),
+            view(&k, tk, hkv),
+            view(&v, tk, hkv),
+            view(&o, tq, hq),
+        );
+        let varlen = Varlen {
+            cu_seqlens_q: cu_q_dev.device_ptr(stream).0,
+            cu_seqlens_k: cu_k_dev.device_ptr(stream).0,
+            batch: lens.len(),
+            max_seqlen_q: lens.iter().map(|l| l.0).max().unwrap_or(1),
+            host: None,
+        };
+        let params = AttentionParams {
+            softmax_scale: None,
+            causal,
+        };
+        let run = || {
+            // SAFETY: every view points into the live buffers above, sized for it, on
+            // `stream`, which they outlive (the group synchronizes through the timer).
+            unsafe {
+                attn.forward_varlen(
+                    &qv,
+                    &kv,
+                    &vv,
+                    &ov,
+                    None,
+                    &varlen,
+                    &params,
+                    stream.cu_stream(),
+                )
+            }
+        };
+        run().expect("first packed forward");
+        group.throughput(if name == "decode_steps" {
+            Throughput::Bytes((2 * tk * hkv * d * 2) as u64)
+        } else {
+            // Causal pairs of equal-length sequences: l (l + 1) / 2 each.
+            let pairs: usize = lens.iter().map(|l| l.0 * (l.0 + 1) / 2).sum();
+            Throughput::Elements((4 * pairs * hq * d) as u64)
+        });
+        let id = format!("{name}_B{}_Hq{hq}_Hkv{hkv}_D{d}", lens.len());
+        group.bench_function(BenchmarkId::from_parameter(id), |bench| {
+            bench.iter_custom(|iters| {
+                // SAFETY: `stream` is a live stream of the device's context, as is the timer.
+                unsafe { timer.record_start(stream.cu_stream()) }.expect("event");
+                for _ in 0..iters {
+                    run().expect("packed forward");
+                }
+                // SAFETY: as for record_start.
+                unsafe { timer.record_stop(stream.cu_stream()) }.expect("event");
+                Duration::from_secs_f64(timer.elapsed_ms().expect("elapsed") as f64 / 1e3)
+            })
+        });
+        stream.synchronize().expect("sync");
+    }
+    group.finish();
+}
+
 fn main() {
     if !driver_present() {
         println!("flashcore benches: no CUDA driver on this machine; nothing measured");
@@ -251,6 +371,7 @@ fn main() {
     group.finish();
 
     decode_group(&mut c, &attn, &stream, &timer, &mut rng);
+    varlen_group(&mut c, &attn, &stream, &timer, &mut rng);
 
     // Launch overhead: the reference shape replayed from a CUDA graph of 20 calls.
     let mut group = c.benchmark_group(format!("graph/{}/{}", path.name(), device.arch_name()));

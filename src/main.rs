@@ -220,12 +220,15 @@ fn info() -> Result<(), Failure> {
     );
     out!(
         "  up to {} queries per sequence against {} keys or more ({} where {} or more KV \
-         heads each serve 4 query heads or more): the split-KV decode kernels (GQA packed), \
-         as `flashcore decode` runs them",
+         heads each serve 4 query heads or more; packed batches by their mean key count): \
+         the split-KV decode kernels (GQA packed), as `flashcore decode` runs them; not where \
+         the forward kernels' items fill 3/4 to all of the SMs and the query rows per KV \
+         head are {} or more",
         flashcore::kernels::attention::decode::MAX_QUERIES,
         flashcore::host::decode::FORWARD_DECODE_MIN_KEYS,
         flashcore::host::decode::FORWARD_DECODE_MIN_KEYS_GQA,
-        flashcore::host::decode::FORWARD_DECODE_MIN_KV_HEADS
+        flashcore::host::decode::FORWARD_DECODE_MIN_KV_HEADS,
+        flashcore::host::decode::FORWARD_ONE_WAVE_ROWS
     );
     match detected {
         Some(arch) => fp8_info(arch),

@@ -85,3 +85,23 @@ fn commands_check_their_sizes_before_opening_a_gpu() {
         assert!(text.contains(want), "{args:?}: {text}");
     }
 }
+
+/// `varlen --q-lens` must give one query length per key length, each a number.
+#[test]
+fn varlen_query_lengths_match_the_key_lengths() {
+    for (args, want) in [
+        (
+            &["varlen", "--lens", "5,7", "--q-lens", "1"][..],
+            "--q-lens has 1 lengths, --lens 2",
+        ),
+        (
+            &["varlen", "--lens", "5,7", "--q-lens", "1,x"][..],
+            "bad length `x` in --q-lens",
+        ),
+    ] {
+        let (code, text) = flashcore(args);
+        // 2: usage.
+        assert_eq!(code, Some(2), "{args:?}: {text}");
+        assert!(text.contains(want), "{args:?}: {text}");
+    }
+}
