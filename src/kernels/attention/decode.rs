@@ -66,6 +66,7 @@ use std::marker::PhantomData;
 use std::mem::offset_of;
 
 use super::rows::{Rows, Slab, half_of, zeroed_slabs};
+use super::sequence::clamped_offsets;
 use super::sm80::{LaneRoles, frag_addresses};
 use super::softmax::{OnlineSoftmax, pack_probs, rescale_rows};
 use super::{FWD_HEAD_DIMS, HalfType, PADDED_HEAD_DIMS, padded_head_dim};
@@ -547,14 +548,7 @@ impl PackedSequence {
         let at = k.mul_wide_u32(batch, 4u32);
         let rows = |k: &mut Kernel, cu_at: usize, total_at: usize| {
             let cu = arg::<U64>(k, args, cu_at);
-            let cu = k.add(cu, at);
-            let start = k.ld_global::<S32>(cu, 0);
-            let end = k.ld_global::<S32>(cu, 4);
-            let total = arg::<S32>(k, args, total_at);
-            let start = k.max(start, 0i32);
-            let start = k.min(start, total);
-            let end = k.max(end, start);
-            let end = k.min(end, total);
+            let (start, end) = clamped_offsets(k, cu, at, |k| arg::<S32>(k, args, total_at));
             (start, k.sub(end, start))
         };
         let (q_start, queries) = rows(

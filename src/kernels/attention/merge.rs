@@ -28,6 +28,7 @@ use crate::ptx::{
     PtxType, RawSlot, Reg, S32, SmemAddr, SmemPlan, Special, Target, U32, U64,
 };
 
+use super::sequence::clamped_offsets;
 use super::{FWD_HEAD_DIMS, serving_head_dim};
 
 /// Element type of the shards or of the output.
@@ -192,51 +193,33 @@ impl MergeConfig {
 
 /// Every merge configuration: any of the three element types in and out, every head
 /// dim; and the decode combine's (float32 partial results to a 16-bit output) launched
-/// programmatically on Hopper. Then the same for the padded kernels. Last, the decode
-/// combine's into packed outputs, launched either way.
+/// programmatically on Hopper, and into packed outputs launched either way. Each for the
+/// unpadded head dims and for the padded kernels'.
 pub fn all_merge_configs() -> Vec<MergeConfig> {
     let types = [MergeType::F16, MergeType::Bf16, MergeType::F32];
+    // (programmatic, packed) of the decode combine's configurations.
+    let combines = [(true, false), (false, true), (true, true)];
     let mut v = Vec::new();
     for (padded, head_dims) in [(false, &FWD_HEAD_DIMS[..]), (true, &PADDED_HEAD_DIMS[..])] {
+        let cfg = |input, output, head_dim, (programmatic, packed)| MergeConfig {
+            input,
+            output,
+            head_dim,
+            programmatic,
+            padded,
+            packed,
+        };
         for input in types {
             for output in types {
                 for &head_dim in head_dims {
-                    v.push(MergeConfig {
-                        input,
-                        output,
-                        head_dim,
-                        programmatic: false,
-                        padded,
-                        packed: false,
-                    });
+                    v.push(cfg(input, output, head_dim, (false, false)));
                 }
             }
         }
-        for output in [MergeType::F16, MergeType::Bf16] {
-            for &head_dim in head_dims {
-                v.push(MergeConfig {
-                    input: MergeType::F32,
-                    output,
-                    head_dim,
-                    programmatic: true,
-                    padded,
-                    packed: false,
-                });
-            }
-        }
-    }
-    for (padded, head_dims) in [(false, &FWD_HEAD_DIMS[..]), (true, &PADDED_HEAD_DIMS[..])] {
-        for programmatic in [false, true] {
+        for combine in combines {
             for output in [MergeType::F16, MergeType::Bf16] {
                 for &head_dim in head_dims {
-                    v.push(MergeConfig {
-                        input: MergeType::F32,
-                        output,
-                        head_dim,
-                        programmatic,
-                        padded,
-                        packed: true,
-                    });
+                    v.push(cfg(MergeType::F32, output, head_dim, combine));
                 }
             }
         }
@@ -546,14 +529,8 @@ impl PackedRow {
     fn load(k: &mut Kernel, args: ParamBytes, b: Reg<U32>, s: Reg<U32>) -> PackedRow {
         let cu = arg::<U64>(k, args, offset_of!(MergeArgs, cu_seqlens));
         let at = k.mul_wide_u32(b, 4u32);
-        let cu = k.add(cu, at);
-        let start = k.ld_global::<S32>(cu, 0);
-        let end = k.ld_global::<S32>(cu, 4);
-        let total = arg::<S32>(k, args, offset_of!(MergeArgs, total));
-        let start = k.max(start, 0i32);
-        let start = k.min(start, total);
-        let end = k.max(end, start);
-        let end = k.min(end, total);
+        let total = |k: &mut Kernel| arg::<S32>(k, args, offset_of!(MergeArgs, total));
+        let (start, end) = clamped_offsets(k, cu, at, total);
         let rows = k.sub(end, start);
         let holds = k.setp(Cmp::Lt, s.cast::<S32>(), rows);
         let row = k.add(start.cast::<U32>(), s);

@@ -57,18 +57,33 @@ pub fn sequence(k: &mut Kernel, args: ParamBytes, batch: Reg<U32>) -> Sequence {
             (cu_q, seq.q_start, seq.seqlen_q),
             (cu_k, seq.k_start, seq.seqlen_k),
         ] {
-            let at = k.add(cu, entry);
-            let first = k.ld_global::<S32>(at, 0);
-            let end = k.ld_global::<S32>(at, 4);
-            // `len` holds the packed row count here: clamp 0 <= first <= end <= rows.
-            let first = k.max(first, 0i32);
-            let first = k.min(first, len);
-            let end = k.max(end, first);
-            let end = k.min(end, len);
+            // `len` holds the packed row count here.
+            let (first, end) = clamped_offsets(k, cu, entry, |_| len);
             k.mov_to(start, first);
             k.sub_to(len, end, first);
         }
         k.mov_to(seq.tensor_batch, 0u32);
     });
     seq
+}
+
+/// Entries `b` and `b + 1` of a device `i32` offset array `cu` (`entry` = `4·b` bytes in)
+/// as `(first, end)`, clamped to `0 <= first <= end <= rows` whatever the array holds, so
+/// that offsets the host never checked keep every access inside the tensors. `rows` is
+/// asked for once both loads are issued (a parameter load may then sit behind them).
+pub fn clamped_offsets(
+    k: &mut Kernel,
+    cu: Reg<U64>,
+    entry: Reg<U64>,
+    rows: impl FnOnce(&mut Kernel) -> Reg<S32>,
+) -> (Reg<S32>, Reg<S32>) {
+    let at = k.add(cu, entry);
+    let first = k.ld_global::<S32>(at, 0);
+    let end = k.ld_global::<S32>(at, 4);
+    let rows = rows(k);
+    let first = k.max(first, 0i32);
+    let first = k.min(first, rows);
+    let end = k.max(end, first);
+    let end = k.min(end, rows);
+    (first, end)
 }
