@@ -57,6 +57,24 @@ fn input_sets(
         .collect()
 }
 
+/// Times `iters` calls of `call(i)` (`i` counting from 0) between two CUDA events on
+/// `stream`: criterion's custom timing.
+fn timed(
+    timer: &EventTimer,
+    stream: &CudaStream,
+    iters: u64,
+    mut call: impl FnMut(usize),
+) -> Duration {
+    // SAFETY: `stream` is a live stream of the device's context, as is the timer.
+    unsafe { timer.record_start(stream.cu_stream()) }.expect("event");
+    for i in 0..iters as usize {
+        call(i);
+    }
+    // SAFETY: as for record_start.
+    unsafe { timer.record_stop(stream.cu_stream()) }.expect("event");
+    Duration::from_secs_f64(timer.elapsed_ms().expect("elapsed") as f64 / 1e3)
+}
+
 /// Decode shapes: (batch, Skv), each with Hq 32, Hkv 8, D 128, Sq 1.
 const DECODE_SHAPES: [(usize, usize); 2] = [(1, 8192), (16, 8192)];
 /// Decode cache layouts: 0 contiguous, else the page size.
@@ -190,16 +208,7 @@ fn decode_group(
             };
             let id = format!("B{b}_Hq{hq}_Hkv{hkv}_D{d}_Skv{skv}_{layout}");
             group.bench_function(BenchmarkId::from_parameter(id), |bench| {
-                bench.iter_custom(|iters| {
-                    // SAFETY: `stream` is a live stream of the device's context, as is the timer.
-                    unsafe { timer.record_start(stream.cu_stream()) }.expect("event");
-                    for i in 0..iters as usize {
-                        run(i).expect("decode");
-                    }
-                    // SAFETY: as for record_start.
-                    unsafe { timer.record_stop(stream.cu_stream()) }.expect("event");
-                    Duration::from_secs_f64(timer.elapsed_ms().expect("elapsed") as f64 / 1e3)
-                })
+                bench.iter_custom(|iters| timed(timer, stream, iters, |i| run(i).expect("decode")))
             });
             stream.synchronize().expect("sync");
         }
@@ -306,14 +315,7 @@ fn varlen_group(
         let id = format!("{name}_B{}_Hq{hq}_Hkv{hkv}_D{d}", lens.len());
         group.bench_function(BenchmarkId::from_parameter(id), |bench| {
             bench.iter_custom(|iters| {
-                // SAFETY: `stream` is a live stream of the device's context, as is the timer.
-                unsafe { timer.record_start(stream.cu_stream()) }.expect("event");
-                for _ in 0..iters {
-                    run().expect("packed forward");
-                }
-                // SAFETY: as for record_start.
-                unsafe { timer.record_stop(stream.cu_stream()) }.expect("event");
-                Duration::from_secs_f64(timer.elapsed_ms().expect("elapsed") as f64 / 1e3)
+                timed(timer, stream, iters, |_| run().expect("packed forward"))
             })
         });
         stream.synchronize().expect("sync");
@@ -356,14 +358,9 @@ fn main() {
             let id = format!("B{b}_H{h}_S{s}_D{d}{}", if causal { "_causal" } else { "" });
             group.bench_function(BenchmarkId::from_parameter(id), |bench| {
                 bench.iter_custom(|iters| {
-                    // SAFETY: `stream` is a live stream of the device's context, as is the timer.
-                    unsafe { timer.record_start(stream.cu_stream()) }.expect("event");
-                    for i in 0..iters as usize {
-                        sets[i % sets.len()].run(&attn, &params).expect("forward");
-                    }
-                    // SAFETY: as for record_start.
-                    unsafe { timer.record_stop(stream.cu_stream()) }.expect("event");
-                    Duration::from_secs_f64(timer.elapsed_ms().expect("elapsed") as f64 / 1e3)
+                    timed(&timer, &stream, iters, |i| {
+                        sets[i % sets.len()].run(&attn, &params).expect("forward")
+                    })
                 })
             });
         }
@@ -402,31 +399,21 @@ fn main() {
     ));
     group.bench_function("B2_H8_S512_D64_x20_graph", |bench| {
         bench.iter_custom(|iters| {
-            // SAFETY: `stream` is a live stream of the device's context, as is the timer.
-            unsafe { timer.record_start(stream.cu_stream()) }.expect("event");
-            for _ in 0..iters {
-                graph.launch().expect("graph launch");
-            }
-            // SAFETY: as for record_start.
-            unsafe { timer.record_stop(stream.cu_stream()) }.expect("event");
-            Duration::from_secs_f64(timer.elapsed_ms().expect("elapsed") as f64 / 1e3)
+            timed(&timer, &stream, iters, |_| {
+                graph.launch().expect("graph launch")
+            })
         })
     });
     group.bench_function("B2_H8_S512_D64_x20_eager", |bench| {
         bench.iter_custom(|iters| {
-            // SAFETY: `stream` is a live stream of the device's context, as is the timer.
-            unsafe { timer.record_start(stream.cu_stream()) }.expect("event");
-            for _ in 0..iters {
+            timed(&timer, &stream, iters, |_| {
                 for i in 0..per_graph {
                     let ([q, k, v, o], lse) = &views[i % views.len()];
                     // SAFETY: as for the captured calls above.
                     unsafe { attn.forward(q, k, v, o, Some(lse), &params, stream.cu_stream()) }
                         .expect("forward");
                 }
-            }
-            // SAFETY: as for record_start.
-            unsafe { timer.record_stop(stream.cu_stream()) }.expect("event");
-            Duration::from_secs_f64(timer.elapsed_ms().expect("elapsed") as f64 / 1e3)
+            })
         })
     });
     group.finish();
