@@ -7,8 +7,10 @@ with transformers' SDPA attention and with flashcore's backend, same weights, sa
 For each model size and backend: greedy generation of --new tokens after a --prompt token
 prompt (batch --batch), timed end to end with CUDA events after a warm-up generation; the
 prefill is timed separately (one forward over the prompt), and the per-token figure is
-(generate time - prefill time) / new tokens. Also reports how many greedy tokens
-each backend generates before its first difference from SDPA's, with transformers' eager
+(generate time - prefill time) / new tokens. With --pad F the prompts are left-padded as
+generate() pads a batch of prompts of different lengths (sequence b of B gets
+round(F * prompt * b / (B - 1)) padding tokens), so every attention call comes with a
+mask. Also reports how many greedy tokens each backend generates before its first difference from SDPA's, with transformers' eager
 attention as the noise reference. Needs the flashcore package (the wheel, or python/ on sys.path with
 FLASHCORE_LIB set).
 """
@@ -83,6 +85,7 @@ def main():
     p.add_argument("--prompt", type=int, default=512)
     p.add_argument("--new", type=int, default=128)
     p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--pad", type=float, default=0.0, help="left padding of the last sequence, a fraction of --prompt")
     p.add_argument("--reps", type=int, default=7)
     p.add_argument("--dtype", default="bf16", choices=["f16", "bf16"])
     p.add_argument("--json")
@@ -98,7 +101,11 @@ def main():
         model = build(*cfg, dtype)
         ids = torch.randint(1, 32000, (args.batch, args.prompt), device="cuda")
         mask = torch.ones_like(ids)
-        res = {"model": label, "prompt": args.prompt, "new_tokens": args.new, "batch": args.batch, "dtype": args.dtype}
+        for b in range(1, args.batch):
+            mask[b, : round(args.pad * args.prompt * b / (args.batch - 1))] = 0
+        ids = ids.masked_fill(mask == 0, 0)  # the pad token
+        res = {"model": label, "prompt": args.prompt, "new_tokens": args.new, "batch": args.batch, "dtype": args.dtype,
+               "pad": args.pad}
         tokens = {}
         for backend in ("sdpa", "eager", name):
             model.set_attn_implementation(backend)
@@ -131,7 +138,7 @@ def main():
         torch.cuda.empty_cache()
 
     print(f"Llama (random weights) greedy generation, {args.dtype}, batch {args.batch}, prompt {args.prompt}, "
-          f"{args.new} new tokens; {torch.cuda.get_device_name()}, torch {torch.__version__}")
+          f"left padding up to {args.pad:.0%}, {args.new} new tokens; {torch.cuda.get_device_name()}, torch {torch.__version__}")
     print(f"| model | prefill SDPA ms | prefill {name} ms | ms/token SDPA | ms/token {name} | "
           "per-token speedup | greedy tokens equal to SDPA's: ours (eager's) | fallbacks |")
     print("|---|---|---|---|---|---|---|---|")

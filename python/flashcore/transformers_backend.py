@@ -16,9 +16,25 @@ with `is_causal` alone: a prompt without padding, or a decode step without paddi
 calls, prefill and KV-cache decode alike, go to flashcore (causal for a prompt; a single
 query token sees the whole cache; a decode step against 1536 cached keys or more, or 512
 with 128 or more KV heads in the batch each serving 4 query heads or more, runs on
-flashcore's split-KV decode kernels). A call that comes with a mask (padded batches,
-sliding-window layers, chunked prefill against a cache), a dtype other than float16 or
-bfloat16, a head dim flashcore has no kernel for (or value's differing from query's), a
+flashcore's split-KV decode kernels).
+
+Padded batches go to flashcore too, as variable-length calls (`attention_varlen`). That
+takes a boolean mask [B, 1, Sq, Sk] in which each sequence's keys are one run of
+positions [s_b, e_b) and each query row sees exactly what a bottom-right causal call over
+that run shows it: the last min(Sq, e_b - s_b) rows their part of the run, the others
+nothing (left padding, as generate() pads, and a StaticCache's empty slots); for a module
+that is not causal, every row the whole run (padding on either side). The backend gathers
+those query rows and keys into packed tensors, runs the call (a batch of decode steps
+runs on the split-KV decode kernels) and scatters the rows back; query rows that see no
+key are zeros, as are padding rows transformers lets see every key. Checking a mask costs
+a pass over it and one wait for the GPU, once per mask (a model's layers share it), so
+this runs only in plain eager mode (not under torch.compile or while a CUDA graph is
+captured), and not for FP8.
+
+A call that comes with any other mask (sliding-window layers, keys with gaps, per-head or
+float masks, a sequence that is all padding made to see every key), a mask under
+torch.compile or graph capture, a dtype other than float16 or bfloat16, a head dim
+flashcore has no kernel for (or value's differing from query's), a
 score bias (`position_bias`: T5-style models), a `scaling` that is not a positive float32
 (zero, negative, NaN, or outside float32's range), a causal call with more queries than
 keys, tensors off the GPU (a model on the CPU), or inputs that require gradients with
@@ -30,9 +46,10 @@ query i sees keys 0..=i. A prompt written into a longer preallocated cache (Stat
 Sk > Sq, the slots past the prompt still empty) depends on that, so such calls run on the
 first Sq keys, where flashcore's bottom-right alignment is the same mask.
 
-Attention sinks (`s_aux`, as gpt-oss passes them) change the softmax itself; flashcore
-has no kernel for them and neither does SDPA, so such calls raise NotImplementedError
-rather than dropping them.
+Attention sinks (`s_aux`, as gpt-oss passes them) change the softmax itself, and logit
+softcapping (`softcap`, as Gemma 2 passes it) the scores; flashcore has no kernel for
+either and transformers' SDPA path would drop them, so such calls raise
+NotImplementedError rather than dropping them.
 
 FP8 ("fcore-fp8", `register(fp8=True)`): the same rules, but the calls flashcore serves
 go to flashcore.attention_fp8 (q, k and v quantized to e4m3 on the GPU at every call,
@@ -46,17 +63,22 @@ to quantize with K smoothing, FLASHCORE_FP8_HADAMARD_SEED=<seed> to rotate q and
 
 import os
 import warnings
+import weakref
 
 import torch
 
 from .fp8 import FP8_HEAD_DIMS, launch_fp8
-from .ops import _needs_grad, forward_head_dim, launch, softmax_scale
+from .ops import _dispatch_mode_active, _needs_grad, forward_head_dim, launch, softmax_scale
+from .serving import _plain_eager
+from .varlen import _varlen, attention_varlen
 
 NAME = "fcore"
 FP8_NAME = "fcore-fp8"
 
-# Calls served by flashcore (16-bit and FP8) and calls handed to SDPA, by reason.
-stats = {"flashcore": 0, "flashcore_fp8": 0, "sdpa": {}}
+# Calls served by flashcore (16-bit and FP8; "flashcore_padded" counts the 16-bit calls
+# that came with a padding mask, also counted in "flashcore") and calls handed to SDPA, by
+# reason.
+stats = {"flashcore": 0, "flashcore_fp8": 0, "flashcore_padded": 0, "sdpa": {}}
 
 _warned = set()
 
@@ -104,13 +126,15 @@ def _forward(fp8, module, query, key, value, attention_mask, dropout, scaling, i
         raise NotImplementedError(
             "flashcore: attention sinks (s_aux) are not supported; use attn_implementation='eager' for this model"
         )
+    if kwargs.get("softcap") is not None:
+        raise NotImplementedError(
+            "flashcore: logit softcapping (softcap) is not supported; use attn_implementation='eager' for this model"
+        )
     sdpa_kwargs = dict(kwargs, dropout=dropout, scaling=scaling, is_causal=is_causal)
 
     def fallback(reason):
         return _fallback(reason, module, query, key, value, attention_mask, **sdpa_kwargs)
 
-    if attention_mask is not None:
-        return fallback("an explicit attention mask")
     if kwargs.get("position_bias") is not None:
         return fallback("a position bias")
     if _needs_grad((query, key, value)):
@@ -131,6 +155,17 @@ def _forward(fp8, module, query, key, value, attention_mask, dropout, scaling, i
     # As SDPA: the module says whether it is causal unless the caller does, and one query
     # token sees the whole cache.
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    if attention_mask is not None:
+        if fp8:
+            return fallback("an explicit attention mask")
+        if not _may_wait():
+            return fallback("an attention mask under torch.compile or CUDA graph capture")
+        plan = _padded_plan(attention_mask, bool(causal), query.shape[0], query.shape[2], key.shape[2])
+        if plan is None:
+            return fallback("an attention mask other than padding (sliding window, gaps, per-head, float)")
+        stats["flashcore"] += 1
+        stats["flashcore_padded"] += 1
+        return plan.run(query, key, value, scaling), None
     causal = bool(causal) and query.shape[2] > 1
     sq, sk = query.shape[2], key.shape[2]
     if causal and sk > sq:
@@ -149,6 +184,183 @@ def _forward(fp8, module, query, key, value, attention_mask, dropout, scaling, i
     stats["flashcore"] += 1
     out, _ = launch(query, key, value, causal, _scale(scaling), "bhsd", "bshd", False)
     return out, None
+
+
+def launch_varlen(q, k, v, cu_q, cu_k, max_seqlen_q, host_q, host_k, causal, scaling):
+    """flashcore.attention_varlen on packed [rows, H, D] tensors (a seam the CPU tests
+    replace with a reference). In plain eager mode its implementation is called directly:
+    the plan made every argument right (contiguous tensors, int32 offsets and their host
+    copies on the right devices), and the checks would cost as much host time as the
+    launch."""
+    if _plain_eager((q, k, v)):
+        return _varlen(q, k, v, cu_q, cu_k, max_seqlen_q, host_q, host_k, causal, _scale(scaling), False)[0]
+    return attention_varlen(q, k, v, cu_q, cu_k, max_seqlen_q, causal=causal, scale=scaling,
+                            host_cu_seqlens_q=host_q, host_cu_seqlens_k=host_k)
+
+
+# ---- padded batches ---------------------------------------------------------------------------
+
+# Elements of the mask compared per step when it is checked (bounds the temporaries), and
+# the size up to which a mask is copied to the host and checked there (a decode step's:
+# fewer launches than on the GPU).
+_CHECK_ELEMENTS = 1 << 25
+_HOST_CHECK_ELEMENTS = 1 << 18
+
+
+class _PaddedPlan:
+    """A padding mask as a variable-length call: sequence b's keys are positions
+    [start_b, end_b) of the padded key axis, its queries the last n_q[b] query rows."""
+
+    def __init__(self, causal, sq, starts, ends, device):
+        import numpy as np  # transformers' own dependency; a few times faster than torch here
+
+        n_k = [max(0, e - s) for s, e in zip(starts, ends)]
+        # A causal call's first rows see no key where the run is shorter than Sq; every
+        # row of another call sees the whole run.
+        n_q = [min(sq, n) if causal else sq for n in n_k]
+        batch = len(n_k)
+        self.causal, self.sq = causal, sq
+        self.total_q, self.total_k = sum(n_q), sum(n_k)
+        self.max_q = max([1, *n_q])
+        # Every query row computed (decode steps, prompts without padding in a StaticCache):
+        # q and o are the padded tensors' rows in order, with no gather or scatter.
+        self.every_row = self.total_q == batch * sq
+        n_q, n_k = np.array(n_q, dtype=np.int64), np.array(n_k, dtype=np.int64)
+        cu_q, cu_k = np.concatenate([[0], np.cumsum(n_q)]), np.concatenate([[0], np.cumsum(n_k)])
+        host = torch.from_numpy(np.concatenate([cu_q, cu_k]).astype(np.int32))
+        self.host_q, self.host_k = host[: batch + 1], host[batch + 1 :]
+        # The gathers' (batch, row) pairs, made on the host: each sequence's rows are a run,
+        # row = the run's first + the rank inside the sequence. One copy to the device for
+        # them, one for the offsets.
+        firsts_k = np.where(n_k > 0, np.array(starts, dtype=np.int64), 0)
+        pairs = [] if self.every_row else self._rows(n_q, cu_q, sq - n_q)
+        pairs += self._rows(n_k, cu_k, firsts_k)
+        rows = torch.from_numpy(np.concatenate(pairs)).to(device)
+        cu = host.to(device)
+        self.cu_q, self.cu_k = cu[: batch + 1], cu[batch + 1 :]
+        nq = 0 if self.every_row else self.total_q
+        self.q_rows = None if self.every_row else (rows[:nq], rows[nq : 2 * nq])
+        self.k_rows = (rows[2 * nq : 2 * nq + self.total_k], rows[2 * nq + self.total_k :])
+
+    @staticmethod
+    def _rows(counts, cu, firsts):
+        import numpy as np
+
+        b = np.repeat(np.arange(len(counts)), counts)
+        return [b, (firsts - cu[:-1])[b] + np.arange(len(b))]
+
+    def run(self, query, key, value, scaling):
+        """Attention of query [B, Hq, Sq, D] over key, value [B, Hkv, Sk, D] under the mask
+        this plan came from; returns [B, Sq, Hq, D] contiguous."""
+        b, h, sq, d = query.shape
+        if self.total_q == 0:
+            return query.new_zeros((b, sq, h, d))
+        # [B, S, H, D] views; advanced indexing gathers packed [rows, H, D] copies.
+        q = query.transpose(1, 2)
+        q = q.reshape(b * sq, h, d) if self.every_row else q[self.q_rows]
+        k = key.transpose(1, 2)[self.k_rows]
+        v = value.transpose(1, 2)[self.k_rows]
+        o = launch_varlen(q, k, v, self.cu_q, self.cu_k, self.max_q, self.host_q, self.host_k,
+                          self.causal, scaling)
+        if self.every_row:
+            return o.view(b, sq, h, d)
+        out = query.new_zeros((b, sq, h, d))
+        out[self.q_rows] = o
+        return out
+
+
+# The last masks checked and what they gave (a model's layers pass the same tensor, or two
+# that alternate: full and sliding-window layers), by weak reference, so that a prompt's
+# mask does not outlive its forward pass.
+_plans = {}
+_PLANS_KEPT = 4
+
+
+def _padded_plan(mask, causal, batch, sq, sk):
+    """The variable-length form of a boolean mask [B or 1, 1, Sq, Sk], or None when it has
+    none (a sliding window, gaps in a sequence's keys, another dtype or shape)."""
+    if (
+        not isinstance(mask, torch.Tensor)
+        or mask.dtype != torch.bool
+        or mask.dim() != 4
+        or mask.shape[1] != 1
+        or tuple(mask.shape[2:]) != (sq, sk)
+        or mask.shape[0] not in (1, batch)
+        or mask.device.type != "cuda" and not _CHECK_ON_CPU
+    ):
+        return None
+    key = (id(mask), mask._version, causal, batch, sq, sk)
+    kept = _plans.get(key)
+    if kept is not None and kept[0]() is mask:
+        return kept[1]
+    plan = _check_padding(mask[:, 0].expand(batch, sq, sk), causal, batch, sq, sk)
+    for gone in [k for k, (ref, _) in _plans.items() if ref() is None]:
+        del _plans[gone]
+    while len(_plans) >= _PLANS_KEPT:
+        del _plans[next(iter(_plans))]  # the oldest
+    _plans[key] = (weakref.ref(mask), plan)
+    return plan
+
+
+# The CPU tests check masks on CPU tensors; on a real call the mask is on the GPU.
+_CHECK_ON_CPU = False
+
+
+def _check_padding(m, causal, batch, sq, sk):
+    """The plan `m` ([B, Sq, Sk] bool) is the mask of, after comparing every element: on
+    the host for a small mask (a decode step's), on its device in chunks otherwise."""
+    device = m.device
+    if batch * sq * sk <= _HOST_CHECK_ELEMENTS:
+        found = _check_on_host(m.cpu().numpy(), causal, sq, sk)
+        return None if found is None else _PaddedPlan(causal, sq, *found, device)
+    pos = torch.arange(sk, device=m.device)
+    # A causal call's last row, any row of another, sees all of its sequence's keys.
+    seen = m[:, -1] if causal else m[:, 0]
+    start = torch.where(seen, pos, sk).amin(1)
+    end = torch.where(seen, pos + 1, 0).amax(1)
+    ok = torch.ones((), dtype=torch.bool, device=m.device)
+    rows = max(1, _CHECK_ELEMENTS // max(1, batch * sk))
+    for i0 in range(0, sq, rows):
+        i = torch.arange(i0, min(sq, i0 + rows), device=m.device)
+        # Row i of a causal call sees keys [start, end - (Sq - 1 - i)).
+        hi = (end[:, None] - (sq - 1) + i[None, :]) if causal else end[:, None].expand(-1, len(i))
+        want = (pos >= start[:, None, None]) & (pos < hi[:, :, None])
+        got = m[:, i0 : i0 + len(i)]
+        # Some transformers versions let a row that sees no key see every key instead, so
+        # that SDPA's kernels give no NaN there: such rows are padding, zeros here.
+        unmasked = got.all(-1) & ~want.any(-1)
+        ok &= (torch.eq(got, want).all(-1) | unmasked).all()
+    # One wait for the GPU (none when checked on the host): whether the mask matched, and
+    # the runs' ends.
+    found = torch.cat([ok.view(1).long(), start.long(), end.long()]).tolist()
+    if not found[0]:
+        return None
+    return _PaddedPlan(causal, sq, found[1 : 1 + batch], found[1 + batch :], device)
+
+
+def _check_on_host(m, causal, sq, sk):
+    """_check_padding's comparison on a host copy (numpy [B, Sq, Sk] bool): the runs'
+    starts and ends, or None."""
+    import numpy as np
+
+    seen = m[:, -1] if causal else m[:, 0]
+    some = seen.any(1)
+    start = np.where(some, seen.argmax(1), sk)
+    end = np.where(some, sk - seen[:, ::-1].argmax(1), 0)
+    pos, i = np.arange(sk), np.arange(sq)
+    hi = end[:, None] - (sq - 1) + i[None, :] if causal else np.broadcast_to(end[:, None], (len(end), sq))
+    want = (pos >= start[:, None, None]) & (pos < hi[:, :, None])
+    unmasked = m.all(-1) & ~want.any(-1)
+    if not ((m == want).all(-1) | unmasked).all():
+        return None
+    return start.tolist(), end.tolist()
+
+
+def _may_wait():
+    """Whether this call may wait for the GPU: plain eager mode, no graph being captured."""
+    if torch.compiler.is_compiling() or _dispatch_mode_active():
+        return False
+    return not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
 
 
 def _on_gpu(*tensors):

@@ -188,6 +188,9 @@ def test_score_modifiers_are_never_dropped(monkeypatch):
     assert (out.float() - want).abs().max().item() < 1e-2
     with pytest.raises(NotImplementedError, match="sinks"):
         transformers_backend.attention_forward(module, q, kv, kv, None, s_aux=torch.zeros(2))
+    with pytest.raises(NotImplementedError, match="softcap"):
+        transformers_backend.attention_forward(module, q, kv, kv, None, softcap=50.0)
+    transformers_backend.attention_forward(module, q, kv, kv, None, softcap=None)  # Gemma 3's
 
 
 def test_cpu_tensors_run_on_sdpa(monkeypatch):
@@ -214,3 +217,186 @@ def test_scales_flashcore_cannot_take_run_on_sdpa(monkeypatch, scaling):
     assert not calls and list(transformers_backend.stats["sdpa"]) == [f"scaling {scaling}"]
     transformers_backend.attention_forward(module, q, kv, kv, None, scaling=0.125)
     assert calls
+
+
+def _reference_varlen(calls):
+    """flashcore.attention_varlen's documented result on CPU tensors (bottom-right causal
+    per sequence, GQA by head count, zeros for rows without keys), standing in for the
+    GPU launch of the backend's padded-batch route."""
+    import math
+
+    import torch
+
+    def launch_varlen(q, k, v, cu_q, cu_k, max_q, host_q, host_k, causal, scaling):
+        assert torch.equal(cu_q.cpu(), host_q) and torch.equal(cu_k.cpu(), host_k)
+        cq, ck = host_q.tolist(), host_k.tolist()
+        assert max_q >= max(b - a for a, b in zip(cq, cq[1:]))
+        calls.append((cq, ck, causal))
+        out = torch.zeros_like(q)
+        group = q.shape[1] // k.shape[1]
+        for b in range(len(cq) - 1):
+            (q0, q1), (k0, k1) = cq[b : b + 2], ck[b : b + 2]
+            if q1 == q0 or k1 == k0:
+                continue
+            qs = q[q0:q1].double().transpose(0, 1)
+            ks = k[k0:k1].double().transpose(0, 1).repeat_interleave(group, 0)
+            vs = v[k0:k1].double().transpose(0, 1).repeat_interleave(group, 0)
+            s = (qs @ ks.transpose(-1, -2)) * (scaling or 1 / math.sqrt(q.shape[-1]))
+            if causal:
+                i, j = torch.arange(q1 - q0)[:, None], torch.arange(k1 - k0)[None]
+                s = s.masked_fill(j > i + (k1 - k0) - (q1 - q0), -math.inf)
+            out[q0:q1] = (s.softmax(-1) @ vs).transpose(0, 1).to(q.dtype)
+        return out
+
+    return launch_varlen
+
+
+def _use_reference_varlen(monkeypatch, calls):
+    """The backend's padded-batch route on CPU tensors, through `_reference_varlen`."""
+    monkeypatch.setattr(transformers_backend, "launch_varlen", _reference_varlen(calls))
+    monkeypatch.setattr(transformers_backend, "_CHECK_ON_CPU", True)
+    monkeypatch.setattr(transformers_backend, "_on_gpu", lambda *tensors: True)
+
+
+def _reset():
+    for key in ("flashcore", "flashcore_padded"):
+        transformers_backend.stats[key] = 0
+    transformers_backend.stats["sdpa"].clear()
+    transformers_backend._warned.clear()
+
+
+def test_left_padded_batches_run_as_variable_length_calls(monkeypatch):
+    """generate()'s left-padded prompts, and the decode steps after them, are
+    variable-length calls over each sequence's own tokens: the logits of every real token
+    match SDPA's, and nothing goes to SDPA."""
+    import torch
+
+    calls, varlen_calls = [], []
+    _use_reference_launch(monkeypatch, calls)
+    _use_reference_varlen(monkeypatch, varlen_calls)
+    name = flashcore.register_transformers()
+    _, model = _small_llama()
+    model.eval()
+    ids = torch.randint(1, 128, (3, 12))
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    mask[2, :7] = 0
+    step = torch.randint(1, 128, (3, 1))
+    mask2 = torch.cat([mask, torch.ones_like(step)], dim=1)
+
+    def logits(impl):
+        model.set_attn_implementation(impl)
+        with torch.no_grad():
+            out = model(ids, attention_mask=mask, use_cache=True)
+            nxt = model(step, attention_mask=mask2, past_key_values=out.past_key_values, use_cache=True)
+        return out.logits.float(), nxt.logits.float()
+
+    want, want_step = logits("sdpa")
+    _reset()
+    got, got_step = logits(name)
+    real = mask.bool()
+    assert (got[real] - want[real]).abs().max().item() < 2e-2
+    assert (got_step - want_step).abs().max().item() < 2e-2
+    assert not calls and transformers_backend.stats["sdpa"] == {}
+    assert transformers_backend.stats["flashcore_padded"] == transformers_backend.stats["flashcore"] == 4
+    prompt = ([0, 12, 21, 26], [0, 12, 21, 26], True)
+    decode = ([0, 1, 2, 3], [0, 13, 23, 29], True)
+    assert varlen_calls == [prompt, prompt, decode, decode]
+
+
+def test_masks_other_than_padding_run_on_sdpa(monkeypatch):
+    """A mask the variable-length call cannot express exactly (a sliding window, a gap in
+    a sequence's keys, a per-head or float mask, right padding under a causal module)
+    goes to SDPA; right padding of a module that is not causal does not."""
+    import torch
+    import torch.nn.functional as F
+
+    calls = []
+    _use_reference_launch(monkeypatch, [])
+    _use_reference_varlen(monkeypatch, calls)
+    module = torch.nn.Module()
+    q = torch.randn(2, 2, 8, 64, dtype=torch.float16)
+    kv = torch.randn(2, 2, 8, 64, dtype=torch.float16)
+    i, j = torch.arange(8)[:, None], torch.arange(8)[None]
+    causal = (j <= i).expand(2, 1, 8, 8)
+    gap = torch.ones(2, 8, dtype=torch.bool)
+    gap[1, 2] = False
+    right = torch.ones(2, 8, dtype=torch.bool)
+    right[0, 5:] = False
+    cases = {
+        "sliding window": causal & (j > i - 3),
+        "gap": causal & gap[:, None, None, :],
+        "per head": causal.expand(2, 2, 8, 8),
+        "float": torch.zeros(2, 1, 8, 8, dtype=torch.float16).masked_fill(~causal, -1e4),
+        "right padding, causal": causal & right[:, None, None, :],
+    }
+    module.is_causal = True
+    for label, mask in cases.items():
+        _reset()
+        with pytest.warns(UserWarning, match="mask other than padding"):
+            out, _ = transformers_backend.attention_forward(module, q, kv, kv, mask)
+        assert not calls, label
+        want = F.scaled_dot_product_attention(q.float(), kv.float(), kv.float(), attn_mask=mask.float() if mask.dtype != torch.bool else mask)
+        assert (out.float() - want.transpose(1, 2)).abs().max().item() < 1e-2, label
+
+    module.is_causal = False
+    _reset()
+    mask = right[:, None, None, :].expand(2, 1, 8, 8)
+    out, _ = transformers_backend.attention_forward(module, q, kv, kv, mask)
+    assert calls == [([0, 8, 16], [0, 5, 13], False)] and transformers_backend.stats["sdpa"] == {}
+    want = F.scaled_dot_product_attention(q.float(), kv.float(), kv.float(), attn_mask=mask)
+    assert (out.float() - want.transpose(1, 2)).abs().max().item() < 1e-2
+
+
+@pytest.mark.parametrize("where", ["host", "device"])
+def test_a_padding_plan_packs_each_run_of_keys(monkeypatch, where):
+    """The plan from masks transformers builds: left padding, a StaticCache's empty slots
+    (queries at positions 4 to 6 of 10 slots), a sequence that is all padding; and one
+    check per mask however many layers pass it. Checked as small masks are (a host copy)
+    and as large ones are (torch on the mask's device, a row at a time here)."""
+    import torch
+    from transformers.masking_utils import causal_mask_function, sdpa_mask
+
+    monkeypatch.setattr(transformers_backend, "_CHECK_ON_CPU", True)
+    if where == "device":
+        monkeypatch.setattr(transformers_backend, "_HOST_CHECK_ELEMENTS", 0)
+        monkeypatch.setattr(transformers_backend, "_CHECK_ELEMENTS", 12)
+    pad = torch.tensor([[0, 0, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1, 1], [0] * 7]).bool()  # as models pass it
+    mask = sdpa_mask(batch_size=3, q_length=3, kv_length=10, q_offset=4, mask_function=causal_mask_function,
+                     attention_mask=pad, allow_is_causal_skip=False)
+    checks = []
+    real = transformers_backend._check_padding
+    monkeypatch.setattr(transformers_backend, "_check_padding", lambda *a: checks.append(1) or real(*a))
+    plan = transformers_backend._padded_plan(mask, True, 3, 3, 10)
+    assert plan is not None and plan.causal
+    assert plan.host_q.tolist() == [0, 3, 6, 6] and plan.host_k.tolist() == [0, 5, 12, 12]
+    assert plan.every_row is False
+    assert [t.tolist() for t in plan.q_rows] == [[0, 0, 0, 1, 1, 1], [0, 1, 2, 0, 1, 2]]
+    assert [t.tolist() for t in plan.k_rows] == [[0] * 5 + [1] * 7, [2, 3, 4, 5, 6, 0, 1, 2, 3, 4, 5, 6]]
+    assert plan.max_q == 3
+    assert transformers_backend._padded_plan(mask, True, 3, 3, 10) is plan and len(checks) == 1
+    # Two masks in turn (full and sliding-window layers) are each checked once.
+    other = mask.clone()
+    for _ in range(3):
+        assert transformers_backend._padded_plan(other, True, 3, 3, 10) is not None
+        assert transformers_backend._padded_plan(mask, True, 3, 3, 10) is plan
+    assert len(checks) == 2
+    # Some transformers versions let rows that see no key see every key (for SDPA's sake):
+    # a sequence that is all padding then looks like one that sees everything, which only
+    # SDPA computes as the mask says.
+    fixed = mask | ~mask.any(-1, keepdim=True)
+    assert fixed[2].all() and transformers_backend._padded_plan(fixed, True, 3, 3, 10) is None
+    # A non-causal reading of the same mask does not match it.
+    assert transformers_backend._padded_plan(mask, False, 3, 3, 10) is None
+    # A prompt shorter than the query block: its first rows see nothing.
+    short = torch.tensor([[0, 0, 0, 0, 0, 1, 1]]).bool()
+    mask = sdpa_mask(batch_size=1, q_length=7, kv_length=7, mask_function=causal_mask_function,
+                     attention_mask=short, allow_is_causal_skip=False)
+    plan = transformers_backend._padded_plan(mask, True, 1, 7, 7)
+    assert plan.host_q.tolist() == [0, 2] and plan.host_k.tolist() == [0, 2]
+    assert plan.q_rows[1].tolist() == [5, 6] and plan.k_rows[1].tolist() == [5, 6]
+    # The same, its padding rows made to see every key: they stay padding (zeros here).
+    fixed = transformers_backend._padded_plan(mask | ~mask.any(-1, keepdim=True), True, 1, 7, 7)
+    assert fixed.host_q.tolist() == [0, 2] and fixed.q_rows[1].tolist() == [5, 6]
+    mask[0, 0, 6, 6] = False  # edited in place: checked again, and no longer padding
+    assert transformers_backend._padded_plan(mask, True, 1, 7, 7) is None

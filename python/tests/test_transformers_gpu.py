@@ -121,18 +121,55 @@ def test_logits_and_greedy_tokens_match_sdpa(dtype, seed):
         assert bool(tie[:, same].any()), "free-running generation left SDPA's path at a step without a tie"
 
 
-def test_padded_batches_stay_right_through_the_fallback(seed):
+def test_padded_batches_run_on_flashcore(seed):
+    # Left-padded prompts (as generate() pads them) and the cached decode steps after
+    # them run as variable-length calls over each sequence's own tokens; the logits of
+    # every real token match SDPA's, and no call goes to SDPA.
     name = flashcore.register_transformers()
     model = small_llama(torch.float16)
-    ids = torch.randint(1, 1000, (2, 40), device="cuda")
+    ids = torch.randint(1, 1000, (3, 100), device="cuda")
     mask = torch.ones_like(ids)
-    mask[0, :7] = 0  # left padding in the first sequence
+    mask[1, :17] = 0
+    mask[2, :60] = 0
+    steps = torch.randint(1, 1000, (3, 16), device="cuda")
+    results = {}
     with torch.no_grad():
-        model.set_attn_implementation("sdpa")
-        ref = model(ids, attention_mask=mask).logits
-        model.set_attn_implementation(name)
-        reset_stats()
-        with pytest.warns(UserWarning, match="explicit attention mask"):
-            ours = model(ids, attention_mask=mask).logits
-    assert transformers_backend.stats["sdpa"].get("an explicit attention mask", 0) == 2
-    assert rel_l2(ours[:, 7:], ref[:, 7:]) <= 1e-3
+        for backend in ("sdpa", name):
+            model.set_attn_implementation(backend)
+            reset_stats()
+            transformers_backend.stats["flashcore_padded"] = 0
+            out = model(ids, attention_mask=mask, use_cache=True)
+            logits, cache, m = [out.logits[mask.bool()].float()], out.past_key_values, mask
+            for t in range(steps.shape[1]):
+                m = torch.cat([m, torch.ones_like(m[:, :1])], dim=1)
+                out = model(steps[:, t : t + 1], attention_mask=m, past_key_values=cache, use_cache=True)
+                cache = out.past_key_values
+                logits.append(out.logits[:, -1].float())
+            results[backend] = logits
+    prompt_err = rel_l2(results[name][0], results["sdpa"][0])
+    step_err = rel_l2(torch.stack(results[name][1:]), torch.stack(results["sdpa"][1:]))
+    print(f"padded batch: prompt logits rel L2 vs SDPA {prompt_err:.2e}, decode steps {step_err:.2e}; "
+          f"stats {transformers_backend.stats}")
+    assert prompt_err <= 5e-3 and step_err <= 5e-3
+    assert transformers_backend.stats["sdpa"] == {}
+    assert transformers_backend.stats["flashcore_padded"] == 2 * (1 + 16)
+
+
+def test_masks_other_than_padding_stay_right_through_the_fallback(seed):
+    # A sliding-window mask is not padding: SDPA computes it.
+    import torch.nn.functional as F
+
+    module = torch.nn.Module()
+    module.is_causal = True
+    module.num_key_value_groups = 4  # SDPA's path repeats the KV heads by it
+    q = torch.randn(2, 8, 40, 64, device="cuda", dtype=torch.float16)
+    k = torch.randn(2, 2, 40, 64, device="cuda", dtype=torch.float16)
+    v = torch.randn_like(k)
+    i, j = torch.arange(40, device="cuda")[:, None], torch.arange(40, device="cuda")[None]
+    mask = ((j <= i) & (j > i - 16)).expand(2, 1, 40, 40)
+    reset_stats()
+    with pytest.warns(UserWarning, match="mask other than padding"):
+        out, _ = transformers_backend.attention_forward(module, q, k, v, mask)
+    assert len(transformers_backend.stats["sdpa"]) == 1
+    want = F.scaled_dot_product_attention(q, k.repeat_interleave(4, 1), v.repeat_interleave(4, 1), attn_mask=mask)
+    assert rel_l2(out, want.transpose(1, 2)) <= 1e-3
