@@ -405,12 +405,16 @@ fn workspace_garbage(s: &Arc<CudaStream>, rng: &mut Rng, bytes: usize) -> CudaSl
 
 fn run_all(cases: &[Case]) {
     let (attn, s) = setup();
+    run_all_on(&attn, &s, cases);
+}
+
+fn run_all_on(attn: &Attention, s: &Arc<CudaStream>, cases: &[Case]) {
     let mut seeds = seeds();
     let mut failures = Vec::new();
     for c in cases {
         let mut rng = seeds.next_case();
         let replay = seeds.replay(&rng);
-        let (err, lse_err) = run_case(&attn, &s, &mut rng, c);
+        let (err, lse_err) = run_case(attn, s, &mut rng, c);
         let line = format!("{c}: out {err:.2e} lse {lse_err:.2e} ({replay})");
         println!("{line}");
         if err.is_nan() || err > tolerance(c.dtype) || lse_err.is_nan() || lse_err > 1e-2 {
@@ -558,6 +562,27 @@ fn random_cases(count: usize, head_dims: &[usize]) -> Vec<Case> {
 #[ignore = "needs a CUDA GPU"]
 fn decode_random_configurations() {
     run_all(&random_cases(40, &[32, 64, 96, 128, 192, 256]));
+}
+
+/// With programmatic launches off, a decode step's combine is the plain merge kernel
+/// that GPUs before Hopper run (the decode kernels are the same sm_80 module on every
+/// GPU): random configurations against float64, and only plain merges loaded.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn decode_with_plain_launches() {
+    let (attn, s) = setup();
+    let attn = attn.with_programmatic_launches(false);
+    run_all_on(&attn, &s, &random_cases(24, &[32, 64, 80, 128, 256]));
+    let merges: Vec<String> = attn
+        .loaded_kernels()
+        .into_iter()
+        .map(|k| k.0)
+        .filter(|id| id.starts_with("attn_merge"))
+        .collect();
+    assert!(
+        !merges.is_empty() && merges.iter().all(|id| !id.contains("_pdl")),
+        "merges: {merges:?}"
+    );
 }
 
 /// The head dims without a decode kernel of their own (the next larger one runs

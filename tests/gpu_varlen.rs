@@ -472,6 +472,32 @@ fn decode_shaped_batches_run_on_the_decode_kernels() {
         "loaded: {loaded:?}"
     );
 
+    // Plain launches: the packed merge GPUs before Hopper run (a new Attention, whose
+    // kernel cache holds none of the programmatic ones).
+    let (plain, s) = setup(PathChoice::Best);
+    let plain = plain.with_programmatic_launches(false);
+    for c in cases.iter().step_by(4) {
+        let mut rng = seeds.next_case();
+        let replay = seeds.replay(&rng);
+        let (out, lse) = run(&plain, &s, &mut rng, c);
+        println!("plain launches, {c}: out {out:.2e} lse {lse:.2e} ({replay})");
+        let tol = tolerance(c.dtype);
+        assert!(out <= tol && lse <= tol, "plain launches, {c} ({replay})");
+    }
+    let merges: Vec<String> = plain
+        .loaded_kernels()
+        .into_iter()
+        .map(|k| k.0)
+        .filter(|id| id.starts_with("attn_merge"))
+        .collect();
+    assert!(
+        !merges.is_empty()
+            && merges
+                .iter()
+                .all(|id| id.contains("_packed") && !id.contains("_pdl")),
+        "merges: {merges:?}"
+    );
+
     // The sm80 path keeps the forward kernels.
     let (sm80, s) = setup(PathChoice::Sm80);
     let mut rng = seeds.next_case();

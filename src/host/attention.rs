@@ -332,16 +332,28 @@ pub struct Attention {
     device: Arc<Device>,
     cache: ModuleCache,
     choice: PathChoice,
+    programmatic: bool,
+}
+
+/// The environment variable that turns programmatic launches off
+/// ([`Attention::with_programmatic_launches`]): set to anything but `0` or nothing.
+pub const NO_PDL_ENV: &str = "FLASHCORE_NO_PDL";
+
+/// Whether `value` (of [`NO_PDL_ENV`]) asks for plain launches.
+fn no_pdl(value: Option<&std::ffi::OsStr>) -> bool {
+    value.is_some_and(|v| !v.is_empty() && v != "0")
 }
 
 impl Attention {
-    /// Forward attention on `device`; refuses GPUs below sm_80.
+    /// Forward attention on `device`; refuses GPUs below sm_80. Programmatic launches are
+    /// on where the GPU has them, unless [`NO_PDL_ENV`] is set.
     pub fn new(device: Arc<Device>) -> Result<Attention> {
         device.require_sm80()?;
         Ok(Attention {
             device,
             cache: ModuleCache::new(),
             choice: PathChoice::Best,
+            programmatic: !no_pdl(std::env::var_os(NO_PDL_ENV).as_deref()),
         })
     }
 
@@ -353,6 +365,22 @@ impl Attention {
 
     pub fn path_choice(&self) -> PathChoice {
         self.choice
+    }
+
+    /// The same, with programmatic launches (Hopper's programmatic dependent launch: a
+    /// decode step's combine launched behind its split kernel, its blocks resident before
+    /// that kernel ends) on or off. Off, every kernel is launched plainly, as on GPUs
+    /// before Hopper: the combine is the one those GPUs run, which this makes testable on
+    /// Hopper, and it is an escape hatch for tools or drivers that mishandle the
+    /// launch attribute. A few microseconds slower per decode step.
+    pub fn with_programmatic_launches(mut self, on: bool) -> Attention {
+        self.programmatic = on;
+        self
+    }
+
+    /// Whether kernels that can be launched programmatically are, on a GPU that has it.
+    pub fn programmatic_launches(&self) -> bool {
+        self.programmatic
     }
 
     pub fn device(&self) -> &Arc<Device> {
@@ -911,6 +939,16 @@ mod tests {
     use super::*;
     use crate::host::draw::Draw;
     use crate::kernels::attention::all_fwd_configs;
+
+    #[test]
+    fn plain_launches_are_asked_for_by_any_value_but_zero() {
+        use std::ffi::OsStr;
+        assert!(!no_pdl(None));
+        assert!(!no_pdl(Some(OsStr::new(""))));
+        assert!(!no_pdl(Some(OsStr::new("0"))));
+        assert!(no_pdl(Some(OsStr::new("1"))));
+        assert!(no_pdl(Some(OsStr::new("yes"))));
+    }
 
     /// Random q, k, v, o and LSE ([`Draw`]: shapes from edge values to 2^63, strides
     /// contiguous in either order or drawn, pointers null, misaligned or at the end of the

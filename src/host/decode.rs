@@ -928,8 +928,10 @@ impl Attention {
             Carveout::MaxShared,
             || plan.config.generate(),
         )?;
-        // On Hopper the combine is launched programmatically behind the decode kernel.
-        let programmatic = self.device().compute_capability().0 >= 9;
+        // On Hopper the combine is launched programmatically behind the decode kernel
+        // (unless the caller turned that off).
+        let programmatic =
+            self.programmatic_launches() && self.device().compute_capability().0 >= 9;
         // The merge reads the cache's columns of the workspace's rows, which are the
         // decode kernel's (wider where it is padded).
         let (merge_head_dim, merge_padded) = merge::kernel_head_dim(problem.cache.head_dim).ok_or(
