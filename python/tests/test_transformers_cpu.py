@@ -400,3 +400,64 @@ def test_a_padding_plan_packs_each_run_of_keys(monkeypatch, where):
     assert fixed.host_q.tolist() == [0, 2] and fixed.q_rows[1].tolist() == [5, 6]
     mask[0, 0, 6, 6] = False  # edited in place: checked again, and no longer padding
     assert transformers_backend._padded_plan(mask, True, 1, 7, 7) is None
+
+
+def test_random_masks_are_read_exactly(monkeypatch):
+    """Random masks (left padding of any length, all-padding sequences, rows unmasked as
+    some transformers versions do, sliding windows, gaps, non-causal readings): a plan is
+    made exactly when the mask is the variable-length call's, and its runs are the
+    mask's. Compared against the brute-force mask each plan stands for."""
+    import random
+
+    import torch
+
+    monkeypatch.setattr(transformers_backend, "_CHECK_ON_CPU", True)
+    rng = random.Random(1234)
+    made = refused = 0
+    for trial in range(300):
+        monkeypatch.setattr(transformers_backend, "_HOST_CHECK_ELEMENTS", rng.choice([0, 1 << 18]))
+        monkeypatch.setattr(transformers_backend, "_CHECK_ELEMENTS", rng.choice([7, 1 << 25]))
+        b, sq = rng.randint(1, 4), rng.randint(1, 6)
+        sk = sq + rng.randint(0, 6)
+        causal = rng.random() < 0.7
+        i, j = torch.arange(sq)[:, None], torch.arange(sk)[None]
+        starts = [rng.randint(0, sk) for _ in range(b)]
+        m = torch.zeros(b, 1, sq, sk, dtype=torch.bool)
+        for s, row in zip(starts, m):
+            row[0] = (j >= s) & ((j <= i + sk - sq) if causal else True)
+        kind = rng.choice(["plain", "plain", "unmasked", "window", "gap", "flip"])
+        if kind == "unmasked":
+            m = m | ~m.any(-1, keepdim=True)
+        elif kind == "window":
+            m = m & (j > i + sk - sq - rng.randint(1, 3))
+        elif kind == "gap":
+            m[rng.randrange(b), 0, :, rng.randrange(sk)] = False
+        elif kind == "flip":
+            m[rng.randrange(b), 0, rng.randrange(sq), rng.randrange(sk)] ^= True
+        plan = transformers_backend._padded_plan(m, causal, b, sq, sk)
+        # What the plan stands for: each sequence's keys [k0, k0 + nk), its last nq rows
+        # bottom-right over them (or all of them); every other row sees nothing.
+        want = None
+        if plan is not None:
+            made += 1
+            want = torch.zeros(b, sq, sk, dtype=torch.bool)
+            cq, ck = plan.host_q.tolist(), plan.host_k.tolist()
+            kb, kr = (t.tolist() for t in plan.k_rows)
+            for x in range(b):
+                nq, nk = cq[x + 1] - cq[x], ck[x + 1] - ck[x]
+                keys = [r for bb, r in zip(kb, kr) if bb == x]
+                assert len(keys) == nk and keys == list(range(keys[0] if nk else 0, (keys[0] if nk else 0) + nk))
+                for t in range(nq):
+                    row = sq - nq + t
+                    for u in range(nk):
+                        want[x, row, keys[u]] = (u <= t + nk - nq) if causal else True
+            # The mask, its rows that see every key where the plan's see none (rows
+            # unmasked for SDPA's sake) read as padding.
+            padding = m[:, 0].all(-1, keepdim=True) & ~want.any(-1, keepdim=True)
+            got = m[:, 0] & ~padding
+            assert torch.equal(got, want), (trial, kind, causal, starts, m[:, 0].int().tolist())
+        else:
+            refused += 1
+        if kind == "plain":
+            assert plan is not None, (trial, causal, starts)
+    assert made > 100 and refused > 30, (made, refused)
