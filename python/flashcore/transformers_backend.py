@@ -206,6 +206,13 @@ def launch_varlen(q, k, v, cu_q, cu_k, max_seqlen_q, host_q, host_k, causal, sca
 _CHECK_ELEMENTS = 1 << 25
 _HOST_CHECK_ELEMENTS = 1 << 18
 
+# Where a decode step reads the cache in place (_PaddedPlan._in_place): at most 16
+# queries a sequence (the decode kernels'), packed rows within the library's 2^25, and
+# the 2B - 1 sequences within its 65535.
+_IN_PLACE_QUERIES = 16
+_IN_PLACE_ROWS = 1 << 25
+_IN_PLACE_SEQUENCES = 65535
+
 
 class _PaddedPlan:
     """A padding mask as a variable-length call: sequence b's keys are positions
@@ -233,6 +240,8 @@ class _PaddedPlan:
         # row = the run's first + the rank inside the sequence. One copy to the device for
         # them, one for the offsets.
         firsts_k = np.where(n_k > 0, np.array(starts, dtype=np.int64), 0)
+        self._starts, self._counts = firsts_k, n_k
+        self._offsets_in_place = {}
         pairs = [] if self.every_row else self._rows(n_q, cu_q, sq - n_q)
         pairs += self._rows(n_k, cu_k, firsts_k)
         rows = torch.from_numpy(np.concatenate(pairs)).to(device)
@@ -241,6 +250,42 @@ class _PaddedPlan:
         nq = 0 if self.every_row else self.total_q
         self.q_rows = None if self.every_row else (rows[:nq], rows[nq : 2 * nq])
         self.k_rows = (rows[2 * nq : 2 * nq + self.total_k], rows[2 * nq + self.total_k :])
+
+    def _in_place(self, key, value, sq):
+        """A decode step's keys read where they are: k and v as packed [rows, Hkv, D] views
+        of the contiguous [B, Hkv, Sk, D] tensors (row b·Hkv·Sk + j is position j of batch
+        b), with a sequence without queries over the rows between one sequence's run and
+        the next, so the offsets stay one after another. No copy of the cache, where a
+        prompt's gathers cost little beside its attention. None where that does not apply.
+        """
+        b, hkv, sk, _ = key.shape
+        rows = (b - 1) * hkv * sk + sk
+        if not (
+            self.every_row
+            and sq <= _IN_PLACE_QUERIES
+            and key.is_contiguous()
+            and value.is_contiguous()
+            and rows <= _IN_PLACE_ROWS
+            and 2 * b - 1 <= _IN_PLACE_SEQUENCES
+        ):
+            return None
+        cached = self._offsets_in_place.get((hkv, sk))
+        if cached is None:
+            import numpy as np
+
+            first = np.arange(b, dtype=np.int64) * (hkv * sk) + self._starts
+            cu_k = np.empty(2 * b, dtype=np.int64)
+            cu_k[0::2], cu_k[1::2] = first, first + self._counts
+            cu_q = np.empty(2 * b, dtype=np.int64)
+            cu_q[0::2], cu_q[1::2] = np.arange(b) * sq, np.arange(1, b + 1) * sq
+            host = torch.from_numpy(np.concatenate([cu_q, cu_k]).astype(np.int32))
+            dev = host.to(key.device)
+            cached = (dev[: 2 * b], dev[2 * b :], host[: 2 * b], host[2 * b :])
+            self._offsets_in_place[(hkv, sk)] = cached
+        d = key.shape[3]
+        k = key.as_strided((rows, hkv, d), (d, sk * d, 1))
+        v = value.as_strided((rows, hkv, d), (d, sk * d, 1))
+        return (k, v, *cached)
 
     @staticmethod
     def _rows(counts, cu, firsts):
@@ -255,13 +300,17 @@ class _PaddedPlan:
         b, h, sq, d = query.shape
         if self.total_q == 0:
             return query.new_zeros((b, sq, h, d))
-        # [B, S, H, D] views; advanced indexing gathers packed [rows, H, D] copies.
         q = query.transpose(1, 2)
         q = q.reshape(b * sq, h, d) if self.every_row else q[self.q_rows]
-        k = key.transpose(1, 2)[self.k_rows]
-        v = value.transpose(1, 2)[self.k_rows]
-        o = launch_varlen(q, k, v, self.cu_q, self.cu_k, self.max_q, self.host_q, self.host_k,
-                          self.causal, scaling)
+        in_place = self._in_place(key, value, sq)
+        if in_place is not None:
+            k, v, cu_q, cu_k, host_q, host_k = in_place
+        else:
+            # [B, S, H, D] views; advanced indexing gathers packed [rows, H, D] copies.
+            k = key.transpose(1, 2)[self.k_rows]
+            v = value.transpose(1, 2)[self.k_rows]
+            cu_q, cu_k, host_q, host_k = self.cu_q, self.cu_k, self.host_q, self.host_k
+        o = launch_varlen(q, k, v, cu_q, cu_k, self.max_q, host_q, host_k, self.causal, scaling)
         if self.every_row:
             return o.view(b, sq, h, d)
         out = query.new_zeros((b, sq, h, d))

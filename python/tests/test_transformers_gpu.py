@@ -173,3 +173,42 @@ def test_masks_other_than_padding_stay_right_through_the_fallback(seed):
     assert len(transformers_backend.stats["sdpa"]) == 1
     want = F.scaled_dot_product_attention(q, k.repeat_interleave(4, 1), v.repeat_interleave(4, 1), attn_mask=mask)
     assert rel_l2(out, want.transpose(1, 2)) <= 1e-3
+
+
+@pytest.mark.parametrize("sk", [40, 3000], ids=["forward-kernels", "decode-kernels"])
+def test_padded_decode_steps_read_the_cache_in_place(seed, sk, monkeypatch):
+    # A left-padded decode step reads the contiguous [B, Hkv, Sk, D] cache where it is
+    # (no gathered copy): against SDPA, and against the gathering path on the same
+    # cache held in a wider, non-contiguous tensor.
+    import torch.nn.functional as F
+    from transformers.masking_utils import causal_mask_function, sdpa_mask
+
+    module = torch.nn.Module()
+    module.is_causal = True
+    module.num_key_value_groups = 4
+    b, hkv, d = 4, 2, 128
+    q = torch.randn(b, 4 * hkv, 1, d, device="cuda", dtype=torch.float16)
+    k = torch.randn(b, hkv, sk, d, device="cuda", dtype=torch.float16)
+    v = torch.randn_like(k)
+    pad = torch.ones(b, sk, dtype=torch.bool, device="cuda")
+    for x, n in enumerate([0, 7, sk // 2, sk - 1]):
+        pad[x, :n] = False
+    mask = sdpa_mask(batch_size=b, q_length=1, kv_length=sk, q_offset=sk - 1, mask_function=causal_mask_function,
+                     attention_mask=pad, allow_is_causal_skip=False, device="cuda")
+    seen = []
+    real = transformers_backend.launch_varlen
+    monkeypatch.setattr(transformers_backend, "launch_varlen", lambda q_, k_, *a: seen.append(k_.data_ptr()) or real(q_, k_, *a))
+    reset_stats()
+    with torch.no_grad():
+        out, _ = transformers_backend.attention_forward(module, q, k, v, mask)
+        wide_k = torch.zeros(b, hkv, sk, 2 * d, device="cuda", dtype=torch.float16)[..., :d]
+        wide_v = torch.zeros_like(wide_k)
+        wide_k.copy_(k)
+        wide_v.copy_(v)
+        gathered, _ = transformers_backend.attention_forward(module, q, wide_k, wide_v, mask)
+        want = F.scaled_dot_product_attention(q, k.repeat_interleave(4, 1), v.repeat_interleave(4, 1), attn_mask=mask)
+    assert seen[0] == k.data_ptr() and seen[1] != wide_k.data_ptr()
+    assert transformers_backend.stats["sdpa"] == {}
+    err, err_gathered = rel_l2(out, want.transpose(1, 2)), rel_l2(gathered, want.transpose(1, 2))
+    print(f"Sk {sk}: in place {err:.2e}, gathered {err_gathered:.2e}")
+    assert err <= 2e-3 and err_gathered <= 2e-3
