@@ -24,8 +24,9 @@ positions [s_b, e_b) and each query row sees exactly what a bottom-right causal 
 that run shows it: the last min(Sq, e_b - s_b) rows their part of the run, the others
 nothing (left padding, as generate() pads, and a StaticCache's empty slots); for a module
 that is not causal, every row the whole run (padding on either side). The backend gathers
-those query rows and keys into packed tensors, runs the call (a batch of decode steps
-runs on the split-KV decode kernels) and scatters the rows back; query rows that see no
+those query rows and keys into packed tensors, runs the call and scatters the rows back;
+a decode step (at most 16 queries a sequence, all of them computed) reads a contiguous
+cache in place instead, and runs on the split-KV decode kernels. Query rows that see no
 key are zeros, as are padding rows transformers lets see every key. Checking a mask costs
 a pass over it and one wait for the GPU, once per mask (a model's layers share it), so
 this runs only in plain eager mode (not under torch.compile or while a CUDA graph is
