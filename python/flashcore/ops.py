@@ -77,7 +77,7 @@ def _bshd_sizes_strides(t, layout):
 
 def _describe(t, layout, ptr):
     sizes, strides = _bshd_sizes_strides(t, layout)
-    return _capi.FlashcoreTensor(ptr, _DTYPE_CODES.get(t.dtype, -1), sizes, strides)
+    return _capi.tensor(ptr, _DTYPE_CODES.get(t.dtype, -1), sizes, strides)
 
 
 def kernel_ready(t):
@@ -99,11 +99,29 @@ def _aligned(t):
     return t if t.data_ptr() % _ALIGN == 0 else t.clone(memory_format=torch.contiguous_format)
 
 
-def _empty_outputs(q, layout, out_layout, return_lse):
+def _empty_outputs(q, layout, out_layout, return_lse, eager=False):
+    """o, and lse or an empty stand-in: a new one for the op (whose outputs must be its
+    own), one kept per device for an eager call whose caller drops it."""
     (b, s, h, d), _ = _bshd_sizes_strides(q, layout)
     o = q.new_empty((b, s, h, d) if out_layout == "bshd" else (b, h, s, d))
-    lse = q.new_empty((b, h, s) if return_lse else (0,), dtype=torch.float32)
+    if return_lse:
+        lse = q.new_empty((b, h, s), dtype=torch.float32)
+    elif eager:
+        lse = _no_lse(q.device)
+    else:
+        lse = q.new_empty((0,), dtype=torch.float32)
     return o, lse
+
+
+_no_lses = {}
+
+
+def _no_lse(device):
+    """An empty float32 tensor on `device`, made once."""
+    t = _no_lses.get(device)
+    if t is None:
+        t = _no_lses.setdefault(device, torch.empty((0,), dtype=torch.float32, device=device))
+    return t
 
 
 def _check_descriptors(q, k, v, o, lse, layout, out_layout, scale, causal):
@@ -142,9 +160,10 @@ def _attention_op(
     return _forward(q, k, v, causal, scale, layout, out_layout, return_lse)
 
 
-def _forward(q, k, v, causal, scale, layout, out_layout, return_lse):
-    """The op's CUDA implementation (also called directly by `launch` in eager mode)."""
-    o, lse = _empty_outputs(q, layout, out_layout, return_lse)
+def _forward(q, k, v, causal, scale, layout, out_layout, return_lse, eager=False):
+    """The op's CUDA implementation (also called directly by `launch` in eager mode,
+    `eager`)."""
+    o, lse = _empty_outputs(q, layout, out_layout, return_lse, eager)
     n, nk = q.shape, k.shape
     b, sq, hq, sk = (n[0], n[1], n[2], nk[1]) if layout == "bshd" else (n[0], n[2], n[1], nk[2])
     if b == 0 or sq == 0 or hq == 0 or sk == 0:
@@ -254,7 +273,7 @@ def launch(q, k, v, causal, scale, layout, out_layout, return_lse):
     Under torch.compile, fake tensors or a dispatch mode, the call is the registered op."""
     q, k, v = (t if kernel_ready(t) else t.clone(memory_format=torch.contiguous_format) for t in (q, k, v))
     if _plain_eager(q, k, v):
-        return _forward(q, k, v, causal, scale, layout, out_layout, return_lse)
+        return _forward(q, k, v, causal, scale, layout, out_layout, return_lse, eager=True)
     return torch.ops.flashcore.attention(q, k, v, causal, scale, layout, out_layout, return_lse)
 
 

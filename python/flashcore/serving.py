@@ -66,7 +66,7 @@ if _FP8 is not None:
 
 
 def _desc(sizes, strides, dtype, ptr):
-    return _capi.FlashcoreTensor(ptr, _CODES.get(dtype, -1), tuple(sizes), tuple(strides))
+    return _capi.tensor(ptr, _CODES.get(dtype, -1), sizes, strides)
 
 
 def _describe(t, ptr=None, at_least_one=False):
