@@ -24,9 +24,10 @@ positions [s_b, e_b) and each query row sees exactly what a bottom-right causal 
 that run shows it: the last min(Sq, e_b - s_b) rows their part of the run, the others
 nothing (left padding, as generate() pads, and a StaticCache's empty slots); for a module
 that is not causal, every row the whole run (padding on either side). The backend gathers
-those query rows and keys into packed tensors, runs the call and scatters the rows back;
-a decode step (at most 16 queries a sequence, all of them computed) reads a contiguous
-cache in place instead, and runs on the split-KV decode kernels. Query rows that see no
+the query rows into a packed tensor (a decode step needs no gather), runs the call and
+scatters the rows back; keys and values in contiguous tensors are read in place (a
+sequence without queries over the rows between two sequences' keys), others gathered
+too. A batch of decode steps runs on the split-KV decode kernels. Query rows that see no
 key are zeros, as are padding rows transformers lets see every key. Checking a mask costs
 a pass over it and one wait for the GPU, once per mask (a model's layers share it), so
 this runs only in plain eager mode (not under torch.compile or while a CUDA graph is
@@ -207,10 +208,8 @@ def launch_varlen(q, k, v, cu_q, cu_k, max_seqlen_q, host_q, host_k, causal, sca
 _CHECK_ELEMENTS = 1 << 25
 _HOST_CHECK_ELEMENTS = 1 << 18
 
-# Where a decode step reads the cache in place (_PaddedPlan._in_place): at most 16
-# queries a sequence (the decode kernels'), packed rows within the library's 2^25, and
-# the 2B - 1 sequences within its 65535.
-_IN_PLACE_QUERIES = 16
+# Where the keys and values are read in place (_PaddedPlan._in_place): packed rows within
+# the library's 2^25, and the 2B - 1 sequences within its 65535.
 _IN_PLACE_ROWS = 1 << 25
 _IN_PLACE_SEQUENCES = 65535
 
@@ -241,7 +240,7 @@ class _PaddedPlan:
         # row = the run's first + the rank inside the sequence. One copy to the device for
         # them, one for the offsets.
         firsts_k = np.where(n_k > 0, np.array(starts, dtype=np.int64), 0)
-        self._starts, self._counts = firsts_k, n_k
+        self._starts, self._counts, self._cu_q = firsts_k, n_k, cu_q
         self._offsets_in_place = {}
         pairs = [] if self.every_row else self._rows(n_q, cu_q, sq - n_q)
         pairs += self._rows(n_k, cu_k, firsts_k)
@@ -252,19 +251,17 @@ class _PaddedPlan:
         self.q_rows = None if self.every_row else (rows[:nq], rows[nq : 2 * nq])
         self.k_rows = (rows[2 * nq : 2 * nq + self.total_k], rows[2 * nq + self.total_k :])
 
-    def _in_place(self, key, value, sq):
-        """A decode step's keys read where they are: k and v as packed [rows, Hkv, D] views
+    def _in_place(self, key, value):
+        """The keys and values read where they are: k and v as packed [rows, Hkv, D] views
         of the contiguous [B, Hkv, Sk, D] tensors (row b·Hkv·Sk + j is position j of batch
         b), with a sequence without queries over the rows between one sequence's run and
-        the next, so the offsets stay one after another. No copy of the cache, where a
-        prompt's gathers cost little beside its attention. None where that does not apply.
+        the next, so the offsets stay one after another. No copy of the cache; None where
+        that does not apply (the keys are then gathered).
         """
         b, hkv, sk, _ = key.shape
         rows = (b - 1) * hkv * sk + sk
         if not (
-            self.every_row
-            and sq <= _IN_PLACE_QUERIES
-            and key.is_contiguous()
+            key.is_contiguous()
             and value.is_contiguous()
             and rows <= _IN_PLACE_ROWS
             and 2 * b - 1 <= _IN_PLACE_SEQUENCES
@@ -278,7 +275,7 @@ class _PaddedPlan:
             cu_k = np.empty(2 * b, dtype=np.int64)
             cu_k[0::2], cu_k[1::2] = first, first + self._counts
             cu_q = np.empty(2 * b, dtype=np.int64)
-            cu_q[0::2], cu_q[1::2] = np.arange(b) * sq, np.arange(1, b + 1) * sq
+            cu_q[0::2], cu_q[1::2] = self._cu_q[:-1], self._cu_q[1:]
             host = torch.from_numpy(np.concatenate([cu_q, cu_k]).astype(np.int32))
             dev = host.to(key.device)
             cached = (dev[: 2 * b], dev[2 * b :], host[: 2 * b], host[2 * b :])
@@ -303,7 +300,7 @@ class _PaddedPlan:
             return query.new_zeros((b, sq, h, d))
         q = query.transpose(1, 2)
         q = q.reshape(b * sq, h, d) if self.every_row else q[self.q_rows]
-        in_place = self._in_place(key, value, sq)
+        in_place = self._in_place(key, value)
         if in_place is not None:
             k, v, cu_q, cu_k, host_q, host_k = in_place
         else:

@@ -299,10 +299,10 @@ def test_left_padded_batches_run_as_variable_length_calls(monkeypatch):
     assert (got_step - want_step).abs().max().item() < 2e-2
     assert not calls and transformers_backend.stats["sdpa"] == {}
     assert transformers_backend.stats["flashcore_padded"] == transformers_backend.stats["flashcore"] == 4
-    # The prompt's rows gathered; the decode step reads the [B, Hkv=2, 13, D] cache in
-    # place: batch b's position j is row 26·b + j, with a sequence of no queries over the
-    # rows between one sequence's keys and the next.
-    prompt = ([0, 12, 21, 26], [0, 12, 21, 26], True)
+    # The keys read in place, [B, Hkv=2, Sk, D]: batch b's position j is row 2·Sk·b + j,
+    # with a sequence of no queries over the rows between one sequence's keys and the
+    # next. The prompt's real rows gathered (9 and 5 of 12 in the padded ones).
+    prompt = ([0, 12, 12, 21, 21, 26], [0, 12, 27, 36, 55, 60], True)
     decode = ([0, 1, 1, 2, 2, 3], [0, 13, 29, 39, 59, 65], True)
     assert varlen_calls == [prompt, prompt, decode, decode]
 
@@ -349,6 +349,13 @@ def test_masks_other_than_padding_run_on_sdpa(monkeypatch):
     # Every query row computed: the keys read in place (batch 1 starts at row 2·8).
     assert calls == [([0, 8, 8, 16], [0, 5, 16, 24], False)] and transformers_backend.stats["sdpa"] == {}
     want = F.scaled_dot_product_attention(q.float(), kv.float(), kv.float(), attn_mask=mask)
+    assert (out.float() - want.transpose(1, 2)).abs().max().item() < 1e-2
+    # Keys in a tensor that is not contiguous are gathered: the runs packed one after another.
+    wide = torch.zeros(2, 2, 8, 128, dtype=torch.float16)[..., :64]
+    wide.copy_(kv)
+    calls.clear()
+    out, _ = transformers_backend.attention_forward(module, q, wide, wide, mask)
+    assert calls == [([0, 8, 16], [0, 5, 13], False)]
     assert (out.float() - want.transpose(1, 2)).abs().max().item() < 1e-2
 
 
