@@ -12,7 +12,7 @@ mod common;
 
 use std::sync::Arc;
 
-use common::{down, pick, ptr, random_len, seeds, up};
+use common::{down, loaded_ids, pick, ptr, random_len, seeds, up};
 use cudarc::driver::{CudaSlice, CudaStream};
 use flashcore::Error;
 use flashcore::check::tolerance;
@@ -573,12 +573,7 @@ fn decode_with_plain_launches() {
     let (attn, s) = setup();
     let attn = attn.with_programmatic_launches(false);
     run_all_on(&attn, &s, &random_cases(24, &[32, 64, 80, 128, 256]));
-    let merges: Vec<String> = attn
-        .loaded_kernels()
-        .into_iter()
-        .map(|k| k.0)
-        .filter(|id| id.starts_with("attn_merge"))
-        .collect();
+    let merges = loaded_ids(&attn, "attn_merge");
     assert!(
         !merges.is_empty() && merges.iter().all(|id| !id.contains("_pdl")),
         "merges: {merges:?}"

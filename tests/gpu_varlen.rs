@@ -13,7 +13,7 @@ mod common;
 
 use std::sync::Arc;
 
-use common::{down, pick, ptr, random_len, seeds, up};
+use common::{down, loaded_ids, pick, ptr, random_len, seeds, up};
 use cudarc::driver::{CudaSlice, CudaStream};
 use flashcore::Error;
 use flashcore::check::tolerance;
@@ -484,12 +484,7 @@ fn decode_shaped_batches_run_on_the_decode_kernels() {
         let tol = tolerance(c.dtype);
         assert!(out <= tol && lse <= tol, "plain launches, {c} ({replay})");
     }
-    let merges: Vec<String> = plain
-        .loaded_kernels()
-        .into_iter()
-        .map(|k| k.0)
-        .filter(|id| id.starts_with("attn_merge"))
-        .collect();
+    let merges = loaded_ids(&plain, "attn_merge");
     assert!(
         !merges.is_empty()
             && merges

@@ -15,6 +15,15 @@ pub fn seeds() -> TestSeeds {
     seeds
 }
 
+/// The ids of the kernels `attn` has loaded that start with `prefix`.
+pub fn loaded_ids(attn: &flashcore::host::attention::Attention, prefix: &str) -> Vec<String> {
+    attn.loaded_kernels()
+        .into_iter()
+        .map(|k| k.0)
+        .filter(|id| id.starts_with(prefix))
+        .collect()
+}
+
 pub fn up<T: DeviceRepr>(s: &Arc<CudaStream>, x: &[T]) -> CudaSlice<T> {
     s.clone_htod(x).expect("upload")
 }
