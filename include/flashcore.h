@@ -186,7 +186,10 @@ typedef struct FlashcoreContext FlashcoreContext;
 
 /* Opens device `device_ordinal` (driver ordinal, as CUDA_VISIBLE_DEVICES maps it) and
  * creates a context on it. On success *out is the new context; on failure *out is NULL.
- * Returns FLASHCORE_ERROR_NO_DRIVER on a machine without the NVIDIA driver. */
+ * Returns FLASHCORE_ERROR_NO_DRIVER on a machine without the NVIDIA driver.
+ * With FLASHCORE_NO_PDL set in the environment (to anything but "" or "0") when the
+ * context is created, its decode steps launch their combine plainly rather than
+ * programmatically on Hopper, as GPUs before Hopper do. */
 int32_t flashcore_create(int32_t device_ordinal, FlashcoreContext **out);
 
 /* Destroys a context and unloads its kernels. NULL is a no-op. Work already queued on a
