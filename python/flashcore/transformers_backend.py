@@ -64,6 +64,7 @@ to quantize with K smoothing, FLASHCORE_FP8_HADAMARD_SEED=<seed> to rotate q and
 """
 
 import os
+import threading
 import warnings
 import weakref
 
@@ -320,6 +321,7 @@ class _PaddedPlan:
 # that alternate: full and sliding-window layers), by weak reference, so that a prompt's
 # mask does not outlive its forward pass.
 _plans = {}
+_plans_lock = threading.Lock()
 _PLANS_KEPT = 4
 
 
@@ -337,15 +339,17 @@ def _padded_plan(mask, causal, batch, sq, sk):
     ):
         return None
     key = (id(mask), mask._version, causal, batch, sq, sk)
-    kept = _plans.get(key)
+    with _plans_lock:
+        kept = _plans.get(key)
     if kept is not None and kept[0]() is mask:
         return kept[1]
     plan = _check_padding(mask[:, 0].expand(batch, sq, sk), causal, batch, sq, sk)
-    for gone in [k for k, (ref, _) in _plans.items() if ref() is None]:
-        del _plans[gone]
-    while len(_plans) >= _PLANS_KEPT:
-        del _plans[next(iter(_plans))]  # the oldest
-    _plans[key] = (weakref.ref(mask), plan)
+    with _plans_lock:  # threads serving models at once share the cache
+        for gone in [k for k, (ref, _) in _plans.items() if ref() is None]:
+            del _plans[gone]
+        while len(_plans) >= _PLANS_KEPT:
+            del _plans[next(iter(_plans))]  # the oldest
+        _plans[key] = (weakref.ref(mask), plan)
     return plan
 
 

@@ -472,3 +472,35 @@ def test_random_masks_are_read_exactly(monkeypatch):
         if kind == "plain":
             assert plan is not None, (trial, causal, starts)
     assert made > 100 and refused > 30, (made, refused)
+
+
+def test_threads_share_the_mask_checks(monkeypatch):
+    """Several threads checking masks at once (models served side by side) each get their
+    mask's plan, with the cache of checked masks kept at its size."""
+    import threading
+
+    import torch
+
+    monkeypatch.setattr(transformers_backend, "_CHECK_ON_CPU", True)
+    errors, plans = [], {}
+
+    def work(t):
+        try:
+            for n in range(40):
+                pad = torch.ones(2, 6, dtype=torch.bool)
+                pad[1, : (t + n) % 5] = False
+                causal = torch.arange(6)[None, :] <= torch.arange(6)[:, None]  # [query, key]
+                mask = pad[:, None, None, :] & causal
+                plan = transformers_backend._padded_plan(mask, True, 2, 6, 6)
+                plans[(t, n)] = (plan.host_k.tolist(), 6 + 6 - (t + n) % 5)
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(8)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert not errors, errors
+    assert all(cu[-1] == total for cu, total in plans.values())
+    assert len(transformers_backend._plans) <= transformers_backend._PLANS_KEPT
