@@ -227,7 +227,7 @@ class _PaddedPlan:
         # row of another call sees the whole run.
         n_q = [min(sq, n) if causal else sq for n in n_k]
         batch = len(n_k)
-        self.causal, self.sq = causal, sq
+        self.causal = causal
         self.total_q, self.total_k = sum(n_q), sum(n_k)
         self.max_q = max([1, *n_q])
         # Every query row computed (decode steps, prompts without padding in a StaticCache):
