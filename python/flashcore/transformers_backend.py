@@ -144,6 +144,9 @@ def _forward(fp8, module, query, key, value, attention_mask, dropout, scaling, i
         return fallback("inputs that require gradients (flashcore is forward only)")
     if not _on_gpu(query, key, value):
         return fallback(f"tensors on {query.device} (flashcore runs on CUDA devices)")
+    if key.device != query.device or value.device != query.device:
+        # SDPA raises its own error for these.
+        return fallback(f"query, key and value on {query.device}, {key.device} and {value.device}")
     if query.dtype not in (torch.float16, torch.bfloat16):
         return fallback(f"dtype {query.dtype}")
     if not forward_head_dim(query.shape[-1]) or value.shape[-1] != query.shape[-1]:
@@ -161,7 +164,11 @@ def _forward(fp8, module, query, key, value, attention_mask, dropout, scaling, i
     if attention_mask is not None:
         if fp8:
             return fallback("an explicit attention mask")
-        if not _may_wait():
+        if attention_mask.device != query.device:
+            # The mask's plan keeps its offsets on the mask's device; SDPA raises its own
+            # error for a mask on another GPU, or moves a CPU mask.
+            return fallback(f"an attention mask on {attention_mask.device}, the query on {query.device}")
+        if not _may_wait(query.device):
             return fallback("an attention mask under torch.compile or CUDA graph capture")
         plan = _padded_plan(attention_mask, bool(causal), query.shape[0], query.shape[2], key.shape[2])
         if plan is None:
@@ -268,7 +275,7 @@ class _PaddedPlan:
             and 2 * b - 1 <= _IN_PLACE_SEQUENCES
         ):
             return None
-        cached = self._offsets_in_place.get((hkv, sk))
+        cached = self._offsets_in_place.get((hkv, sk, key.device))
         if cached is None:
             import numpy as np
 
@@ -280,7 +287,7 @@ class _PaddedPlan:
             host = torch.from_numpy(np.concatenate([cu_q, cu_k]).astype(np.int32))
             dev = host.to(key.device)
             cached = (dev[: 2 * b], dev[2 * b :], host[: 2 * b], host[2 * b :])
-            self._offsets_in_place[(hkv, sk)] = cached
+            self._offsets_in_place[(hkv, sk, key.device)] = cached
         d = key.shape[3]
         k = key.as_strided((rows, hkv, d), (d, sk * d, 1))
         v = value.as_strided((rows, hkv, d), (d, sk * d, 1))
@@ -407,11 +414,16 @@ def _check_on_host(m, causal, sq, sk):
     return start.tolist(), end.tolist()
 
 
-def _may_wait():
-    """Whether this call may wait for the GPU: plain eager mode, no graph being captured."""
+def _may_wait(device):
+    """Whether this call may wait for the GPU: plain eager mode, no graph being captured
+    on `device`'s current stream (which need not be the current device's).
+    """
     if torch.compiler.is_compiling() or _dispatch_mode_active():
         return False
-    return not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return True
+    with torch.cuda.device(device):
+        return not torch.cuda.is_current_stream_capturing()
 
 
 def _on_gpu(*tensors):

@@ -359,6 +359,30 @@ def test_masks_other_than_padding_run_on_sdpa(monkeypatch):
     assert (out.float() - want.transpose(1, 2)).abs().max().item() < 1e-2
 
 
+def test_tensors_on_another_device_than_the_query_go_to_sdpa(monkeypatch):
+    """A mask, key or value on another device than the query is SDPA's to refuse (or, a
+    CPU mask, to move): a padding plan keeps its offsets on the mask's device."""
+    import torch
+
+    reasons, varlen_calls = [], []
+    _use_reference_launch(monkeypatch, [])
+    _use_reference_varlen(monkeypatch, varlen_calls)
+    monkeypatch.setattr(transformers_backend, "_fallback", lambda reason, *a, **k: reasons.append(reason) or (None, None))
+    module, q, kv = _one_layer_call(True)
+    mask = torch.ones(1, 1, 8, 8, dtype=torch.bool).tril()
+    transformers_backend.attention_forward(module, q, kv, kv, mask.to("meta"))
+    transformers_backend.attention_forward(module, q, kv.to("meta"), kv, None)
+    transformers_backend.attention_forward(module, q, kv, kv.to("meta"), None)
+    assert reasons == [
+        "an attention mask on meta, the query on cpu",
+        "query, key and value on cpu, meta and cpu",
+        "query, key and value on cpu, cpu and meta",
+    ]
+    # The same call with everything on one device runs on flashcore.
+    transformers_backend.attention_forward(module, q, kv, kv, mask)
+    assert len(reasons) == 3 and len(varlen_calls) == 1
+
+
 @pytest.mark.parametrize("where", ["host", "device"])
 def test_a_padding_plan_packs_each_run_of_keys(monkeypatch, where):
     """The plan from masks transformers builds: left padding, a StaticCache's empty slots
