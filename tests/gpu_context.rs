@@ -345,3 +345,112 @@ fn queued_timing_leaves_host_time_and_the_backlog_out_of_the_spans() {
         "a span held the backlog ({backlog_ms} ms): {queued:?}"
     );
 }
+
+/// A second GPU: an `Attention` and a C context of device 1, called from a thread whose
+/// current context is device 0's (as a framework that last touched device 0 leaves it),
+/// and calls on the two devices in turn. Every call must bind device 1's context itself,
+/// run on device 1's buffers and put device 0's context back; both devices' outputs must
+/// be right. Skipped, saying so, on a machine with one GPU.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn a_second_gpu_runs_while_the_first_is_current() {
+    let count = device_count().expect("a CUDA driver");
+    if count < 2 {
+        eprintln!("skipped: {count} CUDA device(s), this test needs two");
+        return;
+    }
+    std::thread::spawn(|| {
+        let d0 = Arc::new(Device::new(0).expect("device 0"));
+        let d1 = Arc::new(Device::new(1).expect("device 1"));
+        let (ctx0, ctx1) = (d0.context().cu_ctx(), d1.context().cu_ctx());
+        assert_ne!(ctx0, ctx1);
+        let a0 = Attention::new(d0.clone()).expect("an sm_80+ GPU");
+        let a1 = Attention::new(d1.clone()).expect("an sm_80+ GPU");
+        let (s0, s1) = (d0.context().default_stream(), d1.context().default_stream());
+        let mut seeds = TestSeeds::from_env().unwrap_or_else(|e| panic!("{e}"));
+        let params = AttentionParams {
+            softmax_scale: None,
+            causal: true,
+        };
+        let check_output = |dev: &DeviceCase, what: &str, replay: &str| {
+            let (o_bits, _) = dev.download().expect("download");
+            let want = dev.reference(params.scale_for(64) as f64);
+            let got = reference::half_bits_to_f64(&o_bits, HalfType::F16);
+            let err = reference::rel_l2(&got, &want.out);
+            println!("{what}: error {err:.2e}");
+            assert!(
+                err <= tolerance(HalfType::F16),
+                "{what}: error {err:.2e} ({replay})"
+            );
+        };
+        for round in 0..3 {
+            // Device 1's case, uploaded through cudarc (which binds device 1), then
+            // device 0's context made current before the call.
+            let mut rng = seeds.next_case();
+            let replay = seeds.replay(&rng);
+            let on1 = DeviceCase::new(&s1, small_case(), &mut rng).expect("upload to device 1");
+            let ([q, k, v, o], lse) = on1.views();
+            set_current(ctx0);
+            // SAFETY: the views are device 1's live buffers, `s1` device 1's stream.
+            unsafe { a1.forward(&q, &k, &v, &o, Some(&lse), &params, s1.cu_stream()) }
+                .expect("forward on device 1");
+            assert_eq!(
+                current(),
+                ctx0,
+                "round {round}: device 0's context was replaced"
+            );
+            check_output(&on1, &format!("round {round}, device 1"), &replay);
+
+            // Device 0 in between, with device 1's context current.
+            let mut rng = seeds.next_case();
+            let replay = seeds.replay(&rng);
+            let on0 = DeviceCase::new(&s0, small_case(), &mut rng).expect("upload to device 0");
+            let ([q, k, v, o], lse) = on0.views();
+            set_current(ctx1);
+            // SAFETY: device 0's live buffers and stream.
+            unsafe { a0.forward(&q, &k, &v, &o, Some(&lse), &params, s0.cu_stream()) }
+                .expect("forward on device 0");
+            assert_eq!(
+                current(),
+                ctx1,
+                "round {round}: device 1's context was replaced"
+            );
+            check_output(&on0, &format!("round {round}, device 0"), &replay);
+        }
+
+        // The C ABI: a context of ordinal 1, created and called with device 0's current.
+        let mut rng = seeds.next_case();
+        let replay = seeds.replay(&rng);
+        let on1 = DeviceCase::new(&s1, small_case(), &mut rng).expect("upload to device 1");
+        let ([q, k, v, o], lse) = on1.views();
+        set_current(ctx0);
+        let mut handle: *mut FlashcoreContext = ptr::null_mut();
+        // SAFETY: `handle` is a valid place for one pointer.
+        let rc = unsafe { ffi::flashcore_create(1, &mut handle) };
+        assert_eq!(rc, FLASHCORE_SUCCESS);
+        let [cq, ck, cv, co] = [&q, &k, &v, &o].map(c_tensor);
+        // SAFETY: `handle` is live; the tensors describe device 1's live buffers and the
+        // stream is device 1's.
+        let rc = unsafe {
+            ffi::flashcore_forward(handle, &cq, &ck, &cv, &co, lse.ptr, 0.0, 1, s1.cu_stream())
+        };
+        assert_eq!(rc, FLASHCORE_SUCCESS);
+        assert_eq!(
+            current(),
+            ctx0,
+            "flashcore_forward replaced device 0's context"
+        );
+        s1.synchronize().expect("synchronize");
+        set_current(ctx0);
+        // SAFETY: created above, destroyed once, its work finished.
+        unsafe { ffi::flashcore_destroy(handle) };
+        assert_eq!(
+            current(),
+            ctx0,
+            "flashcore_destroy replaced device 0's context"
+        );
+        check_output(&on1, "the C ABI on device 1", &replay);
+    })
+    .join()
+    .expect("the test thread panicked");
+}

@@ -580,6 +580,56 @@ fn decode_with_plain_launches() {
     );
 }
 
+/// A second GPU: decode steps of random configurations (contiguous and paged, one
+/// split and many with their combine, launched programmatically on Hopper) on device 1,
+/// first alone, then while device 0 runs its own from another thread. Skipped, saying
+/// so, on a machine with one GPU.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn decode_on_a_second_gpu() {
+    let count = flashcore::host::device::device_count().expect("a CUDA driver");
+    if count < 2 {
+        eprintln!("skipped: {count} CUDA device(s), this test needs two");
+        return;
+    }
+    let on = |ordinal: usize| {
+        let device = Arc::new(Device::new(ordinal).expect("a CUDA device"));
+        let stream = device.context().default_stream();
+        (Attention::new(device).expect("an sm_80+ GPU"), stream)
+    };
+    let (a1, s1) = on(1);
+    run_all_on(&a1, &s1, &random_cases(16, &[64, 128]));
+    let split = loaded_ids(&a1, "attn_merge");
+    assert!(!split.is_empty(), "no split step ran on device 1");
+    let both: Vec<_> = (0..2)
+        .map(|ordinal| {
+            std::thread::spawn(move || {
+                let (attn, s) = on(ordinal);
+                run_all_on(&attn, &s, &random_cases(12, &[64, 128, 256]));
+            })
+        })
+        .collect();
+    for t in both {
+        t.join().expect("a device's thread failed");
+    }
+}
+
+/// One `Attention` shared by four threads, each with its own stream, from cold: their
+/// first steps generate and load the same kernels at once. Every step is checked.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn one_attention_serves_four_threads_at_once() {
+    let (attn, _) = setup();
+    std::thread::scope(|scope| {
+        for _ in 0..4 {
+            scope.spawn(|| {
+                let s = attn.device().context().new_stream().expect("a stream");
+                run_all_on(&attn, &s, &random_cases(12, &[64, 128]));
+            });
+        }
+    });
+}
+
 /// The head dims without a decode kernel of their own (the next larger one runs
 /// padded): several of each kernel's, contiguous and paged, one split and many (their
 /// merge padded too), GQA and MQA, causal speculative rows; O a view into a wider tensor

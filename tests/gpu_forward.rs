@@ -31,13 +31,18 @@ fn setup() -> (Attention, Arc<cudarc::driver::CudaStream>) {
 /// Runs every case, prints one line each, and fails listing every case over tolerance.
 fn run_cases(cases: &[FwdCase]) {
     let (attn, stream) = setup();
+    run_cases_on(&attn, &stream, cases);
+}
+
+/// [`run_cases`] with a given `Attention` and stream.
+fn run_cases_on(attn: &Attention, stream: &Arc<cudarc::driver::CudaStream>, cases: &[FwdCase]) {
     let mut seeds = seeds();
     let mut failures = Vec::new();
     let mut worst: (f64, String) = (0.0, String::new());
     for case in cases {
         let mut rng = seeds.next_case();
         let replay = seeds.replay(&rng);
-        let r: CheckResult = check_forward(&attn, &stream, *case, &mut rng)
+        let r: CheckResult = check_forward(attn, stream, *case, &mut rng)
             .unwrap_or_else(|e| panic!("{case} ({replay}): {e}"));
         let line = format!(
             "{case}: out {:.2e} lse {:.2e} unwritten {} ({replay})",
@@ -121,10 +126,33 @@ fn case(
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn random_shapes() {
+    run_cases(&random_cases(40));
+}
+
+/// One `Attention` shared by four threads, each with its own stream, from cold: their
+/// first calls generate and load the same kernels at once (each thread draws the same
+/// shapes). Every call is checked.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn one_attention_serves_four_threads_at_once() {
+    let (attn, _) = setup();
+    let cases = random_cases(16);
+    std::thread::scope(|scope| {
+        for _ in 0..4 {
+            scope.spawn(|| {
+                let stream = attn.device().context().new_stream().expect("a stream");
+                run_cases_on(&attn, &stream, &cases);
+            });
+        }
+    });
+}
+
+/// `count` shapes of [`random_shapes`].
+fn random_cases(count: usize) -> Vec<FwdCase> {
     const EDGES: [usize; 12] = [1, 2, 17, 63, 64, 65, 113, 127, 128, 129, 192, 193];
     let mut rng = Rng::new(seeds().run_seed().rotate_left(41) ^ 0xF0D);
     let len = |rng: &mut Rng| random_len(rng, &EDGES, 1100);
-    let cases: Vec<FwdCase> = (0..40)
+    (0..count)
         .map(|_| {
             let heads_kv = pick(&mut rng, &[1, 2]);
             let group = pick(&mut rng, &[1, 2, 4, 8]).min(8 / heads_kv);
@@ -154,8 +182,7 @@ fn random_shapes() {
             }
             c
         })
-        .collect();
-    run_cases(&cases);
+        .collect()
 }
 
 /// Every (Sq, Sk) pair of the grid, causal and not, one head, with each query tile

@@ -198,6 +198,44 @@ def test_runs_on_the_current_stream(seed):
     assert torch.equal(o, expected)
 
 
+def test_threads_share_a_device(seed):
+    """Four threads, each on a stream of its own, call one device's flashcore context at
+    once (a kernel no earlier test loaded is wanted by several threads together): forward
+    calls of several shapes, each checked against float64 after the threads end."""
+    import threading
+
+    shapes = [(1, 8, 2, 113, 300, 64), (2, 4, 4, 257, 257, 128), (1, 8, 8, 1, 1536, 64), (1, 4, 1, 64, 1023, 96)]
+    results, errors = [], []
+    start = threading.Barrier(4)
+
+    def worker(t):
+        try:
+            stream = torch.cuda.Stream()
+            with torch.cuda.stream(stream):
+                start.wait()
+                for i in range(6):
+                    b, hq, hkv, sq, sk, d = shapes[(t + i) % len(shapes)]
+                    dtype = (torch.float16, torch.bfloat16)[(t + i) % 2]
+                    causal = i % 3 == 0
+                    q, k, v = make(b, hq, hkv, sq, sk, d, dtype)
+                    o = flashcore.attention(q, k, v, causal=causal)
+                    results.append((t, i, q, k, v, causal, o, stream))
+        except Exception as e:  # noqa: BLE001 - reported by the main thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(t,)) for t in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert not errors, errors
+    assert len(results) == 24
+    for t, i, q, k, v, causal, o, stream in results:
+        stream.synchronize()
+        err = rel_l2(o.float(), reference(q, k, v, causal)[0])
+        assert err <= TOLERANCE[q.dtype], f"thread {t} call {i}: rel L2 {err:.2e}"
+
+
 def test_torch_compile(seed):
     class Block(torch.nn.Module):
         def __init__(self):
