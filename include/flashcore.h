@@ -114,10 +114,13 @@ typedef struct FlashcoreKvCache {
  *       so a position's scales live where its codes do: element (i, p, h, 0) is the scale
  *       of row (i, p, h) of k (of v): each value of that row is its code times the scale.
  *       Pointers 4-byte aligned; strides free (in elements, each >= 0; strides[3] is
- *       not used beyond that), but no two elements may share an address, and neither
- *       tensor may overlap the other or the codes. flashcore_append_kv_fp8kv writes one
- *       scale per (position, KV head) row, the row's largest magnitude / 448 (the e4m3
- *       maximum), then the row's codes. */
+ *       not used beyond that), and neither tensor may overlap the other or the codes.
+ *       flashcore_append_kv_fp8kv writes one scale per (position, KV head) row, the
+ *       row's largest magnitude / 448 (the e4m3 maximum), then the row's codes: its
+ *       scales may not have two elements at one address. A decode only reads them, so
+ *       its scales may repeat through zero strides: one per KV head ({0, 0, 1, 1}), per
+ *       sequence and KV head of a contiguous cache ({Hkv, 0, 1, 1}, FlashAttention-3's
+ *       descales), or one for the whole cache ({0, 0, 0, 0}). */
 typedef struct FlashcoreKvScales {
     FlashcoreTensor k_scale; /* float32 [B, capacity, Hkv, 1] or [pages, page_size, Hkv, 1] */
     FlashcoreTensor v_scale; /* float32, k_scale's shape */

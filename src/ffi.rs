@@ -2620,9 +2620,14 @@ mod tests {
             with(&|s| s.v_scale.strides[1] = -2),
             FLASHCORE_ERROR_BAD_STRIDES
         );
+        // Repeated scales (zero strides) are read by a decode.
         assert_eq!(
-            with(&|s| s.k_scale.strides[1] = 0),
-            FLASHCORE_ERROR_BAD_STRIDES
+            with(&|s| s.k_scale.strides = [0, 0, 1, 1]),
+            FLASHCORE_SUCCESS
+        );
+        assert_eq!(
+            with(&|s| s.v_scale.strides = [0, 0, 0, 0]),
+            FLASHCORE_SUCCESS
         );
         assert_eq!(with(&|s| s.k_scale.ptr += 2), FLASHCORE_ERROR_MISALIGNED);
         assert_eq!(with(&|s| s.v_scale.ptr = 0), FLASHCORE_ERROR_NULL_POINTER);
@@ -2775,6 +2780,21 @@ mod tests {
         }
         let (c, s) = fp8_cache(true);
         let f16 = FLASHCORE_F16;
+        // An append writes a scale per (position, head): repeated ones are refused.
+        for strides in [[0, 0, 1, 1], [0, 0, 0, 0]] {
+            let repeated = FlashcoreKvScales {
+                v_scale: FlashcoreTensor {
+                    strides,
+                    ..s.v_scale
+                },
+                ..s
+            };
+            assert_eq!(
+                check(&c, Some(&repeated), &new(f16), &vnew(f16), None, None),
+                FLASHCORE_ERROR_BAD_STRIDES
+            );
+            assert!(last_error().contains("v_scale"), "{}", last_error());
+        }
         // New tokens of one 16-bit dtype only.
         for (k, v) in [
             (FLASHCORE_E4M3, FLASHCORE_E4M3),

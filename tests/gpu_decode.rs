@@ -1145,9 +1145,42 @@ struct Fp8DeviceCache {
     v: CudaSlice<u8>,
     k_scale: CudaSlice<f32>,
     v_scale: CudaSlice<f32>,
+    /// The scale views' strides where the scales repeat ([`Repeat`]); `None`: one per
+    /// (position, head), laid out as the cache.
+    scale_strides: Option<[usize; 4]>,
     /// `keys[b]`, `values[b]`: the dequantized values each sequence holds.
     keys: Vec<Vec<f64>>,
     values: Vec<Vec<f64>>,
+}
+
+/// Scales that repeat, as a decode may read them through zero strides: one per KV head,
+/// one per sequence and KV head (a contiguous cache; FlashAttention-3's descales), one
+/// for the whole cache.
+#[derive(Debug, Clone, Copy)]
+enum Repeat {
+    Head,
+    SequenceHead,
+    Whole,
+}
+
+impl Repeat {
+    /// The scale that sequence `b`'s head `h` takes.
+    fn index(self, c: &Case, b: usize, h: usize) -> usize {
+        match self {
+            Repeat::Head => h,
+            Repeat::SequenceHead => b * c.heads_kv + h,
+            Repeat::Whole => 0,
+        }
+    }
+
+    /// The `[outer, rows, Hkv, 1]` scale views' strides.
+    fn strides(self, c: &Case) -> [usize; 4] {
+        match self {
+            Repeat::Head => [0, 0, 1, 1],
+            Repeat::SequenceHead => [c.heads_kv, 0, 1, 1],
+            Repeat::Whole => [0, 0, 0, 0],
+        }
+    }
 }
 
 impl Fp8DeviceCache {
@@ -1167,8 +1200,74 @@ impl Fp8DeviceCache {
             v,
             k_scale,
             v_scale,
+            scale_strides: None,
             keys: deq(&cache.keys),
             values: deq(&cache.values),
+        }
+    }
+
+    /// An e4m3 copy of a 16-bit cache with scales that repeat: each the largest magnitude
+    /// its sequences' valid rows reach over 448, every row of memory quantized with its
+    /// sequence's and head's scale (saturating: the ±200 past each length become ±448
+    /// codes, their NaN stay NaN).
+    fn repeated(s: &Arc<CudaStream>, c: &Case, cache: &DeviceCache, repeat: Repeat) -> Self {
+        let (hkv, d) = (c.heads_kv, c.head_dim);
+        let count = match repeat {
+            Repeat::Head => hkv,
+            Repeat::SequenceHead => cache.keys.len() * hkv,
+            Repeat::Whole => 1,
+        };
+        // Rows of one outer index of the memory: a sequence's, or a page's.
+        let outer_rows = if c.page == 0 { cache.capacity } else { c.page };
+        let one = |mem: &CudaSlice<u16>, seqs: &Vec<Vec<f64>>| {
+            let mut amax = vec![0f32; count];
+            for (b, seq) in seqs.iter().enumerate() {
+                for (r, row) in seq.chunks(d).enumerate() {
+                    let g = repeat.index(c, b, r % hkv);
+                    amax[g] = row.iter().fold(amax[g], |m, &x| m.max((x as f32).abs()));
+                }
+            }
+            let scales: Vec<(f32, f32)> = amax.into_iter().map(quant::block_scale).collect();
+            let memory = half_bits_to_f64(&down(s, mem), c.dtype);
+            let codes: Vec<u8> = memory
+                .chunks(d)
+                .enumerate()
+                .flat_map(|(r, row)| {
+                    let g = repeat.index(c, r / (hkv * outer_rows), r % hkv);
+                    let inv = scales[g].1;
+                    row.iter()
+                        .map(move |&x| quant::e4m3_from_f32(x as f32 * inv))
+                })
+                .collect();
+            let deq: Vec<Vec<f64>> = seqs
+                .iter()
+                .enumerate()
+                .map(|(b, seq)| {
+                    seq.chunks(d)
+                        .enumerate()
+                        .flat_map(|(r, row)| {
+                            let (scale, inv) = scales[repeat.index(c, b, r % hkv)];
+                            row.iter().map(move |&x| {
+                                let code = quant::e4m3_from_f32(x as f32 * inv);
+                                f64::from(quant::e4m3_to_f32(code)) * f64::from(scale)
+                            })
+                        })
+                        .collect()
+                })
+                .collect();
+            let scales: Vec<f32> = scales.iter().map(|p| p.0).collect();
+            (up(s, &codes), up(s, &scales), deq)
+        };
+        let (k, k_scale, keys) = one(&cache.k, &cache.keys);
+        let (v, v_scale, values) = one(&cache.v, &cache.values);
+        Fp8DeviceCache {
+            k,
+            v,
+            k_scale,
+            v_scale,
+            scale_strides: Some(repeat.strides(c)),
+            keys,
+            values,
         }
     }
 
@@ -1181,7 +1280,13 @@ impl Fp8DeviceCache {
             ..t
         };
         let [outer, rows, hkv, _] = base.k.shape;
-        let scale = |at| TensorView::bshd(at, DType::F32, outer, rows, hkv, 1);
+        let scale = |at| {
+            let t = TensorView::bshd(at, DType::F32, outer, rows, hkv, 1);
+            TensorView {
+                strides: self.scale_strides.unwrap_or(t.strides),
+                ..t
+            }
+        };
         KvCache {
             k: codes(base.k, ptr(s, &self.k)),
             v: codes(base.v, ptr(s, &self.v)),
@@ -1197,11 +1302,21 @@ impl Fp8DeviceCache {
 /// Runs one decode case on an e4m3 copy of its cache. Returns the output's error against
 /// the float64 reference on the dequantized cache (the kernel's own arithmetic), the
 /// LSE's, and the output's error against the unquantized cache (what FP8 costs).
-fn run_fp8_case(attn: &Attention, s: &Arc<CudaStream>, rng: &mut Rng, c: &Case) -> (f64, f64, f64) {
+/// The scales repeat where `repeat` says so ([`Fp8DeviceCache::repeated`]).
+fn run_fp8_case(
+    attn: &Attention,
+    s: &Arc<CudaStream>,
+    rng: &mut Rng,
+    c: &Case,
+    repeat: Option<Repeat>,
+) -> (f64, f64, f64) {
     let b = c.lens.len();
     let capacity = capacity_for(c);
     let cache = DeviceCache::new(s, rng, c, capacity, &c.lens);
-    let fp8 = Fp8DeviceCache::new(s, c, &cache);
+    let fp8 = match repeat {
+        None => Fp8DeviceCache::new(s, c, &cache),
+        Some(r) => Fp8DeviceCache::repeated(s, c, &cache, r),
+    };
     let nq = b * c.seqlen_q * c.heads_q * c.head_dim;
     let (q_bits, q) = reference::random_half(rng, nq, c.dtype);
     let dq = up(s, &q_bits);
@@ -1252,6 +1367,11 @@ fn run_fp8_case(attn: &Attention, s: &Arc<CudaStream>, rng: &mut Rng, c: &Case) 
 const FP8_CACHE_VS_EXACT: f64 = 8e-2;
 
 fn run_all_fp8(cases: &[Case]) {
+    run_all_fp8_with(cases, None);
+}
+
+/// [`run_all_fp8`], with scales that repeat where `repeat` says so.
+fn run_all_fp8_with(cases: &[Case], repeat: Option<Repeat>) {
     let (attn, s) = setup();
     if attn.device().compute_capability() < (8, 9) {
         eprintln!("skipped: e4m3 caches need sm_89");
@@ -1262,10 +1382,10 @@ fn run_all_fp8(cases: &[Case]) {
     for c in cases {
         let mut rng = seeds.next_case();
         let replay = seeds.replay(&rng);
-        let (err, lse_err, vs_exact) = run_fp8_case(&attn, &s, &mut rng, c);
+        let (err, lse_err, vs_exact) = run_fp8_case(&attn, &s, &mut rng, c, repeat);
         let line = format!(
-            "{c} e4m3 cache: out {err:.2e} lse {lse_err:.2e} vs unquantized {vs_exact:.2e} \
-             ({replay})"
+            "{c} e4m3 cache (scales {repeat:?}): out {err:.2e} lse {lse_err:.2e} vs \
+             unquantized {vs_exact:.2e} ({replay})"
         );
         println!("{line}");
         let bad = |e: f64, bound: f64| e.is_nan() || e > bound;
@@ -1310,6 +1430,28 @@ fn decode_fp8_cache_layouts_head_dims_and_ratios() {
     cases.push(case(HalfType::F16, (32, 8), 128, 1, &[32768], 64, false));
     cases.push(case(HalfType::Bf16, (8, 1), 128, 2, &[32768, 3], 0, true));
     run_all_fp8(&cases);
+}
+
+/// e4m3 caches whose scales repeat through zero strides (one per KV head, per sequence
+/// and KV head, or one for the whole cache): contiguous and paged, GQA, several queries,
+/// ragged lengths up to a many-split one.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn decode_fp8_cache_with_repeated_scales() {
+    for repeat in [Repeat::Head, Repeat::SequenceHead, Repeat::Whole] {
+        let mut cases = Vec::new();
+        for dtype in [HalfType::F16, HalfType::Bf16] {
+            cases.push(case(dtype, (32, 8), 128, 1, &[1, 7, 4097, 300], 0, true));
+            cases.push(case(dtype, (16, 4), 64, 4, &[33, 2049], 0, false));
+            cases.push(case(dtype, (8, 1), 256, 16, &[600, 17], 0, true));
+            if !matches!(repeat, Repeat::SequenceHead) {
+                cases.push(case(dtype, (32, 8), 128, 1, &[1, 4097, 513], 16, false));
+                cases.push(case(dtype, (8, 2), 64, 5, &[5, 1000, 64], 64, true));
+            }
+        }
+        cases.push(case(HalfType::F16, (32, 8), 128, 1, &[32768], 0, false));
+        run_all_fp8_with(&cases, Some(repeat));
+    }
 }
 
 /// Random configurations (see [`random_case`]) on e4m3 caches, head dims 64, 128, 256.

@@ -628,6 +628,48 @@ def sdpa_decode(q, keys, values, lens, causal):
 
 
 @needs_fp8
+@pytest.mark.parametrize("repeat", ["head", "whole"])
+@pytest.mark.parametrize("page", [0, 16], ids=["contiguous", "page16"])
+def test_fp8_cache_decode_reads_repeated_scales(repeat, page, seed):
+    # An FP8 cache quantized with one scale per KV head, or one for the whole cache (a
+    # per-tensor cache), passed as expanded views: decode reads them, append_kv refuses them.
+    b, hq, hkv, d, capacity, dtype = 3, 16, 4, 128, 4096, torch.float16
+    lens = [1, capacity // 2 + 5, 4000]
+    ref = Cache(b, capacity, hkv, d, dtype, lens, page)
+    pool = ref.k.shape
+    codes, scales, logical = [], [], []
+    for keys, memory in ((ref.keys, ref.k), (ref.values, ref.v)):
+        valid = torch.cat([keys[i, :n] for i, n in enumerate(lens)]).float()  # [rows, Hkv, D]
+        amax = valid.abs().amax(dim=(0, 2))
+        s = amax / 448 if repeat == "head" else (amax.max() / 448).view(1)
+        per_head = s.expand(hkv)
+        # Saturated like the kernels' cvt.satfinite: the garbage past each length stays finite or NaN.
+        c = (memory.float() / per_head[:, None]).clamp(-448, 448).to(torch.float8_e4m3fn)
+        codes.append(c)
+        scales.append(s.view(1, 1, -1).expand(*pool[:3]))
+        deq = c.float() * per_head[:, None]
+        if page:
+            deq = deq[ref.block_table.flatten().long()].view(b, capacity, hkv, d)
+        logical.append(deq)
+    assert scales[0].stride() == ((0, 0, 1) if repeat == "head" else (0, 0, 0))
+    kw = dict(block_table=ref.block_table, k_scale=scales[0], v_scale=scales[1])
+    q = torch.randn(b, 1, hq, d, device="cuda", dtype=dtype)
+    poison_allocator(((b, 1, hq, d), dtype))
+    o = flashcore.decode(q, codes[0], codes[1], ref.seqlens, **kw, **ref.host())
+    assert torch.isfinite(o).all()
+    err = rel_l2(o, sdpa_decode(q, logical[0], logical[1], lens, False))
+    assert err <= max(FP8_CACHE_TOLERANCE, TOLERANCE[dtype]), f"vs the dequantized cache: rel L2 {err:.2e}"
+    err16 = rel_l2(o, sdpa_decode(q, ref.keys, ref.values, lens, False))
+    assert err16 <= FP8_CACHE_QUANT_TOLERANCE, f"vs the 16-bit cache: rel L2 {err16:.2e}"
+    # An append writes one scale per (position, head): refused, nothing written.
+    saved = [t.clone() for t in (codes[0].view(torch.uint8), ref.seqlens)]
+    new = torch.randn(b, 1, hkv, d, device="cuda", dtype=dtype)
+    with pytest.raises(FlashcoreError, match="k_scale"):
+        flashcore.append_kv(codes[0], codes[1], ref.seqlens, new, new, **kw)
+    assert torch.equal(saved[0], codes[0].view(torch.uint8)) and torch.equal(saved[1], ref.seqlens)
+
+
+@needs_fp8
 @pytest.mark.parametrize("d", [64, 128, 256], ids=["d64", "d128", "d256"])
 @pytest.mark.parametrize("capacity", [128, 4096], ids=["cap128", "cap4096"])
 @pytest.mark.parametrize("page", [0, 16], ids=["contiguous", "page16"])

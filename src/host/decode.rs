@@ -493,6 +493,12 @@ pub fn validate_append(
     }
     let [batch, new_tokens, heads_kv, head_dim] = k_new.shape;
     let shape = cache.validate(batch)?;
+    if let Some(scales) = &cache.scales {
+        // The append writes a scale per (position, head): repeated ones (which a decode
+        // may read) would be written by several threads at once.
+        check_no_self_overlap("k_scale", &scales.k)?;
+        check_no_self_overlap("v_scale", &scales.v)?;
+    }
     if (heads_kv, head_dim) != (shape.heads_kv, shape.head_dim) {
         return Err(Error::ShapeMismatch(format!(
             "new tokens have {heads_kv} heads of {head_dim}, the cache {} of {}",
@@ -1696,9 +1702,33 @@ mod tests {
             err(&with(&|s| s.v.ptr = s.k.ptr + 4)),
             Error::InvalidArgument(m) if m.contains("overlaps")
         ));
+        // Repeated scales (zero strides: per KV head, per sequence and head, one for the
+        // whole cache) are read by a decode, and refused by an append, which writes them.
+        let new = TensorView::bshd(4 * GB, DType::F16, 2, 1, 2, 64);
+        let v_new = TensorView { ptr: 5 * GB, ..new };
+        assert!(validate_append(&good, &new, &v_new).is_ok());
+        for strides in [[0, 0, 1, 1], [2, 0, 1, 1], [0, 0, 0, 0], [1, 0, 0, 1]] {
+            let repeated = with(&|s| s.k.strides = strides);
+            assert!(check(&q0, &repeated).is_ok(), "{strides:?}");
+            assert!(
+                matches!(
+                    validate_append(&repeated, &new, &v_new),
+                    Err(Error::BadStrides {
+                        tensor: "k_scale",
+                        ..
+                    })
+                ),
+                "{strides:?}"
+            );
+        }
+        let repeated_v = with(&|s| s.v.strides = [0, 0, 1, 1]);
+        assert!(check(&q0, &repeated_v).is_ok());
         assert!(matches!(
-            err(&with(&|s| s.k.strides[1] = 0)),
-            Error::BadStrides { .. }
+            validate_append(&repeated_v, &new, &v_new),
+            Err(Error::BadStrides {
+                tensor: "v_scale",
+                ..
+            })
         ));
         // Strided scales (a [.., Hkv] slice of a wider tensor) are fine.
         assert!(check(&q0, &with(&|s| s.k.strides = [16 * 4, 4, 1, 1])).is_ok());

@@ -22,8 +22,7 @@
 use crate::error::{Error, Result};
 use crate::host::tensor::{DType, TensorView};
 use crate::host::validate::{
-    TENSOR_ALIGN, byte_range_of, check_no_self_overlap, check_not_empty, check_pointer,
-    check_strides, overlaps,
+    TENSOR_ALIGN, byte_range_of, check_not_empty, check_pointer, check_strides, overlaps,
 };
 
 /// Page sizes a paged cache may use: powers of two from 1 to 1024 tokens.
@@ -79,6 +78,12 @@ pub struct KvCache {
 /// page_size, Hkv]` paged), so a position's scales live where its codes do. Element
 /// `(·, p, h, 0)` of `k` is the scale of key `p`'s head `h`: its values are its codes
 /// times it. Strides are free (in elements); pointers 4-byte aligned.
+///
+/// A decode only reads the scales, so they may repeat: zero strides give one scale per
+/// KV head (`[0, 0, 1]`), per sequence and head of a contiguous cache (`[Hkv, 0, 1]`,
+/// FlashAttention-3's descales) or one for the whole cache (`[0, 0, 0]`), without a
+/// tensor of one scale per position. An append writes a scale per (position, head), so
+/// its scales must not repeat.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct KvScales {
     pub k: TensorView,
@@ -349,7 +354,6 @@ impl KvScales {
             }
             check_pointer(name, t.ptr, 4)?;
             let r = byte_range_of(name, t)?;
-            check_no_self_overlap(name, t)?;
             for (other, o) in codes.iter().chain(&ranges[..i]) {
                 if overlaps(r, *o) {
                     return Err(Error::InvalidArgument(format!(
