@@ -450,6 +450,68 @@ fn a_second_gpu_runs_while_the_first_is_current() {
             "flashcore_destroy replaced device 0's context"
         );
         check_output(&on1, "the C ABI on device 1", &replay);
+
+        // Safe calls over cudarc buffers: device 0's buffers, or its stream, refused by
+        // device 1's Attention, nothing written; device 1's own run.
+        use flashcore::host::buffers::{Layout4, Tensor, TensorMut};
+        let l = Layout4::bshd(1, 64, 2, 64);
+        let ones = vec![half::f16::ONE; 64 * 2 * 64];
+        let x0 = s0.clone_htod(&ones).unwrap();
+        let x1 = s1.clone_htod(&ones).unwrap();
+        let nan = vec![half::f16::NAN; ones.len()];
+        let mut o1 = s1.clone_htod(&nan).unwrap();
+        let params = AttentionParams::default();
+        let refused = |r: flashcore::Result<()>, what: &str| match r {
+            Err(flashcore::Error::InvalidArgument(m)) => assert!(m.contains(what), "{m}"),
+            other => panic!("{what}: {other:?}"),
+        };
+        refused(
+            a1.forward_buffers(
+                &s1,
+                [
+                    Tensor::new(&x1, l),
+                    Tensor::new(&x0, l),
+                    Tensor::new(&x1, l),
+                ],
+                TensorMut::new(&mut o1, l),
+                None,
+                &params,
+            ),
+            "k is a buffer of another context",
+        );
+        refused(
+            a1.forward_buffers(
+                &s0,
+                [
+                    Tensor::new(&x1, l),
+                    Tensor::new(&x1, l),
+                    Tensor::new(&x1, l),
+                ],
+                TensorMut::new(&mut o1, l),
+                None,
+                &params,
+            ),
+            "the stream belongs to another context",
+        );
+        assert!(s1.clone_dtoh(&o1).unwrap().iter().all(|v| v.is_nan()));
+        a1.forward_buffers(
+            &s1,
+            [
+                Tensor::new(&x1, l),
+                Tensor::new(&x1, l),
+                Tensor::new(&x1, l),
+            ],
+            TensorMut::new(&mut o1, l),
+            None,
+            &params,
+        )
+        .expect("device 1's own buffers");
+        assert!(
+            s1.clone_dtoh(&o1)
+                .unwrap()
+                .iter()
+                .all(|&v| v == half::f16::ONE)
+        );
     })
     .join()
     .expect("the test thread panicked");

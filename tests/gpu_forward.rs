@@ -17,7 +17,7 @@ use flashcore::host::tensor::{AttentionParams, DType, TensorView};
 use flashcore::kernels::attention::{
     BLOCK_M_NARROW, BLOCK_M_WIDE, FwdConfig, HalfType, Path, sm90,
 };
-use flashcore::reference::Rng;
+use flashcore::reference::{self, Rng};
 use flashcore::shape::AttnShape;
 
 const SEQLENS: [usize; 6] = [1, 17, 113, 128, 1000, 2048];
@@ -881,4 +881,205 @@ fn decode_shaped_forwards_run_on_the_decode_kernels() {
             "{choice:?}: {loaded:?}"
         );
     }
+}
+
+/// A 16-bit element type's conversions from and to its bits.
+type BitCasts<T> = (fn(u16) -> T, fn(T) -> u16);
+
+/// One forward over cudarc buffers of `T` ([`Attention::forward_buffers`]), `[B, S, H, D]`
+/// contiguous, on a stream of its own: against float64, its LSE too.
+fn buffers_case<T>(
+    attn: &Attention,
+    rng: &mut Rng,
+    dtype: HalfType,
+    shape: AttnShape,
+    causal: bool,
+    bits: BitCasts<T>,
+) -> (f64, f64)
+where
+    T: flashcore::host::buffers::HalfElement + cudarc::driver::DeviceRepr + Copy + Default,
+{
+    use flashcore::host::buffers::{Layout4, Tensor, TensorMut};
+    let stream = attn.device().context().new_stream().expect("a stream");
+    let AttnShape {
+        batch: b,
+        seqlen_q: sq,
+        seqlen_k: sk,
+        heads_q: hq,
+        heads_kv: hkv,
+        head_dim: d,
+    } = shape;
+    let mut upload = |n: usize| {
+        let (h, x) = reference::random_half(rng, n, dtype);
+        let t: Vec<T> = h.into_iter().map(bits.0).collect();
+        (stream.clone_htod(&t).expect("upload"), x)
+    };
+    let (q, qx) = upload(b * sq * hq * d);
+    let (k, kx) = upload(b * sk * hkv * d);
+    let (v, vx) = upload(b * sk * hkv * d);
+    let poison = vec![(bits.0)(reference::poison(dtype)); b * sq * hq * d];
+    let mut o = stream.clone_htod(&poison).expect("o");
+    let mut lse = stream
+        .clone_htod(&vec![f32::NAN; b * hq * sq])
+        .expect("lse");
+    let params = AttentionParams {
+        softmax_scale: None,
+        causal,
+    };
+    attn.forward_buffers(
+        &stream,
+        [
+            Tensor::new(&q, Layout4::bshd(b, sq, hq, d)),
+            Tensor::new(&k, Layout4::bshd(b, sk, hkv, d)),
+            Tensor::new(&v, Layout4::bshd(b, sk, hkv, d)),
+        ],
+        TensorMut::new(&mut o, Layout4::bshd(b, sq, hq, d)),
+        Some(&mut lse),
+        &params,
+    )
+    .unwrap_or_else(|e| panic!("{shape:?}: {e}"));
+    let got: Vec<u16> = stream
+        .clone_dtoh(&o)
+        .expect("download")
+        .into_iter()
+        .map(bits.1)
+        .collect();
+    let got = reference::half_bits_to_f64(&got, dtype);
+    let got_lse: Vec<f64> = stream
+        .clone_dtoh(&lse)
+        .expect("download")
+        .into_iter()
+        .map(f64::from)
+        .collect();
+    let want = reference::attention_f64(&shape, &qx, &kx, &vx, params.scale_for(d) as f64, causal);
+    (
+        reference::rel_l2(&got, &want.out),
+        reference::rel_l2(&got_lse, &want.lse),
+    )
+}
+
+/// The safe forward over cudarc buffers: f16 and bf16, GQA, a tail, causal and not,
+/// against float64; then buffers that do not fit their layouts, refused with nothing
+/// written.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn forward_buffers_match_float64_and_refuse_short_buffers() {
+    use flashcore::host::buffers::{Layout4, Tensor, TensorMut};
+    let (attn, stream) = setup();
+    let mut seeds = seeds();
+    let shapes = [
+        (AttnShape::square(1, 4, 17, 64), false),
+        (
+            AttnShape {
+                batch: 2,
+                seqlen_q: 113,
+                seqlen_k: 300,
+                heads_q: 8,
+                heads_kv: 2,
+                head_dim: 128,
+            },
+            true,
+        ),
+    ];
+    for (shape, causal) in shapes {
+        for dtype in [HalfType::F16, HalfType::Bf16] {
+            let mut rng = seeds.next_case();
+            let replay = seeds.replay(&rng);
+            let (err, lse_err) = match dtype {
+                HalfType::F16 => buffers_case(
+                    &attn,
+                    &mut rng,
+                    dtype,
+                    shape,
+                    causal,
+                    (half::f16::from_bits, half::f16::to_bits),
+                ),
+                HalfType::Bf16 => buffers_case(
+                    &attn,
+                    &mut rng,
+                    dtype,
+                    shape,
+                    causal,
+                    (half::bf16::from_bits, half::bf16::to_bits),
+                ),
+            };
+            println!("{shape:?} {dtype:?} causal {causal}: out {err:.2e} lse {lse_err:.2e}");
+            assert!(
+                err <= tolerance(dtype) && lse_err <= 1e-3,
+                "{shape:?} {dtype:?}: out {err:.2e} lse {lse_err:.2e} ({replay})"
+            );
+        }
+    }
+
+    // Buffers one element short of their layouts, and an LSE one float short.
+    let (b, s, h, d) = (1, 64, 2, 64);
+    let n = b * s * h * d;
+    let x = stream.clone_htod(&vec![half::f16::ONE; n]).unwrap();
+    let short = stream.clone_htod(&vec![half::f16::ONE; n - 1]).unwrap();
+    let poison = vec![half::f16::from_bits(reference::poison(HalfType::F16)); n];
+    let mut o = stream.clone_htod(&poison).unwrap();
+    let mut o_short = stream.clone_htod(&poison[1..]).unwrap();
+    let mut lse = stream.clone_htod(&vec![f32::NAN; b * h * s - 1]).unwrap();
+    let l = Layout4::bhsd(b, s, h, d);
+    let params = AttentionParams::default();
+    let refused = |e: flashcore::Result<()>, what: &str| match e {
+        Err(flashcore::Error::InvalidArgument(m)) => assert!(m.contains(what), "{m}"),
+        other => panic!("{what}: {other:?}"),
+    };
+    let inputs = |q| [Tensor::new(q, l), Tensor::new(&x, l), Tensor::new(&x, l)];
+    refused(
+        attn.forward_buffers(
+            &stream,
+            inputs(&short),
+            TensorMut::new(&mut o, l),
+            None,
+            &params,
+        ),
+        "q's layout",
+    );
+    refused(
+        attn.forward_buffers(
+            &stream,
+            inputs(&x),
+            TensorMut::new(&mut o_short, l),
+            None,
+            &params,
+        ),
+        "o's layout",
+    );
+    refused(
+        attn.forward_buffers(
+            &stream,
+            inputs(&x),
+            TensorMut::new(&mut o, l),
+            Some(&mut lse),
+            &params,
+        ),
+        "lse holds",
+    );
+    let o_after: Vec<u16> = stream
+        .clone_dtoh(&o)
+        .unwrap()
+        .into_iter()
+        .map(half::f16::to_bits)
+        .collect();
+    assert!(
+        o_after
+            .iter()
+            .all(|&b| b == reference::poison(HalfType::F16)),
+        "a refused call wrote o"
+    );
+    // The same call with the right buffers runs.
+    let mut lse = stream.clone_htod(&vec![f32::NAN; b * h * s]).unwrap();
+    attn.forward_buffers(
+        &stream,
+        inputs(&x),
+        TensorMut::new(&mut o, l),
+        Some(&mut lse),
+        &params,
+    )
+    .expect("the right buffers");
+    let o_after = stream.clone_dtoh(&o).unwrap();
+    // Every value 1: the output is 1 everywhere.
+    assert!(o_after.iter().all(|&v| v == half::f16::ONE));
 }

@@ -8,6 +8,7 @@
 //! - [`tensor`]: tensor views (pointer, shape, strides, dtype).
 //! - [`validate`]: argument checks that return typed errors before anything runs.
 //! - [`attention`]: the forward-attention entry point and dispatch.
+//! - [`buffers`]: the forward over cudarc buffers, without `unsafe`.
 //! - [`fp8`]: FP8 (E4M3) forward attention with per-block scales.
 //! - [`quantize`]: FP8 quantization of 16-bit Q, K, V on the GPU into those operands.
 //! - [`varlen`]: forward attention over packed sequences of different lengths.
@@ -17,6 +18,7 @@
 //! - [`gemm`]: the Hopper proof kernels (warp-specialized GEMM, TMA round trip).
 
 pub mod attention;
+pub mod buffers;
 pub mod cache;
 pub mod decode;
 pub mod device;

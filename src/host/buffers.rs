@@ -1,0 +1,257 @@
+//! Safe forward calls over cudarc device buffers.
+//!
+//! [`Attention::forward`] takes raw device addresses, so calling it is `unsafe`: nothing
+//! can tell a live buffer from a dangling one, or memory of this GPU from another's. A
+//! Rust caller who holds its tensors in cudarc buffers (`CudaSlice`, or `CudaView`s of
+//! them) can call [`Attention::forward_buffers`] instead, with no `unsafe`:
+//!
+//! - each buffer must belong to this device's context, and hold every element its layout
+//!   reaches (checked: a typed error otherwise, nothing launched);
+//! - the element type is the dtype (`half::f16`, `half::bf16`);
+//! - the borrows keep `o` and `lse` apart from the inputs and from each other;
+//! - the buffers are taken as cudarc's own launches take them: the stream first waits
+//!   for earlier writes to the inputs (and reads of the outputs) on other streams, and the
+//!   call's reads and writes are recorded, so a later use or a drop of a buffer waits for
+//!   the kernel.
+//!
+//! ```no_run
+//! # use std::sync::Arc;
+//! # use flashcore::host::{attention::Attention, device::Device};
+//! # use flashcore::host::buffers::{Layout4, Tensor, TensorMut};
+//! # use flashcore::host::tensor::AttentionParams;
+//! # fn f() -> flashcore::Result<()> {
+//! let device = Arc::new(Device::new(0)?);
+//! let attn = Attention::new(device.clone())?;
+//! let stream = device.context().default_stream();
+//! let (b, s, h, d) = (2, 1024, 8, 128);
+//! let x = vec![half::f16::from_f32(0.5); b * s * h * d];
+//! let q = stream.clone_htod(&x).unwrap();
+//! let k = stream.clone_htod(&x).unwrap();
+//! let v = stream.clone_htod(&x).unwrap();
+//! let mut o = stream.alloc_zeros::<half::f16>(b * s * h * d).unwrap();
+//! let layout = Layout4::bhsd(b, s, h, d);
+//! let params = AttentionParams { softmax_scale: None, causal: true };
+//! attn.forward_buffers(
+//!     &stream,
+//!     [Tensor::new(&q, layout), Tensor::new(&k, layout), Tensor::new(&v, layout)],
+//!     TensorMut::new(&mut o, layout),
+//!     None,
+//!     &params,
+//! )?;
+//! # Ok(()) }
+//! ```
+
+use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut};
+
+use crate::error::{Error, Result};
+use crate::host::attention::Attention;
+use crate::host::tensor::{AttentionParams, DType, LseView, TensorView};
+
+/// An element type the forward kernels take: `half::f16` or `half::bf16`.
+pub trait HalfElement: sealed::Sealed {
+    const DTYPE: DType;
+}
+
+impl HalfElement for half::f16 {
+    const DTYPE: DType = DType::F16;
+}
+
+impl HalfElement for half::bf16 {
+    const DTYPE: DType = DType::Bf16;
+}
+
+mod sealed {
+    pub trait Sealed {}
+    impl Sealed for half::f16 {}
+    impl Sealed for half::bf16 {}
+}
+
+/// How a buffer's elements form a tensor of logical dimensions `[batch, seq, heads,
+/// head_dim]`: a [`TensorView`] without its address and dtype. Strides in elements.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Layout4 {
+    pub shape: [usize; 4],
+    pub strides: [usize; 4],
+}
+
+impl Layout4 {
+    /// Stored as `[B, S, H, D]`, contiguous.
+    pub fn bshd(b: usize, s: usize, h: usize, d: usize) -> Layout4 {
+        Self::of(TensorView::bshd(0, DType::F16, b, s, h, d))
+    }
+
+    /// Stored as `[B, H, S, D]`, contiguous (SDPA's order).
+    pub fn bhsd(b: usize, s: usize, h: usize, d: usize) -> Layout4 {
+        Self::of(TensorView::bhsd(0, DType::F16, b, s, h, d))
+    }
+
+    /// Any strides (in elements) of the logical `[batch, seq, heads, head_dim]`.
+    pub fn strided(shape: [usize; 4], strides: [usize; 4]) -> Layout4 {
+        Layout4 { shape, strides }
+    }
+
+    fn of(t: TensorView) -> Layout4 {
+        Layout4 {
+            shape: t.shape,
+            strides: t.strides,
+        }
+    }
+
+    /// Elements from the first to one past the last the layout reaches; `None` where a
+    /// dimension is empty (nothing is reached; validation names it) or the count
+    /// overflows (validation names that too).
+    fn span(&self) -> Option<usize> {
+        self.shape
+            .iter()
+            .zip(self.strides)
+            .try_fold(1usize, |acc, (&n, stride)| {
+                let last = n.checked_sub(1)?;
+                acc.checked_add(last.checked_mul(stride)?)
+            })
+    }
+}
+
+/// An input tensor in a cudarc buffer (a `CudaSlice`, or a `CudaView` of one).
+pub struct Tensor<'a, T> {
+    pub data: &'a dyn DevicePtr<T>,
+    pub layout: Layout4,
+}
+
+impl<'a, T> Tensor<'a, T> {
+    pub fn new(data: &'a dyn DevicePtr<T>, layout: Layout4) -> Self {
+        Tensor { data, layout }
+    }
+}
+
+/// An output tensor in a cudarc buffer (a `CudaSlice`, or a `CudaViewMut` of one).
+pub struct TensorMut<'a, T> {
+    pub data: &'a mut dyn DevicePtrMut<T>,
+    pub layout: Layout4,
+}
+
+impl<'a, T> TensorMut<'a, T> {
+    pub fn new(data: &'a mut dyn DevicePtrMut<T>, layout: Layout4) -> Self {
+        TensorMut { data, layout }
+    }
+}
+
+impl Attention {
+    /// [`Attention::forward`] over cudarc buffers, on `stream`: `o = softmax(q kᵀ ·
+    /// scale) v`, and the natural-log LSE (float32 `[B, H, Sq]`, contiguous) into `lse`
+    /// when given. Safe: see the [module docs](self) for what is checked and how the
+    /// buffers are ordered with other streams.
+    ///
+    /// Errors, with nothing launched: a buffer or `stream` of another context
+    /// ([`Error::InvalidArgument`]), a layout reaching past its buffer or an LSE buffer
+    /// shorter than `B · H · Sq` ([`Error::InvalidArgument`]), and every error of
+    /// [`Attention::forward`].
+    pub fn forward_buffers<T: HalfElement>(
+        &self,
+        stream: &CudaStream,
+        [q, k, v]: [Tensor<'_, T>; 3],
+        o: TensorMut<'_, T>,
+        lse: Option<&mut dyn DevicePtrMut<f32>>,
+        params: &AttentionParams,
+    ) -> Result<()> {
+        let ctx = self.device().context().cu_ctx();
+        let ordinal = self.device().ordinal();
+        if stream.context().cu_ctx() != ctx {
+            return Err(Error::InvalidArgument(format!(
+                "the stream belongs to another context than device {ordinal}'s"
+            )));
+        }
+        let inputs = [("q", &q), ("k", &k), ("v", &v)];
+        for (name, t) in inputs {
+            check_buffer(name, t.data.stream(), t.data.len(), &t.layout, ctx, ordinal)?;
+        }
+        check_buffer("o", o.data.stream(), o.data.len(), &o.layout, ctx, ordinal)?;
+        if let Some(lse) = &lse {
+            let [b, sq, h, _] = q.layout.shape;
+            let rows = b.saturating_mul(h).saturating_mul(sq);
+            if lse.stream().context().cu_ctx() != ctx {
+                return Err(Error::InvalidArgument(format!(
+                    "lse is a buffer of another context than device {ordinal}'s"
+                )));
+            }
+            if lse.len() < rows {
+                return Err(Error::InvalidArgument(format!(
+                    "lse holds {} floats, the call writes B·H·Sq = {rows}",
+                    lse.len()
+                )));
+            }
+        }
+        // The stream waits for the buffers' earlier uses on other streams; the guards
+        // record this call's uses when dropped, after the launch.
+        let (q_ptr, _q_read) = q.data.device_ptr(stream);
+        let (k_ptr, _k_read) = k.data.device_ptr(stream);
+        let (v_ptr, _v_read) = v.data.device_ptr(stream);
+        let (o_ptr, _o_write) = o.data.device_ptr_mut(stream);
+        let lse = lse.map(|l| l.device_ptr_mut(stream));
+        let view = |ptr, l: &Layout4| TensorView::strided(ptr, T::DTYPE, l.shape, l.strides);
+        let lse_view = lse.as_ref().map(|(ptr, _)| LseView { ptr: *ptr });
+        // SAFETY: every address comes from a live buffer of this device's context, which
+        // holds every element its layout reaches (checked above) and LSE's B·H·Sq floats;
+        // `o` and `lse` are borrowed mutably, so nothing else in safe Rust uses them while
+        // the call is queued, and the inputs are borrowed shared. cudarc's guards order
+        // the buffers' other uses, and their frees, after this call's on `stream`, a live
+        // stream of this context.
+        unsafe {
+            self.forward(
+                &view(q_ptr, &q.layout),
+                &view(k_ptr, &k.layout),
+                &view(v_ptr, &v.layout),
+                &view(o_ptr, &o.layout),
+                lse_view.as_ref(),
+                params,
+                stream.cu_stream(),
+            )
+        }
+    }
+}
+
+/// A buffer of this context (`ctx`, device `ordinal`) of `len` elements that holds every
+/// element `layout` reaches.
+fn check_buffer(
+    name: &str,
+    stream: &CudaStream,
+    len: usize,
+    layout: &Layout4,
+    ctx: cudarc::driver::sys::CUcontext,
+    ordinal: usize,
+) -> Result<()> {
+    if stream.context().cu_ctx() != ctx {
+        return Err(Error::InvalidArgument(format!(
+            "{name} is a buffer of another context than device {ordinal}'s"
+        )));
+    }
+    // An empty or overflowing layout reaches nothing here; validation names it.
+    if let Some(span) = layout.span()
+        && span > len
+    {
+        return Err(Error::InvalidArgument(format!(
+            "{name}'s layout (shape {:?}, strides {:?}) reaches {span} elements, its buffer \
+             holds {len}",
+            layout.shape, layout.strides
+        )));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn spans_count_the_elements_a_layout_reaches() {
+        assert_eq!(Layout4::bshd(2, 3, 4, 8).span(), Some(2 * 3 * 4 * 8));
+        assert_eq!(Layout4::bhsd(2, 3, 4, 8).span(), Some(2 * 3 * 4 * 8));
+        // A head slice of a packed [B, S, 3, H, D] QKV buffer.
+        let slice = Layout4::strided([2, 5, 4, 8], [5 * 96, 96, 8, 1]);
+        assert_eq!(slice.span(), Some(1 + 5 * 96 + 4 * 96 + 3 * 8 + 7));
+        assert_eq!(Layout4::bshd(2, 0, 4, 8).span(), None);
+        assert_eq!(
+            Layout4::strided([2, 2, 1, 1], [usize::MAX, 1, 1, 1]).span(),
+            None
+        );
+    }
+}
