@@ -311,6 +311,22 @@ fn capacity_for(c: &Case) -> usize {
         .next_multiple_of(c.page.max(1))
 }
 
+/// The largest relative L2 error of one sequence's output (`[B, ...]`, `batch` equal
+/// blocks): over the whole batch, a sequence of one key (its output a V row, exact)
+/// would dwarf the longer ones' errors. NaN and infinities stay.
+fn worst_sequence_error(got: &[f64], want: &[f64], batch: usize) -> f64 {
+    let per = want.len() / batch.max(1);
+    (0..batch)
+        .map(|i| rel_l2(&got[i * per..][..per], &want[i * per..][..per]))
+        .fold(0.0, |m: f64, e| {
+            if m.is_nan() || e.is_nan() {
+                f64::NAN
+            } else {
+                m.max(e)
+            }
+        })
+}
+
 /// The largest LSE difference; a row the reference gives −∞ must be −∞ exactly.
 fn lse_error(got: &[f64], want: &[f64]) -> f64 {
     got.iter()
@@ -387,7 +403,13 @@ fn run_case(attn: &Attention, s: &Arc<CudaStream>, rng: &mut Rng, c: &Case) -> (
     let got_lse: Vec<f64> = down(s, &lse).into_iter().map(f64::from).collect();
     let scale = 1.0 / (c.head_dim as f64).sqrt();
     let (want, want_lse) = reference_decode(c, &q, &cache, scale as f32 as f64);
-    (rel_l2(&got, &want), lse_error(&got_lse, &want_lse))
+    if got.len() != want.len() {
+        return (f64::INFINITY, f64::INFINITY);
+    }
+    (
+        worst_sequence_error(&got, &want, b),
+        lse_error(&got_lse, &want_lse),
+    )
 }
 
 /// A caller's workspace of at least `bytes` as the caller's allocator may hand it over:
@@ -628,6 +650,133 @@ fn one_attention_serves_four_threads_at_once() {
             });
         }
     });
+}
+
+/// The safe decode over cudarc buffers ([`Attention::decode_buffers`]): f16 caches,
+/// contiguous and paged, GQA 4, one and four causal queries, ragged lengths with a
+/// many-split one, against float64 (with the LSE); then too few lengths and a short
+/// block table, refused with nothing written.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn decode_buffers_match_float64_and_refuse_short_metadata() {
+    use flashcore::host::buffers::{BlockTable, CacheBuffers, Layout4, Tensor, TensorMut};
+    let (attn, s) = setup();
+    let mut seeds = seeds();
+    let typed = |bits: Vec<u16>| -> CudaSlice<half::f16> {
+        let x: Vec<half::f16> = bits.into_iter().map(half::f16::from_bits).collect();
+        s.clone_htod(&x).expect("upload")
+    };
+    let (hq, hkv, d) = (16, 4, 128);
+    let params = AttentionParams {
+        softmax_scale: None,
+        causal: true,
+    };
+    for page in [0, 64] {
+        for sq in [1, 4] {
+            let c = case(HalfType::F16, (hq, hkv), d, sq, &[1, 700, 4097], page, true);
+            let mut rng = seeds.next_case();
+            let replay = seeds.replay(&rng);
+            let cache = DeviceCache::new(&s, &mut rng, &c, capacity_for(&c), &c.lens);
+            let (k, v) = (typed(down(&s, &cache.k)), typed(down(&s, &cache.v)));
+            let b = c.lens.len();
+            let n = b * sq * hq * d;
+            let (q_bits, q) = reference::random_half(&mut rng, n, HalfType::F16);
+            let dq = typed(q_bits);
+            let mut o = s.clone_htod(&vec![half::f16::NAN; n]).unwrap();
+            let mut lse = s.clone_htod(&vec![f32::NAN; b * hq * sq]).unwrap();
+            let kv_layout = match page {
+                0 => Layout4::bshd(b, cache.capacity, hkv, d),
+                p => Layout4::bshd(cache.pool_pages, p, hkv, d),
+            };
+            let qo = Layout4::bshd(b, sq, hq, d);
+            let cache_buffers = |seqlens, block_table| CacheBuffers {
+                k: Tensor::new(&k, kv_layout),
+                v: Tensor::new(&v, kv_layout),
+                seqlens,
+                block_table,
+            };
+            // The whole table, and all of it but its last entry.
+            let entries = cache.host_table.len();
+            let views = cache
+                .table
+                .as_ref()
+                .map(|t| (t.slice(0..entries), t.slice(0..entries - 1)));
+            let table = |short: bool| {
+                views.as_ref().map(|(whole, cut)| BlockTable {
+                    data: if short { cut } else { whole },
+                    max_pages: cache.max_pages,
+                    row_stride: cache.max_pages,
+                })
+            };
+            attn.decode_buffers(
+                &s,
+                Tensor::new(&dq, qo),
+                cache_buffers(&cache.seqlens, table(false)),
+                TensorMut::new(&mut o, qo),
+                Some(&mut lse),
+                &params,
+            )
+            .unwrap_or_else(|e| panic!("{c}: {e}"));
+            let got: Vec<u16> = s
+                .clone_dtoh(&o)
+                .unwrap()
+                .into_iter()
+                .map(half::f16::to_bits)
+                .collect();
+            let got = half_bits_to_f64(&got, HalfType::F16);
+            let got_lse: Vec<f64> = s
+                .clone_dtoh(&lse)
+                .unwrap()
+                .into_iter()
+                .map(f64::from)
+                .collect();
+            let scale = (1.0 / (d as f64).sqrt()) as f32 as f64;
+            let (want, want_lse) = reference_decode(&c, &q, &cache, scale);
+            let err = worst_sequence_error(&got, &want, b);
+            let lse_err = lse_error(&got_lse, &want_lse);
+            println!("{c} through decode_buffers: worst sequence {err:.2e} lse {lse_err:.2e}");
+            assert!(
+                err <= tolerance(HalfType::F16) && lse_err <= 1e-2,
+                "{c}: out {err:.2e} lse {lse_err:.2e} ({replay})"
+            );
+
+            // Too few lengths; a block table a row short.
+            let mut o = s.clone_htod(&vec![half::f16::NAN; n]).unwrap();
+            let two = s.clone_htod(&[1i32, 700]).unwrap();
+            let refused = |r: flashcore::Result<()>, what: &str| match r {
+                Err(Error::InvalidArgument(m)) => assert!(m.contains(what), "{m}"),
+                other => panic!("{what}: {other:?}"),
+            };
+            refused(
+                attn.decode_buffers(
+                    &s,
+                    Tensor::new(&dq, qo),
+                    cache_buffers(&two, table(false)),
+                    TensorMut::new(&mut o, qo),
+                    None,
+                    &params,
+                ),
+                "seqlens holds 2 elements",
+            );
+            if page != 0 {
+                refused(
+                    attn.decode_buffers(
+                        &s,
+                        Tensor::new(&dq, qo),
+                        cache_buffers(&cache.seqlens, table(true)),
+                        TensorMut::new(&mut o, qo),
+                        None,
+                        &params,
+                    ),
+                    "block_table holds",
+                );
+            }
+            assert!(
+                s.clone_dtoh(&o).unwrap().iter().all(|x| x.is_nan()),
+                "a refused call wrote"
+            );
+        }
+    }
 }
 
 /// The head dims without a decode kernel of their own (the next larger one runs
@@ -1355,8 +1504,11 @@ fn run_fp8_case(
         ..cache
     };
     let (want, want_lse) = reference_decode(c, &q, &dequantized, scale);
+    if got.len() != want.len() {
+        return (f64::INFINITY, f64::INFINITY, f64::INFINITY);
+    }
     (
-        rel_l2(&got, &want),
+        worst_sequence_error(&got, &want, b),
         lse_error(&got_lse, &want_lse),
         rel_l2(&got, &exact),
     )

@@ -1,9 +1,11 @@
-//! Safe forward calls over cudarc device buffers.
+//! Safe forward and decode calls over cudarc device buffers.
 //!
-//! [`Attention::forward`] takes raw device addresses, so calling it is `unsafe`: nothing
+//! [`Attention::forward`] and [`Attention::decode`] take raw device addresses, so calling
+//! them is `unsafe`: nothing
 //! can tell a live buffer from a dangling one, or memory of this GPU from another's. A
 //! Rust caller who holds its tensors in cudarc buffers (`CudaSlice`, or `CudaView`s of
-//! them) can call [`Attention::forward_buffers`] instead, with no `unsafe`:
+//! them) can call [`Attention::forward_buffers`] and [`Attention::decode_buffers`]
+//! instead, with no `unsafe`:
 //!
 //! - each buffer must belong to this device's context, and hold every element its layout
 //!   reaches (checked: a typed error otherwise, nothing launched);
@@ -45,6 +47,7 @@ use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut};
 
 use crate::error::{Error, Result};
 use crate::host::attention::Attention;
+use crate::host::kv_cache::{CacheLayout, KvCache};
 use crate::host::tensor::{AttentionParams, DType, LseView, TensorView};
 
 /// An element type the forward kernels take: `half::f16` or `half::bf16`.
@@ -155,30 +158,16 @@ impl Attention {
     ) -> Result<()> {
         let ctx = self.device().context().cu_ctx();
         let ordinal = self.device().ordinal();
-        if stream.context().cu_ctx() != ctx {
-            return Err(Error::InvalidArgument(format!(
-                "the stream belongs to another context than device {ordinal}'s"
-            )));
-        }
+        check_stream(stream, ctx, ordinal)?;
         let inputs = [("q", &q), ("k", &k), ("v", &v)];
         for (name, t) in inputs {
             check_buffer(name, t.data.stream(), t.data.len(), &t.layout, ctx, ordinal)?;
         }
         check_buffer("o", o.data.stream(), o.data.len(), &o.layout, ctx, ordinal)?;
-        if let Some(lse) = &lse {
+        if let Some(l) = &lse {
             let [b, sq, h, _] = q.layout.shape;
             let rows = b.saturating_mul(h).saturating_mul(sq);
-            if lse.stream().context().cu_ctx() != ctx {
-                return Err(Error::InvalidArgument(format!(
-                    "lse is a buffer of another context than device {ordinal}'s"
-                )));
-            }
-            if lse.len() < rows {
-                return Err(Error::InvalidArgument(format!(
-                    "lse holds {} floats, the call writes B·H·Sq = {rows}",
-                    lse.len()
-                )));
-            }
+            check_rows("lse", l.stream(), l.len(), rows, ctx, ordinal)?;
         }
         // The stream waits for the buffers' earlier uses on other streams; the guards
         // record this call's uses when dropped, after the launch.
@@ -207,6 +196,165 @@ impl Attention {
             )
         }
     }
+}
+
+/// A 16-bit KV cache in cudarc buffers, as [`KvCache`] describes one: `k`, `v`
+/// `[B, capacity, Hkv, D]` (contiguous) or page pools `[pages, page_size, Hkv, D]` with a
+/// block table; each sequence's length in `seqlens` (int32 `[B]`). Whatever the lengths
+/// and the table hold, the kernels read nothing outside the cache (lengths are clamped to
+/// the capacity, entries outside the pool are never followed).
+pub struct CacheBuffers<'a, T> {
+    pub k: Tensor<'a, T>,
+    pub v: Tensor<'a, T>,
+    pub seqlens: &'a dyn DevicePtr<i32>,
+    pub block_table: Option<BlockTable<'a>>,
+}
+
+/// A paged cache's block table: int32 `[B, max_pages]`, rows `row_stride` entries apart.
+pub struct BlockTable<'a> {
+    pub data: &'a dyn DevicePtr<i32>,
+    pub max_pages: usize,
+    pub row_stride: usize,
+}
+
+impl Attention {
+    /// [`Attention::decode`] over cudarc buffers, on `stream`: `Sq` (1 to 16) new query
+    /// tokens per sequence (`q`, `o`: `[B, Sq, Hq, D]`) against `cache`, whose lengths
+    /// count the new tokens; the LSE (float32 `[B, Hq, Sq]`, contiguous) into `lse` when
+    /// given. The partial results of a split call take memory from the stream-ordered
+    /// allocator. Safe: see the [module docs](self).
+    ///
+    /// Errors, with nothing launched: a buffer or `stream` of another context, a layout
+    /// reaching past its buffer, fewer than `B` lengths, a block table shorter than its
+    /// `B` rows, an LSE buffer shorter than `B · Hq · Sq` (all
+    /// [`Error::InvalidArgument`]), and every error of [`Attention::decode`].
+    pub fn decode_buffers<T: HalfElement>(
+        &self,
+        stream: &CudaStream,
+        q: Tensor<'_, T>,
+        cache: CacheBuffers<'_, T>,
+        o: TensorMut<'_, T>,
+        lse: Option<&mut dyn DevicePtrMut<f32>>,
+        params: &AttentionParams,
+    ) -> Result<()> {
+        let ctx = self.device().context().cu_ctx();
+        let ordinal = self.device().ordinal();
+        check_stream(stream, ctx, ordinal)?;
+        let tensors = [("q", &q), ("k_cache", &cache.k), ("v_cache", &cache.v)];
+        for (name, t) in tensors {
+            check_buffer(name, t.data.stream(), t.data.len(), &t.layout, ctx, ordinal)?;
+        }
+        check_buffer("o", o.data.stream(), o.data.len(), &o.layout, ctx, ordinal)?;
+        let [b, sq, hq, _] = q.layout.shape;
+        check_rows(
+            "seqlens",
+            cache.seqlens.stream(),
+            cache.seqlens.len(),
+            b,
+            ctx,
+            ordinal,
+        )?;
+        if let Some(t) = &cache.block_table {
+            // (B − 1) rows of `row_stride` entries, then a last row of `max_pages`.
+            let rows = b
+                .saturating_sub(1)
+                .saturating_mul(t.row_stride)
+                .saturating_add(t.max_pages);
+            check_rows(
+                "block_table",
+                t.data.stream(),
+                t.data.len(),
+                rows,
+                ctx,
+                ordinal,
+            )?;
+        }
+        if let Some(l) = &lse {
+            let rows = b.saturating_mul(hq).saturating_mul(sq);
+            check_rows("lse", l.stream(), l.len(), rows, ctx, ordinal)?;
+        }
+        let (q_ptr, _q_read) = q.data.device_ptr(stream);
+        let (k_ptr, _k_read) = cache.k.data.device_ptr(stream);
+        let (v_ptr, _v_read) = cache.v.data.device_ptr(stream);
+        let (lens_ptr, _lens_read) = cache.seqlens.device_ptr(stream);
+        let table = cache
+            .block_table
+            .as_ref()
+            .map(|t| (t.data.device_ptr(stream), t.max_pages, t.row_stride));
+        let (o_ptr, _o_write) = o.data.device_ptr_mut(stream);
+        let lse = lse.map(|l| l.device_ptr_mut(stream));
+        let view = |ptr, l: &Layout4| TensorView::strided(ptr, T::DTYPE, l.shape, l.strides);
+        let layout = match &table {
+            None => CacheLayout::Contiguous,
+            Some(((ptr, _), max_pages, table_stride)) => CacheLayout::Paged {
+                block_table: *ptr,
+                max_pages: *max_pages,
+                table_stride: *table_stride,
+            },
+        };
+        let kv = KvCache {
+            k: view(k_ptr, &cache.k.layout),
+            v: view(v_ptr, &cache.v.layout),
+            seqlens: lens_ptr,
+            layout,
+            scales: None,
+        };
+        let lse_view = lse.as_ref().map(|(ptr, _)| LseView { ptr: *ptr });
+        // SAFETY: as in `forward_buffers`: every address comes from a live buffer of this
+        // context holding what its layout (or row count: B lengths, the table's rows,
+        // B·Hq·Sq LSE floats) reaches; the outputs are borrowed mutably, the inputs
+        // shared; cudarc's guards order the buffers' other uses and frees after this
+        // call's on `stream`, a live stream of this context. The kernels never follow
+        // the lengths or table entries outside the cache.
+        unsafe {
+            self.decode(
+                &view(q_ptr, &q.layout),
+                &kv,
+                None,
+                &view(o_ptr, &o.layout),
+                lse_view.as_ref(),
+                params,
+                None,
+                stream.cu_stream(),
+            )
+        }
+    }
+}
+
+/// `stream` belongs to this context (`ctx`, device `ordinal`).
+fn check_stream(
+    stream: &CudaStream,
+    ctx: cudarc::driver::sys::CUcontext,
+    ordinal: usize,
+) -> Result<()> {
+    if stream.context().cu_ctx() != ctx {
+        return Err(Error::InvalidArgument(format!(
+            "the stream belongs to another context than device {ordinal}'s"
+        )));
+    }
+    Ok(())
+}
+
+/// A buffer `name` of this context holding at least `rows` elements.
+fn check_rows(
+    name: &str,
+    stream: &CudaStream,
+    len: usize,
+    rows: usize,
+    ctx: cudarc::driver::sys::CUcontext,
+    ordinal: usize,
+) -> Result<()> {
+    if stream.context().cu_ctx() != ctx {
+        return Err(Error::InvalidArgument(format!(
+            "{name} is a buffer of another context than device {ordinal}'s"
+        )));
+    }
+    if len < rows {
+        return Err(Error::InvalidArgument(format!(
+            "{name} holds {len} elements, the call reads or writes {rows}"
+        )));
+    }
+    Ok(())
 }
 
 /// A buffer of this context (`ctx`, device `ordinal`) of `len` elements that holds every
