@@ -235,6 +235,8 @@ def to_device(x, device):
         return x.to(device)
     if isinstance(x, (tuple, list)):
         return type(x)(to_device(y, device) for y in x)
+    if isinstance(x, dict):
+        return {key: to_device(y, device) for key, y in x.items()}
     return x
 
 
