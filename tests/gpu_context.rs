@@ -383,39 +383,30 @@ fn a_second_gpu_runs_while_the_first_is_current() {
                 "{what}: error {err:.2e} ({replay})"
             );
         };
+        // One forward on `attn`'s device (its stream `s`), uploaded through cudarc (which
+        // binds that device), then called with the other device's context `other`
+        // current, which the call must leave current.
+        let mut run_on =
+            |attn: &Attention, s: &Arc<cudarc::driver::CudaStream>, other, what: String| {
+                let mut rng = seeds.next_case();
+                let replay = seeds.replay(&rng);
+                let case = DeviceCase::new(s, small_case(), &mut rng).expect("upload");
+                let ([q, k, v, o], lse) = case.views();
+                set_current(other);
+                // SAFETY: the views are the case's live buffers on `attn`'s device, `s` its
+                // stream.
+                unsafe { attn.forward(&q, &k, &v, &o, Some(&lse), &params, s.cu_stream()) }
+                    .unwrap_or_else(|e| panic!("{what}: {e}"));
+                assert_eq!(
+                    current(),
+                    other,
+                    "{what}: the other device's context was replaced"
+                );
+                check_output(&case, &what, &replay);
+            };
         for round in 0..3 {
-            // Device 1's case, uploaded through cudarc (which binds device 1), then
-            // device 0's context made current before the call.
-            let mut rng = seeds.next_case();
-            let replay = seeds.replay(&rng);
-            let on1 = DeviceCase::new(&s1, small_case(), &mut rng).expect("upload to device 1");
-            let ([q, k, v, o], lse) = on1.views();
-            set_current(ctx0);
-            // SAFETY: the views are device 1's live buffers, `s1` device 1's stream.
-            unsafe { a1.forward(&q, &k, &v, &o, Some(&lse), &params, s1.cu_stream()) }
-                .expect("forward on device 1");
-            assert_eq!(
-                current(),
-                ctx0,
-                "round {round}: device 0's context was replaced"
-            );
-            check_output(&on1, &format!("round {round}, device 1"), &replay);
-
-            // Device 0 in between, with device 1's context current.
-            let mut rng = seeds.next_case();
-            let replay = seeds.replay(&rng);
-            let on0 = DeviceCase::new(&s0, small_case(), &mut rng).expect("upload to device 0");
-            let ([q, k, v, o], lse) = on0.views();
-            set_current(ctx1);
-            // SAFETY: device 0's live buffers and stream.
-            unsafe { a0.forward(&q, &k, &v, &o, Some(&lse), &params, s0.cu_stream()) }
-                .expect("forward on device 0");
-            assert_eq!(
-                current(),
-                ctx1,
-                "round {round}: device 1's context was replaced"
-            );
-            check_output(&on0, &format!("round {round}, device 0"), &replay);
+            run_on(&a1, &s1, ctx0, format!("round {round}, device 1"));
+            run_on(&a0, &s0, ctx1, format!("round {round}, device 0"));
         }
 
         // The C ABI: a context of ordinal 1, created and called with device 0's current.

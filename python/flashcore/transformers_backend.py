@@ -422,7 +422,9 @@ def _may_wait(device):
         return False
     if device.type != "cuda" or not torch.cuda.is_available():
         return True
-    with torch.cuda.device(device):
+    if device.index == torch.cuda.current_device():
+        return not torch.cuda.is_current_stream_capturing()
+    with torch.cuda.device(device):  # another GPU's stream: switch only then
         return not torch.cuda.is_current_stream_capturing()
 
 

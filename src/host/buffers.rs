@@ -43,7 +43,8 @@
 //! # Ok(()) }
 //! ```
 
-use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut};
+use cudarc::driver::sys::CUcontext;
+use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut, DeviceSlice};
 
 use crate::error::{Error, Result};
 use crate::host::attention::Attention;
@@ -156,18 +157,15 @@ impl Attention {
         lse: Option<&mut dyn DevicePtrMut<f32>>,
         params: &AttentionParams,
     ) -> Result<()> {
-        let ctx = self.device().context().cu_ctx();
-        let ordinal = self.device().ordinal();
-        check_stream(stream, ctx, ordinal)?;
-        let inputs = [("q", &q), ("k", &k), ("v", &v)];
-        for (name, t) in inputs {
-            check_buffer(name, t.data.stream(), t.data.len(), &t.layout, ctx, ordinal)?;
+        let owner = Owner::of(self);
+        owner.stream(stream)?;
+        for (name, t) in [("q", &q), ("k", &k), ("v", &v)] {
+            owner.tensor(name, t.data, &t.layout)?;
         }
-        check_buffer("o", o.data.stream(), o.data.len(), &o.layout, ctx, ordinal)?;
+        owner.tensor("o", o.data, &o.layout)?;
         if let Some(l) = &lse {
             let [b, sq, h, _] = q.layout.shape;
-            let rows = b.saturating_mul(h).saturating_mul(sq);
-            check_rows("lse", l.stream(), l.len(), rows, ctx, ordinal)?;
+            owner.rows("lse", *l, b.saturating_mul(h).saturating_mul(sq))?;
         }
         // The stream waits for the buffers' earlier uses on other streams; the guards
         // record this call's uses when dropped, after the launch.
@@ -176,7 +174,6 @@ impl Attention {
         let (v_ptr, _v_read) = v.data.device_ptr(stream);
         let (o_ptr, _o_write) = o.data.device_ptr_mut(stream);
         let lse = lse.map(|l| l.device_ptr_mut(stream));
-        let view = |ptr, l: &Layout4| TensorView::strided(ptr, T::DTYPE, l.shape, l.strides);
         let lse_view = lse.as_ref().map(|(ptr, _)| LseView { ptr: *ptr });
         // SAFETY: every address comes from a live buffer of this device's context, which
         // holds every element its layout reaches (checked above) and LSE's B·H·Sq floats;
@@ -186,10 +183,10 @@ impl Attention {
         // stream of this context.
         unsafe {
             self.forward(
-                &view(q_ptr, &q.layout),
-                &view(k_ptr, &k.layout),
-                &view(v_ptr, &v.layout),
-                &view(o_ptr, &o.layout),
+                &view::<T>(q_ptr, &q.layout),
+                &view::<T>(k_ptr, &k.layout),
+                &view::<T>(v_ptr, &v.layout),
+                &view::<T>(o_ptr, &o.layout),
                 lse_view.as_ref(),
                 params,
                 stream.cu_stream(),
@@ -237,41 +234,24 @@ impl Attention {
         lse: Option<&mut dyn DevicePtrMut<f32>>,
         params: &AttentionParams,
     ) -> Result<()> {
-        let ctx = self.device().context().cu_ctx();
-        let ordinal = self.device().ordinal();
-        check_stream(stream, ctx, ordinal)?;
-        let tensors = [("q", &q), ("k_cache", &cache.k), ("v_cache", &cache.v)];
-        for (name, t) in tensors {
-            check_buffer(name, t.data.stream(), t.data.len(), &t.layout, ctx, ordinal)?;
+        let owner = Owner::of(self);
+        owner.stream(stream)?;
+        for (name, t) in [("q", &q), ("k_cache", &cache.k), ("v_cache", &cache.v)] {
+            owner.tensor(name, t.data, &t.layout)?;
         }
-        check_buffer("o", o.data.stream(), o.data.len(), &o.layout, ctx, ordinal)?;
+        owner.tensor("o", o.data, &o.layout)?;
         let [b, sq, hq, _] = q.layout.shape;
-        check_rows(
-            "seqlens",
-            cache.seqlens.stream(),
-            cache.seqlens.len(),
-            b,
-            ctx,
-            ordinal,
-        )?;
+        owner.rows("seqlens", cache.seqlens, b)?;
         if let Some(t) = &cache.block_table {
             // (B − 1) rows of `row_stride` entries, then a last row of `max_pages`.
             let rows = b
                 .saturating_sub(1)
                 .saturating_mul(t.row_stride)
                 .saturating_add(t.max_pages);
-            check_rows(
-                "block_table",
-                t.data.stream(),
-                t.data.len(),
-                rows,
-                ctx,
-                ordinal,
-            )?;
+            owner.rows("block_table", t.data, rows)?;
         }
         if let Some(l) = &lse {
-            let rows = b.saturating_mul(hq).saturating_mul(sq);
-            check_rows("lse", l.stream(), l.len(), rows, ctx, ordinal)?;
+            owner.rows("lse", *l, b.saturating_mul(hq).saturating_mul(sq))?;
         }
         let (q_ptr, _q_read) = q.data.device_ptr(stream);
         let (k_ptr, _k_read) = cache.k.data.device_ptr(stream);
@@ -283,7 +263,6 @@ impl Attention {
             .map(|t| (t.data.device_ptr(stream), t.max_pages, t.row_stride));
         let (o_ptr, _o_write) = o.data.device_ptr_mut(stream);
         let lse = lse.map(|l| l.device_ptr_mut(stream));
-        let view = |ptr, l: &Layout4| TensorView::strided(ptr, T::DTYPE, l.shape, l.strides);
         let layout = match &table {
             None => CacheLayout::Contiguous,
             Some(((ptr, _), max_pages, table_stride)) => CacheLayout::Paged {
@@ -293,8 +272,8 @@ impl Attention {
             },
         };
         let kv = KvCache {
-            k: view(k_ptr, &cache.k.layout),
-            v: view(v_ptr, &cache.v.layout),
+            k: view::<T>(k_ptr, &cache.k.layout),
+            v: view::<T>(v_ptr, &cache.v.layout),
             seqlens: lens_ptr,
             layout,
             scales: None,
@@ -308,10 +287,10 @@ impl Attention {
         // the lengths or table entries outside the cache.
         unsafe {
             self.decode(
-                &view(q_ptr, &q.layout),
+                &view::<T>(q_ptr, &q.layout),
                 &kv,
                 None,
-                &view(o_ptr, &o.layout),
+                &view::<T>(o_ptr, &o.layout),
                 lse_view.as_ref(),
                 params,
                 None,
@@ -321,68 +300,75 @@ impl Attention {
     }
 }
 
-/// `stream` belongs to this context (`ctx`, device `ordinal`).
-fn check_stream(
-    stream: &CudaStream,
-    ctx: cudarc::driver::sys::CUcontext,
+/// The device whose context every buffer and stream of a call must belong to.
+struct Owner {
+    ctx: CUcontext,
     ordinal: usize,
-) -> Result<()> {
-    if stream.context().cu_ctx() != ctx {
-        return Err(Error::InvalidArgument(format!(
-            "the stream belongs to another context than device {ordinal}'s"
-        )));
-    }
-    Ok(())
 }
 
-/// A buffer `name` of this context holding at least `rows` elements.
-fn check_rows(
-    name: &str,
-    stream: &CudaStream,
-    len: usize,
-    rows: usize,
-    ctx: cudarc::driver::sys::CUcontext,
-    ordinal: usize,
-) -> Result<()> {
-    if stream.context().cu_ctx() != ctx {
-        return Err(Error::InvalidArgument(format!(
-            "{name} is a buffer of another context than device {ordinal}'s"
-        )));
+impl Owner {
+    fn of(attn: &Attention) -> Owner {
+        Owner {
+            ctx: attn.device().context().cu_ctx(),
+            ordinal: attn.device().ordinal(),
+        }
     }
-    if len < rows {
-        return Err(Error::InvalidArgument(format!(
-            "{name} holds {len} elements, the call reads or writes {rows}"
-        )));
+
+    /// `stream` belongs to this context.
+    fn stream(&self, stream: &CudaStream) -> Result<()> {
+        if stream.context().cu_ctx() != self.ctx {
+            return Err(Error::InvalidArgument(format!(
+                "the stream belongs to another context than device {}'s",
+                self.ordinal
+            )));
+        }
+        Ok(())
     }
-    Ok(())
+
+    /// Buffer `name` belongs to this context.
+    fn buffer<T>(&self, name: &str, buffer: &dyn DeviceSlice<T>) -> Result<()> {
+        if buffer.stream().context().cu_ctx() != self.ctx {
+            return Err(Error::InvalidArgument(format!(
+                "{name} is a buffer of another context than device {}'s",
+                self.ordinal
+            )));
+        }
+        Ok(())
+    }
+
+    /// Buffer `name` belongs to this context and holds at least `rows` elements.
+    fn rows<T>(&self, name: &str, buffer: &dyn DeviceSlice<T>, rows: usize) -> Result<()> {
+        self.buffer(name, buffer)?;
+        if buffer.len() < rows {
+            return Err(Error::InvalidArgument(format!(
+                "{name} holds {} elements, the call reads or writes {rows}",
+                buffer.len()
+            )));
+        }
+        Ok(())
+    }
+
+    /// Buffer `name` belongs to this context and holds every element `layout` reaches.
+    fn tensor<T>(&self, name: &str, buffer: &dyn DeviceSlice<T>, layout: &Layout4) -> Result<()> {
+        self.buffer(name, buffer)?;
+        // An empty or overflowing layout reaches nothing here; validation names it.
+        let span = layout.span().unwrap_or(0);
+        if span > buffer.len() {
+            return Err(Error::InvalidArgument(format!(
+                "{name}'s layout (shape {:?}, strides {:?}) reaches {span} elements, its buffer \
+                 holds {}",
+                layout.shape,
+                layout.strides,
+                buffer.len()
+            )));
+        }
+        Ok(())
+    }
 }
 
-/// A buffer of this context (`ctx`, device `ordinal`) of `len` elements that holds every
-/// element `layout` reaches.
-fn check_buffer(
-    name: &str,
-    stream: &CudaStream,
-    len: usize,
-    layout: &Layout4,
-    ctx: cudarc::driver::sys::CUcontext,
-    ordinal: usize,
-) -> Result<()> {
-    if stream.context().cu_ctx() != ctx {
-        return Err(Error::InvalidArgument(format!(
-            "{name} is a buffer of another context than device {ordinal}'s"
-        )));
-    }
-    // An empty or overflowing layout reaches nothing here; validation names it.
-    if let Some(span) = layout.span()
-        && span > len
-    {
-        return Err(Error::InvalidArgument(format!(
-            "{name}'s layout (shape {:?}, strides {:?}) reaches {span} elements, its buffer \
-             holds {len}",
-            layout.shape, layout.strides
-        )));
-    }
-    Ok(())
+/// The view of `layout` at `ptr`, of `T`'s dtype.
+fn view<T: HalfElement>(ptr: u64, layout: &Layout4) -> TensorView {
+    TensorView::strided(ptr, T::DTYPE, layout.shape, layout.strides)
 }
 
 #[cfg(test)]
