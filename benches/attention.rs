@@ -38,6 +38,7 @@ fn case(b: usize, h: usize, s: usize, d: usize, causal: bool) -> FwdCase {
         shape: AttnShape::square(b, h, s, d),
         dtype: HalfType::F16,
         causal,
+        window: Default::default(),
         layout: Layout::Bhsd,
         kernel: None,
     }
@@ -287,6 +288,7 @@ fn varlen_group(
         let params = AttentionParams {
             softmax_scale: None,
             causal,
+            ..Default::default()
         };
         let run = || {
             // SAFETY: every view points into the live buffers above, sized for it, on
@@ -349,6 +351,7 @@ fn main() {
             let params = AttentionParams {
                 softmax_scale: None,
                 causal,
+                ..Default::default()
             };
             sets[0].run(&attn, &params).expect("first run");
             group.throughput(Throughput::ElementsAndBytes {

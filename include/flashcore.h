@@ -1,5 +1,6 @@
 /*
- * flashcore.h - C interface of flashcore: FlashAttention forward kernels, the serving
+ * flashcore.h - C interface of flashcore: FlashAttention forward kernels (with a sliding
+ * key window in the _window calls), the serving
  * calls (decode against a contiguous or paged KV cache of 16-bit or FP8 values, appending
  * to it, merging partial results by their log-sum-exp) and FP8 (e4m3) attention with its
  * GPU quantizer,
@@ -240,6 +241,37 @@ int32_t flashcore_check_forward(const FlashcoreTensor *q, const FlashcoreTensor 
                                 const FlashcoreTensor *v, const FlashcoreTensor *o, uint64_t lse,
                                 float softmax_scale, int32_t causal);
 
+/* Local (sliding-window) attention: flashcore_forward with a key window, FlashAttention's
+ * window_size. The same parameters, with window_left and window_right after causal:
+ *
+ *   window_left, window_right: query row i, whose diagonal is key d = i + Sk - Sq (aligned
+ *                  bottom-right, as causal), sees the keys d - window_left ..= d +
+ *                  window_right that exist. A negative side (FlashAttention's -1; any
+ *                  negative value) is unbounded: -1, -1 is flashcore_forward's call.
+ *                  causal is window_right = 0, so causal with window_right > 0 is
+ *                  FLASHCORE_ERROR_INVALID_ARGUMENT; with causal a negative window_right
+ *                  means 0. The sliding window of w keys of Mistral or Gemma layers (each
+ *                  query sees itself and the w - 1 keys before it) is causal with
+ *                  window_left = w - 1. A row whose window holds no key gets zeros (and
+ *                  lse -inf); lse sums the visible keys only.
+ *
+ * A window that bounds no row (window_left >= Sk, window_right >= Sq) is the call without
+ * it; any other runs kernels of its own, generated on first use like the others, which
+ * skip the key tiles no row of a query tile sees. All arguments are checked before
+ * anything runs; on error nothing is launched or written. */
+int32_t flashcore_forward_window(FlashcoreContext *ctx, const FlashcoreTensor *q, const FlashcoreTensor *k,
+                                 const FlashcoreTensor *v, const FlashcoreTensor *o, uint64_t lse,
+                                 float softmax_scale, int32_t causal, int64_t window_left,
+                                 int64_t window_right, flashcore_stream stream);
+
+/* Checks the arguments of a flashcore_forward_window call (same meaning) as
+ * flashcore_check_forward does, the window's rule included. Returns FLASHCORE_SUCCESS or the
+ * code flashcore_forward_window would return for them. */
+int32_t flashcore_check_forward_window(const FlashcoreTensor *q, const FlashcoreTensor *k,
+                                       const FlashcoreTensor *v, const FlashcoreTensor *o,
+                                       uint64_t lse, float softmax_scale, int32_t causal,
+                                       int64_t window_left, int64_t window_right);
+
 /* Variable-length forward attention over packed sequences (FlashAttention's varlen
  * layout), one launch, no padding; asynchronous on `stream`.
  *
@@ -282,6 +314,29 @@ int32_t flashcore_check_forward_varlen(const FlashcoreTensor *q, const Flashcore
                                        const int32_t *host_cu_seqlens_q,
                                        const int32_t *host_cu_seqlens_k, float softmax_scale,
                                        int32_t causal);
+
+/* flashcore_forward_varlen with a key window (see flashcore_forward_window): the same
+ * parameters, with window_left and window_right after causal. Each sequence is aligned on
+ * its own: query i of a sequence of Sq queries and Sk keys has diagonal key i + Sk - Sq
+ * of that sequence and sees its keys d - window_left ..= d + window_right (a negative side
+ * unbounded; causal with window_right > 0 is FLASHCORE_ERROR_INVALID_ARGUMENT). All
+ * arguments are checked before anything runs; on error nothing is launched or written. */
+int32_t flashcore_forward_varlen_window(FlashcoreContext *ctx, const FlashcoreTensor *q,
+                                        const FlashcoreTensor *k, const FlashcoreTensor *v,
+                                        const FlashcoreTensor *o, uint64_t lse,
+                                        const FlashcoreVarlen *varlen, const int32_t *host_cu_seqlens_q,
+                                        const int32_t *host_cu_seqlens_k, float softmax_scale,
+                                        int32_t causal, int64_t window_left, int64_t window_right,
+                                        flashcore_stream stream);
+
+/* Checks the arguments of a flashcore_forward_varlen_window call (same meaning) as
+ * flashcore_check_forward_varlen does, the window's rule included. */
+int32_t flashcore_check_forward_varlen_window(const FlashcoreTensor *q, const FlashcoreTensor *k,
+                                              const FlashcoreTensor *v, const FlashcoreTensor *o,
+                                              uint64_t lse, const FlashcoreVarlen *varlen,
+                                              const int32_t *host_cu_seqlens_q,
+                                              const int32_t *host_cu_seqlens_k, float softmax_scale,
+                                              int32_t causal, int64_t window_left, int64_t window_right);
 
 /* ---- serving: decode, append, merge -------------------------------------------------- */
 /* Host metadata, in the calls that take it: host_seqlens is NULL or a host int32
@@ -343,6 +398,32 @@ int32_t flashcore_decode_fp8kv(FlashcoreContext *ctx, const FlashcoreTensor *q, 
                                float softmax_scale, int32_t causal, uint64_t workspace,
                                size_t workspace_bytes, flashcore_stream stream);
 
+/* flashcore_decode with a key window (see flashcore_forward_window): the same parameters,
+ * with window_left and window_right after causal. Query i of Sq, at position
+ * p = len - Sq + i of its sequence, sees the keys p - window_left ..= p + window_right
+ * among the sequence's len (a negative side unbounded; -1, -1 is flashcore_decode's call).
+ * A sliding window of w keys is causal with window_left = w - 1: each new token sees
+ * itself and the w - 1 positions before it. causal with window_right > 0 is
+ * FLASHCORE_ERROR_INVALID_ARGUMENT. The splits of the keys, and so the workspace
+ * (flashcore_decode_workspace_bytes), are the windowless call's; the kernels skip the key
+ * tiles before the first query's window. All arguments are checked before anything runs;
+ * on error nothing is launched or written. */
+int32_t flashcore_decode_window(FlashcoreContext *ctx, const FlashcoreTensor *q, const FlashcoreKvCache *cache,
+                                const int32_t *host_seqlens, const int32_t *host_block_table,
+                                const FlashcoreTensor *o, uint64_t lse, float softmax_scale, int32_t causal,
+                                int64_t window_left, int64_t window_right, uint64_t workspace,
+                                size_t workspace_bytes, flashcore_stream stream);
+
+/* flashcore_decode_fp8kv with a key window, as flashcore_decode_window takes it: `scales`
+ * after `cache`, window_left and window_right after causal (scales NULL: a 16-bit cache,
+ * and the call is flashcore_decode_window's). */
+int32_t flashcore_decode_fp8kv_window(FlashcoreContext *ctx, const FlashcoreTensor *q,
+                                      const FlashcoreKvCache *cache, const FlashcoreKvScales *scales,
+                                      const int32_t *host_seqlens, const int32_t *host_block_table,
+                                      const FlashcoreTensor *o, uint64_t lse, float softmax_scale,
+                                      int32_t causal, int64_t window_left, int64_t window_right,
+                                      uint64_t workspace, size_t workspace_bytes, flashcore_stream stream);
+
 /* The workspace, in bytes, that flashcore_decode needs for these q and cache on the
  * context's device (0: the call runs in one split and needs none) into *out. Validates q
  * and the cache as flashcore_decode does; on failure *out is 0. Reads no device memory. */
@@ -373,6 +454,21 @@ int32_t flashcore_check_decode_fp8kv(const FlashcoreTensor *q, const FlashcoreKv
                                      const FlashcoreKvScales *scales, const int32_t *host_seqlens,
                                      const int32_t *host_block_table, const FlashcoreTensor *o,
                                      uint64_t lse, float softmax_scale, int32_t causal);
+
+/* Checks the arguments of a flashcore_decode_window call (same meaning) as
+ * flashcore_check_decode does, the window's rule included. */
+int32_t flashcore_check_decode_window(const FlashcoreTensor *q, const FlashcoreKvCache *cache,
+                                      const int32_t *host_seqlens, const int32_t *host_block_table,
+                                      const FlashcoreTensor *o, uint64_t lse, float softmax_scale,
+                                      int32_t causal, int64_t window_left, int64_t window_right);
+
+/* Checks the arguments of a flashcore_decode_fp8kv_window call (same meaning) as
+ * flashcore_check_decode_fp8kv does, the window's rule included. */
+int32_t flashcore_check_decode_fp8kv_window(const FlashcoreTensor *q, const FlashcoreKvCache *cache,
+                                            const FlashcoreKvScales *scales, const int32_t *host_seqlens,
+                                            const int32_t *host_block_table, const FlashcoreTensor *o,
+                                            uint64_t lse, float softmax_scale, int32_t causal,
+                                            int64_t window_left, int64_t window_right);
 
 /* Appends Snew tokens per sequence, asynchronously on `stream`: k_new[b, j] and
  * v_new[b, j] (j < Snew) go to position len_b + j of sequence b, with len_b the length the
@@ -508,6 +604,9 @@ int32_t flashcore_check_quantize_fp8(const FlashcoreTensor *q, const FlashcoreTe
  *   lse:           0, or a device pointer to float32 [B, Hq, Sq] (contiguous) that receives
  *                  each row's natural-log log-sum-exp (with lse_shift added, when given).
  *   softmax_scale, causal, stream: as for flashcore_forward (causal aligned bottom-right).
+ *                  There is no _window spelling: the FP8 kernels have no key window
+ *                  (sliding-window attention runs on 16-bit inputs, or on an FP8 KV cache
+ *                  through flashcore_decode_fp8kv_window).
  *
  * Range: exact up to FP8's rounding while each row's largest logit (softmax_scale times its
  * largest score) is below about 1.2e7 in magnitude; past that a row's o loses precision

@@ -12,6 +12,7 @@
 #   gpu-bundle/c/forward_{dynamic,static} the C example (examples/c/forward.c)
 #   gpu-bundle/wheels/flashcore-*.whl    the Python package (python/), over that library
 #   gpu-bundle/llama_bench.py    per-token time of a random Llama, SDPA vs the package's backend
+#   gpu-bundle/window_bench.py   sliding-window attention: SDPA with the window as a mask, causal SDPA, the package
 #   gpu-bundle/fp8_model_check.py  a random Llama with FP8 attention against 16-bit: logits, greedy tokens
 #   gpu-bundle/manifest.txt      commit, build date, file list
 #   gpu-bundle/run.sh            what the GPU machine runs
@@ -107,6 +108,7 @@ cp scripts/gemm_bench.py "$bundle/gemm_bench.py"
 cp scripts/harness.py "$bundle/harness.py"
 cp scripts/profile.sh "$bundle/profile.sh"
 cp scripts/llama_bench.py "$bundle/llama_bench.py"
+cp scripts/window_bench.py "$bundle/window_bench.py"
 cp scripts/fp8_model_check.py "$bundle/fp8_model_check.py"
 cp scripts/decode_sdpa_bench.py "$bundle/decode_sdpa_bench.py"
 timed bash scripts/build-c-example.sh --no-run >&2
@@ -339,11 +341,18 @@ if want sanitize; then
         "--batch 1 --heads 12 --kv-heads 4 --seqlen-q 5 --seqlen-k 4097 --head-dim 80 --dtype bf16"
         "--batch 64 --heads 8 --kv-heads 8 --seqlen-q 1 --seqlen-k 1536 --head-dim 64 --dtype f16 --layout bhsd"
         "--batch 16 --heads 32 --kv-heads 8 --seqlen-q 16 --seqlen-k 700 --head-dim 64 --dtype f16 --causal"
+        # Key windows: the windowed sm90a kernels (edges only; every tile at head dim 256),
+        # the sm80 one, and a decode-shaped call skipping the tiles before its window.
+        "--batch 1 --heads 2 --kv-heads 1 --seqlen-q 300 --seqlen-k 200 --head-dim 128 --dtype bf16 --causal --window 37,0"
+        "--batch 1 --heads 2 --kv-heads 2 --seqlen-q 113 --seqlen-k 300 --head-dim 64 --dtype f16 --window 50,20"
+        "--batch 1 --heads 2 --kv-heads 1 --seqlen 200 --head-dim 256 --dtype bf16 --causal --window 65,0"
+        "--batch 1 --heads 2 --kv-heads 2 --seqlen 300 --head-dim 128 --dtype f16 --causal --window 100,0 --path sm80"
+        "--batch 2 --heads 32 --kv-heads 8 --seqlen-q 16 --seqlen-k 2049 --head-dim 128 --dtype f16 --causal --window 500,0"
     )
     for tool in memcheck racecheck synccheck; do
         for s in "${shapes[@]}"; do
             read -ra shape_args <<<"$s"
-            short=$(sed -e 's/--batch /B/; s/ --heads /H/; s/ --kv-heads /KV/; s/ --seqlen-q /Sq/; s/ --seqlen-k /Sk/; s/ --head-dim /D/; s/ --dtype / /; s/ --causal/ causal/; s/ --block-m / m/; s/ --split-keys on/ splitkv/; s/ --path / /' <<<"$s")
+            short=$(sed -e 's/--batch /B/; s/ --heads /H/; s/ --kv-heads /KV/; s/ --seqlen-q /Sq/; s/ --seqlen-k /Sk/; s/ --head-dim /D/; s/ --dtype / /; s/ --causal/ causal/; s/ --window / window /; s/ --block-m / m/; s/ --split-keys on/ splitkv/; s/ --path / /' <<<"$s")
             step sanitizer.log "$tool $short" 180 \
                 compute-sanitizer --tool "$tool" --error-exitcode 1 \
                 "$fc" run "${shape_args[@]}" --iters 1

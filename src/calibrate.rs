@@ -567,6 +567,7 @@ pub fn run_gpu(
     let params = AttentionParams {
         softmax_scale: Some(x.scale() as f32),
         causal: false,
+        ..Default::default()
     };
     let cu = stream.cu_stream();
     match fp8 {

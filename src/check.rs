@@ -19,7 +19,7 @@ use crate::host::decode::Workspace;
 use crate::host::device::driver_err;
 use crate::host::fp8::Fp8Operands;
 use crate::host::quantize::{Fp8Layout, QuantizeOptions, validate_quantize_inputs};
-use crate::host::tensor::{AttentionParams, DType, LseView, TensorView};
+use crate::host::tensor::{AttentionParams, DType, LseView, TensorView, Window};
 use crate::host::timing::{Backlog, TimingStats, median_ms, median_ms_queued};
 use crate::host::validate::validate_fwd;
 use crate::kernels::attention::{FwdConfig, HalfType};
@@ -41,6 +41,8 @@ pub struct FwdCase {
     pub shape: AttnShape,
     pub dtype: HalfType,
     pub causal: bool,
+    /// A key window around each row's diagonal (none by default).
+    pub window: Window,
     pub layout: Layout,
     /// Run this kernel configuration instead of the one the dispatch picks.
     pub kernel: Option<FwdConfig>,
@@ -180,6 +182,11 @@ impl std::fmt::Display for FwdCase {
             Layout::Bhsd => "[B, H, S, D]",
         };
         write!(f, "{} {} {mask} {layout}", self.shape, self.dtype.name())?;
+        if self.window != Window::FULL {
+            let side = |s: Option<u32>| s.map_or("-1".to_string(), |s| s.to_string());
+            let (l, r) = (side(self.window.left), side(self.window.right));
+            write!(f, " window ({l}, {r})")?;
+        }
         match &self.kernel {
             Some(cfg) => write!(f, " {}", cfg.id()),
             None => Ok(()),
@@ -190,7 +197,23 @@ impl std::fmt::Display for FwdCase {
 impl FwdCase {
     /// FLOPs of the visible (query, key) pairs.
     pub fn flops(&self) -> f64 {
-        self.shape.flops(self.causal)
+        if self.window == Window::FULL {
+            return self.shape.flops(self.causal);
+        }
+        let s = &self.shape;
+        let pairs: usize = (0..s.seqlen_q)
+            .map(|i| s.visible_range(i, self.causal, self.window).len())
+            .sum();
+        4.0 * (s.batch * s.heads_q * pairs * s.head_dim) as f64
+    }
+
+    /// The call's options: the default scale, this case's masking.
+    pub fn params(&self) -> AttentionParams {
+        AttentionParams {
+            softmax_scale: None,
+            causal: self.causal,
+            window: self.window,
+        }
     }
 
     /// Bytes of Q, K, V and O.
@@ -206,11 +229,7 @@ impl FwdCase {
     /// multiplied, and nothing is drawn or uploaded, for a case no kernel would take.
     pub fn validate(&self) -> Result<()> {
         let ([q, k, v, o], lse) = self.made_up_views()?;
-        let params = AttentionParams {
-            softmax_scale: None,
-            causal: self.causal,
-        };
-        validate_fwd(&q, &k, &v, &o, Some(&lse), &params).map(|_| ())
+        validate_fwd(&q, &k, &v, &o, Some(&lse), &self.params()).map(|_| ())
     }
 
     /// [`FwdCase::validate`] for the FP8 path: what quantizing this case's inputs with
@@ -518,7 +537,9 @@ fn parallel_reference(c: &FwdCase, host: &[Vec<f64>; 3], scale: f64) -> referenc
                             let v = slice(&host[2], b, sk, c.shape.heads_kv, h / group);
                             (
                                 (b, h),
-                                reference::attention_f64(one, &q, &k, &v, scale, c.causal),
+                                reference::attention_f64_window(
+                                    one, &q, &k, &v, scale, c.causal, c.window,
+                                ),
                             )
                         })
                         .collect::<Vec<_>>()
@@ -604,15 +625,14 @@ impl CheckResult {
 pub fn planned_kernel(attn: &Attention, case: &FwdCase) -> Result<FwdConfig> {
     // The checks and benchmarks run with the default scale, which the dispatch weighs
     // (whether the sm90 kernels fold it into the exponent).
-    let params = AttentionParams {
-        softmax_scale: None,
-        causal: case.causal,
-    };
+    let params = case.params();
+    let masking = params.masking(case.shape.seqlen_q, case.shape.seqlen_k)?;
     let problem = crate::host::validate::FwdProblem {
         shape: case.shape,
         dtype: case.dtype,
         scale: params.scale_for(case.shape.head_dim),
-        causal: case.causal,
+        causal: masking.causal,
+        window: masking.window,
         packed: None,
     };
     attn.plan(&problem)
@@ -696,10 +716,7 @@ pub fn check_forward_fp8(
 ) -> Result<Fp8CheckResult> {
     let dev = DeviceCase::new(stream, case, rng)?;
     let mut ws = Fp8Workspace::new(stream, &case.shape, options)?;
-    let params = AttentionParams {
-        softmax_scale: None,
-        causal: case.causal,
-    };
+    let params = case.params();
     dev.quantize_fp8(attn, options, &mut ws)?;
     dev.run_fp8(attn, &ws, &params)?;
     let (o_bits, lse) = dev.download()?;
@@ -732,10 +749,7 @@ pub fn time_fp8(
     let mut workspaces = (0..cases.len())
         .map(|_| Fp8Workspace::new(stream, &case.shape, options))
         .collect::<Result<Vec<_>>>()?;
-    let params = AttentionParams {
-        softmax_scale: None,
-        causal: case.causal,
-    };
+    let params = case.params();
     let mut next = 0;
     // SAFETY: `stream` is a live cudarc stream of the device's context (the one every
     // case's and workspace's buffers were made with), alive for the whole call; the
@@ -772,10 +786,7 @@ pub fn check_forward(
     rng: &mut Rng,
 ) -> Result<CheckResult> {
     let dev = DeviceCase::new(stream, case, rng)?;
-    let params = AttentionParams {
-        softmax_scale: None,
-        causal: case.causal,
-    };
+    let params = case.params();
     dev.run(attn, &params)?;
     let (o_bits, lse) = dev.download()?;
     let poison = reference::poison(case.dtype);
@@ -848,10 +859,7 @@ pub fn time_forward(
     rng: &mut Rng,
 ) -> Result<TimingStats> {
     let cases = timing_sets(attn, stream, case, rng)?;
-    let params = AttentionParams {
-        softmax_scale: None,
-        causal: case.causal,
-    };
+    let params = case.params();
     let mut next = 0;
     // SAFETY: `stream` is a live cudarc stream of the device's context (the one every
     // case's buffers were made with), alive for the whole call; `run` enqueues on it.

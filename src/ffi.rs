@@ -2,7 +2,9 @@
 //! cache, appending to one, merging partial results by their LSE; the `_fp8kv` spellings
 //! of decode and append also take an FP8 cache's scales), FP8 attention (the GPU
 //! quantizer and the FP8 forward), a validation-only twin of each call, and error
-//! reporting by code and thread-local message.
+//! reporting by code and thread-local message. The 16-bit attention calls (forward,
+//! varlen, decode) also come in `_window` spellings that take a key window,
+//! FlashAttention's `window_size` (sliding-window attention).
 //! `include/flashcore.h` declares exactly what is here (the `c_header` test checks the two
 //! against each other).
 //!
@@ -37,7 +39,7 @@ use crate::host::kv_cache::{CacheLayout, HostMetadata, KvCache, KvScales};
 use crate::host::quantize::{
     Fp8Layout, QuantizeOptions, validate_quantize, validate_quantize_inputs,
 };
-use crate::host::tensor::{AttentionParams, DIM_NAMES, DType, LseView, TensorView};
+use crate::host::tensor::{AttentionParams, DIM_NAMES, DType, LseView, TensorView, Window};
 use crate::host::validate::{MAX_GRID_YZ, validate_fwd};
 use crate::host::varlen::{Varlen, VarlenHost, validate_varlen};
 
@@ -387,12 +389,21 @@ impl ForwardArgs {
 }
 
 /// The forward options: scale 0 (either sign) means the default `1/sqrt(head_dim)`, any
-/// other value (NaN and infinities included, which validation rejects) is used as given.
-fn params(softmax_scale: f32, causal: i32) -> AttentionParams {
+/// other value (NaN and infinities included, which validation rejects) is used as given;
+/// the key window as the caller gave it (validation refuses one that contradicts causal
+/// masking).
+fn params(softmax_scale: f32, causal: i32, window: Window) -> AttentionParams {
     AttentionParams {
         softmax_scale: (softmax_scale != 0.0).then_some(softmax_scale),
         causal: causal != 0,
+        window,
     }
+}
+
+/// A C `(window_left, window_right)` pair as a [`Window`]: FlashAttention's convention,
+/// any negative side unbounded.
+fn c_window(window_left: i64, window_right: i64) -> Window {
+    Window::from_flash(window_left, window_right)
 }
 
 /// A C cache (and, for an e4m3 one, its scales) as a [`KvCache`]: its tensors as
@@ -711,6 +722,7 @@ impl DecodeCall<'_> {
         lse: u64,
         softmax_scale: f32,
         causal: i32,
+        window: Window,
     ) -> Result<DecodeCall<'a>, Failure> {
         // SAFETY: forwarded from the caller's guarantee.
         let (q, cache, o) = unsafe {
@@ -721,7 +733,7 @@ impl DecodeCall<'_> {
             )
         };
         let lse = (lse != 0).then_some(LseView { ptr: lse });
-        let params = params(softmax_scale, causal);
+        let params = params(softmax_scale, causal, window);
         let problem = validate_decode(&q, &cache, &o, lse.as_ref(), &params)?;
         let arrays = HostArrays {
             seqlens: host_seqlens,
@@ -941,6 +953,48 @@ pub unsafe extern "C" fn flashcore_destroy(ctx: *mut FlashcoreContext) {
     });
 }
 
+// The attention entry points come in two spellings: the original one (`flashcore_forward`,
+// ...) and a `_window` one that also takes a key window, FlashAttention's `window_size`
+// (`window_left`, `window_right` after `causal`; −1, −1: none, and then the same call).
+// Both run one shared body, which reports under the name the caller used.
+
+/// The body of [`flashcore_forward`] and [`flashcore_forward_window`], reporting as `name`.
+///
+/// # Safety
+///
+/// As for [`flashcore_forward`].
+#[allow(clippy::too_many_arguments)]
+unsafe fn forward_entry(
+    name: &str,
+    ctx: *mut FlashcoreContext,
+    q: *const FlashcoreTensor,
+    k: *const FlashcoreTensor,
+    v: *const FlashcoreTensor,
+    o: *const FlashcoreTensor,
+    lse: u64,
+    softmax_scale: f32,
+    causal: i32,
+    window: Window,
+    stream: CUstream,
+) -> i32 {
+    guard(name, || {
+        // SAFETY: the caller guarantees `ctx` is null or a live handle; only shared access
+        // is needed (Attention::forward takes &self).
+        let ctx = unsafe { ctx.as_ref() }.ok_or_else(|| null_argument("ctx"))?;
+        // SAFETY: the caller guarantees each tensor pointer is null or readable.
+        let ForwardArgs { q, k, v, o, lse } = unsafe { ForwardArgs::read(q, k, v, o, lse)? };
+        let params = params(softmax_scale, causal, window);
+        // SAFETY: the C contract of flashcore_forward (header): the pointers are device
+        // memory of the context's device valid for the described extents, and `stream` is
+        // null or a stream of that context.
+        unsafe {
+            ctx.attn
+                .forward(&q, &k, &v, &o, lse.as_ref(), &params, stream)?;
+        }
+        Ok(())
+    })
+}
+
 /// `o = softmax(q kᵀ · scale) v` on `stream`; see `include/flashcore.h` for the contract.
 ///
 /// # Safety
@@ -962,20 +1016,87 @@ pub unsafe extern "C" fn flashcore_forward(
     causal: i32,
     stream: CUstream,
 ) -> i32 {
-    guard("flashcore_forward", || {
-        // SAFETY: the caller guarantees `ctx` is null or a live handle; only shared access
-        // is needed (Attention::forward takes &self).
-        let ctx = unsafe { ctx.as_ref() }.ok_or_else(|| null_argument("ctx"))?;
+    // SAFETY: the caller's guarantees are the shared body's, without a window.
+    unsafe {
+        forward_entry(
+            "flashcore_forward",
+            ctx,
+            q,
+            k,
+            v,
+            o,
+            lse,
+            softmax_scale,
+            causal,
+            Window::FULL,
+            stream,
+        )
+    }
+}
+
+/// [`flashcore_forward`] with a key window: query row `i`, whose diagonal is key
+/// `i + Sk − Sq`, sees the keys from `window_left` before it to `window_right` after it
+/// (a negative side: unbounded); see `include/flashcore.h`.
+///
+/// # Safety
+///
+/// As for [`flashcore_forward`].
+#[allow(clippy::too_many_arguments)]
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn flashcore_forward_window(
+    ctx: *mut FlashcoreContext,
+    q: *const FlashcoreTensor,
+    k: *const FlashcoreTensor,
+    v: *const FlashcoreTensor,
+    o: *const FlashcoreTensor,
+    lse: u64,
+    softmax_scale: f32,
+    causal: i32,
+    window_left: i64,
+    window_right: i64,
+    stream: CUstream,
+) -> i32 {
+    // SAFETY: forwarded from the caller's guarantees.
+    unsafe {
+        forward_entry(
+            "flashcore_forward_window",
+            ctx,
+            q,
+            k,
+            v,
+            o,
+            lse,
+            softmax_scale,
+            causal,
+            c_window(window_left, window_right),
+            stream,
+        )
+    }
+}
+
+/// The body of [`flashcore_check_forward`] and [`flashcore_check_forward_window`],
+/// reporting as `name`.
+///
+/// # Safety
+///
+/// As for [`flashcore_check_forward`].
+#[allow(clippy::too_many_arguments)]
+unsafe fn check_forward_entry(
+    name: &str,
+    q: *const FlashcoreTensor,
+    k: *const FlashcoreTensor,
+    v: *const FlashcoreTensor,
+    o: *const FlashcoreTensor,
+    lse: u64,
+    softmax_scale: f32,
+    causal: i32,
+    window: Window,
+) -> i32 {
+    guard(name, || {
         // SAFETY: the caller guarantees each tensor pointer is null or readable.
         let ForwardArgs { q, k, v, o, lse } = unsafe { ForwardArgs::read(q, k, v, o, lse)? };
-        let params = params(softmax_scale, causal);
-        // SAFETY: the C contract of flashcore_forward (header): the pointers are device
-        // memory of the context's device valid for the described extents, and `stream` is
-        // null or a stream of that context.
-        unsafe {
-            ctx.attn
-                .forward(&q, &k, &v, &o, lse.as_ref(), &params, stream)?;
-        }
+        let params = params(softmax_scale, causal, window);
+        validate_fwd(&q, &k, &v, &o, lse.as_ref(), &params)?;
         Ok(())
     })
 }
@@ -998,12 +1119,55 @@ pub unsafe extern "C" fn flashcore_check_forward(
     softmax_scale: f32,
     causal: i32,
 ) -> i32 {
-    guard("flashcore_check_forward", || {
-        // SAFETY: the caller guarantees each tensor pointer is null or readable.
-        let ForwardArgs { q, k, v, o, lse } = unsafe { ForwardArgs::read(q, k, v, o, lse)? };
-        validate_fwd(&q, &k, &v, &o, lse.as_ref(), &params(softmax_scale, causal))?;
-        Ok(())
-    })
+    // SAFETY: the caller's guarantees are the shared body's, without a window.
+    unsafe {
+        check_forward_entry(
+            "flashcore_check_forward",
+            q,
+            k,
+            v,
+            o,
+            lse,
+            softmax_scale,
+            causal,
+            Window::FULL,
+        )
+    }
+}
+
+/// Checks the arguments of a [`flashcore_forward_window`] call without a context, a device
+/// or a driver, as [`flashcore_check_forward`] does (the window's rule included).
+///
+/// # Safety
+///
+/// As for [`flashcore_check_forward`].
+#[allow(clippy::too_many_arguments)]
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn flashcore_check_forward_window(
+    q: *const FlashcoreTensor,
+    k: *const FlashcoreTensor,
+    v: *const FlashcoreTensor,
+    o: *const FlashcoreTensor,
+    lse: u64,
+    softmax_scale: f32,
+    causal: i32,
+    window_left: i64,
+    window_right: i64,
+) -> i32 {
+    // SAFETY: forwarded from the caller's guarantees.
+    unsafe {
+        check_forward_entry(
+            "flashcore_check_forward_window",
+            q,
+            k,
+            v,
+            o,
+            lse,
+            softmax_scale,
+            causal,
+            c_window(window_left, window_right),
+        )
+    }
 }
 
 // The serving entry points that read a cache come in two spellings: the original one
@@ -1099,7 +1263,8 @@ pub unsafe extern "C" fn flashcore_decode_workspace_bytes_fp8kv(
     }
 }
 
-/// The body of [`flashcore_decode`] and [`flashcore_decode_fp8kv`], reporting as `name`.
+/// The body of [`flashcore_decode`], [`flashcore_decode_fp8kv`] and their `_window`
+/// spellings, reporting as `name`.
 ///
 /// # Safety
 ///
@@ -1117,6 +1282,7 @@ unsafe fn decode_entry(
     lse: u64,
     softmax_scale: f32,
     causal: i32,
+    window: Window,
     workspace: u64,
     workspace_bytes: usize,
     stream: CUstream,
@@ -1137,6 +1303,7 @@ unsafe fn decode_entry(
                 lse,
                 softmax_scale,
                 causal,
+                window,
             )?
         };
         let workspace = (workspace != 0 || workspace_bytes != 0).then_some(Workspace {
@@ -1203,6 +1370,7 @@ pub unsafe extern "C" fn flashcore_decode(
             lse,
             softmax_scale,
             causal,
+            Window::FULL,
             workspace,
             workspace_bytes,
             stream,
@@ -1249,6 +1417,7 @@ pub unsafe extern "C" fn flashcore_decode_fp8kv(
             lse,
             softmax_scale,
             causal,
+            Window::FULL,
             workspace,
             workspace_bytes,
             stream,
@@ -1256,8 +1425,102 @@ pub unsafe extern "C" fn flashcore_decode_fp8kv(
     }
 }
 
-/// The body of [`flashcore_check_decode`] and [`flashcore_check_decode_fp8kv`],
-/// reporting as `name`.
+/// [`flashcore_decode`] with a key window: query `i` of `Sq`, at position `len − Sq + i`,
+/// sees the keys from `window_left` before that position to `window_right` after it (a
+/// negative side: unbounded); see `include/flashcore.h`.
+///
+/// # Safety
+///
+/// As for [`flashcore_decode`].
+#[allow(clippy::too_many_arguments)]
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn flashcore_decode_window(
+    ctx: *mut FlashcoreContext,
+    q: *const FlashcoreTensor,
+    cache: *const FlashcoreKvCache,
+    host_seqlens: *const i32,
+    host_block_table: *const i32,
+    o: *const FlashcoreTensor,
+    lse: u64,
+    softmax_scale: f32,
+    causal: i32,
+    window_left: i64,
+    window_right: i64,
+    workspace: u64,
+    workspace_bytes: usize,
+    stream: CUstream,
+) -> i32 {
+    // SAFETY: the caller's guarantees are the shared body's, without scales.
+    unsafe {
+        decode_entry(
+            "flashcore_decode_window",
+            ctx,
+            q,
+            cache,
+            std::ptr::null(),
+            host_seqlens,
+            host_block_table,
+            o,
+            lse,
+            softmax_scale,
+            causal,
+            c_window(window_left, window_right),
+            workspace,
+            workspace_bytes,
+            stream,
+        )
+    }
+}
+
+/// [`flashcore_decode_fp8kv`] with a key window, as [`flashcore_decode_window`] takes it;
+/// see `include/flashcore.h`.
+///
+/// # Safety
+///
+/// As for [`flashcore_decode_fp8kv`].
+#[allow(clippy::too_many_arguments)]
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn flashcore_decode_fp8kv_window(
+    ctx: *mut FlashcoreContext,
+    q: *const FlashcoreTensor,
+    cache: *const FlashcoreKvCache,
+    scales: *const FlashcoreKvScales,
+    host_seqlens: *const i32,
+    host_block_table: *const i32,
+    o: *const FlashcoreTensor,
+    lse: u64,
+    softmax_scale: f32,
+    causal: i32,
+    window_left: i64,
+    window_right: i64,
+    workspace: u64,
+    workspace_bytes: usize,
+    stream: CUstream,
+) -> i32 {
+    // SAFETY: forwarded from the caller's guarantees.
+    unsafe {
+        decode_entry(
+            "flashcore_decode_fp8kv_window",
+            ctx,
+            q,
+            cache,
+            scales,
+            host_seqlens,
+            host_block_table,
+            o,
+            lse,
+            softmax_scale,
+            causal,
+            c_window(window_left, window_right),
+            workspace,
+            workspace_bytes,
+            stream,
+        )
+    }
+}
+
+/// The body of [`flashcore_check_decode`], [`flashcore_check_decode_fp8kv`] and their
+/// `_window` spellings, reporting as `name`.
 ///
 /// # Safety
 ///
@@ -1274,6 +1537,7 @@ unsafe fn check_decode_entry(
     lse: u64,
     softmax_scale: f32,
     causal: i32,
+    window: Window,
 ) -> i32 {
     guard(name, || {
         // SAFETY: the caller guarantees the struct pointers are null or readable and the
@@ -1289,6 +1553,7 @@ unsafe fn check_decode_entry(
                 lse,
                 softmax_scale,
                 causal,
+                window,
             )?
         };
         if let Some(h) = &call.host {
@@ -1331,6 +1596,7 @@ pub unsafe extern "C" fn flashcore_check_decode(
             lse,
             softmax_scale,
             causal,
+            Window::FULL,
         )
     }
 }
@@ -1368,6 +1634,85 @@ pub unsafe extern "C" fn flashcore_check_decode_fp8kv(
             lse,
             softmax_scale,
             causal,
+            Window::FULL,
+        )
+    }
+}
+
+/// Checks the arguments of a [`flashcore_decode_window`] call without a context, a device
+/// or a driver, as [`flashcore_check_decode`] does (the window's rule included).
+///
+/// # Safety
+///
+/// As for [`flashcore_decode_window`], except that no device memory need exist.
+#[allow(clippy::too_many_arguments)]
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn flashcore_check_decode_window(
+    q: *const FlashcoreTensor,
+    cache: *const FlashcoreKvCache,
+    host_seqlens: *const i32,
+    host_block_table: *const i32,
+    o: *const FlashcoreTensor,
+    lse: u64,
+    softmax_scale: f32,
+    causal: i32,
+    window_left: i64,
+    window_right: i64,
+) -> i32 {
+    // SAFETY: the caller's guarantees are the shared body's, without scales.
+    unsafe {
+        check_decode_entry(
+            "flashcore_check_decode_window",
+            q,
+            cache,
+            std::ptr::null(),
+            host_seqlens,
+            host_block_table,
+            o,
+            lse,
+            softmax_scale,
+            causal,
+            c_window(window_left, window_right),
+        )
+    }
+}
+
+/// Checks the arguments of a [`flashcore_decode_fp8kv_window`] call without a context, a
+/// device or a driver, as [`flashcore_check_decode_fp8kv`] does (the window's rule
+/// included).
+///
+/// # Safety
+///
+/// As for [`flashcore_decode_fp8kv_window`], except that no device memory need exist.
+#[allow(clippy::too_many_arguments)]
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn flashcore_check_decode_fp8kv_window(
+    q: *const FlashcoreTensor,
+    cache: *const FlashcoreKvCache,
+    scales: *const FlashcoreKvScales,
+    host_seqlens: *const i32,
+    host_block_table: *const i32,
+    o: *const FlashcoreTensor,
+    lse: u64,
+    softmax_scale: f32,
+    causal: i32,
+    window_left: i64,
+    window_right: i64,
+) -> i32 {
+    // SAFETY: forwarded from the caller's guarantees.
+    unsafe {
+        check_decode_entry(
+            "flashcore_check_decode_fp8kv_window",
+            q,
+            cache,
+            scales,
+            host_seqlens,
+            host_block_table,
+            o,
+            lse,
+            softmax_scale,
+            causal,
+            c_window(window_left, window_right),
         )
     }
 }
@@ -1632,6 +1977,47 @@ pub unsafe extern "C" fn flashcore_check_merge(
     })
 }
 
+/// The body of [`flashcore_forward_varlen`] and [`flashcore_forward_varlen_window`],
+/// reporting as `name`.
+///
+/// # Safety
+///
+/// As for [`flashcore_forward_varlen`].
+#[allow(clippy::too_many_arguments)]
+unsafe fn forward_varlen_entry(
+    name: &str,
+    ctx: *mut FlashcoreContext,
+    q: *const FlashcoreTensor,
+    k: *const FlashcoreTensor,
+    v: *const FlashcoreTensor,
+    o: *const FlashcoreTensor,
+    lse: u64,
+    varlen: *const FlashcoreVarlen,
+    host_cu_seqlens_q: *const i32,
+    host_cu_seqlens_k: *const i32,
+    softmax_scale: f32,
+    causal: i32,
+    window: Window,
+    stream: CUstream,
+) -> i32 {
+    guard(name, || {
+        // SAFETY: the caller guarantees `ctx` is null or a live handle.
+        let ctx = unsafe { ctx.as_ref() }.ok_or_else(|| null_argument("ctx"))?;
+        // SAFETY: the caller guarantees each pointer is null or readable.
+        let ForwardArgs { q, k, v, o, lse } = unsafe { ForwardArgs::read(q, k, v, o, lse)? };
+        // SAFETY: as above.
+        let varlen = unsafe { read_varlen(varlen, host_cu_seqlens_q, host_cu_seqlens_k)? };
+        let params = params(softmax_scale, causal, window);
+        // SAFETY: the C contract (header): device memory of the context's device valid
+        // for the described extents, `stream` null or a stream of that context.
+        unsafe {
+            ctx.attn
+                .forward_varlen(&q, &k, &v, &o, lse.as_ref(), &varlen, &params, stream)?;
+        }
+        Ok(())
+    })
+}
+
 /// Variable-length forward attention over packed sequences, on `stream`; see
 /// `include/flashcore.h` for the contract.
 ///
@@ -1656,20 +2042,100 @@ pub unsafe extern "C" fn flashcore_forward_varlen(
     causal: i32,
     stream: CUstream,
 ) -> i32 {
-    guard("flashcore_forward_varlen", || {
-        // SAFETY: the caller guarantees `ctx` is null or a live handle.
-        let ctx = unsafe { ctx.as_ref() }.ok_or_else(|| null_argument("ctx"))?;
+    // SAFETY: the caller's guarantees are the shared body's, without a window.
+    unsafe {
+        forward_varlen_entry(
+            "flashcore_forward_varlen",
+            ctx,
+            q,
+            k,
+            v,
+            o,
+            lse,
+            varlen,
+            host_cu_seqlens_q,
+            host_cu_seqlens_k,
+            softmax_scale,
+            causal,
+            Window::FULL,
+            stream,
+        )
+    }
+}
+
+/// [`flashcore_forward_varlen`] with a key window, each sequence's aligned bottom-right
+/// on its own as [`flashcore_forward_window`] aligns it; see `include/flashcore.h`.
+///
+/// # Safety
+///
+/// As for [`flashcore_forward_varlen`].
+#[allow(clippy::too_many_arguments)]
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn flashcore_forward_varlen_window(
+    ctx: *mut FlashcoreContext,
+    q: *const FlashcoreTensor,
+    k: *const FlashcoreTensor,
+    v: *const FlashcoreTensor,
+    o: *const FlashcoreTensor,
+    lse: u64,
+    varlen: *const FlashcoreVarlen,
+    host_cu_seqlens_q: *const i32,
+    host_cu_seqlens_k: *const i32,
+    softmax_scale: f32,
+    causal: i32,
+    window_left: i64,
+    window_right: i64,
+    stream: CUstream,
+) -> i32 {
+    // SAFETY: forwarded from the caller's guarantees.
+    unsafe {
+        forward_varlen_entry(
+            "flashcore_forward_varlen_window",
+            ctx,
+            q,
+            k,
+            v,
+            o,
+            lse,
+            varlen,
+            host_cu_seqlens_q,
+            host_cu_seqlens_k,
+            softmax_scale,
+            causal,
+            c_window(window_left, window_right),
+            stream,
+        )
+    }
+}
+
+/// The body of [`flashcore_check_forward_varlen`] and
+/// [`flashcore_check_forward_varlen_window`], reporting as `name`.
+///
+/// # Safety
+///
+/// As for [`flashcore_check_forward_varlen`].
+#[allow(clippy::too_many_arguments)]
+unsafe fn check_forward_varlen_entry(
+    name: &str,
+    q: *const FlashcoreTensor,
+    k: *const FlashcoreTensor,
+    v: *const FlashcoreTensor,
+    o: *const FlashcoreTensor,
+    lse: u64,
+    varlen: *const FlashcoreVarlen,
+    host_cu_seqlens_q: *const i32,
+    host_cu_seqlens_k: *const i32,
+    softmax_scale: f32,
+    causal: i32,
+    window: Window,
+) -> i32 {
+    guard(name, || {
         // SAFETY: the caller guarantees each pointer is null or readable.
         let ForwardArgs { q, k, v, o, lse } = unsafe { ForwardArgs::read(q, k, v, o, lse)? };
         // SAFETY: as above.
         let varlen = unsafe { read_varlen(varlen, host_cu_seqlens_q, host_cu_seqlens_k)? };
-        let params = params(softmax_scale, causal);
-        // SAFETY: the C contract (header): device memory of the context's device valid
-        // for the described extents, `stream` null or a stream of that context.
-        unsafe {
-            ctx.attn
-                .forward_varlen(&q, &k, &v, &o, lse.as_ref(), &varlen, &params, stream)?;
-        }
+        let params = params(softmax_scale, causal, window);
+        validate_varlen(&q, &k, &v, &o, lse.as_ref(), &varlen, &params)?;
         Ok(())
     })
 }
@@ -1695,15 +2161,65 @@ pub unsafe extern "C" fn flashcore_check_forward_varlen(
     softmax_scale: f32,
     causal: i32,
 ) -> i32 {
-    guard("flashcore_check_forward_varlen", || {
-        // SAFETY: the caller guarantees each pointer is null or readable.
-        let ForwardArgs { q, k, v, o, lse } = unsafe { ForwardArgs::read(q, k, v, o, lse)? };
-        // SAFETY: as above.
-        let varlen = unsafe { read_varlen(varlen, host_cu_seqlens_q, host_cu_seqlens_k)? };
-        let params = params(softmax_scale, causal);
-        validate_varlen(&q, &k, &v, &o, lse.as_ref(), &varlen, &params)?;
-        Ok(())
-    })
+    // SAFETY: the caller's guarantees are the shared body's, without a window.
+    unsafe {
+        check_forward_varlen_entry(
+            "flashcore_check_forward_varlen",
+            q,
+            k,
+            v,
+            o,
+            lse,
+            varlen,
+            host_cu_seqlens_q,
+            host_cu_seqlens_k,
+            softmax_scale,
+            causal,
+            Window::FULL,
+        )
+    }
+}
+
+/// Checks the arguments of a [`flashcore_forward_varlen_window`] call without a context, a
+/// device or a driver, as [`flashcore_check_forward_varlen`] does (the window's rule
+/// included).
+///
+/// # Safety
+///
+/// As for [`flashcore_forward_varlen_window`], without `ctx` and `stream`.
+#[allow(clippy::too_many_arguments)]
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn flashcore_check_forward_varlen_window(
+    q: *const FlashcoreTensor,
+    k: *const FlashcoreTensor,
+    v: *const FlashcoreTensor,
+    o: *const FlashcoreTensor,
+    lse: u64,
+    varlen: *const FlashcoreVarlen,
+    host_cu_seqlens_q: *const i32,
+    host_cu_seqlens_k: *const i32,
+    softmax_scale: f32,
+    causal: i32,
+    window_left: i64,
+    window_right: i64,
+) -> i32 {
+    // SAFETY: forwarded from the caller's guarantees.
+    unsafe {
+        check_forward_varlen_entry(
+            "flashcore_check_forward_varlen_window",
+            q,
+            k,
+            v,
+            o,
+            lse,
+            varlen,
+            host_cu_seqlens_q,
+            host_cu_seqlens_k,
+            softmax_scale,
+            causal,
+            c_window(window_left, window_right),
+        )
+    }
 }
 
 /// The workspace a [`flashcore_quantize_fp8`] call with these inputs and options needs,
@@ -1854,7 +2370,7 @@ pub unsafe extern "C" fn flashcore_forward_fp8(
         // SAFETY: the caller guarantees `ops` and `o` are null or readable.
         let (ops, o) = unsafe { (read_fp8_operands(ops)?, read_tensor(o, "o")?) };
         let lse = (lse != 0).then_some(LseView { ptr: lse });
-        let params = params(softmax_scale, causal);
+        let params = params(softmax_scale, causal, Window::FULL);
         // SAFETY: the C contract of flashcore_forward_fp8 (header): the pointers are
         // device memory of the context's device valid for the described extents, and
         // `stream` is null or a stream of that context.
@@ -1886,7 +2402,8 @@ pub unsafe extern "C" fn flashcore_check_forward_fp8(
         // SAFETY: the caller guarantees `ops` and `o` are null or readable.
         let (ops, o) = unsafe { (read_fp8_operands(ops)?, read_tensor(o, "o")?) };
         let lse = (lse != 0).then_some(LseView { ptr: lse });
-        validate_fp8(&ops, &o, lse.as_ref(), &params(softmax_scale, causal))?;
+        let params = params(softmax_scale, causal, Window::FULL);
+        validate_fp8(&ops, &o, lse.as_ref(), &params)?;
         Ok(())
     })
 }
@@ -1930,6 +2447,7 @@ pub extern "C" fn flashcore_version() -> *const c_char {
 mod tests {
     use super::*;
     use crate::host::device::driver_present;
+    use crate::host::tensor::{KeyWindow, WINDOW_UNBOUNDED};
     use crate::ptx::PtxError;
     use std::ptr;
 
@@ -2038,6 +2556,100 @@ mod tests {
     }
 
     #[test]
+    fn check_forward_varlen_window_takes_a_window_per_sequence() {
+        let at = |ptr: u64, rows: i64, heads: i64| FlashcoreTensor {
+            ptr,
+            dtype: FLASHCORE_F16,
+            shape: [1, rows, heads, 64],
+            strides: [0, heads * 64, 64, 1],
+        };
+        let (q, k, v, o) = (
+            at(1 << 30, 300, 8),
+            at(2 << 30, 500, 2),
+            at(3 << 30, 500, 2),
+            at(4 << 30, 300, 8),
+        );
+        let varlen = FlashcoreVarlen {
+            cu_seqlens_q: 5 << 30,
+            cu_seqlens_k: (5 << 30) + 64,
+            batch: 2,
+            max_seqlen_q: 200,
+        };
+        let (cu_q, cu_k) = ([0i32, 100, 300], [0i32, 250, 500]);
+        let check = |causal: i32, left: i64, right: i64| {
+            // SAFETY: every pointer points at a live local; the host arrays hold 3 int32s.
+            unsafe {
+                flashcore_check_forward_varlen_window(
+                    &q,
+                    &k,
+                    &v,
+                    &o,
+                    0,
+                    &varlen,
+                    cu_q.as_ptr(),
+                    cu_k.as_ptr(),
+                    0.0,
+                    causal,
+                    left,
+                    right,
+                )
+            }
+        };
+        for (causal, left, right) in [(1, 15, 0), (1, 0, -1), (0, 50, 7), (0, -1, 3), (1, -1, -7)] {
+            assert_eq!(
+                check(causal, left, right),
+                FLASHCORE_SUCCESS,
+                "({causal}, {left}, {right}): {}",
+                last_error()
+            );
+        }
+        assert_eq!(check(1, 15, 1), FLASHCORE_ERROR_INVALID_ARGUMENT);
+        let message = last_error();
+        assert!(
+            message.starts_with("flashcore_check_forward_varlen_window: ")
+                && message.contains("right side"),
+            "{message}"
+        );
+        // Without a window: flashcore_check_forward_varlen's answer.
+        let bad = [0i32, 100, 50];
+        for host_q in [cu_q, bad] {
+            // SAFETY: as above.
+            let plain = unsafe {
+                flashcore_check_forward_varlen(
+                    &q,
+                    &k,
+                    &v,
+                    &o,
+                    0,
+                    &varlen,
+                    host_q.as_ptr(),
+                    cu_k.as_ptr(),
+                    0.0,
+                    1,
+                )
+            };
+            // SAFETY: as above.
+            let windowed = unsafe {
+                flashcore_check_forward_varlen_window(
+                    &q,
+                    &k,
+                    &v,
+                    &o,
+                    0,
+                    &varlen,
+                    host_q.as_ptr(),
+                    cu_k.as_ptr(),
+                    0.0,
+                    1,
+                    -1,
+                    -1,
+                )
+            };
+            assert_eq!(plain, windowed);
+        }
+    }
+
+    #[test]
     fn null_pointers_are_null_argument() {
         let t = tensor(FLASHCORE_F16);
         // SAFETY: every pointer is null or points at a live local.
@@ -2112,6 +2724,172 @@ mod tests {
         // SAFETY: a null tensor pointer is allowed and reported.
         let rc = unsafe { flashcore_check_forward(&q, ptr::null(), &v, &o, 0, 0.0, 0) };
         assert_eq!(rc, FLASHCORE_ERROR_NULL_ARGUMENT);
+    }
+
+    #[test]
+    fn check_forward_window_takes_flash_attention_windows() {
+        let (q, k, v) = (
+            tensor(FLASHCORE_F16),
+            tensor(FLASHCORE_F16),
+            tensor(FLASHCORE_F16),
+        );
+        let mut o = tensor(FLASHCORE_F16);
+        o.ptr = 0x10_0000; // past q, k and v, which share [0x1000, 0x11000)
+        let check = |causal: i32, left: i64, right: i64| {
+            // SAFETY: every tensor pointer points at a live local.
+            unsafe { flashcore_check_forward_window(&q, &k, &v, &o, 0, 0.0, causal, left, right) }
+        };
+        // Sliding windows (causal, left = keys - 1), two-sided and one-sided windows, none.
+        for (causal, left, right) in [
+            (1, 15, 0),
+            (1, 0, 0),
+            (1, 100, -1),
+            (0, 50, 7),
+            (0, -1, 5),
+            (0, 0, 0),
+            (0, 1 << 40, 1 << 40),
+            (1, -1, -1),
+        ] {
+            assert_eq!(
+                check(causal, left, right),
+                FLASHCORE_SUCCESS,
+                "({causal}, {left}, {right}): {}",
+                last_error()
+            );
+        }
+        // Causal masking sees no key past the diagonal: a right side above 0 contradicts it.
+        for right in [1, 7, i64::MAX] {
+            assert_eq!(check(1, 15, right), FLASHCORE_ERROR_INVALID_ARGUMENT);
+            let message = last_error();
+            assert!(
+                message.starts_with("flashcore_check_forward_window: ")
+                    && message.contains("right side"),
+                "{message}"
+            );
+        }
+        // A negative side is unbounded, whatever its value: a causal call's right side too.
+        for (left, right) in [(-1, -1), (-2, -5), (i64::MIN, i64::MIN), (15, -9)] {
+            assert_eq!(
+                check(1, left, right),
+                FLASHCORE_SUCCESS,
+                "({left}, {right}): {}",
+                last_error()
+            );
+        }
+        // Without a window the call is flashcore_check_forward's: the same code and
+        // message (but for the name) on good and bad arguments alike.
+        let mut d48 = o;
+        d48.shape[3] = 48;
+        let mut misaligned = o;
+        misaligned.ptr += 2;
+        for (o, scale) in [(o, 0.0), (o, f32::NAN), (d48, 0.0), (misaligned, 0.0)] {
+            // SAFETY: every tensor pointer points at a live local.
+            let plain = unsafe { flashcore_check_forward(&q, &k, &v, &o, 0, scale, 1) };
+            let plain_message = last_error();
+            // SAFETY: as above.
+            let windowed =
+                unsafe { flashcore_check_forward_window(&q, &k, &v, &o, 0, scale, 1, -1, -1) };
+            assert_eq!(plain, windowed);
+            if plain != FLASHCORE_SUCCESS {
+                assert_eq!(
+                    plain_message.strip_prefix("flashcore_check_forward: "),
+                    last_error().strip_prefix("flashcore_check_forward_window: ")
+                );
+            }
+        }
+        // SAFETY: a null tensor pointer is allowed and reported.
+        let rc =
+            unsafe { flashcore_check_forward_window(&q, ptr::null(), &v, &o, 0, 0.0, 1, 15, 0) };
+        assert_eq!(rc, FLASHCORE_ERROR_NULL_ARGUMENT);
+        assert_eq!(
+            last_error(),
+            "flashcore_check_forward_window: k is a null pointer"
+        );
+    }
+
+    #[test]
+    fn window_calls_refuse_a_null_context() {
+        let t = tensor(FLASHCORE_F16);
+        let (q, c) = (query(1, 4, 4 * GB), cache(false));
+        let o = FlashcoreTensor { ptr: 5 * GB, ..q };
+        let (_, s) = fp8_cache(false);
+        let varlen = FlashcoreVarlen {
+            cu_seqlens_q: GB,
+            cu_seqlens_k: 2 * GB,
+            batch: 1,
+            max_seqlen_q: 128,
+        };
+        let (null, stream) = (ptr::null(), ptr::null_mut());
+        let refused = |rc: i32, name: &str| {
+            assert_eq!(rc, FLASHCORE_ERROR_NULL_ARGUMENT, "{name}");
+            assert_eq!(last_error(), format!("{name}: ctx is a null pointer"));
+        };
+        // SAFETY: a null context is allowed and reported; the rest are live locals.
+        let rc = unsafe {
+            flashcore_forward_window(ptr::null_mut(), &t, &t, &t, &t, 0, 0.0, 1, 15, 0, stream)
+        };
+        refused(rc, "flashcore_forward_window");
+        // SAFETY: as above.
+        let rc = unsafe {
+            flashcore_forward_varlen_window(
+                ptr::null_mut(),
+                &t,
+                &t,
+                &t,
+                &t,
+                0,
+                &varlen,
+                null,
+                null,
+                0.0,
+                1,
+                15,
+                0,
+                stream,
+            )
+        };
+        refused(rc, "flashcore_forward_varlen_window");
+        // SAFETY: as above.
+        let rc = unsafe {
+            flashcore_decode_window(
+                ptr::null_mut(),
+                &q,
+                &c,
+                null,
+                null,
+                &o,
+                0,
+                0.0,
+                1,
+                15,
+                0,
+                0,
+                0,
+                stream,
+            )
+        };
+        refused(rc, "flashcore_decode_window");
+        // SAFETY: as above.
+        let rc = unsafe {
+            flashcore_decode_fp8kv_window(
+                ptr::null_mut(),
+                &q,
+                &c,
+                &s,
+                null,
+                null,
+                &o,
+                0,
+                0.0,
+                1,
+                15,
+                0,
+                0,
+                0,
+                stream,
+            )
+        };
+        refused(rc, "flashcore_decode_fp8kv_window");
     }
 
     const GB: u64 = 1 << 30;
@@ -2730,6 +3508,162 @@ mod tests {
     }
 
     #[test]
+    fn decode_windows_resolve_as_flash_attention_reads_them() {
+        // [2, 4, 4, 64] queries on a contiguous cache of capacity 64: what the call runs.
+        let q = query(4, 4, 4 * GB);
+        let (o, c) = (FlashcoreTensor { ptr: 5 * GB, ..q }, cache(false));
+        let read = |causal: i32, left: i64, right: i64| {
+            // SAFETY: every struct pointer points at a live local; no scales, no host
+            // arrays.
+            let call = unsafe {
+                DecodeCall::read(
+                    &q,
+                    &c,
+                    ptr::null(),
+                    ptr::null(),
+                    ptr::null(),
+                    &o,
+                    0,
+                    0.0,
+                    causal,
+                    c_window(left, right),
+                )
+            };
+            call.map(|call| (call.problem.causal, call.problem.window))
+                .map_err(|f| f.code)
+        };
+        let window = |left, right| Some(KeyWindow { left, right });
+        // No window: any negative sides.
+        for (left, right) in [(-1, -1), (i64::MIN, -3)] {
+            assert_eq!(read(0, left, right), Ok((false, None)));
+            assert_eq!(read(1, left, right), Ok((true, None)));
+        }
+        // A right side of 0 is causal masking; a negative one under causal masking too.
+        assert_eq!(read(0, -1, 0), Ok((true, None)));
+        assert_eq!(read(1, -1, -9), Ok((true, None)));
+        // Sliding windows, and windows on one side or both.
+        assert_eq!(read(1, 15, 0), Ok((true, window(15, 0))));
+        assert_eq!(read(1, 15, -1), Ok((true, window(15, 0))));
+        assert_eq!(read(0, 3, -1), Ok((true, window(3, WINDOW_UNBOUNDED))));
+        assert_eq!(read(0, -1, 2), Ok((true, window(WINDOW_UNBOUNDED, 2))));
+        assert_eq!(read(0, 0, 0), Ok((true, window(0, 0))));
+        // A side no row of these shapes reaches bounds nothing: the capacity's 64 keys to
+        // the left, the 4 queries to the right.
+        assert_eq!(read(1, 64, 0), Ok((true, None)));
+        assert_eq!(read(0, 1 << 40, 4), Ok((false, None)));
+        assert_eq!(read(0, 63, 4), Ok((true, window(63, WINDOW_UNBOUNDED))));
+        // Causal masking with keys past the diagonal.
+        assert_eq!(read(1, 15, 1), Err(FLASHCORE_ERROR_INVALID_ARGUMENT));
+    }
+
+    #[test]
+    fn check_decode_window_spellings_take_a_window() {
+        let table: Vec<i32> = (0..8).collect();
+        let (q16, q1) = (query(16, 8, 4 * GB), query(1, 4, 4 * GB));
+        let check = |q: &FlashcoreTensor,
+                     c: &FlashcoreKvCache,
+                     s: Option<&FlashcoreKvScales>,
+                     lens: Option<&[i32]>,
+                     t: Option<&[i32]>,
+                     (causal, left, right): (i32, i64, i64)| {
+            let o = FlashcoreTensor { ptr: 5 * GB, ..*q };
+            let p = |a: Option<&[i32]>| a.map_or(ptr::null(), <[i32]>::as_ptr);
+            // SAFETY: every struct pointer points at a live local or is null; the host
+            // arrays are null or sized for B = 2 and the [2, 4] table.
+            unsafe {
+                match s {
+                    None => flashcore_check_decode_window(
+                        q,
+                        c,
+                        p(lens),
+                        p(t),
+                        &o,
+                        0,
+                        0.0,
+                        causal,
+                        left,
+                        right,
+                    ),
+                    Some(s) => flashcore_check_decode_fp8kv_window(
+                        q,
+                        c,
+                        s,
+                        p(lens),
+                        p(t),
+                        &o,
+                        0,
+                        0.0,
+                        causal,
+                        left,
+                        right,
+                    ),
+                }
+            }
+        };
+        for paged in [false, true] {
+            let t = paged.then_some(table.as_slice());
+            let (c8, s8) = fp8_cache(paged);
+            for (c, s) in [(cache(paged), None), (c8, Some(&s8))] {
+                let name = if s.is_some() {
+                    "flashcore_check_decode_fp8kv_window: "
+                } else {
+                    "flashcore_check_decode_window: "
+                };
+                for q in [&q1, &q16] {
+                    for window in [(1, 15, 0), (1, 0, -1), (0, 7, 3), (0, -1, -1), (1, -4, -4)] {
+                        assert_eq!(
+                            check(q, &c, s, None, None, window),
+                            FLASHCORE_SUCCESS,
+                            "{window:?}: {}",
+                            last_error()
+                        );
+                        assert_eq!(
+                            check(q, &c, s, Some(&[64, 3]), t, window),
+                            FLASHCORE_SUCCESS
+                        );
+                    }
+                    assert_eq!(
+                        check(q, &c, s, None, None, (1, 15, 2)),
+                        FLASHCORE_ERROR_INVALID_ARGUMENT
+                    );
+                    let message = last_error();
+                    assert!(
+                        message.starts_with(name) && message.contains("right side"),
+                        "{message}"
+                    );
+                }
+                // The other rules apply as to the plain call: host lengths past the
+                // capacity.
+                assert_eq!(
+                    check(&q1, &c, s, Some(&[65, 3]), t, (1, 15, 0)),
+                    FLASHCORE_ERROR_INVALID_ARGUMENT
+                );
+                assert!(last_error().contains("capacity"), "{}", last_error());
+            }
+        }
+        // Without a window each is its plain spelling, on good and bad input alike.
+        let mut odd = cache(true);
+        odd.k.shape[1] = 48;
+        odd.v.shape[1] = 48;
+        for (q, c) in [
+            (q1, cache(false)),
+            (query(17, 4, 4 * GB), cache(false)),
+            (q1, odd),
+        ] {
+            let plain = check_decode(&q, &c, None, None, 0, 0.0);
+            let plain_message = last_error();
+            let windowed = check(&q, &c, None, None, None, (1, -1, -1));
+            assert_eq!(plain, windowed);
+            if plain != FLASHCORE_SUCCESS {
+                assert_eq!(
+                    plain_message.strip_prefix("flashcore_check_decode: "),
+                    last_error().strip_prefix("flashcore_check_decode_window: ")
+                );
+            }
+        }
+    }
+
+    #[test]
     fn check_append_fp8kv_quantizes_16_bit_tokens_into_an_e4m3_cache() {
         let table: Vec<i32> = (0..8).collect();
         let check = |c: &FlashcoreKvCache,
@@ -3174,12 +4108,33 @@ mod tests {
 
     #[test]
     fn params_mapping() {
-        assert_eq!(params(0.0, 0), AttentionParams::default());
-        assert_eq!(params(-0.0, 0).softmax_scale, None);
-        let p = params(0.5, 7);
+        assert_eq!(params(0.0, 0, Window::FULL), AttentionParams::default());
+        assert_eq!(params(-0.0, 0, Window::FULL).softmax_scale, None);
+        let p = params(0.5, 7, Window::FULL);
         assert_eq!(p.softmax_scale, Some(0.5));
         assert!(p.causal);
-        assert!(params(f32::NAN, 0).softmax_scale.unwrap().is_nan());
+        assert!(
+            params(f32::NAN, 0, Window::FULL)
+                .softmax_scale
+                .unwrap()
+                .is_nan()
+        );
+        assert_eq!(params(0.0, 1, c_window(15, 0)).window, Window::sliding(16));
+    }
+
+    #[test]
+    fn c_windows_are_flash_attentions() {
+        // Any negative side is unbounded, -1 or not.
+        for (l, r) in [(-1, -1), (-7, i64::MIN), (i64::MIN, -2)] {
+            assert_eq!(c_window(l, r), Window::FULL, "({l}, {r})");
+        }
+        let one_sided = |left, right| Window { left, right };
+        assert_eq!(c_window(-1, 0), one_sided(None, Some(0)));
+        assert_eq!(c_window(-3, 5), one_sided(None, Some(5)));
+        assert_eq!(c_window(100, -1), one_sided(Some(100), None));
+        assert_eq!(c_window(4095, 0), Window::sliding(4096));
+        // A side past u32 bounds nothing any sequence reaches: it stays a bound that large.
+        assert_eq!(c_window(i64::MAX, 3), one_sided(Some(u32::MAX), Some(3)));
     }
 
     #[test]
@@ -3215,6 +4170,25 @@ mod tests {
             };
             assert_eq!(rc, FLASHCORE_ERROR_UNSUPPORTED_DTYPE);
             assert!(last_error().contains("q has dtype code 9"));
+            // SAFETY: `ctx` is live; the tensors are live locals; nothing is launched
+            // because causal masking with a right side above 0 is refused first.
+            let rc = unsafe {
+                flashcore_forward_window(
+                    ctx,
+                    &good,
+                    &good,
+                    &good,
+                    &good,
+                    0,
+                    0.0,
+                    1,
+                    15,
+                    1,
+                    ptr::null_mut(),
+                )
+            };
+            assert_eq!(rc, FLASHCORE_ERROR_INVALID_ARGUMENT);
+            assert!(last_error().contains("right side"), "{}", last_error());
             // The serving calls through a real context: sizes, and refusals before launch.
             let (q, c) = (query(1, 32, 4 * GB), cache(true));
             let mut c = c;

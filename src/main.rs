@@ -54,8 +54,8 @@ const USAGE: &str = "usage:
   flashcore ptx --list | ptx <id>
   flashcore report
   flashcore run [--batch B] [--heads H] [--kv-heads HKV] [--seqlen S | --seqlen-q SQ --seqlen-k SK]
-                [--head-dim D] [--dtype f16|bf16|e4m3] [--causal] [--layout bshd|bhsd] [--iters N]
-                [--block-m 64|128|192] [--split-keys on|off] [--fold on|off]
+                [--head-dim D] [--dtype f16|bf16|e4m3] [--causal] [--window LEFT,RIGHT]
+                [--layout bshd|bhsd] [--iters N] [--block-m 64|128|192] [--split-keys on|off] [--fold on|off]
                 [--narrow-keys on|off] [--path best|sm80]
                 e4m3 only: [--in-dtype f16|bf16] [--smooth-k] [--hadamard SEED]
   flashcore bench [--json FILE] [--iters N] [--dtype f16,bf16] [--path best|sm80]
@@ -434,6 +434,7 @@ fn check_sizes(shape: AttnShape, dtype: HalfType, causal: bool) -> Result<(), Fa
         shape,
         dtype,
         causal,
+        window: Default::default(),
         layout: Layout::Bshd,
         kernel: None,
     };
@@ -461,9 +462,11 @@ fn run(args: &[String]) -> Result<(), Failure> {
             "--path",
             "--in-dtype",
             "--hadamard",
+            "--window",
         ],
         &["--causal", "--smooth-k"],
     )?;
+    let window = parse_window(o.value("--window"))?;
     let fp8 = o.value("--dtype") == Some("e4m3");
     let options = if fp8 {
         let forced = ["--block-m", "--split-keys", "--fold", "--narrow-keys"];
@@ -511,6 +514,7 @@ fn run(args: &[String]) -> Result<(), Failure> {
         },
         dtype,
         causal: o.flag("--causal"),
+        window,
         layout: match o.value("--layout").unwrap_or("bshd") {
             "bshd" => Layout::Bshd,
             "bhsd" => Layout::Bhsd,
@@ -603,6 +607,25 @@ fn run(args: &[String]) -> Result<(), Failure> {
     } else {
         Err(Failure::Run("error above tolerance".into()))
     }
+}
+
+/// A key window as `--window` takes it: `LEFT,RIGHT` in FlashAttention's convention
+/// (keys before and after each row's diagonal, −1 for no bound); none without the flag.
+fn parse_window(v: Option<&str>) -> Result<flashcore::host::tensor::Window, Failure> {
+    let Some(v) = v else {
+        return Ok(Default::default());
+    };
+    let bad = || {
+        Failure::Usage(format!(
+            "--window takes LEFT,RIGHT (-1 for no bound), got `{v}`"
+        ))
+    };
+    let (l, r) = v.split_once(',').ok_or_else(bad)?;
+    let side = |x: &str| x.trim().parse::<i64>().map_err(|_| bad());
+    Ok(flashcore::host::tensor::Window::from_flash(
+        side(l)?,
+        side(r)?,
+    ))
 }
 
 /// A number as `--hadamard` takes it: decimal or `0x` hexadecimal.
@@ -774,6 +797,7 @@ fn bench(args: &[String]) -> Result<(), Failure> {
             shape,
             dtype,
             causal,
+            window: Default::default(),
             layout: Layout::Bhsd,
             kernel: None,
         };
@@ -1027,6 +1051,7 @@ fn decode(args: &[String]) -> Result<(), Failure> {
     let params = AttentionParams {
         softmax_scale: None,
         causal,
+        ..Default::default()
     };
     out!(
         "{} ({}), flashcore decode, {} cache, contiguous as {}",
@@ -1377,6 +1402,7 @@ fn varlen(args: &[String]) -> Result<(), Failure> {
     let params = AttentionParams {
         softmax_scale: None,
         causal,
+        ..Default::default()
     };
     let lv = LseView {
         ptr: lse.device_ptr(&stream).0,
@@ -1734,6 +1760,7 @@ fn fp8_bench(args: &[String]) -> Result<(), Failure> {
             shape: AttnShape::square(b, h, s, d),
             dtype: HalfType::F16,
             causal: false,
+            window: Default::default(),
             layout: Layout::Bshd,
             kernel: None,
         };
@@ -1777,6 +1804,7 @@ fn fp8_bench(args: &[String]) -> Result<(), Failure> {
                 shape,
                 dtype: HalfType::F16,
                 causal,
+                window: Default::default(),
                 layout: Layout::Bshd,
                 kernel: None,
             };
@@ -1785,6 +1813,7 @@ fn fp8_bench(args: &[String]) -> Result<(), Failure> {
             let params = AttentionParams {
                 softmax_scale: None,
                 causal,
+                ..Default::default()
             };
             // SAFETY: the case's buffers are live allocations of this context.
             let f16_us = unsafe {

@@ -7,6 +7,7 @@
 //! sees key `j` iff `j <= i + (Sk − Sq)`. A row that sees no key outputs zeros and has
 //! LSE −∞. `lse[b, h, i] = ln Σ_j exp(scale · s_ij)` over the visible keys.
 
+use crate::host::tensor::Window;
 use crate::kernels::attention::HalfType;
 use crate::shape::AttnShape;
 use half::{bf16, f16};
@@ -33,6 +34,23 @@ pub fn attention_f64(
     scale: f64,
     causal: bool,
 ) -> RefOutput {
+    attention_f64_window(shape, q, k, v, scale, causal, Window::FULL)
+}
+
+/// [`attention_f64`] with a key window: row `i` sees the keys of
+/// [`AttnShape::visible_range`].
+///
+/// # Panics
+/// As [`attention_f64`].
+pub fn attention_f64_window(
+    shape: &AttnShape,
+    q: &[f64],
+    k: &[f64],
+    v: &[f64],
+    scale: f64,
+    causal: bool,
+    window: Window,
+) -> RefOutput {
     let &AttnShape {
         batch,
         seqlen_q: sq,
@@ -57,14 +75,15 @@ pub fn attention_f64(
         for h in 0..hq {
             let kh = h / group;
             for i in 0..sq {
-                let n = shape.visible_keys(i, causal);
+                let keys = shape.visible_range(i, causal, window);
+                let (first, n) = (keys.start, keys.len());
                 if n == 0 {
                     continue; // zeros and -inf already in place
                 }
                 let qo = ((b * sq + i) * hq + h) * d;
                 let qrow = &q[qo..qo + d];
                 for (j, s) in scores[..n].iter_mut().enumerate() {
-                    let ko = ((b * sk + j) * hkv + kh) * d;
+                    let ko = ((b * sk + first + j) * hkv + kh) * d;
                     *s = scale * dot(qrow, &k[ko..ko + d]);
                 }
                 // Subtracting the row max keeps exp() in range for any score magnitude.
@@ -77,7 +96,7 @@ pub fn attention_f64(
                 for (j, &s) in scores[..n].iter().enumerate() {
                     let p = (s - m).exp();
                     sum += p;
-                    let vo = ((b * sk + j) * hkv + kh) * d;
+                    let vo = ((b * sk + first + j) * hkv + kh) * d;
                     for (o, &x) in orow.iter_mut().zip(&v[vo..vo + d]) {
                         *o += p * x;
                     }

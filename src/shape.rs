@@ -57,6 +57,30 @@ impl AttnShape {
         }
     }
 
+    /// The keys query row `i` sees with causal masking (or not) and `window`
+    /// (FlashAttention's `window_size`, bottom-right aligned like causal masking):
+    /// `d − left ..= d + right` for the diagonal `d = i + Sk − Sq`, within `0..Sk`, the
+    /// right side 0 when causal. Empty when the row sees no key.
+    pub fn visible_range(
+        &self,
+        i: usize,
+        causal: bool,
+        window: crate::host::tensor::Window,
+    ) -> std::ops::Range<usize> {
+        let d = i as i128 + self.seqlen_k as i128 - self.seqlen_q as i128;
+        let right = if causal {
+            Some(0)
+        } else {
+            window.right.map(i128::from)
+        };
+        let hi = right.map_or(self.seqlen_k as i128, |r| {
+            (d + r + 1).min(self.seqlen_k as i128)
+        });
+        let lo = window.left.map_or(0, |l| (d - i128::from(l)).max(0));
+        let hi = hi.max(lo);
+        lo as usize..hi as usize
+    }
+
     /// FLOPs of a forward pass: 2 for each multiply-add of QKᵀ and of PV, over the
     /// visible (query, key) pairs only.
     pub fn flops(&self, causal: bool) -> f64 {
@@ -93,6 +117,46 @@ impl std::fmt::Display for AttnShape {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn windows_bound_each_rows_keys() {
+        use crate::host::tensor::Window;
+        // Sq 4, Sk 10: row i's diagonal is key i + 6.
+        let s = AttnShape {
+            batch: 1,
+            seqlen_q: 4,
+            seqlen_k: 10,
+            heads_q: 1,
+            heads_kv: 1,
+            head_dim: 8,
+        };
+        let w = |l, r| Window::from_flash(l, r);
+        assert_eq!(s.visible_range(0, false, Window::FULL), 0..10);
+        assert_eq!(s.visible_range(0, true, Window::FULL), 0..7);
+        assert_eq!(s.visible_range(3, true, w(2, -1)), 7..10);
+        assert_eq!(s.visible_range(0, false, w(0, 0)), 6..7);
+        assert_eq!(s.visible_range(1, false, w(1, 2)), 6..10);
+        assert_eq!(s.visible_range(0, false, w(-1, 1)), 0..8);
+        // Causal fixes the right side at 0 whatever the window says.
+        assert_eq!(s.visible_range(0, true, w(3, 5)), 3..7);
+        // Sq > Sk: row 0's diagonal is key −6, before every key: nothing.
+        let tall = AttnShape {
+            seqlen_q: 10,
+            seqlen_k: 4,
+            ..s
+        };
+        assert!(tall.visible_range(0, true, w(100, 0)).is_empty());
+        assert!(tall.visible_range(0, false, w(-1, 2)).is_empty());
+        assert_eq!(tall.visible_range(0, false, w(-1, 7)), 0..2);
+        assert_eq!(tall.visible_range(9, false, w(1, 0)), 2..4);
+        // The counts agree with visible_keys without a window.
+        for i in 0..4 {
+            assert_eq!(
+                s.visible_range(i, true, Window::FULL).len(),
+                s.visible_keys(i, true)
+            );
+        }
+    }
 
     #[test]
     fn causal_pairs_are_counted_bottom_right() {

@@ -1,8 +1,9 @@
 //! Random and extreme arguments through every `flashcore_check_*` entry point of the C
-//! ABI (no GPU needed): each starts from a call that is valid, changes up to three of its
-//! fields to values from the edges of their types (zero, negative, 2^31, 2^63, NaN,
-//! misaligned or overlapping pointers, unknown dtype codes, ...), and must answer with
-//! one of the documented codes. A panic inside flashcore (caught at the boundary as
+//! ABI (no GPU needed; the attention checks in their `_window` spellings too, with key
+//! windows from sliding ones to the edges of int64): each starts from a call that is
+//! valid, changes up to three of its fields to values from the edges of their types
+//! (zero, negative, 2^31, 2^63, NaN, misaligned or overlapping pointers, unknown dtype
+//! codes, ...), and must answer with one of the documented codes. A panic inside flashcore (caught at the boundary as
 //! `FLASHCORE_ERROR_PANIC`) fails the test with the arguments that caused it; so does a
 //! valid starting call that is refused, which would mean the generator, not the checks,
 //! decides what gets tested.
@@ -19,8 +20,10 @@ use flashcore::ffi::{
     FLASHCORE_SUCCESS, FlashcoreFp8Operands, FlashcoreKvCache, FlashcoreKvScales,
     FlashcoreQuantizeOptions, FlashcoreTensor, FlashcoreVarlen, flashcore_check_append_kv,
     flashcore_check_append_kv_fp8kv, flashcore_check_decode, flashcore_check_decode_fp8kv,
-    flashcore_check_forward, flashcore_check_forward_fp8, flashcore_check_forward_varlen,
-    flashcore_check_merge, flashcore_check_quantize_fp8, flashcore_last_error,
+    flashcore_check_decode_fp8kv_window, flashcore_check_decode_window, flashcore_check_forward,
+    flashcore_check_forward_fp8, flashcore_check_forward_varlen,
+    flashcore_check_forward_varlen_window, flashcore_check_forward_window, flashcore_check_merge,
+    flashcore_check_quantize_fp8, flashcore_last_error,
 };
 use std::ffi::CStr;
 use std::ptr;
@@ -213,6 +216,28 @@ fn dtype16(rng: &mut Rng) -> i32 {
     rng.pick(&[FLASHCORE_F16, FLASHCORE_BF16])
 }
 
+/// A key window for a call that is causal or not, or none (`None`: the plain spelling):
+/// FlashAttention's `(left, right)`, negative sides unbounded, from sliding windows to
+/// sides past every sequence and the edges of int64. Never a right side above 0 with
+/// causal masking, which the checks refuse.
+fn window(rng: &mut Rng, causal: bool) -> Option<(i64, i64)> {
+    if rng.chance(3) {
+        return None;
+    }
+    let left = rng.pick(&[-1, 0, 1, 15, 4095, 1 << 40, i64::MAX, i64::MIN]);
+    let right = if causal {
+        rng.pick(&[-1, 0, i64::MIN])
+    } else {
+        rng.pick(&[-1, 0, 7, 1 << 40, i64::MAX, i64::MIN])
+    };
+    Some((left, right))
+}
+
+/// A window from the edges of int64, whatever the call's causal masking says.
+fn any_window(rng: &mut Rng) -> Option<(i64, i64)> {
+    Some((rng.pick(&EDGE_I64), rng.pick(&EDGE_I64)))
+}
+
 #[test]
 fn forward_checks_answer_every_argument_with_a_code() {
     for seed in SEEDS {
@@ -234,13 +259,15 @@ fn forward_checks_answer_every_argument_with_a_code() {
             let mut lse = if rng.chance(2) { region(4) } else { 0 };
             let mut scale = 0.0f32;
             let mut causal = rng.below(2) as i32;
+            let mut window = window(&mut rng, causal != 0);
             let n = mutations(&mut rng);
             for _ in 0..n {
-                match rng.below(9) {
+                match rng.below(10) {
                     0 => lse = rng.pick(&[2, region(0), region(3) + 64, u64::MAX - 3]),
                     1 => scale = rng.pick(&SCALES),
                     2 => causal = rng.pick(&[-1, 2, i32::MAX]),
                     3 => set_head_dim(&mut t, rng.pick(&BAD_HEAD_DIMS)),
+                    4 => window = any_window(&mut rng),
                     _ => {
                         let i = rng.below(4) as usize;
                         mutate_tensor(&mut rng, &mut t[i]);
@@ -248,13 +275,19 @@ fn forward_checks_answer_every_argument_with_a_code() {
                 }
             }
             // SAFETY: every pointer argument points at a live struct of its type.
-            let rc =
-                unsafe { flashcore_check_forward(&t[0], &t[1], &t[2], &t[3], lse, scale, causal) };
+            let rc = unsafe {
+                match window {
+                    None => flashcore_check_forward(&t[0], &t[1], &t[2], &t[3], lse, scale, causal),
+                    Some((left, right)) => flashcore_check_forward_window(
+                        &t[0], &t[1], &t[2], &t[3], lse, scale, causal, left, right,
+                    ),
+                }
+            };
             judge(
                 "flashcore_check_forward",
                 n == 0,
                 rc,
-                &(t, lse, scale, causal),
+                &(t, lse, scale, causal, window),
             );
         }
     }
@@ -330,18 +363,25 @@ fn varlen_checks_answer_every_argument_with_a_code() {
                 (ptr::null(), ptr::null())
             };
             let causal = rng.below(2) as i32;
+            let window = window(&mut rng, causal != 0);
             // SAFETY: the structs are live; the host arrays hold batch + 1 entries when
             // passed.
             let rc = unsafe {
-                flashcore_check_forward_varlen(
-                    &t[0], &t[1], &t[2], &t[3], lse, &varlen, hq_ptr, hk_ptr, 0.0, causal,
-                )
+                match window {
+                    None => flashcore_check_forward_varlen(
+                        &t[0], &t[1], &t[2], &t[3], lse, &varlen, hq_ptr, hk_ptr, 0.0, causal,
+                    ),
+                    Some((left, right)) => flashcore_check_forward_varlen_window(
+                        &t[0], &t[1], &t[2], &t[3], lse, &varlen, hq_ptr, hk_ptr, 0.0, causal,
+                        left, right,
+                    ),
+                }
             };
             judge(
                 "flashcore_check_forward_varlen",
                 n == 0,
                 rc,
-                &(t, varlen, lse, fits, &cu_q, &cu_k),
+                &(t, varlen, lse, fits, &cu_q, &cu_k, window),
             );
         }
     }
@@ -509,22 +549,30 @@ fn decode_checks_answer_every_argument_with_a_code() {
             }
             let (hs, ht) = host_arrays(&mut rng, &c, q.shape[0]);
             let causal = rng.below(2) as i32;
+            let window = window(&mut rng, causal != 0);
             // SAFETY: the structs are live; the host arrays hold what the cache's fields
             // say (host_arrays passes null otherwise).
             let rc = unsafe {
-                if fp8 {
-                    flashcore_check_decode_fp8kv(
+                match (fp8, window) {
+                    (true, None) => flashcore_check_decode_fp8kv(
                         &q, &c.cache, &c.scales, hs, ht, &o, lse, scale, causal,
-                    )
-                } else {
-                    flashcore_check_decode(&q, &c.cache, hs, ht, &o, lse, scale, causal)
+                    ),
+                    (true, Some((left, right))) => flashcore_check_decode_fp8kv_window(
+                        &q, &c.cache, &c.scales, hs, ht, &o, lse, scale, causal, left, right,
+                    ),
+                    (false, None) => {
+                        flashcore_check_decode(&q, &c.cache, hs, ht, &o, lse, scale, causal)
+                    }
+                    (false, Some((left, right))) => flashcore_check_decode_window(
+                        &q, &c.cache, hs, ht, &o, lse, scale, causal, left, right,
+                    ),
                 }
             };
             judge(
                 "flashcore_check_decode",
                 n == 0,
                 rc,
-                &(q, c.cache, c.scales, o, lse, scale, fp8),
+                &(q, c.cache, c.scales, o, lse, scale, fp8, window),
             );
         }
     }
@@ -734,6 +782,46 @@ fn null_structs_are_refused() {
                 0,
             ),
             flashcore_check_decode(&t, ptr::null(), ptr::null(), ptr::null(), &t, 0, 0.0, 0),
+            flashcore_check_forward_window(&t, &t, ptr::null(), &t, 0, 0.0, 1, 15, 0),
+            flashcore_check_forward_varlen_window(
+                &t,
+                &t,
+                &t,
+                &t,
+                0,
+                ptr::null(),
+                ptr::null(),
+                ptr::null(),
+                0.0,
+                1,
+                15,
+                0,
+            ),
+            flashcore_check_decode_window(
+                &t,
+                ptr::null(),
+                ptr::null(),
+                ptr::null(),
+                &t,
+                0,
+                0.0,
+                1,
+                15,
+                0,
+            ),
+            flashcore_check_decode_fp8kv_window(
+                ptr::null(),
+                ptr::null(),
+                ptr::null(),
+                ptr::null(),
+                ptr::null(),
+                &t,
+                0,
+                0.0,
+                1,
+                15,
+                0,
+            ),
             flashcore_check_append_kv(ptr::null(), &t, &t, ptr::null(), ptr::null()),
             flashcore_check_merge(ptr::null(), 1, 0, 0, &t, 0),
             flashcore_check_quantize_fp8(&t, ptr::null(), &t, ptr::null(), 0, 0),

@@ -76,6 +76,7 @@ fn small_case() -> FwdCase {
         },
         dtype: HalfType::F16,
         causal: true,
+        window: Default::default(),
         layout: Layout::Bshd,
         kernel: None,
     }
@@ -122,6 +123,7 @@ fn every_entry_point_keeps(expect: CUcontext, what: &str) {
     let params = AttentionParams {
         softmax_scale: None,
         causal: true,
+        ..Default::default()
     };
     let cu_stream = stream.cu_stream();
     let backlog = stream.alloc_zeros::<u8>(1 << 20).expect("backlog");
@@ -371,6 +373,7 @@ fn a_second_gpu_runs_while_the_first_is_current() {
         let params = AttentionParams {
             softmax_scale: None,
             causal: true,
+            ..Default::default()
         };
         let check_output = |dev: &DeviceCase, what: &str, replay: &str| {
             let (o_bits, _) = dev.download().expect("download");

@@ -12,7 +12,7 @@ mod common;
 
 use std::sync::Arc;
 
-use common::{down, loaded_ids, pick, ptr, random_len, seeds, up};
+use common::{down, loaded_ids, pick, ptr, random_len, random_window, seeds, up};
 use cudarc::driver::{CudaSlice, CudaStream};
 use flashcore::Error;
 use flashcore::check::tolerance;
@@ -20,10 +20,12 @@ use flashcore::host::attention::Attention;
 use flashcore::host::decode::{MergeParts, Workspace};
 use flashcore::host::device::Device;
 use flashcore::host::kv_cache::{CacheLayout, HostMetadata, KvCache, KvScales};
-use flashcore::host::tensor::{AttentionParams, DType, LseView, TensorView};
+use flashcore::host::tensor::{AttentionParams, DType, LseView, TensorView, Window};
 use flashcore::kernels::attention::HalfType;
 use flashcore::quant;
-use flashcore::reference::{self, Rng, attention_f64, half_bits_to_f64, rel_l2};
+use flashcore::reference::{
+    self, Rng, attention_f64, attention_f64_window, half_bits_to_f64, rel_l2,
+};
 use flashcore::shape::AttnShape;
 
 fn setup() -> (Attention, Arc<CudaStream>) {
@@ -62,6 +64,8 @@ struct Case {
     /// 0: contiguous; otherwise the page size.
     page: usize,
     causal: bool,
+    /// A key window around each query's position.
+    window: Window,
     /// Give the call host copies of the metadata.
     host_check: bool,
     /// Pass a workspace instead of letting the call allocate.
@@ -89,6 +93,9 @@ impl std::fmt::Display for Case {
             },
             if self.causal { " causal" } else { "" }
         )?;
+        if self.window != Window::FULL {
+            write!(f, " window {:?}", self.window)?;
+        }
         if self.o_gap > 0 {
             write!(f, " o gap {}", self.o_gap)?;
         }
@@ -286,13 +293,14 @@ fn reference_decode(c: &Case, q: &[f64], cache: &DeviceCache, scale: f64) -> (Ve
             head_dim: d,
         };
         let n = len * hkv * d;
-        let r = attention_f64(
+        let r = attention_f64_window(
             &shape,
             qb,
             &cache.keys[b][..n],
             &cache.values[b][..n],
             scale,
             c.causal,
+            c.window,
         );
         out.extend(r.out);
         lse.extend(r.lse);
@@ -365,6 +373,7 @@ fn run_case(attn: &Attention, s: &Arc<CudaStream>, rng: &mut Rng, c: &Case) -> (
     let params = AttentionParams {
         softmax_scale: None,
         causal: c.causal,
+        window: c.window,
     };
     let ws_bytes = attn.decode_workspace_bytes(&qv, &kv).expect("plan");
     let ws: Option<CudaSlice<u32>> =
@@ -471,6 +480,7 @@ fn case(
         lens: lens.to_vec(),
         page,
         causal,
+        window: Window::FULL,
         host_check: true,
         workspace: false,
         o_gap: 0,
@@ -535,6 +545,68 @@ fn decode_head_dims_and_long_caches() {
     run_all(&cases);
 }
 
+/// Key windows (FlashAttention's `window_size`) on decode steps: sliding windows behind
+/// each query of 1, 64 and 4096 keys, windows on both sides without causal masking, and
+/// a right side alone; contiguous and paged caches (pages of 1, 16 and 64), 1 to 16
+/// queries, ragged lengths up to 32768 (blocks whose tiles all lie before the window
+/// skip them), GQA 1 to 8; then random configurations with random windows.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn decode_with_key_windows() {
+    let windows = [
+        (true, Window::sliding(1)),
+        (true, Window::sliding(64)),
+        (true, Window::sliding(4096)),
+        (false, Window::from_flash(100, 3)),
+        (false, Window::from_flash(-1, 2)),
+        (false, Window::from_flash(17, -1)),
+    ];
+    let mut cases = Vec::new();
+    for (i, &(causal, window)) in windows.iter().enumerate() {
+        for (j, page) in [0, 1, 16, 64].into_iter().enumerate() {
+            let dtype = [HalfType::F16, HalfType::Bf16][(i + j) % 2];
+            let (heads, sq) = [((32, 8), 1), ((16, 2), 4), ((8, 1), 16), ((4, 4), 7)][(i + j) % 4];
+            let lens: &[usize] = if j % 2 == 0 {
+                &[1, 7, 4097, 300]
+            } else {
+                &[32768, 65, 0]
+            };
+            let mut c = case(dtype, heads, 128, sq, lens, page, causal);
+            c.window = window;
+            cases.push(c);
+        }
+    }
+    let mut rng = Rng::new(seeds().run_seed().rotate_left(23) ^ 0x51DE);
+    for mut c in random_cases(24, &[64, 96, 128, 256]) {
+        c.window = random_window(&mut rng, c.causal, 3000);
+        cases.push(c);
+    }
+    run_all(&cases);
+}
+
+/// [`decode_with_key_windows`]'s fixed cases on an e4m3 cache.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn decode_fp8_cache_with_key_windows() {
+    let mut cases = Vec::new();
+    for (i, (causal, window)) in [
+        (true, Window::sliding(1)),
+        (true, Window::sliding(100)),
+        (false, Window::from_flash(50, 5)),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        for (j, page) in [0, 16].into_iter().enumerate() {
+            let dtype = [HalfType::F16, HalfType::Bf16][(i + j) % 2];
+            let mut c = case(dtype, (8, 2), 128, 1 + 5 * j, &[1, 4097, 300], page, causal);
+            c.window = window;
+            cases.push(c);
+        }
+    }
+    run_all_fp8(&cases);
+}
+
 /// Lengths at the decode tiles' edges (16-key warp shares, 64-key stages).
 const EDGES: [usize; 12] = [0, 1, 2, 15, 16, 17, 63, 64, 65, 127, 128, 129];
 
@@ -563,6 +635,7 @@ fn random_case(rng: &mut Rng, head_dims: &[usize]) -> Case {
             1 << (rng.next_u64() % 11)
         },
         causal: rng.uniform() < 0.5,
+        window: Window::FULL,
         host_check: rng.uniform() < 0.5,
         workspace: rng.uniform() < 0.5,
         o_gap: 0,
@@ -670,6 +743,7 @@ fn decode_buffers_match_float64_and_refuse_short_metadata() {
     let params = AttentionParams {
         softmax_scale: None,
         causal: true,
+        ..Default::default()
     };
     for page in [0, 64] {
         for sq in [1, 4] {
@@ -1266,6 +1340,20 @@ fn decode_small_for_sanitizers() {
     run_all(&cases);
 }
 
+/// Small key-window cases for compute-sanitizer: a sliding window skipping most of a
+/// paged sequence's tiles, two-sided windows on a contiguous cache, an e4m3 cache.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn decode_windows_small_for_sanitizers() {
+    let mut paged = case(HalfType::F16, (8, 2), 128, 3, &[1, 7, 1300], 16, true);
+    paged.window = Window::sliding(70);
+    paged.workspace = true;
+    let mut two_sided = case(HalfType::Bf16, (4, 4), 64, 4, &[5, 700], 0, false);
+    two_sided.window = Window::from_flash(100, 2);
+    run_all(&[paged.clone(), two_sided]);
+    run_all_fp8(&[paged]);
+}
+
 /// Rows of `d` values quantized to e4m3 as the append kernel does: scale `amax / 448`,
 /// codes `rn(x · 448 / amax)` saturated. Returns the codes, one scale per row and the
 /// dequantized values (code × scale, exact in f64).
@@ -1478,6 +1566,7 @@ fn run_fp8_case(
     let params = AttentionParams {
         softmax_scale: None,
         causal: c.causal,
+        window: c.window,
     };
     let host = cache.host();
     // SAFETY: every view points into this function's live device buffers, sized for it.

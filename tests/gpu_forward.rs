@@ -9,11 +9,11 @@ mod common;
 
 use std::sync::Arc;
 
-use common::{pick, random_len};
+use common::{pick, random_len, random_window};
 use flashcore::check::{CheckResult, FwdCase, Layout, TestSeeds, check_forward, tolerance};
 use flashcore::host::attention::{Attention, dispatch_sm80};
 use flashcore::host::device::Device;
-use flashcore::host::tensor::{AttentionParams, DType, TensorView};
+use flashcore::host::tensor::{AttentionParams, DType, TensorView, Window};
 use flashcore::kernels::attention::{
     BLOCK_M_NARROW, BLOCK_M_WIDE, FwdConfig, HalfType, Path, sm90,
 };
@@ -88,6 +88,7 @@ fn run_once(
     let params = AttentionParams {
         softmax_scale: None,
         causal: c.causal,
+        ..Default::default()
     };
     dev.run(attn, &params).unwrap();
     (dev, params, replay)
@@ -115,6 +116,7 @@ fn case(
         },
         dtype,
         causal,
+        window: Default::default(),
         layout: Layout::Bshd,
         kernel: None,
     }
@@ -185,6 +187,119 @@ fn random_cases(count: usize) -> Vec<FwdCase> {
         .collect()
 }
 
+/// [`random_cases`] with a random key window each (FlashAttention's `window_size`: a
+/// side none, 0, under a tile, or up to 1200 keys; causal fixes the right side at 0).
+fn random_window_cases(count: usize) -> Vec<FwdCase> {
+    let mut rng = Rng::new(seeds().run_seed().rotate_left(7) ^ 0x71D0);
+    random_cases(count)
+        .into_iter()
+        .map(|c| FwdCase {
+            window: random_window(&mut rng, c.causal, 1200),
+            ..c
+        })
+        .collect()
+}
+
+/// Key windows through the dispatch's own choice (on Hopper the sm90a windowed kernels)
+/// and on the sm80 path's windowed kernels, same shapes: every head dim, both dtypes
+/// and layouts, GQA, Sq and Sk apart, rows whose window holds no key (zeros, LSE −∞).
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn key_windows_on_both_paths() {
+    let (attn, stream) = setup();
+    let cases = random_window_cases(40);
+    run_cases_on(&attn, &stream, &cases);
+    let sm80: Vec<FwdCase> = cases.iter().map(|&c| on_sm80_windowed(&attn, c)).collect();
+    run_cases_on(&attn, &stream, &sm80);
+}
+
+/// `c` on the sm80 path's kernel of its shape.
+fn on_sm80_windowed(attn: &Attention, c: FwdCase) -> FwdCase {
+    let (arch, sms) = (attn.device().compute_capability(), attn.device().sm_count());
+    let cfg = dispatch_sm80(arch, sms, c.dtype, &c.shape, c.causal).unwrap();
+    with_masking(FwdCase {
+        kernel: Some(cfg),
+        ..c
+    })
+}
+
+/// `c` with its forced kernel's mask made the one its window resolves to (a side that
+/// bounds no row is dropped: a window of more keys than the sequence's is plain causal
+/// masking, or none), as a forced kernel must match the call's masking.
+fn with_masking(c: FwdCase) -> FwdCase {
+    let m = c
+        .params()
+        .masking(c.shape.seqlen_q, c.shape.seqlen_k)
+        .unwrap();
+    let kernel = c.kernel.map(|k| match m.window {
+        Some(_) => k.windowed(),
+        None => FwdConfig {
+            causal: m.causal,
+            window: false,
+            ..k
+        },
+    });
+    FwdCase { kernel, ..c }
+}
+
+/// Key windows at the tiles' edges: windows of 0, 1, 63, 64, 65, 127, 128 and 129 keys
+/// behind the diagonal (and a few ahead of it without causal masking) on sequence
+/// lengths 1 to 1023, with the sm90a kernels of 64- and 128-row tiles forced, and the
+/// head dim 256 kernel of 64-key tiles.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn key_windows_at_tile_edges() {
+    let mut cases = Vec::new();
+    let lefts = [0, 1, 63, 64, 65, 127, 128, 129];
+    let lens = [
+        (1, 1),
+        (17, 17),
+        (113, 300),
+        (300, 113),
+        (1023, 1023),
+        (200, 1000),
+    ];
+    for (i, &left) in lefts.iter().enumerate() {
+        for (j, &(sq, sk)) in lens.iter().enumerate() {
+            let dtype = if (i + j) % 2 == 0 {
+                HalfType::F16
+            } else {
+                HalfType::Bf16
+            };
+            let d = [64, 128, 256][(i + 2 * j) % 3];
+            let causal = (i + j) % 3 != 0;
+            let mut c = case(dtype, d, causal, 1, 4, 2, sq, sk);
+            c.window = Window {
+                left: Some(left),
+                right: if causal {
+                    Some(0)
+                } else {
+                    Some((j * 37 % 130) as u32)
+                },
+            };
+            cases.push(c);
+        }
+    }
+    run_cases(&cases);
+    if !on_sm90() {
+        return;
+    }
+    let mut forced = Vec::new();
+    for &c in &cases {
+        for block_m in [64, 128] {
+            forced.push(with_masking(sm90_kernel(c, block_m, false)));
+        }
+        if c.shape.head_dim == 256 {
+            let mut f = sm90_kernel(c, 128, false);
+            if let Some(k) = &mut f.kernel {
+                k.narrow_keys = true;
+            }
+            forced.push(with_masking(f));
+        }
+    }
+    run_cases(&forced);
+}
+
 /// Every (Sq, Sk) pair of the grid, causal and not, one head, with each query tile
 /// (the dispatch would pick the narrow one for all of these).
 fn seqlen_grid(dtype: HalfType, d: usize) {
@@ -236,6 +351,7 @@ fn sm90_seqlen_grid(dtype: HalfType, d: usize) {
                         dtype,
                         head_dim: d as u32,
                         causal,
+                        window: false,
                         block_m,
                         split_keys: false,
                         fold_scale,
@@ -319,6 +435,7 @@ fn sm90_kernel(c: FwdCase, block_m: u32, split_keys: bool) -> FwdCase {
             dtype: c.dtype,
             head_dim: c.shape.head_dim as u32,
             causal: c.causal,
+            window: false,
             block_m,
             split_keys,
             fold_scale: !split_keys,
@@ -613,6 +730,7 @@ fn custom_softmax_scale() {
         let params = AttentionParams {
             softmax_scale: Some(scale),
             causal,
+            ..Default::default()
         };
         dev.run(&attn, &params).unwrap();
         let (o, lse) = dev.download().unwrap();
@@ -698,6 +816,7 @@ fn sm90_padded_kernels() {
                         dtype,
                         head_dim,
                         causal,
+                        window: false,
                         block_m,
                         split_keys: false,
                         fold_scale,
@@ -925,6 +1044,7 @@ where
     let params = AttentionParams {
         softmax_scale: None,
         causal,
+        ..Default::default()
     };
     attn.forward_buffers(
         &stream,

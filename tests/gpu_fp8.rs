@@ -278,6 +278,7 @@ fn run_case(
     let params = AttentionParams {
         softmax_scale: None,
         causal: c.causal,
+        ..Default::default()
     };
     // SAFETY: every view is a live allocation of this context with the extents given, and
     // the default stream orders the call before the downloads.
@@ -524,6 +525,7 @@ fn extreme_logits_stay_finite_and_pick_the_top_key() {
                     let params = AttentionParams {
                         softmax_scale: scale,
                         causal,
+                        ..Default::default()
                     };
                     // SAFETY: every view is a live allocation of this context with the
                     // extents given; the default stream orders the call before the downloads.

@@ -104,6 +104,7 @@ fn check_all(path: PathChoice) {
                         HalfType::Bf16
                     },
                     causal,
+                    window: Default::default(),
                     layout: if i % 2 == 0 {
                         Layout::Bshd
                     } else {
@@ -339,6 +340,7 @@ fn the_c_abi_gives_the_rust_apis_output() {
             let params = AttentionParams {
                 softmax_scale: None,
                 causal,
+                ..Default::default()
             };
             // SAFETY: the operands lie in `r_buf`, O and the LSE in `r_o` and `r_lse`, all
             // alive until the downloads below.

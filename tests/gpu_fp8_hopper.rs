@@ -159,6 +159,7 @@ fn run_case(attn: &Attention, s: &Arc<CudaStream>, c: Case, rng: &mut Rng) -> Ou
     let params = AttentionParams {
         softmax_scale: None,
         causal: c.causal,
+        ..Default::default()
     };
     // SAFETY: every view points at a live allocation of this context sized by its shape.
     unsafe {

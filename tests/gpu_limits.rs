@@ -146,6 +146,7 @@ fn longest_sequences_are_exact() {
         let params = AttentionParams {
             softmax_scale: None,
             causal,
+            ..Default::default()
         };
         let t = std::time::Instant::now();
         buf.run(&attn, sk, 0, &params, cfg.as_ref())
@@ -207,6 +208,7 @@ fn lengths_past_the_limit_are_refused() {
             let params = AttentionParams {
                 softmax_scale: None,
                 causal,
+                ..Default::default()
             };
             match buf.run(&attn, sk, 0, &params, None) {
                 Err(Error::InvalidArgument(m)) => println!("Sk {sk}: {m}"),
@@ -259,6 +261,7 @@ fn huge_scales_pick_the_top_keys() {
         let params = AttentionParams {
             softmax_scale: Some(scale),
             causal,
+            ..Default::default()
         };
         if attn.device().compute_capability() == (9, 0) {
             // The sm90 kernel with the scale folded into the exponent would overflow
@@ -268,6 +271,7 @@ fn huge_scales_pick_the_top_keys() {
                 dtype: HalfType::F16,
                 head_dim: d as u32,
                 causal,
+                window: false,
                 block_m: 64,
                 split_keys: false,
                 fold_scale: true,
@@ -360,6 +364,7 @@ fn strides_no_tensor_map_holds_fall_back_to_the_sm80_kernel() {
             let params = AttentionParams {
                 softmax_scale: None,
                 causal,
+                ..Default::default()
             };
             let lse_view = LseView {
                 ptr: lse.device_ptr(&stream).0,

@@ -13,16 +13,16 @@ mod common;
 
 use std::sync::Arc;
 
-use common::{down, loaded_ids, pick, ptr, random_len, seeds, up};
+use common::{down, loaded_ids, pick, ptr, random_len, random_window, seeds, up};
 use cudarc::driver::{CudaSlice, CudaStream};
 use flashcore::Error;
 use flashcore::check::tolerance;
 use flashcore::host::attention::{Attention, PathChoice};
 use flashcore::host::device::Device;
-use flashcore::host::tensor::{AttentionParams, DType, LseView, TensorView};
+use flashcore::host::tensor::{AttentionParams, DType, LseView, TensorView, Window};
 use flashcore::host::varlen::{Varlen, VarlenHost};
 use flashcore::kernels::attention::HalfType;
-use flashcore::reference::{self, Rng, attention_f64, half_bits_to_f64, rel_l2};
+use flashcore::reference::{self, Rng, attention_f64_window, half_bits_to_f64, rel_l2};
 use flashcore::shape::AttnShape;
 
 fn setup(path: PathChoice) -> (Attention, Arc<CudaStream>) {
@@ -42,6 +42,8 @@ struct Case {
     /// (query rows, key rows) of each sequence.
     lens: Vec<(usize, usize)>,
     causal: bool,
+    /// A key window around each query's diagonal.
+    window: Window,
     /// Rows before the first sequence and after the last (no sequence covers them).
     gap: usize,
     /// Pass host copies of the offsets.
@@ -73,6 +75,9 @@ impl std::fmt::Display for Case {
             if self.causal { " causal" } else { "" },
             if self.host_check { " host-checked" } else { "" }
         )?;
+        if self.window != Window::FULL {
+            write!(f, " window {:?}", self.window)?;
+        }
         match self.o_pad {
             0 => Ok(()),
             pad => write!(f, " O pitch D+{pad}"),
@@ -197,6 +202,7 @@ fn run(attn: &Attention, s: &Arc<CudaStream>, rng: &mut Rng, c: &Case) -> (f64, 
     let params = AttentionParams {
         softmax_scale: None,
         causal: c.causal,
+        window: c.window,
     };
     // SAFETY: every view and offset array is a live allocation of this context with the
     // extents given; the default stream orders the call before the downloads.
@@ -248,7 +254,7 @@ fn run(attn: &Attention, s: &Arc<CudaStream>, rng: &mut Rng, c: &Case) -> (f64, 
             head_dim: d,
         };
         let (qs, ks, vs) = &p.seqs[b];
-        let r = attention_f64(&shape, qs, ks, vs, scale, c.causal);
+        let r = attention_f64_window(&shape, qs, ks, vs, scale, c.causal, c.window);
         let rows = &o_bits[start * hq * d..(start + sq) * hq * d];
         // Each sequence on its own: one with few keys (large, nearly exact outputs)
         // would dwarf a long one's errors in one norm over the batch.
@@ -329,6 +335,7 @@ fn grid(path: PathChoice, dtype: HalfType) {
                 head_dim: d,
                 lens: ragged(),
                 causal,
+                window: Window::FULL,
                 gap: 3,
                 host_check: true,
                 non_finite_gaps: false,
@@ -409,6 +416,7 @@ fn decode_shaped_batches_run_on_the_decode_kernels() {
                         head_dim: d,
                         lens: lens.clone(),
                         causal,
+                        window: Window::FULL,
                         gap: if odd { 3 } else { 0 },
                         host_check: odd == (dtype == HalfType::F16),
                         non_finite_gaps: odd,
@@ -442,6 +450,7 @@ fn decode_shaped_batches_run_on_the_decode_kernels() {
             head_dim: 128,
             lens,
             causal,
+            window: Window::FULL,
             gap: 2,
             host_check: !causal,
             non_finite_gaps: true,
@@ -533,6 +542,7 @@ fn other_head_dims_without_host_copies() {
                 head_dim: d,
                 lens: vec![(33, 200), (250, 250), (1, 1), (129, 64)],
                 causal,
+                window: Window::FULL,
                 gap: 0,
                 host_check: false,
                 non_finite_gaps: false,
@@ -568,6 +578,7 @@ fn many_short_sequences() {
                 head_dim,
                 lens: lens.clone(),
                 causal,
+                window: Window::FULL,
                 gap: 0,
                 host_check: true,
                 non_finite_gaps: false,
@@ -614,12 +625,74 @@ fn non_finite_rows_after_the_sequences_stay_out() {
                 head_dim: d,
                 lens: lens.clone(),
                 causal,
+                window: Window::FULL,
                 gap: 200,
                 host_check: true,
                 non_finite_gaps: true,
                 o_pad: 0,
             });
         }
+    }
+    for path in [PathChoice::Best, PathChoice::Sm80] {
+        run_cases(path, &cases);
+    }
+}
+
+/// Packed batches with key windows (FlashAttention's `window_size`, per sequence,
+/// bottom-right aligned): the ragged grid with sliding windows and two-sided ones on
+/// both paths, then decode-shaped batches (up to 16 queries per sequence, which run on
+/// the decode kernels) with random windows.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn key_windows_in_packed_batches() {
+    let mut cases = Vec::new();
+    for (i, (causal, window)) in [
+        (true, Window::sliding(1)),
+        (true, Window::sliding(100)),
+        (false, Window::from_flash(64, 64)),
+        (false, Window::from_flash(-1, 0)),
+        (false, Window::from_flash(300, -1)),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let (hq, hkv, d) = [(4, 2, 128), (8, 1, 64), (2, 2, 256)][i % 3];
+        cases.push(Case {
+            dtype: [HalfType::F16, HalfType::Bf16][i % 2],
+            heads_q: hq,
+            heads_kv: hkv,
+            head_dim: d,
+            lens: ragged(),
+            causal,
+            window,
+            gap: 3,
+            host_check: i % 2 == 0,
+            non_finite_gaps: i % 2 == 1,
+            o_pad: 0,
+        });
+    }
+    let mut rng = Rng::new(seeds().run_seed().rotate_left(31) ^ 0x3D17);
+    for i in 0..8 {
+        let causal = i % 2 == 0;
+        let lens = (0..1 + i % 4)
+            .map(|_| {
+                let sk = random_len(&mut rng, &EDGES, 3000);
+                (1 + (rng.next_u64() % 16) as usize, sk)
+            })
+            .collect();
+        cases.push(Case {
+            dtype: [HalfType::F16, HalfType::Bf16][i % 2],
+            heads_q: 8,
+            heads_kv: [1, 2, 8][i % 3],
+            head_dim: [64, 128, 96][i % 3],
+            lens,
+            causal,
+            window: random_window(&mut rng, causal, 2000),
+            gap: 1,
+            host_check: i % 3 != 0,
+            non_finite_gaps: true,
+            o_pad: 0,
+        });
     }
     for path in [PathChoice::Best, PathChoice::Sm80] {
         run_cases(path, &cases);
@@ -671,6 +744,7 @@ fn random_packed_batches() {
                 head_dim: pick(&mut rng, &[32, 40, 64, 80, 96, 128, 160, 192, 200, 256]),
                 lens,
                 causal: rng.uniform() < 0.5,
+                window: Window::FULL,
                 gap: pick(&mut rng, &[0, 1, 5]),
                 host_check: rng.uniform() < 0.5,
                 non_finite_gaps: rng.uniform() < 0.5,
@@ -704,6 +778,7 @@ fn decode_shaped_varlen_for_sanitizers() {
             head_dim: d,
             lens: lens.clone(),
             causal,
+            window: Window::FULL,
             gap: 4,
             host_check,
             non_finite_gaps: true,
@@ -733,6 +808,7 @@ fn varlen_small_for_sanitizers() {
             head_dim: d,
             lens: vec![(3, 130), (0, 7), (150, 20)],
             causal,
+            window: Window::FULL,
             gap: 5,
             host_check: false,
             non_finite_gaps: true,
@@ -766,6 +842,7 @@ fn bad_offsets() {
         head_dim: 128,
         lens: vec![(100, 100), (50, 300)],
         causal: true,
+        window: Window::FULL,
         gap: 0,
         host_check: true,
         non_finite_gaps: false,

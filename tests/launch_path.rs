@@ -55,6 +55,7 @@ fn validation_and_dispatch_do_not_allocate() {
     let params = AttentionParams {
         softmax_scale: None,
         causal: true,
+        ..Default::default()
     };
     // Warm any lazily built tables first.
     let shape = flashcore::shape::AttnShape::square(2, 8, 512, 64);
@@ -83,6 +84,7 @@ fn warm_forward_does_not_allocate() {
         shape: flashcore::shape::AttnShape::square(2, 8, 512, 64),
         dtype: HalfType::F16,
         causal: false,
+        window: Default::default(),
         layout: L::Bhsd,
         kernel: None,
     };
@@ -152,6 +154,7 @@ fn warm_decode_shaped_forward_does_not_allocate() {
             },
             dtype: HalfType::F16,
             causal,
+            window: Default::default(),
             layout: L::Bshd,
             kernel: None,
         };
@@ -161,6 +164,7 @@ fn warm_decode_shaped_forward_does_not_allocate() {
         let params = AttentionParams {
             softmax_scale: None,
             causal,
+            ..Default::default()
         };
         let n = warm_forward_allocations(&attn, &stream, &dev, &params);
         assert_eq!(

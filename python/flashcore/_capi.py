@@ -100,16 +100,24 @@ SIGNATURES = {
     "flashcore_destroy": (None, [ctypes.c_void_p]),
     "flashcore_forward": (ctypes.c_int32, [ctypes.c_void_p, ctypes.POINTER(FlashcoreTensor), ctypes.POINTER(FlashcoreTensor), ctypes.POINTER(FlashcoreTensor), ctypes.POINTER(FlashcoreTensor), ctypes.c_uint64, ctypes.c_float, ctypes.c_int32, ctypes.c_void_p]),
     "flashcore_check_forward": (ctypes.c_int32, [ctypes.POINTER(FlashcoreTensor), ctypes.POINTER(FlashcoreTensor), ctypes.POINTER(FlashcoreTensor), ctypes.POINTER(FlashcoreTensor), ctypes.c_uint64, ctypes.c_float, ctypes.c_int32]),
+    "flashcore_forward_window": (ctypes.c_int32, [ctypes.c_void_p, ctypes.POINTER(FlashcoreTensor), ctypes.POINTER(FlashcoreTensor), ctypes.POINTER(FlashcoreTensor), ctypes.POINTER(FlashcoreTensor), ctypes.c_uint64, ctypes.c_float, ctypes.c_int32, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]),
+    "flashcore_check_forward_window": (ctypes.c_int32, [ctypes.POINTER(FlashcoreTensor), ctypes.POINTER(FlashcoreTensor), ctypes.POINTER(FlashcoreTensor), ctypes.POINTER(FlashcoreTensor), ctypes.c_uint64, ctypes.c_float, ctypes.c_int32, ctypes.c_int64, ctypes.c_int64]),
     "flashcore_forward_varlen": (ctypes.c_int32, [ctypes.c_void_p, ctypes.POINTER(FlashcoreTensor), ctypes.POINTER(FlashcoreTensor), ctypes.POINTER(FlashcoreTensor), ctypes.POINTER(FlashcoreTensor), ctypes.c_uint64, ctypes.POINTER(FlashcoreVarlen), ctypes.POINTER(ctypes.c_int32), ctypes.POINTER(ctypes.c_int32), ctypes.c_float, ctypes.c_int32, ctypes.c_void_p]),
     "flashcore_check_forward_varlen": (ctypes.c_int32, [ctypes.POINTER(FlashcoreTensor), ctypes.POINTER(FlashcoreTensor), ctypes.POINTER(FlashcoreTensor), ctypes.POINTER(FlashcoreTensor), ctypes.c_uint64, ctypes.POINTER(FlashcoreVarlen), ctypes.POINTER(ctypes.c_int32), ctypes.POINTER(ctypes.c_int32), ctypes.c_float, ctypes.c_int32]),
+    "flashcore_forward_varlen_window": (ctypes.c_int32, [ctypes.c_void_p, ctypes.POINTER(FlashcoreTensor), ctypes.POINTER(FlashcoreTensor), ctypes.POINTER(FlashcoreTensor), ctypes.POINTER(FlashcoreTensor), ctypes.c_uint64, ctypes.POINTER(FlashcoreVarlen), ctypes.POINTER(ctypes.c_int32), ctypes.POINTER(ctypes.c_int32), ctypes.c_float, ctypes.c_int32, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]),
+    "flashcore_check_forward_varlen_window": (ctypes.c_int32, [ctypes.POINTER(FlashcoreTensor), ctypes.POINTER(FlashcoreTensor), ctypes.POINTER(FlashcoreTensor), ctypes.POINTER(FlashcoreTensor), ctypes.c_uint64, ctypes.POINTER(FlashcoreVarlen), ctypes.POINTER(ctypes.c_int32), ctypes.POINTER(ctypes.c_int32), ctypes.c_float, ctypes.c_int32, ctypes.c_int64, ctypes.c_int64]),
     "flashcore_decode": (ctypes.c_int32, [ctypes.c_void_p, ctypes.POINTER(FlashcoreTensor), ctypes.POINTER(FlashcoreKvCache), ctypes.POINTER(ctypes.c_int32), ctypes.POINTER(ctypes.c_int32), ctypes.POINTER(FlashcoreTensor), ctypes.c_uint64, ctypes.c_float, ctypes.c_int32, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p]),
     "flashcore_decode_workspace_bytes": (ctypes.c_int32, [ctypes.c_void_p, ctypes.POINTER(FlashcoreTensor), ctypes.POINTER(FlashcoreKvCache), ctypes.POINTER(ctypes.c_size_t)]),
     "flashcore_check_decode": (ctypes.c_int32, [ctypes.POINTER(FlashcoreTensor), ctypes.POINTER(FlashcoreKvCache), ctypes.POINTER(ctypes.c_int32), ctypes.POINTER(ctypes.c_int32), ctypes.POINTER(FlashcoreTensor), ctypes.c_uint64, ctypes.c_float, ctypes.c_int32]),
+    "flashcore_decode_window": (ctypes.c_int32, [ctypes.c_void_p, ctypes.POINTER(FlashcoreTensor), ctypes.POINTER(FlashcoreKvCache), ctypes.POINTER(ctypes.c_int32), ctypes.POINTER(ctypes.c_int32), ctypes.POINTER(FlashcoreTensor), ctypes.c_uint64, ctypes.c_float, ctypes.c_int32, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p]),
+    "flashcore_check_decode_window": (ctypes.c_int32, [ctypes.POINTER(FlashcoreTensor), ctypes.POINTER(FlashcoreKvCache), ctypes.POINTER(ctypes.c_int32), ctypes.POINTER(ctypes.c_int32), ctypes.POINTER(FlashcoreTensor), ctypes.c_uint64, ctypes.c_float, ctypes.c_int32, ctypes.c_int64, ctypes.c_int64]),
     "flashcore_append_kv": (ctypes.c_int32, [ctypes.c_void_p, ctypes.POINTER(FlashcoreKvCache), ctypes.POINTER(FlashcoreTensor), ctypes.POINTER(FlashcoreTensor), ctypes.POINTER(ctypes.c_int32), ctypes.POINTER(ctypes.c_int32), ctypes.c_void_p]),
     "flashcore_check_append_kv": (ctypes.c_int32, [ctypes.POINTER(FlashcoreKvCache), ctypes.POINTER(FlashcoreTensor), ctypes.POINTER(FlashcoreTensor), ctypes.POINTER(ctypes.c_int32), ctypes.POINTER(ctypes.c_int32)]),
     "flashcore_decode_fp8kv": (ctypes.c_int32, [ctypes.c_void_p, ctypes.POINTER(FlashcoreTensor), ctypes.POINTER(FlashcoreKvCache), ctypes.POINTER(FlashcoreKvScales), ctypes.POINTER(ctypes.c_int32), ctypes.POINTER(ctypes.c_int32), ctypes.POINTER(FlashcoreTensor), ctypes.c_uint64, ctypes.c_float, ctypes.c_int32, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p]),
     "flashcore_decode_workspace_bytes_fp8kv": (ctypes.c_int32, [ctypes.c_void_p, ctypes.POINTER(FlashcoreTensor), ctypes.POINTER(FlashcoreKvCache), ctypes.POINTER(FlashcoreKvScales), ctypes.POINTER(ctypes.c_size_t)]),
     "flashcore_check_decode_fp8kv": (ctypes.c_int32, [ctypes.POINTER(FlashcoreTensor), ctypes.POINTER(FlashcoreKvCache), ctypes.POINTER(FlashcoreKvScales), ctypes.POINTER(ctypes.c_int32), ctypes.POINTER(ctypes.c_int32), ctypes.POINTER(FlashcoreTensor), ctypes.c_uint64, ctypes.c_float, ctypes.c_int32]),
+    "flashcore_decode_fp8kv_window": (ctypes.c_int32, [ctypes.c_void_p, ctypes.POINTER(FlashcoreTensor), ctypes.POINTER(FlashcoreKvCache), ctypes.POINTER(FlashcoreKvScales), ctypes.POINTER(ctypes.c_int32), ctypes.POINTER(ctypes.c_int32), ctypes.POINTER(FlashcoreTensor), ctypes.c_uint64, ctypes.c_float, ctypes.c_int32, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p]),
+    "flashcore_check_decode_fp8kv_window": (ctypes.c_int32, [ctypes.POINTER(FlashcoreTensor), ctypes.POINTER(FlashcoreKvCache), ctypes.POINTER(FlashcoreKvScales), ctypes.POINTER(ctypes.c_int32), ctypes.POINTER(ctypes.c_int32), ctypes.POINTER(FlashcoreTensor), ctypes.c_uint64, ctypes.c_float, ctypes.c_int32, ctypes.c_int64, ctypes.c_int64]),
     "flashcore_append_kv_fp8kv": (ctypes.c_int32, [ctypes.c_void_p, ctypes.POINTER(FlashcoreKvCache), ctypes.POINTER(FlashcoreKvScales), ctypes.POINTER(FlashcoreTensor), ctypes.POINTER(FlashcoreTensor), ctypes.POINTER(ctypes.c_int32), ctypes.POINTER(ctypes.c_int32), ctypes.c_void_p]),
     "flashcore_check_append_kv_fp8kv": (ctypes.c_int32, [ctypes.POINTER(FlashcoreKvCache), ctypes.POINTER(FlashcoreKvScales), ctypes.POINTER(FlashcoreTensor), ctypes.POINTER(FlashcoreTensor), ctypes.POINTER(ctypes.c_int32), ctypes.POINTER(ctypes.c_int32)]),
     "flashcore_merge": (ctypes.c_int32, [ctypes.c_void_p, ctypes.POINTER(FlashcoreTensor), ctypes.c_int64, ctypes.c_int64, ctypes.c_uint64, ctypes.POINTER(FlashcoreTensor), ctypes.c_uint64, ctypes.c_void_p]),
@@ -123,6 +131,11 @@ SIGNATURES = {
     "flashcore_error_name": (ctypes.c_char_p, [ctypes.c_int32]),
     "flashcore_version": (ctypes.c_char_p, []),
 }
+
+
+# The key window of the attention calls' _window spellings, (window_left, window_right) in
+# FlashAttention's convention: -1 leaves a side unbounded, so this is no window.
+NO_WINDOW = (-1, -1)
 
 
 class FlashcoreError(RuntimeError):
@@ -180,49 +193,54 @@ class Library:
     def destroy(self, ctx):
         self.lib.flashcore_destroy(ctx)
 
-    def check_forward(self, q, k, v, o, lse_ptr, scale, causal):
-        """Validates FlashcoreTensor descriptors as flashcore_forward would; no GPU needed."""
-        self.check(
-            self.lib.flashcore_check_forward(
-                ctypes.byref(q), ctypes.byref(k), ctypes.byref(v), ctypes.byref(o), lse_ptr, scale, int(causal)
-            )
-        )
+    # The attention calls take `window`, FlashAttention's window_size (left, right) as two
+    # ints (-1: unbounded): NO_WINDOW goes to the plain C calls, any other window to their
+    # _window spellings (the same calls with it), whose names the errors then carry.
 
-    def forward(self, ctx, q, k, v, o, lse_ptr, scale, causal, stream):
-        """flashcore_forward on FlashcoreTensor descriptors; `stream` is a CUstream address."""
-        self.check(
-            self.lib.flashcore_forward(
-                ctx,
-                ctypes.byref(q),
-                ctypes.byref(k),
-                ctypes.byref(v),
-                ctypes.byref(o),
-                lse_ptr,
-                scale,
-                int(causal),
-                stream,
-            )
-        )
+    def check_forward(self, q, k, v, o, lse_ptr, scale, causal, window=NO_WINDOW):
+        """Validates FlashcoreTensor descriptors as flashcore_forward(_window) would; no GPU needed."""
+        args = (ctypes.byref(q), ctypes.byref(k), ctypes.byref(v), ctypes.byref(o), lse_ptr, scale, int(causal))
+        if window == NO_WINDOW:
+            rc = self.lib.flashcore_check_forward(*args)
+        else:
+            rc = self.lib.flashcore_check_forward_window(*args, *window)
+        self.check(rc)
+
+    def forward(self, ctx, q, k, v, o, lse_ptr, scale, causal, stream, window=NO_WINDOW):
+        """flashcore_forward(_window) on FlashcoreTensor descriptors; `stream` is a CUstream address."""
+        args = (ctx, ctypes.byref(q), ctypes.byref(k), ctypes.byref(v), ctypes.byref(o), lse_ptr, scale, int(causal))
+        if window == NO_WINDOW:
+            rc = self.lib.flashcore_forward(*args, stream)
+        else:
+            rc = self.lib.flashcore_forward_window(*args, *window, stream)
+        self.check(rc)
 
     # ---- variable-length prefill ------------------------------------------------------------
 
-    def check_forward_varlen(self, q, k, v, o, lse_ptr, varlen, host_cu_q, host_cu_k, scale, causal):
-        """Validates a packed call as flashcore_forward_varlen would; no GPU needed."""
-        self.check(
-            self.lib.flashcore_check_forward_varlen(
-                ctypes.byref(q), ctypes.byref(k), ctypes.byref(v), ctypes.byref(o), lse_ptr, ctypes.byref(varlen),
-                host_cu_q, host_cu_k, scale, int(causal),
-            )
+    def check_forward_varlen(self, q, k, v, o, lse_ptr, varlen, host_cu_q, host_cu_k, scale, causal, window=NO_WINDOW):
+        """Validates a packed call as flashcore_forward_varlen(_window) would; no GPU needed."""
+        args = (
+            ctypes.byref(q), ctypes.byref(k), ctypes.byref(v), ctypes.byref(o), lse_ptr, ctypes.byref(varlen),
+            host_cu_q, host_cu_k, scale, int(causal),
         )
+        if window == NO_WINDOW:
+            rc = self.lib.flashcore_check_forward_varlen(*args)
+        else:
+            rc = self.lib.flashcore_check_forward_varlen_window(*args, *window)
+        self.check(rc)
 
-    def forward_varlen(self, ctx, q, k, v, o, lse_ptr, varlen, host_cu_q, host_cu_k, scale, causal, stream):
-        """flashcore_forward_varlen on descriptors; `stream` is a CUstream address."""
-        self.check(
-            self.lib.flashcore_forward_varlen(
-                ctx, ctypes.byref(q), ctypes.byref(k), ctypes.byref(v), ctypes.byref(o), lse_ptr, ctypes.byref(varlen),
-                host_cu_q, host_cu_k, scale, int(causal), stream,
-            )
+    def forward_varlen(self, ctx, q, k, v, o, lse_ptr, varlen, host_cu_q, host_cu_k, scale, causal, stream,
+                       window=NO_WINDOW):
+        """flashcore_forward_varlen(_window) on descriptors; `stream` is a CUstream address."""
+        args = (
+            ctx, ctypes.byref(q), ctypes.byref(k), ctypes.byref(v), ctypes.byref(o), lse_ptr, ctypes.byref(varlen),
+            host_cu_q, host_cu_k, scale, int(causal),
         )
+        if window == NO_WINDOW:
+            rc = self.lib.flashcore_forward_varlen(*args, stream)
+        else:
+            rc = self.lib.flashcore_forward_varlen_window(*args, *window, stream)
+        self.check(rc)
 
     # ---- serving: decode, append, merge -----------------------------------------------------
     # Host arrays (host_seqlens, host_block_table) are None or anything ctypes passes as an
@@ -243,33 +261,35 @@ class Library:
         self.check(rc)
         return out.value
 
-    def check_decode(self, q, cache, host_seqlens, host_block_table, o, lse_ptr, scale, causal, scales=None):
-        """Validates a decode as flashcore_decode would (but for the workspace); no GPU needed."""
-        if scales is None:
-            rc = self.lib.flashcore_check_decode(
-                ctypes.byref(q), ctypes.byref(cache), host_seqlens, host_block_table, ctypes.byref(o), lse_ptr, scale,
-                int(causal),
-            )
+    def check_decode(self, q, cache, host_seqlens, host_block_table, o, lse_ptr, scale, causal, scales=None,
+                     window=NO_WINDOW):
+        """Validates a decode as flashcore_decode(_fp8kv)(_window) would (but for the workspace); no GPU needed."""
+        before = (ctypes.byref(q), ctypes.byref(cache))
+        after = (host_seqlens, host_block_table, ctypes.byref(o), lse_ptr, scale, int(causal))
+        if scales is None and window == NO_WINDOW:
+            rc = self.lib.flashcore_check_decode(*before, *after)
+        elif scales is None:
+            rc = self.lib.flashcore_check_decode_window(*before, *after, *window)
+        elif window == NO_WINDOW:
+            rc = self.lib.flashcore_check_decode_fp8kv(*before, ctypes.byref(scales), *after)
         else:
-            rc = self.lib.flashcore_check_decode_fp8kv(
-                ctypes.byref(q), ctypes.byref(cache), ctypes.byref(scales), host_seqlens, host_block_table,
-                ctypes.byref(o), lse_ptr, scale, int(causal),
-            )
+            rc = self.lib.flashcore_check_decode_fp8kv_window(*before, ctypes.byref(scales), *after, *window)
         self.check(rc)
 
     def decode(self, ctx, q, cache, host_seqlens, host_block_table, o, lse_ptr, scale, causal, ws_ptr, ws_bytes, stream,
-               scales=None):
-        """flashcore_decode on descriptors; `stream` is a CUstream address."""
-        if scales is None:
-            rc = self.lib.flashcore_decode(
-                ctx, ctypes.byref(q), ctypes.byref(cache), host_seqlens, host_block_table, ctypes.byref(o), lse_ptr,
-                scale, int(causal), ws_ptr, ws_bytes, stream,
-            )
+               scales=None, window=NO_WINDOW):
+        """flashcore_decode(_fp8kv)(_window) on descriptors; `stream` is a CUstream address."""
+        before = (ctx, ctypes.byref(q), ctypes.byref(cache))
+        after = (host_seqlens, host_block_table, ctypes.byref(o), lse_ptr, scale, int(causal))
+        workspace = (ws_ptr, ws_bytes, stream)
+        if scales is None and window == NO_WINDOW:
+            rc = self.lib.flashcore_decode(*before, *after, *workspace)
+        elif scales is None:
+            rc = self.lib.flashcore_decode_window(*before, *after, *window, *workspace)
+        elif window == NO_WINDOW:
+            rc = self.lib.flashcore_decode_fp8kv(*before, ctypes.byref(scales), *after, *workspace)
         else:
-            rc = self.lib.flashcore_decode_fp8kv(
-                ctx, ctypes.byref(q), ctypes.byref(cache), ctypes.byref(scales), host_seqlens, host_block_table,
-                ctypes.byref(o), lse_ptr, scale, int(causal), ws_ptr, ws_bytes, stream,
-            )
+            rc = self.lib.flashcore_decode_fp8kv_window(*before, ctypes.byref(scales), *after, *window, *workspace)
         self.check(rc)
 
     def check_append_kv(self, cache, k_new, v_new, host_seqlens, host_block_table, scales=None):

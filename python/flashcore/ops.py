@@ -10,6 +10,7 @@ context (the one PyTorch uses).
 """
 
 import math
+import operator
 import struct
 import threading
 
@@ -124,7 +125,7 @@ def _no_lse(device):
     return t
 
 
-def _check_descriptors(q, k, v, o, lse, layout, out_layout, scale, causal):
+def _check_descriptors(q, k, v, o, lse, layout, out_layout, scale, causal, window=_capi.NO_WINDOW):
     """flashcore's own argument checks on the tensors' sizes and strides, with stand-in
     addresses (fake tensors have none): far apart, so only real overlaps could collide."""
     sizes = [x for t in (q, k, v, o) for x in t.shape]
@@ -138,7 +139,7 @@ def _check_descriptors(q, k, v, o, lse, layout, out_layout, scale, causal):
         for j in range(4):
             d.shape[j] = max(d.shape[j], 1)
         descs.append(d)
-    lib.check_forward(*descs, (5 << 44) if lse.numel() else 0, scale, causal)
+    lib.check_forward(*descs, (5 << 44) if lse.numel() else 0, scale, causal, window)
 
 
 # ---- the operator -------------------------------------------------------------------------
@@ -154,21 +155,26 @@ def _attention_op(
     layout: str,
     out_layout: str,
     return_lse: bool,
+    window_left: int = -1,
+    window_right: int = -1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """softmax(q kᵀ · scale) v with flashcore (scale 0: 1/sqrt(D)). Returns (o, lse); lse is
-    float32 [B, H, S] when return_lse, else empty. o is contiguous in out_layout."""
-    return _forward(q, k, v, causal, scale, layout, out_layout, return_lse)
+    """softmax(q kᵀ · scale) v with flashcore (scale 0: 1/sqrt(D)), each query row seeing
+    the keys window_left before its diagonal to window_right after it (-1: no bound).
+    Returns (o, lse); lse is float32 [B, H, S] when return_lse, else empty. o is contiguous
+    in out_layout."""
+    return _forward(q, k, v, causal, scale, layout, out_layout, return_lse, window_left, window_right)
 
 
-def _forward(q, k, v, causal, scale, layout, out_layout, return_lse, eager=False):
+def _forward(q, k, v, causal, scale, layout, out_layout, return_lse, window_left=-1, window_right=-1, eager=False):
     """The op's CUDA implementation (also called directly by `launch` in eager mode,
     `eager`)."""
+    window = (window_left, window_right)
     o, lse = _empty_outputs(q, layout, out_layout, return_lse, eager)
     n, nk = q.shape, k.shape
     b, sq, hq, sk = (n[0], n[1], n[2], nk[1]) if layout == "bshd" else (n[0], n[2], n[1], nk[2])
     if b == 0 or sq == 0 or hq == 0 or sk == 0:
         # Nothing to launch; flashcore's rules still apply to what was passed.
-        _check_descriptors(q, k, v, o, lse, layout, out_layout, scale, causal)
+        _check_descriptors(q, k, v, o, lse, layout, out_layout, scale, causal, window)
         if o.numel():
             o.zero_()  # no keys: each row's output is zero and its LSE is -inf
         if lse.numel():
@@ -186,21 +192,22 @@ def _forward(q, k, v, causal, scale, layout, out_layout, return_lse, eager=False
         scale,
         causal,
         _current_stream(index),
+        window,
     )
     return o, lse
 
 
 @_attention_op.register_fake
-def _attention_fake(q, k, v, causal, scale, layout, out_layout, return_lse):
+def _attention_fake(q, k, v, causal, scale, layout, out_layout, return_lse, window_left=-1, window_right=-1):
     o, lse = _empty_outputs(q, layout, out_layout, return_lse)
-    _check_descriptors(q, k, v, o, lse, layout, out_layout, scale, causal)
+    _check_descriptors(q, k, v, o, lse, layout, out_layout, scale, causal, (window_left, window_right))
     return o, lse
 
 
 # ---- the public function ----------------------------------------------------------------
 
 
-def attention(q, k, v, *, causal=False, scale=None, return_lse=False, layout="bhsd"):
+def attention(q, k, v, *, causal=False, scale=None, return_lse=False, layout="bhsd", window_size=(-1, -1)):
     """Scaled dot-product attention, forward, with flashcore's kernels.
 
     q: [B, Hq, Sq, D] and k, v: [B, Hkv, Sk, D] for layout="bhsd" (SDPA's order), or
@@ -213,6 +220,14 @@ def attention(q, k, v, *, causal=False, scale=None, return_lse=False, layout="bh
         A row that sees no key gives zeros (and LSE -inf).
     scale: the softmax scale; None for 1/sqrt(D). Must be finite and positive.
     return_lse: also return the float32 [B, Hq, Sq] natural-log log-sum-exp of each row.
+    window_size: (left, right), local (sliding-window) attention as FlashAttention's
+        window_size: query i, whose diagonal is key d = i + Sk - Sq (bottom-right, as
+        causal), sees keys d - left ..= d + right; -1 (any negative value) leaves a side
+        unbounded, and (-1, -1) is no window. causal is right = 0: causal=True with
+        right > 0 raises FlashcoreError (INVALID_ARGUMENT). A sliding window of w keys
+        (Mistral, Gemma: each query sees itself and the w - 1 keys before it) is
+        causal=True, window_size=(w - 1, 0). A row whose window holds no key gives zeros
+        (and LSE -inf).
 
     Returns o in q's layout (contiguous), or (o, lse). Views whose strides the kernels can
     read (last dim contiguous, other strides and the start multiples of 16 bytes: slices of
@@ -223,7 +238,8 @@ def attention(q, k, v, *, causal=False, scale=None, return_lse=False, layout="bh
     for anything the kernels refuse, ValueError/TypeError for misuse of this function.
     """
     scale = check_arguments("flashcore.attention", q, k, v, layout, scale)
-    o, lse = launch(q, k, v, bool(causal), scale, layout, layout, bool(return_lse))
+    window = window_arg("flashcore.attention", window_size)
+    o, lse = launch(q, k, v, bool(causal), scale, layout, layout, bool(return_lse), window)
     return (o, lse) if return_lse else o
 
 
@@ -250,6 +266,22 @@ def check_arguments(fn, q, k, v, layout, scale):
     return softmax_scale(fn, scale)
 
 
+def window_arg(fn, window_size):
+    """`window_size`, FlashAttention's (left, right), as the two int64s the C ABI takes
+    (a negative side: unbounded, as the library reads it). Sides must be integers that
+    int64 holds: a larger Python int would wrap into another, valid-looking window."""
+    try:
+        left, right = window_size
+        sides = (operator.index(left), operator.index(right))
+    except (TypeError, ValueError):
+        raise TypeError(f"{fn}: window_size must be a pair of ints (left, right), got {window_size!r}") from None
+    if isinstance(left, bool) or isinstance(right, bool):
+        raise TypeError(f"{fn}: window_size must be a pair of ints (left, right), got {window_size!r}")
+    if not all(-(2**63) <= x < 2**63 for x in sides):
+        raise ValueError(f"{fn}: window_size's sides must fit int64 (-1: no bound), got {window_size!r}")
+    return sides
+
+
 def softmax_scale(fn, scale):
     """`scale` as the float32 the C ABI takes: finite and positive there too. A Python
     float below float32's smallest subnormal would round to 0, which the C ABI reads as
@@ -264,8 +296,9 @@ def softmax_scale(fn, scale):
     return scale
 
 
-def launch(q, k, v, causal, scale, layout, out_layout, return_lse):
-    """The op on kernel-ready copies of whichever inputs are not (see `kernel_ready`).
+def launch(q, k, v, causal, scale, layout, out_layout, return_lse, window=_capi.NO_WINDOW):
+    """The op on kernel-ready copies of whichever inputs are not (see `kernel_ready`);
+    `window` is (left, right) as `window_arg` returns it.
 
     In plain eager mode (CUDA tensors, nothing tracing or intercepting) the implementation
     is called directly: going through the dispatcher costs a custom op tens of
@@ -273,8 +306,8 @@ def launch(q, k, v, causal, scale, layout, out_layout, return_lse):
     Under torch.compile, fake tensors or a dispatch mode, the call is the registered op."""
     q, k, v = (t if kernel_ready(t) else t.clone(memory_format=torch.contiguous_format) for t in (q, k, v))
     if _plain_eager(q, k, v):
-        return _forward(q, k, v, causal, scale, layout, out_layout, return_lse, eager=True)
-    return torch.ops.flashcore.attention(q, k, v, causal, scale, layout, out_layout, return_lse)
+        return _forward(q, k, v, causal, scale, layout, out_layout, return_lse, *window, eager=True)
+    return torch.ops.flashcore.attention(q, k, v, causal, scale, layout, out_layout, return_lse, *window)
 
 
 _Tensor = torch.Tensor

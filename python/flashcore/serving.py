@@ -4,6 +4,7 @@ log-sum-exp.
 
     o = flashcore.decode(q, k_cache, v_cache, seqlens)                        # contiguous cache
     o = flashcore.decode(q, k_pool, v_pool, seqlens, block_table=table)       # paged cache
+    o = flashcore.decode(q, k_cache, v_cache, seqlens, causal=True, window_size=(w - 1, 0))  # sliding window
     flashcore.append_kv(k_cache, v_cache, seqlens, k_new, v_new); seqlens += k_new.shape[1]
     o, lse = flashcore.merge(o_parts, lse_parts, return_lse=True)
 
@@ -47,7 +48,7 @@ import torch
 
 from . import _capi
 from .ops import _ALIGN, _DTYPE_CODES, LAYOUTS, _aligned, _bshd_sizes_strides, _context, _current_stream
-from .ops import _dispatch_mode_active, _needs_grad, kernel_ready, softmax_scale
+from .ops import _dispatch_mode_active, _needs_grad, kernel_ready, softmax_scale, window_arg
 
 _Tensor = torch.Tensor
 
@@ -269,7 +270,8 @@ def _decode_outputs(q, return_lse):
     return o, lse
 
 
-def _check_decode(q, k_cache, v_cache, block_table, o, return_lse, scale, causal, k_scale=None, v_scale=None):
+def _check_decode(q, k_cache, v_cache, block_table, o, return_lse, scale, causal, k_scale=None, v_scale=None,
+                  window=_capi.NO_WINDOW):
     """flashcore_check_decode on the tensors' sizes and strides at stand-in addresses (fake
     tensors have none); host metadata is the real call's. For an empty q (nothing to
     compute, which is no error) empty dimensions are described as 1, so that every other
@@ -294,6 +296,7 @@ def _check_decode(q, k_cache, v_cache, block_table, o, return_lse, scale, causal
         scale,
         causal,
         scales=_describe_scales(k_scale, v_scale, (8 * _STAND_IN, 9 * _STAND_IN), empty),
+        window=window,
     )
 
 
@@ -328,21 +331,25 @@ def _decode_op(
     return_lse: bool,
     k_scale: Optional[torch.Tensor] = None,
     v_scale: Optional[torch.Tensor] = None,
+    window_left: int = -1,
+    window_right: int = -1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode against a KV cache with flashcore (scale 0: 1/sqrt(D); k_scale, v_scale: an
-    FP8 cache's scales). Returns (o, lse): o [B, Sq, Hq, D] contiguous, lse float32
+    FP8 cache's scales; window_left, window_right: the key window around each query's
+    position, -1 for no bound). Returns (o, lse): o [B, Sq, Hq, D] contiguous, lse float32
     [B, Hq, Sq] when return_lse, else empty."""
     return _decode(q, k_cache, v_cache, seqlens, block_table, host_seqlens, host_block_table, causal, scale, return_lse,
-                   k_scale, v_scale)
+                   k_scale, v_scale, window_left, window_right)
 
 
 def _decode(q, k_cache, v_cache, seqlens, block_table, host_seqlens, host_block_table, causal, scale, return_lse,
-            k_scale=None, v_scale=None):
+            k_scale=None, v_scale=None, window_left=-1, window_right=-1):
     """The op's CUDA implementation (also called directly in plain eager mode)."""
+    window = (window_left, window_right)
     o, lse = _decode_outputs(q, return_lse)
     if q.numel() == 0:
         # Nothing to compute; flashcore's rules still apply to what was passed.
-        _check_decode(q, k_cache, v_cache, block_table, o, return_lse, scale, causal, k_scale, v_scale)
+        _check_decode(q, k_cache, v_cache, block_table, o, return_lse, scale, causal, k_scale, v_scale, window)
         return o, lse
     q = _aligned(q)
     index = q.get_device()
@@ -378,6 +385,7 @@ def _decode(q, k_cache, v_cache, seqlens, block_table, host_seqlens, host_block_
         ws_bytes,
         _current_stream(index),
         scales=scales,
+        window=window,
     )
     del workspace  # freed in stream order: later work on this stream runs after the kernels
     return o, lse
@@ -385,9 +393,10 @@ def _decode(q, k_cache, v_cache, seqlens, block_table, host_seqlens, host_block_
 
 @_decode_op.register_fake
 def _decode_fake(q, k_cache, v_cache, seqlens, block_table, host_seqlens, host_block_table, causal, scale, return_lse,
-                 k_scale=None, v_scale=None):
+                 k_scale=None, v_scale=None, window_left=-1, window_right=-1):
     o, lse = _decode_outputs(q, return_lse)
-    _check_decode(q, k_cache, v_cache, block_table, o, return_lse, scale, causal, k_scale, v_scale)
+    _check_decode(q, k_cache, v_cache, block_table, o, return_lse, scale, causal, k_scale, v_scale,
+                  (window_left, window_right))
     return o, lse
 
 
@@ -405,6 +414,7 @@ def decode(
     host_block_table=None,
     k_scale=None,
     v_scale=None,
+    window_size=(-1, -1),
 ):
     """Attention of a few new query tokens per sequence against a KV cache (split-KV decode).
 
@@ -434,6 +444,12 @@ def decode(
         first three dimensions ([..., 1] 4-d tensors are taken too; any strides): each
         cached value is its code times the scale of its (position, KV head) row, as
         append_kv writes them.
+    window_size: (left, right), local (sliding-window) attention as flashcore.attention
+        takes it: query i, at position p = seqlens[b] - Sq + i, sees keys p - left ..=
+        p + right (-1: no bound; causal=True with right > 0 raises FlashcoreError). A
+        sliding window of w keys (Mistral, Gemma) is causal=True, window_size=(w - 1, 0):
+        each new token sees itself and the w - 1 positions before it. The split count
+        (and workspace) is the windowless call's.
 
     Returns o ([B, Sq, Hq, D], contiguous), or (o, lse). The split count (and so the
     workspace, taken from torch's allocator) depends on the shapes and the GPU only, never
@@ -452,14 +468,15 @@ def decode(
     _check_device("decode", named)
     _check_no_grad("decode", (q, k_cache, v_cache, *scales))
     scale = _scale_arg("decode", scale)
+    window = window_arg("flashcore.decode", window_size)
     host_seqlens, host_block_table = _prepare_host(
         "decode", q.shape[0], block_table, host_seqlens, host_block_table
     )
     if not kernel_ready(q):
         q = q.clone(memory_format=torch.contiguous_format)
     args = (q, k_cache, v_cache, seqlens, block_table, host_seqlens, host_block_table, bool(causal), scale,
-            bool(return_lse), k_scale, v_scale)
-    if _plain_eager(args[:5] + args[10:]):
+            bool(return_lse), k_scale, v_scale, *window)
+    if _plain_eager(args[:5] + args[10:12]):
         o, lse = _decode(*args)
     else:
         o, lse = torch.ops.flashcore.decode(*args)

@@ -33,8 +33,23 @@ a pass over it and one wait for the GPU, once per mask (a model's layers share i
 this runs only in plain eager mode (not under torch.compile or while a CUDA graph is
 captured), and not for FP8.
 
-A call that comes with any other mask (sliding-window layers, keys with gaps, per-head or
-float masks, a sequence that is all padding made to see every key), a mask under
+Sliding-window layers go to flashcore too, on its windowed kernels. transformers passes
+`sliding_window=w` to the attention calls of such layers (Mistral's, Gemma 3's local
+layers, Qwen2's with use_sliding_window, ...) and builds their masks so that the
+query at position p sees the keys at positions p - w < j <= p. A causal call with
+`sliding_window` runs with FlashAttention's window_size (w - 1, 0): without a mask
+(transformers drops it where the window hides nothing) over the call's keys as above,
+prefill and decode steps alike; with a mask, after checking that the mask is exactly that
+window over each sequence's run of keys (padding as above, and the keys a sliding-window
+cache still holds), as one variable-length call. A mask that differs anywhere (another
+window, a window without `sliding_window`) goes to SDPA; so does a module that is not
+causal with a mask (a bidirectional window). `stats["flashcore_window"]` counts the
+sliding-window calls served. FP8 has no windowed kernel: with "fcore-fp8", a window that
+hides keys runs on the 16-bit kernel.
+
+A call that comes with any other mask (a sliding window other than the layer's
+`sliding_window`, keys with gaps, per-head or float masks, a sequence that is all
+padding made to see every key), a `sliding_window` that is not a positive int, a mask under
 torch.compile or graph capture, a dtype other than float16 or bfloat16, a head dim
 flashcore has no kernel for (or value's differing from query's), a
 score bias (`position_bias`: T5-style models), a `scaling` that is not a positive float32
@@ -70,6 +85,7 @@ import weakref
 
 import torch
 
+from ._capi import NO_WINDOW
 from .fp8 import FP8_HEAD_DIMS, launch_fp8
 from .ops import _dispatch_mode_active, _needs_grad, forward_head_dim, launch, softmax_scale
 from .serving import _plain_eager
@@ -79,9 +95,13 @@ NAME = "fcore"
 FP8_NAME = "fcore-fp8"
 
 # Calls served by flashcore (16-bit and FP8; "flashcore_padded" counts the 16-bit calls
-# that came with a padding mask, also counted in "flashcore") and calls handed to SDPA, by
-# reason.
-stats = {"flashcore": 0, "flashcore_fp8": 0, "flashcore_padded": 0, "sdpa": {}}
+# that came with a padding mask, "flashcore_window" the calls of sliding-window layers,
+# each also counted in "flashcore" or "flashcore_fp8") and calls handed to SDPA, by reason.
+stats = {"flashcore": 0, "flashcore_fp8": 0, "flashcore_padded": 0, "flashcore_window": 0, "sdpa": {}}
+
+# A window side past every sequence flashcore takes (2^30 keys at most) bounds nothing: a
+# larger sliding_window is passed as this, within the C ABI's int64.
+_UNBOUNDED_SIDE = 1 << 31
 
 _warned = set()
 
@@ -161,6 +181,16 @@ def _forward(fp8, module, query, key, value, attention_mask, dropout, scaling, i
     # As SDPA: the module says whether it is causal unless the caller does, and one query
     # token sees the whole cache.
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    # A sliding-window layer's window (transformers passes `sliding_window` on those
+    # layers): each query sees itself and the sliding_window - 1 positions before it.
+    # Only a causal call has one here; a bidirectional window (a module that is not
+    # causal) is left to its mask.
+    sliding = kwargs.get("sliding_window")
+    if sliding is not None:
+        if not isinstance(sliding, int) or isinstance(sliding, bool) or sliding < 1:
+            return fallback(f"a sliding_window of {sliding!r}")
+        if not causal:
+            sliding = None
     if attention_mask is not None:
         if fp8:
             return fallback("an explicit attention mask")
@@ -170,11 +200,16 @@ def _forward(fp8, module, query, key, value, attention_mask, dropout, scaling, i
             return fallback(f"an attention mask on {attention_mask.device}, the query on {query.device}")
         if not _may_wait(query.device):
             return fallback("an attention mask under torch.compile or CUDA graph capture")
-        plan = _padded_plan(attention_mask, bool(causal), query.shape[0], query.shape[2], key.shape[2])
+        plan = _padded_plan(attention_mask, bool(causal), query.shape[0], query.shape[2], key.shape[2], sliding)
         if plan is None:
-            return fallback("an attention mask other than padding (sliding window, gaps, per-head, float)")
+            if sliding is not None:
+                return fallback("an attention mask other than padding and the layer's sliding window "
+                                "(gaps, another window, per-head, float)")
+            return fallback("an attention mask other than padding "
+                            "(a sliding window without sliding_window, gaps, per-head, float)")
         stats["flashcore"] += 1
         stats["flashcore_padded"] += 1
+        stats["flashcore_window"] += sliding is not None
         return plan.run(query, key, value, scaling), None
     causal = bool(causal) and query.shape[2] > 1
     sq, sk = query.shape[2], key.shape[2]
@@ -184,7 +219,15 @@ def _forward(fp8, module, query, key, value, attention_mask, dropout, scaling, i
         key, value = key[:, :, :sq], value[:, :, :sq]
     elif causal and sk < sq:
         return fallback("a causal call with more queries than keys (top-left alignment)")
-    if fp8 and query.shape[-1] in FP8_HEAD_DIMS:
+    # With no mask, a sliding-window layer's call is causal sliding-window attention (as
+    # FlashAttention runs it from the same arguments; transformers leaves the mask out
+    # where the window hides nothing): a window only where it bounds a row, here where
+    # there are more keys than it holds.
+    window = NO_WINDOW
+    if sliding is not None and key.shape[2] > sliding:
+        window = (min(sliding - 1, _UNBOUNDED_SIDE), 0)
+    stats["flashcore_window"] += sliding is not None
+    if fp8 and query.shape[-1] in FP8_HEAD_DIMS and window == NO_WINDOW:
         stats["flashcore_fp8"] += 1
         # [B, S, H, D] views in, [B, Sq, Hq, D] contiguous out, as transformers wants it.
         q, k, v = (t.transpose(1, 2) for t in (query, key, value))
@@ -192,20 +235,20 @@ def _forward(fp8, module, query, key, value, attention_mask, dropout, scaling, i
         out, _ = launch_fp8(q, k, v, causal, _scale(scaling), "bshd", False, smooth_k, seed)
         return out, None
     stats["flashcore"] += 1
-    out, _ = launch(query, key, value, causal, _scale(scaling), "bhsd", "bshd", False)
+    out, _ = launch(query, key, value, causal, _scale(scaling), "bhsd", "bshd", False, window)
     return out, None
 
 
-def launch_varlen(q, k, v, cu_q, cu_k, max_seqlen_q, host_q, host_k, causal, scaling):
+def launch_varlen(q, k, v, cu_q, cu_k, max_seqlen_q, host_q, host_k, causal, scaling, window=NO_WINDOW):
     """flashcore.attention_varlen on packed [rows, H, D] tensors (a seam the CPU tests
-    replace with a reference). In plain eager mode its implementation is called directly:
-    the plan made every argument right (contiguous tensors, int32 offsets and their host
-    copies on the right devices), and the checks would cost as much host time as the
-    launch."""
+    replace with a reference); `window` is its window_size. In plain eager mode its
+    implementation is called directly: the plan made every argument right (contiguous
+    tensors, int32 offsets and their host copies on the right devices), and the checks
+    would cost as much host time as the launch."""
     if _plain_eager((q, k, v)):
-        return _varlen(q, k, v, cu_q, cu_k, max_seqlen_q, host_q, host_k, causal, _scale(scaling), False)[0]
+        return _varlen(q, k, v, cu_q, cu_k, max_seqlen_q, host_q, host_k, causal, _scale(scaling), False, *window)[0]
     return attention_varlen(q, k, v, cu_q, cu_k, max_seqlen_q, causal=causal, scale=scaling,
-                            host_cu_seqlens_q=host_q, host_cu_seqlens_k=host_k)
+                            host_cu_seqlens_q=host_q, host_cu_seqlens_k=host_k, window_size=window)
 
 
 # ---- padded batches ---------------------------------------------------------------------------
@@ -224,9 +267,11 @@ _IN_PLACE_SEQUENCES = 65535
 
 class _PaddedPlan:
     """A padding mask as a variable-length call: sequence b's keys are positions
-    [start_b, end_b) of the padded key axis, its queries the last n_q[b] query rows."""
+    [start_b, end_b) of the padded key axis, its queries the last n_q[b] query rows; with a
+    causal sliding window of `window` keys, each query row sees the last `window` of the
+    keys its causal row would."""
 
-    def __init__(self, causal, sq, starts, ends, device):
+    def __init__(self, causal, sq, starts, ends, device, window=None):
         import numpy as np  # transformers' own dependency; a few times faster than torch here
 
         n_k = [max(0, e - s) for s, e in zip(starts, ends)]
@@ -235,6 +280,7 @@ class _PaddedPlan:
         n_q = [min(sq, n) if causal else sq for n in n_k]
         batch = len(n_k)
         self.causal = causal
+        self.window = NO_WINDOW if window is None else (min(window - 1, _UNBOUNDED_SIDE), 0)
         self.total_q, self.total_k = sum(n_q), sum(n_k)
         self.max_q = max([1, *n_q])
         # Every query row computed (decode steps, prompts without padding in a StaticCache):
@@ -316,7 +362,7 @@ class _PaddedPlan:
             k = key.transpose(1, 2)[self.k_rows]
             v = value.transpose(1, 2)[self.k_rows]
             cu_q, cu_k, host_q, host_k = self.cu_q, self.cu_k, self.host_q, self.host_k
-        o = launch_varlen(q, k, v, cu_q, cu_k, self.max_q, host_q, host_k, self.causal, scaling)
+        o = launch_varlen(q, k, v, cu_q, cu_k, self.max_q, host_q, host_k, self.causal, scaling, self.window)
         if self.every_row:
             return o.view(b, sq, h, d)
         out = query.new_zeros((b, sq, h, d))
@@ -332,9 +378,13 @@ _plans_lock = threading.Lock()
 _PLANS_KEPT = 4
 
 
-def _padded_plan(mask, causal, batch, sq, sk):
+def _padded_plan(mask, causal, batch, sq, sk, window=None):
     """The variable-length form of a boolean mask [B or 1, 1, Sq, Sk], or None when it has
-    none (a sliding window, gaps in a sequence's keys, another dtype or shape)."""
+    none (gaps in a sequence's keys, another dtype or shape, a sliding window other than
+    `window`). `window`: None, or with `causal` the number of keys of a sliding window,
+    each query row seeing only the last `window` keys its causal row would see (key j at
+    absolute position p_j is visible to the query at p iff p - window < p_j <= p, as
+    transformers' sliding-window masks say it)."""
     if (
         not isinstance(mask, torch.Tensor)
         or mask.dtype != torch.bool
@@ -345,12 +395,14 @@ def _padded_plan(mask, causal, batch, sq, sk):
         or mask.device.type != "cuda" and not _CHECK_ON_CPU
     ):
         return None
-    key = (id(mask), mask._version, causal, batch, sq, sk)
+    if window is not None and not causal:
+        return None  # a bidirectional window is no variable-length call of this kind
+    key = (id(mask), mask._version, causal, batch, sq, sk, window)
     with _plans_lock:
         kept = _plans.get(key)
     if kept is not None and kept[0]() is mask:
         return kept[1]
-    plan = _check_padding(mask[:, 0].expand(batch, sq, sk), causal, batch, sq, sk)
+    plan = _check_padding(mask[:, 0].expand(batch, sq, sk), causal, batch, sq, sk, window)
     with _plans_lock:  # threads serving models at once share the cache
         for gone in [k for k, (ref, _) in _plans.items() if ref() is None]:
             del _plans[gone]
@@ -364,25 +416,31 @@ def _padded_plan(mask, causal, batch, sq, sk):
 _CHECK_ON_CPU = False
 
 
-def _check_padding(m, causal, batch, sq, sk):
+def _check_padding(m, causal, batch, sq, sk, window=None):
     """The plan `m` ([B, Sq, Sk] bool) is the mask of, after comparing every element: on
     the host for a small mask (a decode step's), on its device in chunks otherwise."""
     device = m.device
     if batch * sq * sk <= _HOST_CHECK_ELEMENTS:
-        found = _check_on_host(m.cpu().numpy(), causal, sq, sk)
-        return None if found is None else _PaddedPlan(causal, sq, *found, device)
+        found = _check_on_host(m.cpu().numpy(), causal, sq, sk, window)
+        return None if found is None else _PaddedPlan(causal, sq, *found, device, window)
     pos = torch.arange(sk, device=m.device)
-    # A causal call's last row, any row of another, sees all of its sequence's keys.
+    # A causal call's last row, any row of another, sees all of its sequence's keys; with
+    # a window, the last row sees the run's end, and the first row that sees any of it
+    # (if one does) its start.
     seen = m[:, -1] if causal else m[:, 0]
-    start = torch.where(seen, pos, sk).amin(1)
+    first = seen if window is None else m[torch.arange(batch, device=m.device), _first_partial_row(m)]
+    start = torch.where(first, pos, sk).amin(1)
     end = torch.where(seen, pos + 1, 0).amax(1)
     ok = torch.ones((), dtype=torch.bool, device=m.device)
     rows = max(1, _CHECK_ELEMENTS // max(1, batch * sk))
     for i0 in range(0, sq, rows):
         i = torch.arange(i0, min(sq, i0 + rows), device=m.device)
-        # Row i of a causal call sees keys [start, end - (Sq - 1 - i)).
+        # Row i of a causal call sees keys [start, end - (Sq - 1 - i)), the last `window`
+        # of them with a window.
         hi = (end[:, None] - (sq - 1) + i[None, :]) if causal else end[:, None].expand(-1, len(i))
         want = (pos >= start[:, None, None]) & (pos < hi[:, :, None])
+        if window is not None:
+            want &= pos >= hi[:, :, None] - window
         got = m[:, i0 : i0 + len(i)]
         # Some transformers versions let a row that sees no key see every key instead, so
         # that SDPA's kernels give no NaN there: such rows are padding, zeros here.
@@ -393,21 +451,38 @@ def _check_padding(m, causal, batch, sq, sk):
     found = torch.cat([ok.view(1).long(), start.long(), end.long()]).tolist()
     if not found[0]:
         return None
-    return _PaddedPlan(causal, sq, found[1 : 1 + batch], found[1 + batch :], device)
+    return _PaddedPlan(causal, sq, found[1 : 1 + batch], found[1 + batch :], device, window)
 
 
-def _check_on_host(m, causal, sq, sk):
+def _first_partial_row(m):
+    """Per sequence of `m` ([B, Sq, Sk] bool), the first row that sees some of the keys but
+    not all of them (rows that see every key may be padding made visible for SDPA's sake),
+    or the last row when none does: under a sliding window, the row whose keys start where
+    the sequence's run does."""
+    partial = m.any(-1) & ~m.all(-1)
+    partial[:, -1] = True
+    return partial.int().argmax(1)  # the first of the maxima
+
+
+def _check_on_host(m, causal, sq, sk, window=None):
     """_check_padding's comparison on a host copy (numpy [B, Sq, Sk] bool): the runs'
     starts and ends, or None."""
     import numpy as np
 
     seen = m[:, -1] if causal else m[:, 0]
     some = seen.any(1)
-    start = np.where(some, seen.argmax(1), sk)
+    first = seen
+    if window is not None:
+        partial = m.any(-1) & ~m.all(-1)
+        partial[:, -1] = True
+        first = m[np.arange(len(m)), partial.argmax(1)]
+    start = np.where(first.any(1), first.argmax(1), sk)
     end = np.where(some, sk - seen[:, ::-1].argmax(1), 0)
     pos, i = np.arange(sk), np.arange(sq)
     hi = end[:, None] - (sq - 1) + i[None, :] if causal else np.broadcast_to(end[:, None], (len(end), sq))
     want = (pos >= start[:, None, None]) & (pos < hi[:, :, None])
+    if window is not None:
+        want &= pos >= hi[:, :, None] - window
     unmasked = m.all(-1) & ~want.any(-1)
     if not ((m == want).all(-1) | unmasked).all():
         return None

@@ -2,12 +2,14 @@
 padding, one launch (FlashAttention's `flash_attn_varlen_func` layout).
 
     o = flashcore.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causal=True)
+    o = flashcore.attention_varlen(..., causal=True, window_size=(w - 1, 0))  # sliding window of w keys
 
 q [total_q, Hq, D], k and v [total_k, Hkv, D]; sequence b is rows
 cu_seqlens_q[b]:cu_seqlens_q[b + 1] of q (and of o) and cu_seqlens_k[b]:cu_seqlens_k[b + 1]
 of k and v (int32 offsets on the GPU). A `torch.library` custom op
 (`torch.ops.flashcore.attention_varlen`) whose fake implementation applies flashcore's own
-rules through flashcore_check_forward_varlen; in plain eager mode it is called directly.
+rules through flashcore_check_forward_varlen_window; in plain eager mode it is called
+directly.
 """
 
 import math
@@ -16,7 +18,7 @@ from typing import Optional
 import torch
 
 from . import _capi
-from .ops import _ALIGN, _aligned, _context, _current_stream
+from .ops import _ALIGN, _aligned, _context, _current_stream, window_arg
 from .serving import (
     _STAND_IN,
     _check_device,
@@ -77,7 +79,8 @@ def _host(name, x, n):
     return None if x is None else _host_int32("attention_varlen", name, x, (n,))
 
 
-def _check(q, k, v, o, return_lse, batch, max_seqlen_q, scale, causal, host_q=None, host_k=None):
+def _check(q, k, v, o, return_lse, batch, max_seqlen_q, scale, causal, host_q=None, host_k=None,
+           window=_capi.NO_WINDOW):
     """flashcore_check_forward_varlen at stand-in addresses (fake tensors have none), with
     the host offsets when given."""
     if not _static(q, k, v, o):
@@ -97,6 +100,7 @@ def _check(q, k, v, o, return_lse, batch, max_seqlen_q, scale, causal, host_q=No
         _capi.host_ptr(host_k.data_ptr()) if host_k is not None else None,
         scale,
         causal,
+        window,
     )
 
 
@@ -113,21 +117,26 @@ def _varlen_op(
     causal: bool,
     scale: float,
     return_lse: bool,
+    window_left: int = -1,
+    window_right: int = -1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Packed variable-length attention with flashcore (scale 0: 1/sqrt(D)). Returns (o, lse):
-    o [total_q, Hq, D] contiguous, lse float32 [Hq, total_q] when return_lse, else empty."""
+    """Packed variable-length attention with flashcore (scale 0: 1/sqrt(D); window_left,
+    window_right: each sequence's key window, -1 for no bound). Returns (o, lse): o
+    [total_q, Hq, D] contiguous, lse float32 [Hq, total_q] when return_lse, else empty."""
     return _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, host_cu_seqlens_q, host_cu_seqlens_k,
-                   causal, scale, return_lse)
+                   causal, scale, return_lse, window_left, window_right)
 
 
-def _varlen(q, k, v, cu_q, cu_k, max_seqlen_q, host_q, host_k, causal, scale, return_lse):
+def _varlen(q, k, v, cu_q, cu_k, max_seqlen_q, host_q, host_k, causal, scale, return_lse, window_left=-1,
+            window_right=-1):
     """The op's CUDA implementation (also called directly in plain eager mode)."""
+    window = (window_left, window_right)
     o, lse = _outputs(q, return_lse)
     batch = cu_q.shape[0] - 1
     if q.numel() == 0 or k.numel() == 0:
         # Nothing to launch; flashcore's rules still apply to what was passed. With no
         # keys, every query row sees none: zeros, and an LSE of -inf.
-        _check(q, k, v, o, return_lse, batch, max_seqlen_q, scale, causal, host_q, host_k)
+        _check(q, k, v, o, return_lse, batch, max_seqlen_q, scale, causal, host_q, host_k, window)
         o.zero_()
         lse.fill_(-math.inf)
         return o, lse
@@ -147,15 +156,17 @@ def _varlen(q, k, v, cu_q, cu_k, max_seqlen_q, host_q, host_k, causal, scale, re
         scale,
         causal,
         _current_stream(index),
+        window,
     )
     return o, lse
 
 
 @_varlen_op.register_fake
-def _varlen_fake(q, k, v, cu_q, cu_k, max_seqlen_q, host_q, host_k, causal, scale, return_lse):
+def _varlen_fake(q, k, v, cu_q, cu_k, max_seqlen_q, host_q, host_k, causal, scale, return_lse, window_left=-1,
+                 window_right=-1):
     o, lse = _outputs(q, return_lse)
     # The host copies are fake here too (no data): the real call checks them.
-    _check(q, k, v, o, return_lse, cu_q.shape[0] - 1, max_seqlen_q, scale, causal)
+    _check(q, k, v, o, return_lse, cu_q.shape[0] - 1, max_seqlen_q, scale, causal, window=(window_left, window_right))
     return o, lse
 
 
@@ -172,6 +183,7 @@ def attention_varlen(
     return_lse=False,
     host_cu_seqlens_q=None,
     host_cu_seqlens_k=None,
+    window_size=(-1, -1),
 ):
     """Attention over a batch of sequences of different lengths packed without padding.
 
@@ -191,6 +203,11 @@ def attention_varlen(
         no sequence past max_seqlen_q) before anything runs. Without them the kernels clamp
         every sequence to the tensors, and decreasing offsets give overlapping sequences
         whose output rows are written by both, in no set order.
+    window_size: (left, right), each sequence's key window as flashcore.attention takes
+        it, aligned bottom-right per sequence: query i of a sequence of Sq queries and Sk
+        keys, whose diagonal is its key d = i + Sk - Sq, sees that sequence's keys
+        d - left ..= d + right (-1: no bound; causal with right > 0 is refused). A sliding
+        window of w keys is causal=True, window_size=(w - 1, 0).
 
     Each sequence sees only its own keys: rows of k and v that no sequence covers, or
     that belong to another sequence, never reach its output, whatever they hold (NaN and
@@ -220,13 +237,15 @@ def attention_varlen(
                        ("cu_seqlens_k", cu_seqlens_k)])
     _check_no_grad(fn, (q, k, v))
     scale = _scale_arg(fn, scale)
+    window = window_arg(f"flashcore.{fn}", window_size)
     if (host_cu_seqlens_q is None) != (host_cu_seqlens_k is None):
         raise ValueError(f"flashcore.{fn}: give both host_cu_seqlens_q and host_cu_seqlens_k, or neither")
     n = cu_seqlens_q.shape[0]
     host_q = _host("host_cu_seqlens_q", host_cu_seqlens_q, n)
     host_k = _host("host_cu_seqlens_k", host_cu_seqlens_k, n)
     q, k, v = _ready(q), _ready(k), _ready(v)
-    args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, host_q, host_k, bool(causal), scale, bool(return_lse))
+    args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, host_q, host_k, bool(causal), scale, bool(return_lse),
+            *window)
     if _plain_eager(args[:5]):
         o, lse = _varlen(*args)
     else:

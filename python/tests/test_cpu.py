@@ -716,6 +716,175 @@ def test_varlen_max_seqlen_and_host_copies_of_any_integer_type():
                                    host_cu_seqlens_k=[0, 250, 500])
 
 
+# ---- key windows: sliding-window (local) attention ------------------------------------------------
+
+# The C calls that take a key window, by the call they are with one.
+WINDOW_SPELLINGS = {
+    "flashcore_forward_window": "flashcore_forward",
+    "flashcore_check_forward_window": "flashcore_check_forward",
+    "flashcore_forward_varlen_window": "flashcore_forward_varlen",
+    "flashcore_check_forward_varlen_window": "flashcore_check_forward_varlen",
+    "flashcore_decode_window": "flashcore_decode",
+    "flashcore_check_decode_window": "flashcore_check_decode",
+    "flashcore_decode_fp8kv_window": "flashcore_decode_fp8kv",
+    "flashcore_check_decode_fp8kv_window": "flashcore_check_decode_fp8kv",
+}
+
+
+def test_window_spellings_are_their_calls_with_two_int64s_after_causal():
+    lib = _capi.library()
+    for name, plain in WINDOW_SPELLINGS.items():
+        ret, args = _capi.SIGNATURES[name]
+        plain_ret, plain_args = _capi.SIGNATURES[plain]
+        causal = plain_args.index(ctypes.c_float) + 1  # softmax_scale, then causal
+        assert plain_args[causal] is ctypes.c_int32, plain
+        assert ret is plain_ret and args == [*plain_args[: causal + 1], ctypes.c_int64, ctypes.c_int64,
+                                             *plain_args[causal + 1 :]], name
+        assert getattr(lib.lib, name).argtypes == args  # exported and typed
+    # The FP8 forward has no window spelling: its kernels have no window.
+    assert not [n for n in _capi.SIGNATURES if "fp8_window" in n or n.startswith("flashcore_forward_fp8_")]
+
+
+def test_c_abi_window_checks_arrive_as_flashcore_errors():
+    lib = _capi.library()
+    q, o = describe((1, 64, 4, 128)), describe((1, 64, 4, 128), ptr=4 << 40)
+    k, v = describe((1, 80, 2, 128), ptr=2 << 40), describe((1, 80, 2, 128), ptr=3 << 40)
+    varlen = _capi.FlashcoreVarlen(5 << 40, (5 << 40) + 64, 2, 40)
+    cu_q, cu_k = _capi.int32_array([0, 24, 64]), _capi.int32_array([0, 30, 80])
+    dq, do = describe((2, 4, 4, 64), ptr=4 << 40), describe((2, 4, 4, 64), ptr=5 << 40)
+    c8, s8 = fp8_cache_descs(False)
+    calls = {
+        "flashcore_check_forward_window": lambda causal, w: lib.check_forward(q, k, v, o, 0, 0.0, causal, w),
+        "flashcore_check_forward_varlen_window": lambda causal, w: lib.check_forward_varlen(
+            q, k, v, o, 0, varlen, cu_q, cu_k, 0.0, causal, w),
+        "flashcore_check_decode_window": lambda causal, w: lib.check_decode(
+            dq, cache_descs(True), None, None, do, 0, 0.0, causal, window=w),
+        "flashcore_check_decode_fp8kv_window": lambda causal, w: lib.check_decode(
+            dq, c8, None, None, do, 0, 0.0, causal, scales=s8, window=w),
+    }
+    for name, call in calls.items():
+        # Sliding windows (causal, left = keys - 1), one side or both, sides past every
+        # sequence, and negative sides (FlashAttention's -1, or any other: unbounded).
+        for causal, window in [(True, (15, 0)), (True, (0, 0)), (True, (100, -1)), (False, (-1, 5)),
+                               (False, (50, 7)), (True, (-3, -9)), (False, (2**62, 2**62)),
+                               (True, (-(2**63), -(2**63)))]:
+            call(causal, window)  # valid: no exception
+        # Causal masking sees no key past the diagonal: causal with a right side > 0.
+        for right in (1, 7, 2**63 - 1):
+            with pytest.raises(FlashcoreError) as e:
+                call(True, (15, right))
+            assert e.value.name == "FLASHCORE_ERROR_INVALID_ARGUMENT", name
+            assert e.value.message.startswith(name + ": ") and "right side" in e.value.message
+    # The other rules under a window, reported under the window spelling's name.
+    with pytest.raises(FlashcoreError) as e:
+        lib.check_forward(q, k, v, describe((1, 64, 4, 48), ptr=4 << 40), 0, 0.0, True, (15, 0))
+    assert e.value.name == "FLASHCORE_ERROR_SHAPE_MISMATCH"
+    assert e.value.message.startswith("flashcore_check_forward_window: ")
+    with pytest.raises(FlashcoreError) as e:
+        lib.check_decode(dq, cache_descs(True), _capi.int32_array([65, 0]), _capi.int32_array(range(8)), do, 0, 0.0,
+                         True, window=(15, 0))
+    assert e.value.name == "FLASHCORE_ERROR_INVALID_ARGUMENT" and "capacity" in e.value.message
+    # Without a window (NO_WINDOW) the plain calls run, under their own names.
+    with pytest.raises(FlashcoreError) as e:
+        lib.check_forward(q, k, v, o, (5 << 40) + 2, 0.0, True, _capi.NO_WINDOW)
+    assert e.value.message.startswith("flashcore_check_forward: ")
+
+
+def test_windows_reach_the_library_through_every_op(monkeypatch):
+    """window_size reaches the C checks of the ops' fake implementations as given (the
+    real calls take the same path): the windows the library refuses (causal with keys
+    past the diagonal) come back as its FlashcoreError, from each op."""
+    lib = _capi.library()
+    seen = []
+    for method in ("check_forward", "check_forward_varlen", "check_decode"):
+        real = getattr(lib, method)
+
+        def record(*args, _real=real, **kwargs):
+            seen.append(kwargs.get("window", args[-1] if len(args) in (8, 11) else _capi.NO_WINDOW))
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(lib, method, record)
+    q, k = meta(2, 8, 77, 128), meta(2, 2, 300, 128)
+    cu = i32(3)
+    dq, cache, lens = meta(2, 3, 8, 64), meta(2, 64, 2, 64), i32(2)
+    k8, scales = meta(2, 64, 2, 64, dtype=E4M3), meta(2, 64, 2, dtype=torch.float32)
+    ops = {
+        "attention": lambda causal, w: flashcore.attention(q, k, k, causal=causal, window_size=w),
+        "attention_varlen": lambda causal, w: flashcore.attention_varlen(
+            meta(300, 8, 64), meta(500, 2, 64), meta(500, 2, 64), cu, cu, 200, causal=causal, window_size=w),
+        "decode": lambda causal, w: flashcore.decode(dq, cache, cache, lens, causal=causal, window_size=w),
+        "decode fp8": lambda causal, w: flashcore.decode(dq, k8, k8, lens, causal=causal, window_size=w,
+                                                         k_scale=scales, v_scale=scales),
+    }
+    for label, op in ops.items():
+        seen.clear()
+        for causal, window in [(True, (15, 0)), (False, (50, 7)), (False, [-1, 5]), (True, (-7, -3))]:
+            op(causal, window)
+        assert seen == [(15, 0), (50, 7), (-1, 5), (-7, -3)], label
+        with pytest.raises(FlashcoreError) as e:
+            op(True, (15, 1))
+        assert e.value.name == "FLASHCORE_ERROR_INVALID_ARGUMENT", label
+        assert "_window: " in e.value.message and "right side" in e.value.message, label
+        seen.clear()
+        op(True, (-1, -1))
+        assert seen == [(-1, -1)], label
+    # Through the registered ops directly: the two ints at the end of each schema.
+    o, _ = torch.ops.flashcore.attention(q, k, k, True, 0.0, "bhsd", "bhsd", False, 15, 0)
+    assert o.shape == q.shape
+    with pytest.raises(FlashcoreError, match="right side"):
+        torch.ops.flashcore.attention(q, k, k, True, 0.0, "bhsd", "bhsd", False, 15, 1)
+    with pytest.raises(FlashcoreError, match="right side"):
+        torch.ops.flashcore.attention_varlen(meta(300, 8, 64), meta(500, 2, 64), meta(500, 2, 64), cu, cu, 200, None,
+                                             None, True, 0.0, False, 15, 1)
+    with pytest.raises(FlashcoreError, match="right side"):
+        torch.ops.flashcore.decode(dq, cache, cache, lens, None, None, None, True, 0.0, False, None, None, 15, 1)
+
+
+def test_window_size_misuse_is_refused_before_the_library():
+    q, k = meta(1, 4, 64, 64), meta(1, 4, 80, 64)
+    cu = i32(3)
+    calls = [
+        lambda w: flashcore.attention(q, k, k, window_size=w),
+        lambda w: flashcore.attention_varlen(meta(30, 4, 64), meta(50, 4, 64), meta(50, 4, 64), cu, cu, 20,
+                                             window_size=w),
+        lambda w: flashcore.decode(meta(2, 1, 8, 64), meta(2, 64, 8, 64), meta(2, 64, 8, 64), i32(2), window_size=w),
+    ]
+    for call in calls:
+        for bad in ("ab", (1,), (1, 2, 3), (1.5, 0), (0, 2.0), (True, 0), None, 5):
+            with pytest.raises(TypeError, match="window_size"):
+                call(bad)
+        # Past int64 a side would wrap into another, valid-looking window.
+        for bad in ((2**63, 0), (0, -(2**63) - 1)):
+            with pytest.raises(ValueError, match="window_size"):
+                call(bad)
+        call((2**63 - 1, -(2**63)))  # the int64 extremes are windows (unbounded ones)
+        call((torch.tensor(3), 0))  # integers of other types
+
+
+def test_windows_compile_to_one_graph():
+    calls = []
+
+    def backend(gm, example_inputs):
+        calls.append(gm)
+        return gm
+
+    def step(q, k, v, cu, dq, cache, lens):
+        o = flashcore.attention(q, k, v, causal=True, layout="bshd", window_size=(15, 0))
+        packed = flashcore.attention_varlen(q[0], k[0], v[0], cu, cu, 64, causal=True, window_size=(15, 0))
+        d = flashcore.decode(dq, cache, cache, lens, causal=True, window_size=(15, 0))
+        return o * 2, packed, d
+
+    compiled = torch.compile(step, backend=backend, fullgraph=True)
+    q, k = meta(2, 64, 8, 64), meta(2, 64, 2, 64)
+    o, packed, d = compiled(q, k, k, i32(3), meta(2, 4, 8, 64), meta(2, 128, 2, 64), i32(2))
+    assert o.shape == q.shape and packed.shape == (64, 8, 64) and d.shape == (2, 4, 8, 64)
+    assert len(calls) == 1
+    nodes = [n for n in calls[0].graph.nodes if n.op == "call_function"]
+    for op in (torch.ops.flashcore.attention, torch.ops.flashcore.attention_varlen, torch.ops.flashcore.decode):
+        node = next(n for n in nodes if n.target in (op, op.default))
+        assert tuple(node.args[-2:]) == (15, 0), node.args
+
+
 # ---- FP8: attention_fp8, quantize_fp8, forward_fp8 ----------------------------------------------
 
 

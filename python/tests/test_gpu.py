@@ -23,18 +23,35 @@ def rel_l2(a, b):
     return (a - b).norm().item() / den if den > 0 else (a - b).norm().item()
 
 
-def reference(q, k, v, causal, scale=None):
-    """Float64 O and LSE for [B, H, S, D] inputs, bottom-right causal, GQA by head count."""
+def visible(sq, sk, causal, window=(-1, -1), device="cuda"):
+    """[Sq, Sk] bool, the explicit mask: query i, whose diagonal is key d = i + Sk - Sq,
+    sees key j iff j <= d (causal) and d - left <= j <= d + right (window_size (left,
+    right), a negative side unbounded)."""
+    i = torch.arange(sq, device=device)[:, None]
+    j = torch.arange(sk, device=device)[None, :]
+    d = i + (sk - sq)
+    seen = torch.ones(sq, sk, dtype=torch.bool, device=device)
+    if causal:
+        seen &= j <= d
+    left, right = window
+    if left >= 0:
+        seen &= j >= d - left
+    if right >= 0:
+        seen &= j <= d + right
+    return seen
+
+
+def reference(q, k, v, causal, scale=None, window=(-1, -1)):
+    """Float64 O and LSE for [B, H, S, D] inputs, bottom-right causal, a key window
+    (FlashAttention's window_size), GQA by head count; rows that see no key: zeros, -inf."""
     b, hq, sq, d = q.shape
     hkv, sk = k.shape[1], k.shape[2]
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     kk = k.double().repeat_interleave(hq // hkv, dim=1)
     vv = v.double().repeat_interleave(hq // hkv, dim=1)
     s = (q.double() @ kk.transpose(-1, -2)) * scale
-    if causal:
-        i = torch.arange(sq, device=q.device)[:, None]
-        j = torch.arange(sk, device=q.device)[None, :]
-        s = s.masked_fill(j > i + (sk - sq), -math.inf)
+    if causal or window != (-1, -1):
+        s = s.masked_fill(~visible(sq, sk, causal, window, q.device), -math.inf)
     m = s.amax(-1, keepdim=True)
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
     p = torch.exp(s - m)
@@ -282,6 +299,128 @@ def test_cuda_graph_capture_and_replay(seed, batch, heads, kv_heads, sq, sk):
         assert rel_l2(o, o_ref) <= TOLERANCE[torch.float16]
 
 
+# ---- key windows: sliding-window (local) attention ------------------------------------------------
+
+WINDOW_CASES = [
+    # b, hq, hkv, sq, sk, d
+    (1, 4, 4, 1, 1, 64),
+    (2, 8, 2, 17, 17, 128),
+    (1, 8, 2, 113, 300, 64),
+    (2, 4, 1, 300, 113, 128),  # Sq > Sk: early rows' windows hold no key
+    (1, 8, 8, 1, 1023, 128),
+    (1, 16, 2, 1023, 1023, 64),
+    (3, 8, 8, 1, 1536, 64),  # decode-shaped: the split-KV decode kernels
+    (1, 8, 2, 16, 4097, 128),
+]
+
+# (causal, window_size): causal sliding windows (left = keys - 1), windows on one side or
+# both without causal masking, one wider than every sequence.
+WINDOWS = [
+    (True, (0, 0)),
+    (True, (1, 0)),
+    (True, (16, 0)),
+    (True, (100, -1)),
+    (False, (100, -1)),
+    (False, (-1, 5)),
+    (False, (50, 7)),
+    (False, (0, 0)),
+    (True, (5000, 0)),
+]
+
+
+def check_windowed(o, lse, o_ref, lse_ref, dtype):
+    """o [B, H, S, D] and lse [B, H, S] against the float64 reference: rows whose window holds
+    no key are zeros with LSE -inf, the others close."""
+    assert torch.isfinite(o).all(), "non-finite output"
+    blind = torch.isneginf(lse_ref)
+    assert (lse[blind] == -math.inf).all(), "a row that sees no key has LSE -inf"
+    assert (o[blind] == 0).all(), "a row that sees no key gives zeros"
+    err = rel_l2(o, o_ref)
+    assert err <= TOLERANCE[dtype], f"rel L2 {err:.2e}"
+    if (~blind).any():
+        assert (lse[~blind].double() - lse_ref[~blind]).abs().max().item() <= 1e-2
+
+
+@pytest.mark.parametrize("case", WINDOW_CASES, ids=lambda c: "B{}Hq{}Hkv{}Sq{}Sk{}D{}".format(*c))
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["f16", "bf16"])
+@pytest.mark.parametrize("causal, window", WINDOWS, ids=lambda x: str(x).replace(" ", ""))
+def test_windows_match_float64_and_an_explicit_mask(case, dtype, causal, window, seed):
+    b, hq, hkv, sq, sk, d = case
+    q, k, v = make(b, hq, hkv, sq, sk, d, dtype)
+    poison_allocator(((b, hq, sq, d), dtype), ((b, hq, sq), torch.float32))
+    o, lse = flashcore.attention(q, k, v, causal=causal, window_size=window, return_lse=True)
+    assert o.shape == q.shape and o.dtype == dtype and lse.shape == (b, hq, sq)
+    o_ref, lse_ref = reference(q, k, v, causal, window=window)
+    check_windowed(o, lse, o_ref, lse_ref, dtype)
+    # SDPA in float32 with the window as an explicit boolean mask, on the rows that see a key.
+    mask = visible(sq, sk, causal, window)
+    seen = mask.any(-1)
+    if seen.any():
+        o_sdpa = F.scaled_dot_product_attention(
+            q.float(), k.float(), v.float(), attn_mask=mask, enable_gqa=hq != hkv
+        )
+        assert rel_l2(o[:, :, seen], o_sdpa[:, :, seen]) <= TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+def test_windows_in_both_layouts_and_as_the_registered_op(layout, seed):
+    q, k, v = make(2, 8, 2, 200, 333, 128, torch.bfloat16, layout)
+    o = flashcore.attention(q, k, v, causal=True, layout=layout, window_size=(31, 0))
+    qb, kb, vb = (to_bhsd(t, layout) for t in (q, k, v))
+    o_ref, _ = reference(qb, kb, vb, True, window=(31, 0))
+    assert rel_l2(to_bhsd(o, layout), o_ref) <= TOLERANCE[torch.bfloat16]
+    via_op, _ = torch.ops.flashcore.attention(q, k, v, True, 0.0, layout, layout, False, 31, 0)
+    assert torch.equal(via_op, o)
+
+
+def test_windows_that_bound_nothing_are_the_plain_call(seed):
+    # (-1, -1), any negative sides, and sides past every key (left >= Sk, right >= Sq): the
+    # call without a window, bit for bit.
+    q, k, v = make(2, 8, 2, 100, 250, 64, torch.float16)
+    for causal in (False, True):
+        plain = flashcore.attention(q, k, v, causal=causal)
+        for window in ((-1, -1), (-5, -100), (250, 100), (2**62, -1)):
+            if causal and window[1] > 0:
+                window = (window[0], 0)
+            assert torch.equal(flashcore.attention(q, k, v, causal=causal, window_size=window), plain), window
+    # A right side of 0 without causal masking is causal masking.
+    assert torch.equal(flashcore.attention(q, k, v, window_size=(-1, 0)), flashcore.attention(q, k, v, causal=True))
+
+
+def test_window_errors_launch_nothing(seed):
+    q, k, v = make(1, 4, 4, 64, 64, 64, torch.float16)
+    with pytest.raises(FlashcoreError) as e:
+        flashcore.attention(q, k, v, causal=True, window_size=(16, 1))
+    assert e.value.name == "FLASHCORE_ERROR_INVALID_ARGUMENT" and "right side" in str(e.value)
+    assert e.value.message.startswith("flashcore_forward_window: ")
+    # The FP8 forward has no window: refused there (its functions take no window_size).
+    with pytest.raises(TypeError):
+        flashcore.attention_fp8(q, k, v, causal=True, window_size=(16, 0))
+
+
+def test_windows_under_torch_compile_and_cuda_graphs(seed):
+    q, k, v = make(2, 8, 2, 128, 512, 128, torch.float16)
+
+    def f(q, k, v):
+        return flashcore.attention(q * 2, k, v, causal=True, window_size=(63, 0)) + 1
+
+    with torch.no_grad():
+        eager = f(q, k, v)
+        compiled = torch.compile(f, fullgraph=True)(q, k, v)
+    assert rel_l2(compiled, eager) <= 1e-3
+    out = flashcore.attention(q, k, v, causal=True, window_size=(63, 0))  # loads the kernel before capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = flashcore.attention(q, k, v, causal=True, window_size=(63, 0))
+    q.copy_(torch.randn_like(q))
+    graph.replay()
+    torch.cuda.synchronize()
+    o_ref, _ = reference(q, k, v, True, window=(63, 0))
+    assert rel_l2(captured, o_ref) <= TOLERANCE[torch.float16]
+    assert not torch.equal(captured, out)
+
+
 # ---- serving: decode, append_kv, merge --------------------------------------------------------
 #
 # Cache positions past a sequence's length, and pool pages no sequence uses, hold +-200: a
@@ -342,10 +481,11 @@ class Cache:
         return dict(host_seqlens=self.seqlens.cpu(), host_block_table=table)
 
 
-def decode_reference(q, keys, values, lens, causal, scale=None):
+def decode_reference(q, keys, values, lens, causal, scale=None, window=(-1, -1)):
     """Float64 O [B, Sq, Hq, D] and LSE [B, Hq, Sq] of decode: q [B, Sq, Hq, D]; sequence b
     attends to positions 0 .. lens[b] - 1 of keys[b], values[b] ([capacity, Hkv, D]);
-    causal: query i of Sq is position lens[b] - Sq + i."""
+    query i of Sq is position lens[b] - Sq + i, the diagonal of causal masking and of the
+    key window."""
     b, sq, hq, d = q.shape
     o = torch.zeros(b, sq, hq, d, dtype=torch.float64, device=q.device)
     lse = torch.full((b, hq, sq), -math.inf, dtype=torch.float64, device=q.device)
@@ -354,7 +494,7 @@ def decode_reference(q, keys, values, lens, causal, scale=None):
             continue  # no key: zeros and -inf
         oi, li = reference(
             q[i : i + 1].transpose(1, 2), keys[i : i + 1, :n].transpose(1, 2), values[i : i + 1, :n].transpose(1, 2),
-            causal, scale,
+            causal, scale, window,
         )
         o[i] = oi[0].transpose(0, 1)
         lse[i] = li[0]
@@ -402,6 +542,73 @@ def test_decode_matches_float64(case, page, dtype, causal, seed):
     assert lse.shape == (b, hq, sq) and lse.dtype == torch.float32
     o_ref, lse_ref = decode_reference(q, cache.keys, cache.values, lens, causal)
     assert_decode_close(o, lse, o_ref, lse_ref, dtype)
+
+
+DECODE_WINDOW_CASES = [
+    # hq, hkv, d, sq, lens
+    (32, 8, 128, 1, (1, 7, 4097, 300)),
+    (16, 2, 64, 4, (1000, 16, 0)),
+    (8, 8, 128, 16, (33, 500)),
+    (8, 1, 64, 2, (3000,)),
+]
+
+DECODE_WINDOWS = [(True, (15, 0)), (True, (0, 0)), (True, (4095, 0)), (False, (100, -1)), (False, (7, 3))]
+
+
+@pytest.mark.parametrize("case", DECODE_WINDOW_CASES,
+                         ids=lambda c: "Hq{}Hkv{}D{}Sq{}lens{}".format(*c[:4], "-".join(map(str, c[4]))))
+@pytest.mark.parametrize("page", [0, 16], ids=["contiguous", "page16"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["f16", "bf16"])
+@pytest.mark.parametrize("causal, window", DECODE_WINDOWS, ids=lambda x: str(x).replace(" ", ""))
+def test_decode_windows_match_float64(case, page, dtype, causal, window, seed):
+    # Garbage past each length and in unused pages, as in test_decode_matches_float64: the
+    # window's keys are the only ones that may reach the output.
+    hq, hkv, d, sq, lens = case
+    b = len(lens)
+    capacity = -(-(max(lens) + 5) // 64) * 64
+    cache = Cache(b, capacity, hkv, d, dtype, lens, page)
+    q = torch.randn(b, sq, hq, d, device="cuda", dtype=dtype)
+    poison_allocator(((b, sq, hq, d), dtype), ((b, hq, sq), torch.float32))
+    o, lse = flashcore.decode(
+        q, cache.k, cache.v, cache.seqlens, block_table=cache.block_table, causal=causal, return_lse=True,
+        window_size=window, **cache.host(),
+    )
+    o_ref, lse_ref = decode_reference(q, cache.keys, cache.values, lens, causal, window=window)
+    assert_decode_close(o, lse, o_ref, lse_ref, dtype)
+    # Without host copies: the same kernels, the same result.
+    again = flashcore.decode(q, cache.k, cache.v, cache.seqlens, block_table=cache.block_table, causal=causal,
+                             window_size=window)
+    assert torch.equal(again, o)
+
+
+def test_decode_window_steps_in_a_cuda_graph(seed):
+    # A sliding-window decode step (append, advance, decode) captured once and replayed as
+    # the sequences grow past the window: each replay sees the last 64 positions.
+    dtype, hq, hkv, d, window = torch.float16, 8, 2, 128, 64
+    cache = Cache(2, 512, hkv, d, dtype, (10, 100), 16)
+    q = torch.randn(2, 1, hq, d, device="cuda", dtype=dtype)
+    k_new = torch.randn(2, 1, hkv, d, device="cuda", dtype=dtype)
+    v_new = torch.randn(2, 1, hkv, d, device="cuda", dtype=dtype)
+
+    def step():
+        flashcore.append_kv(cache.k, cache.v, cache.seqlens, k_new, v_new, block_table=cache.block_table)
+        cache.seqlens.add_(1)
+        return flashcore.decode(q, cache.k, cache.v, cache.seqlens, block_table=cache.block_table, causal=True,
+                                window_size=(window - 1, 0))
+
+    step()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    for _ in range(60):
+        graph.replay()
+    torch.cuda.synchronize()
+    lens = cache.seqlens.tolist()
+    assert lens == [10 + 61, 100 + 61]
+    keys, values = cache.logical()
+    o_ref, _ = decode_reference(q, keys, values, lens, True, window=(window - 1, 0))
+    assert rel_l2(out, o_ref) <= TOLERANCE[dtype]
 
 
 def test_decode_views_scale_and_the_registered_op(seed):
@@ -764,6 +971,29 @@ def test_fp8_cache_errors_graphs_and_the_registered_op(seed):
     assert rel_l2(out, sdpa_decode(q, keys, values, lens, True)) <= max(FP8_CACHE_TOLERANCE, TOLERANCE[torch.bfloat16])
 
 
+@needs_fp8
+@pytest.mark.parametrize("page", [0, 16], ids=["contiguous", "page16"])
+@pytest.mark.parametrize("causal, window", [(True, (15, 0)), (True, (1000, 0)), (False, (7, 3))],
+                         ids=lambda x: str(x).replace(" ", ""))
+def test_fp8_cache_decode_windows(page, causal, window, seed):
+    # An FP8 cache takes a key window as a 16-bit one does: against float64 attention on
+    # the dequantized cache, the window as the reference's mask.
+    dtype, b, hq, hkv, d = torch.bfloat16, 3, 8, 2, 128
+    lens = [5, 2048 + 5, 1500]
+    cache = Fp8Cache(b, 4096, hkv, d, dtype, lens, page)
+    q = torch.randn(b, 4, hq, d, device="cuda", dtype=dtype)
+    o, lse = flashcore.decode(q, cache.k, cache.v, cache.seqlens, causal=causal, return_lse=True, window_size=window,
+                              **cache.kw())
+    keys, values = cache.dequantized()
+    o_ref, lse_ref = decode_reference(q, keys, values, lens, causal, window=window)
+    assert torch.isfinite(o).all()
+    err = rel_l2(o, o_ref)
+    assert err <= max(FP8_CACHE_TOLERANCE, TOLERANCE[dtype]), f"vs the dequantized cache: rel L2 {err:.2e}"
+    seen = torch.isfinite(lse_ref)
+    assert (lse[~seen] == -math.inf).all()
+    assert (lse[seen].double() - lse_ref[seen]).abs().max().item() <= 1e-2
+
+
 # ---- variable-length prefill -------------------------------------------------------------------
 
 VARLEN_LENS = [(1, 1), (7, 7), (0, 5), (5, 0), (17, 300), (300, 17), (1023, 1023), (64, 4097)]
@@ -861,3 +1091,38 @@ def test_varlen_errors_and_compile(seed):
         lambda q, k, v, a, b: flashcore.attention_varlen(q, k, v, a, b, 200, causal=True), fullgraph=True
     )
     assert torch.equal(compiled(q, kv, kv, cu_q.cuda(), cu_k.cuda()), eager)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["f16", "bf16"])
+@pytest.mark.parametrize("causal, window", [(True, (16, 0)), (True, (0, 0)), (False, (50, 7)), (False, (-1, 5)),
+                                            (True, (100, -1))], ids=lambda x: str(x).replace(" ", ""))
+@pytest.mark.parametrize("heads", [(4, 2, 128), (8, 1, 64)], ids=["gqa2-d128", "mqa-d64"])
+def test_varlen_windows_match_float64_per_sequence(dtype, causal, window, heads, seed):
+    # Each sequence's window aligned on its own diagonal, as one attention() call of its
+    # lengths would align it.
+    hq, hkv, d = heads
+    lens_q = [a for a, _ in VARLEN_LENS]
+    lens_k = [b for _, b in VARLEN_LENS]
+    cu_q = torch.tensor([0] + torch.tensor(lens_q).cumsum(0).tolist(), dtype=torch.int32)
+    cu_k = torch.tensor([0] + torch.tensor(lens_k).cumsum(0).tolist(), dtype=torch.int32)
+    q = torch.randn(int(cu_q[-1]), hq, d, device="cuda", dtype=dtype)
+    k = torch.randn(int(cu_k[-1]), hkv, d, device="cuda", dtype=dtype)
+    v = torch.randn(int(cu_k[-1]), hkv, d, device="cuda", dtype=dtype)
+    poison_allocator((q.shape, dtype), ((hq, q.shape[0]), torch.float32))
+    o, lse = flashcore.attention_varlen(
+        q, k, v, cu_q.cuda(), cu_k.cuda(), max(lens_q), causal=causal, return_lse=True, window_size=window,
+        host_cu_seqlens_q=cu_q, host_cu_seqlens_k=cu_k,
+    )
+    torch.cuda.synchronize()
+    as_bhsd = lambda t: t.transpose(0, 1).unsqueeze(0)  # noqa: E731
+    for b, (sq, sk) in enumerate(VARLEN_LENS):
+        if sq == 0:
+            continue
+        rows = slice(int(cu_q[b]), int(cu_q[b + 1]))
+        keys = slice(int(cu_k[b]), int(cu_k[b + 1]))
+        got, got_lse = as_bhsd(o[rows]), lse[:, rows].unsqueeze(0)
+        if sk == 0:
+            assert (got == 0).all() and torch.isneginf(got_lse).all()
+            continue
+        o_ref, lse_ref = reference(as_bhsd(q[rows]), as_bhsd(k[keys]), as_bhsd(v[keys]), causal, window=window)
+        check_windowed(got, got_lse, o_ref, lse_ref, dtype)

@@ -69,25 +69,50 @@ def test_fp8_options_come_from_the_environment(monkeypatch):
         transformers_backend._fp8_options()
 
 
-def _reference_launch(calls):
-    """flashcore's documented forward on the CPU (bottom-right causal, GQA by head count),
-    standing in for the GPU launch so the backend's routing can be checked here."""
+def _visible(sq, sk, causal, window):
+    """[Sq, Sk] bool: the keys each query row sees in flashcore's documented forward
+    (bottom-right causal; window_size (left, right) around the diagonal i + Sk - Sq, a
+    negative side unbounded)."""
+    import torch
+
+    i, j = torch.arange(sq)[:, None], torch.arange(sk)[None]
+    diagonal = i + sk - sq
+    left, right = window
+    seen = torch.ones(sq, sk, dtype=torch.bool)
+    if causal:
+        seen &= j <= diagonal
+    if left >= 0:
+        seen &= j >= diagonal - left
+    if right >= 0:
+        seen &= j <= diagonal + right
+    return seen
+
+
+def _attend(q, k, v, seen, scale):
+    """softmax(q kᵀ · scale) v in float64 over the keys `seen` shows each row ([..., Sq,
+    Sk] bool), GQA by head count on dim -3; rows that see no key give zeros."""
     import math
 
     import torch
 
-    def launch(q, k, v, causal, scale, layout, out_layout, return_lse):
+    group = q.shape[-3] // k.shape[-3]
+    k = k.double().repeat_interleave(group, -3)
+    v = v.double().repeat_interleave(group, -3)
+    s = (q.double() @ k.transpose(-1, -2)) * (scale or 1 / math.sqrt(q.shape[-1]))
+    p = s.masked_fill(~seen, -math.inf).softmax(-1).nan_to_num(0.0)
+    return p @ v
+
+
+def _reference_launch(calls):
+    """flashcore's documented forward on the CPU (bottom-right causal, key windows, GQA by
+    head count), standing in for the GPU launch so the backend's routing can be checked
+    here."""
+
+    def launch(q, k, v, causal, scale, layout, out_layout, return_lse, window=(-1, -1)):
         assert (layout, out_layout, return_lse) == ("bhsd", "bshd", False)
-        calls.append((tuple(q.shape), tuple(k.shape), causal))
-        b, h, sq, d = q.shape
-        sk = k.shape[2]
-        k = k.repeat_interleave(h // k.shape[1], 1).double()
-        v = v.repeat_interleave(h // v.shape[1], 1).double()
-        s = (q.double() @ k.transpose(-1, -2)) * (scale or 1 / math.sqrt(d))
-        if causal:
-            i, j = torch.arange(sq)[:, None], torch.arange(sk)[None]
-            s = s.masked_fill(j > i + sk - sq, -math.inf)
-        return (s.softmax(-1) @ v).to(q.dtype).transpose(1, 2).contiguous(), None
+        calls.append((tuple(q.shape), tuple(k.shape), causal, tuple(window)))
+        seen = _visible(q.shape[2], k.shape[2], causal, window)
+        return _attend(q, k, v, seen, scale).to(q.dtype).transpose(1, 2).contiguous(), None
 
     return launch
 
@@ -145,7 +170,7 @@ def test_a_prompt_in_a_static_cache_sees_only_itself(monkeypatch):
             return model(ids, past_key_values=cache, use_cache=True).logits.float()
 
     want, got = logits("sdpa"), logits(name)
-    assert calls and all(k[2] == 10 and causal for _, k, causal in calls), calls
+    assert calls and all(k[2] == 10 and causal and w == (-1, -1) for _, k, causal, w in calls), calls
     assert (got - want).abs().max().item() < 2e-2
 
 
@@ -221,31 +246,23 @@ def test_scales_flashcore_cannot_take_run_on_sdpa(monkeypatch, scaling):
 
 def _reference_varlen(calls):
     """flashcore.attention_varlen's documented result on CPU tensors (bottom-right causal
-    per sequence, GQA by head count, zeros for rows without keys), standing in for the
-    GPU launch of the backend's padded-batch route."""
-    import math
-
+    and key windows per sequence, GQA by head count, zeros for rows without keys),
+    standing in for the GPU launch of the backend's padded-batch route."""
     import torch
 
-    def launch_varlen(q, k, v, cu_q, cu_k, max_q, host_q, host_k, causal, scaling):
+    def launch_varlen(q, k, v, cu_q, cu_k, max_q, host_q, host_k, causal, scaling, window=(-1, -1)):
         assert torch.equal(cu_q.cpu(), host_q) and torch.equal(cu_k.cpu(), host_k)
         cq, ck = host_q.tolist(), host_k.tolist()
         assert max_q >= max(b - a for a, b in zip(cq, cq[1:]))
-        calls.append((cq, ck, causal))
+        calls.append((cq, ck, causal, tuple(window)))
         out = torch.zeros_like(q)
-        group = q.shape[1] // k.shape[1]
         for b in range(len(cq) - 1):
             (q0, q1), (k0, k1) = cq[b : b + 2], ck[b : b + 2]
             if q1 == q0 or k1 == k0:
                 continue
-            qs = q[q0:q1].double().transpose(0, 1)
-            ks = k[k0:k1].double().transpose(0, 1).repeat_interleave(group, 0)
-            vs = v[k0:k1].double().transpose(0, 1).repeat_interleave(group, 0)
-            s = (qs @ ks.transpose(-1, -2)) * (scaling or 1 / math.sqrt(q.shape[-1]))
-            if causal:
-                i, j = torch.arange(q1 - q0)[:, None], torch.arange(k1 - k0)[None]
-                s = s.masked_fill(j > i + (k1 - k0) - (q1 - q0), -math.inf)
-            out[q0:q1] = (s.softmax(-1) @ vs).transpose(0, 1).to(q.dtype)
+            qs, ks, vs = (t.transpose(0, 1) for t in (q[q0:q1], k[k0:k1], v[k0:k1]))
+            seen = _visible(q1 - q0, k1 - k0, causal, window)
+            out[q0:q1] = _attend(qs, ks, vs, seen, scaling).transpose(0, 1).to(q.dtype)
         return out
 
     return launch_varlen
@@ -259,7 +276,7 @@ def _use_reference_varlen(monkeypatch, calls):
 
 
 def _reset():
-    for key in ("flashcore", "flashcore_padded"):
+    for key in ("flashcore", "flashcore_padded", "flashcore_window"):
         transformers_backend.stats[key] = 0
     transformers_backend.stats["sdpa"].clear()
     transformers_backend._warned.clear()
@@ -302,8 +319,8 @@ def test_left_padded_batches_run_as_variable_length_calls(monkeypatch):
     # The keys read in place, [B, Hkv=2, Sk, D]: batch b's position j is row 2·Sk·b + j,
     # with a sequence of no queries over the rows between one sequence's keys and the
     # next. The prompt's real rows gathered (9 and 5 of 12 in the padded ones).
-    prompt = ([0, 12, 12, 21, 21, 26], [0, 12, 27, 36, 55, 60], True)
-    decode = ([0, 1, 1, 2, 2, 3], [0, 13, 29, 39, 59, 65], True)
+    prompt = ([0, 12, 12, 21, 21, 26], [0, 12, 27, 36, 55, 60], True, (-1, -1))
+    decode = ([0, 1, 1, 2, 2, 3], [0, 13, 29, 39, 59, 65], True, (-1, -1))
     assert varlen_calls == [prompt, prompt, decode, decode]
 
 
@@ -347,7 +364,7 @@ def test_masks_other_than_padding_run_on_sdpa(monkeypatch):
     mask = right[:, None, None, :].expand(2, 1, 8, 8)
     out, _ = transformers_backend.attention_forward(module, q, kv, kv, mask)
     # Every query row computed: the keys read in place (batch 1 starts at row 2·8).
-    assert calls == [([0, 8, 8, 16], [0, 5, 16, 24], False)] and transformers_backend.stats["sdpa"] == {}
+    assert calls == [([0, 8, 8, 16], [0, 5, 16, 24], False, (-1, -1))] and transformers_backend.stats["sdpa"] == {}
     want = F.scaled_dot_product_attention(q.float(), kv.float(), kv.float(), attn_mask=mask)
     assert (out.float() - want.transpose(1, 2)).abs().max().item() < 1e-2
     # Keys in a tensor that is not contiguous are gathered: the runs packed one after another.
@@ -355,7 +372,7 @@ def test_masks_other_than_padding_run_on_sdpa(monkeypatch):
     wide.copy_(kv)
     calls.clear()
     out, _ = transformers_backend.attention_forward(module, q, wide, wide, mask)
-    assert calls == [([0, 8, 16], [0, 5, 13], False)]
+    assert calls == [([0, 8, 16], [0, 5, 13], False, (-1, -1))]
     assert (out.float() - want.transpose(1, 2)).abs().max().item() < 1e-2
 
 
@@ -528,3 +545,363 @@ def test_threads_share_the_mask_checks(monkeypatch):
     assert not errors, errors
     assert all(cu[-1] == total for cu, total in plans.values())
     assert len(transformers_backend._plans) <= transformers_backend._PLANS_KEPT
+
+
+# ---- sliding-window layers ----------------------------------------------------------------
+
+
+def _window_plan_mask(plan, b, sq, sk):
+    """[B, Sq, Sk] bool: the mask a (causal) plan stands for, built from its offsets and
+    key rows by brute force: each sequence's keys [k0, k0 + nk), its last nq rows
+    bottom-right over them, each seeing the last `window` keys up to its diagonal."""
+    import torch
+
+    left = plan.window[0]
+    want = torch.zeros(b, sq, sk, dtype=torch.bool)
+    cq, ck = plan.host_q.tolist(), plan.host_k.tolist()
+    kb, kr = (t.tolist() for t in plan.k_rows)
+    for x in range(b):
+        nq, nk = cq[x + 1] - cq[x], ck[x + 1] - ck[x]
+        keys = [r for bb, r in zip(kb, kr) if bb == x]
+        assert len(keys) == nk and keys == list(range(keys[0] if nk else 0, (keys[0] if nk else 0) + nk))
+        for t in range(nq):
+            row, diagonal = sq - nq + t, t + nk - nq
+            for u in range(nk):
+                want[x, row, keys[u]] = u <= diagonal and (left < 0 or u >= diagonal - left)
+    return want
+
+
+def test_random_sliding_window_masks_are_read_exactly(monkeypatch):
+    """Random sliding-window masks over left-padded runs of keys (windows of 1 key up to
+    more than every key, rows unmasked as some transformers versions do): a plan is made
+    with the layer's window exactly when the mask is that window, never for a window one
+    key wider or narrower than the mask's, a gap, a flipped element or a window without
+    its sliding_window; and the plan stands for the mask element by element."""
+    import random
+
+    import torch
+
+    monkeypatch.setattr(transformers_backend, "_CHECK_ON_CPU", True)
+    rng = random.Random(4321)
+    made = refused = 0
+    for trial in range(400):
+        monkeypatch.setattr(transformers_backend, "_HOST_CHECK_ELEMENTS", rng.choice([0, 1 << 18]))
+        monkeypatch.setattr(transformers_backend, "_CHECK_ELEMENTS", rng.choice([7, 1 << 25]))
+        b, sq = rng.randint(1, 4), rng.randint(1, 7)
+        sk = sq + rng.randint(0, 9)
+        w = rng.randint(1, sk + 2)
+        i, j = torch.arange(sq)[:, None], torch.arange(sk)[None]
+        starts = [rng.randint(0, sk) for _ in range(b)]
+        diagonal = i + sk - sq  # the last key is the last query's position
+
+        def window_mask(keys, starts):
+            """The layer's mask with a window of `keys` keys (None: no window) over runs of
+            keys from `starts` to the end."""
+            m = torch.zeros(len(starts), 1, sq, sk, dtype=torch.bool)
+            for s, row in zip(starts, m):
+                row[0] = (j >= s) & (j <= diagonal) & ((j > diagonal - keys) if keys else True)
+            return m
+
+        m = window_mask(w, starts)
+        kind = rng.choice(["plain", "plain", "unmasked", "wider", "narrower", "no kwarg", "gap", "flip"])
+        checked_with = w
+        if kind == "unmasked":
+            m = m | ~m.any(-1, keepdim=True)
+        elif kind == "wider":
+            checked_with = w + 1  # the mask's window is a key narrower than the layer's
+        elif kind == "narrower":
+            checked_with = w - 1 if w > 1 else None
+        elif kind == "no kwarg":
+            checked_with = None
+        elif kind == "gap":
+            m[rng.randrange(b), 0, :, rng.randrange(sk)] = False
+        elif kind == "flip":
+            m[rng.randrange(b), 0, rng.randrange(sq), rng.randrange(sk)] ^= True
+        plan = transformers_backend._padded_plan(m, True, b, sq, sk, checked_with)
+        if plan is None:
+            refused += 1
+        else:
+            made += 1
+            assert plan.causal
+            assert plan.window == ((-1, -1) if checked_with is None else (checked_with - 1, 0))
+            want = _window_plan_mask(plan, b, sq, sk)
+            padding = m[:, 0].all(-1, keepdim=True) & ~want.any(-1, keepdim=True)
+            got = m[:, 0] & ~padding
+            assert torch.equal(got, want), (trial, kind, w, checked_with, starts, m[:, 0].int().tolist())
+        if kind == "plain":
+            assert plan is not None, (trial, w, starts)
+        if kind in ("wider", "narrower", "no kwarg"):
+            # A window one key off (or none) is refused unless it makes this very mask over
+            # runs starting elsewhere (a row whose window ends the run's start sees the
+            # same keys under a wider window over a run that starts later, say): then the
+            # plan computes the mask all the same, as checked above.
+            same = all(
+                any(torch.equal(window_mask(checked_with, [s])[0], m[x]) for s in range(sk + 1)) for x in range(b)
+            )
+            assert (plan is not None) == same, (trial, kind, w, checked_with, starts)
+    assert made > 150 and refused > 60, (made, refused)
+
+
+@pytest.mark.parametrize("where", ["host", "device"])
+def test_transformers_sliding_window_masks_make_window_plans(monkeypatch, where):
+    """The masks transformers builds for sliding-window layers (sdpa_mask with its
+    sliding-window mask function): a prompt longer than the window, left padding, a
+    decode step against a sliding-window cache that keeps the last window - 1 keys (key
+    offset), chunks of several queries. Each makes a plan with the window; checked with
+    a window one key off, or without one, none."""
+    import torch
+    from transformers.masking_utils import sdpa_mask, sliding_window_causal_mask_function
+
+    monkeypatch.setattr(transformers_backend, "_CHECK_ON_CPU", True)
+    if where == "device":
+        monkeypatch.setattr(transformers_backend, "_HOST_CHECK_ELEMENTS", 0)
+        monkeypatch.setattr(transformers_backend, "_CHECK_ELEMENTS", 16)
+    w = 8
+    cases = [
+        # batch, q_length, kv_length, q_offset, kv_offset, padding of each sequence
+        (2, 20, 20, 0, 0, [0, 0]),
+        (3, 20, 20, 0, 0, [0, 5, 14]),
+        (3, 1, 8, 24, 17, [0, 0, 0]),  # decode, a DynamicSlidingWindowLayer's keys
+        (3, 1, 8, 24, 17, [20, 18, 0]),  # the same, a sequence's padding still in the cache
+        (2, 4, 11, 24, 17, [0, 19]),  # a chunk of 4 queries against 7 kept keys
+        (2, 1, 25, 24, 0, [0, 3]),  # decode against a full cache: the window's last 8 keys
+    ]
+    for b, ql, kl, qo, ko, pads in cases:
+        pad = torch.ones(b, ko + kl, dtype=torch.bool)
+        for x, n in enumerate(pads):
+            pad[x, :n] = False
+        mask = sdpa_mask(batch_size=b, q_length=ql, kv_length=kl, q_offset=qo, kv_offset=ko,
+                         mask_function=sliding_window_causal_mask_function(w), attention_mask=pad,
+                         allow_is_causal_skip=False, local_size=w)
+        plan = transformers_backend._padded_plan(mask, True, b, ql, kl, w)
+        assert plan is not None, (b, ql, kl, qo, ko, pads)
+        assert plan.window == (w - 1, 0)
+        assert torch.equal(_window_plan_mask(plan, b, ql, kl) | ~mask[:, 0].any(-1, keepdim=True), mask[:, 0]
+                           | ~mask[:, 0].any(-1, keepdim=True)), (b, ql, kl, qo, ko, pads)
+        # A prompt's rows show where the window starts: one a key wider or narrower, or
+        # none, is another mask.
+        if ql > w:
+            for other in (w - 1, w + 1, None):
+                assert transformers_backend._padded_plan(mask, True, b, ql, kl, other) is None, (other, b, ql, kl)
+        # A bidirectional reading is none of them.
+        assert transformers_backend._padded_plan(mask, False, b, ql, kl, w) is None
+    # Keys a decode step sees: the window's last 8 of the full cache, read as a run of 8.
+    # One row cannot tell a window of 8 keys from a wider one over a run of 8 (padding
+    # before it): either reading attends to those 8 keys.
+    pad = torch.ones(1, 25, dtype=torch.bool)
+    mask = sdpa_mask(batch_size=1, q_length=1, kv_length=25, q_offset=24,
+                     mask_function=sliding_window_causal_mask_function(w), attention_mask=pad,
+                     allow_is_causal_skip=False, local_size=w)
+    for window in (w, w + 1, None):
+        plan = transformers_backend._padded_plan(mask, True, 1, 1, 25, window)
+        assert plan.host_k.tolist() == [0, 8] and plan.k_rows[1].tolist() == list(range(17, 25))
+    assert transformers_backend._padded_plan(mask, True, 1, 1, 25, w - 1) is None
+
+
+def _small_mistral(window, layers=2):
+    import torch
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(0)
+    config = MistralConfig(
+        vocab_size=128, hidden_size=128, intermediate_size=256, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, sliding_window=window,
+    )
+    return config, MistralForCausalLM(config).to(torch.float16)
+
+
+def test_sliding_window_layers_run_on_flashcore(monkeypatch):
+    """A Mistral model with a window of 6 keys: a prompt longer than the window (a mask
+    transformers builds for it), a left-padded batch, decode steps against its
+    sliding-window cache, and a short prompt (no mask: the window hides nothing) all run
+    on flashcore with window_size (5, 0) where the window hides keys; the logits of every
+    real token match SDPA's and nothing goes to SDPA."""
+    import torch
+
+    calls, varlen_calls = [], []
+    _use_reference_launch(monkeypatch, calls)
+    _use_reference_varlen(monkeypatch, varlen_calls)
+    name = flashcore.register_transformers()
+    _, model = _small_mistral(6)
+    model.eval()
+    ids = torch.randint(1, 128, (3, 14))
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    mask[2, :9] = 0
+    steps = torch.randint(1, 128, (3, 4))
+
+    def logits(impl):
+        model.set_attn_implementation(impl)
+        out_logits = []
+        with torch.no_grad():
+            out = model(ids, attention_mask=mask, use_cache=True)
+            out_logits.append(out.logits[mask.bool()].float())
+            m, cache = mask, out.past_key_values
+            for t in range(steps.shape[1]):
+                m = torch.cat([m, torch.ones_like(m[:, :1])], dim=1)
+                out = model(steps[:, t : t + 1], attention_mask=m, past_key_values=cache, use_cache=True)
+                cache = out.past_key_values
+                out_logits.append(out.logits[:, -1].float())
+            out_logits.append(model(ids[:, :5]).logits.float())  # shorter than the window: no mask
+            out_logits.append(model(ids).logits.float())  # no padding, longer than the window
+        return out_logits
+
+    want = logits("sdpa")
+    _reset()
+    got = logits(name)
+    for g, w_ in zip(got, want):
+        assert (g - w_).abs().max().item() < 2e-2
+    assert transformers_backend.stats["sdpa"] == {}
+    # Two layers: the padded prompt, 4 steps, the unpadded long prompt with masks; the
+    # short prompt without one.
+    assert transformers_backend.stats["flashcore_padded"] == 2 * (1 + 4 + 1)
+    assert transformers_backend.stats["flashcore_window"] == transformers_backend.stats["flashcore"] == 2 * 7
+    assert {c[3] for c in varlen_calls} == {(5, 0)}
+    assert calls == [((3, 4, 5, 32), (3, 2, 5, 32), True, (-1, -1))] * 2
+
+
+def test_a_sliding_window_without_a_mask_is_causal_local_attention(monkeypatch):
+    """Calls of a sliding-window layer that come without a mask: a window as FlashAttention
+    reads `sliding_window` (w - 1 keys before each query, none after) wherever it hides
+    keys, a prompt and a decode step alike; none where it hides nothing; none for a
+    module that is not causal. A sliding_window that is not a positive int goes to SDPA."""
+    import torch
+
+    calls = []
+    _use_reference_launch(monkeypatch, calls)
+    module, q, kv = _one_layer_call(causal=True)  # q [1, 2, 8, 64]
+    _reset()
+    for window, want in [(3, (2, 0)), (8, (-1, -1)), (9, (-1, -1)), (1, (0, 0))]:
+        calls.clear()
+        out, _ = transformers_backend.attention_forward(module, q, kv, kv, None, sliding_window=window)
+        assert calls == [((1, 2, 8, 64), (1, 2, 8, 64), True, want)], window
+        seen = _visible(8, 8, True, (window - 1, 0))  # transformers' mask: p - w < j <= p
+        ref = _attend(q, kv, kv, seen, None).transpose(1, 2)
+        assert (out.float() - ref).abs().max().item() < 1e-2, window
+    # A decode step: one query at the last of 8 keys sees the window's last 3.
+    calls.clear()
+    step = q[:, :, -1:]
+    out, _ = transformers_backend.attention_forward(module, step, kv, kv, None, sliding_window=3)
+    assert calls == [((1, 2, 1, 64), (1, 2, 8, 64), False, (2, 0))]
+    ref = _attend(step, kv, kv, _visible(1, 8, True, (2, 0)), None).transpose(1, 2)
+    assert (out.float() - ref).abs().max().item() < 1e-2
+    assert transformers_backend.stats["flashcore_window"] == 5
+    # A module that is not causal: its window is its mask's to say (none here).
+    module.is_causal = False
+    calls.clear()
+    transformers_backend.attention_forward(module, q, kv, kv, None, sliding_window=3)
+    assert calls == [((1, 2, 8, 64), (1, 2, 8, 64), False, (-1, -1))]
+    assert transformers_backend.stats["flashcore_window"] == 5
+    module.is_causal = True
+    calls.clear()
+    for bad in (0, -4, 2.5, True, "3"):
+        with pytest.warns(UserWarning, match="sliding_window"):
+            transformers_backend.attention_forward(module, q, kv, kv, None, sliding_window=bad)
+    assert not calls and len(transformers_backend.stats["sdpa"]) == 5
+
+
+def test_a_mask_is_checked_against_the_layers_own_window(monkeypatch):
+    """With a mask, the layer's `sliding_window` is what the mask must be: the same mask
+    under a window one key off, a sliding-window mask without the kwarg, and a causal
+    mask whose window would hide keys go to SDPA (which applies the mask as it is)."""
+    import torch
+    import torch.nn.functional as F
+
+    calls = []
+    _use_reference_launch(monkeypatch, [])
+    _use_reference_varlen(monkeypatch, calls)
+    module, q, kv = _one_layer_call(causal=True)  # q [1, 2, 8, 64]
+    i, j = torch.arange(8)[:, None], torch.arange(8)[None]
+    window3 = ((j <= i) & (j > i - 3)).expand(1, 1, 8, 8)
+    causal = (j <= i).expand(1, 1, 8, 8)
+    _reset()
+    out, _ = transformers_backend.attention_forward(module, q, kv, kv, window3, sliding_window=3)
+    assert calls == [([0, 8], [0, 8], True, (2, 0))] and transformers_backend.stats["flashcore_window"] == 1
+    want = F.scaled_dot_product_attention(q.float(), kv.float(), kv.float(), attn_mask=window3)
+    assert (out.float() - want.transpose(1, 2)).abs().max().item() < 1e-2
+    for mask, window in [(window3, 2), (window3, 4), (window3, None), (causal, 3)]:
+        calls.clear()
+        transformers_backend._warned.clear()
+        with pytest.warns(UserWarning, match="mask other than padding"):
+            out, _ = transformers_backend.attention_forward(module, q, kv, kv, mask, sliding_window=window)
+        assert not calls, window
+        want = F.scaled_dot_product_attention(q.float(), kv.float(), kv.float(), attn_mask=mask)
+        assert (out.float() - want.transpose(1, 2)).abs().max().item() < 1e-2
+    # A causal mask under a window that hides none of its keys is that window.
+    calls.clear()
+    transformers_backend.attention_forward(module, q, kv, kv, causal, sliding_window=8)
+    assert calls == [([0, 8], [0, 8], True, (7, 0))]
+
+
+def test_fp8_runs_a_window_that_hides_keys_on_the_16_bit_kernel(monkeypatch):
+    """The FP8 kernels have no key window: a sliding-window call whose window hides keys
+    runs on the 16-bit kernel with it, one whose window hides nothing on the FP8 kernel."""
+    calls, fp8_calls = [], []
+    _use_reference_launch(monkeypatch, calls)
+    monkeypatch.setattr(
+        transformers_backend, "launch_fp8", lambda q, *a: fp8_calls.append(tuple(q.shape)) or (q.contiguous(), None)
+    )
+    module, q, kv = _one_layer_call(causal=True)
+    _reset()
+    transformers_backend.stats["flashcore_fp8"] = 0
+    transformers_backend.attention_forward_fp8(module, q, kv, kv, None, sliding_window=3)
+    assert calls == [((1, 2, 8, 64), (1, 2, 8, 64), True, (2, 0))] and not fp8_calls
+    transformers_backend.attention_forward_fp8(module, q, kv, kv, None, sliding_window=8)
+    assert len(calls) == 1 and fp8_calls == [(1, 8, 2, 64)]
+    assert transformers_backend.stats["flashcore_window"] == 2
+    assert transformers_backend.stats["flashcore"] == transformers_backend.stats["flashcore_fp8"] == 1
+
+
+def test_alternating_sliding_and_full_layers_each_get_their_own(monkeypatch):
+    """Gemma 3's text model alternates sliding-window layers (sliding_window passed) and
+    full ones (none): the sliding layers run with the window wherever it hides keys, the
+    full ones without, prompt and cached steps alike, matching SDPA's logits."""
+    import torch
+
+    try:
+        from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+    except ImportError:
+        pytest.skip("this transformers has no Gemma 3")
+    calls, varlen_calls = [], []
+    _use_reference_launch(monkeypatch, calls)
+    _use_reference_varlen(monkeypatch, varlen_calls)
+    name = flashcore.register_transformers()
+    torch.manual_seed(0)
+    config = Gemma3TextConfig(
+        vocab_size=128, hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, sliding_window=6, layer_types=["sliding_attention", "full_attention"] * 2,
+    )
+    model = Gemma3ForCausalLM(config).to(torch.float16).eval()
+    ids = torch.randint(1, 128, (2, 14))
+    mask = torch.ones_like(ids)
+    mask[0, :4] = 0
+    steps = torch.randint(1, 128, (2, 3))
+
+    def logits(impl):
+        model.set_attn_implementation(impl)
+        out_logits = []
+        with torch.no_grad():
+            out = model(ids, attention_mask=mask, use_cache=True)
+            out_logits.append(out.logits[mask.bool()].float())
+            m, cache = mask, out.past_key_values
+            for t in range(steps.shape[1]):
+                m = torch.cat([m, torch.ones_like(m[:, :1])], dim=1)
+                out = model(steps[:, t : t + 1], attention_mask=m, past_key_values=cache, use_cache=True)
+                cache = out.past_key_values
+                out_logits.append(out.logits[:, -1].float())
+            out_logits.append(model(ids).logits.float())
+        return out_logits
+
+    want = logits("sdpa")
+    _reset()
+    got = logits(name)
+    for g, w_ in zip(got, want):
+        assert (g - w_).abs().max().item() < 3e-2
+    stats = transformers_backend.stats
+    assert stats["sdpa"] == {}
+    per_layer = 1 + 3 + 1
+    assert stats["flashcore"] == 4 * per_layer and stats["flashcore_window"] == 2 * per_layer
+    # The padded prompt and the steps: masks for every layer, windowed on the sliding ones.
+    assert [c[3] for c in varlen_calls] == [(5, 0), (-1, -1)] * 2 * (1 + 3) + [(5, 0)] * 2
+    # The unpadded prompt's full layers: no mask, causal, no window.
+    assert [c[2:] for c in calls] == [(True, (-1, -1))] * 2

@@ -1,5 +1,6 @@
-"""flashcore as transformers' attention implementation in a small random Llama (built from
-a config: no download): logits and greedy generation against SDPA."""
+"""flashcore as transformers' attention implementation in small random Llama, Mistral and
+Gemma 3 models (built from a config: no download): logits and greedy generation against
+SDPA, sliding-window layers included."""
 
 import pytest
 import torch
@@ -59,7 +60,8 @@ def test_a_head_dim_without_its_own_kernel_runs_on_flashcore(seed):
 
 
 def reset_stats():
-    transformers_backend.stats["flashcore"] = 0
+    for key in ("flashcore", "flashcore_padded", "flashcore_window"):
+        transformers_backend.stats[key] = 0
     transformers_backend.stats["sdpa"].clear()
     transformers_backend._warned.clear()
 
@@ -212,3 +214,180 @@ def test_padded_decode_steps_read_the_cache_in_place(seed, sk, monkeypatch):
     err, err_gathered = rel_l2(out, want.transpose(1, 2)), rel_l2(gathered, want.transpose(1, 2))
     print(f"Sk {sk}: in place {err:.2e}, gathered {err_gathered:.2e}")
     assert err <= 2e-3 and err_gathered <= 2e-3
+
+
+# ---- sliding-window layers ----------------------------------------------------------------
+
+
+def small_mistral(dtype, window):
+    from transformers import MistralConfig, MistralForCausalLM
+
+    config = MistralConfig(
+        vocab_size=1000,
+        hidden_size=512,
+        intermediate_size=1024,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=2,  # GQA 4:1, head dim 64
+        max_position_embeddings=2048,
+        initializer_range=0.05,
+        sliding_window=window,
+        pad_token_id=0,
+        eos_token_id=None,
+    )
+    return MistralForCausalLM(config).to(device="cuda", dtype=dtype).eval()
+
+
+def run_prompts_and_steps(model, ids, mask, steps, short):
+    """Logits of a padded prompt's real tokens, then of each cached decode step after it
+    (the lengths growing past the window), of the prompt unpadded, and of a prompt of
+    `short` tokens (shorter than the window: transformers passes no mask)."""
+    out = model(ids, attention_mask=mask, use_cache=True)
+    logits, cache, m = [out.logits[mask.bool()].float()], out.past_key_values, mask
+    for t in range(steps.shape[1]):
+        m = torch.cat([m, torch.ones_like(m[:, :1])], dim=1)
+        out = model(steps[:, t : t + 1], attention_mask=m, past_key_values=cache, use_cache=True)
+        cache = out.past_key_values
+        logits.append(out.logits[:, -1].float())
+    logits.append(model(ids).logits.float())
+    logits.append(model(ids[:, :short]).logits.float())
+    return logits
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["f16", "bf16"])
+def test_sliding_window_layers_match_sdpa_on_flashcore(dtype, seed, monkeypatch):
+    # Mistral with a window of 16 keys, 64-token prompts (one left-padded), 24 decode steps
+    # against its sliding-window cache: every sliding-window call runs on flashcore's
+    # windowed kernels (masks checked to be exactly the window), none on SDPA, and the
+    # logits match SDPA's, which applies the masks as they are.
+    name = flashcore.register_transformers()
+    model = small_mistral(dtype, 16)
+    ids = torch.randint(1, 1000, (2, 64), device="cuda")
+    mask = torch.ones_like(ids)
+    mask[1, :17] = 0
+    steps = torch.randint(1, 1000, (2, 24), device="cuda")
+    windows = []  # the window_size of each variable-length launch
+    real = transformers_backend.launch_varlen
+    monkeypatch.setattr(transformers_backend, "launch_varlen", lambda *a: windows.append(a[10]) or real(*a))
+    results = {}
+    with torch.no_grad():
+        for backend in ("sdpa", name):
+            model.set_attn_implementation(backend)
+            reset_stats()
+            results[backend] = run_prompts_and_steps(model, ids, mask, steps, short=12)
+    assert windows == [(15, 0)] * (2 * (1 + 24 + 1))
+    stats = transformers_backend.stats
+    tolerance = 5e-3 if dtype == torch.float16 else 2e-2
+    labels = ["padded prompt"] + [f"step {t}" for t in range(24)] + ["prompt", "short prompt"]
+    for label, ours, ref in zip(labels, results[name], results["sdpa"]):
+        err = rel_l2(ours, ref)
+        assert err <= tolerance, f"{label}: logits rel L2 vs SDPA {err:.2e}"
+    print(f"{dtype}: sliding window 16, stats {stats}")
+    assert stats["sdpa"] == {}
+    # Two layers: the prompts and steps come with masks (the window hides keys there), the
+    # short prompt without one.
+    assert stats["flashcore_padded"] == 2 * (1 + 24 + 1)
+    assert stats["flashcore_window"] == stats["flashcore"] == 2 * (1 + 24 + 1 + 1)
+
+
+def test_greedy_generation_with_a_sliding_window_matches_sdpa(seed):
+    # generate() with left-padded prompts past the window: the same greedy tokens as SDPA,
+    # but where SDPA's own top two are tied within the backends' noise.
+    name = flashcore.register_transformers()
+    model = small_mistral(torch.float16, 16)
+    ids = torch.randint(1, 1000, (2, 40), device="cuda")
+    mask = torch.ones_like(ids)
+    mask[0, :9] = 0
+    with torch.no_grad():
+        model.set_attn_implementation("sdpa")
+        tokens_sdpa = model.generate(ids, attention_mask=mask, max_new_tokens=32, do_sample=False)
+        model.set_attn_implementation(name)
+        reset_stats()
+        tokens_ours = model.generate(ids, attention_mask=mask, max_new_tokens=32, do_sample=False)
+    assert transformers_backend.stats["sdpa"] == {}
+    assert transformers_backend.stats["flashcore_window"] == 2 * 32
+    differ = (tokens_ours != tokens_sdpa).any(dim=0).nonzero()
+    same = 32 if len(differ) == 0 else int(differ[0]) - ids.shape[1]
+    print(f"greedy tokens identical to SDPA's for {same} of 32 steps")
+    if same < 32:
+        # Teacher-forced along SDPA's tokens up to the first difference: a near-tie there.
+        with torch.no_grad():
+            prefix = tokens_sdpa[:, : ids.shape[1] + same]
+            pmask = torch.cat([mask, torch.ones_like(prefix[:, ids.shape[1] :])], dim=1)
+            model.set_attn_implementation("sdpa")
+            ref = model(prefix, attention_mask=pmask).logits[:, -1].float()
+            model.set_attn_implementation(name)
+            ours = model(prefix, attention_mask=pmask).logits[:, -1].float()
+        noise = (ours - ref).abs().max().item()
+        top2 = ref.topk(2, dim=-1).values
+        assert bool(((top2[:, 0] - top2[:, 1]) <= 4 * noise).any()), "left SDPA's path without a tie"
+
+
+def test_alternating_sliding_and_full_layers(seed):
+    # Gemma 3's text model alternates sliding-window layers (sliding_window passed) and
+    # full ones (none): each kind runs on flashcore with its own mask, the logits match
+    # SDPA's, prompt and cached steps alike.
+    try:
+        from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+    except ImportError:
+        pytest.skip("this transformers has no Gemma 3")
+    config = Gemma3TextConfig(
+        vocab_size=1000,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        sliding_window=16,
+        layer_types=["sliding_attention", "full_attention"] * 2,
+        max_position_embeddings=2048,
+        initializer_range=0.05,
+        pad_token_id=0,
+        eos_token_id=None,
+    )
+    name = flashcore.register_transformers()
+    model = Gemma3ForCausalLM(config).to(device="cuda", dtype=torch.bfloat16).eval()
+    ids = torch.randint(1, 1000, (2, 64), device="cuda")
+    mask = torch.ones_like(ids)
+    mask[0, :21] = 0
+    steps = torch.randint(1, 1000, (2, 8), device="cuda")
+    results = {}
+    with torch.no_grad():
+        for backend in ("sdpa", name):
+            model.set_attn_implementation(backend)
+            reset_stats()
+            results[backend] = run_prompts_and_steps(model, ids, mask, steps, short=12)
+    stats = transformers_backend.stats
+    for i, (ours, ref) in enumerate(zip(results[name], results["sdpa"])):
+        err = rel_l2(ours, ref)
+        assert err <= 2e-2, f"call {i}: logits rel L2 vs SDPA {err:.2e}"
+    print(f"Gemma 3: stats {stats}")
+    assert stats["sdpa"] == {}
+    calls = 1 + 8 + 1 + 1  # per layer
+    assert stats["flashcore"] == 4 * calls
+    assert stats["flashcore_window"] == 2 * calls  # the two sliding-window layers
+
+
+def test_a_mask_other_than_the_layers_window_stays_right_through_the_fallback(seed):
+    # A sliding-window layer handed a mask of another window (or none): SDPA computes it.
+    import torch.nn.functional as F
+
+    module = torch.nn.Module()
+    module.is_causal = True
+    module.num_key_value_groups = 4
+    q = torch.randn(2, 8, 40, 64, device="cuda", dtype=torch.float16)
+    k = torch.randn(2, 2, 40, 64, device="cuda", dtype=torch.float16)
+    v = torch.randn_like(k)
+    i, j = torch.arange(40, device="cuda")[:, None], torch.arange(40, device="cuda")[None]
+    mask = ((j <= i) & (j > i - 16)).expand(2, 1, 40, 40)
+    want = F.scaled_dot_product_attention(q, k.repeat_interleave(4, 1), v.repeat_interleave(4, 1), attn_mask=mask)
+    reset_stats()
+    with torch.no_grad():
+        out, _ = transformers_backend.attention_forward(module, q, k, v, mask, sliding_window=16)
+        assert transformers_backend.stats["flashcore_window"] == 1 and transformers_backend.stats["sdpa"] == {}
+        assert rel_l2(out, want.transpose(1, 2)) <= 1e-3
+        with pytest.warns(UserWarning, match="mask other than padding"):
+            out, _ = transformers_backend.attention_forward(module, q, k, v, mask, sliding_window=17)
+    assert len(transformers_backend.stats["sdpa"]) == 1
+    assert rel_l2(out, want.transpose(1, 2)) <= 1e-3

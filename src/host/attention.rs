@@ -13,8 +13,8 @@ use super::tensor::{AttentionParams, LseView, TensorView};
 use super::validate::{FWD_PADDED_HEAD_DIMS_TEXT, FwdProblem, validate_fwd};
 use crate::error::{Error, Result};
 use crate::kernels::attention::{
-    BLOCK_M_NARROW, BLOCK_M_WIDE, FwdArgs, FwdConfig, HalfType, Path, Tiling, padded_head_dim,
-    scale_folds, sm90, sm90::MapColumns,
+    BLOCK_M_NARROW, BLOCK_M_WIDE, FwdArgs, FwdConfig, HalfType, Path, Tiling, WINDOW_UNBOUNDED,
+    padded_head_dim, scale_folds, sm90, sm90::MapColumns,
 };
 use crate::shape::AttnShape;
 use crate::tma::{TensorMap, TiledMap, TmaType};
@@ -67,6 +67,7 @@ pub fn dispatch(
             dtype,
             head_dim,
             causal,
+            window: false,
             block_m,
             split_keys,
             fold_scale: !split_keys && scale_folds(dtype, head_dim, scale),
@@ -86,13 +87,19 @@ fn plan_problem(
 ) -> Result<FwdConfig, String> {
     let shape = dispatch_shape(problem);
     let sm80 = || dispatch_sm80(arch, sm_count, problem.dtype, &shape, problem.causal);
-    match choice {
+    let cfg = match choice {
         PathChoice::Best => {
             let (dtype, causal, scale) = (problem.dtype, problem.causal, problem.scale);
             dispatch(arch, sm_count, dtype, &shape, causal, scale)
         }
         PathChoice::Sm80 => sm80(),
-    }
+    }?;
+    // A key window runs the windowed kernel of the causal configuration's tiles.
+    Ok(if problem.window.is_some() {
+        cfg.windowed()
+    } else {
+        cfg
+    })
 }
 
 /// The shape the dispatch judges a problem by: its own, except that a packed batch's key
@@ -559,7 +566,8 @@ impl Attention {
                 .map(|c| (c.head_dim, c.padded)),
             Path::Sm90 => sm90::padded_head_dim(shape.head_dim),
         };
-        let same = (cfg.dtype, cfg.causal) == (planned.dtype, planned.causal)
+        let same = (cfg.dtype, cfg.causal, cfg.window)
+            == (planned.dtype, planned.causal, planned.window)
             && kernel_head_dim == Some((cfg.head_dim, cfg.padded));
         let runs = match cfg.path {
             Path::Sm80 => {
@@ -909,6 +917,8 @@ fn fwd_args(
         tile_counter: 0,
         tail_heads: 0,
         o_by_tma: 0,
+        window_left: problem.window.map_or(WINDOW_UNBOUNDED, |w| w.left),
+        window_right: problem.window.map_or(0, |w| w.right),
     }
 }
 
@@ -986,6 +996,7 @@ mod tests {
             let params = AttentionParams {
                 softmax_scale: r.softmax_scale(),
                 causal: r.chance(0.5),
+                ..Default::default()
             };
             let arch = r.pick(&[(7, 5), (8, 0), (8, 6), (8, 9), (9, 0), (10, 0)]);
             let sms = r.pick(&[1, 108, 132]);
@@ -1180,8 +1191,14 @@ mod tests {
                         for pick in picks {
                             match pick {
                                 Ok(cfg) => {
-                                    assert!(catalog.contains(&cfg), "{cfg:?} not in the catalog");
-                                    chosen.insert(cfg);
+                                    // With a key window, the plan takes the windowed kernel.
+                                    for cfg in [cfg, cfg.windowed()] {
+                                        assert!(
+                                            catalog.contains(&cfg),
+                                            "{cfg:?} not in the catalog"
+                                        );
+                                        chosen.insert(cfg);
+                                    }
                                 }
                                 Err(_) => assert!(padded_head_dim(d).is_none()),
                             }
@@ -1257,6 +1274,7 @@ mod tests {
                 dtype: HalfType::F16,
                 scale: 0.1,
                 causal: true,
+                window: None,
                 packed: None,
             };
             let packed = FwdProblem {
@@ -1336,6 +1354,7 @@ mod tests {
             dtype: HalfType::F16,
             scale: 0.125,
             causal: false,
+            window: None,
             packed: Some(Packed {
                 cu_seqlens_q: 0x1000,
                 cu_seqlens_k: 0x2000,

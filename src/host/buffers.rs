@@ -32,7 +32,7 @@
 //! let v = stream.clone_htod(&x).unwrap();
 //! let mut o = stream.alloc_zeros::<half::f16>(b * s * h * d).unwrap();
 //! let layout = Layout4::bhsd(b, s, h, d);
-//! let params = AttentionParams { softmax_scale: None, causal: true };
+//! let params = AttentionParams { softmax_scale: None, causal: true, ..Default::default() };
 //! attn.forward_buffers(
 //!     &stream,
 //!     [Tensor::new(&q, layout), Tensor::new(&k, layout), Tensor::new(&v, layout)],

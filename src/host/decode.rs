@@ -20,7 +20,7 @@ use super::attention::{Attention, PathChoice};
 use super::kv_cache::{CacheLayout, CacheShape, HostMetadata, KvCache};
 use super::launch::{LaunchDims, PaddedParams, launch, launch_programmatic};
 use super::module::{Carveout, LoadedKernel};
-use super::tensor::{AttentionParams, DType, LseView, TensorView};
+use super::tensor::{AttentionParams, DType, KeyWindow, LseView, TensorView, WINDOW_UNBOUNDED};
 use super::validate::{
     FWD_PADDED_HEAD_DIMS_TEXT, FwdProblem, LSE_ALIGN, MAX_GRID_YZ, MAX_SEQLEN, Packed,
     TENSOR_ALIGN, byte_range_of, check_no_self_overlap, check_not_empty, check_pointer,
@@ -53,7 +53,10 @@ pub struct DecodeProblem {
     pub seqlen_q: usize,
     pub heads_q: usize,
     pub scale: f32,
+    /// Keys past each query's position (moved by the window's right side) are masked.
     pub causal: bool,
+    /// The key window beyond causal masking, if any: see [`AttentionParams::masking`].
+    pub window: Option<KeyWindow>,
     /// A variable-length forward call's packed sequences, run on the decode kernels
     /// (`Attention::varlen_by_decode`): `cache` then counts the sequences, the keys of
     /// the longest one (or an upper bound) as the capacity, and `seqlen_q` bounds each
@@ -255,13 +258,15 @@ pub fn decode_problem(
             "query heads {heads_q} exceed the grid limit {MAX_GRID_YZ}"
         )));
     }
+    let masking = params.masking(seqlen_q, shape.capacity)?;
     let problem = DecodeProblem {
         cache: shape,
         dtype,
         seqlen_q,
         heads_q,
         scale: params.scale_for(head_dim),
-        causal: params.causal,
+        causal: masking.causal,
+        window: masking.window,
         packed: None,
     };
     if batch > MAX_GRID_YZ || shape.heads_kv * problem.row_chunks() > MAX_GRID_YZ {
@@ -993,6 +998,8 @@ impl Attention {
             scale_log2: problem.scale * std::f32::consts::LOG2_E,
             scale: problem.scale,
             causal: u32::from(problem.causal),
+            window_left: problem.window.map_or(WINDOW_UNBOUNDED, |w| w.left),
+            window_right: problem.window.map_or(0, |w| w.right),
             row_chunks: problem.row_chunks() as u32,
             k_scale,
             v_scale,
@@ -1159,6 +1166,7 @@ impl Attention {
             heads_q: s.heads_q,
             scale: problem.scale,
             causal: problem.causal,
+            window: problem.window,
             packed: Some(packed),
         };
         if !rows_fit || s.heads_kv.saturating_mul(decode.row_chunks()) > MAX_GRID_YZ {
@@ -1415,6 +1423,7 @@ mod tests {
             dtype: HalfType::F16,
             scale: 0.125,
             causal: true,
+            window: None,
             packed: None,
         }
     }
@@ -1567,6 +1576,7 @@ mod tests {
             heads_q: 32,
             scale: 0.1,
             causal: true,
+            window: None,
             packed: p.packed,
         };
         assert_eq!(problem.layout(), DecodeLayout::Packed);
@@ -1958,6 +1968,7 @@ mod tests {
         let bad_scale = AttentionParams {
             softmax_scale: Some(-1.0),
             causal: false,
+            ..Default::default()
         };
         assert!(validate_decode(&q0, &c, &o, None, &bad_scale).is_err());
     }
@@ -2309,6 +2320,7 @@ mod tests {
             heads_q,
             scale: 0.1,
             causal: false,
+            window: None,
             packed: None,
         };
         for capacity in [1 << 25, 1 << 27, 1 << 29, 1 << 30] {
@@ -2443,6 +2455,7 @@ mod tests {
             let params = AttentionParams {
                 softmax_scale: r.softmax_scale(),
                 causal: r.chance(0.5),
+                ..Default::default()
             };
             let new = [b, r.pick(&[0, 1, 3, 64, 1 << 20]), hkv, d];
             let k_new = r.any_view(new);

@@ -284,6 +284,14 @@ pub fn validate_fp8(
     {
         return Err(Error::InvalidArgument("lse overlaps o".into()));
     }
+    let masking = params.masking(seqlen_q, seqlen_k)?;
+    if masking.window.is_some() {
+        return Err(Error::InvalidArgument(
+            "the FP8 forward has no key window (sliding-window attention runs on f16 or \
+             bf16, or on an e4m3 KV cache through decode)"
+                .into(),
+        ));
+    }
     Ok(Fp8Problem {
         shape: AttnShape {
             batch,
@@ -295,7 +303,7 @@ pub fn validate_fp8(
         },
         out,
         scale: params.scale_for(head_dim),
-        causal: params.causal,
+        causal: masking.causal,
     })
 }
 
@@ -388,6 +396,8 @@ pub(crate) fn fp8_args(
         tile_counter: 0,
         tail_heads: 0,
         o_by_tma: 0,
+        window_left: 0,
+        window_right: 0,
     };
     Fp8Args {
         base,
@@ -641,6 +651,7 @@ mod tests {
             let params = AttentionParams {
                 softmax_scale: r.softmax_scale(),
                 causal: r.chance(0.5),
+                ..Default::default()
             };
             let arch = r.pick(&[(8, 0), (8, 9), (9, 0), (10, 0)]);
             let choice = r.pick(&[PathChoice::Best, PathChoice::Sm80]);

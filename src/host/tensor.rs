@@ -188,9 +188,121 @@ pub struct AttentionParams {
     pub softmax_scale: Option<f32>,
     /// Causal masking, aligned bottom-right when `seqlen_q != seqlen_k`.
     pub causal: bool,
+    /// A local (sliding) window of keys around each query's diagonal; the default has no
+    /// bound on either side. With `causal` its right side is 0 (a right bound above 0
+    /// is refused).
+    pub window: Window,
+}
+
+/// FlashAttention's `window_size`: query row `i` of a sequence of `Sq` queries and `Sk`
+/// keys, whose diagonal is key `d = i + Sk − Sq` (bottom-right alignment, as causal
+/// masking), sees the keys `d − left ..= d + right` that exist. `None` leaves a side
+/// unbounded (FlashAttention's −1). Causal masking is `right = 0`; a sliding window of
+/// `w` keys, as Mistral or Gemma use it, is `causal` with `left = w − 1`
+/// ([`Window::sliding`]). A row whose window holds no key gives zeros and an LSE of −∞.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub struct Window {
+    /// Keys before the diagonal a row sees.
+    pub left: Option<u32>,
+    /// Keys after the diagonal a row sees.
+    pub right: Option<u32>,
+}
+
+impl Window {
+    /// No bound on either side: every key (or, with causal masking, every key up to the
+    /// diagonal).
+    pub const FULL: Window = Window {
+        left: None,
+        right: None,
+    };
+
+    /// The `keys` keys up to and including the diagonal (`left = keys − 1`, `right = 0`):
+    /// a causal sliding window. `keys` must be at least 1.
+    pub fn sliding(keys: u32) -> Window {
+        Window {
+            left: Some(keys.saturating_sub(1)),
+            right: Some(0),
+        }
+    }
+
+    /// `(left, right)` in FlashAttention's convention, −1 for a side without a bound
+    /// (any negative value reads as −1).
+    pub fn from_flash(left: i64, right: i64) -> Window {
+        let side = |x: i64| (x >= 0).then(|| u32::try_from(x).unwrap_or(u32::MAX));
+        Window {
+            left: side(left),
+            right: side(right),
+        }
+    }
+}
+
+pub use crate::kernels::attention::WINDOW_UNBOUNDED;
+
+/// The masking a call runs with, resolved from its [`AttentionParams`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub struct Masking {
+    /// Keys past a row's diagonal (shifted by the window's right side) are masked: the
+    /// causal kernels, which skip the key tiles no row of a query tile sees.
+    pub causal: bool,
+    /// The window's sides, each at most [`WINDOW_UNBOUNDED`], when a window bounds
+    /// something causal masking alone does not (then `causal` is set too).
+    pub window: Option<KeyWindow>,
+}
+
+/// A window's sides as the kernels take them: row `i` with diagonal `d` sees keys
+/// `d − left ..= d + right`, each side at most [`WINDOW_UNBOUNDED`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct KeyWindow {
+    pub left: u32,
+    pub right: u32,
 }
 
 impl AttentionParams {
+    /// Causal masking with a sliding window of `keys` keys (see [`Window::sliding`]).
+    pub fn sliding_window(keys: u32) -> AttentionParams {
+        AttentionParams {
+            causal: true,
+            window: Window::sliding(keys),
+            ..Default::default()
+        }
+    }
+
+    /// The masking of a call whose sequences have at most `max_q` queries and `max_k`
+    /// keys: a side that bounds no row of such sequences is dropped (a left side of
+    /// `max_k` or more, a right side of `max_q` or more), a right side of 0 alone is
+    /// causal masking. Causal masking with a right side above 0 is an
+    /// [`Error::InvalidArgument`](crate::Error::InvalidArgument).
+    pub fn masking(&self, max_q: usize, max_k: usize) -> crate::Result<Masking> {
+        let right = match (self.causal, self.window.right) {
+            (true, Some(r)) if r > 0 => {
+                return Err(crate::Error::InvalidArgument(format!(
+                    "causal masking sees no key past the diagonal, but the window's right \
+                     side is {r}; pass right = 0 or none with causal"
+                )));
+            }
+            (true, _) => Some(0),
+            (false, r) => r.filter(|&r| (r as usize) < max_q),
+        };
+        let left = self.window.left.filter(|&l| (l as usize) < max_k);
+        Ok(match (left, right) {
+            (None, None) => Masking::default(),
+            (None, Some(0)) => Masking {
+                causal: true,
+                window: None,
+            },
+            (left, right) => {
+                let side = |s: Option<u32>| s.map_or(WINDOW_UNBOUNDED, |s| s.min(WINDOW_UNBOUNDED));
+                Masking {
+                    causal: true,
+                    window: Some(KeyWindow {
+                        left: side(left),
+                        right: side(right),
+                    }),
+                }
+            }
+        })
+    }
+
     /// The scale actually applied for this head dimension.
     pub fn scale_for(&self, head_dim: usize) -> f32 {
         // Computed in f64 so the default is the correctly rounded f32 of 1/sqrt(d).
@@ -253,6 +365,65 @@ mod tests {
     }
 
     #[test]
+    fn windows_resolve_to_the_masking_the_kernels_run() {
+        let params = |causal, left, right| AttentionParams {
+            causal,
+            window: Window { left, right },
+            ..Default::default()
+        };
+        let window = |left, right| Masking {
+            causal: true,
+            window: Some(KeyWindow { left, right }),
+        };
+        let m = |p: AttentionParams| p.masking(100, 1000).unwrap();
+        let unbounded = WINDOW_UNBOUNDED;
+        // No bound, or bounds no row of such sequences meets: no mask, or causal.
+        assert_eq!(m(params(false, None, None)), Masking::default());
+        assert_eq!(m(params(false, Some(1000), Some(100))), Masking::default());
+        assert_eq!(m(params(false, Some(u32::MAX), None)), Masking::default());
+        let causal = Masking {
+            causal: true,
+            window: None,
+        };
+        assert_eq!(m(params(true, None, None)), causal);
+        assert_eq!(m(params(true, None, Some(0))), causal);
+        assert_eq!(m(params(false, None, Some(0))), causal);
+        assert_eq!(m(params(true, Some(5000), None)), causal);
+        // A bound that cuts: the windowed kernels, the other side unbounded.
+        assert_eq!(m(params(true, Some(999), None)), window(999, 0));
+        assert_eq!(m(params(true, Some(0), None)), window(0, 0));
+        assert_eq!(m(params(false, Some(7), None)), window(7, unbounded));
+        assert_eq!(m(params(false, None, Some(99))), window(unbounded, 99));
+        assert_eq!(m(params(false, Some(3), Some(4))), window(3, 4));
+        assert_eq!(
+            AttentionParams::sliding_window(4096)
+                .masking(100, 10_000)
+                .unwrap(),
+            window(4095, 0)
+        );
+        // Causal masking sees nothing past the diagonal.
+        let err = params(true, Some(3), Some(1))
+            .masking(100, 1000)
+            .unwrap_err();
+        assert!(matches!(err, crate::Error::InvalidArgument(_)), "{err}");
+    }
+
+    #[test]
+    fn flash_windows_read_negative_sides_as_unbounded() {
+        assert_eq!(Window::from_flash(-1, -1), Window::FULL);
+        assert_eq!(
+            Window::from_flash(-7, 0),
+            Window {
+                left: None,
+                right: Some(0)
+            }
+        );
+        assert_eq!(Window::from_flash(1 << 40, 3).left, Some(u32::MAX));
+        assert_eq!(Window::sliding(1), Window::from_flash(0, 0));
+        assert_eq!(Window::sliding(0), Window::from_flash(0, 0));
+    }
+
+    #[test]
     fn default_scale() {
         let p = AttentionParams::default();
         assert_eq!(p.softmax_scale, None);
@@ -262,6 +433,7 @@ mod tests {
         let p = AttentionParams {
             softmax_scale: Some(0.5),
             causal: true,
+            ..Default::default()
         };
         assert_eq!(p.scale_for(64), 0.5);
     }

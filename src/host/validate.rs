@@ -22,7 +22,9 @@
 //! 16-byte vector accesses, and `Misaligned` carries a pointer, not a stride.
 
 use crate::error::{Error, Result};
-use crate::host::tensor::{AttentionParams, DIM_HEAD_DIM, DIM_NAMES, LseView, TensorView};
+use crate::host::tensor::{
+    AttentionParams, DIM_HEAD_DIM, DIM_NAMES, KeyWindow, LseView, TensorView,
+};
 use crate::kernels::attention::{HalfType, padded_head_dim};
 use crate::shape::AttnShape;
 
@@ -54,7 +56,11 @@ pub struct FwdProblem {
     pub dtype: HalfType,
     /// The softmax scale actually applied (the default already resolved).
     pub scale: f32,
+    /// Keys past each row's diagonal (moved by the window's right side) are masked.
     pub causal: bool,
+    /// The key window beyond causal masking, if any (then `causal` is set): see
+    /// [`AttentionParams::masking`].
+    pub window: Option<KeyWindow>,
     /// Packed variable-length sequences (`shape.batch` of them, `shape.seqlen_q` the
     /// longest query sequence allowed), or `None` for dense tensors.
     pub packed: Option<Packed>,
@@ -140,8 +146,9 @@ pub fn validate_fwd(
     // 5. GQA/MQA ratio; 6. launch-grid and 32-bit index limits
     check_heads_and_sizes(batch, heads_q, heads_kv, seqlen_q, seqlen_k)?;
 
-    // 7. softmax scale
+    // 7. softmax scale and masking
     check_scale(params)?;
+    let masking = params.masking(seqlen_q, seqlen_k)?;
 
     // 8. pointers
     for (name, t) in all {
@@ -197,7 +204,8 @@ pub fn validate_fwd(
         },
         dtype,
         scale: params.scale_for(head_dim),
-        causal: params.causal,
+        causal: masking.causal,
+        window: masking.window,
         packed: None,
     })
 }
@@ -493,6 +501,7 @@ mod tests {
             &AttentionParams {
                 softmax_scale: None,
                 causal: true,
+                ..Default::default()
             },
         )
         .unwrap();
@@ -510,6 +519,7 @@ mod tests {
                 dtype: HalfType::F16,
                 scale: 0.125,
                 causal: true,
+                window: None,
                 packed: None,
             }
         );
@@ -532,6 +542,7 @@ mod tests {
             &AttentionParams {
                 softmax_scale: Some(0.3),
                 causal: false,
+                ..Default::default()
             },
         )
         .unwrap();
@@ -734,6 +745,7 @@ mod tests {
             let p = AttentionParams {
                 softmax_scale: Some(s),
                 causal: false,
+                ..Default::default()
             };
             let e = validate_fwd(&q, &k, &v, &o, None, &p).unwrap_err();
             assert!(matches!(e, Error::InvalidArgument(ref m) if m.contains("softmax_scale")));
@@ -741,6 +753,7 @@ mod tests {
         let p = AttentionParams {
             softmax_scale: Some(1e-30),
             causal: false,
+            ..Default::default()
         };
         assert!(validate_fwd(&q, &k, &v, &o, None, &p).is_ok());
     }

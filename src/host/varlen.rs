@@ -333,6 +333,7 @@ mod tests {
             let params = AttentionParams {
                 softmax_scale: r.softmax_scale(),
                 causal: r.chance(0.5),
+                ..Default::default()
             };
             let run = std::panic::catch_unwind(|| {
                 validate_varlen(&q, &k, &v, &o, lse.as_ref(), &varlen, &params).map(|p| {

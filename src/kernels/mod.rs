@@ -253,6 +253,7 @@ mod tests {
             dtype: HalfType::F16,
             head_dim: 24,
             causal: false,
+            window: false,
             block_m: 0,
             split_keys: false,
             fold_scale: false,

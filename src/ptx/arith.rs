@@ -92,6 +92,15 @@ impl Kernel {
         d
     }
 
+    /// `d = a − b` clamped to the `s32` range instead of wrapping (`sub.sat.s32`).
+    pub fn sub_sat(&mut self, a: impl Src<S32>, b: impl Src<S32>) -> Reg<S32> {
+        let d = self.reg::<S32>();
+        self.check_owner(&[a.owner(), b.owner()]);
+        let (a, b) = (a.operand(), b.operand());
+        self.emit(format!("sub.sat.s32 {}, {a}, {b};", d.name()));
+        d
+    }
+
     /// `d = a * b + c` (`mad.lo` for integers, `fma.rn` for floats).
     pub fn mad<T: Arith>(&mut self, a: impl Src<T>, b: impl Src<T>, c: impl Src<T>) -> Reg<T> {
         let d = self.reg();

@@ -160,3 +160,27 @@ pub fn random_len(rng: &mut Rng, edges: &[usize], most: usize) -> usize {
         1 + (rng.next_u64() % most as u64) as usize
     }
 }
+
+/// A key window as the random-configuration tests draw it (FlashAttention's
+/// `window_size`): each side none, 0, a few keys (shorter than a tile, so a tile's rows
+/// see different parts of it), or up to `most` keys; the right side none or 0 with
+/// `causal` (which fixes it at 0). At least one side is bounded.
+pub fn random_window(rng: &mut Rng, causal: bool, most: u32) -> flashcore::host::tensor::Window {
+    let side = |rng: &mut Rng| match rng.next_u64() % 5 {
+        0 => None,
+        1 => Some(0),
+        2 => Some(1 + (rng.next_u64() % 40) as u32),
+        _ => Some((rng.next_u64() % u64::from(most + 1)) as u32),
+    };
+    let left = side(rng);
+    let right = if causal {
+        pick(rng, &[None, Some(0)])
+    } else {
+        side(rng)
+    };
+    let left = match (left, right) {
+        (None, None) => Some((rng.next_u64() % u64::from(most + 1)) as u32),
+        _ => left,
+    };
+    flashcore::host::tensor::Window { left, right }
+}

@@ -69,7 +69,7 @@ use super::rows::{Rows, Slab, half_of, zeroed_slabs};
 use super::sequence::clamped_offsets;
 use super::sm80::{LaneRoles, frag_addresses};
 use super::softmax::{OnlineSoftmax, pack_probs, rescale_rows};
-use super::{FWD_HEAD_DIMS, HalfType, PADDED_HEAD_DIMS, padded_head_dim};
+use super::{FWD_HEAD_DIMS, HalfType, PADDED_HEAD_DIMS, WINDOW_UNBOUNDED, padded_head_dim};
 use crate::ptx::{
     B32, Bf16x2, Cmp, F16x2, F32, Half2, Kernel, KernelText, Module, Param, ParamBytes, Pred,
     PtxError, PtxType, RawSlot, Reg, S32, Smem, SmemAddr, SmemLayout, SmemPlan, Special, Swizzle,
@@ -468,7 +468,15 @@ pub struct DecodeArgs {
     pub splits: u32,
     pub scale_log2: f32,
     pub scale: f32,
+    /// Nonzero: query `qi` (position `len − Sq + qi`) sees keys up to its position plus
+    /// `window_right`.
     pub causal: u32,
+    /// Query `qi` sees keys from its position minus `window_left` on; at
+    /// [`WINDOW_UNBOUNDED`] (the most it holds) every key. Below it, a block skips its
+    /// tiles that lie before the sequence's first query's window.
+    pub window_left: u32,
+    /// With `causal`: how far past its position a query sees (0: causal masking).
+    pub window_right: u32,
     /// 16-row chunks of the packed `Sq · group` rows.
     pub row_chunks: u32,
     /// e4m3 cache: float32 scales, one per (position, head), strided like the cache's
@@ -523,6 +531,10 @@ struct Block {
     capacity: Reg<S32>,
     /// The sequence's length as loaded, first used by [`Block::keys`].
     loaded_len: Reg<S32>,
+    /// How many of the block's tiles lie wholly before the window of the sequence's
+    /// first query, skipped: its tile `t` is the sequence's tile `split + (skipped +
+    /// t)·splits` ([`Block::skip_before_window`]). 0 without a window.
+    skipped: Reg<S32>,
     block_n: u32,
     /// A packed kernel's sequence: where its rows are.
     packed: Option<PackedSequence>,
@@ -581,7 +593,7 @@ impl Block {
         if cfg.packed {
             let (seq, keys) = PackedSequence::load(k, args, batch);
             let (split, kv_head, chunk) = Block::position(k, args);
-            return Block {
+            let block = Block {
                 batch,
                 kv_head,
                 chunk,
@@ -589,9 +601,12 @@ impl Block {
                 splits: arg::<S32>(k, args, offset_of!(DecodeArgs, splits)),
                 capacity: keys,
                 loaded_len: keys,
+                skipped: k.mov(0i32),
                 block_n,
                 packed: Some(seq),
             };
+            block.skip_before_window(k, args);
+            return block;
         }
         let seqlens = arg::<U64>(k, args, offset_of!(DecodeArgs, seqlens));
         let at = k.mul_wide_u32(batch, 4u32);
@@ -602,7 +617,7 @@ impl Block {
         let given = k.setp(Cmp::Ne, seqlens, 0u64);
         k.guarded(given, true, |k| k.ld_global_into(loaded_len, at, 0));
         let (split, kv_head, chunk) = Block::position(k, args);
-        Block {
+        let block = Block {
             batch,
             kv_head,
             chunk,
@@ -610,9 +625,40 @@ impl Block {
             splits: arg::<S32>(k, args, offset_of!(DecodeArgs, splits)),
             capacity,
             loaded_len,
+            skipped: k.mov(0i32),
             block_n,
             packed: None,
-        }
+        };
+        block.skip_before_window(k, args);
+        block
+    }
+
+    /// With a key window, sets [`Block::skipped`]: the block's tiles wholly before the
+    /// first key of the sequence's first query's window (`len − Sq − window_left`),
+    /// which no query sees. Those of the sequence are tiles `0..t0`; the block's are
+    /// those with `split + j·splits < t0`, `j < ⌈(t0 − split) / splits⌉`. Only a call
+    /// with a window waits for the length here; the others issue their first tile
+    /// before it arrives.
+    fn skip_before_window(&self, k: &mut Kernel, args: ParamBytes) {
+        let left = arg::<U32>(k, args, offset_of!(DecodeArgs, window_left));
+        let windowed = k.setp(Cmp::Lt, left, WINDOW_UNBOUNDED);
+        k.if_(windowed, |k| {
+            k.comment("A key window: skip the tiles before the first query's window.");
+            let len = k.max(self.loaded_len, 0i32);
+            let len = k.min(len, self.capacity);
+            let queries = self.queries(k, args).cast::<S32>();
+            // In s32: len <= 2^30, left < 2^30, queries <= 16.
+            let first = k.sub(len, queries);
+            let first = k.sub(first, left.cast::<S32>());
+            let first = k.max(first, 0i32);
+            let t0 = k.shr(first, self.block_n.trailing_zeros());
+            // t0 − split > −splits, so the dividend is never negative.
+            let n = k.sub(t0, self.split.cast::<S32>());
+            let n = k.add(n, self.splits);
+            let n = k.sub(n, 1i32);
+            let skipped = k.div(n, self.splits);
+            k.mov_to(self.skipped, skipped);
+        });
     }
 
     /// The block's split, KV head and row chunk, from its grid position.
@@ -653,22 +699,25 @@ impl Block {
         }
     }
 
-    /// The first key of the block's tile `t`: `(split + t·splits)·block_n`.
+    /// The first key of the block's tile `t`: `(split + (skipped + t)·splits)·block_n`.
     fn tile_key0(&self, k: &mut Kernel, t: Reg<S32>) -> Reg<S32> {
+        let t = k.add(t, self.skipped);
         let tile = k.mad(t, self.splits, self.split.cast::<S32>());
         k.shl(tile, self.block_n.trailing_zeros())
     }
 
     /// How many of the block's tiles start below key `keys`: of the sequence's
     /// `n = ⌈keys / block_n⌉` tiles, `⌈(n − split) / splits⌉` (0 when `n ≤ split`: the
-    /// dividend is then in `[0, splits)`).
+    /// dividend is then in `[0, splits)`), less the [`Block::skipped`] ones (at least 0).
     fn tiles_below(&self, k: &mut Kernel, keys: Reg<S32>) -> Reg<S32> {
         let n = k.add(keys, (self.block_n - 1) as i32);
         let n = k.shr(n, self.block_n.trailing_zeros());
         let n = k.sub(n, self.split.cast::<S32>());
         let n = k.add(n, self.splits);
         let n = k.sub(n, 1i32);
-        k.div(n, self.splits)
+        let n = k.div(n, self.splits);
+        let n = k.sub(n, self.skipped);
+        k.max(n, 0i32)
     }
 
     /// The length, clamped to `[0, capacity]`, and the block's tiles under it.
@@ -1649,9 +1698,10 @@ fn scale_columns(k: &mut Kernel, scores: &Slab, f: [Reg<F32>; 4]) {
     }
 }
 
-/// Per row half of this thread (rows `g` and `g + 8` of the tile): the first key the row
-/// must not see. Without causal masking that is the sequence's end; with it, query `qi`
-/// (position `len − Sq + qi`) sees keys up to its own position.
+/// Per row half of this thread (rows `g` and `g + 8` of the tile): the keys the row sees,
+/// `first..end`. Without causal masking `end` is the sequence's end; with it, query `qi`
+/// (position `len − Sq + qi`) sees keys up to its own position plus the window's right
+/// side. `first` is the position less the window's left side (at most 0 without one).
 fn row_limits(
     k: &mut Kernel,
     args: ParamBytes,
@@ -1660,32 +1710,50 @@ fn row_limits(
     row_base: Reg<U32>,
     group: Reg<U32>,
     seqlen_q: Reg<U32>,
-) -> [Reg<S32>; 2] {
+) -> [RowKeys; 2] {
     let causal = arg::<U32>(k, args, offset_of!(DecodeArgs, causal));
     let causal = k.setp(Cmp::Ne, causal, 0u32);
+    let left = arg::<S32>(k, args, offset_of!(DecodeArgs, window_left));
+    let right = arg::<S32>(k, args, offset_of!(DecodeArgs, window_right));
     let g = k.shr(lane, 2);
     std::array::from_fn(|half| {
         let r = k.add(row_base, g);
         let r = k.add(r, 8 * half as u32);
         let qi = k.div(r, group);
-        // len − Sq + qi + 1, in s32: len <= capacity < 2^30 and Sq <= 16.
-        let lim = k.sub(w.seqlen, seqlen_q.cast::<S32>());
-        let lim = k.add(lim, qi.cast::<S32>());
-        let lim = k.add(lim, 1i32);
+        // The position len − Sq + qi, in s32: len <= capacity <= 2^30, Sq <= 16, and
+        // both window sides are at most 2^30.
+        let pos = k.sub(w.seqlen, seqlen_q.cast::<S32>());
+        let pos = k.add(pos, qi.cast::<S32>());
+        let lim = k.add(pos, 1i32);
+        let lim = k.add_sat(lim, right);
         let lim = k.selp(lim, w.seqlen, causal);
-        k.min(lim, w.seqlen)
+        RowKeys {
+            first: k.sub(pos, left),
+            end: k.min(lim, w.seqlen),
+        }
     })
 }
 
-/// Sets to −∞ the scores of keys at or past their row's limit; `key0` is the key of the
-/// thread's column 0 in tile 0.
-fn mask_scores(k: &mut Kernel, scores: &Slab, limits: [Reg<S32>; 2], key0: Reg<S32>) {
-    for (half, &limit) in limits.iter().enumerate() {
-        let left = k.sub(limit, key0);
+/// The keys one row sees: `first..end`.
+#[derive(Clone, Copy)]
+struct RowKeys {
+    first: Reg<S32>,
+    end: Reg<S32>,
+}
+
+/// Sets to −∞ the scores of keys outside their row's [`RowKeys`]; `key0` is the key of
+/// the thread's column 0 in the tile.
+fn mask_scores(k: &mut Kernel, scores: &Slab, rows: [RowKeys; 2], key0: Reg<S32>) {
+    for (half, row) in rows.iter().enumerate() {
+        let left = k.sub(row.end, key0);
+        let before = k.sub(row.first, key0);
         for (nt, tile) in scores.iter().enumerate() {
             for (j, v) in half_of(tile, half).into_iter().enumerate() {
-                let sees = k.setp(Cmp::Gt, left, (8 * nt + j) as i32);
+                let c = (8 * nt + j) as i32;
+                let sees = k.setp(Cmp::Gt, left, c);
                 k.selp_to(v, v, f32::NEG_INFINITY, sees);
+                let early = k.setp(Cmp::Gt, before, c);
+                k.selp_to(v, f32::NEG_INFINITY, v, early);
             }
         }
     }
@@ -2056,6 +2124,11 @@ mod tests {
             let tile0 = fill + ptx[fill..].find("cp.async.commit_group").unwrap();
             let before = &ptx[at + line.len()..tile0];
             assert!(before.contains("cp.async.cg.shared.global"), "{}", c.id());
+            // A call with a key window waits for the length in a branch of its own
+            // (which tiles come first depends on it); the others pass that branch by.
+            let window = before.find("A key window").expect("the window's branch");
+            let branch_end = window + before[window..].find("\n$L_").unwrap();
+            let before = format!("{}{}", &before[..window], &before[branch_end..]);
             let uses = before.match_indices(reg).filter(|(i, _)| {
                 let next = before[i + reg.len()..].chars().next();
                 !next.is_some_and(|ch| ch.is_ascii_digit())

@@ -3,14 +3,20 @@
 //! Keys are visited in tiles of `block_n`; only tiles that cross the sequence end or
 //! (causal) the diagonal need masking, so a kernel runs a masked loop over those and an
 //! unmasked loop over the rest. Causal masking is aligned bottom-right: query row i sees
-//! key j iff `j <= i + (Sk − Sq)`.
+//! key j iff `j <= i + (Sk − Sq)`. A key window (FlashAttention's `window_size`) bounds
+//! each row's keys on both sides of that diagonal: windowed kernels rebase a query tile's
+//! keys past the tiles no row's window reaches ([`windowed_keys`]) and mask both sides.
 //!
 //! Index arithmetic is exact for every length validation accepts: tile counts are
 //! computed in 64 bits, row limits with saturating adds, so nothing wraps near 2^31.
 //! Tiles need not be a power of two keys wide (the sm90 path's d256 tile has 80).
 
+use std::mem::offset_of;
+
+use super::FwdArgs;
 use super::rows::{Rows, Slab};
-use crate::ptx::{Cmp, Kernel, Reg, S32, S64, U32, U64};
+use super::sequence::Sequence;
+use crate::ptx::{Cmp, Kernel, ParamBytes, Reg, S32, S64, U32, U64};
 
 /// The key tiles a query block visits, `0..end`, of which `mask_from..end` need a mask.
 #[derive(Debug, Clone, Copy)]
@@ -125,6 +131,92 @@ fn visited_tiles(
     KeyTiles { end, mask_from }
 }
 
+/// A windowed kernel's view of one query tile's keys ([`FwdConfig::window`]): its
+/// sequence rebased to start at the first key tile any of the tile's rows sees, so that
+/// the key loops, the loads and the masks run over tiles `0..end` as in a causal kernel.
+///
+/// [`FwdConfig::window`]: super::FwdConfig::window
+#[derive(Debug, Clone, Copy)]
+pub struct WindowedKeys {
+    /// The sequence with `k_start` moved on by the skipped keys and `seqlen_k` less them.
+    pub seq: Sequence,
+    /// Row `i` sees rebased keys up to `i + offset` (the causal offset, moved by the
+    /// window's right side and the skipped keys).
+    pub offset: Reg<S32>,
+    /// Row `i` sees rebased keys from `i + low` on.
+    pub low: Reg<S32>,
+}
+
+/// The keys of the query tile starting at row `m_start` of `seq` under the window of
+/// the argument block ([`FwdArgs::window_left`], [`FwdArgs::window_right`]): the first
+/// key any of its rows sees is `m_start + Sk − Sq − left`, and the tiles of `block_n`
+/// keys wholly before it are skipped (a whole number of tiles, so that the rebased
+/// tiles are the sequence's own and its end stays where TMA and the tails expect it).
+/// In 64 bits, clamped into 32: the sides are at most 2^30 and the lengths below 2^31.
+///
+/// [`FwdArgs::window_left`]: super::FwdArgs::window_left
+/// [`FwdArgs::window_right`]: super::FwdArgs::window_right
+pub fn windowed_keys(
+    k: &mut Kernel,
+    args: ParamBytes,
+    seq: Sequence,
+    m_start: Reg<S32>,
+    block_n: u32,
+) -> WindowedKeys {
+    let left = k.load_param_at::<U32>(args, offset_of!(FwdArgs, window_left));
+    let right = k.load_param_at::<U32>(args, offset_of!(FwdArgs, window_right));
+    let left = k.cvt_u64_u32(left).cast::<S64>();
+    let right = k.cvt_u64_u32(right).cast::<S64>();
+    let sk = k.cvt_s64_s32(seq.seqlen_k);
+    let sq = k.cvt_s64_s32(seq.seqlen_q);
+    let diag0 = k.sub(sk, sq);
+    let m = k.cvt_s64_s32(m_start);
+    let first = k.add(m, diag0);
+    let first = k.sub(first, left);
+    let skipped = floor_div64(k, first, block_n);
+    let skipped = k.mul(skipped, i64::from(block_n));
+    let skipped = k.min(skipped, sk);
+    let (lo, hi) = (
+        k.mov::<S64>(i64::from(i32::MIN)),
+        k.mov::<S64>(i64::from(i32::MAX)),
+    );
+    let offset = k.add(diag0, right);
+    let offset = k.sub(offset, skipped);
+    let low = k.sub(diag0, left);
+    let low = k.sub(low, skipped);
+    let skipped = k.cvt_s32_s64(skipped);
+    WindowedKeys {
+        seq: Sequence {
+            k_start: k.add(seq.k_start, skipped),
+            seqlen_k: k.sub(seq.seqlen_k, skipped),
+            ..seq
+        },
+        offset: clamp_to_s32(k, offset, lo, hi),
+        low: clamp_to_s32(k, low, lo, hi),
+    }
+}
+
+/// A windowed query tile's key tiles that cut some row's window on the left, `0..n`
+/// (with [`WindowedKeys`]' rebased keys): those holding a key before the first key the
+/// tile's last row sees, `m_start + block_m − 1 + low`. At most `end`. The tiles from
+/// `n` up to the causal ones need no mask.
+pub fn window_head_tiles(
+    k: &mut Kernel,
+    m_start: Reg<S32>,
+    (block_m, block_n): (u32, u32),
+    low: Reg<S32>,
+    end: Reg<S32>,
+) -> Reg<S32> {
+    let m = k.cvt_s64_s32(m_start);
+    let low = k.cvt_s64_s32(low);
+    let first = k.add(m, low);
+    let first = k.add(first, i64::from(block_m) - 1);
+    let n = ceil_div64(k, first, block_n);
+    let zero = k.mov::<S64>(0i64);
+    let end = k.cvt_s64_s32(end);
+    clamp_to_s32(k, n, zero, end)
+}
+
 /// One past the last key the thread's row `(slab, half)` sees: `seqlen_k`, and with
 /// `causal_offset` at most its diagonal plus one (negative for a row that sees no key).
 pub fn row_key_limit(
@@ -159,9 +251,11 @@ pub fn causal_key_limit(
     k.min(seqlen_k, diag)
 }
 
-/// Sets to −∞ the scores of keys a row must not see: keys at or past `seqlen_k` and,
-/// with `causal_offset`, keys past the row's diagonal. `first_key` is the tile's first
-/// key, `m_start` the block's first query row.
+/// Sets to −∞ the scores of keys a row must not see: keys at or past `seqlen_k`, with
+/// `causal_offset` keys past the row's diagonal, and with `low` (a window's) keys before
+/// the row's index plus `low`. `first_key` is the tile's first key, `m_start` the
+/// block's first query row.
+#[allow(clippy::too_many_arguments)]
 pub fn apply_mask(
     k: &mut Kernel,
     rows: &Rows,
@@ -170,6 +264,7 @@ pub fn apply_mask(
     m_start: Reg<S32>,
     seqlen_k: Reg<S32>,
     causal_offset: Option<Reg<S32>>,
+    low: Option<Reg<S32>>,
 ) {
     let first_col = k.add(first_key, rows.col);
     for (slab, tiles) in scores.iter().enumerate() {
@@ -180,11 +275,23 @@ pub fn apply_mask(
             }
             // Column j of tile nt is first_col + 8·nt + j: masked when that is >= limit.
             let room = k.sub(limit, first_col);
+            // ... or, in a window, when it is below the row's first key.
+            let before = low.map(|low| {
+                let row = k.add_sat(m_start, rows.row0);
+                let row = k.add_sat(row, Rows::offset(slab, half) as i32);
+                let first = k.add_sat(row, low);
+                k.sub_sat(first, first_col)
+            });
             for (nt, tile) in tiles.iter().enumerate() {
                 for j in 0..2 {
-                    let masked = k.setp(Cmp::Le, room, (nt * 8 + j) as i32);
+                    let c = (nt * 8 + j) as i32;
+                    let masked = k.setp(Cmp::Le, room, c);
                     let v = tile[2 * half + j];
                     k.selp_to(v, f32::NEG_INFINITY, v, masked);
+                    if let Some(before) = before {
+                        let early = k.setp(Cmp::Gt, before, c);
+                        k.selp_to(v, f32::NEG_INFINITY, v, early);
+                    }
                 }
             }
         }

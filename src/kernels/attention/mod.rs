@@ -61,6 +61,11 @@ pub struct FwdConfig {
     pub dtype: HalfType,
     pub head_dim: u32,
     pub causal: bool,
+    /// A causal kernel that also hides the keys before each row's window
+    /// ([`FwdArgs::window_left`]) and moves the diagonal by [`FwdArgs::window_right`]:
+    /// each work item starts at the first key tile its rows' windows reach, and masks
+    /// every tile. Never with split keys.
+    pub window: bool,
     /// Query rows per block: [`BLOCK_M_WIDE`] normally, [`BLOCK_M_NARROW`] when the wide
     /// tiles would leave SMs idle (few heads, short sequences).
     pub block_m: u32,
@@ -137,6 +142,12 @@ pub fn scale_folds(dtype: HalfType, head_dim: u32, scale: f32) -> bool {
     scale > 0.0 && (c <= 1.0 || c * largest_score <= f32::MAX as f64)
 }
 
+/// The largest key-window side a kernel argument carries; a side at it (or without a
+/// bound) reaches every key of any sequence the kernels accept (2^30 keys at most, the
+/// 2^25 of a dense forward call, a cache's capacity), and `position ± side` stays inside
+/// 32 bits.
+pub const WINDOW_UNBOUNDED: u32 = 1 << 30;
+
 /// The default query tile: more work per K/V tile loaded.
 pub const BLOCK_M_WIDE: u32 = 128;
 /// The small-grid query tile: twice the blocks for the same problem.
@@ -150,11 +161,39 @@ impl FwdConfig {
             dtype,
             head_dim,
             causal,
+            window: false,
             block_m,
             split_keys: false,
             fold_scale: false,
             padded,
             narrow_keys: false,
+        }
+    }
+
+    /// Whether this windowed kernel leaves the key tiles inside every row's window
+    /// unmasked, masking only those that cut a window (the diagonal's and the window's
+    /// left edge's) in loops of their own; otherwise it masks every tile in one loop.
+    /// The third loop costs registers: the sm90 path's head-dim-256 kernels with
+    /// 80-key tiles spilled 100–108 bytes with it, and the sm80 path's tight kernels
+    /// (head dim 32 on 64 rows, padded 64 and 128) spilled or re-paired fragments, so
+    /// those paths mask every tile.
+    pub fn masks_window_edges_only(&self) -> bool {
+        self.window
+            && self.path == Path::Sm90
+            && !(self.head_dim == 256 && self.block_m == BLOCK_M_WIDE && !self.narrow_keys)
+    }
+
+    /// The windowed kernel of this configuration's path, dtype, head dim and tiles
+    /// ([`FwdConfig::window`]); split keys give way to a single warpgroup's tile, and
+    /// the sm90 path's 192-row tiles (three consumer warpgroups at 128 registers, which
+    /// the window's mask spills) to 128-row ones.
+    pub fn windowed(self) -> Self {
+        FwdConfig {
+            causal: true,
+            window: true,
+            split_keys: false,
+            block_m: self.block_m.min(BLOCK_M_WIDE),
+            ..self
         }
     }
 
@@ -172,7 +211,11 @@ impl FwdConfig {
             if self.split_keys { "_splitkv" } else { "" },
             if self.fold_scale { "_fold" } else { "" },
             if self.padded { "_padded" } else { "" },
-            if self.causal { "_causal" } else { "" }
+            match (self.causal, self.window) {
+                (_, true) => "_window",
+                (true, false) => "_causal",
+                (false, false) => "",
+            }
         )
     }
 
@@ -210,13 +253,17 @@ pub struct Tiling {
     pub smem_bytes: u32,
 }
 
+/// The masks a forward kernel is built for, as `(causal, window)`: none, causal, and a
+/// key window (on the causal kernels).
+const MASKS: [(bool, bool); 3] = [(false, false), (true, false), (true, true)];
+
 /// Every forward configuration the dispatch can choose: the sm80 path's for every head
 /// dimension and both query tiles, then the sm90 path's.
 pub fn all_fwd_configs() -> Vec<FwdConfig> {
     let mut v = Vec::new();
     for dtype in [HalfType::F16, HalfType::Bf16] {
         for head_dim in FWD_HEAD_DIMS {
-            for causal in [false, true] {
+            for (causal, window) in MASKS {
                 for block_m in [BLOCK_M_WIDE, BLOCK_M_NARROW] {
                     let paddings: &[bool] = if PADDED_HEAD_DIMS.contains(&head_dim) {
                         &[false, true]
@@ -224,7 +271,8 @@ pub fn all_fwd_configs() -> Vec<FwdConfig> {
                         &[false]
                     };
                     for &padded in paddings {
-                        v.push(FwdConfig::sm80(dtype, head_dim, causal, block_m, padded));
+                        let cfg = FwdConfig::sm80(dtype, head_dim, causal, block_m, padded);
+                        v.push(if window { cfg.windowed() } else { cfg });
                     }
                 }
             }
@@ -232,9 +280,12 @@ pub fn all_fwd_configs() -> Vec<FwdConfig> {
     }
     for dtype in [HalfType::F16, HalfType::Bf16] {
         for head_dim in sm90::HEAD_DIMS {
-            for causal in [false, true] {
+            for (causal, window) in MASKS {
                 for block_m in sm90::BLOCK_MS {
                     for split_keys in [false, true] {
+                        if window && (split_keys || block_m > BLOCK_M_WIDE) {
+                            continue;
+                        }
                         let tile = if split_keys {
                             sm90::has_split(head_dim, block_m)
                         } else {
@@ -267,6 +318,7 @@ pub fn all_fwd_configs() -> Vec<FwdConfig> {
                                         dtype,
                                         head_dim,
                                         causal,
+                                        window,
                                         block_m,
                                         split_keys,
                                         fold_scale,
@@ -334,6 +386,11 @@ pub struct FwdArgs {
     /// sm90 path: nonzero when the launch passes a tensor map of O (dense O whose layout
     /// TMA can describe): the epilogue stages O in shared memory and stores it by TMA.
     pub o_by_tma: u32,
+    /// Windowed kernels ([`FwdConfig::window`]): query row `i` of a sequence, whose
+    /// diagonal is key `d = i + Sk − Sq`, sees keys `d − window_left ..= d +
+    /// window_right`; each at most [`WINDOW_UNBOUNDED`]. Other kernels ignore them.
+    pub window_left: u32,
+    pub window_right: u32,
 }
 
 impl FwdArgs {

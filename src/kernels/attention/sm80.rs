@@ -30,7 +30,7 @@ use std::marker::PhantomData;
 use std::mem::offset_of;
 
 use super::epilogue::{OutputBlock, store_output};
-use super::mask::{apply_mask, key_tiles, query_block};
+use super::mask::{KeyTiles, apply_mask, key_tiles, query_block, window_head_tiles, windowed_keys};
 use super::rows::{Rows, Slab, zeroed_slabs};
 use super::sequence::sequence;
 use super::softmax::OnlineSoftmax;
@@ -325,9 +325,24 @@ fn build<H: Half2>(cfg: &FwdConfig) -> Result<KernelText, PtxError> {
         head,
         m_start,
     } = coords(&mut k, cfg.causal, block_m);
-    let seq = sequence(&mut k, args, batch);
+    // The sequence, its keys rebased past those no row's window reaches in a windowed
+    // kernel; read again where needed (see `keys_again`).
+    // (`m_start` is the block's first query row, needed by a windowed kernel only.)
+    let keys_of = |k: &mut Kernel, batch: Reg<U32>, m_start: Option<Reg<S32>>| {
+        let seq = sequence(k, args, batch);
+        match m_start {
+            Some(m_start) if cfg.window => {
+                let w = windowed_keys(k, args, seq, m_start, block_n);
+                (w.seq, w.offset, Some(w.low))
+            }
+            _ => {
+                let offset = seq.causal_offset(k);
+                (seq, offset, None)
+            }
+        }
+    };
+    let (seq, causal_offset, low) = keys_of(&mut k, batch, Some(m_start));
     let (seqlen_q, seqlen_k) = (seq.seqlen_q, seq.seqlen_k);
-    let causal_offset = seq.causal_offset(&mut k);
     let kv_head = k.div(head, group);
 
     k.comment("Key tiles to visit: 0..end; tiles mask_from.. need masking.");
@@ -335,6 +350,23 @@ fn build<H: Half2>(cfg: &FwdConfig) -> Result<KernelText, PtxError> {
     let n = key_tiles(
         &mut k, seqlen_q, seqlen_k, m_start, block_m, block_n, causal,
     );
+    // A windowed kernel masks every tile (see `FwdConfig::masks_window_edges_only`), or
+    // also the tiles that cut a row's window on the left, `0..head`, below the
+    // unmasked ones.
+    let head_masked = low
+        .filter(|_| cfg.masks_window_edges_only())
+        .map(|low| window_head_tiles(&mut k, m_start, (block_m, block_n), low, n.end));
+    let n = match (head_masked, cfg.window) {
+        (Some(head), _) => KeyTiles {
+            mask_from: k.max(n.mask_from, head),
+            ..n
+        },
+        (None, true) => KeyTiles {
+            mask_from: k.mov(0i32),
+            ..n
+        },
+        (None, false) => n,
+    };
 
     let f = Fwd::<H>::new(&mut k, s, cfg.causal, tid, &smem, &tiles);
     let epilogue = k.label();
@@ -394,7 +426,15 @@ fn build<H: Half2>(cfg: &FwdConfig) -> Result<KernelText, PtxError> {
     // The sequence's lengths are read again where needed, not kept: a value that may
     // come from the packed offsets cannot be rematerialised from the parameter space,
     // and one more register across the loop spills d96's wide tile.
+    let keys_again = |k: &mut Kernel| {
+        let batch = k.special(Special::CtaidZ);
+        let m_start = cfg.window.then(|| coords(k, f.causal, block_m).m_start);
+        keys_of(k, batch, m_start)
+    };
     let seq_again = |k: &mut Kernel| {
+        if cfg.window {
+            return keys_again(k).0;
+        }
         let batch = k.special(Special::CtaidZ);
         sequence(k, args, batch)
     };
@@ -408,12 +448,11 @@ fn build<H: Half2>(cfg: &FwdConfig) -> Result<KernelText, PtxError> {
 
         let scores = f.scores(k);
         if masked {
-            let seq = seq_again(k);
-            let causal_offset = seq.causal_offset(k);
+            let (seq, causal_offset, low) = keys_again(k);
             let causal = f.causal.then_some(causal_offset);
             let m_start = coords(k, f.causal, block_m).m_start;
             let (_, rows) = thread_rows(k, s.m_tiles);
-            apply_mask(k, &rows, &scores, n_row, m_start, seq.seqlen_k, causal);
+            apply_mask(k, &rows, &scores, n_row, m_start, seq.seqlen_k, causal, low);
         }
 
         // Every warp is done with K[n], and V[n] has landed: refill K with K[n-1], half
@@ -442,7 +481,17 @@ fn build<H: Half2>(cfg: &FwdConfig) -> Result<KernelText, PtxError> {
     let last_unmasked = k.sub(unmasked, 1i32);
     k.for_range(last, last_unmasked, -1, |k, n| step(k, n, true));
     k.comment("The remaining key tiles need no mask.");
-    k.for_range(last_unmasked, -1i32, -1, |k, n| step(k, n, false));
+    match head_masked {
+        None => k.for_range(last_unmasked, -1i32, -1, |k, n| step(k, n, false)),
+        Some(head) => {
+            let head_end = k.sub(head, 1i32);
+            k.for_range(last_unmasked, head_end, -1, |k, n| step(k, n, false));
+            k.comment("Key tiles that cut a row's window on the left.");
+            let top = k.min(head, unmasked);
+            let top = k.sub(top, 1i32);
+            k.for_range(top, -1i32, -1, |k, n| step(k, n, true));
+        }
+    }
 
     k.place(epilogue);
     let c = coords(&mut k, cfg.causal, block_m);

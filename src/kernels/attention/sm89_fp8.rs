@@ -400,7 +400,16 @@ fn build<H: Half2>(cfg: &Fp8Config) -> Result<KernelText, PtxError> {
             let causal = f.causal.then_some(causal_offset);
             let m_start = coords(k, f.causal, BLOCK_M).m_start;
             let (_, rows) = thread_rows(k, 1);
-            apply_mask(k, &rows, &scores, n_row, m_start, seq.seqlen_k, causal);
+            apply_mask(
+                k,
+                &rows,
+                &scores,
+                n_row,
+                m_start,
+                seq.seqlen_k,
+                causal,
+                None,
+            );
         }
         let dequant = {
             let scale_log2 = arg::<F32>(k, args, offset_of!(FwdArgs, scale_log2));

@@ -378,6 +378,7 @@ impl Fwd {
             smem: self.smem,
             queue: &self.slots.work,
             causal: self.causal,
+            window: None,
             tile: (BLOCK_M, self.s.block_n),
         }
     }

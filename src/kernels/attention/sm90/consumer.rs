@@ -229,9 +229,25 @@ impl<H: Half2 + WgmmaInput> Consumer<'_, H> {
             let odd = k.and(gap, 1u32).cast::<S32>();
             k.sub(below, odd)
         };
-        let o = k.for_range_carry(first_unmasked, -1i32, -stride, o, |k, n, o| {
-            self.step::<NS, NO>(k, n, false, o, kr, vr)
-        });
+        let o = match self.b.head_masked {
+            None => k.for_range_carry(first_unmasked, -1i32, -stride, o, |k, n, o| {
+                self.step::<NS, NO>(k, n, false, o, kr, vr)
+            }),
+            // A window (never with split keys): the unmasked tiles end where the tiles
+            // that cut a row's window on the left begin.
+            Some(head) => {
+                let head_end = k.sub(head, 1i32);
+                let o = k.for_range_carry(first_unmasked, head_end, -1, o, |k, n, o| {
+                    self.step::<NS, NO>(k, n, false, o, kr, vr)
+                });
+                k.comment("Tiles that cut a row's window on the left.");
+                let top = k.min(head, last);
+                let top = k.sub(top, 1i32);
+                k.for_range_carry(top, -1i32, -1, o, |k, n, o| {
+                    self.step::<NS, NO>(k, n, true, o, kr, vr)
+                })
+            }
+        };
         // Every Q K^T of this work item is done: the producer may load the next Q while
         // the last P V and the epilogue run (unless O is staged in Q's tile).
         if !self.f.s.o_in_q() {

@@ -37,6 +37,13 @@
 //! tiles that need a mask (the sequence end, the causal diagonal) form a loop of their
 //! own ahead of the unmasked ones.
 //!
+//! Windowed kernels ([`FwdConfig::window`], FlashAttention's `window_size`) are the causal
+//! kernels with each work item's keys rebased to the first key tile its rows' windows
+//! reach ([`windowed_keys`](super::mask::windowed_keys)), so the producer and the loops
+//! above run unchanged over fewer tiles; the tiles that cut a row's window on the left
+//! form a third, masked loop after the unmasked ones (every tile is masked at head dim
+//! 256 with 80-key tiles, whose registers the third loop would spill).
+//!
 //! O leaves through shared memory: each warp writes its 16 rows with `stmatrix` into a
 //! staging tile laid out as Q's and one lane sends them out by TMA, which clips the rows
 //! past the sequence end (direct stores of O took 3–9% of the time at S 2048). The
@@ -67,7 +74,7 @@ use producer::produce;
 pub(super) use producer::produce_items;
 use roles::Fwd;
 pub(super) use roles::{ConsumerRoles, Rings, split_roles};
-pub(super) use schedule::{Block, ItemLoop, Role, WorkQueue};
+pub(super) use schedule::{Block, ItemLoop, Role, WindowTiles, WorkQueue};
 pub use shape::{
     CONSUMER_REGS, D64_STAGES, MAX_SMEM, MapColumns, PRODUCER_REGS, SPLIT_STAGES, STAGES, Shape,
     Slots,
@@ -215,6 +222,11 @@ where
     let f = Fwd {
         s,
         causal: cfg.causal,
+        window: cfg.window.then_some(if cfg.masks_window_edges_only() {
+            WindowTiles::EdgesOnly
+        } else {
+            WindowTiles::Every
+        }),
         fold_scale: cfg.fold_scale,
         args,
         maps,

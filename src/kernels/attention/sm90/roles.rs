@@ -4,7 +4,7 @@
 
 use std::mem::offset_of;
 
-use super::schedule::{ItemLoop, WorkQueue};
+use super::schedule::{ItemLoop, WindowTiles, WorkQueue};
 use super::shape::{MapColumns, Shape, Slots};
 use crate::kernels::attention::FwdArgs;
 use crate::kernels::attention::epilogue::OutputStage;
@@ -211,6 +211,8 @@ impl ConsumerRoles {
 pub(super) struct Fwd {
     pub(super) s: Shape,
     pub(super) causal: bool,
+    /// A windowed kernel's tile masking ([`ItemLoop::window`]).
+    pub(super) window: Option<WindowTiles>,
     /// The scale folded into the exponent ([`FwdConfig::fold_scale`](crate::kernels::attention::FwdConfig::fold_scale)).
     pub(super) fold_scale: bool,
     pub(super) args: ParamBytes,
@@ -232,6 +234,7 @@ impl Fwd {
             smem: self.smem,
             queue: &self.slots.work,
             causal: self.causal,
+            window: self.window,
             tile: (self.s.block_m, self.s.block_n),
         }
     }

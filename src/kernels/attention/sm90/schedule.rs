@@ -4,7 +4,9 @@
 use std::mem::offset_of;
 
 use crate::kernels::attention::FwdArgs;
-use crate::kernels::attention::mask::{KeyTiles, apply_mask, key_tiles, query_block};
+use crate::kernels::attention::mask::{
+    KeyTiles, apply_mask, key_tiles, query_block, window_head_tiles, windowed_keys,
+};
 use crate::kernels::attention::rows::{Rows, Slab};
 use crate::kernels::attention::sequence::{Sequence, sequence};
 use crate::ptx::{
@@ -21,13 +23,19 @@ pub(crate) struct Block {
     pub m_start: Reg<S32>,
     pub seq: Sequence,
     pub causal_offset: Reg<S32>,
+    /// A windowed kernel's: row `i` sees keys from `i + low` on (`seq` rebased, see
+    /// [`windowed_keys`]).
+    pub low: Option<Reg<S32>>,
+    /// A windowed kernel's key tiles `0..head_masked` that cut a row's window on the
+    /// left ([`window_head_tiles`]); `tiles.mask_from` is at least it.
+    pub head_masked: Option<Reg<S32>>,
     pub tiles: KeyTiles,
 }
 
 impl Block {
     /// Masks key tile `n` of `block_n` keys in `scores` (the accumulator rows `rows`
     /// holds): keys past the sequence's end and, in a causal kernel, past each row's
-    /// diagonal.
+    /// diagonal (in a windowed one, also before each row's window).
     pub fn mask_tile(
         &self,
         k: &mut Kernel,
@@ -38,7 +46,9 @@ impl Block {
         let first_key = k.mul(n, block_n as i32);
         let causal = causal.then_some(self.causal_offset);
         let (m_start, seqlen_k) = (self.m_start, self.seq.seqlen_k);
-        apply_mask(k, rows, scores, first_key, m_start, seqlen_k, causal);
+        apply_mask(
+            k, rows, scores, first_key, m_start, seqlen_k, causal, self.low,
+        );
     }
 }
 
@@ -95,14 +105,27 @@ pub(crate) struct ItemLoop<'a> {
     pub smem: Smem,
     pub queue: &'a WorkQueue,
     pub causal: bool,
+    /// A windowed kernel ([`FwdConfig::window`](crate::kernels::attention::FwdConfig::window)),
+    /// causal too: whether it masks only the tiles at its windows' edges
+    /// ([`FwdConfig::masks_window_edges_only`](crate::kernels::attention::FwdConfig::masks_window_edges_only))
+    /// or every tile.
+    pub window: Option<WindowTiles>,
     pub tile: (u32, u32),
+}
+
+/// Which key tiles a windowed kernel masks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum WindowTiles {
+    Every,
+    EdgesOnly,
 }
 
 impl ItemLoop<'_> {
     /// Runs `body` on each work item this block's `role` takes: [`for_each_item`].
     pub fn run(&self, k: &mut Kernel, role: Role, body: impl FnOnce(&mut Kernel, &Block)) {
         let queue = (self.queue, self.smem, role);
-        for_each_item(k, self.args, queue, self.causal, self.tile, body);
+        let mask = (self.causal, self.window);
+        for_each_item(k, self.args, queue, mask, self.tile, body);
     }
 }
 
@@ -127,10 +150,11 @@ fn for_each_item(
     k: &mut Kernel,
     args: ParamBytes,
     (queue, smem, role): (&WorkQueue, Smem, Role),
-    causal: bool,
+    mask: (bool, Option<WindowTiles>),
     tile: (u32, u32),
     body: impl FnOnce(&mut Kernel, &Block),
 ) {
+    let causal = mask.0;
     let arg = |k: &mut Kernel, off| k.load_param_at::<U32>(args, off);
     let q_blocks = arg(k, offset_of!(FwdArgs, q_blocks));
     let heads = arg(k, offset_of!(FwdArgs, heads_q));
@@ -139,7 +163,7 @@ fn for_each_item(
     let items = k.mul(head_batches, q_blocks);
     if !causal {
         k.for_grid_stride(items.cast::<S32>(), |k, item| {
-            let b = item_block(k, args, false, tile, item.cast(), [q_blocks, heads]);
+            let b = item_block(k, args, mask, tile, item.cast(), [q_blocks, heads]);
             body(k, &b);
         });
         return;
@@ -163,7 +187,7 @@ fn for_each_item(
             publish(k, &mut ring, item);
             let more = |k: &mut Kernel| k.setp(Cmp::Lt, item, items);
             k.while_(more, |k| {
-                let b = item_block(k, args, causal, tile, item, [q_blocks, heads]);
+                let b = item_block(k, args, mask, tile, item, [q_blocks, heads]);
                 body(k, &b);
                 // The ticket is taken once this item's loads are issued; its latency
                 // hides behind the consumers' last tiles.
@@ -189,7 +213,7 @@ fn for_each_item(
             take(k, &mut ring);
             let more = |k: &mut Kernel| k.setp(Cmp::Lt, item, items);
             k.while_(more, |k| {
-                let b = item_block(k, args, causal, tile, item, [q_blocks, heads]);
+                let b = item_block(k, args, mask, tile, item, [q_blocks, heads]);
                 body(k, &b);
                 take(k, &mut ring);
             });
@@ -199,11 +223,12 @@ fn for_each_item(
 
 /// The (query tile, head, batch) of work item `item`: head-batch-major with each head's
 /// query tiles in a row, except, with causal masking, the last `tail_heads` head-batches,
-/// which are query-tile-major (see [`for_each_item`]).
+/// which are query-tile-major (see [`for_each_item`]). A windowed kernel's item starts
+/// at the first key tile its rows' windows reach ([`windowed_keys`]) and masks them all.
 pub(super) fn item_block(
     k: &mut Kernel,
     args: ParamBytes,
-    causal: bool,
+    (causal, window): (bool, Option<WindowTiles>),
     (block_m, block_n): (u32, u32),
     item: Reg<U32>,
     [q_blocks, heads]: [Reg<U32>; 2],
@@ -230,16 +255,36 @@ pub(super) fn item_block(
     let m_block = query_block(k, m_index, q_blocks, causal);
     let m_start = k.mul(m_block.cast::<S32>(), block_m as i32);
     let seq = sequence(k, args, b);
-    let causal_offset = seq.causal_offset(k);
+    let (seq, causal_offset, low) = if window.is_some() {
+        let w = windowed_keys(k, args, seq, m_start, block_n);
+        (w.seq, w.offset, Some(w.low))
+    } else {
+        let offset = seq.causal_offset(k);
+        (seq, offset, None)
+    };
     let mask = causal.then_some(causal_offset);
     let (sq, sk) = (seq.seqlen_q, seq.seqlen_k);
-    let tiles = key_tiles(k, sq, sk, m_start, block_m, block_n, mask);
+    let mut tiles = key_tiles(k, sq, sk, m_start, block_m, block_n, mask);
+    let head_masked = match (window, low) {
+        (Some(WindowTiles::EdgesOnly), Some(low)) => {
+            let head = window_head_tiles(k, m_start, (block_m, block_n), low, tiles.end);
+            tiles.mask_from = k.max(tiles.mask_from, head);
+            Some(head)
+        }
+        (Some(WindowTiles::Every), _) => {
+            tiles.mask_from = k.mov(0i32);
+            None
+        }
+        _ => None,
+    };
     Block {
         batch: b,
         head,
         m_start,
         seq,
         causal_offset,
+        low,
+        head_masked,
         tiles,
     }
 }
