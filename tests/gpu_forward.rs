@@ -244,8 +244,9 @@ fn with_masking(c: FwdCase) -> FwdCase {
 
 /// Key windows at the tiles' edges: windows of 0, 1, 63, 64, 65, 127, 128 and 129 keys
 /// behind the diagonal (and a few ahead of it without causal masking) on sequence
-/// lengths 1 to 1023, with the sm90a kernels of 64- and 128-row tiles forced, and the
-/// head dim 256 kernel of 64-key tiles.
+/// lengths 1 to 1023, on the sm80 path's kernels of 64- and 128-row tiles, and with the
+/// sm90a kernels of 64- and 128-row tiles forced, and the head dim 256 kernel of 64-key
+/// tiles.
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn key_windows_at_tile_edges() {
@@ -281,6 +282,20 @@ fn key_windows_at_tile_edges() {
         }
     }
     run_cases(&cases);
+    let sm80: Vec<FwdCase> = cases
+        .iter()
+        .flat_map(|&c| {
+            [BLOCK_M_WIDE, BLOCK_M_NARROW].map(|block_m| {
+                let cfg =
+                    FwdConfig::sm80(c.dtype, c.shape.head_dim as u32, c.causal, block_m, false);
+                with_masking(FwdCase {
+                    kernel: Some(cfg),
+                    ..c
+                })
+            })
+        })
+        .collect();
+    run_cases(&sm80);
     if !on_sm90() {
         return;
     }

@@ -174,13 +174,18 @@ impl FwdConfig {
     /// unmasked, masking only those that cut a window (the diagonal's and the window's
     /// left edge's) in loops of their own; otherwise it masks every tile in one loop.
     /// The third loop costs registers: the sm90 path's head-dim-256 kernels with
-    /// 80-key tiles spilled 100–108 bytes with it, and the sm80 path's tight kernels
-    /// (head dim 32 on 64 rows, padded 64 and 128) spilled or re-paired fragments, so
-    /// those paths mask every tile.
+    /// 80-key tiles spilled 100–108 bytes with it, and three of the sm80 path's (head
+    /// dim 32 on 64 rows and padded 64 on 64 rows re-paired their fragments past the
+    /// move budget, padded 128 on 128 rows spilled 8 bytes), so those mask every tile.
     pub fn masks_window_edges_only(&self) -> bool {
-        self.window
-            && self.path == Path::Sm90
-            && !(self.head_dim == 256 && self.block_m == BLOCK_M_WIDE && !self.narrow_keys)
+        let tight = match self.path {
+            Path::Sm90 => self.head_dim == 256 && self.block_m == BLOCK_M_WIDE && !self.narrow_keys,
+            Path::Sm80 => matches!(
+                (self.head_dim, self.block_m, self.padded),
+                (32, BLOCK_M_NARROW, _) | (64, BLOCK_M_NARROW, true) | (128, BLOCK_M_WIDE, true)
+            ),
+        };
+        self.window && !tight
     }
 
     /// The windowed kernel of this configuration's path, dtype, head dim and tiles

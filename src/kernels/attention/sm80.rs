@@ -9,7 +9,8 @@
 //! ```text
 //! load Q, K[last]                                   (cp.async)
 //! for n in (mask_from..end).rev(): step(n, masked)
-//! for n in (0..mask_from).rev():   step(n, unmasked)
+//! for n in (head..mask_from).rev(): step(n, unmasked)
+//! for n in (0..head).rev():         step(n, masked)     (a window's left edge; else head = 0)
 //!
 //! step(n):
 //!     wait K[n]; issue V[n]                         (V lands while S is computed)
@@ -25,6 +26,11 @@
 //! [128 B]`, or 64-byte blocks when d is not a multiple of 64: d = 32, 96) under the
 //! 128-byte swizzle, so the 8 row addresses of an `ldmatrix` land in 8 different bank
 //! groups. K and V each have one buffer: each is refilled while the other is consumed.
+//!
+//! Windowed kernels ([`FwdConfig::window`]) rebase the block's keys to the first key tile
+//! its rows' windows reach ([`windowed_keys`]); the tiles that cut a row's window on the
+//! left are masked in the third loop, or, where its registers do not fit
+//! ([`FwdConfig::masks_window_edges_only`]), every tile is masked in the first.
 
 use std::marker::PhantomData;
 use std::mem::offset_of;
@@ -350,9 +356,9 @@ fn build<H: Half2>(cfg: &FwdConfig) -> Result<KernelText, PtxError> {
     let n = key_tiles(
         &mut k, seqlen_q, seqlen_k, m_start, block_m, block_n, causal,
     );
-    // A windowed kernel masks every tile (see `FwdConfig::masks_window_edges_only`), or
-    // also the tiles that cut a row's window on the left, `0..head`, below the
-    // unmasked ones.
+    // A windowed kernel also masks the tiles that cut a row's window on the left,
+    // `0..head`, below the unmasked ones, or every tile where that third loop's registers
+    // do not fit (`FwdConfig::masks_window_edges_only`).
     let head_masked = low
         .filter(|_| cfg.masks_window_edges_only())
         .map(|low| window_head_tiles(&mut k, m_start, (block_m, block_n), low, n.end));

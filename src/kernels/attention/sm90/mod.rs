@@ -42,7 +42,8 @@
 //! reach ([`windowed_keys`](super::mask::windowed_keys)), so the producer and the loops
 //! above run unchanged over fewer tiles; the tiles that cut a row's window on the left
 //! form a third, masked loop after the unmasked ones (every tile is masked at head dim
-//! 256 with 80-key tiles, whose registers the third loop would spill).
+//! 256 with 80-key tiles, whose registers the third loop would spill; see
+//! [`FwdConfig::masks_window_edges_only`]).
 //!
 //! O leaves through shared memory: each warp writes its 16 rows with `stmatrix` into a
 //! staging tile laid out as Q's and one lane sends them out by TMA, which clips the rows
