@@ -63,7 +63,8 @@ const USAGE: &str = "usage:
   flashcore gemm [--m M] [--n N] [--k K] [--dtype bf16|f16|e4m3|all] [--iters N] [--json FILE]
   flashcore decode [--shapes BxSKV,...] [--pages 0,16,64] [--heads 32] [--kv-heads 8]
                    [--head-dim 128] [--seqlen-q 1] [--causal] [--dtype f16|bf16] [--iters N]
-                   [--kv-dtype e4m3] [--cache-layout bshd|bhsd] [--json FILE]
+                   [--kv-dtype e4m3] [--cache-layout bshd|bhsd] [--window LEFT,RIGHT]
+                   [--json FILE]
   flashcore varlen [--lens 512,4096,...] [--q-lens 1,16,...] [--heads 32] [--kv-heads 8]
                    [--head-dim 128] [--causal] [--dtype f16|bf16] [--path sm80] [--iters N]
                    [--json FILE]
@@ -966,10 +967,12 @@ fn decode(args: &[String]) -> Result<(), Failure> {
             "--pages",
             "--kv-dtype",
             "--cache-layout",
+            "--window",
         ],
         &["--causal"],
     )?;
     let iters = o.num("--iters", 100)?;
+    let window = parse_window(o.value("--window"))?;
     // A contiguous cache as `[B, Skv, Hkv, D]` (the serving layout) or with each head's
     // rows together, `[B, Hkv, Skv, D]` (SDPA's layout), passed as a strided view.
     let head_major = match o.value("--cache-layout").unwrap_or("bshd") {
@@ -1051,7 +1054,7 @@ fn decode(args: &[String]) -> Result<(), Failure> {
     let params = AttentionParams {
         softmax_scale: None,
         causal,
-        ..Default::default()
+        window,
     };
     out!(
         "{} ({}), flashcore decode, {} cache, contiguous as {}",
@@ -1072,11 +1075,14 @@ fn decode(args: &[String]) -> Result<(), Failure> {
     for &(b, skv) in &shapes {
         for &page in &pages {
             let kv_elems = b * skv * hkv * d;
-            // Bytes a step reads: K and V, and an e4m3 cache's scales (4 bytes a row).
+            // Bytes a step reads: K and V, and an e4m3 cache's scales (4 bytes a row);
+            // with a window on the left, only the keys some query's window holds.
             let scale_bytes = if fp8 { kv_elems / d * 4 } else { 0 };
-            let kv_bytes = 2 * (kv_elems * elem + scale_bytes);
+            let cache_bytes = 2 * (kv_elems * elem + scale_bytes);
+            let seen = window.left.map_or(skv, |l| skv.min(l as usize + sq));
+            let kv_bytes = cache_bytes / skv.max(1) * seen;
             // Enough copies of the cache that one call's K/V is never in L2.
-            let copies = (3 * dev.l2_bytes() as usize).div_ceil(kv_bytes).max(1) + 1;
+            let copies = (3 * dev.l2_bytes() as usize).div_ceil(cache_bytes).max(1) + 1;
             let (pool_pages, max_pages) = if page == 0 {
                 (0, 0)
             } else {
@@ -1212,7 +1218,10 @@ fn decode(args: &[String]) -> Result<(), Failure> {
             } else {
                 format!("page{page}")
             };
-            let name = format!("B{b} Hq{hq} Hkv{hkv} Sq{sq} Skv{skv} D{d} {layout}");
+            let name = match window.left {
+                Some(l) => format!("B{b} Hq{hq} Hkv{hkv} Sq{sq} Skv{skv} D{d} {layout} W{l}"),
+                None => format!("B{b} Hq{hq} Hkv{hkv} Sq{sq} Skv{skv} D{d} {layout}"),
+            };
             out!(
                 "{name:<34} {:>6} {us:>10.1} {gbps:>9.0}  {}",
                 plan.splits,
@@ -1221,9 +1230,11 @@ fn decode(args: &[String]) -> Result<(), Failure> {
             records.push(format!(
                 "{{\"batch\": {b}, \"heads_q\": {hq}, \"heads_kv\": {hkv}, \"seqlen_q\": {sq}, \
                  \"seqlen_k\": {skv}, \"head_dim\": {d}, \"dtype\": \"{}\", \"page\": {page}, \
-                 \"causal\": {causal}, \"splits\": {}, \"us\": {us:.3}, \"gbps\": {gbps:.1}, \
-                 \"kv_bytes\": {kv_bytes}, \"kv_dtype\": \"{}\", \"kernel\": \"{}\"}}",
+                 \"causal\": {causal}, \"window_left\": {}, \"splits\": {}, \"us\": {us:.3}, \
+                 \"gbps\": {gbps:.1}, \"kv_bytes\": {kv_bytes}, \"kv_dtype\": \"{}\", \
+                 \"kernel\": \"{}\"}}",
                 dtype.name(),
+                window.left.map_or(-1, i64::from),
                 plan.splits,
                 cache_dt.name(),
                 plan.config.id()

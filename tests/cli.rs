@@ -105,3 +105,25 @@ fn varlen_query_lengths_match_the_key_lengths() {
         assert!(text.contains(want), "{args:?}: {text}");
     }
 }
+
+/// `--window LEFT,RIGHT` is read as FlashAttention's window_size: a malformed one is a
+/// usage error, a causal one reaching past the diagonal the library's refusal, both before
+/// a GPU is opened.
+#[test]
+fn windows_are_checked_before_opening_a_gpu() {
+    for args in [
+        &["run", "--window", "3"][..],
+        &["run", "--window", "a,0"],
+        &["decode", "--window", "4095"],
+    ] {
+        let (code, text) = flashcore(args);
+        assert_ne!(code, Some(0), "{args:?}: {text}");
+        assert!(
+            text.contains("--window takes LEFT,RIGHT"),
+            "{args:?}: {text}"
+        );
+    }
+    let (code, text) = flashcore(&["run", "--causal", "--window", "3,1"]);
+    assert_ne!(code, Some(0), "{text}");
+    assert!(text.contains("the window's right side is 1"), "{text}");
+}
