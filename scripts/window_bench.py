@@ -96,32 +96,29 @@ def main():
         ]
         gqa = {"enable_gqa": True} if hkv != h else {}
         i = torch.arange(s, device="cuda")
+
+        def sdpa(backend, **kw):
+            def call(q, k, v):
+                with sdpa_kernel(backend):
+                    return F.scaled_dot_product_attention(q, k, v, **kw, **gqa)
+            return call
+
+        def ours(window_size):
+            return lambda q, k, v: flashcore.attention(q, k, v, causal=True, window_size=window_size)
+
         for w in [int(x) for x in args.windows.split(",")] + [0]:
             flops = 4 * d * b * h * pairs(s, w)
-            runs = []
             if w > 0:
                 mask = (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - w)
-                for name, backend in [("efficient", SDPBackend.EFFICIENT_ATTENTION),
-                                      ("cudnn", SDPBackend.CUDNN_ATTENTION)]:
-                    def call(q, k, v, backend=backend):
-                        with sdpa_kernel(backend):
-                            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **gqa)
-                    runs.append((f"sdpa-mask-{name}", call))
-                if flashcore is not None:
-                    def call(q, k, v, w=w):
-                        return flashcore.attention(q, k, v, causal=True, window_size=(w - 1, 0))
-                    runs.append(("flashcore", call))
+                runs = [("sdpa-mask-efficient", sdpa(SDPBackend.EFFICIENT_ATTENTION, attn_mask=mask)),
+                        ("sdpa-mask-cudnn", sdpa(SDPBackend.CUDNN_ATTENTION, attn_mask=mask)),
+                        ("flashcore", ours((w - 1, 0)))]
             else:
-                for name, backend in [("flash", SDPBackend.FLASH_ATTENTION),
-                                      ("cudnn", SDPBackend.CUDNN_ATTENTION)]:
-                    def call(q, k, v, backend=backend):
-                        with sdpa_kernel(backend):
-                            return F.scaled_dot_product_attention(q, k, v, is_causal=True, **gqa)
-                    runs.append((f"sdpa-causal-{name}", call))
-                if flashcore is not None:
-                    def call(q, k, v):
-                        return flashcore.attention(q, k, v, causal=True)
-                    runs.append(("flashcore-causal", call))
+                runs = [("sdpa-causal-flash", sdpa(SDPBackend.FLASH_ATTENTION, is_causal=True)),
+                        ("sdpa-causal-cudnn", sdpa(SDPBackend.CUDNN_ATTENTION, is_causal=True)),
+                        ("flashcore-causal", ours((-1, -1)))]
+            if flashcore is None:
+                runs = runs[:2]
             for name, call in runs:
                 try:
                     ms, n = time_calls(torch, call, sets, args.iters)

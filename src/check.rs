@@ -197,14 +197,7 @@ impl std::fmt::Display for FwdCase {
 impl FwdCase {
     /// FLOPs of the visible (query, key) pairs.
     pub fn flops(&self) -> f64 {
-        if self.window == Window::FULL {
-            return self.shape.flops(self.causal);
-        }
-        let s = &self.shape;
-        let pairs: usize = (0..s.seqlen_q)
-            .map(|i| s.visible_range(i, self.causal, self.window).len())
-            .sum();
-        4.0 * (s.batch * s.heads_q * pairs * s.head_dim) as f64
+        self.shape.flops_in_window(self.causal, self.window)
     }
 
     /// The call's options: the default scale, this case's masking.

@@ -84,7 +84,17 @@ impl AttnShape {
     /// FLOPs of a forward pass: 2 for each multiply-add of QKᵀ and of PV, over the
     /// visible (query, key) pairs only.
     pub fn flops(&self, causal: bool) -> f64 {
-        let pairs: usize = if causal {
+        self.flops_in_window(causal, crate::host::tensor::Window::FULL)
+    }
+
+    /// [`AttnShape::flops`] with a key window: over each row's
+    /// [`AttnShape::visible_range`].
+    pub fn flops_in_window(&self, causal: bool, window: crate::host::tensor::Window) -> f64 {
+        let pairs: usize = if window != crate::host::tensor::Window::FULL {
+            (0..self.seqlen_q)
+                .map(|i| self.visible_range(i, causal, window).len())
+                .sum()
+        } else if causal {
             (0..self.seqlen_q).map(|i| self.visible_keys(i, true)).sum()
         } else {
             self.seqlen_q * self.seqlen_k
