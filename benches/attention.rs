@@ -41,6 +41,8 @@ fn case(b: usize, h: usize, s: usize, d: usize, causal: bool) -> FwdCase {
         window: Default::default(),
         layout: Layout::Bhsd,
         kernel: None,
+        softcap: None,
+        softmax_scale: None,
     }
 }
 

@@ -1,6 +1,7 @@
 /*
  * flashcore.h - C interface of flashcore: FlashAttention forward kernels (with a sliding
- * key window in the _window calls), the serving
+ * key window in the _window calls; with every option, logit soft-capping included, in the
+ * _ex calls), the serving
  * calls (decode against a contiguous or paged KV cache of 16-bit or FP8 values, appending
  * to it, merging partial results by their log-sum-exp) and FP8 (e4m3) attention with its
  * GPU quantizer,
@@ -183,6 +184,39 @@ typedef struct FlashcoreQuantizeOptions {
     uint64_t hadamard_seed; /* the seed the transform's signs are drawn from (when hadamard) */
 } FlashcoreQuantizeOptions;
 
+/* The options of the attention calls' _ex spellings (flashcore_forward_ex,
+ * flashcore_forward_varlen_ex, flashcore_decode_ex, flashcore_decode_fp8kv_ex and their
+ * checks), which take them in place of softmax_scale and causal: one struct, so that an
+ * option added later needs no new spelling of every call. 32 bytes, 8-byte aligned (4
+ * bytes of padding follow softcap).
+ *
+ * All zeros is NOT "no options": window sides of 0 are a window of one key (each row
+ * sees its diagonal key only). No options, the plain calls' defaults, is
+ *     FlashcoreAttentionOptions opts = {0.0f, 0, -1, -1, 0.0f};
+ *
+ *   softmax_scale: as flashcore_forward's: 0 for the default 1/sqrt(D); otherwise finite
+ *                  and positive.
+ *   causal:        as flashcore_forward's: non-zero for a causal mask aligned bottom-right.
+ *   window_left, window_right: the key window, as flashcore_forward_window takes it (a
+ *                  negative side unbounded; causal with window_right > 0 is
+ *                  FLASHCORE_ERROR_INVALID_ARGUMENT).
+ *   softcap:       logit soft-capping (Gemma 2, Grok; FlashAttention's softcap): 0 (either
+ *                  sign) for none; otherwise each scaled score x = q . k * softmax_scale
+ *                  becomes softcap * tanh(x / softcap) before masking and the softmax, and
+ *                  lse is the log-sum-exp of the capped scores. A cap must be finite and
+ *                  positive, with softmax_scale / softcap a normal float and softcap * log2(e)
+ *                  finite: a negative, NaN or infinite one (or one that far from the scale)
+ *                  is FLASHCORE_ERROR_INVALID_ARGUMENT. Gemma 2 caps at 50, Grok at 30.
+ *                  A capped call runs kernels of its own, generated on first use. The FP8
+ *                  forward (flashcore_forward_fp8) has no cap. */
+typedef struct FlashcoreAttentionOptions {
+    float softmax_scale;  /* 0: 1/sqrt(D); otherwise finite and positive */
+    int32_t causal;       /* non-zero: causal mask, aligned bottom-right */
+    int64_t window_left;  /* keys a row sees before its diagonal; negative: unbounded */
+    int64_t window_right; /* keys a row sees after its diagonal; negative: unbounded */
+    float softcap;        /* 0: no cap; > 0: scores become softcap * tanh(score / softcap) */
+} FlashcoreAttentionOptions;
+
 /* Attention on one device: owns the kernels loaded for it. Opaque. */
 typedef struct FlashcoreContext FlashcoreContext;
 
@@ -272,6 +306,23 @@ int32_t flashcore_check_forward_window(const FlashcoreTensor *q, const Flashcore
                                        uint64_t lse, float softmax_scale, int32_t causal,
                                        int64_t window_left, int64_t window_right);
 
+/* flashcore_forward with its options as one struct: the same parameters, with `opts` (see
+ * FlashcoreAttentionOptions: the scale, causal masking, the key window and the soft cap)
+ * in place of softmax_scale and causal. opts NULL is FLASHCORE_ERROR_NULL_ARGUMENT. With
+ * softcap 0 the call is flashcore_forward_window's with the same scale, causal flag and
+ * window. All arguments are checked before anything runs; on error nothing is launched or
+ * written. */
+int32_t flashcore_forward_ex(FlashcoreContext *ctx, const FlashcoreTensor *q, const FlashcoreTensor *k,
+                             const FlashcoreTensor *v, const FlashcoreTensor *o, uint64_t lse,
+                             const FlashcoreAttentionOptions *opts, flashcore_stream stream);
+
+/* Checks the arguments of a flashcore_forward_ex call (same meaning) as
+ * flashcore_check_forward does, the options' rules included. Returns FLASHCORE_SUCCESS or
+ * the code flashcore_forward_ex would return for them. */
+int32_t flashcore_check_forward_ex(const FlashcoreTensor *q, const FlashcoreTensor *k,
+                                   const FlashcoreTensor *v, const FlashcoreTensor *o, uint64_t lse,
+                                   const FlashcoreAttentionOptions *opts);
+
 /* Variable-length forward attention over packed sequences (FlashAttention's varlen
  * layout), one launch, no padding; asynchronous on `stream`.
  *
@@ -337,6 +388,26 @@ int32_t flashcore_check_forward_varlen_window(const FlashcoreTensor *q, const Fl
                                               const int32_t *host_cu_seqlens_q,
                                               const int32_t *host_cu_seqlens_k, float softmax_scale,
                                               int32_t causal, int64_t window_left, int64_t window_right);
+
+/* flashcore_forward_varlen with its options as one struct (see flashcore_forward_ex): the
+ * same parameters, with `opts` in place of softmax_scale and causal. The key window is
+ * aligned per sequence as flashcore_forward_varlen_window aligns it; the soft cap applies
+ * to every sequence's scores. */
+int32_t flashcore_forward_varlen_ex(FlashcoreContext *ctx, const FlashcoreTensor *q,
+                                    const FlashcoreTensor *k, const FlashcoreTensor *v,
+                                    const FlashcoreTensor *o, uint64_t lse,
+                                    const FlashcoreVarlen *varlen, const int32_t *host_cu_seqlens_q,
+                                    const int32_t *host_cu_seqlens_k,
+                                    const FlashcoreAttentionOptions *opts, flashcore_stream stream);
+
+/* Checks the arguments of a flashcore_forward_varlen_ex call (same meaning) as
+ * flashcore_check_forward_varlen does, the options' rules included. */
+int32_t flashcore_check_forward_varlen_ex(const FlashcoreTensor *q, const FlashcoreTensor *k,
+                                          const FlashcoreTensor *v, const FlashcoreTensor *o,
+                                          uint64_t lse, const FlashcoreVarlen *varlen,
+                                          const int32_t *host_cu_seqlens_q,
+                                          const int32_t *host_cu_seqlens_k,
+                                          const FlashcoreAttentionOptions *opts);
 
 /* ---- serving: decode, append, merge -------------------------------------------------- */
 /* Host metadata, in the calls that take it: host_seqlens is NULL or a host int32
@@ -424,6 +495,26 @@ int32_t flashcore_decode_fp8kv_window(FlashcoreContext *ctx, const FlashcoreTens
                                       int32_t causal, int64_t window_left, int64_t window_right,
                                       uint64_t workspace, size_t workspace_bytes, flashcore_stream stream);
 
+/* flashcore_decode with its options as one struct (see flashcore_forward_ex): the same
+ * parameters, with `opts` in place of softmax_scale and causal. The key window is read as
+ * flashcore_decode_window reads it; the soft cap applies to every query's scores. The
+ * splits of the keys, and so the workspace (flashcore_decode_workspace_bytes), are the
+ * plain call's. */
+int32_t flashcore_decode_ex(FlashcoreContext *ctx, const FlashcoreTensor *q, const FlashcoreKvCache *cache,
+                            const int32_t *host_seqlens, const int32_t *host_block_table,
+                            const FlashcoreTensor *o, uint64_t lse, const FlashcoreAttentionOptions *opts,
+                            uint64_t workspace, size_t workspace_bytes, flashcore_stream stream);
+
+/* flashcore_decode_fp8kv with its options as one struct, as flashcore_decode_ex takes them:
+ * `scales` after `cache`, `opts` in place of softmax_scale and causal (scales NULL: a
+ * 16-bit cache, and the call is flashcore_decode_ex's). */
+int32_t flashcore_decode_fp8kv_ex(FlashcoreContext *ctx, const FlashcoreTensor *q,
+                                  const FlashcoreKvCache *cache, const FlashcoreKvScales *scales,
+                                  const int32_t *host_seqlens, const int32_t *host_block_table,
+                                  const FlashcoreTensor *o, uint64_t lse,
+                                  const FlashcoreAttentionOptions *opts, uint64_t workspace,
+                                  size_t workspace_bytes, flashcore_stream stream);
+
 /* The workspace, in bytes, that flashcore_decode needs for these q and cache on the
  * context's device (0: the call runs in one split and needs none) into *out. Validates q
  * and the cache as flashcore_decode does; on failure *out is 0. Reads no device memory. */
@@ -469,6 +560,20 @@ int32_t flashcore_check_decode_fp8kv_window(const FlashcoreTensor *q, const Flas
                                             const int32_t *host_block_table, const FlashcoreTensor *o,
                                             uint64_t lse, float softmax_scale, int32_t causal,
                                             int64_t window_left, int64_t window_right);
+
+/* Checks the arguments of a flashcore_decode_ex call (same meaning) as
+ * flashcore_check_decode does, the options' rules included. */
+int32_t flashcore_check_decode_ex(const FlashcoreTensor *q, const FlashcoreKvCache *cache,
+                                  const int32_t *host_seqlens, const int32_t *host_block_table,
+                                  const FlashcoreTensor *o, uint64_t lse,
+                                  const FlashcoreAttentionOptions *opts);
+
+/* Checks the arguments of a flashcore_decode_fp8kv_ex call (same meaning) as
+ * flashcore_check_decode_fp8kv does, the options' rules included. */
+int32_t flashcore_check_decode_fp8kv_ex(const FlashcoreTensor *q, const FlashcoreKvCache *cache,
+                                        const FlashcoreKvScales *scales, const int32_t *host_seqlens,
+                                        const int32_t *host_block_table, const FlashcoreTensor *o,
+                                        uint64_t lse, const FlashcoreAttentionOptions *opts);
 
 /* Appends Snew tokens per sequence, asynchronously on `stream`: k_new[b, j] and
  * v_new[b, j] (j < Snew) go to position len_b + j of sequence b, with len_b the length the
@@ -604,9 +709,10 @@ int32_t flashcore_check_quantize_fp8(const FlashcoreTensor *q, const FlashcoreTe
  *   lse:           0, or a device pointer to float32 [B, Hq, Sq] (contiguous) that receives
  *                  each row's natural-log log-sum-exp (with lse_shift added, when given).
  *   softmax_scale, causal, stream: as for flashcore_forward (causal aligned bottom-right).
- *                  There is no _window spelling: the FP8 kernels have no key window
- *                  (sliding-window attention runs on 16-bit inputs, or on an FP8 KV cache
- *                  through flashcore_decode_fp8kv_window).
+ *                  There is no _window or _ex spelling: the FP8 kernels have no key window
+ *                  and no soft cap (sliding-window and soft-capped attention run on 16-bit
+ *                  inputs, or on an FP8 KV cache through flashcore_decode_fp8kv_window and
+ *                  flashcore_decode_fp8kv_ex).
  *
  * Range: exact up to FP8's rounding while each row's largest logit (softmax_scale times its
  * largest score) is below about 1.2e7 in magnitude; past that a row's o loses precision

@@ -65,6 +65,12 @@ _Static_assert(offsetof(FlashcoreFp8Operands, k) == 80 && offsetof(FlashcoreFp8O
 _Static_assert(sizeof(FlashcoreQuantizeOptions) == 16 && offsetof(FlashcoreQuantizeOptions, hadamard) == 4 &&
                    offsetof(FlashcoreQuantizeOptions, hadamard_seed) == 8,
                "FlashcoreQuantizeOptions");
+_Static_assert(sizeof(FlashcoreAttentionOptions) == 32 && _Alignof(FlashcoreAttentionOptions) == 8 &&
+                   offsetof(FlashcoreAttentionOptions, causal) == 4 &&
+                   offsetof(FlashcoreAttentionOptions, window_left) == 8 &&
+                   offsetof(FlashcoreAttentionOptions, window_right) == 16 &&
+                   offsetof(FlashcoreAttentionOptions, softcap) == 24,
+               "FlashcoreAttentionOptions");
 int main(void) { return 0; }
 EOF
 "$CC" -std=c11 -pedantic -Wall -Wextra -Werror -Iinclude -c "$out/header_layout.c" -o "$out/header_layout.o"

@@ -348,11 +348,17 @@ if want sanitize; then
         "--batch 1 --heads 2 --kv-heads 1 --seqlen 200 --head-dim 256 --dtype bf16 --causal --window 65,0"
         "--batch 1 --heads 2 --kv-heads 2 --seqlen 300 --head-dim 128 --dtype f16 --causal --window 100,0 --path sm80"
         "--batch 2 --heads 32 --kv-heads 8 --seqlen-q 16 --seqlen-k 2049 --head-dim 128 --dtype f16 --causal --window 500,0"
+        # Soft-capped scores: the sm90a capping kernels (64- and 128-row tiles, a window),
+        # the sm80 one, and a decode-shaped call on the decode kernels.
+        "--batch 1 --heads 4 --kv-heads 2 --seqlen-q 300 --seqlen-k 177 --head-dim 128 --dtype f16 --softcap 5"
+        "--batch 1 --heads 2 --kv-heads 1 --seqlen 200 --head-dim 256 --dtype bf16 --causal --window 65,0 --softcap 50"
+        "--batch 1 --heads 2 --kv-heads 2 --seqlen 130 --head-dim 64 --dtype f16 --causal --softcap 2 --path sm80"
+        "--batch 2 --heads 32 --kv-heads 8 --seqlen-q 4 --seqlen-k 2049 --head-dim 128 --dtype bf16 --causal --softcap 30"
     )
     for tool in memcheck racecheck synccheck; do
         for s in "${shapes[@]}"; do
             read -ra shape_args <<<"$s"
-            short=$(sed -e 's/--batch /B/; s/ --heads /H/; s/ --kv-heads /KV/; s/ --seqlen-q /Sq/; s/ --seqlen-k /Sk/; s/ --head-dim /D/; s/ --dtype / /; s/ --causal/ causal/; s/ --window / window /; s/ --block-m / m/; s/ --split-keys on/ splitkv/; s/ --path / /' <<<"$s")
+            short=$(sed -e 's/--batch /B/; s/ --heads /H/; s/ --kv-heads /KV/; s/ --seqlen-q /Sq/; s/ --seqlen-k /Sk/; s/ --head-dim /D/; s/ --dtype / /; s/ --causal/ causal/; s/ --window / window /; s/ --softcap / softcap /; s/ --block-m / m/; s/ --split-keys on/ splitkv/; s/ --path / /' <<<"$s")
             step sanitizer.log "$tool $short" 180 \
                 compute-sanitizer --tool "$tool" --error-exitcode 1 \
                 "$fc" run "${shape_args[@]}" --iters 1

@@ -43,6 +43,10 @@ pub struct FwdCase {
     pub causal: bool,
     /// A key window around each row's diagonal (none by default).
     pub window: Window,
+    /// Logit soft-capping ([`AttentionParams::softcap`]).
+    pub softcap: Option<f32>,
+    /// The softmax scale; `None`: `1/sqrt(head_dim)`.
+    pub softmax_scale: Option<f32>,
     pub layout: Layout,
     /// Run this kernel configuration instead of the one the dispatch picks.
     pub kernel: Option<FwdConfig>,
@@ -187,6 +191,12 @@ impl std::fmt::Display for FwdCase {
             let (l, r) = (side(self.window.left), side(self.window.right));
             write!(f, " window ({l}, {r})")?;
         }
+        if let Some(cap) = self.softcap {
+            write!(f, " softcap {cap}")?;
+        }
+        if let Some(scale) = self.softmax_scale {
+            write!(f, " scale {scale}")?;
+        }
         match &self.kernel {
             Some(cfg) => write!(f, " {}", cfg.id()),
             None => Ok(()),
@@ -200,12 +210,13 @@ impl FwdCase {
         self.shape.flops_in_window(self.causal, self.window)
     }
 
-    /// The call's options: the default scale, this case's masking.
+    /// The call's options: this case's scale, masking and soft cap.
     pub fn params(&self) -> AttentionParams {
         AttentionParams {
-            softmax_scale: None,
+            softmax_scale: self.softmax_scale,
             causal: self.causal,
             window: self.window,
+            softcap: self.softcap,
         }
     }
 
@@ -225,11 +236,13 @@ impl FwdCase {
         validate_fwd(&q, &k, &v, &o, Some(&lse), &self.params()).map(|_| ())
     }
 
-    /// [`FwdCase::validate`] for the FP8 path: what quantizing this case's inputs with
-    /// `options` would be refused for ([`validate_quantize_inputs`]: FP8 head dims, sizes,
-    /// the workspace's layout).
+    /// [`FwdCase::validate`] for the FP8 path: a key window or a soft cap, which the FP8
+    /// forward refuses, and what quantizing this case's inputs with `options` would be
+    /// refused for ([`validate_quantize_inputs`]: FP8 head dims, sizes, the workspace's
+    /// layout).
     pub fn validate_fp8(&self, options: &QuantizeOptions) -> Result<()> {
         let ([q, k, v, _], _) = self.made_up_views()?;
+        crate::host::fp8::fp8_masking(&self.params(), self.shape.seqlen_q, self.shape.seqlen_k)?;
         validate_quantize_inputs(&q, &k, &v, options).map(|_| ())
     }
 
@@ -530,8 +543,17 @@ fn parallel_reference(c: &FwdCase, host: &[Vec<f64>; 3], scale: f64) -> referenc
                             let v = slice(&host[2], b, sk, c.shape.heads_kv, h / group);
                             (
                                 (b, h),
-                                reference::attention_f64_window(
-                                    one, &q, &k, &v, scale, c.causal, c.window,
+                                reference::attention_f64_with(
+                                    one,
+                                    &q,
+                                    &k,
+                                    &v,
+                                    &reference::RefParams {
+                                        scale,
+                                        causal: c.causal,
+                                        window: c.window,
+                                        softcap: c.softcap.map(f64::from),
+                                    },
                                 ),
                             )
                         })
@@ -626,6 +648,7 @@ pub fn planned_kernel(attn: &Attention, case: &FwdCase) -> Result<FwdConfig> {
         scale: params.scale_for(case.shape.head_dim),
         causal: masking.causal,
         window: masking.window,
+        softcap: params.softcap,
         packed: None,
     };
     attn.plan(&problem)

@@ -4,7 +4,10 @@
 //! quantizer and the FP8 forward), a validation-only twin of each call, and error
 //! reporting by code and thread-local message. The 16-bit attention calls (forward,
 //! varlen, decode) also come in `_window` spellings that take a key window,
-//! FlashAttention's `window_size` (sliding-window attention).
+//! FlashAttention's `window_size` (sliding-window attention), and in `_ex` spellings that
+//! take their options as one struct, [`FlashcoreAttentionOptions`]: the scale, causal
+//! masking, the key window and logit soft-capping (and the options added later, with no
+//! new spelling of every call).
 //! `include/flashcore.h` declares exactly what is here (the `c_header` test checks the two
 //! against each other).
 //!
@@ -197,6 +200,48 @@ pub struct FlashcoreQuantizeOptions {
     pub hadamard: i32,
     /// The seed the Hadamard transform's signs are drawn from (when `hadamard`).
     pub hadamard_seed: u64,
+}
+
+/// The options of an attention call as C passes them to the `_ex` entry points
+/// (`flashcore_forward_ex`, ...), the C spelling of [`AttentionParams`]: one struct, so
+/// that an option added later needs no new spelling of every call. 32 bytes, 8-byte
+/// aligned: 4 bytes of padding follow `softcap`.
+///
+/// All zeros is not "no options": window sides of 0 are a window of one key (the
+/// diagonal). No options is `{0, 0, -1, -1, 0}`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct FlashcoreAttentionOptions {
+    /// 0 (either sign): the default `1/sqrt(head_dim)`; otherwise finite and positive.
+    pub softmax_scale: f32,
+    /// Non-zero: causal masking, aligned bottom-right.
+    pub causal: i32,
+    /// The keys a row sees before its diagonal; negative: unbounded.
+    pub window_left: i64,
+    /// The keys a row sees after its diagonal; negative: unbounded.
+    pub window_right: i64,
+    /// 0 (either sign): no cap; otherwise each scaled score `x` becomes
+    /// `softcap · tanh(x / softcap)`, the cap finite and positive.
+    pub softcap: f32,
+}
+
+impl FlashcoreAttentionOptions {
+    /// The options of a call's spellings without `_ex`: their scale, causal flag and key
+    /// window (−1, −1: none), no soft cap.
+    fn uncapped(
+        softmax_scale: f32,
+        causal: i32,
+        window_left: i64,
+        window_right: i64,
+    ) -> FlashcoreAttentionOptions {
+        FlashcoreAttentionOptions {
+            softmax_scale,
+            causal,
+            window_left,
+            window_right,
+            softcap: 0.0,
+        }
+    }
 }
 
 /// The opaque handle C holds: attention on one device.
@@ -397,6 +442,7 @@ fn params(softmax_scale: f32, causal: i32, window: Window) -> AttentionParams {
         softmax_scale: (softmax_scale != 0.0).then_some(softmax_scale),
         causal: causal != 0,
         window,
+        ..Default::default()
     }
 }
 
@@ -404,6 +450,32 @@ fn params(softmax_scale: f32, causal: i32, window: Window) -> AttentionParams {
 /// any negative side unbounded.
 fn c_window(window_left: i64, window_right: i64) -> Window {
     Window::from_flash(window_left, window_right)
+}
+
+/// The options of an `_ex` call as [`AttentionParams`]: the scale and causal flag as
+/// [`params`] reads them, the window as [`c_window`] does, and a soft cap of 0 (either
+/// sign) as none; any other cap (negative, NaN and infinities included, which validation
+/// rejects) is used as given.
+fn c_options(o: &FlashcoreAttentionOptions) -> AttentionParams {
+    AttentionParams {
+        softcap: (o.softcap != 0.0).then_some(o.softcap),
+        ..params(
+            o.softmax_scale,
+            o.causal,
+            c_window(o.window_left, o.window_right),
+        )
+    }
+}
+
+/// Reads the C options behind `opts` ([`c_options`]).
+///
+/// # Safety
+///
+/// `opts` must be null or point to a readable `FlashcoreAttentionOptions`.
+unsafe fn read_options(opts: *const FlashcoreAttentionOptions) -> Result<AttentionParams, Failure> {
+    // SAFETY: the caller guarantees `opts` is null or valid for reads; `as_ref` handles null.
+    let opts = unsafe { opts.as_ref() }.ok_or_else(|| null_argument("opts"))?;
+    Ok(c_options(opts))
 }
 
 /// A C cache (and, for an e4m3 one, its scales) as a [`KvCache`]: its tensors as
@@ -707,10 +779,10 @@ impl DecodeCall<'_> {
     /// # Safety
     ///
     /// `q`, `o` null or readable `FlashcoreTensor`s, `cache` null or a readable
-    /// `FlashcoreKvCache`, `scales` null or a readable `FlashcoreKvScales`;
-    /// `host_seqlens` null or `B` readable int32s, `host_block_table` null or
-    /// `(B − 1) · table_stride + max_pages` readable int32s (`B` = q's batch), for as long
-    /// as the result lives.
+    /// `FlashcoreKvCache`, `scales` null or a readable `FlashcoreKvScales`, `opts` null or
+    /// a readable `FlashcoreAttentionOptions`; `host_seqlens` null or `B` readable int32s,
+    /// `host_block_table` null or `(B − 1) · table_stride + max_pages` readable int32s
+    /// (`B` = q's batch), for as long as the result lives.
     #[allow(clippy::too_many_arguments)]
     unsafe fn read<'a>(
         q: *const FlashcoreTensor,
@@ -720,9 +792,7 @@ impl DecodeCall<'_> {
         host_block_table: *const i32,
         o: *const FlashcoreTensor,
         lse: u64,
-        softmax_scale: f32,
-        causal: i32,
-        window: Window,
+        opts: *const FlashcoreAttentionOptions,
     ) -> Result<DecodeCall<'a>, Failure> {
         // SAFETY: forwarded from the caller's guarantee.
         let (q, cache, o) = unsafe {
@@ -733,7 +803,8 @@ impl DecodeCall<'_> {
             )
         };
         let lse = (lse != 0).then_some(LseView { ptr: lse });
-        let params = params(softmax_scale, causal, window);
+        // SAFETY: the caller guarantees `opts` is null or readable.
+        let params = unsafe { read_options(opts)? };
         let problem = validate_decode(&q, &cache, &o, lse.as_ref(), &params)?;
         let arrays = HostArrays {
             seqlens: host_seqlens,
@@ -953,16 +1024,20 @@ pub unsafe extern "C" fn flashcore_destroy(ctx: *mut FlashcoreContext) {
     });
 }
 
-// The attention entry points come in two spellings: the original one (`flashcore_forward`,
-// ...) and a `_window` one that also takes a key window, FlashAttention's `window_size`
-// (`window_left`, `window_right` after `causal`; −1, −1: none, and then the same call).
-// Both run one shared body, which reports under the name the caller used.
+// The attention entry points come in three spellings: the original one
+// (`flashcore_forward`, ...), a `_window` one that also takes a key window,
+// FlashAttention's `window_size` (`window_left`, `window_right` after `causal`; −1, −1:
+// none, and then the same call), and an `_ex` one that takes all the options as one
+// `FlashcoreAttentionOptions` in place of `softmax_scale` and `causal` (the soft cap
+// included). All run one shared body on the options, which reports under the name the
+// caller used.
 
-/// The body of [`flashcore_forward`] and [`flashcore_forward_window`], reporting as `name`.
+/// The body of [`flashcore_forward`], [`flashcore_forward_window`] and
+/// [`flashcore_forward_ex`], reporting as `name`.
 ///
 /// # Safety
 ///
-/// As for [`flashcore_forward`].
+/// As for [`flashcore_forward_ex`].
 #[allow(clippy::too_many_arguments)]
 unsafe fn forward_entry(
     name: &str,
@@ -972,9 +1047,7 @@ unsafe fn forward_entry(
     v: *const FlashcoreTensor,
     o: *const FlashcoreTensor,
     lse: u64,
-    softmax_scale: f32,
-    causal: i32,
-    window: Window,
+    opts: *const FlashcoreAttentionOptions,
     stream: CUstream,
 ) -> i32 {
     guard(name, || {
@@ -983,7 +1056,8 @@ unsafe fn forward_entry(
         let ctx = unsafe { ctx.as_ref() }.ok_or_else(|| null_argument("ctx"))?;
         // SAFETY: the caller guarantees each tensor pointer is null or readable.
         let ForwardArgs { q, k, v, o, lse } = unsafe { ForwardArgs::read(q, k, v, o, lse)? };
-        let params = params(softmax_scale, causal, window);
+        // SAFETY: the caller guarantees `opts` is null or readable.
+        let params = unsafe { read_options(opts)? };
         // SAFETY: the C contract of flashcore_forward (header): the pointers are device
         // memory of the context's device valid for the described extents, and `stream` is
         // null or a stream of that context.
@@ -1016,7 +1090,8 @@ pub unsafe extern "C" fn flashcore_forward(
     causal: i32,
     stream: CUstream,
 ) -> i32 {
-    // SAFETY: the caller's guarantees are the shared body's, without a window.
+    // SAFETY: the caller's guarantees are the shared body's, with these options (a
+    // live temporary) and no window.
     unsafe {
         forward_entry(
             "flashcore_forward",
@@ -1026,9 +1101,7 @@ pub unsafe extern "C" fn flashcore_forward(
             v,
             o,
             lse,
-            softmax_scale,
-            causal,
-            Window::FULL,
+            &FlashcoreAttentionOptions::uncapped(softmax_scale, causal, -1, -1),
             stream,
         )
     }
@@ -1056,7 +1129,8 @@ pub unsafe extern "C" fn flashcore_forward_window(
     window_right: i64,
     stream: CUstream,
 ) -> i32 {
-    // SAFETY: forwarded from the caller's guarantees.
+    // SAFETY: forwarded from the caller's guarantees, with these options (a live
+    // temporary).
     unsafe {
         forward_entry(
             "flashcore_forward_window",
@@ -1066,20 +1140,42 @@ pub unsafe extern "C" fn flashcore_forward_window(
             v,
             o,
             lse,
-            softmax_scale,
-            causal,
-            c_window(window_left, window_right),
+            &FlashcoreAttentionOptions::uncapped(softmax_scale, causal, window_left, window_right),
             stream,
         )
     }
 }
 
-/// The body of [`flashcore_check_forward`] and [`flashcore_check_forward_window`],
-/// reporting as `name`.
+/// [`flashcore_forward`] with its options as one struct: the scale, causal masking, the
+/// key window (as [`flashcore_forward_window`] takes it) and the soft cap; see
+/// `include/flashcore.h`.
 ///
 /// # Safety
 ///
-/// As for [`flashcore_check_forward`].
+/// As for [`flashcore_forward`]; `opts` must be null or point to a readable
+/// `FlashcoreAttentionOptions`.
+#[allow(clippy::too_many_arguments)]
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn flashcore_forward_ex(
+    ctx: *mut FlashcoreContext,
+    q: *const FlashcoreTensor,
+    k: *const FlashcoreTensor,
+    v: *const FlashcoreTensor,
+    o: *const FlashcoreTensor,
+    lse: u64,
+    opts: *const FlashcoreAttentionOptions,
+    stream: CUstream,
+) -> i32 {
+    // SAFETY: forwarded from the caller's guarantees.
+    unsafe { forward_entry("flashcore_forward_ex", ctx, q, k, v, o, lse, opts, stream) }
+}
+
+/// The body of [`flashcore_check_forward`], [`flashcore_check_forward_window`] and
+/// [`flashcore_check_forward_ex`], reporting as `name`.
+///
+/// # Safety
+///
+/// As for [`flashcore_check_forward_ex`].
 #[allow(clippy::too_many_arguments)]
 unsafe fn check_forward_entry(
     name: &str,
@@ -1088,14 +1184,13 @@ unsafe fn check_forward_entry(
     v: *const FlashcoreTensor,
     o: *const FlashcoreTensor,
     lse: u64,
-    softmax_scale: f32,
-    causal: i32,
-    window: Window,
+    opts: *const FlashcoreAttentionOptions,
 ) -> i32 {
     guard(name, || {
         // SAFETY: the caller guarantees each tensor pointer is null or readable.
         let ForwardArgs { q, k, v, o, lse } = unsafe { ForwardArgs::read(q, k, v, o, lse)? };
-        let params = params(softmax_scale, causal, window);
+        // SAFETY: the caller guarantees `opts` is null or readable.
+        let params = unsafe { read_options(opts)? };
         validate_fwd(&q, &k, &v, &o, lse.as_ref(), &params)?;
         Ok(())
     })
@@ -1119,7 +1214,8 @@ pub unsafe extern "C" fn flashcore_check_forward(
     softmax_scale: f32,
     causal: i32,
 ) -> i32 {
-    // SAFETY: the caller's guarantees are the shared body's, without a window.
+    // SAFETY: the caller's guarantees are the shared body's, with these options (a
+    // live temporary) and no window.
     unsafe {
         check_forward_entry(
             "flashcore_check_forward",
@@ -1128,9 +1224,7 @@ pub unsafe extern "C" fn flashcore_check_forward(
             v,
             o,
             lse,
-            softmax_scale,
-            causal,
-            Window::FULL,
+            &FlashcoreAttentionOptions::uncapped(softmax_scale, causal, -1, -1),
         )
     }
 }
@@ -1154,7 +1248,8 @@ pub unsafe extern "C" fn flashcore_check_forward_window(
     window_left: i64,
     window_right: i64,
 ) -> i32 {
-    // SAFETY: forwarded from the caller's guarantees.
+    // SAFETY: forwarded from the caller's guarantees, with these options (a live
+    // temporary).
     unsafe {
         check_forward_entry(
             "flashcore_check_forward_window",
@@ -1163,11 +1258,29 @@ pub unsafe extern "C" fn flashcore_check_forward_window(
             v,
             o,
             lse,
-            softmax_scale,
-            causal,
-            c_window(window_left, window_right),
+            &FlashcoreAttentionOptions::uncapped(softmax_scale, causal, window_left, window_right),
         )
     }
+}
+
+/// Checks the arguments of a [`flashcore_forward_ex`] call without a context, a device or
+/// a driver, as [`flashcore_check_forward`] does (the options' rules included).
+///
+/// # Safety
+///
+/// As for [`flashcore_check_forward`]; `opts` must be null or point to a readable
+/// `FlashcoreAttentionOptions`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn flashcore_check_forward_ex(
+    q: *const FlashcoreTensor,
+    k: *const FlashcoreTensor,
+    v: *const FlashcoreTensor,
+    o: *const FlashcoreTensor,
+    lse: u64,
+    opts: *const FlashcoreAttentionOptions,
+) -> i32 {
+    // SAFETY: forwarded from the caller's guarantees.
+    unsafe { check_forward_entry("flashcore_check_forward_ex", q, k, v, o, lse, opts) }
 }
 
 // The serving entry points that read a cache come in two spellings: the original one
@@ -1263,12 +1376,12 @@ pub unsafe extern "C" fn flashcore_decode_workspace_bytes_fp8kv(
     }
 }
 
-/// The body of [`flashcore_decode`], [`flashcore_decode_fp8kv`] and their `_window`
-/// spellings, reporting as `name`.
+/// The body of [`flashcore_decode`], [`flashcore_decode_fp8kv`] and their `_window` and
+/// `_ex` spellings, reporting as `name`.
 ///
 /// # Safety
 ///
-/// As for [`flashcore_decode_fp8kv`].
+/// As for [`flashcore_decode_fp8kv_ex`].
 #[allow(clippy::too_many_arguments)]
 unsafe fn decode_entry(
     name: &str,
@@ -1280,9 +1393,7 @@ unsafe fn decode_entry(
     host_block_table: *const i32,
     o: *const FlashcoreTensor,
     lse: u64,
-    softmax_scale: f32,
-    causal: i32,
-    window: Window,
+    opts: *const FlashcoreAttentionOptions,
     workspace: u64,
     workspace_bytes: usize,
     stream: CUstream,
@@ -1301,9 +1412,7 @@ unsafe fn decode_entry(
                 host_block_table,
                 o,
                 lse,
-                softmax_scale,
-                causal,
-                window,
+                opts,
             )?
         };
         let workspace = (workspace != 0 || workspace_bytes != 0).then_some(Workspace {
@@ -1356,7 +1465,8 @@ pub unsafe extern "C" fn flashcore_decode(
     workspace_bytes: usize,
     stream: CUstream,
 ) -> i32 {
-    // SAFETY: the caller's guarantees are the shared body's, without scales.
+    // SAFETY: the caller's guarantees are the shared body's, without scales, with these
+    // options (a live temporary).
     unsafe {
         decode_entry(
             "flashcore_decode",
@@ -1368,9 +1478,7 @@ pub unsafe extern "C" fn flashcore_decode(
             host_block_table,
             o,
             lse,
-            softmax_scale,
-            causal,
-            Window::FULL,
+            &FlashcoreAttentionOptions::uncapped(softmax_scale, causal, -1, -1),
             workspace,
             workspace_bytes,
             stream,
@@ -1403,7 +1511,8 @@ pub unsafe extern "C" fn flashcore_decode_fp8kv(
     workspace_bytes: usize,
     stream: CUstream,
 ) -> i32 {
-    // SAFETY: forwarded from the caller's guarantees.
+    // SAFETY: forwarded from the caller's guarantees, with these options (a live
+    // temporary).
     unsafe {
         decode_entry(
             "flashcore_decode_fp8kv",
@@ -1415,9 +1524,7 @@ pub unsafe extern "C" fn flashcore_decode_fp8kv(
             host_block_table,
             o,
             lse,
-            softmax_scale,
-            causal,
-            Window::FULL,
+            &FlashcoreAttentionOptions::uncapped(softmax_scale, causal, -1, -1),
             workspace,
             workspace_bytes,
             stream,
@@ -1450,7 +1557,8 @@ pub unsafe extern "C" fn flashcore_decode_window(
     workspace_bytes: usize,
     stream: CUstream,
 ) -> i32 {
-    // SAFETY: the caller's guarantees are the shared body's, without scales.
+    // SAFETY: the caller's guarantees are the shared body's, without scales, with these
+    // options (a live temporary).
     unsafe {
         decode_entry(
             "flashcore_decode_window",
@@ -1462,9 +1570,7 @@ pub unsafe extern "C" fn flashcore_decode_window(
             host_block_table,
             o,
             lse,
-            softmax_scale,
-            causal,
-            c_window(window_left, window_right),
+            &FlashcoreAttentionOptions::uncapped(softmax_scale, causal, window_left, window_right),
             workspace,
             workspace_bytes,
             stream,
@@ -1497,7 +1603,8 @@ pub unsafe extern "C" fn flashcore_decode_fp8kv_window(
     workspace_bytes: usize,
     stream: CUstream,
 ) -> i32 {
-    // SAFETY: forwarded from the caller's guarantees.
+    // SAFETY: forwarded from the caller's guarantees, with these options (a live
+    // temporary).
     unsafe {
         decode_entry(
             "flashcore_decode_fp8kv_window",
@@ -1509,9 +1616,93 @@ pub unsafe extern "C" fn flashcore_decode_fp8kv_window(
             host_block_table,
             o,
             lse,
-            softmax_scale,
-            causal,
-            c_window(window_left, window_right),
+            &FlashcoreAttentionOptions::uncapped(softmax_scale, causal, window_left, window_right),
+            workspace,
+            workspace_bytes,
+            stream,
+        )
+    }
+}
+
+/// [`flashcore_decode`] with its options as one struct, as [`flashcore_forward_ex`] takes
+/// them (the key window as [`flashcore_decode_window`] reads it); see
+/// `include/flashcore.h`.
+///
+/// # Safety
+///
+/// As for [`flashcore_decode`]; `opts` must be null or point to a readable
+/// `FlashcoreAttentionOptions`.
+#[allow(clippy::too_many_arguments)]
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn flashcore_decode_ex(
+    ctx: *mut FlashcoreContext,
+    q: *const FlashcoreTensor,
+    cache: *const FlashcoreKvCache,
+    host_seqlens: *const i32,
+    host_block_table: *const i32,
+    o: *const FlashcoreTensor,
+    lse: u64,
+    opts: *const FlashcoreAttentionOptions,
+    workspace: u64,
+    workspace_bytes: usize,
+    stream: CUstream,
+) -> i32 {
+    // SAFETY: the caller's guarantees are the shared body's, without scales.
+    unsafe {
+        decode_entry(
+            "flashcore_decode_ex",
+            ctx,
+            q,
+            cache,
+            std::ptr::null(),
+            host_seqlens,
+            host_block_table,
+            o,
+            lse,
+            opts,
+            workspace,
+            workspace_bytes,
+            stream,
+        )
+    }
+}
+
+/// [`flashcore_decode_fp8kv`] with its options as one struct, as [`flashcore_decode_ex`]
+/// takes them; see `include/flashcore.h`.
+///
+/// # Safety
+///
+/// As for [`flashcore_decode_fp8kv`]; `opts` must be null or point to a readable
+/// `FlashcoreAttentionOptions`.
+#[allow(clippy::too_many_arguments)]
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn flashcore_decode_fp8kv_ex(
+    ctx: *mut FlashcoreContext,
+    q: *const FlashcoreTensor,
+    cache: *const FlashcoreKvCache,
+    scales: *const FlashcoreKvScales,
+    host_seqlens: *const i32,
+    host_block_table: *const i32,
+    o: *const FlashcoreTensor,
+    lse: u64,
+    opts: *const FlashcoreAttentionOptions,
+    workspace: u64,
+    workspace_bytes: usize,
+    stream: CUstream,
+) -> i32 {
+    // SAFETY: forwarded from the caller's guarantees.
+    unsafe {
+        decode_entry(
+            "flashcore_decode_fp8kv_ex",
+            ctx,
+            q,
+            cache,
+            scales,
+            host_seqlens,
+            host_block_table,
+            o,
+            lse,
+            opts,
             workspace,
             workspace_bytes,
             stream,
@@ -1520,11 +1711,11 @@ pub unsafe extern "C" fn flashcore_decode_fp8kv_window(
 }
 
 /// The body of [`flashcore_check_decode`], [`flashcore_check_decode_fp8kv`] and their
-/// `_window` spellings, reporting as `name`.
+/// `_window` and `_ex` spellings, reporting as `name`.
 ///
 /// # Safety
 ///
-/// As for [`flashcore_check_decode_fp8kv`].
+/// As for [`flashcore_check_decode_fp8kv_ex`].
 #[allow(clippy::too_many_arguments)]
 unsafe fn check_decode_entry(
     name: &str,
@@ -1535,9 +1726,7 @@ unsafe fn check_decode_entry(
     host_block_table: *const i32,
     o: *const FlashcoreTensor,
     lse: u64,
-    softmax_scale: f32,
-    causal: i32,
-    window: Window,
+    opts: *const FlashcoreAttentionOptions,
 ) -> i32 {
     guard(name, || {
         // SAFETY: the caller guarantees the struct pointers are null or readable and the
@@ -1551,9 +1740,7 @@ unsafe fn check_decode_entry(
                 host_block_table,
                 o,
                 lse,
-                softmax_scale,
-                causal,
-                window,
+                opts,
             )?
         };
         if let Some(h) = &call.host {
@@ -1583,7 +1770,8 @@ pub unsafe extern "C" fn flashcore_check_decode(
     softmax_scale: f32,
     causal: i32,
 ) -> i32 {
-    // SAFETY: the caller's guarantees are the shared body's, without scales.
+    // SAFETY: the caller's guarantees are the shared body's, without scales, with these
+    // options (a live temporary).
     unsafe {
         check_decode_entry(
             "flashcore_check_decode",
@@ -1594,9 +1782,7 @@ pub unsafe extern "C" fn flashcore_check_decode(
             host_block_table,
             o,
             lse,
-            softmax_scale,
-            causal,
-            Window::FULL,
+            &FlashcoreAttentionOptions::uncapped(softmax_scale, causal, -1, -1),
         )
     }
 }
@@ -1621,7 +1807,8 @@ pub unsafe extern "C" fn flashcore_check_decode_fp8kv(
     softmax_scale: f32,
     causal: i32,
 ) -> i32 {
-    // SAFETY: forwarded from the caller's guarantees.
+    // SAFETY: forwarded from the caller's guarantees, with these options (a live
+    // temporary).
     unsafe {
         check_decode_entry(
             "flashcore_check_decode_fp8kv",
@@ -1632,9 +1819,7 @@ pub unsafe extern "C" fn flashcore_check_decode_fp8kv(
             host_block_table,
             o,
             lse,
-            softmax_scale,
-            causal,
-            Window::FULL,
+            &FlashcoreAttentionOptions::uncapped(softmax_scale, causal, -1, -1),
         )
     }
 }
@@ -1659,7 +1844,8 @@ pub unsafe extern "C" fn flashcore_check_decode_window(
     window_left: i64,
     window_right: i64,
 ) -> i32 {
-    // SAFETY: the caller's guarantees are the shared body's, without scales.
+    // SAFETY: the caller's guarantees are the shared body's, without scales, with these
+    // options (a live temporary).
     unsafe {
         check_decode_entry(
             "flashcore_check_decode_window",
@@ -1670,9 +1856,7 @@ pub unsafe extern "C" fn flashcore_check_decode_window(
             host_block_table,
             o,
             lse,
-            softmax_scale,
-            causal,
-            c_window(window_left, window_right),
+            &FlashcoreAttentionOptions::uncapped(softmax_scale, causal, window_left, window_right),
         )
     }
 }
@@ -1699,7 +1883,8 @@ pub unsafe extern "C" fn flashcore_check_decode_fp8kv_window(
     window_left: i64,
     window_right: i64,
 ) -> i32 {
-    // SAFETY: forwarded from the caller's guarantees.
+    // SAFETY: forwarded from the caller's guarantees, with these options (a live
+    // temporary).
     unsafe {
         check_decode_entry(
             "flashcore_check_decode_fp8kv_window",
@@ -1710,9 +1895,74 @@ pub unsafe extern "C" fn flashcore_check_decode_fp8kv_window(
             host_block_table,
             o,
             lse,
-            softmax_scale,
-            causal,
-            c_window(window_left, window_right),
+            &FlashcoreAttentionOptions::uncapped(softmax_scale, causal, window_left, window_right),
+        )
+    }
+}
+
+/// Checks the arguments of a [`flashcore_decode_ex`] call without a context, a device or
+/// a driver, as [`flashcore_check_decode`] does (the options' rules included).
+///
+/// # Safety
+///
+/// As for [`flashcore_decode_ex`], except that no device memory need exist.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn flashcore_check_decode_ex(
+    q: *const FlashcoreTensor,
+    cache: *const FlashcoreKvCache,
+    host_seqlens: *const i32,
+    host_block_table: *const i32,
+    o: *const FlashcoreTensor,
+    lse: u64,
+    opts: *const FlashcoreAttentionOptions,
+) -> i32 {
+    // SAFETY: the caller's guarantees are the shared body's, without scales.
+    unsafe {
+        check_decode_entry(
+            "flashcore_check_decode_ex",
+            q,
+            cache,
+            std::ptr::null(),
+            host_seqlens,
+            host_block_table,
+            o,
+            lse,
+            opts,
+        )
+    }
+}
+
+/// Checks the arguments of a [`flashcore_decode_fp8kv_ex`] call without a context, a
+/// device or a driver, as [`flashcore_check_decode_fp8kv`] does (the options' rules
+/// included).
+///
+/// # Safety
+///
+/// As for [`flashcore_decode_fp8kv_ex`], except that no device memory need exist.
+#[allow(clippy::too_many_arguments)]
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn flashcore_check_decode_fp8kv_ex(
+    q: *const FlashcoreTensor,
+    cache: *const FlashcoreKvCache,
+    scales: *const FlashcoreKvScales,
+    host_seqlens: *const i32,
+    host_block_table: *const i32,
+    o: *const FlashcoreTensor,
+    lse: u64,
+    opts: *const FlashcoreAttentionOptions,
+) -> i32 {
+    // SAFETY: forwarded from the caller's guarantees.
+    unsafe {
+        check_decode_entry(
+            "flashcore_check_decode_fp8kv_ex",
+            q,
+            cache,
+            scales,
+            host_seqlens,
+            host_block_table,
+            o,
+            lse,
+            opts,
         )
     }
 }
@@ -1977,12 +2227,12 @@ pub unsafe extern "C" fn flashcore_check_merge(
     })
 }
 
-/// The body of [`flashcore_forward_varlen`] and [`flashcore_forward_varlen_window`],
-/// reporting as `name`.
+/// The body of [`flashcore_forward_varlen`], [`flashcore_forward_varlen_window`] and
+/// [`flashcore_forward_varlen_ex`], reporting as `name`.
 ///
 /// # Safety
 ///
-/// As for [`flashcore_forward_varlen`].
+/// As for [`flashcore_forward_varlen_ex`].
 #[allow(clippy::too_many_arguments)]
 unsafe fn forward_varlen_entry(
     name: &str,
@@ -1995,9 +2245,7 @@ unsafe fn forward_varlen_entry(
     varlen: *const FlashcoreVarlen,
     host_cu_seqlens_q: *const i32,
     host_cu_seqlens_k: *const i32,
-    softmax_scale: f32,
-    causal: i32,
-    window: Window,
+    opts: *const FlashcoreAttentionOptions,
     stream: CUstream,
 ) -> i32 {
     guard(name, || {
@@ -2007,7 +2255,8 @@ unsafe fn forward_varlen_entry(
         let ForwardArgs { q, k, v, o, lse } = unsafe { ForwardArgs::read(q, k, v, o, lse)? };
         // SAFETY: as above.
         let varlen = unsafe { read_varlen(varlen, host_cu_seqlens_q, host_cu_seqlens_k)? };
-        let params = params(softmax_scale, causal, window);
+        // SAFETY: the caller guarantees `opts` is null or readable.
+        let params = unsafe { read_options(opts)? };
         // SAFETY: the C contract (header): device memory of the context's device valid
         // for the described extents, `stream` null or a stream of that context.
         unsafe {
@@ -2042,7 +2291,8 @@ pub unsafe extern "C" fn flashcore_forward_varlen(
     causal: i32,
     stream: CUstream,
 ) -> i32 {
-    // SAFETY: the caller's guarantees are the shared body's, without a window.
+    // SAFETY: the caller's guarantees are the shared body's, with these options (a
+    // live temporary) and no window.
     unsafe {
         forward_varlen_entry(
             "flashcore_forward_varlen",
@@ -2055,9 +2305,7 @@ pub unsafe extern "C" fn flashcore_forward_varlen(
             varlen,
             host_cu_seqlens_q,
             host_cu_seqlens_k,
-            softmax_scale,
-            causal,
-            Window::FULL,
+            &FlashcoreAttentionOptions::uncapped(softmax_scale, causal, -1, -1),
             stream,
         )
     }
@@ -2087,7 +2335,8 @@ pub unsafe extern "C" fn flashcore_forward_varlen_window(
     window_right: i64,
     stream: CUstream,
 ) -> i32 {
-    // SAFETY: forwarded from the caller's guarantees.
+    // SAFETY: forwarded from the caller's guarantees, with these options (a live
+    // temporary).
     unsafe {
         forward_varlen_entry(
             "flashcore_forward_varlen_window",
@@ -2100,20 +2349,61 @@ pub unsafe extern "C" fn flashcore_forward_varlen_window(
             varlen,
             host_cu_seqlens_q,
             host_cu_seqlens_k,
-            softmax_scale,
-            causal,
-            c_window(window_left, window_right),
+            &FlashcoreAttentionOptions::uncapped(softmax_scale, causal, window_left, window_right),
             stream,
         )
     }
 }
 
-/// The body of [`flashcore_check_forward_varlen`] and
-/// [`flashcore_check_forward_varlen_window`], reporting as `name`.
+/// [`flashcore_forward_varlen`] with its options as one struct, as
+/// [`flashcore_forward_ex`] takes them (the key window aligned per sequence, as
+/// [`flashcore_forward_varlen_window`] aligns it); see `include/flashcore.h`.
 ///
 /// # Safety
 ///
-/// As for [`flashcore_check_forward_varlen`].
+/// As for [`flashcore_forward_varlen`]; `opts` must be null or point to a readable
+/// `FlashcoreAttentionOptions`.
+#[allow(clippy::too_many_arguments)]
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn flashcore_forward_varlen_ex(
+    ctx: *mut FlashcoreContext,
+    q: *const FlashcoreTensor,
+    k: *const FlashcoreTensor,
+    v: *const FlashcoreTensor,
+    o: *const FlashcoreTensor,
+    lse: u64,
+    varlen: *const FlashcoreVarlen,
+    host_cu_seqlens_q: *const i32,
+    host_cu_seqlens_k: *const i32,
+    opts: *const FlashcoreAttentionOptions,
+    stream: CUstream,
+) -> i32 {
+    // SAFETY: forwarded from the caller's guarantees.
+    unsafe {
+        forward_varlen_entry(
+            "flashcore_forward_varlen_ex",
+            ctx,
+            q,
+            k,
+            v,
+            o,
+            lse,
+            varlen,
+            host_cu_seqlens_q,
+            host_cu_seqlens_k,
+            opts,
+            stream,
+        )
+    }
+}
+
+/// The body of [`flashcore_check_forward_varlen`],
+/// [`flashcore_check_forward_varlen_window`] and [`flashcore_check_forward_varlen_ex`],
+/// reporting as `name`.
+///
+/// # Safety
+///
+/// As for [`flashcore_check_forward_varlen_ex`].
 #[allow(clippy::too_many_arguments)]
 unsafe fn check_forward_varlen_entry(
     name: &str,
@@ -2125,16 +2415,15 @@ unsafe fn check_forward_varlen_entry(
     varlen: *const FlashcoreVarlen,
     host_cu_seqlens_q: *const i32,
     host_cu_seqlens_k: *const i32,
-    softmax_scale: f32,
-    causal: i32,
-    window: Window,
+    opts: *const FlashcoreAttentionOptions,
 ) -> i32 {
     guard(name, || {
         // SAFETY: the caller guarantees each pointer is null or readable.
         let ForwardArgs { q, k, v, o, lse } = unsafe { ForwardArgs::read(q, k, v, o, lse)? };
         // SAFETY: as above.
         let varlen = unsafe { read_varlen(varlen, host_cu_seqlens_q, host_cu_seqlens_k)? };
-        let params = params(softmax_scale, causal, window);
+        // SAFETY: the caller guarantees `opts` is null or readable.
+        let params = unsafe { read_options(opts)? };
         validate_varlen(&q, &k, &v, &o, lse.as_ref(), &varlen, &params)?;
         Ok(())
     })
@@ -2161,7 +2450,8 @@ pub unsafe extern "C" fn flashcore_check_forward_varlen(
     softmax_scale: f32,
     causal: i32,
 ) -> i32 {
-    // SAFETY: the caller's guarantees are the shared body's, without a window.
+    // SAFETY: the caller's guarantees are the shared body's, with these options (a
+    // live temporary) and no window.
     unsafe {
         check_forward_varlen_entry(
             "flashcore_check_forward_varlen",
@@ -2173,9 +2463,7 @@ pub unsafe extern "C" fn flashcore_check_forward_varlen(
             varlen,
             host_cu_seqlens_q,
             host_cu_seqlens_k,
-            softmax_scale,
-            causal,
-            Window::FULL,
+            &FlashcoreAttentionOptions::uncapped(softmax_scale, causal, -1, -1),
         )
     }
 }
@@ -2203,7 +2491,8 @@ pub unsafe extern "C" fn flashcore_check_forward_varlen_window(
     window_left: i64,
     window_right: i64,
 ) -> i32 {
-    // SAFETY: forwarded from the caller's guarantees.
+    // SAFETY: forwarded from the caller's guarantees, with these options (a live
+    // temporary).
     unsafe {
         check_forward_varlen_entry(
             "flashcore_check_forward_varlen_window",
@@ -2215,9 +2504,44 @@ pub unsafe extern "C" fn flashcore_check_forward_varlen_window(
             varlen,
             host_cu_seqlens_q,
             host_cu_seqlens_k,
-            softmax_scale,
-            causal,
-            c_window(window_left, window_right),
+            &FlashcoreAttentionOptions::uncapped(softmax_scale, causal, window_left, window_right),
+        )
+    }
+}
+
+/// Checks the arguments of a [`flashcore_forward_varlen_ex`] call without a context, a
+/// device or a driver, as [`flashcore_check_forward_varlen`] does (the options' rules
+/// included).
+///
+/// # Safety
+///
+/// As for [`flashcore_forward_varlen_ex`], without `ctx` and `stream`.
+#[allow(clippy::too_many_arguments)]
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn flashcore_check_forward_varlen_ex(
+    q: *const FlashcoreTensor,
+    k: *const FlashcoreTensor,
+    v: *const FlashcoreTensor,
+    o: *const FlashcoreTensor,
+    lse: u64,
+    varlen: *const FlashcoreVarlen,
+    host_cu_seqlens_q: *const i32,
+    host_cu_seqlens_k: *const i32,
+    opts: *const FlashcoreAttentionOptions,
+) -> i32 {
+    // SAFETY: forwarded from the caller's guarantees.
+    unsafe {
+        check_forward_varlen_entry(
+            "flashcore_check_forward_varlen_ex",
+            q,
+            k,
+            v,
+            o,
+            lse,
+            varlen,
+            host_cu_seqlens_q,
+            host_cu_seqlens_k,
+            opts,
         )
     }
 }
@@ -3524,9 +3848,7 @@ mod tests {
                     ptr::null(),
                     &o,
                     0,
-                    0.0,
-                    causal,
-                    c_window(left, right),
+                    &FlashcoreAttentionOptions::uncapped(0.0, causal, left, right),
                 )
             };
             call.map(|call| (call.problem.causal, call.problem.window))
@@ -4921,5 +5243,386 @@ mod tests {
         assert_eq!(offset_of!(FlashcoreTensor, dtype), 8);
         assert_eq!(offset_of!(FlashcoreTensor, shape), 16);
         assert_eq!(offset_of!(FlashcoreTensor, strides), 48);
+    }
+
+    #[test]
+    fn options_layout_is_the_c_layout() {
+        use std::mem::{align_of, offset_of, size_of};
+        assert_eq!(size_of::<FlashcoreAttentionOptions>(), 32);
+        assert_eq!(align_of::<FlashcoreAttentionOptions>(), 8);
+        assert_eq!(offset_of!(FlashcoreAttentionOptions, softmax_scale), 0);
+        assert_eq!(offset_of!(FlashcoreAttentionOptions, causal), 4);
+        assert_eq!(offset_of!(FlashcoreAttentionOptions, window_left), 8);
+        assert_eq!(offset_of!(FlashcoreAttentionOptions, window_right), 16);
+        assert_eq!(offset_of!(FlashcoreAttentionOptions, softcap), 24);
+    }
+
+    /// Options with a soft cap (0: none) on top of the spellings' without `_ex`.
+    fn options(causal: i32, left: i64, right: i64, softcap: f32) -> FlashcoreAttentionOptions {
+        FlashcoreAttentionOptions {
+            softcap,
+            ..FlashcoreAttentionOptions::uncapped(0.0, causal, left, right)
+        }
+    }
+
+    #[test]
+    fn c_options_are_params_with_a_soft_cap() {
+        // Without a cap: what the other spellings pass, mapped as they map it.
+        for (scale, causal, left, right) in [(0.0, 0, -1, -1), (0.5, 3, 15, 0), (-0.0, 1, -4, 7)] {
+            let o = FlashcoreAttentionOptions::uncapped(scale, causal, left, right);
+            assert_eq!(
+                c_options(&o),
+                params(scale, causal, c_window(left, right)),
+                "{o:?}"
+            );
+        }
+        // A cap of 0, of either sign, is none; any other value is passed on as given,
+        // for validation to judge.
+        for zero in [0.0, -0.0] {
+            assert_eq!(c_options(&options(1, 15, 0, zero)).softcap, None);
+        }
+        for cap in [50.0, 5.0, -1.0, f32::INFINITY, f32::MIN_POSITIVE / 4.0] {
+            let p = c_options(&options(1, 15, 0, cap));
+            assert_eq!(p.softcap, Some(cap));
+            assert_eq!((p.causal, p.window), (true, Window::sliding(16)));
+        }
+        assert!(
+            c_options(&options(0, -1, -1, f32::NAN))
+                .softcap
+                .unwrap()
+                .is_nan()
+        );
+    }
+
+    #[test]
+    fn check_forward_ex_takes_the_options() {
+        let (q, k, v) = (
+            tensor(FLASHCORE_F16),
+            tensor(FLASHCORE_F16),
+            tensor(FLASHCORE_F16),
+        );
+        let mut o = tensor(FLASHCORE_F16);
+        o.ptr = 0x10_0000; // past q, k and v, which share [0x1000, 0x11000)
+        let check = |opts: &FlashcoreAttentionOptions| {
+            // SAFETY: every pointer points at a live local.
+            unsafe { flashcore_check_forward_ex(&q, &k, &v, &o, 0, opts) }
+        };
+        // Gemma 2's caps (50 on every layer, sliding windows on alternate ones), Grok's 30,
+        // small and large ones, with and without causal masking and windows.
+        for cap in [0.0, -0.0, 50.0, 30.0, 5.0, 1e-3, 1e6, 1e-38, 1e36] {
+            for (causal, left, right) in [(1, -1, -1), (1, 4095, 0), (0, -1, -1), (0, 50, 7)] {
+                let opts = options(causal, left, right, cap);
+                assert_eq!(
+                    check(&opts),
+                    FLASHCORE_SUCCESS,
+                    "{opts:?}: {}",
+                    last_error()
+                );
+            }
+        }
+        // A cap that is not finite and positive, or so far from the scale (1/8 at head dim
+        // 64) that their ratio leaves the normal floats (or the cap times log2 e overflows).
+        for cap in [
+            -1.0,
+            -50.0,
+            f32::NAN,
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+            1e-40,
+            f32::from_bits(1),
+            1e38,
+            f32::MAX,
+        ] {
+            assert_eq!(
+                check(&options(1, -1, -1, cap)),
+                FLASHCORE_ERROR_INVALID_ARGUMENT,
+                "{cap}"
+            );
+            let message = last_error();
+            assert!(
+                message.starts_with("flashcore_check_forward_ex: ") && message.contains("softcap"),
+                "{message}"
+            );
+        }
+        // The other options' rules: the window's, the scale's.
+        assert_eq!(
+            check(&options(1, 15, 1, 50.0)),
+            FLASHCORE_ERROR_INVALID_ARGUMENT
+        );
+        assert!(last_error().contains("right side"), "{}", last_error());
+        let nan_scale = FlashcoreAttentionOptions {
+            softmax_scale: f32::NAN,
+            ..options(0, -1, -1, 50.0)
+        };
+        assert_eq!(check(&nan_scale), FLASHCORE_ERROR_INVALID_ARGUMENT);
+        // Without a cap the call is flashcore_check_forward_window's: the same code and
+        // message (but for the name) on good and bad arguments alike.
+        let mut d48 = o;
+        d48.shape[3] = 48;
+        let mut misaligned = o;
+        misaligned.ptr += 2;
+        for (o, scale, right) in [
+            (o, 0.0, 0),
+            (o, f32::NAN, 0),
+            (o, 0.0, 3),
+            (d48, 0.0, 0),
+            (misaligned, 0.0, -1),
+        ] {
+            // SAFETY: every tensor pointer points at a live local.
+            let windowed =
+                unsafe { flashcore_check_forward_window(&q, &k, &v, &o, 0, scale, 1, 15, right) };
+            let windowed_message = last_error();
+            let opts = FlashcoreAttentionOptions::uncapped(scale, 1, 15, right);
+            // SAFETY: as above.
+            let ex = unsafe { flashcore_check_forward_ex(&q, &k, &v, &o, 0, &opts) };
+            assert_eq!(windowed, ex);
+            if ex != FLASHCORE_SUCCESS {
+                assert_eq!(
+                    windowed_message.strip_prefix("flashcore_check_forward_window: "),
+                    last_error().strip_prefix("flashcore_check_forward_ex: ")
+                );
+            }
+        }
+        // Null options, as a null struct pointer; a null tensor is reported before them.
+        // SAFETY: null pointers are allowed and reported.
+        let rc = unsafe { flashcore_check_forward_ex(&q, &k, &v, &o, 0, ptr::null()) };
+        assert_eq!(rc, FLASHCORE_ERROR_NULL_ARGUMENT);
+        assert_eq!(
+            last_error(),
+            "flashcore_check_forward_ex: opts is a null pointer"
+        );
+        // SAFETY: as above.
+        let rc = unsafe { flashcore_check_forward_ex(&q, ptr::null(), &v, &o, 0, ptr::null()) };
+        assert_eq!(rc, FLASHCORE_ERROR_NULL_ARGUMENT);
+        assert_eq!(
+            last_error(),
+            "flashcore_check_forward_ex: k is a null pointer"
+        );
+    }
+
+    #[test]
+    fn check_forward_varlen_ex_takes_the_options() {
+        let at = |ptr: u64, rows: i64, heads: i64| FlashcoreTensor {
+            ptr,
+            dtype: FLASHCORE_BF16,
+            shape: [1, rows, heads, 128],
+            strides: [0, heads * 128, 128, 1],
+        };
+        let (q, k, v, o) = (
+            at(1 << 30, 300, 8),
+            at(2 << 30, 500, 2),
+            at(3 << 30, 500, 2),
+            at(4 << 30, 300, 8),
+        );
+        let varlen = FlashcoreVarlen {
+            cu_seqlens_q: 5 << 30,
+            cu_seqlens_k: (5 << 30) + 64,
+            batch: 2,
+            max_seqlen_q: 200,
+        };
+        let (cu_q, cu_k, bad) = ([0i32, 100, 300], [0i32, 250, 500], [0i32, 100, 50]);
+        let check = |host_q: &[i32], opts: *const FlashcoreAttentionOptions| {
+            // SAFETY: every pointer points at a live local or is null; the host arrays hold
+            // 3 int32s.
+            unsafe {
+                flashcore_check_forward_varlen_ex(
+                    &q,
+                    &k,
+                    &v,
+                    &o,
+                    0,
+                    &varlen,
+                    host_q.as_ptr(),
+                    cu_k.as_ptr(),
+                    opts,
+                )
+            }
+        };
+        for cap in [0.0, 50.0, 30.0, 5.0] {
+            for (causal, left, right) in [(1, -1, -1), (1, 15, 0), (0, 50, 7)] {
+                let opts = options(causal, left, right, cap);
+                assert_eq!(
+                    check(&cu_q, &opts),
+                    FLASHCORE_SUCCESS,
+                    "{opts:?}: {}",
+                    last_error()
+                );
+            }
+        }
+        for cap in [-5.0, f32::NAN, f32::INFINITY] {
+            assert_eq!(
+                check(&cu_q, &options(1, 15, 0, cap)),
+                FLASHCORE_ERROR_INVALID_ARGUMENT
+            );
+            let message = last_error();
+            assert!(
+                message.starts_with("flashcore_check_forward_varlen_ex: ")
+                    && message.contains("softcap"),
+                "{message}"
+            );
+        }
+        // The host offsets are checked under a cap too; null options are refused.
+        assert_eq!(
+            check(&bad, &options(1, -1, -1, 50.0)),
+            FLASHCORE_ERROR_INVALID_ARGUMENT
+        );
+        assert_eq!(check(&cu_q, ptr::null()), FLASHCORE_ERROR_NULL_ARGUMENT);
+        assert_eq!(
+            last_error(),
+            "flashcore_check_forward_varlen_ex: opts is a null pointer"
+        );
+    }
+
+    #[test]
+    fn decode_ex_checks_take_the_options() {
+        let table: Vec<i32> = (0..8).collect();
+        let q = query(4, 8, 4 * GB);
+        let o = FlashcoreTensor { ptr: 5 * GB, ..q };
+        // What a decode call runs with: the cap reaches the problem, checked.
+        let read = |opts: &FlashcoreAttentionOptions| {
+            let c = cache(false);
+            // SAFETY: every struct pointer points at a live local; no scales, no host
+            // arrays.
+            let call = unsafe {
+                DecodeCall::read(&q, &c, ptr::null(), ptr::null(), ptr::null(), &o, 0, opts)
+            };
+            call.map(|call| (call.problem.softcap, call.problem.window.is_some()))
+                .map_err(|f| f.code)
+        };
+        assert_eq!(read(&options(1, -1, -1, 0.0)), Ok((None, false)));
+        assert_eq!(read(&options(1, 15, 0, -0.0)), Ok((None, true)));
+        assert_eq!(read(&options(1, 15, 0, 50.0)), Ok((Some(50.0), true)));
+        assert_eq!(read(&options(0, -1, -1, 5.0)), Ok((Some(5.0), false)));
+        assert_eq!(
+            read(&options(1, -1, -1, -50.0)),
+            Err(FLASHCORE_ERROR_INVALID_ARGUMENT)
+        );
+        for paged in [false, true] {
+            let c = cache(paged);
+            let lens = [40, 64];
+            let table = if paged { table.as_ptr() } else { ptr::null() };
+            let check16 = |opts: *const FlashcoreAttentionOptions| {
+                // SAFETY: every pointer points at a live local or is null; the host arrays
+                // hold 2 lengths and (paged) the 8 entries of the [2, 4] table.
+                unsafe { flashcore_check_decode_ex(&q, &c, lens.as_ptr(), table, &o, 0, opts) }
+            };
+            let (c8, s8) = fp8_cache(paged);
+            let check8 = |opts: *const FlashcoreAttentionOptions| {
+                // SAFETY: as above.
+                unsafe {
+                    flashcore_check_decode_fp8kv_ex(&q, &c8, &s8, lens.as_ptr(), table, &o, 0, opts)
+                }
+            };
+            for (name, check) in [
+                ("flashcore_check_decode_ex", &check16 as &dyn Fn(_) -> i32),
+                ("flashcore_check_decode_fp8kv_ex", &check8),
+            ] {
+                for cap in [0.0, 50.0, 30.0, 5.0] {
+                    for (causal, left, right) in [(1, -1, -1), (1, 15, 0), (0, 7, 3)] {
+                        let opts = options(causal, left, right, cap);
+                        assert_eq!(
+                            check(&opts),
+                            FLASHCORE_SUCCESS,
+                            "{name} {opts:?}: {}",
+                            last_error()
+                        );
+                    }
+                }
+                for cap in [-1.0, f32::NAN, f32::NEG_INFINITY, f32::MAX] {
+                    assert_eq!(
+                        check(&options(1, 15, 0, cap)),
+                        FLASHCORE_ERROR_INVALID_ARGUMENT,
+                        "{name} {cap}"
+                    );
+                    let message = last_error();
+                    assert!(
+                        message.starts_with(&format!("{name}: ")) && message.contains("softcap"),
+                        "{message}"
+                    );
+                }
+                assert_eq!(check(ptr::null()), FLASHCORE_ERROR_NULL_ARGUMENT);
+                assert_eq!(last_error(), format!("{name}: opts is a null pointer"));
+            }
+        }
+    }
+
+    #[test]
+    fn ex_calls_refuse_a_null_context() {
+        let t = tensor(FLASHCORE_F16);
+        let (q, c) = (query(1, 4, 4 * GB), cache(false));
+        let o = FlashcoreTensor { ptr: 5 * GB, ..q };
+        let (_, s) = fp8_cache(false);
+        let varlen = FlashcoreVarlen {
+            cu_seqlens_q: GB,
+            cu_seqlens_k: 2 * GB,
+            batch: 1,
+            max_seqlen_q: 128,
+        };
+        let opts = options(1, 15, 0, 50.0);
+        let (null, stream) = (ptr::null(), ptr::null_mut());
+        let refused = |rc: i32, name: &str| {
+            assert_eq!(rc, FLASHCORE_ERROR_NULL_ARGUMENT, "{name}");
+            assert_eq!(last_error(), format!("{name}: ctx is a null pointer"));
+        };
+        // SAFETY: a null context is allowed and reported; the rest are live locals.
+        let rc = unsafe { flashcore_forward_ex(ptr::null_mut(), &t, &t, &t, &t, 0, &opts, stream) };
+        refused(rc, "flashcore_forward_ex");
+        // SAFETY: as above, the options null too: the context is reported first.
+        let rc = unsafe {
+            flashcore_forward_ex(ptr::null_mut(), &t, &t, &t, &t, 0, ptr::null(), stream)
+        };
+        refused(rc, "flashcore_forward_ex");
+        // SAFETY: as above.
+        let rc = unsafe {
+            flashcore_forward_varlen_ex(
+                ptr::null_mut(),
+                &t,
+                &t,
+                &t,
+                &t,
+                0,
+                &varlen,
+                null,
+                null,
+                &opts,
+                stream,
+            )
+        };
+        refused(rc, "flashcore_forward_varlen_ex");
+        // SAFETY: as above.
+        let rc = unsafe {
+            flashcore_decode_ex(
+                ptr::null_mut(),
+                &q,
+                &c,
+                null,
+                null,
+                &o,
+                0,
+                &opts,
+                0,
+                0,
+                stream,
+            )
+        };
+        refused(rc, "flashcore_decode_ex");
+        // SAFETY: as above.
+        let rc = unsafe {
+            flashcore_decode_fp8kv_ex(
+                ptr::null_mut(),
+                &q,
+                &c,
+                &s,
+                null,
+                null,
+                &o,
+                0,
+                &opts,
+                0,
+                0,
+                stream,
+            )
+        };
+        refused(rc, "flashcore_decode_fp8kv_ex");
     }
 }

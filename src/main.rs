@@ -55,16 +55,16 @@ const USAGE: &str = "usage:
   flashcore report
   flashcore run [--batch B] [--heads H] [--kv-heads HKV] [--seqlen S | --seqlen-q SQ --seqlen-k SK]
                 [--head-dim D] [--dtype f16|bf16|e4m3] [--causal] [--window LEFT,RIGHT]
-                [--layout bshd|bhsd] [--iters N] [--block-m 64|128|192] [--split-keys on|off] [--fold on|off]
+                [--softcap CAP] [--layout bshd|bhsd] [--iters N] [--block-m 64|128|192] [--split-keys on|off] [--fold on|off]
                 [--narrow-keys on|off] [--path best|sm80]
                 e4m3 only: [--in-dtype f16|bf16] [--smooth-k] [--hadamard SEED]
   flashcore bench [--json FILE] [--iters N] [--dtype f16,bf16] [--path best|sm80]
-                  [--shapes default|hopper|padded] [--fold on|off]
+                  [--shapes default|hopper|padded] [--fold on|off] [--softcap CAP]
   flashcore gemm [--m M] [--n N] [--k K] [--dtype bf16|f16|e4m3|all] [--iters N] [--json FILE]
   flashcore decode [--shapes BxSKV,...] [--pages 0,16,64] [--heads 32] [--kv-heads 8]
                    [--head-dim 128] [--seqlen-q 1] [--causal] [--dtype f16|bf16] [--iters N]
                    [--kv-dtype e4m3] [--cache-layout bshd|bhsd] [--window LEFT,RIGHT]
-                   [--json FILE]
+                   [--softcap CAP] [--json FILE]
   flashcore varlen [--lens 512,4096,...] [--q-lens 1,16,...] [--heads 32] [--kv-heads 8]
                    [--head-dim 128] [--causal] [--dtype f16|bf16] [--path sm80] [--iters N]
                    [--json FILE]
@@ -438,6 +438,8 @@ fn check_sizes(shape: AttnShape, dtype: HalfType, causal: bool) -> Result<(), Fa
         window: Default::default(),
         layout: Layout::Bshd,
         kernel: None,
+        softcap: None,
+        softmax_scale: None,
     };
     Ok(case.validate()?)
 }
@@ -464,10 +466,12 @@ fn run(args: &[String]) -> Result<(), Failure> {
             "--in-dtype",
             "--hadamard",
             "--window",
+            "--softcap",
         ],
         &["--causal", "--smooth-k"],
     )?;
     let window = parse_window(o.value("--window"))?;
+    let softcap = parse_softcap(o.value("--softcap"))?;
     let fp8 = o.value("--dtype") == Some("e4m3");
     let options = if fp8 {
         let forced = ["--block-m", "--split-keys", "--fold", "--narrow-keys"];
@@ -522,6 +526,8 @@ fn run(args: &[String]) -> Result<(), Failure> {
             other => return Err(Failure::Usage(format!("unknown layout `{other}`"))),
         },
         kernel: None,
+        softcap,
+        softmax_scale: None,
     };
     let iters = o.num("--iters", 20)?;
     case.validate()?;
@@ -629,6 +635,19 @@ fn parse_window(v: Option<&str>) -> Result<flashcore::host::tensor::Window, Fail
     ))
 }
 
+/// A soft cap as `--softcap` takes it: a number, 0 for none (FlashAttention's
+/// convention); none without the flag. The call checks the value.
+fn parse_softcap(v: Option<&str>) -> Result<Option<f32>, Failure> {
+    let Some(v) = v else {
+        return Ok(None);
+    };
+    let cap: f32 = v
+        .trim()
+        .parse()
+        .map_err(|_| Failure::Usage(format!("--softcap takes a number, got `{v}`")))?;
+    Ok((cap != 0.0).then_some(cap))
+}
+
 /// A number as `--hadamard` takes it: decimal or `0x` hexadecimal.
 fn parse_u64(s: &str) -> Option<u64> {
     match s.strip_prefix("0x").or_else(|| s.strip_prefix("0X")) {
@@ -728,7 +747,13 @@ fn bench(args: &[String]) -> Result<(), Failure> {
     let o = Opts { args };
     o.check_known(
         &[
-            "--json", "--iters", "--dtype", "--path", "--shapes", "--fold",
+            "--json",
+            "--iters",
+            "--dtype",
+            "--path",
+            "--shapes",
+            "--fold",
+            "--softcap",
         ],
         &[],
     )?;
@@ -756,10 +781,16 @@ fn bench(args: &[String]) -> Result<(), Failure> {
         Some(other) => return Err(Failure::Usage(format!("unknown shapes `{other}`"))),
     };
     let choice = parse_path(o.value("--path"))?;
+    // `--softcap CAP`: every shape with soft-capped scores, to weigh what the cap costs.
+    let softcap = parse_softcap(o.value("--softcap"))?;
     let backend = match (choice, unfolded) {
         (PathChoice::Best, false) => "flashcore",
         (PathChoice::Best, true) => "flashcore-unfolded",
         (PathChoice::Sm80, _) => "flashcore-sm80",
+    };
+    let backend = match softcap {
+        Some(_) => format!("{backend}-softcap"),
+        None => backend.to_string(),
     };
     let dev = open_gpu()?;
     let stream = dev.context().default_stream();
@@ -801,6 +832,8 @@ fn bench(args: &[String]) -> Result<(), Failure> {
             window: Default::default(),
             layout: Layout::Bhsd,
             kernel: None,
+            softcap,
+            softmax_scale: None,
         };
         // The float64 check of the largest shapes would take minutes on the CPU: check
         // the same kernel on one batch, one K/V head's group, and at most 1024 rows.
@@ -968,11 +1001,13 @@ fn decode(args: &[String]) -> Result<(), Failure> {
             "--kv-dtype",
             "--cache-layout",
             "--window",
+            "--softcap",
         ],
         &["--causal"],
     )?;
     let iters = o.num("--iters", 100)?;
     let window = parse_window(o.value("--window"))?;
+    let softcap = parse_softcap(o.value("--softcap"))?;
     // A contiguous cache as `[B, Skv, Hkv, D]` (the serving layout) or with each head's
     // rows together, `[B, Hkv, Skv, D]` (SDPA's layout), passed as a strided view.
     let head_major = match o.value("--cache-layout").unwrap_or("bshd") {
@@ -1055,6 +1090,7 @@ fn decode(args: &[String]) -> Result<(), Failure> {
         softmax_scale: None,
         causal,
         window,
+        softcap,
     };
     out!(
         "{} ({}), flashcore decode, {} cache, contiguous as {}",
@@ -1774,6 +1810,8 @@ fn fp8_bench(args: &[String]) -> Result<(), Failure> {
             window: Default::default(),
             layout: Layout::Bshd,
             kernel: None,
+            softcap: None,
+            softmax_scale: None,
         };
         case.validate()?;
         case.validate_fp8(&QuantizeOptions::default())?;
@@ -1818,6 +1856,8 @@ fn fp8_bench(args: &[String]) -> Result<(), Failure> {
                 window: Default::default(),
                 layout: Layout::Bshd,
                 kernel: None,
+                softcap: None,
+                softmax_scale: None,
             };
             let flops = case.flops();
             let f16 = flashcore::check::DeviceCase::for_timing(&stream, case, &mut rng)?;

@@ -5,7 +5,8 @@
 //! Semantics (FlashAttention's): `out[b, i, h, :] = softmax_j(scale · q[b,i,h,:] · k[b,j,h/g,:])
 //! v[b,j,h/g,:]` with `g = Hq / Hkv`. Causal masking is aligned bottom-right: query row `i`
 //! sees key `j` iff `j <= i + (Sk − Sq)`. A row that sees no key outputs zeros and has
-//! LSE −∞. `lse[b, h, i] = ln Σ_j exp(scale · s_ij)` over the visible keys.
+//! LSE −∞. `lse[b, h, i] = ln Σ_j exp(scale · s_ij)` over the visible keys. With a soft cap
+//! `c` every scaled score `x` becomes `c · tanh(x / c)` first, in the LSE too.
 
 use crate::host::tensor::Window;
 use crate::kernels::attention::HalfType;
@@ -51,6 +52,42 @@ pub fn attention_f64_window(
     causal: bool,
     window: Window,
 ) -> RefOutput {
+    let params = RefParams {
+        scale,
+        causal,
+        window,
+        softcap: None,
+    };
+    attention_f64_with(shape, q, k, v, &params)
+}
+
+/// What a reference call computes besides its inputs: the kernels' options.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct RefParams {
+    pub scale: f64,
+    pub causal: bool,
+    pub window: Window,
+    /// Soft-capping: each scaled score `x` becomes `cap · tanh(x / cap)`.
+    pub softcap: Option<f64>,
+}
+
+/// [`attention_f64`] with every option of [`RefParams`].
+///
+/// # Panics
+/// As [`attention_f64`].
+pub fn attention_f64_with(
+    shape: &AttnShape,
+    q: &[f64],
+    k: &[f64],
+    v: &[f64],
+    params: &RefParams,
+) -> RefOutput {
+    let &RefParams {
+        scale,
+        causal,
+        window,
+        softcap,
+    } = params;
     let &AttnShape {
         batch,
         seqlen_q: sq,
@@ -84,7 +121,8 @@ pub fn attention_f64_window(
                 let qrow = &q[qo..qo + d];
                 for (j, s) in scores[..n].iter_mut().enumerate() {
                     let ko = ((b * sk + first + j) * hkv + kh) * d;
-                    *s = scale * dot(qrow, &k[ko..ko + d]);
+                    let x = scale * dot(qrow, &k[ko..ko + d]);
+                    *s = softcap.map_or(x, |cap| cap * (x / cap).tanh());
                 }
                 // Subtracting the row max keeps exp() in range for any score magnitude.
                 let m = scores[..n]

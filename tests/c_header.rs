@@ -2,7 +2,7 @@
 //! package, `python/flashcore/_capi.py`): the same constants with the same values, the same functions with
 //! the same parameter types, the same fields of each struct (`FlashcoreTensor`,
 //! `FlashcoreKvCache`, `FlashcoreKvScales`, `FlashcoreVarlen`, `FlashcoreFp8Operands`,
-//! `FlashcoreQuantizeOptions`), and the same struct layouts (the C layout the header's fields give
+//! `FlashcoreQuantizeOptions`, `FlashcoreAttentionOptions`), and the same struct layouts (the C layout the header's fields give
 //! against Rust's offsets, sizes and alignments). Plain text parsing: the header is kept
 //! in a simple, regular style for it. The three files are embedded in the test binary,
 //! which therefore runs anywhere.
@@ -13,18 +13,19 @@ use std::mem::{align_of, offset_of, size_of};
 
 use flashcore::error::RETURN_CODES;
 use flashcore::ffi::{
-    FLASHCORE_CONSTANTS, FlashcoreFp8Operands, FlashcoreKvCache, FlashcoreKvScales,
-    FlashcoreQuantizeOptions, FlashcoreTensor, FlashcoreVarlen,
+    FLASHCORE_CONSTANTS, FlashcoreAttentionOptions, FlashcoreFp8Operands, FlashcoreKvCache,
+    FlashcoreKvScales, FlashcoreQuantizeOptions, FlashcoreTensor, FlashcoreVarlen,
 };
 
 /// The structs of the C ABI, in the order the header defines them.
-const STRUCTS: [&str; 6] = [
+const STRUCTS: [&str; 7] = [
     "FlashcoreTensor",
     "FlashcoreKvCache",
     "FlashcoreKvScales",
     "FlashcoreVarlen",
     "FlashcoreFp8Operands",
     "FlashcoreQuantizeOptions",
+    "FlashcoreAttentionOptions",
 ];
 
 /// The files the checks read, embedded at compile time: the test binary needs no source
@@ -252,7 +253,8 @@ fn rust_to_c(t: &str) -> String {
         | "FlashcoreKvScales"
         | "FlashcoreVarlen"
         | "FlashcoreFp8Operands"
-        | "FlashcoreQuantizeOptions" => t,
+        | "FlashcoreQuantizeOptions"
+        | "FlashcoreAttentionOptions" => t,
         other => panic!("no C spelling for Rust type {other}"),
     }
     .to_string()
@@ -435,15 +437,21 @@ fn functions_match() {
         "flashcore_check_forward",
         "flashcore_forward_window",
         "flashcore_check_forward_window",
+        "flashcore_forward_ex",
+        "flashcore_check_forward_ex",
         "flashcore_forward_varlen",
         "flashcore_check_forward_varlen",
         "flashcore_forward_varlen_window",
         "flashcore_check_forward_varlen_window",
+        "flashcore_forward_varlen_ex",
+        "flashcore_check_forward_varlen_ex",
         "flashcore_decode",
         "flashcore_decode_workspace_bytes",
         "flashcore_check_decode",
         "flashcore_decode_window",
         "flashcore_check_decode_window",
+        "flashcore_decode_ex",
+        "flashcore_check_decode_ex",
         "flashcore_append_kv",
         "flashcore_check_append_kv",
         "flashcore_decode_fp8kv",
@@ -451,6 +459,8 @@ fn functions_match() {
         "flashcore_check_decode_fp8kv",
         "flashcore_decode_fp8kv_window",
         "flashcore_check_decode_fp8kv_window",
+        "flashcore_decode_fp8kv_ex",
+        "flashcore_check_decode_fp8kv_ex",
         "flashcore_append_kv_fp8kv",
         "flashcore_check_append_kv_fp8kv",
         "flashcore_merge",
@@ -520,6 +530,13 @@ fn expected_fields(name: &str) -> Fields {
             ("int32_t", "smooth_k"),
             ("int32_t", "hadamard"),
             ("uint64_t", "hadamard_seed"),
+        ],
+        "FlashcoreAttentionOptions" => &[
+            ("float", "softmax_scale"),
+            ("int32_t", "causal"),
+            ("int64_t", "window_left"),
+            ("int64_t", "window_right"),
+            ("float", "softcap"),
         ],
         other => panic!("no expected fields for {other}"),
     };
@@ -633,6 +650,26 @@ fn rust_layout(name: &str) -> (Vec<(&'static str, usize)>, usize, usize) {
             size_of::<FlashcoreQuantizeOptions>(),
             align_of::<FlashcoreQuantizeOptions>(),
         ),
+        "FlashcoreAttentionOptions" => (
+            vec![
+                (
+                    "softmax_scale",
+                    offset_of!(FlashcoreAttentionOptions, softmax_scale),
+                ),
+                ("causal", offset_of!(FlashcoreAttentionOptions, causal)),
+                (
+                    "window_left",
+                    offset_of!(FlashcoreAttentionOptions, window_left),
+                ),
+                (
+                    "window_right",
+                    offset_of!(FlashcoreAttentionOptions, window_right),
+                ),
+                ("softcap", offset_of!(FlashcoreAttentionOptions, softcap)),
+            ],
+            size_of::<FlashcoreAttentionOptions>(),
+            align_of::<FlashcoreAttentionOptions>(),
+        ),
         other => panic!("no Rust layout for {other}"),
     }
 }
@@ -658,12 +695,14 @@ fn types_match() {
     assert_eq!(size_of::<FlashcoreVarlen>(), 32);
     assert_eq!(size_of::<FlashcoreFp8Operands>(), 256);
     assert_eq!(size_of::<FlashcoreQuantizeOptions>(), 16);
+    assert_eq!(size_of::<FlashcoreAttentionOptions>(), 32);
 
     let mut typedefs = header.typedefs.clone();
     typedefs.sort();
     assert_eq!(
         typedefs,
         [
+            "FlashcoreAttentionOptions",
             "FlashcoreFp8Operands",
             "FlashcoreKvCache",
             "FlashcoreKvScales",
@@ -742,6 +781,7 @@ fn c_to_ctypes(t: &str) -> &'static str {
             "ctypes.POINTER(FlashcoreFp8Operands)"
         }
         "const FlashcoreQuantizeOptions*" => "ctypes.POINTER(FlashcoreQuantizeOptions)",
+        "const FlashcoreAttentionOptions*" => "ctypes.POINTER(FlashcoreAttentionOptions)",
         other => panic!("no ctypes spelling for {other}"),
     }
 }

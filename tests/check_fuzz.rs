@@ -1,6 +1,7 @@
 //! Random and extreme arguments through every `flashcore_check_*` entry point of the C
-//! ABI (no GPU needed; the attention checks in their `_window` spellings too, with key
-//! windows from sliding ones to the edges of int64): each starts from a call that is
+//! ABI (no GPU needed; the attention checks in their `_window` and `_ex` spellings too,
+//! with key windows from sliding ones to the edges of int64 and soft caps from Gemma 2's
+//! to the edges of float): each starts from a call that is
 //! valid, changes up to three of its fields to values from the edges of their types
 //! (zero, negative, 2^31, 2^63, NaN, misaligned or overlapping pointers, unknown dtype
 //! codes, ...), and must answer with one of the documented codes. A panic inside flashcore (caught at the boundary as
@@ -17,13 +18,15 @@
 use flashcore::error::RETURN_CODES;
 use flashcore::ffi::{
     FLASHCORE_BF16, FLASHCORE_E4M3, FLASHCORE_ERROR_PANIC, FLASHCORE_F16, FLASHCORE_F32,
-    FLASHCORE_SUCCESS, FlashcoreFp8Operands, FlashcoreKvCache, FlashcoreKvScales,
-    FlashcoreQuantizeOptions, FlashcoreTensor, FlashcoreVarlen, flashcore_check_append_kv,
-    flashcore_check_append_kv_fp8kv, flashcore_check_decode, flashcore_check_decode_fp8kv,
+    FLASHCORE_SUCCESS, FlashcoreAttentionOptions, FlashcoreFp8Operands, FlashcoreKvCache,
+    FlashcoreKvScales, FlashcoreQuantizeOptions, FlashcoreTensor, FlashcoreVarlen,
+    flashcore_check_append_kv, flashcore_check_append_kv_fp8kv, flashcore_check_decode,
+    flashcore_check_decode_ex, flashcore_check_decode_fp8kv, flashcore_check_decode_fp8kv_ex,
     flashcore_check_decode_fp8kv_window, flashcore_check_decode_window, flashcore_check_forward,
-    flashcore_check_forward_fp8, flashcore_check_forward_varlen,
-    flashcore_check_forward_varlen_window, flashcore_check_forward_window, flashcore_check_merge,
-    flashcore_check_quantize_fp8, flashcore_last_error,
+    flashcore_check_forward_ex, flashcore_check_forward_fp8, flashcore_check_forward_varlen,
+    flashcore_check_forward_varlen_ex, flashcore_check_forward_varlen_window,
+    flashcore_check_forward_window, flashcore_check_merge, flashcore_check_quantize_fp8,
+    flashcore_last_error,
 };
 use std::ffi::CStr;
 use std::ptr;
@@ -238,6 +241,49 @@ fn any_window(rng: &mut Rng) -> Option<(i64, i64)> {
     Some((rng.pick(&EDGE_I64), rng.pick(&EDGE_I64)))
 }
 
+/// A soft cap for the `_ex` spelling, or none (`None`: the plain or `_window` spelling):
+/// none (0 of either sign), Gemma 2's and Grok's, small and large ones, all valid at every
+/// head dim's default scale.
+fn softcap(rng: &mut Rng) -> Option<f32> {
+    if rng.chance(2) {
+        return None;
+    }
+    Some(rng.pick(&[0.0, -0.0, 50.0, 30.0, 5.0, 1e-3, 1e6]))
+}
+
+/// Soft caps from the edges of float: negative, not finite, so small or so large that the
+/// scale's ratio to them is no normal float.
+const EDGE_SOFTCAPS: [f32; 10] = [
+    -1.0,
+    -50.0,
+    f32::NAN,
+    f32::INFINITY,
+    f32::NEG_INFINITY,
+    f32::MIN_POSITIVE,
+    1e-40,
+    f32::from_bits(1),
+    3e38,
+    f32::MAX,
+];
+
+/// The options of an `_ex` call: its scale and causal flag, its window (none: −1, −1) and
+/// its soft cap.
+fn options(
+    scale: f32,
+    causal: i32,
+    window: Option<(i64, i64)>,
+    cap: f32,
+) -> FlashcoreAttentionOptions {
+    let (window_left, window_right) = window.unwrap_or((-1, -1));
+    FlashcoreAttentionOptions {
+        softmax_scale: scale,
+        causal,
+        window_left,
+        window_right,
+        softcap: cap,
+    }
+}
+
 #[test]
 fn forward_checks_answer_every_argument_with_a_code() {
     for seed in SEEDS {
@@ -260,14 +306,16 @@ fn forward_checks_answer_every_argument_with_a_code() {
             let mut scale = 0.0f32;
             let mut causal = rng.below(2) as i32;
             let mut window = window(&mut rng, causal != 0);
+            let mut softcap = softcap(&mut rng);
             let n = mutations(&mut rng);
             for _ in 0..n {
-                match rng.below(10) {
+                match rng.below(11) {
                     0 => lse = rng.pick(&[2, region(0), region(3) + 64, u64::MAX - 3]),
                     1 => scale = rng.pick(&SCALES),
                     2 => causal = rng.pick(&[-1, 2, i32::MAX]),
                     3 => set_head_dim(&mut t, rng.pick(&BAD_HEAD_DIMS)),
                     4 => window = any_window(&mut rng),
+                    5 => softcap = Some(rng.pick(&EDGE_SOFTCAPS)),
                     _ => {
                         let i = rng.below(4) as usize;
                         mutate_tensor(&mut rng, &mut t[i]);
@@ -276,9 +324,19 @@ fn forward_checks_answer_every_argument_with_a_code() {
             }
             // SAFETY: every pointer argument points at a live struct of its type.
             let rc = unsafe {
-                match window {
-                    None => flashcore_check_forward(&t[0], &t[1], &t[2], &t[3], lse, scale, causal),
-                    Some((left, right)) => flashcore_check_forward_window(
+                match (softcap, window) {
+                    (Some(cap), _) => flashcore_check_forward_ex(
+                        &t[0],
+                        &t[1],
+                        &t[2],
+                        &t[3],
+                        lse,
+                        &options(scale, causal, window, cap),
+                    ),
+                    (None, None) => {
+                        flashcore_check_forward(&t[0], &t[1], &t[2], &t[3], lse, scale, causal)
+                    }
+                    (None, Some((left, right))) => flashcore_check_forward_window(
                         &t[0], &t[1], &t[2], &t[3], lse, scale, causal, left, right,
                     ),
                 }
@@ -287,7 +345,7 @@ fn forward_checks_answer_every_argument_with_a_code() {
                 "flashcore_check_forward",
                 n == 0,
                 rc,
-                &(t, lse, scale, causal, window),
+                &(t, lse, scale, causal, window, softcap),
             );
         }
     }
@@ -330,9 +388,11 @@ fn varlen_checks_answer_every_argument_with_a_code() {
             };
             let mut lse = if rng.chance(2) { region(4) } else { 0 };
             let mut host = rng.chance(2);
+            let mut softcap = softcap(&mut rng);
             let n = mutations(&mut rng);
             for _ in 0..n {
-                match rng.below(9) {
+                match rng.below(10) {
+                    6 => softcap = Some(rng.pick(&EDGE_SOFTCAPS)),
                     0 => varlen.batch = rng.pick(&EDGE_I64),
                     1 => varlen.max_seqlen_q = rng.pick(&EDGE_I64),
                     2 => varlen.cu_seqlens_q = rng.pick(&[0, 2, region(3), region(0) + 16]),
@@ -367,11 +427,22 @@ fn varlen_checks_answer_every_argument_with_a_code() {
             // SAFETY: the structs are live; the host arrays hold batch + 1 entries when
             // passed.
             let rc = unsafe {
-                match window {
-                    None => flashcore_check_forward_varlen(
+                match (softcap, window) {
+                    (Some(cap), _) => flashcore_check_forward_varlen_ex(
+                        &t[0],
+                        &t[1],
+                        &t[2],
+                        &t[3],
+                        lse,
+                        &varlen,
+                        hq_ptr,
+                        hk_ptr,
+                        &options(0.0, causal, window, cap),
+                    ),
+                    (None, None) => flashcore_check_forward_varlen(
                         &t[0], &t[1], &t[2], &t[3], lse, &varlen, hq_ptr, hk_ptr, 0.0, causal,
                     ),
-                    Some((left, right)) => flashcore_check_forward_varlen_window(
+                    (None, Some((left, right))) => flashcore_check_forward_varlen_window(
                         &t[0], &t[1], &t[2], &t[3], lse, &varlen, hq_ptr, hk_ptr, 0.0, causal,
                         left, right,
                     ),
@@ -381,7 +452,7 @@ fn varlen_checks_answer_every_argument_with_a_code() {
                 "flashcore_check_forward_varlen",
                 n == 0,
                 rc,
-                &(t, varlen, lse, fits, &cu_q, &cu_k, window),
+                &(t, varlen, lse, fits, &cu_q, &cu_k, window, softcap),
             );
         }
     }
@@ -531,9 +602,11 @@ fn decode_checks_answer_every_argument_with_a_code() {
             let mut o = bshd(region(3), dt, [batch, sq, hq, d]);
             let mut lse = if rng.chance(2) { region(4) } else { 0 };
             let mut scale = 0.0f32;
+            let mut softcap = softcap(&mut rng);
             let n = mutations(&mut rng);
             for _ in 0..n {
-                match rng.below(9) {
+                match rng.below(10) {
+                    6 => softcap = Some(rng.pick(&EDGE_SOFTCAPS)),
                     0 => mutate_tensor(&mut rng, &mut q),
                     1 => mutate_tensor(&mut rng, &mut o),
                     2 => lse = rng.pick(&[2, region(0), region(12)]),
@@ -554,6 +627,25 @@ fn decode_checks_answer_every_argument_with_a_code() {
             // say (host_arrays passes null otherwise).
             let rc = unsafe {
                 match (fp8, window) {
+                    (true, _) if softcap.is_some() => flashcore_check_decode_fp8kv_ex(
+                        &q,
+                        &c.cache,
+                        &c.scales,
+                        hs,
+                        ht,
+                        &o,
+                        lse,
+                        &options(scale, causal, window, softcap.unwrap_or_default()),
+                    ),
+                    (false, _) if softcap.is_some() => flashcore_check_decode_ex(
+                        &q,
+                        &c.cache,
+                        hs,
+                        ht,
+                        &o,
+                        lse,
+                        &options(scale, causal, window, softcap.unwrap_or_default()),
+                    ),
                     (true, None) => flashcore_check_decode_fp8kv(
                         &q, &c.cache, &c.scales, hs, ht, &o, lse, scale, causal,
                     ),
@@ -572,7 +664,7 @@ fn decode_checks_answer_every_argument_with_a_code() {
                 "flashcore_check_decode",
                 n == 0,
                 rc,
-                &(q, c.cache, c.scales, o, lse, scale, fp8, window),
+                &(q, c.cache, c.scales, o, lse, scale, fp8, window, softcap),
             );
         }
     }
@@ -765,6 +857,15 @@ fn fp8_checks_answer_every_argument_with_a_code() {
 #[test]
 fn null_structs_are_refused() {
     let t = bshd(region(0), FLASHCORE_F16, [1, 16, 1, 64]);
+    let opts = options(0.0, 1, Some((15, 0)), 50.0);
+    let cache = FlashcoreKvCache {
+        k: t,
+        v: t,
+        seqlens: region(1),
+        block_table: 0,
+        max_pages: 0,
+        table_stride: 0,
+    };
     // SAFETY: null is what is being tested; everything else is live.
     let codes = unsafe {
         [
@@ -821,6 +922,30 @@ fn null_structs_are_refused() {
                 1,
                 15,
                 0,
+            ),
+            flashcore_check_forward_ex(&t, &t, &t, &t, 0, ptr::null()),
+            flashcore_check_forward_ex(&t, ptr::null(), &t, &t, 0, &opts),
+            flashcore_check_forward_varlen_ex(
+                &t,
+                &t,
+                &t,
+                &t,
+                0,
+                ptr::null(),
+                ptr::null(),
+                ptr::null(),
+                &opts,
+            ),
+            flashcore_check_decode_ex(&t, ptr::null(), ptr::null(), ptr::null(), &t, 0, &opts),
+            flashcore_check_decode_fp8kv_ex(
+                &t,
+                &cache,
+                ptr::null(),
+                ptr::null(),
+                ptr::null(),
+                &t,
+                0,
+                ptr::null(),
             ),
             flashcore_check_append_kv(ptr::null(), &t, &t, ptr::null(), ptr::null()),
             flashcore_check_merge(ptr::null(), 1, 0, 0, &t, 0),

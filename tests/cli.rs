@@ -127,3 +127,26 @@ fn windows_are_checked_before_opening_a_gpu() {
     assert_ne!(code, Some(0), "{text}");
     assert!(text.contains("the window's right side is 1"), "{text}");
 }
+
+#[test]
+fn soft_caps_are_checked_before_opening_a_gpu() {
+    for args in [&["run", "--softcap", "x"][..], &["decode", "--softcap", ""]] {
+        let (code, text) = flashcore(args);
+        assert_ne!(code, Some(0), "{args:?}: {text}");
+        assert!(
+            text.contains("--softcap takes a number"),
+            "{args:?}: {text}"
+        );
+    }
+    for cap in ["-1", "inf", "NaN"] {
+        let (code, text) = flashcore(&["run", "--softcap", cap]);
+        assert_ne!(code, Some(0), "{cap}: {text}");
+        assert!(
+            text.contains("softcap must be finite and positive"),
+            "{cap}: {text}"
+        );
+    }
+    let (code, text) = flashcore(&["run", "--dtype", "e4m3", "--softcap", "30"]);
+    assert_ne!(code, Some(0), "{text}");
+    assert!(text.contains("no soft-capping"), "{text}");
+}

@@ -79,6 +79,8 @@ fn small_case() -> FwdCase {
         window: Default::default(),
         layout: Layout::Bshd,
         kernel: None,
+        softcap: None,
+        softmax_scale: None,
     }
 }
 

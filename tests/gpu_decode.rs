@@ -24,7 +24,7 @@ use flashcore::host::tensor::{AttentionParams, DType, LseView, TensorView, Windo
 use flashcore::kernels::attention::HalfType;
 use flashcore::quant;
 use flashcore::reference::{
-    self, Rng, attention_f64, attention_f64_window, half_bits_to_f64, rel_l2,
+    self, RefParams, Rng, attention_f64, attention_f64_with, half_bits_to_f64, rel_l2,
 };
 use flashcore::shape::AttnShape;
 
@@ -66,6 +66,8 @@ struct Case {
     causal: bool,
     /// A key window around each query's position.
     window: Window,
+    /// Logit soft-capping.
+    softcap: Option<f32>,
     /// Give the call host copies of the metadata.
     host_check: bool,
     /// Pass a workspace instead of letting the call allocate.
@@ -95,6 +97,9 @@ impl std::fmt::Display for Case {
         )?;
         if self.window != Window::FULL {
             write!(f, " window {:?}", self.window)?;
+        }
+        if let Some(cap) = self.softcap {
+            write!(f, " softcap {cap}")?;
         }
         if self.o_gap > 0 {
             write!(f, " o gap {}", self.o_gap)?;
@@ -293,14 +298,18 @@ fn reference_decode(c: &Case, q: &[f64], cache: &DeviceCache, scale: f64) -> (Ve
             head_dim: d,
         };
         let n = len * hkv * d;
-        let r = attention_f64_window(
+        let params = RefParams {
+            scale,
+            causal: c.causal,
+            window: c.window,
+            softcap: c.softcap.map(f64::from),
+        };
+        let r = attention_f64_with(
             &shape,
             qb,
             &cache.keys[b][..n],
             &cache.values[b][..n],
-            scale,
-            c.causal,
-            c.window,
+            &params,
         );
         out.extend(r.out);
         lse.extend(r.lse);
@@ -374,6 +383,7 @@ fn run_case(attn: &Attention, s: &Arc<CudaStream>, rng: &mut Rng, c: &Case) -> (
         softmax_scale: None,
         causal: c.causal,
         window: c.window,
+        softcap: c.softcap,
     };
     let ws_bytes = attn.decode_workspace_bytes(&qv, &kv).expect("plan");
     let ws: Option<CudaSlice<u32>> =
@@ -484,6 +494,7 @@ fn case(
         host_check: true,
         workspace: false,
         o_gap: 0,
+        softcap: None,
     }
 }
 
@@ -607,6 +618,45 @@ fn decode_fp8_cache_with_key_windows() {
     run_all_fp8(&cases);
 }
 
+/// Soft-capped scores (Gemma 2's `attn_logit_softcapping`) on every layout: caps of 0.5
+/// to 5 (which bend scores of about unit size), with and without causal masking and
+/// sliding windows, contiguous and paged caches, 1 to 16 queries, ragged lengths up to
+/// 32768 (split across blocks and merged), GQA 1 to 8; then random configurations.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn decode_with_softcap() {
+    let mut cases = Vec::new();
+    let caps = [0.5f32, 1.0, 2.0, 5.0];
+    let masks = [
+        (false, Window::FULL),
+        (true, Window::FULL),
+        (true, Window::sliding(64)),
+    ];
+    for (i, &(causal, window)) in masks.iter().enumerate() {
+        for (j, page) in [0, 16, 64].into_iter().enumerate() {
+            let dtype = [HalfType::F16, HalfType::Bf16][(i + j) % 2];
+            let (heads, sq) = [((32, 8), 1), ((16, 2), 4), ((8, 1), 16)][(i + j) % 3];
+            let lens: &[usize] = if j % 2 == 0 {
+                &[1, 7, 4097, 300]
+            } else {
+                &[32768, 65, 0]
+            };
+            let mut c = case(dtype, heads, 128, sq, lens, page, causal);
+            c.window = window;
+            c.softcap = Some(caps[(i + 2 * j) % 4]);
+            cases.push(c);
+        }
+    }
+    let mut rng = Rng::new(seeds().run_seed().rotate_left(19) ^ 0x5CA9);
+    for mut c in random_cases(16, &[64, 96, 128, 256]) {
+        c.softcap = Some(pick(&mut rng, &caps));
+        cases.push(c);
+    }
+    run_all(&cases);
+    let fp8: Vec<Case> = cases[..6].to_vec();
+    run_all_fp8(&fp8);
+}
+
 /// Lengths at the decode tiles' edges (16-key warp shares, 64-key stages).
 const EDGES: [usize; 12] = [0, 1, 2, 15, 16, 17, 63, 64, 65, 127, 128, 129];
 
@@ -639,6 +689,7 @@ fn random_case(rng: &mut Rng, head_dims: &[usize]) -> Case {
         host_check: rng.uniform() < 0.5,
         workspace: rng.uniform() < 0.5,
         o_gap: 0,
+        softcap: None,
     }
 }
 
@@ -1567,6 +1618,7 @@ fn run_fp8_case(
         softmax_scale: None,
         causal: c.causal,
         window: c.window,
+        softcap: c.softcap,
     };
     let host = cache.host();
     // SAFETY: every view points into this function's live device buffers, sized for it.

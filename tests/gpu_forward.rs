@@ -119,6 +119,8 @@ fn case(
         window: Default::default(),
         layout: Layout::Bshd,
         kernel: None,
+        softcap: None,
+        softmax_scale: None,
     }
 }
 
@@ -213,6 +215,46 @@ fn key_windows_on_both_paths() {
     run_cases_on(&attn, &stream, &sm80);
 }
 
+/// [`random_cases`] with soft-capped scores (Gemma 2's `attn_logit_softcapping`): caps
+/// of 0.5 to 5, which bend scores of about unit size (the default scale on these
+/// inputs), and 30 or 50 with a softmax scale of `8/√d`, whose scores of up to about
+/// 40 reach them (and whose sharper softmax weighs every score's error more); a third of
+/// them with a random key window.
+fn random_softcap_cases(count: usize) -> Vec<FwdCase> {
+    let mut rng = Rng::new(seeds().run_seed().rotate_left(13) ^ 0x50F7);
+    random_cases(count)
+        .into_iter()
+        .map(|c| {
+            let cap = pick(&mut rng, &[0.5f32, 1.0, 2.0, 5.0, 30.0, 50.0]);
+            let scale = (cap >= 30.0).then(|| 8.0 / (c.shape.head_dim as f32).sqrt());
+            let window = if rng.uniform() < 1.0 / 3.0 {
+                random_window(&mut rng, c.causal, 1200)
+            } else {
+                Window::FULL
+            };
+            FwdCase {
+                softcap: Some(cap),
+                softmax_scale: scale,
+                window,
+                ..c
+            }
+        })
+        .collect()
+}
+
+/// Soft-capped scores through the dispatch's own choice (on Hopper the sm90a kernels)
+/// and on the sm80 path's kernels, same shapes: every head dim, both dtypes and
+/// layouts, GQA, Sq and Sk apart, causal or not, some with key windows.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn softcapped_scores_on_both_paths() {
+    let (attn, stream) = setup();
+    let cases = random_softcap_cases(40);
+    run_cases_on(&attn, &stream, &cases);
+    let sm80: Vec<FwdCase> = cases.iter().map(|&c| on_sm80_windowed(&attn, c)).collect();
+    run_cases_on(&attn, &stream, &sm80);
+}
+
 /// `c` on the sm80 path's kernel of its shape.
 fn on_sm80_windowed(attn: &Attention, c: FwdCase) -> FwdCase {
     let (arch, sms) = (attn.device().compute_capability(), attn.device().sm_count());
@@ -225,7 +267,8 @@ fn on_sm80_windowed(attn: &Attention, c: FwdCase) -> FwdCase {
 
 /// `c` with its forced kernel's mask made the one its window resolves to (a side that
 /// bounds no row is dropped: a window of more keys than the sequence's is plain causal
-/// masking, or none), as a forced kernel must match the call's masking.
+/// masking, or none), and soft-capping where the case caps its scores, as a forced
+/// kernel must match the call's options.
 fn with_masking(c: FwdCase) -> FwdCase {
     let m = c
         .params()
@@ -238,6 +281,13 @@ fn with_masking(c: FwdCase) -> FwdCase {
             window: false,
             ..k
         },
+    });
+    let kernel = kernel.map(|k| {
+        if c.softcap.is_some() {
+            k.softcapped()
+        } else {
+            k
+        }
     });
     FwdCase { kernel, ..c }
 }
@@ -372,6 +422,7 @@ fn sm90_seqlen_grid(dtype: HalfType, d: usize) {
                         fold_scale,
                         padded: false,
                         narrow_keys,
+                        softcap: false,
                     };
                     cases.extend(all_seqlen_pairs(kernel));
                 }
@@ -456,6 +507,7 @@ fn sm90_kernel(c: FwdCase, block_m: u32, split_keys: bool) -> FwdCase {
             fold_scale: !split_keys,
             padded: false,
             narrow_keys: false,
+            softcap: false,
         }),
         ..c
     }
@@ -838,6 +890,7 @@ fn sm90_padded_kernels() {
                         padded: true,
                         // The padded head dim 200 on 64-key tiles as well.
                         narrow_keys: head_dim == 256 && block_m == 128 && fold_scale,
+                        softcap: false,
                     };
                     let pairs = [(1, 1), (17, 113), (113, 17), (128, 1000), (1000, 128)];
                     for (sq, sk) in pairs.into_iter().chain([(2048, 2048)]) {

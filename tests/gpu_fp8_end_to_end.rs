@@ -111,6 +111,8 @@ fn check_all(path: PathChoice) {
                         Layout::Bhsd
                     },
                     kernel: None,
+                    softcap: None,
+                    softmax_scale: None,
                 };
                 let mut rng = seeds.next_case();
                 let r = check_forward_fp8(&attn, &stream, case, &options, &mut rng)

@@ -277,6 +277,7 @@ fn huge_scales_pick_the_top_keys() {
                 fold_scale: true,
                 padded: false,
                 narrow_keys: false,
+                softcap: false,
             };
             match buf.run(&attn, sk, d, &params, Some(&folded)) {
                 Err(Error::InvalidArgument(m)) => println!("scale {scale}, folded: {m}"),

@@ -22,7 +22,7 @@ use flashcore::host::device::Device;
 use flashcore::host::tensor::{AttentionParams, DType, LseView, TensorView, Window};
 use flashcore::host::varlen::{Varlen, VarlenHost};
 use flashcore::kernels::attention::HalfType;
-use flashcore::reference::{self, Rng, attention_f64_window, half_bits_to_f64, rel_l2};
+use flashcore::reference::{self, RefParams, Rng, attention_f64_with, half_bits_to_f64, rel_l2};
 use flashcore::shape::AttnShape;
 
 fn setup(path: PathChoice) -> (Attention, Arc<CudaStream>) {
@@ -44,6 +44,8 @@ struct Case {
     causal: bool,
     /// A key window around each query's diagonal.
     window: Window,
+    /// Logit soft-capping.
+    softcap: Option<f32>,
     /// Rows before the first sequence and after the last (no sequence covers them).
     gap: usize,
     /// Pass host copies of the offsets.
@@ -75,6 +77,9 @@ impl std::fmt::Display for Case {
             if self.causal { " causal" } else { "" },
             if self.host_check { " host-checked" } else { "" }
         )?;
+        if let Some(cap) = self.softcap {
+            write!(f, " softcap {cap}")?;
+        }
         if self.window != Window::FULL {
             write!(f, " window {:?}", self.window)?;
         }
@@ -203,6 +208,7 @@ fn run(attn: &Attention, s: &Arc<CudaStream>, rng: &mut Rng, c: &Case) -> (f64, 
         softmax_scale: None,
         causal: c.causal,
         window: c.window,
+        softcap: c.softcap,
     };
     // SAFETY: every view and offset array is a live allocation of this context with the
     // extents given; the default stream orders the call before the downloads.
@@ -254,7 +260,13 @@ fn run(attn: &Attention, s: &Arc<CudaStream>, rng: &mut Rng, c: &Case) -> (f64, 
             head_dim: d,
         };
         let (qs, ks, vs) = &p.seqs[b];
-        let r = attention_f64_window(&shape, qs, ks, vs, scale, c.causal, c.window);
+        let params = RefParams {
+            scale,
+            causal: c.causal,
+            window: c.window,
+            softcap: c.softcap.map(f64::from),
+        };
+        let r = attention_f64_with(&shape, qs, ks, vs, &params);
         let rows = &o_bits[start * hq * d..(start + sq) * hq * d];
         // Each sequence on its own: one with few keys (large, nearly exact outputs)
         // would dwarf a long one's errors in one norm over the batch.
@@ -340,6 +352,7 @@ fn grid(path: PathChoice, dtype: HalfType) {
                 host_check: true,
                 non_finite_gaps: false,
                 o_pad: 0,
+                softcap: None,
             });
         }
     }
@@ -421,6 +434,7 @@ fn decode_shaped_batches_run_on_the_decode_kernels() {
                         host_check: odd == (dtype == HalfType::F16),
                         non_finite_gaps: odd,
                         o_pad: if d % 64 == 0 { 0 } else { 8 },
+                        softcap: None,
                     });
                 }
             }
@@ -455,6 +469,7 @@ fn decode_shaped_batches_run_on_the_decode_kernels() {
             host_check: !causal,
             non_finite_gaps: true,
             o_pad: 0,
+            softcap: None,
         });
     }
     let (attn, s) = setup(PathChoice::Best);
@@ -547,6 +562,7 @@ fn other_head_dims_without_host_copies() {
                 host_check: false,
                 non_finite_gaps: false,
                 o_pad: 8,
+                softcap: None,
             });
         }
     }
@@ -583,6 +599,7 @@ fn many_short_sequences() {
                 host_check: true,
                 non_finite_gaps: false,
                 o_pad: 0,
+                softcap: None,
             })
             .collect();
         run_cases(path, &cases);
@@ -630,6 +647,7 @@ fn non_finite_rows_after_the_sequences_stay_out() {
                 host_check: true,
                 non_finite_gaps: true,
                 o_pad: 0,
+                softcap: None,
             });
         }
     }
@@ -669,6 +687,7 @@ fn key_windows_in_packed_batches() {
             host_check: i % 2 == 0,
             non_finite_gaps: i % 2 == 1,
             o_pad: 0,
+            softcap: None,
         });
     }
     let mut rng = Rng::new(seeds().run_seed().rotate_left(31) ^ 0x3D17);
@@ -688,6 +707,73 @@ fn key_windows_in_packed_batches() {
             lens,
             causal,
             window: random_window(&mut rng, causal, 2000),
+            gap: 1,
+            host_check: i % 3 != 0,
+            non_finite_gaps: true,
+            o_pad: 0,
+            softcap: None,
+        });
+    }
+    for path in [PathChoice::Best, PathChoice::Sm80] {
+        run_cases(path, &cases);
+    }
+}
+
+/// Packed batches with soft-capped scores (Gemma 2's `attn_logit_softcapping`), with
+/// and without causal masking and key windows: the ragged grid on both paths, then
+/// decode-shaped batches, which run on the decode kernels.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn softcapped_scores_in_packed_batches() {
+    let mut cases = Vec::new();
+    let caps = [0.5f32, 2.0, 5.0, 50.0];
+    for (i, (causal, window)) in [
+        (false, Window::FULL),
+        (true, Window::FULL),
+        (true, Window::sliding(100)),
+        (false, Window::from_flash(64, 64)),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let (hq, hkv, d) = [(4, 2, 128), (8, 1, 64), (2, 2, 256), (4, 1, 96)][i];
+        cases.push(Case {
+            dtype: [HalfType::F16, HalfType::Bf16][i % 2],
+            heads_q: hq,
+            heads_kv: hkv,
+            head_dim: d,
+            lens: ragged(),
+            causal,
+            window,
+            softcap: Some(caps[i]),
+            gap: 3,
+            host_check: i % 2 == 0,
+            non_finite_gaps: i % 2 == 1,
+            o_pad: 0,
+        });
+    }
+    let mut rng = Rng::new(seeds().run_seed().rotate_left(37) ^ 0x5CA9);
+    for i in 0..6 {
+        let causal = i % 2 == 0;
+        let lens = (0..1 + i % 4)
+            .map(|_| {
+                let sk = random_len(&mut rng, &EDGES, 3000);
+                (1 + (rng.next_u64() % 16) as usize, sk)
+            })
+            .collect();
+        cases.push(Case {
+            dtype: [HalfType::F16, HalfType::Bf16][i % 2],
+            heads_q: 8,
+            heads_kv: [1, 2, 8][i % 3],
+            head_dim: [64, 128, 256][i % 3],
+            lens,
+            causal,
+            window: if i % 3 == 0 {
+                random_window(&mut rng, causal, 2000)
+            } else {
+                Window::FULL
+            },
+            softcap: Some(caps[i % 4]),
             gap: 1,
             host_check: i % 3 != 0,
             non_finite_gaps: true,
@@ -749,6 +835,7 @@ fn random_packed_batches() {
                 host_check: rng.uniform() < 0.5,
                 non_finite_gaps: rng.uniform() < 0.5,
                 o_pad: pick(&mut rng, &[0, 8]),
+                softcap: None,
             }
         })
         .collect();
@@ -783,6 +870,7 @@ fn decode_shaped_varlen_for_sanitizers() {
             host_check,
             non_finite_gaps: true,
             o_pad: if d % 64 == 0 { 0 } else { 8 },
+            softcap: None,
         })
         .collect();
     run_cases(PathChoice::Best, &cases);
@@ -813,6 +901,7 @@ fn varlen_small_for_sanitizers() {
             host_check: false,
             non_finite_gaps: true,
             o_pad: if d % 64 == 0 { 0 } else { 8 },
+            softcap: None,
         })
         .collect();
         // Enough heads for 128-row tiles at head dim 256 (64-key tiles on Hopper, the
@@ -847,6 +936,7 @@ fn bad_offsets() {
         host_check: true,
         non_finite_gaps: false,
         o_pad: 0,
+        softcap: None,
     };
     let (attn, _) = bad_offsets_on(
         &c,

@@ -87,6 +87,8 @@ fn warm_forward_does_not_allocate() {
         window: Default::default(),
         layout: L::Bhsd,
         kernel: None,
+        softcap: None,
+        softmax_scale: None,
     };
     let mut rng = seeds.next_case();
     let replay = seeds.replay(&rng);
@@ -157,6 +159,8 @@ fn warm_decode_shaped_forward_does_not_allocate() {
             window: Default::default(),
             layout: L::Bshd,
             kernel: None,
+            softcap: None,
+            softmax_scale: None,
         };
         let mut rng = seeds.next_case();
         let replay = seeds.replay(&rng);

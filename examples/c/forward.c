@@ -1,8 +1,10 @@
 /*
  * forward.c - flashcore's C API end to end: one causal fp16 forward pass
- * (B=1, H=2, S=128, D=64), checked against a float64 CPU reference; then, on an sm_89 or
- * newer GPU, the same inputs quantized to FP8 on the GPU (flashcore_quantize_fp8) and the
- * FP8 forward (flashcore_forward_fp8), checked against the same reference.
+ * (B=1, H=2, S=128, D=64), checked against a float64 CPU reference; the same inputs with
+ * options as one struct (flashcore_forward_ex: a sliding window and logit soft-capping),
+ * checked likewise; then, on an sm_89 or newer GPU, the inputs quantized to FP8 on the GPU
+ * (flashcore_quantize_fp8) and the FP8 forward (flashcore_forward_fp8), checked against
+ * the first reference.
  *
  * Device memory comes from the CUDA driver, loaded with dlopen("libcuda.so.1"): no CUDA
  * toolkit or cuda.h is needed to build this. On a machine without the driver the program
@@ -175,6 +177,60 @@ static FlashcoreTensor bshd(CUdeviceptr ptr) {
     return t;
 }
 
+/* The float64 reference of a causal call (Sq == Sk: row i sees keys 0..i) at softmax
+ * scale `scale`, each row seeing only the window_left keys before its own (window_left < 0:
+ * every key up to it) and each scaled score x capped to softcap * tanh(x / softcap)
+ * (softcap 0: none), as flashcore_forward_ex runs it. Writes the largest absolute errors of
+ * o and lse against it to *o_err and *lse_err (NaN counts as the largest), and the reference
+ * O to ref unless it is NULL. Returns -1 when out of memory. */
+static int check_causal(const uint16_t *q, const uint16_t *k, const uint16_t *v, const uint16_t *o,
+                        const float *lse, double scale, int window_left, double softcap, double *ref,
+                        double *o_err, double *lse_err) {
+    double *p = malloc(S * sizeof(double));
+    if (!p)
+        return -1;
+    double max_err = 0.0, max_lse_err = 0.0;
+    for (int b = 0; b < B; b++) {
+        for (int h = 0; h < H; h++) {
+            for (int i = 0; i < S; i++) {
+                int first = (window_left < 0 || i <= window_left) ? 0 : i - window_left;
+                double m = -INFINITY;
+                for (int j = first; j <= i; j++) {
+                    double s = 0.0;
+                    for (int d = 0; d < D; d++)
+                        s += f16_to_f64(q[at(b, i, h, d)]) * f16_to_f64(k[at(b, j, h, d)]);
+                    s *= scale;
+                    p[j] = softcap > 0.0 ? softcap * tanh(s / softcap) : s;
+                    if (p[j] > m)
+                        m = p[j];
+                }
+                double l = 0.0;
+                for (int j = first; j <= i; j++) {
+                    p[j] = exp(p[j] - m);
+                    l += p[j];
+                }
+                for (int d = 0; d < D; d++) {
+                    double acc = 0.0;
+                    for (int j = first; j <= i; j++)
+                        acc += p[j] * f16_to_f64(v[at(b, j, h, d)]);
+                    if (ref)
+                        ref[at(b, i, h, d)] = acc / l;
+                    double err = fabs(f16_to_f64(o[at(b, i, h, d)]) - acc / l);
+                    if (!(err <= max_err)) /* NaN counts as the largest error */
+                        max_err = isnan(err) ? INFINITY : err;
+                }
+                double lse_err = fabs((double)lse[((size_t)b * H + (size_t)h) * S + (size_t)i] - (m + log(l)));
+                if (!(lse_err <= max_lse_err))
+                    max_lse_err = isnan(lse_err) ? INFINITY : lse_err;
+            }
+        }
+    }
+    free(p);
+    *o_err = max_err;
+    *lse_err = max_lse_err;
+    return 0;
+}
+
 int main(void) {
     int status = 1;
     FlashcoreContext *ctx = NULL;
@@ -259,50 +315,51 @@ int main(void) {
     printf("bad dtype refused as expected: %s\n", flashcore_last_error());
 
     /* float64 reference of every row: causal, Sq == Sk, so row i sees keys 0..i. */
-    const double scale = 1.0 / sqrt((double)D);
     double max_err = 0.0, max_lse_err = 0.0;
-    double *p = malloc(S * sizeof(double));
-    if (!p)
+    if (check_causal(q, k, v, o, lse, 1.0 / sqrt((double)D), -1, 0.0, ref, &max_err, &max_lse_err) != 0)
         goto done;
-    for (int b = 0; b < B; b++) {
-        for (int h = 0; h < H; h++) {
-            for (int i = 0; i < S; i++) {
-                double m = -INFINITY;
-                for (int j = 0; j <= i; j++) {
-                    double s = 0.0;
-                    for (int d = 0; d < D; d++)
-                        s += f16_to_f64(q[at(b, i, h, d)]) * f16_to_f64(k[at(b, j, h, d)]);
-                    p[j] = s * scale;
-                    if (p[j] > m)
-                        m = p[j];
-                }
-                double l = 0.0;
-                for (int j = 0; j <= i; j++) {
-                    p[j] = exp(p[j] - m);
-                    l += p[j];
-                }
-                for (int d = 0; d < D; d++) {
-                    double acc = 0.0;
-                    for (int j = 0; j <= i; j++)
-                        acc += p[j] * f16_to_f64(v[at(b, j, h, d)]);
-                    ref[at(b, i, h, d)] = acc / l;
-                    double err = fabs(f16_to_f64(o[at(b, i, h, d)]) - acc / l);
-                    if (!(err <= max_err)) /* NaN counts as the largest error */
-                        max_err = isnan(err) ? INFINITY : err;
-                }
-                double lse_err = fabs((double)lse[((size_t)b * H + (size_t)h) * S + (size_t)i] - (m + log(l)));
-                if (!(lse_err <= max_lse_err))
-                    max_lse_err = isnan(lse_err) ? INFINITY : lse_err;
-            }
-        }
-    }
-    free(p);
     printf("B%d H%d S%d D%d fp16 causal: max abs error %.3e (O), %.3e (LSE); tolerance %.0e\n", B, H,
            S, D, max_err, max_lse_err, TOLERANCE);
     if (max_err > TOLERANCE || max_lse_err > TOLERANCE) {
         fprintf(stderr, "FAILED: error above tolerance\n");
         goto done;
     }
+
+    /* The options as one struct (flashcore_forward_ex): causal, a sliding window of 32
+     * keys (each row sees itself and the 31 before it), and logit soft-capping as Gemma 2
+     * and Grok use it (each scaled score x becomes softcap * tanh(x / softcap)), at a scale
+     * where the cap bends the scores. Starting from {0.0f, 0, -1, -1, 0.0f} is no option
+     * at all: window sides of 0 would be a window of one key. */
+    FlashcoreAttentionOptions opts = {0.5f, 1, 31, 0, 2.0f};
+    CU_CHECK(cu.cuMemsetD8(dout, 0xff, bytes));
+    CU_CHECK(cu.cuMemsetD8(dlse, 0xff, lse_bytes));
+    rc = flashcore_forward_ex(ctx, &tq, &tk, &tv, &to, dlse, &opts, NULL);
+    if (rc != FLASHCORE_SUCCESS) {
+        fprintf(stderr, "flashcore_forward_ex: %s: %s\n", flashcore_error_name(rc), flashcore_last_error());
+        goto done;
+    }
+    CU_CHECK(cu.cuCtxSynchronize());
+    CU_CHECK(cu.cuMemcpyDtoH(o, dout, bytes));
+    CU_CHECK(cu.cuMemcpyDtoH(lse, dlse, lse_bytes));
+    if (check_causal(q, k, v, o, lse, opts.softmax_scale, (int)opts.window_left, opts.softcap, NULL, &max_err,
+                     &max_lse_err) != 0)
+        goto done;
+    printf("B%d H%d S%d D%d fp16 causal, window of 32 keys, softcap %.1f: max abs error %.3e (O), "
+           "%.3e (LSE); tolerance %.0e\n",
+           B, H, S, D, (double)opts.softcap, max_err, max_lse_err, TOLERANCE);
+    if (max_err > TOLERANCE || max_lse_err > TOLERANCE) {
+        fprintf(stderr, "FAILED: error above tolerance (flashcore_forward_ex)\n");
+        goto done;
+    }
+    /* A cap must be positive (0 is none): a negative one is refused, nothing launched. */
+    opts.softcap = -2.0f;
+    rc = flashcore_check_forward_ex(&tq, &tk, &tv, &to, dlse, &opts);
+    if (rc != FLASHCORE_ERROR_INVALID_ARGUMENT) {
+        fprintf(stderr, "negative softcap: expected FLASHCORE_ERROR_INVALID_ARGUMENT, got %s\n",
+                flashcore_error_name(rc));
+        goto done;
+    }
+    printf("negative softcap refused as expected: %s\n", flashcore_last_error());
 
     /* FP8: the same inputs quantized on the GPU into a workspace, then the FP8 forward. */
     size_t ws_bytes = 0;

@@ -4,6 +4,7 @@
     o = flashcore.attention(q, k, v, causal=True)             # [B, H, S, D]; causal bottom-right
     o, lse = flashcore.attention(q, k, v, return_lse=True, layout="bshd")
     o = flashcore.attention(q, k, v, causal=True, window_size=(4095, 0))  # sliding window: 4096 keys
+    o = flashcore.attention(q, k, v, causal=True, softcap=50.0)  # logit soft-capping (Gemma 2)
     name = flashcore.register_transformers()                  # attn_implementation=name
 
     # FP8 (e4m3, sm_89+): quantized on the GPU, per-block scales; o in q's dtype.

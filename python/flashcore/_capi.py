@@ -92,6 +92,16 @@ class FlashcoreQuantizeOptions(ctypes.Structure):
     ]
 
 
+class FlashcoreAttentionOptions(ctypes.Structure):
+    _fields_ = [
+        ("softmax_scale", ctypes.c_float),
+        ("causal", ctypes.c_int32),
+        ("window_left", ctypes.c_int64),
+        ("window_right", ctypes.c_int64),
+        ("softcap", ctypes.c_float),
+    ]
+
+
 _I32P = ctypes.POINTER(ctypes.c_int32)
 
 # name: (restype, argtypes), one line each.
@@ -102,15 +112,21 @@ SIGNATURES = {
     "flashcore_check_forward": (ctypes.c_int32, [ctypes.POINTER(FlashcoreTensor), ctypes.POINTER(FlashcoreTensor), ctypes.POINTER(FlashcoreTensor), ctypes.POINTER(FlashcoreTensor), ctypes.c_uint64, ctypes.c_float, ctypes.c_int32]),
     "flashcore_forward_window": (ctypes.c_int32, [ctypes.c_void_p, ctypes.POINTER(FlashcoreTensor), ctypes.POINTER(FlashcoreTensor), ctypes.POINTER(FlashcoreTensor), ctypes.POINTER(FlashcoreTensor), ctypes.c_uint64, ctypes.c_float, ctypes.c_int32, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]),
     "flashcore_check_forward_window": (ctypes.c_int32, [ctypes.POINTER(FlashcoreTensor), ctypes.POINTER(FlashcoreTensor), ctypes.POINTER(FlashcoreTensor), ctypes.POINTER(FlashcoreTensor), ctypes.c_uint64, ctypes.c_float, ctypes.c_int32, ctypes.c_int64, ctypes.c_int64]),
+    "flashcore_forward_ex": (ctypes.c_int32, [ctypes.c_void_p, ctypes.POINTER(FlashcoreTensor), ctypes.POINTER(FlashcoreTensor), ctypes.POINTER(FlashcoreTensor), ctypes.POINTER(FlashcoreTensor), ctypes.c_uint64, ctypes.POINTER(FlashcoreAttentionOptions), ctypes.c_void_p]),
+    "flashcore_check_forward_ex": (ctypes.c_int32, [ctypes.POINTER(FlashcoreTensor), ctypes.POINTER(FlashcoreTensor), ctypes.POINTER(FlashcoreTensor), ctypes.POINTER(FlashcoreTensor), ctypes.c_uint64, ctypes.POINTER(FlashcoreAttentionOptions)]),
     "flashcore_forward_varlen": (ctypes.c_int32, [ctypes.c_void_p, ctypes.POINTER(FlashcoreTensor), ctypes.POINTER(FlashcoreTensor), ctypes.POINTER(FlashcoreTensor), ctypes.POINTER(FlashcoreTensor), ctypes.c_uint64, ctypes.POINTER(FlashcoreVarlen), ctypes.POINTER(ctypes.c_int32), ctypes.POINTER(ctypes.c_int32), ctypes.c_float, ctypes.c_int32, ctypes.c_void_p]),
     "flashcore_check_forward_varlen": (ctypes.c_int32, [ctypes.POINTER(FlashcoreTensor), ctypes.POINTER(FlashcoreTensor), ctypes.POINTER(FlashcoreTensor), ctypes.POINTER(FlashcoreTensor), ctypes.c_uint64, ctypes.POINTER(FlashcoreVarlen), ctypes.POINTER(ctypes.c_int32), ctypes.POINTER(ctypes.c_int32), ctypes.c_float, ctypes.c_int32]),
     "flashcore_forward_varlen_window": (ctypes.c_int32, [ctypes.c_void_p, ctypes.POINTER(FlashcoreTensor), ctypes.POINTER(FlashcoreTensor), ctypes.POINTER(FlashcoreTensor), ctypes.POINTER(FlashcoreTensor), ctypes.c_uint64, ctypes.POINTER(FlashcoreVarlen), ctypes.POINTER(ctypes.c_int32), ctypes.POINTER(ctypes.c_int32), ctypes.c_float, ctypes.c_int32, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]),
     "flashcore_check_forward_varlen_window": (ctypes.c_int32, [ctypes.POINTER(FlashcoreTensor), ctypes.POINTER(FlashcoreTensor), ctypes.POINTER(FlashcoreTensor), ctypes.POINTER(FlashcoreTensor), ctypes.c_uint64, ctypes.POINTER(FlashcoreVarlen), ctypes.POINTER(ctypes.c_int32), ctypes.POINTER(ctypes.c_int32), ctypes.c_float, ctypes.c_int32, ctypes.c_int64, ctypes.c_int64]),
+    "flashcore_forward_varlen_ex": (ctypes.c_int32, [ctypes.c_void_p, ctypes.POINTER(FlashcoreTensor), ctypes.POINTER(FlashcoreTensor), ctypes.POINTER(FlashcoreTensor), ctypes.POINTER(FlashcoreTensor), ctypes.c_uint64, ctypes.POINTER(FlashcoreVarlen), ctypes.POINTER(ctypes.c_int32), ctypes.POINTER(ctypes.c_int32), ctypes.POINTER(FlashcoreAttentionOptions), ctypes.c_void_p]),
+    "flashcore_check_forward_varlen_ex": (ctypes.c_int32, [ctypes.POINTER(FlashcoreTensor), ctypes.POINTER(FlashcoreTensor), ctypes.POINTER(FlashcoreTensor), ctypes.POINTER(FlashcoreTensor), ctypes.c_uint64, ctypes.POINTER(FlashcoreVarlen), ctypes.POINTER(ctypes.c_int32), ctypes.POINTER(ctypes.c_int32), ctypes.POINTER(FlashcoreAttentionOptions)]),
     "flashcore_decode": (ctypes.c_int32, [ctypes.c_void_p, ctypes.POINTER(FlashcoreTensor), ctypes.POINTER(FlashcoreKvCache), ctypes.POINTER(ctypes.c_int32), ctypes.POINTER(ctypes.c_int32), ctypes.POINTER(FlashcoreTensor), ctypes.c_uint64, ctypes.c_float, ctypes.c_int32, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p]),
     "flashcore_decode_workspace_bytes": (ctypes.c_int32, [ctypes.c_void_p, ctypes.POINTER(FlashcoreTensor), ctypes.POINTER(FlashcoreKvCache), ctypes.POINTER(ctypes.c_size_t)]),
     "flashcore_check_decode": (ctypes.c_int32, [ctypes.POINTER(FlashcoreTensor), ctypes.POINTER(FlashcoreKvCache), ctypes.POINTER(ctypes.c_int32), ctypes.POINTER(ctypes.c_int32), ctypes.POINTER(FlashcoreTensor), ctypes.c_uint64, ctypes.c_float, ctypes.c_int32]),
     "flashcore_decode_window": (ctypes.c_int32, [ctypes.c_void_p, ctypes.POINTER(FlashcoreTensor), ctypes.POINTER(FlashcoreKvCache), ctypes.POINTER(ctypes.c_int32), ctypes.POINTER(ctypes.c_int32), ctypes.POINTER(FlashcoreTensor), ctypes.c_uint64, ctypes.c_float, ctypes.c_int32, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p]),
     "flashcore_check_decode_window": (ctypes.c_int32, [ctypes.POINTER(FlashcoreTensor), ctypes.POINTER(FlashcoreKvCache), ctypes.POINTER(ctypes.c_int32), ctypes.POINTER(ctypes.c_int32), ctypes.POINTER(FlashcoreTensor), ctypes.c_uint64, ctypes.c_float, ctypes.c_int32, ctypes.c_int64, ctypes.c_int64]),
+    "flashcore_decode_ex": (ctypes.c_int32, [ctypes.c_void_p, ctypes.POINTER(FlashcoreTensor), ctypes.POINTER(FlashcoreKvCache), ctypes.POINTER(ctypes.c_int32), ctypes.POINTER(ctypes.c_int32), ctypes.POINTER(FlashcoreTensor), ctypes.c_uint64, ctypes.POINTER(FlashcoreAttentionOptions), ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p]),
+    "flashcore_check_decode_ex": (ctypes.c_int32, [ctypes.POINTER(FlashcoreTensor), ctypes.POINTER(FlashcoreKvCache), ctypes.POINTER(ctypes.c_int32), ctypes.POINTER(ctypes.c_int32), ctypes.POINTER(FlashcoreTensor), ctypes.c_uint64, ctypes.POINTER(FlashcoreAttentionOptions)]),
     "flashcore_append_kv": (ctypes.c_int32, [ctypes.c_void_p, ctypes.POINTER(FlashcoreKvCache), ctypes.POINTER(FlashcoreTensor), ctypes.POINTER(FlashcoreTensor), ctypes.POINTER(ctypes.c_int32), ctypes.POINTER(ctypes.c_int32), ctypes.c_void_p]),
     "flashcore_check_append_kv": (ctypes.c_int32, [ctypes.POINTER(FlashcoreKvCache), ctypes.POINTER(FlashcoreTensor), ctypes.POINTER(FlashcoreTensor), ctypes.POINTER(ctypes.c_int32), ctypes.POINTER(ctypes.c_int32)]),
     "flashcore_decode_fp8kv": (ctypes.c_int32, [ctypes.c_void_p, ctypes.POINTER(FlashcoreTensor), ctypes.POINTER(FlashcoreKvCache), ctypes.POINTER(FlashcoreKvScales), ctypes.POINTER(ctypes.c_int32), ctypes.POINTER(ctypes.c_int32), ctypes.POINTER(FlashcoreTensor), ctypes.c_uint64, ctypes.c_float, ctypes.c_int32, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p]),
@@ -118,6 +134,8 @@ SIGNATURES = {
     "flashcore_check_decode_fp8kv": (ctypes.c_int32, [ctypes.POINTER(FlashcoreTensor), ctypes.POINTER(FlashcoreKvCache), ctypes.POINTER(FlashcoreKvScales), ctypes.POINTER(ctypes.c_int32), ctypes.POINTER(ctypes.c_int32), ctypes.POINTER(FlashcoreTensor), ctypes.c_uint64, ctypes.c_float, ctypes.c_int32]),
     "flashcore_decode_fp8kv_window": (ctypes.c_int32, [ctypes.c_void_p, ctypes.POINTER(FlashcoreTensor), ctypes.POINTER(FlashcoreKvCache), ctypes.POINTER(FlashcoreKvScales), ctypes.POINTER(ctypes.c_int32), ctypes.POINTER(ctypes.c_int32), ctypes.POINTER(FlashcoreTensor), ctypes.c_uint64, ctypes.c_float, ctypes.c_int32, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p]),
     "flashcore_check_decode_fp8kv_window": (ctypes.c_int32, [ctypes.POINTER(FlashcoreTensor), ctypes.POINTER(FlashcoreKvCache), ctypes.POINTER(FlashcoreKvScales), ctypes.POINTER(ctypes.c_int32), ctypes.POINTER(ctypes.c_int32), ctypes.POINTER(FlashcoreTensor), ctypes.c_uint64, ctypes.c_float, ctypes.c_int32, ctypes.c_int64, ctypes.c_int64]),
+    "flashcore_decode_fp8kv_ex": (ctypes.c_int32, [ctypes.c_void_p, ctypes.POINTER(FlashcoreTensor), ctypes.POINTER(FlashcoreKvCache), ctypes.POINTER(FlashcoreKvScales), ctypes.POINTER(ctypes.c_int32), ctypes.POINTER(ctypes.c_int32), ctypes.POINTER(FlashcoreTensor), ctypes.c_uint64, ctypes.POINTER(FlashcoreAttentionOptions), ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p]),
+    "flashcore_check_decode_fp8kv_ex": (ctypes.c_int32, [ctypes.POINTER(FlashcoreTensor), ctypes.POINTER(FlashcoreKvCache), ctypes.POINTER(FlashcoreKvScales), ctypes.POINTER(ctypes.c_int32), ctypes.POINTER(ctypes.c_int32), ctypes.POINTER(FlashcoreTensor), ctypes.c_uint64, ctypes.POINTER(FlashcoreAttentionOptions)]),
     "flashcore_append_kv_fp8kv": (ctypes.c_int32, [ctypes.c_void_p, ctypes.POINTER(FlashcoreKvCache), ctypes.POINTER(FlashcoreKvScales), ctypes.POINTER(FlashcoreTensor), ctypes.POINTER(FlashcoreTensor), ctypes.POINTER(ctypes.c_int32), ctypes.POINTER(ctypes.c_int32), ctypes.c_void_p]),
     "flashcore_check_append_kv_fp8kv": (ctypes.c_int32, [ctypes.POINTER(FlashcoreKvCache), ctypes.POINTER(FlashcoreKvScales), ctypes.POINTER(FlashcoreTensor), ctypes.POINTER(FlashcoreTensor), ctypes.POINTER(ctypes.c_int32), ctypes.POINTER(ctypes.c_int32)]),
     "flashcore_merge": (ctypes.c_int32, [ctypes.c_void_p, ctypes.POINTER(FlashcoreTensor), ctypes.c_int64, ctypes.c_int64, ctypes.c_uint64, ctypes.POINTER(FlashcoreTensor), ctypes.c_uint64, ctypes.c_void_p]),
@@ -136,6 +154,21 @@ SIGNATURES = {
 # The key window of the attention calls' _window spellings, (window_left, window_right) in
 # FlashAttention's convention: -1 leaves a side unbounded, so this is no window.
 NO_WINDOW = (-1, -1)
+
+# The logit soft cap of the attention calls' _ex spellings (FlashAttention's softcap): 0 is
+# no cap.
+NO_SOFTCAP = 0.0
+
+
+def attention_options(scale, causal, window=NO_WINDOW, softcap=NO_SOFTCAP):
+    """A FlashcoreAttentionOptions: the softmax scale (0.0: 1/sqrt(D)), causal masking, the
+    key window (left, right) (-1: unbounded) and the soft cap (0.0: none)."""
+    o = FlashcoreAttentionOptions()
+    o.softmax_scale = scale
+    o.causal = int(causal)
+    o.window_left, o.window_right = window
+    o.softcap = softcap
+    return o
 
 
 class FlashcoreError(RuntimeError):
@@ -194,52 +227,64 @@ class Library:
         self.lib.flashcore_destroy(ctx)
 
     # The attention calls take `window`, FlashAttention's window_size (left, right) as two
-    # ints (-1: unbounded): NO_WINDOW goes to the plain C calls, any other window to their
-    # _window spellings (the same calls with it), whose names the errors then carry.
+    # ints (-1: unbounded), and `softcap`, FlashAttention's softcap (0.0: none). Without
+    # either they go to the plain C calls; with a window alone to their _window spellings;
+    # with a cap (any non-zero value: the library refuses negative, NaN and infinite ones)
+    # to their _ex spellings, which take every option in one FlashcoreAttentionOptions.
+    # The errors carry the name of the spelling called.
 
-    def check_forward(self, q, k, v, o, lse_ptr, scale, causal, window=NO_WINDOW):
-        """Validates FlashcoreTensor descriptors as flashcore_forward(_window) would; no GPU needed."""
-        args = (ctypes.byref(q), ctypes.byref(k), ctypes.byref(v), ctypes.byref(o), lse_ptr, scale, int(causal))
-        if window == NO_WINDOW:
-            rc = self.lib.flashcore_check_forward(*args)
+    def check_forward(self, q, k, v, o, lse_ptr, scale, causal, window=NO_WINDOW, softcap=NO_SOFTCAP):
+        """Validates FlashcoreTensor descriptors as flashcore_forward(_window, _ex) would; no GPU needed."""
+        tensors = (ctypes.byref(q), ctypes.byref(k), ctypes.byref(v), ctypes.byref(o), lse_ptr)
+        if softcap:
+            rc = self.lib.flashcore_check_forward_ex(*tensors, _options(scale, causal, window, softcap))
+        elif window == NO_WINDOW:
+            rc = self.lib.flashcore_check_forward(*tensors, scale, int(causal))
         else:
-            rc = self.lib.flashcore_check_forward_window(*args, *window)
+            rc = self.lib.flashcore_check_forward_window(*tensors, scale, int(causal), *window)
         self.check(rc)
 
-    def forward(self, ctx, q, k, v, o, lse_ptr, scale, causal, stream, window=NO_WINDOW):
-        """flashcore_forward(_window) on FlashcoreTensor descriptors; `stream` is a CUstream address."""
-        args = (ctx, ctypes.byref(q), ctypes.byref(k), ctypes.byref(v), ctypes.byref(o), lse_ptr, scale, int(causal))
-        if window == NO_WINDOW:
-            rc = self.lib.flashcore_forward(*args, stream)
+    def forward(self, ctx, q, k, v, o, lse_ptr, scale, causal, stream, window=NO_WINDOW, softcap=NO_SOFTCAP):
+        """flashcore_forward(_window, _ex) on FlashcoreTensor descriptors; `stream` is a CUstream address."""
+        tensors = (ctx, ctypes.byref(q), ctypes.byref(k), ctypes.byref(v), ctypes.byref(o), lse_ptr)
+        if softcap:
+            rc = self.lib.flashcore_forward_ex(*tensors, _options(scale, causal, window, softcap), stream)
+        elif window == NO_WINDOW:
+            rc = self.lib.flashcore_forward(*tensors, scale, int(causal), stream)
         else:
-            rc = self.lib.flashcore_forward_window(*args, *window, stream)
+            rc = self.lib.flashcore_forward_window(*tensors, scale, int(causal), *window, stream)
         self.check(rc)
 
     # ---- variable-length prefill ------------------------------------------------------------
 
-    def check_forward_varlen(self, q, k, v, o, lse_ptr, varlen, host_cu_q, host_cu_k, scale, causal, window=NO_WINDOW):
-        """Validates a packed call as flashcore_forward_varlen(_window) would; no GPU needed."""
+    def check_forward_varlen(self, q, k, v, o, lse_ptr, varlen, host_cu_q, host_cu_k, scale, causal, window=NO_WINDOW,
+                             softcap=NO_SOFTCAP):
+        """Validates a packed call as flashcore_forward_varlen(_window, _ex) would; no GPU needed."""
         args = (
             ctypes.byref(q), ctypes.byref(k), ctypes.byref(v), ctypes.byref(o), lse_ptr, ctypes.byref(varlen),
-            host_cu_q, host_cu_k, scale, int(causal),
+            host_cu_q, host_cu_k,
         )
-        if window == NO_WINDOW:
-            rc = self.lib.flashcore_check_forward_varlen(*args)
+        if softcap:
+            rc = self.lib.flashcore_check_forward_varlen_ex(*args, _options(scale, causal, window, softcap))
+        elif window == NO_WINDOW:
+            rc = self.lib.flashcore_check_forward_varlen(*args, scale, int(causal))
         else:
-            rc = self.lib.flashcore_check_forward_varlen_window(*args, *window)
+            rc = self.lib.flashcore_check_forward_varlen_window(*args, scale, int(causal), *window)
         self.check(rc)
 
     def forward_varlen(self, ctx, q, k, v, o, lse_ptr, varlen, host_cu_q, host_cu_k, scale, causal, stream,
-                       window=NO_WINDOW):
-        """flashcore_forward_varlen(_window) on descriptors; `stream` is a CUstream address."""
+                       window=NO_WINDOW, softcap=NO_SOFTCAP):
+        """flashcore_forward_varlen(_window, _ex) on descriptors; `stream` is a CUstream address."""
         args = (
             ctx, ctypes.byref(q), ctypes.byref(k), ctypes.byref(v), ctypes.byref(o), lse_ptr, ctypes.byref(varlen),
-            host_cu_q, host_cu_k, scale, int(causal),
+            host_cu_q, host_cu_k,
         )
-        if window == NO_WINDOW:
-            rc = self.lib.flashcore_forward_varlen(*args, stream)
+        if softcap:
+            rc = self.lib.flashcore_forward_varlen_ex(*args, _options(scale, causal, window, softcap), stream)
+        elif window == NO_WINDOW:
+            rc = self.lib.flashcore_forward_varlen(*args, scale, int(causal), stream)
         else:
-            rc = self.lib.flashcore_forward_varlen_window(*args, *window, stream)
+            rc = self.lib.flashcore_forward_varlen_window(*args, scale, int(causal), *window, stream)
         self.check(rc)
 
     # ---- serving: decode, append, merge -----------------------------------------------------
@@ -262,34 +307,50 @@ class Library:
         return out.value
 
     def check_decode(self, q, cache, host_seqlens, host_block_table, o, lse_ptr, scale, causal, scales=None,
-                     window=NO_WINDOW):
-        """Validates a decode as flashcore_decode(_fp8kv)(_window) would (but for the workspace); no GPU needed."""
-        before = (ctypes.byref(q), ctypes.byref(cache))
-        after = (host_seqlens, host_block_table, ctypes.byref(o), lse_ptr, scale, int(causal))
-        if scales is None and window == NO_WINDOW:
-            rc = self.lib.flashcore_check_decode(*before, *after)
+                     window=NO_WINDOW, softcap=NO_SOFTCAP):
+        """Validates a decode as flashcore_decode(_fp8kv)(_window, _ex) would (but for the workspace); no GPU needed."""
+        lib, before = self.lib, (ctypes.byref(q), ctypes.byref(cache))
+        host = (host_seqlens, host_block_table, ctypes.byref(o), lse_ptr)
+        if softcap:
+            opts = _options(scale, causal, window, softcap)
+            if scales is None:
+                rc = lib.flashcore_check_decode_ex(*before, *host, opts)
+            else:
+                rc = lib.flashcore_check_decode_fp8kv_ex(*before, ctypes.byref(scales), *host, opts)
+        elif scales is None and window == NO_WINDOW:
+            rc = lib.flashcore_check_decode(*before, *host, scale, int(causal))
         elif scales is None:
-            rc = self.lib.flashcore_check_decode_window(*before, *after, *window)
+            rc = lib.flashcore_check_decode_window(*before, *host, scale, int(causal), *window)
         elif window == NO_WINDOW:
-            rc = self.lib.flashcore_check_decode_fp8kv(*before, ctypes.byref(scales), *after)
+            rc = lib.flashcore_check_decode_fp8kv(*before, ctypes.byref(scales), *host, scale, int(causal))
         else:
-            rc = self.lib.flashcore_check_decode_fp8kv_window(*before, ctypes.byref(scales), *after, *window)
+            rc = lib.flashcore_check_decode_fp8kv_window(
+                *before, ctypes.byref(scales), *host, scale, int(causal), *window
+            )
         self.check(rc)
 
     def decode(self, ctx, q, cache, host_seqlens, host_block_table, o, lse_ptr, scale, causal, ws_ptr, ws_bytes, stream,
-               scales=None, window=NO_WINDOW):
-        """flashcore_decode(_fp8kv)(_window) on descriptors; `stream` is a CUstream address."""
-        before = (ctx, ctypes.byref(q), ctypes.byref(cache))
-        after = (host_seqlens, host_block_table, ctypes.byref(o), lse_ptr, scale, int(causal))
+               scales=None, window=NO_WINDOW, softcap=NO_SOFTCAP):
+        """flashcore_decode(_fp8kv)(_window, _ex) on descriptors; `stream` is a CUstream address."""
+        lib, before = self.lib, (ctx, ctypes.byref(q), ctypes.byref(cache))
+        host = (host_seqlens, host_block_table, ctypes.byref(o), lse_ptr)
         workspace = (ws_ptr, ws_bytes, stream)
-        if scales is None and window == NO_WINDOW:
-            rc = self.lib.flashcore_decode(*before, *after, *workspace)
+        if softcap:
+            opts = _options(scale, causal, window, softcap)
+            if scales is None:
+                rc = lib.flashcore_decode_ex(*before, *host, opts, *workspace)
+            else:
+                rc = lib.flashcore_decode_fp8kv_ex(*before, ctypes.byref(scales), *host, opts, *workspace)
+        elif scales is None and window == NO_WINDOW:
+            rc = lib.flashcore_decode(*before, *host, scale, int(causal), *workspace)
         elif scales is None:
-            rc = self.lib.flashcore_decode_window(*before, *after, *window, *workspace)
+            rc = lib.flashcore_decode_window(*before, *host, scale, int(causal), *window, *workspace)
         elif window == NO_WINDOW:
-            rc = self.lib.flashcore_decode_fp8kv(*before, ctypes.byref(scales), *after, *workspace)
+            rc = lib.flashcore_decode_fp8kv(*before, ctypes.byref(scales), *host, scale, int(causal), *workspace)
         else:
-            rc = self.lib.flashcore_decode_fp8kv_window(*before, ctypes.byref(scales), *after, *window, *workspace)
+            rc = lib.flashcore_decode_fp8kv_window(
+                *before, ctypes.byref(scales), *host, scale, int(causal), *window, *workspace
+            )
         self.check(rc)
 
     def check_append_kv(self, cache, k_new, v_new, host_seqlens, host_block_table, scales=None):
@@ -380,6 +441,11 @@ class Library:
 
 def _byref_or_none(x):
     return None if x is None else ctypes.byref(x)
+
+
+def _options(scale, causal, window, softcap):
+    """`attention_options(...)` by reference, as the _ex spellings take it."""
+    return ctypes.byref(attention_options(scale, causal, window, softcap))
 
 
 def quantize_options(smooth_k=False, hadamard_seed=None):

@@ -4,7 +4,7 @@
 `torch.ops.flashcore.attention`, with a fake (meta) implementation, so the call is one
 opaque node under `torch.compile` and replays inside captured CUDA graphs.
 
-The op launches flashcore_forward on the tensors' own memory (no copies of kernel-ready
+The op launches flashcore_forward (or its _window, _ex spellings) on the tensors' own memory (no copies of kernel-ready
 views), on torch's current stream of the tensors' device, in that device's primary
 context (the one PyTorch uses).
 """
@@ -125,7 +125,8 @@ def _no_lse(device):
     return t
 
 
-def _check_descriptors(q, k, v, o, lse, layout, out_layout, scale, causal, window=_capi.NO_WINDOW):
+def _check_descriptors(q, k, v, o, lse, layout, out_layout, scale, causal, window=_capi.NO_WINDOW,
+                       softcap=_capi.NO_SOFTCAP):
     """flashcore's own argument checks on the tensors' sizes and strides, with stand-in
     addresses (fake tensors have none): far apart, so only real overlaps could collide."""
     sizes = [x for t in (q, k, v, o) for x in t.shape]
@@ -139,7 +140,7 @@ def _check_descriptors(q, k, v, o, lse, layout, out_layout, scale, causal, windo
         for j in range(4):
             d.shape[j] = max(d.shape[j], 1)
         descs.append(d)
-    lib.check_forward(*descs, (5 << 44) if lse.numel() else 0, scale, causal, window)
+    lib.check_forward(*descs, (5 << 44) if lse.numel() else 0, scale, causal, window, softcap=softcap)
 
 
 # ---- the operator -------------------------------------------------------------------------
@@ -157,15 +158,17 @@ def _attention_op(
     return_lse: bool,
     window_left: int = -1,
     window_right: int = -1,
+    softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """softmax(q kᵀ · scale) v with flashcore (scale 0: 1/sqrt(D)), each query row seeing
-    the keys window_left before its diagonal to window_right after it (-1: no bound).
-    Returns (o, lse); lse is float32 [B, H, S] when return_lse, else empty. o is contiguous
-    in out_layout."""
-    return _forward(q, k, v, causal, scale, layout, out_layout, return_lse, window_left, window_right)
+    the keys window_left before its diagonal to window_right after it (-1: no bound), each
+    scaled score x capped to softcap · tanh(x / softcap) (0: no cap). Returns (o, lse); lse
+    is float32 [B, H, S] when return_lse, else empty. o is contiguous in out_layout."""
+    return _forward(q, k, v, causal, scale, layout, out_layout, return_lse, window_left, window_right, softcap)
 
 
-def _forward(q, k, v, causal, scale, layout, out_layout, return_lse, window_left=-1, window_right=-1, eager=False):
+def _forward(q, k, v, causal, scale, layout, out_layout, return_lse, window_left=-1, window_right=-1, softcap=0.0,
+             eager=False):
     """The op's CUDA implementation (also called directly by `launch` in eager mode,
     `eager`)."""
     window = (window_left, window_right)
@@ -174,7 +177,7 @@ def _forward(q, k, v, causal, scale, layout, out_layout, return_lse, window_left
     b, sq, hq, sk = (n[0], n[1], n[2], nk[1]) if layout == "bshd" else (n[0], n[2], n[1], nk[2])
     if b == 0 or sq == 0 or hq == 0 or sk == 0:
         # Nothing to launch; flashcore's rules still apply to what was passed.
-        _check_descriptors(q, k, v, o, lse, layout, out_layout, scale, causal, window)
+        _check_descriptors(q, k, v, o, lse, layout, out_layout, scale, causal, window, softcap)
         if o.numel():
             o.zero_()  # no keys: each row's output is zero and its LSE is -inf
         if lse.numel():
@@ -193,21 +196,24 @@ def _forward(q, k, v, causal, scale, layout, out_layout, return_lse, window_left
         causal,
         _current_stream(index),
         window,
+        softcap,
     )
     return o, lse
 
 
 @_attention_op.register_fake
-def _attention_fake(q, k, v, causal, scale, layout, out_layout, return_lse, window_left=-1, window_right=-1):
+def _attention_fake(q, k, v, causal, scale, layout, out_layout, return_lse, window_left=-1, window_right=-1,
+                    softcap=0.0):
     o, lse = _empty_outputs(q, layout, out_layout, return_lse)
-    _check_descriptors(q, k, v, o, lse, layout, out_layout, scale, causal, (window_left, window_right))
+    _check_descriptors(q, k, v, o, lse, layout, out_layout, scale, causal, (window_left, window_right), softcap)
     return o, lse
 
 
 # ---- the public function ----------------------------------------------------------------
 
 
-def attention(q, k, v, *, causal=False, scale=None, return_lse=False, layout="bhsd", window_size=(-1, -1)):
+def attention(q, k, v, *, causal=False, scale=None, return_lse=False, layout="bhsd", window_size=(-1, -1),
+              softcap=0.0):
     """Scaled dot-product attention, forward, with flashcore's kernels.
 
     q: [B, Hq, Sq, D] and k, v: [B, Hkv, Sk, D] for layout="bhsd" (SDPA's order), or
@@ -228,6 +234,11 @@ def attention(q, k, v, *, causal=False, scale=None, return_lse=False, layout="bh
         (Mistral, Gemma: each query sees itself and the w - 1 keys before it) is
         causal=True, window_size=(w - 1, 0). A row whose window holds no key gives zeros
         (and LSE -inf).
+    softcap: logit soft-capping as FlashAttention's softcap (Gemma 2 uses 50, Grok 30):
+        each scaled score x = q·k · scale becomes softcap · tanh(x / softcap) before
+        masking and the softmax, and the LSE is that of the capped scores. 0.0 (or None)
+        is no cap. A negative, NaN or infinite cap, or one so far from the scale that
+        scale / softcap is no normal float32, raises FlashcoreError (INVALID_ARGUMENT).
 
     Returns o in q's layout (contiguous), or (o, lse). Views whose strides the kernels can
     read (last dim contiguous, other strides and the start multiples of 16 bytes: slices of
@@ -239,7 +250,8 @@ def attention(q, k, v, *, causal=False, scale=None, return_lse=False, layout="bh
     """
     scale = check_arguments("flashcore.attention", q, k, v, layout, scale)
     window = window_arg("flashcore.attention", window_size)
-    o, lse = launch(q, k, v, bool(causal), scale, layout, layout, bool(return_lse), window)
+    softcap = softcap_arg("flashcore.attention", softcap)
+    o, lse = launch(q, k, v, bool(causal), scale, layout, layout, bool(return_lse), window, softcap)
     return (o, lse) if return_lse else o
 
 
@@ -282,6 +294,24 @@ def window_arg(fn, window_size):
     return sides
 
 
+def softcap_arg(fn, softcap):
+    """`softcap`, FlashAttention's logit soft cap, as the float the C ABI takes: 0.0 (and
+    None) for no cap. The library judges the rest (a negative, NaN or infinite cap is its
+    FlashcoreError), but a non-zero cap that float32 rounds to zero (below about 1.4e-45)
+    would reach it as "no cap": refused here."""
+    if softcap is None:
+        return 0.0
+    if isinstance(softcap, (bool, str, bytes)):
+        raise TypeError(f"{fn}: softcap must be a float (0.0: no cap), got {softcap!r}")
+    try:
+        softcap = float(softcap)
+    except (TypeError, ValueError):
+        raise TypeError(f"{fn}: softcap must be a float (0.0: no cap), got {softcap!r}") from None
+    if softcap != 0.0 and struct.unpack("f", struct.pack("f", softcap))[0] == 0.0:
+        raise ValueError(f"{fn}: softcap {softcap} is 0 as a float32, which is no cap; pass 0.0 for none")
+    return softcap
+
+
 def softmax_scale(fn, scale):
     """`scale` as the float32 the C ABI takes: finite and positive there too. A Python
     float below float32's smallest subnormal would round to 0, which the C ABI reads as
@@ -296,9 +326,10 @@ def softmax_scale(fn, scale):
     return scale
 
 
-def launch(q, k, v, causal, scale, layout, out_layout, return_lse, window=_capi.NO_WINDOW):
+def launch(q, k, v, causal, scale, layout, out_layout, return_lse, window=_capi.NO_WINDOW, softcap=_capi.NO_SOFTCAP):
     """The op on kernel-ready copies of whichever inputs are not (see `kernel_ready`);
-    `window` is (left, right) as `window_arg` returns it.
+    `window` is (left, right) as `window_arg` returns it, `softcap` a float as `softcap_arg`
+    returns it.
 
     In plain eager mode (CUDA tensors, nothing tracing or intercepting) the implementation
     is called directly: going through the dispatcher costs a custom op tens of
@@ -306,8 +337,8 @@ def launch(q, k, v, causal, scale, layout, out_layout, return_lse, window=_capi.
     Under torch.compile, fake tensors or a dispatch mode, the call is the registered op."""
     q, k, v = (t if kernel_ready(t) else t.clone(memory_format=torch.contiguous_format) for t in (q, k, v))
     if _plain_eager(q, k, v):
-        return _forward(q, k, v, causal, scale, layout, out_layout, return_lse, *window, eager=True)
-    return torch.ops.flashcore.attention(q, k, v, causal, scale, layout, out_layout, return_lse, *window)
+        return _forward(q, k, v, causal, scale, layout, out_layout, return_lse, *window, softcap, eager=True)
+    return torch.ops.flashcore.attention(q, k, v, causal, scale, layout, out_layout, return_lse, *window, softcap)
 
 
 _Tensor = torch.Tensor

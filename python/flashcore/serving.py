@@ -5,6 +5,7 @@ log-sum-exp.
     o = flashcore.decode(q, k_cache, v_cache, seqlens)                        # contiguous cache
     o = flashcore.decode(q, k_pool, v_pool, seqlens, block_table=table)       # paged cache
     o = flashcore.decode(q, k_cache, v_cache, seqlens, causal=True, window_size=(w - 1, 0))  # sliding window
+    o = flashcore.decode(q, k_cache, v_cache, seqlens, causal=True, softcap=50.0)  # logit soft-capping
     flashcore.append_kv(k_cache, v_cache, seqlens, k_new, v_new); seqlens += k_new.shape[1]
     o, lse = flashcore.merge(o_parts, lse_parts, return_lse=True)
 
@@ -48,7 +49,7 @@ import torch
 
 from . import _capi
 from .ops import _ALIGN, _DTYPE_CODES, LAYOUTS, _aligned, _bshd_sizes_strides, _context, _current_stream
-from .ops import _dispatch_mode_active, _needs_grad, kernel_ready, softmax_scale, window_arg
+from .ops import _dispatch_mode_active, _needs_grad, kernel_ready, softcap_arg, softmax_scale, window_arg
 
 _Tensor = torch.Tensor
 
@@ -271,7 +272,7 @@ def _decode_outputs(q, return_lse):
 
 
 def _check_decode(q, k_cache, v_cache, block_table, o, return_lse, scale, causal, k_scale=None, v_scale=None,
-                  window=_capi.NO_WINDOW):
+                  window=_capi.NO_WINDOW, softcap=_capi.NO_SOFTCAP):
     """flashcore_check_decode on the tensors' sizes and strides at stand-in addresses (fake
     tensors have none); host metadata is the real call's. For an empty q (nothing to
     compute, which is no error) empty dimensions are described as 1, so that every other
@@ -297,6 +298,7 @@ def _check_decode(q, k_cache, v_cache, block_table, o, return_lse, scale, causal
         causal,
         scales=_describe_scales(k_scale, v_scale, (8 * _STAND_IN, 9 * _STAND_IN), empty),
         window=window,
+        softcap=softcap,
     )
 
 
@@ -333,23 +335,25 @@ def _decode_op(
     v_scale: Optional[torch.Tensor] = None,
     window_left: int = -1,
     window_right: int = -1,
+    softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode against a KV cache with flashcore (scale 0: 1/sqrt(D); k_scale, v_scale: an
     FP8 cache's scales; window_left, window_right: the key window around each query's
-    position, -1 for no bound). Returns (o, lse): o [B, Sq, Hq, D] contiguous, lse float32
-    [B, Hq, Sq] when return_lse, else empty."""
+    position, -1 for no bound; softcap: the logit soft cap, 0 for none). Returns (o, lse):
+    o [B, Sq, Hq, D] contiguous, lse float32 [B, Hq, Sq] when return_lse, else empty."""
     return _decode(q, k_cache, v_cache, seqlens, block_table, host_seqlens, host_block_table, causal, scale, return_lse,
-                   k_scale, v_scale, window_left, window_right)
+                   k_scale, v_scale, window_left, window_right, softcap)
 
 
 def _decode(q, k_cache, v_cache, seqlens, block_table, host_seqlens, host_block_table, causal, scale, return_lse,
-            k_scale=None, v_scale=None, window_left=-1, window_right=-1):
+            k_scale=None, v_scale=None, window_left=-1, window_right=-1, softcap=0.0):
     """The op's CUDA implementation (also called directly in plain eager mode)."""
     window = (window_left, window_right)
     o, lse = _decode_outputs(q, return_lse)
     if q.numel() == 0:
         # Nothing to compute; flashcore's rules still apply to what was passed.
-        _check_decode(q, k_cache, v_cache, block_table, o, return_lse, scale, causal, k_scale, v_scale, window)
+        _check_decode(q, k_cache, v_cache, block_table, o, return_lse, scale, causal, k_scale, v_scale, window,
+                      softcap)
         return o, lse
     q = _aligned(q)
     index = q.get_device()
@@ -386,6 +390,7 @@ def _decode(q, k_cache, v_cache, seqlens, block_table, host_seqlens, host_block_
         _current_stream(index),
         scales=scales,
         window=window,
+        softcap=softcap,
     )
     del workspace  # freed in stream order: later work on this stream runs after the kernels
     return o, lse
@@ -393,10 +398,10 @@ def _decode(q, k_cache, v_cache, seqlens, block_table, host_seqlens, host_block_
 
 @_decode_op.register_fake
 def _decode_fake(q, k_cache, v_cache, seqlens, block_table, host_seqlens, host_block_table, causal, scale, return_lse,
-                 k_scale=None, v_scale=None, window_left=-1, window_right=-1):
+                 k_scale=None, v_scale=None, window_left=-1, window_right=-1, softcap=0.0):
     o, lse = _decode_outputs(q, return_lse)
     _check_decode(q, k_cache, v_cache, block_table, o, return_lse, scale, causal, k_scale, v_scale,
-                  (window_left, window_right))
+                  (window_left, window_right), softcap)
     return o, lse
 
 
@@ -415,6 +420,7 @@ def decode(
     k_scale=None,
     v_scale=None,
     window_size=(-1, -1),
+    softcap=0.0,
 ):
     """Attention of a few new query tokens per sequence against a KV cache (split-KV decode).
 
@@ -450,6 +456,9 @@ def decode(
         sliding window of w keys (Mistral, Gemma) is causal=True, window_size=(w - 1, 0):
         each new token sees itself and the w - 1 positions before it. The split count
         (and workspace) is the windowless call's.
+    softcap: logit soft-capping as flashcore.attention takes it (each scaled score x
+        becomes softcap · tanh(x / softcap); 0.0 or None: no cap), with 16-bit and FP8
+        caches alike. The split count (and workspace) is the uncapped call's.
 
     Returns o ([B, Sq, Hq, D], contiguous), or (o, lse). The split count (and so the
     workspace, taken from torch's allocator) depends on the shapes and the GPU only, never
@@ -469,13 +478,14 @@ def decode(
     _check_no_grad("decode", (q, k_cache, v_cache, *scales))
     scale = _scale_arg("decode", scale)
     window = window_arg("flashcore.decode", window_size)
+    softcap = softcap_arg("flashcore.decode", softcap)
     host_seqlens, host_block_table = _prepare_host(
         "decode", q.shape[0], block_table, host_seqlens, host_block_table
     )
     if not kernel_ready(q):
         q = q.clone(memory_format=torch.contiguous_format)
     args = (q, k_cache, v_cache, seqlens, block_table, host_seqlens, host_block_table, bool(causal), scale,
-            bool(return_lse), k_scale, v_scale, *window)
+            bool(return_lse), k_scale, v_scale, *window, softcap)
     if _plain_eager(args[:5] + args[10:12]):
         o, lse = _decode(*args)
     else:

@@ -56,16 +56,28 @@ score bias (`position_bias`: T5-style models), a `scaling` that is not a positiv
 (zero, negative, NaN, or outside float32's range), a causal call with more queries than
 keys, tensors off the GPU (a model on the CPU), or inputs that require gradients with
 autograd on (flashcore is forward only) is computed by transformers' own SDPA path
-instead, with a warning the first time, so results stay right. `stats` counts both.
+instead (with a soft cap: explicit attention in PyTorch, see below), with a warning the
+first time, so results stay right. `stats` counts both.
 
 Causal alignment. With no mask, transformers' SDPA path aligns a causal call top-left:
 query i sees keys 0..=i. A prompt written into a longer preallocated cache (StaticCache:
 Sk > Sq, the slots past the prompt still empty) depends on that, so such calls run on the
 first Sq keys, where flashcore's bottom-right alignment is the same mask.
 
-Attention sinks (`s_aux`, as gpt-oss passes them) change the softmax itself, and logit
-softcapping (`softcap`, as Gemma 2 passes it) the scores; flashcore has no kernel for
-either and transformers' SDPA path would drop them, so such calls raise
+Logit soft-capping (`softcap`, as Gemma 2 passes it on every layer: each scaled score x
+becomes softcap · tanh(x / softcap)) runs on flashcore's soft-capping kernels, on each of
+the routes above (no mask, padded batches, sliding-window layers, decode steps); a
+`softcap` of None or 0 is none, and one that is not a positive, finite number raises
+ValueError. SDPA has no soft cap: a capped call that goes to SDPA by the rules above runs
+instead on explicit attention in PyTorch (the scores computed in float32, capped, masked as
+SDPA would mask them, softmax), with the same warning and the same count in
+`stats["sdpa"]`, so the cap is never dropped. FP8 has no soft-capping kernel: with
+"fcore-fp8", a capped call runs on the 16-bit kernel (Gemma 2 then runs 16-bit
+throughout). A capped call with a position bias raises NotImplementedError (no model
+has both).
+
+Attention sinks (`s_aux`, as gpt-oss passes them) change the softmax itself; flashcore has
+no kernel for them and transformers' SDPA path would drop them, so such calls raise
 NotImplementedError rather than dropping them.
 
 FP8 ("fcore-fp8", `register(fp8=True)`): the same rules, but the calls flashcore serves
@@ -78,6 +90,7 @@ a model (perplexity, generations), not for fast decoding. Set FLASHCORE_FP8_SMOO
 to quantize with K smoothing, FLASHCORE_FP8_HADAMARD_SEED=<seed> to rotate q and k.
 """
 
+import math
 import os
 import threading
 import warnings
@@ -87,7 +100,7 @@ import torch
 
 from ._capi import NO_WINDOW
 from .fp8 import FP8_HEAD_DIMS, launch_fp8
-from .ops import _dispatch_mode_active, _needs_grad, forward_head_dim, launch, softmax_scale
+from .ops import _dispatch_mode_active, _needs_grad, forward_head_dim, launch, softcap_arg, softmax_scale
 from .serving import _plain_eager
 from .varlen import _varlen, attention_varlen
 
@@ -114,6 +127,52 @@ def _fallback(reason, module, query, key, value, attention_mask, **kwargs):
         _warned.add(reason)
         warnings.warn(f"flashcore: {reason}: these attention calls run on transformers' SDPA path", stacklevel=3)
     return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+def _softcap_fallback(reason, module, query, key, value, attention_mask, scaling, is_causal, softcap):
+    """What transformers' SDPA path computes for this call, with the scores soft-capped,
+    which SDPA cannot do: explicit attention in PyTorch, as transformers' eager attention
+    of Gemma 2 computes it (scores in float32, capped, then masked), masked as SDPA masks:
+    a boolean or additive mask as given, no mask a top-left causal one where the module is
+    causal and there is more than one query. Counted and warned about as `_fallback`."""
+    stats["sdpa"][reason] = stats["sdpa"].get(reason, 0) + 1
+    if reason not in _warned:
+        _warned.add(reason)
+        warnings.warn(
+            f"flashcore: {reason}: these soft-capped attention calls run on explicit attention in PyTorch "
+            "(SDPA has no softcap)",
+            stacklevel=3,
+        )
+    group = query.shape[1] // key.shape[1]
+    k = key.repeat_interleave(group, dim=1) if group > 1 else key
+    v = value.repeat_interleave(group, dim=1) if group > 1 else value
+    scale = scaling if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
+    s = torch.matmul(query.float(), k.float().transpose(-1, -2)) * scale
+    s = torch.tanh(s / softcap) * softcap
+    sq, sk = s.shape[-2:]
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    if attention_mask is None:
+        if causal and sq > 1:
+            hidden = torch.ones(sq, sk, dtype=torch.bool, device=s.device).tril().logical_not()
+            s = s.masked_fill(hidden, -math.inf)
+    elif attention_mask.dtype == torch.bool:
+        s = s.masked_fill(attention_mask.logical_not(), -math.inf)
+    else:
+        s = s + attention_mask.float()
+    p = torch.softmax(s, dim=-1).nan_to_num(0.0)  # a row that sees no key: zeros
+    out = torch.matmul(p, v.float()).to(query.dtype)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _softcap_of(softcap):
+    """transformers' `softcap` argument as a float for the library: 0.0 for None or 0 (no
+    cap); a cap that is not a positive, finite number is refused."""
+    if softcap is None or softcap == 0:
+        return 0.0
+    cap = softcap_arg("flashcore", softcap)
+    if not (math.isfinite(cap) and cap > 0.0):
+        raise ValueError(f"flashcore: softcap must be a positive, finite number (None or 0: no cap), got {softcap!r}")
+    return cap
 
 
 def attention_forward(
@@ -149,16 +208,17 @@ def _forward(fp8, module, query, key, value, attention_mask, dropout, scaling, i
         raise NotImplementedError(
             "flashcore: attention sinks (s_aux) are not supported; use attn_implementation='eager' for this model"
         )
-    if kwargs.get("softcap") is not None:
-        raise NotImplementedError(
-            "flashcore: logit softcapping (softcap) is not supported; use attn_implementation='eager' for this model"
-        )
+    softcap = _softcap_of(kwargs.get("softcap"))
     sdpa_kwargs = dict(kwargs, dropout=dropout, scaling=scaling, is_causal=is_causal)
 
     def fallback(reason):
+        if softcap:
+            return _softcap_fallback(reason, module, query, key, value, attention_mask, scaling, is_causal, softcap)
         return _fallback(reason, module, query, key, value, attention_mask, **sdpa_kwargs)
 
     if kwargs.get("position_bias") is not None:
+        if softcap:
+            raise NotImplementedError("flashcore: a position bias with logit soft-capping (softcap) is not supported")
         return fallback("a position bias")
     if _needs_grad((query, key, value)):
         return fallback("inputs that require gradients (flashcore is forward only)")
@@ -210,7 +270,7 @@ def _forward(fp8, module, query, key, value, attention_mask, dropout, scaling, i
         stats["flashcore"] += 1
         stats["flashcore_padded"] += 1
         stats["flashcore_window"] += sliding is not None
-        return plan.run(query, key, value, scaling), None
+        return plan.run(query, key, value, scaling, softcap), None
     causal = bool(causal) and query.shape[2] > 1
     sq, sk = query.shape[2], key.shape[2]
     if causal and sk > sq:
@@ -227,7 +287,7 @@ def _forward(fp8, module, query, key, value, attention_mask, dropout, scaling, i
     if sliding is not None and key.shape[2] > sliding:
         window = (min(sliding - 1, _UNBOUNDED_SIDE), 0)
     stats["flashcore_window"] += sliding is not None
-    if fp8 and query.shape[-1] in FP8_HEAD_DIMS and window == NO_WINDOW:
+    if fp8 and query.shape[-1] in FP8_HEAD_DIMS and window == NO_WINDOW and not softcap:
         stats["flashcore_fp8"] += 1
         # [B, S, H, D] views in, [B, Sq, Hq, D] contiguous out, as transformers wants it.
         q, k, v = (t.transpose(1, 2) for t in (query, key, value))
@@ -235,20 +295,21 @@ def _forward(fp8, module, query, key, value, attention_mask, dropout, scaling, i
         out, _ = launch_fp8(q, k, v, causal, _scale(scaling), "bshd", False, smooth_k, seed)
         return out, None
     stats["flashcore"] += 1
-    out, _ = launch(query, key, value, causal, _scale(scaling), "bhsd", "bshd", False, window)
+    out, _ = launch(query, key, value, causal, _scale(scaling), "bhsd", "bshd", False, window, softcap)
     return out, None
 
 
-def launch_varlen(q, k, v, cu_q, cu_k, max_seqlen_q, host_q, host_k, causal, scaling, window=NO_WINDOW):
+def launch_varlen(q, k, v, cu_q, cu_k, max_seqlen_q, host_q, host_k, causal, scaling, window=NO_WINDOW, softcap=0.0):
     """flashcore.attention_varlen on packed [rows, H, D] tensors (a seam the CPU tests
-    replace with a reference); `window` is its window_size. In plain eager mode its
-    implementation is called directly: the plan made every argument right (contiguous
-    tensors, int32 offsets and their host copies on the right devices), and the checks
-    would cost as much host time as the launch."""
+    replace with a reference); `window` is its window_size, `softcap` its softcap. In plain
+    eager mode its implementation is called directly: the plan made every argument right
+    (contiguous tensors, int32 offsets and their host copies on the right devices), and the
+    checks would cost as much host time as the launch."""
     if _plain_eager((q, k, v)):
-        return _varlen(q, k, v, cu_q, cu_k, max_seqlen_q, host_q, host_k, causal, _scale(scaling), False, *window)[0]
+        return _varlen(q, k, v, cu_q, cu_k, max_seqlen_q, host_q, host_k, causal, _scale(scaling), False, *window,
+                       softcap)[0]
     return attention_varlen(q, k, v, cu_q, cu_k, max_seqlen_q, causal=causal, scale=scaling,
-                            host_cu_seqlens_q=host_q, host_cu_seqlens_k=host_k, window_size=window)
+                            host_cu_seqlens_q=host_q, host_cu_seqlens_k=host_k, window_size=window, softcap=softcap)
 
 
 # ---- padded batches ---------------------------------------------------------------------------
@@ -346,9 +407,10 @@ class _PaddedPlan:
         b = np.repeat(np.arange(len(counts)), counts)
         return [b, (firsts - cu[:-1])[b] + np.arange(len(b))]
 
-    def run(self, query, key, value, scaling):
+    def run(self, query, key, value, scaling, softcap=0.0):
         """Attention of query [B, Hq, Sq, D] over key, value [B, Hkv, Sk, D] under the mask
-        this plan came from; returns [B, Sq, Hq, D] contiguous."""
+        this plan came from (the scores capped at `softcap`, 0.0: none); returns
+        [B, Sq, Hq, D] contiguous."""
         b, h, sq, d = query.shape
         if self.total_q == 0:
             return query.new_zeros((b, sq, h, d))
@@ -362,7 +424,7 @@ class _PaddedPlan:
             k = key.transpose(1, 2)[self.k_rows]
             v = value.transpose(1, 2)[self.k_rows]
             cu_q, cu_k, host_q, host_k = self.cu_q, self.cu_k, self.host_q, self.host_k
-        o = launch_varlen(q, k, v, cu_q, cu_k, self.max_q, host_q, host_k, self.causal, scaling, self.window)
+        o = launch_varlen(q, k, v, cu_q, cu_k, self.max_q, host_q, host_k, self.causal, scaling, self.window, softcap)
         if self.every_row:
             return o.view(b, sq, h, d)
         out = query.new_zeros((b, sq, h, d))

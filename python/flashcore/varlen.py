@@ -3,13 +3,14 @@ padding, one launch (FlashAttention's `flash_attn_varlen_func` layout).
 
     o = flashcore.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causal=True)
     o = flashcore.attention_varlen(..., causal=True, window_size=(w - 1, 0))  # sliding window of w keys
+    o = flashcore.attention_varlen(..., causal=True, softcap=50.0)  # Gemma 2's logit soft-capping
 
 q [total_q, Hq, D], k and v [total_k, Hkv, D]; sequence b is rows
 cu_seqlens_q[b]:cu_seqlens_q[b + 1] of q (and of o) and cu_seqlens_k[b]:cu_seqlens_k[b + 1]
 of k and v (int32 offsets on the GPU). A `torch.library` custom op
 (`torch.ops.flashcore.attention_varlen`) whose fake implementation applies flashcore's own
-rules through flashcore_check_forward_varlen_window; in plain eager mode it is called
-directly.
+rules through flashcore_check_forward_varlen (or its _window, _ex spellings); in plain
+eager mode it is called directly.
 """
 
 import math
@@ -18,7 +19,7 @@ from typing import Optional
 import torch
 
 from . import _capi
-from .ops import _ALIGN, _aligned, _context, _current_stream, window_arg
+from .ops import _ALIGN, _aligned, _context, _current_stream, softcap_arg, window_arg
 from .serving import (
     _STAND_IN,
     _check_device,
@@ -80,7 +81,7 @@ def _host(name, x, n):
 
 
 def _check(q, k, v, o, return_lse, batch, max_seqlen_q, scale, causal, host_q=None, host_k=None,
-           window=_capi.NO_WINDOW):
+           window=_capi.NO_WINDOW, softcap=_capi.NO_SOFTCAP):
     """flashcore_check_forward_varlen at stand-in addresses (fake tensors have none), with
     the host offsets when given."""
     if not _static(q, k, v, o):
@@ -101,6 +102,7 @@ def _check(q, k, v, o, return_lse, batch, max_seqlen_q, scale, causal, host_q=No
         scale,
         causal,
         window,
+        softcap=softcap,
     )
 
 
@@ -119,16 +121,18 @@ def _varlen_op(
     return_lse: bool,
     window_left: int = -1,
     window_right: int = -1,
+    softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Packed variable-length attention with flashcore (scale 0: 1/sqrt(D); window_left,
-    window_right: each sequence's key window, -1 for no bound). Returns (o, lse): o
-    [total_q, Hq, D] contiguous, lse float32 [Hq, total_q] when return_lse, else empty."""
+    window_right: each sequence's key window, -1 for no bound; softcap: the logit soft cap,
+    0 for none). Returns (o, lse): o [total_q, Hq, D] contiguous, lse float32 [Hq, total_q]
+    when return_lse, else empty."""
     return _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, host_cu_seqlens_q, host_cu_seqlens_k,
-                   causal, scale, return_lse, window_left, window_right)
+                   causal, scale, return_lse, window_left, window_right, softcap)
 
 
 def _varlen(q, k, v, cu_q, cu_k, max_seqlen_q, host_q, host_k, causal, scale, return_lse, window_left=-1,
-            window_right=-1):
+            window_right=-1, softcap=0.0):
     """The op's CUDA implementation (also called directly in plain eager mode)."""
     window = (window_left, window_right)
     o, lse = _outputs(q, return_lse)
@@ -136,7 +140,7 @@ def _varlen(q, k, v, cu_q, cu_k, max_seqlen_q, host_q, host_k, causal, scale, re
     if q.numel() == 0 or k.numel() == 0:
         # Nothing to launch; flashcore's rules still apply to what was passed. With no
         # keys, every query row sees none: zeros, and an LSE of -inf.
-        _check(q, k, v, o, return_lse, batch, max_seqlen_q, scale, causal, host_q, host_k, window)
+        _check(q, k, v, o, return_lse, batch, max_seqlen_q, scale, causal, host_q, host_k, window, softcap)
         o.zero_()
         lse.fill_(-math.inf)
         return o, lse
@@ -157,16 +161,18 @@ def _varlen(q, k, v, cu_q, cu_k, max_seqlen_q, host_q, host_k, causal, scale, re
         causal,
         _current_stream(index),
         window,
+        softcap,
     )
     return o, lse
 
 
 @_varlen_op.register_fake
 def _varlen_fake(q, k, v, cu_q, cu_k, max_seqlen_q, host_q, host_k, causal, scale, return_lse, window_left=-1,
-                 window_right=-1):
+                 window_right=-1, softcap=0.0):
     o, lse = _outputs(q, return_lse)
     # The host copies are fake here too (no data): the real call checks them.
-    _check(q, k, v, o, return_lse, cu_q.shape[0] - 1, max_seqlen_q, scale, causal, window=(window_left, window_right))
+    _check(q, k, v, o, return_lse, cu_q.shape[0] - 1, max_seqlen_q, scale, causal, window=(window_left, window_right),
+           softcap=softcap)
     return o, lse
 
 
@@ -184,6 +190,7 @@ def attention_varlen(
     host_cu_seqlens_q=None,
     host_cu_seqlens_k=None,
     window_size=(-1, -1),
+    softcap=0.0,
 ):
     """Attention over a batch of sequences of different lengths packed without padding.
 
@@ -208,6 +215,8 @@ def attention_varlen(
         keys, whose diagonal is its key d = i + Sk - Sq, sees that sequence's keys
         d - left ..= d + right (-1: no bound; causal with right > 0 is refused). A sliding
         window of w keys is causal=True, window_size=(w - 1, 0).
+    softcap: logit soft-capping as flashcore.attention takes it (each scaled score x
+        becomes softcap · tanh(x / softcap); 0.0 or None: no cap), in every sequence.
 
     Each sequence sees only its own keys: rows of k and v that no sequence covers, or
     that belong to another sequence, never reach its output, whatever they hold (NaN and
@@ -238,6 +247,7 @@ def attention_varlen(
     _check_no_grad(fn, (q, k, v))
     scale = _scale_arg(fn, scale)
     window = window_arg(f"flashcore.{fn}", window_size)
+    softcap = softcap_arg(f"flashcore.{fn}", softcap)
     if (host_cu_seqlens_q is None) != (host_cu_seqlens_k is None):
         raise ValueError(f"flashcore.{fn}: give both host_cu_seqlens_q and host_cu_seqlens_k, or neither")
     n = cu_seqlens_q.shape[0]
@@ -245,7 +255,7 @@ def attention_varlen(
     host_k = _host("host_cu_seqlens_k", host_cu_seqlens_k, n)
     q, k, v = _ready(q), _ready(k), _ready(v)
     args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, host_q, host_k, bool(causal), scale, bool(return_lse),
-            *window)
+            *window, softcap)
     if _plain_eager(args[:5]):
         o, lse = _varlen(*args)
     else:

@@ -15,8 +15,10 @@ requires_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a
 
 @pytest.fixture
 def seed():
-    """A fresh seed per test (FLASHCORE_SEED fixes it), printed so a failure can be rerun."""
-    s = int(os.environ.get("FLASHCORE_SEED", int.from_bytes(os.urandom(4), "little")))
+    """A fresh seed per test (FLASHCORE_SEED fixes it, decimal or 0x hexadecimal as the
+    Rust tests take it), printed so a failure can be rerun."""
+    given = os.environ.get("FLASHCORE_SEED")
+    s = int(given, 0) if given else int.from_bytes(os.urandom(4), "little")
     print(f"seed {s}")
     torch.manual_seed(s)
     return s

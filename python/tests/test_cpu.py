@@ -882,7 +882,196 @@ def test_windows_compile_to_one_graph():
     nodes = [n for n in calls[0].graph.nodes if n.op == "call_function"]
     for op in (torch.ops.flashcore.attention, torch.ops.flashcore.attention_varlen, torch.ops.flashcore.decode):
         node = next(n for n in nodes if n.target in (op, op.default))
-        assert tuple(node.args[-2:]) == (15, 0), node.args
+        assert tuple(node.args[-3:]) == (15, 0, 0.0), node.args  # window_left, window_right, softcap
+
+
+# ---- logit soft-capping: the _ex spellings ---------------------------------------------------------
+
+# The C calls that take their options as one FlashcoreAttentionOptions, by the call they are
+# with it in place of (softmax_scale, causal).
+EX_SPELLINGS = {
+    "flashcore_forward_ex": "flashcore_forward",
+    "flashcore_check_forward_ex": "flashcore_check_forward",
+    "flashcore_forward_varlen_ex": "flashcore_forward_varlen",
+    "flashcore_check_forward_varlen_ex": "flashcore_check_forward_varlen",
+    "flashcore_decode_ex": "flashcore_decode",
+    "flashcore_check_decode_ex": "flashcore_check_decode",
+    "flashcore_decode_fp8kv_ex": "flashcore_decode_fp8kv",
+    "flashcore_check_decode_fp8kv_ex": "flashcore_check_decode_fp8kv",
+}
+
+
+def test_ex_spellings_are_their_calls_with_the_options_in_place_of_scale_and_causal():
+    lib = _capi.library()
+    opts = ctypes.POINTER(_capi.FlashcoreAttentionOptions)
+    for name, plain in EX_SPELLINGS.items():
+        ret, args = _capi.SIGNATURES[name]
+        plain_ret, plain_args = _capi.SIGNATURES[plain]
+        scale = plain_args.index(ctypes.c_float)  # softmax_scale, then causal
+        assert plain_args[scale + 1] is ctypes.c_int32, plain
+        assert ret is plain_ret and args == [*plain_args[:scale], opts, *plain_args[scale + 2 :]], name
+        assert getattr(lib.lib, name).argtypes == args  # exported and typed
+    # The FP8 forward has no _ex spelling: its kernels have no cap.
+    assert not [n for n in _capi.SIGNATURES if n.startswith("flashcore_forward_fp8") and n.endswith("_ex")]
+    # The C layout: 32 bytes, 4 of them padding after softcap.
+    o = _capi.FlashcoreAttentionOptions
+    assert ctypes.sizeof(o) == 32 and ctypes.alignment(o) == 8
+    assert [getattr(o, f).offset for f in ("softmax_scale", "causal", "window_left", "window_right", "softcap")] == [
+        0, 4, 8, 16, 24]
+    built = _capi.attention_options(0.125, True, (15, 0), 50.0)
+    assert (built.softmax_scale, built.causal, built.window_left, built.window_right, built.softcap) == (
+        0.125, 1, 15, 0, 50.0)
+    plain = _capi.attention_options(0.0, False)
+    assert (plain.window_left, plain.window_right, plain.softcap) == (-1, -1, 0.0)
+
+
+def test_c_abi_softcap_checks_arrive_as_flashcore_errors():
+    lib = _capi.library()
+    q, o = describe((1, 64, 4, 128)), describe((1, 64, 4, 128), ptr=4 << 40)
+    k, v = describe((1, 80, 2, 128), ptr=2 << 40), describe((1, 80, 2, 128), ptr=3 << 40)
+    varlen = _capi.FlashcoreVarlen(5 << 40, (5 << 40) + 64, 2, 40)
+    cu_q, cu_k = _capi.int32_array([0, 24, 64]), _capi.int32_array([0, 30, 80])
+    dq, do = describe((2, 4, 4, 64), ptr=4 << 40), describe((2, 4, 4, 64), ptr=5 << 40)
+    c8, s8 = fp8_cache_descs(False)
+    calls = {
+        "flashcore_check_forward": lambda causal, w, cap: lib.check_forward(q, k, v, o, 0, 0.0, causal, w, cap),
+        "flashcore_check_forward_varlen": lambda causal, w, cap: lib.check_forward_varlen(
+            q, k, v, o, 0, varlen, cu_q, cu_k, 0.0, causal, w, softcap=cap),
+        "flashcore_check_decode": lambda causal, w, cap: lib.check_decode(
+            dq, cache_descs(True), None, None, do, 0, 0.0, causal, window=w, softcap=cap),
+        "flashcore_check_decode_fp8kv": lambda causal, w, cap: lib.check_decode(
+            dq, c8, None, None, do, 0, 0.0, causal, scales=s8, window=w, softcap=cap),
+    }
+    for name, call in calls.items():
+        # Gemma 2's cap on full and sliding-window layers, Grok's, small and large ones.
+        for cap in (50.0, 30.0, 5.0, 0.5, 1e4):
+            for causal, window in [(True, (-1, -1)), (True, (15, 0)), (False, (-1, -1)), (False, (50, 7))]:
+                call(causal, window, cap)  # valid: no exception
+        # A cap must be finite and positive (0 is none): the _ex spelling says so.
+        for cap in (-1.0, -50.0, math.nan, math.inf, -math.inf, 1e39):
+            with pytest.raises(FlashcoreError) as e:
+                call(True, (-1, -1), cap)
+            assert e.value.name == "FLASHCORE_ERROR_INVALID_ARGUMENT", (name, cap)
+            assert e.value.message.startswith(name + "_ex: ") and "softcap" in e.value.message, e.value.message
+        # The window's rule under a cap, reported under the _ex name.
+        with pytest.raises(FlashcoreError) as e:
+            call(True, (15, 1), 50.0)
+        assert e.value.message.startswith(name + "_ex: ") and "right side" in e.value.message
+        # No cap (0.0, of either sign): the plain or _window spelling, as before.
+        for zero in (0.0, -0.0):
+            with pytest.raises(FlashcoreError) as e:
+                call(True, (15, 1), zero)
+            assert e.value.message.startswith(name + "_window: ")
+    # The other rules under a cap: a bad shape, host metadata.
+    with pytest.raises(FlashcoreError) as e:
+        lib.check_forward(q, k, v, describe((1, 64, 4, 48), ptr=4 << 40), 0, 0.0, True, softcap=50.0)
+    assert e.value.name == "FLASHCORE_ERROR_SHAPE_MISMATCH"
+    assert e.value.message.startswith("flashcore_check_forward_ex: ")
+    with pytest.raises(FlashcoreError) as e:
+        lib.check_decode(dq, cache_descs(True), _capi.int32_array([65, 0]), _capi.int32_array(range(8)), do, 0, 0.0,
+                         True, softcap=50.0)
+    assert e.value.name == "FLASHCORE_ERROR_INVALID_ARGUMENT" and "capacity" in e.value.message
+
+
+def test_softcaps_reach_the_library_through_every_op(monkeypatch):
+    """softcap reaches the C checks of the ops' fake implementations as a float (the real
+    calls take the same path): 0.0 and None as no cap, the caps the library refuses
+    (negative, NaN, infinite) as its FlashcoreError from each op."""
+    lib = _capi.library()
+    seen = []
+    for method in ("check_forward", "check_forward_varlen", "check_decode"):
+        real = getattr(lib, method)
+
+        def record(*args, _real=real, **kwargs):
+            seen.append(kwargs.get("softcap", _capi.NO_SOFTCAP))
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(lib, method, record)
+    q, k = meta(2, 8, 77, 128), meta(2, 2, 300, 128)
+    cu = i32(3)
+    dq, cache, lens = meta(2, 3, 8, 64), meta(2, 64, 2, 64), i32(2)
+    k8, scales = meta(2, 64, 2, 64, dtype=E4M3), meta(2, 64, 2, dtype=torch.float32)
+    ops = {
+        "attention": lambda causal, w, cap: flashcore.attention(q, k, k, causal=causal, window_size=w, softcap=cap),
+        "attention_varlen": lambda causal, w, cap: flashcore.attention_varlen(
+            meta(300, 8, 64), meta(500, 2, 64), meta(500, 2, 64), cu, cu, 200, causal=causal, window_size=w,
+            softcap=cap),
+        "decode": lambda causal, w, cap: flashcore.decode(dq, cache, cache, lens, causal=causal, window_size=w,
+                                                          softcap=cap),
+        "decode fp8": lambda causal, w, cap: flashcore.decode(dq, k8, k8, lens, causal=causal, window_size=w,
+                                                              softcap=cap, k_scale=scales, v_scale=scales),
+    }
+    for label, op in ops.items():
+        seen.clear()
+        for causal, window, cap in [(True, (-1, -1), 50.0), (True, (15, 0), 50), (False, (50, 7), 30.0),
+                                    (False, (-1, -1), 5.0), (True, (-1, -1), None), (True, (-1, -1), 0),
+                                    (True, (-1, -1), torch.tensor(2.5))]:
+            op(causal, window, cap)
+        assert seen == [50.0, 50.0, 30.0, 5.0, 0.0, 0.0, 2.5], label
+        assert all(type(x) is float for x in seen), label
+        for cap in (-1.0, math.nan, math.inf):
+            with pytest.raises(FlashcoreError) as e:
+                op(True, (-1, -1), cap)
+            assert e.value.name == "FLASHCORE_ERROR_INVALID_ARGUMENT", label
+            assert "_ex: " in e.value.message and "softcap" in e.value.message, label
+    # Through the registered ops directly: the float after the window in each schema.
+    o, _ = torch.ops.flashcore.attention(q, k, k, True, 0.0, "bhsd", "bhsd", False, 15, 0, 50.0)
+    assert o.shape == q.shape
+    with pytest.raises(FlashcoreError, match="softcap"):
+        torch.ops.flashcore.attention(q, k, k, True, 0.0, "bhsd", "bhsd", False, -1, -1, -50.0)
+    with pytest.raises(FlashcoreError, match="softcap"):
+        torch.ops.flashcore.attention_varlen(meta(300, 8, 64), meta(500, 2, 64), meta(500, 2, 64), cu, cu, 200, None,
+                                             None, True, 0.0, False, -1, -1, -50.0)
+    with pytest.raises(FlashcoreError, match="softcap"):
+        torch.ops.flashcore.decode(dq, cache, cache, lens, None, None, None, True, 0.0, False, None, None, -1, -1,
+                                   -50.0)
+
+
+def test_softcap_misuse_is_refused_before_the_library():
+    q, k = meta(1, 4, 64, 64), meta(1, 4, 80, 64)
+    cu = i32(3)
+    calls = [
+        lambda c: flashcore.attention(q, k, k, softcap=c),
+        lambda c: flashcore.attention_varlen(meta(30, 4, 64), meta(50, 4, 64), meta(50, 4, 64), cu, cu, 20,
+                                             softcap=c),
+        lambda c: flashcore.decode(meta(2, 1, 8, 64), meta(2, 64, 8, 64), meta(2, 64, 8, 64), i32(2), softcap=c),
+    ]
+    for call in calls:
+        for bad in ("50", b"50", True, [50.0], (50.0,), object()):
+            with pytest.raises(TypeError, match="softcap"):
+                call(bad)
+        # A cap float32 rounds to 0 would reach the library as "no cap".
+        for bad in (1e-50, -1e-46):
+            with pytest.raises(ValueError, match="softcap"):
+                call(bad)
+        for good in (50.0, 30, 1e-3, torch.tensor(5.0), None, 0, -0.0):
+            call(good)
+
+
+def test_softcaps_compile_to_one_graph():
+    calls = []
+
+    def backend(gm, example_inputs):
+        calls.append(gm)
+        return gm
+
+    def step(q, k, v, cu, dq, cache, lens):
+        o = flashcore.attention(q, k, v, causal=True, layout="bshd", window_size=(15, 0), softcap=50.0)
+        packed = flashcore.attention_varlen(q[0], k[0], v[0], cu, cu, 64, causal=True, softcap=30.0)
+        d = flashcore.decode(dq, cache, cache, lens, causal=True, softcap=5.0)
+        return o * 2, packed, d
+
+    compiled = torch.compile(step, backend=backend, fullgraph=True)
+    q, k = meta(2, 64, 8, 64), meta(2, 64, 2, 64)
+    o, packed, d = compiled(q, k, k, i32(3), meta(2, 4, 8, 64), meta(2, 128, 2, 64), i32(2))
+    assert o.shape == q.shape and packed.shape == (64, 8, 64) and d.shape == (2, 4, 8, 64)
+    assert len(calls) == 1
+    nodes = [n for n in calls[0].graph.nodes if n.op == "call_function"]
+    want = {torch.ops.flashcore.attention: (15, 0, 50.0), torch.ops.flashcore.attention_varlen: (-1, -1, 30.0),
+            torch.ops.flashcore.decode: (-1, -1, 5.0)}
+    for op, args in want.items():
+        node = next(n for n in nodes if n.target in (op, op.default))
+        assert tuple(node.args[-3:]) == args, node.args
 
 
 # ---- FP8: attention_fp8, quantize_fp8, forward_fp8 ----------------------------------------------

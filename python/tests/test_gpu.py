@@ -41,15 +41,19 @@ def visible(sq, sk, causal, window=(-1, -1), device="cuda"):
     return seen
 
 
-def reference(q, k, v, causal, scale=None, window=(-1, -1)):
+def reference(q, k, v, causal, scale=None, window=(-1, -1), softcap=0.0):
     """Float64 O and LSE for [B, H, S, D] inputs, bottom-right causal, a key window
-    (FlashAttention's window_size), GQA by head count; rows that see no key: zeros, -inf."""
+    (FlashAttention's window_size), the scaled scores x capped to softcap · tanh(x /
+    softcap) before masking (0: no cap), GQA by head count; rows that see no key: zeros,
+    -inf."""
     b, hq, sq, d = q.shape
     hkv, sk = k.shape[1], k.shape[2]
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     kk = k.double().repeat_interleave(hq // hkv, dim=1)
     vv = v.double().repeat_interleave(hq // hkv, dim=1)
     s = (q.double() @ kk.transpose(-1, -2)) * scale
+    if softcap:
+        s = torch.tanh(s / softcap) * softcap
     if causal or window != (-1, -1):
         s = s.masked_fill(~visible(sq, sk, causal, window, q.device), -math.inf)
     m = s.amax(-1, keepdim=True)
@@ -481,11 +485,11 @@ class Cache:
         return dict(host_seqlens=self.seqlens.cpu(), host_block_table=table)
 
 
-def decode_reference(q, keys, values, lens, causal, scale=None, window=(-1, -1)):
+def decode_reference(q, keys, values, lens, causal, scale=None, window=(-1, -1), softcap=0.0):
     """Float64 O [B, Sq, Hq, D] and LSE [B, Hq, Sq] of decode: q [B, Sq, Hq, D]; sequence b
     attends to positions 0 .. lens[b] - 1 of keys[b], values[b] ([capacity, Hkv, D]);
     query i of Sq is position lens[b] - Sq + i, the diagonal of causal masking and of the
-    key window."""
+    key window; scores capped at softcap (0: none)."""
     b, sq, hq, d = q.shape
     o = torch.zeros(b, sq, hq, d, dtype=torch.float64, device=q.device)
     lse = torch.full((b, hq, sq), -math.inf, dtype=torch.float64, device=q.device)
@@ -494,7 +498,7 @@ def decode_reference(q, keys, values, lens, causal, scale=None, window=(-1, -1))
             continue  # no key: zeros and -inf
         oi, li = reference(
             q[i : i + 1].transpose(1, 2), keys[i : i + 1, :n].transpose(1, 2), values[i : i + 1, :n].transpose(1, 2),
-            causal, scale, window,
+            causal, scale, window, softcap,
         )
         o[i] = oi[0].transpose(0, 1)
         lse[i] = li[0]
@@ -1126,3 +1130,235 @@ def test_varlen_windows_match_float64_per_sequence(dtype, causal, window, heads,
             continue
         o_ref, lse_ref = reference(as_bhsd(q[rows]), as_bhsd(k[keys]), as_bhsd(v[keys]), causal, window=window)
         check_windowed(got, got_lse, o_ref, lse_ref, dtype)
+
+
+# ---- logit soft-capping ---------------------------------------------------------------------------
+#
+# Inputs scaled so the scaled scores reach about +-SPREAD standard deviations of 4: a cap of 5
+# bends most of them, one of 30 or 50 the largest (Gemma 2 caps at 50, Grok at 30).
+
+SOFTCAPS = [0.0, 5.0, 30.0, 50.0]
+SOFTCAP_SPREAD = 4.0
+
+SOFTCAP_CASES = [
+    # b, hq, hkv, sq, sk, d
+    (1, 4, 4, 1, 1, 64),
+    (2, 8, 2, 17, 17, 128),
+    (1, 8, 2, 113, 300, 64),
+    (2, 4, 1, 300, 113, 128),  # Sq > Sk: with causal masking, early rows see no key
+    (1, 16, 2, 1023, 1023, 256),
+    (3, 8, 8, 1, 1536, 64),  # decode-shaped: the split-KV decode kernels
+    (1, 8, 2, 16, 4097, 128),
+    (2, 8, 8, 77, 333, 80),  # a head dim run padded on the next larger kernel
+]
+
+# (causal, window_size): none, causal, a causal sliding window, a two-sided window.
+SOFTCAP_MASKS = [(False, (-1, -1)), (True, (-1, -1)), (True, (16, 0)), (False, (50, 7))]
+
+
+def spread(t):
+    """q scaled so that the scaled scores (unit variance for randn inputs) have a standard
+    deviation of SOFTCAP_SPREAD, in q's dtype."""
+    return (t.float() * SOFTCAP_SPREAD).to(t.dtype)
+
+
+@pytest.mark.parametrize("case", SOFTCAP_CASES, ids=lambda c: "B{}Hq{}Hkv{}Sq{}Sk{}D{}".format(*c))
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["f16", "bf16"])
+@pytest.mark.parametrize("softcap", SOFTCAPS, ids=lambda c: f"cap{c:g}")
+@pytest.mark.parametrize("causal, window", SOFTCAP_MASKS, ids=lambda x: str(x).replace(" ", ""))
+def test_softcaps_match_float64(case, dtype, softcap, causal, window, seed):
+    b, hq, hkv, sq, sk, d = case
+    q, k, v = make(b, hq, hkv, sq, sk, d, dtype)
+    q = spread(q)
+    poison_allocator(((b, hq, sq, d), dtype), ((b, hq, sq), torch.float32))
+    o, lse = flashcore.attention(q, k, v, causal=causal, window_size=window, softcap=softcap, return_lse=True)
+    assert o.shape == q.shape and o.dtype == dtype and lse.shape == (b, hq, sq)
+    o_ref, lse_ref = reference(q, k, v, causal, window=window, softcap=softcap)
+    check_windowed(o, lse, o_ref, lse_ref, dtype)
+    if softcap == 5.0 and sk > 1:
+        # The cap matters at this spread: the uncapped result is far from the capped one.
+        uncapped, _ = reference(q, k, v, causal, window=window)
+        assert rel_l2(o, uncapped) > 5 * TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+def test_softcaps_in_both_layouts_and_as_the_registered_op(layout, seed):
+    q, k, v = make(2, 8, 2, 200, 333, 128, torch.bfloat16, layout)
+    q = spread(q)
+    o = flashcore.attention(q, k, v, causal=True, layout=layout, window_size=(31, 0), softcap=5.0)
+    qb, kb, vb = (to_bhsd(t, layout) for t in (q, k, v))
+    o_ref, _ = reference(qb, kb, vb, True, window=(31, 0), softcap=5.0)
+    assert rel_l2(to_bhsd(o, layout), o_ref) <= TOLERANCE[torch.bfloat16]
+    via_op, _ = torch.ops.flashcore.attention(q, k, v, True, 0.0, layout, layout, False, 31, 0, 5.0)
+    assert torch.equal(via_op, o)
+
+
+def test_no_cap_is_the_plain_call_and_an_explicit_scale_is_capped_after_it(seed):
+    # softcap 0.0 (either sign) or None: the call without a cap, bit for bit.
+    q, k, v = make(2, 8, 2, 100, 250, 64, torch.float16)
+    for causal in (False, True):
+        plain = flashcore.attention(q, k, v, causal=causal)
+        for none in (0.0, -0.0, None, 0):
+            assert torch.equal(flashcore.attention(q, k, v, causal=causal, softcap=none), plain), none
+    # The cap applies to the scaled score: q·k · scale, then capped.
+    o, lse = flashcore.attention(q, k, v, causal=True, scale=0.5, softcap=3.0, return_lse=True)
+    o_ref, lse_ref = reference(q, k, v, True, scale=0.5, softcap=3.0)
+    check_windowed(o, lse, o_ref, lse_ref, torch.float16)
+
+
+def test_softcap_errors_launch_nothing(seed):
+    q, k, v = make(1, 4, 4, 64, 64, 64, torch.float16)
+    for bad in (-50.0, math.nan, math.inf):
+        with pytest.raises(FlashcoreError) as e:
+            flashcore.attention(q, k, v, causal=True, softcap=bad)
+        assert e.value.name == "FLASHCORE_ERROR_INVALID_ARGUMENT" and "softcap" in str(e.value)
+        assert e.value.message.startswith("flashcore_forward_ex: ")
+    # The FP8 forward has no cap: its functions take no softcap.
+    with pytest.raises(TypeError):
+        flashcore.attention_fp8(q, k, v, causal=True, softcap=50.0)
+
+
+def test_softcaps_under_torch_compile_and_cuda_graphs(seed):
+    q, k, v = make(2, 8, 2, 128, 512, 128, torch.float16)
+
+    def f(q, k, v):
+        return flashcore.attention(q * 8, k, v, causal=True, window_size=(63, 0), softcap=5.0) + 1
+
+    with torch.no_grad():
+        eager = f(q, k, v)
+        compiled = torch.compile(f, fullgraph=True)(q, k, v)
+    assert rel_l2(compiled, eager) <= 1e-3
+    out = flashcore.attention(q, k, v, causal=True, softcap=5.0)  # loads the kernel before capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = flashcore.attention(q, k, v, causal=True, softcap=5.0)
+    q.copy_(spread(torch.randn_like(q)))
+    graph.replay()
+    torch.cuda.synchronize()
+    o_ref, _ = reference(q, k, v, True, softcap=5.0)
+    assert rel_l2(captured, o_ref) <= TOLERANCE[torch.float16]
+    assert not torch.equal(captured, out)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["f16", "bf16"])
+@pytest.mark.parametrize("softcap", SOFTCAPS, ids=lambda c: f"cap{c:g}")
+@pytest.mark.parametrize("causal, window", SOFTCAP_MASKS, ids=lambda x: str(x).replace(" ", ""))
+@pytest.mark.parametrize("heads", [(4, 2, 128), (8, 1, 64)], ids=["gqa2-d128", "mqa-d64"])
+def test_varlen_softcaps_match_float64_per_sequence(dtype, softcap, causal, window, heads, seed):
+    hq, hkv, d = heads
+    lens_q = [a for a, _ in VARLEN_LENS]
+    lens_k = [b for _, b in VARLEN_LENS]
+    cu_q = torch.tensor([0] + torch.tensor(lens_q).cumsum(0).tolist(), dtype=torch.int32)
+    cu_k = torch.tensor([0] + torch.tensor(lens_k).cumsum(0).tolist(), dtype=torch.int32)
+    q = spread(torch.randn(int(cu_q[-1]), hq, d, device="cuda", dtype=dtype))
+    k = torch.randn(int(cu_k[-1]), hkv, d, device="cuda", dtype=dtype)
+    v = torch.randn(int(cu_k[-1]), hkv, d, device="cuda", dtype=dtype)
+    poison_allocator((q.shape, dtype), ((hq, q.shape[0]), torch.float32))
+    o, lse = flashcore.attention_varlen(
+        q, k, v, cu_q.cuda(), cu_k.cuda(), max(lens_q), causal=causal, return_lse=True, window_size=window,
+        softcap=softcap, host_cu_seqlens_q=cu_q, host_cu_seqlens_k=cu_k,
+    )
+    torch.cuda.synchronize()
+    as_bhsd = lambda t: t.transpose(0, 1).unsqueeze(0)  # noqa: E731
+    for b, (sq, sk) in enumerate(VARLEN_LENS):
+        if sq == 0:
+            continue
+        rows = slice(int(cu_q[b]), int(cu_q[b + 1]))
+        keys = slice(int(cu_k[b]), int(cu_k[b + 1]))
+        got, got_lse = as_bhsd(o[rows]), lse[:, rows].unsqueeze(0)
+        if sk == 0:
+            assert (got == 0).all() and torch.isneginf(got_lse).all()
+            continue
+        o_ref, lse_ref = reference(as_bhsd(q[rows]), as_bhsd(k[keys]), as_bhsd(v[keys]), causal, window=window,
+                                   softcap=softcap)
+        check_windowed(got, got_lse, o_ref, lse_ref, dtype)
+
+
+SOFTCAP_DECODE_CASES = [
+    # hq, hkv, d, sq, lens
+    (32, 8, 128, 1, (1, 7, 4097, 300)),
+    (16, 2, 64, 4, (1000, 16, 0)),
+    (8, 8, 256, 16, (33, 500)),
+]
+
+
+@pytest.mark.parametrize("case", SOFTCAP_DECODE_CASES,
+                         ids=lambda c: "Hq{}Hkv{}D{}Sq{}lens{}".format(*c[:4], "-".join(map(str, c[4]))))
+@pytest.mark.parametrize("page", [0, 16], ids=["contiguous", "page16"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["f16", "bf16"])
+@pytest.mark.parametrize("softcap", SOFTCAPS, ids=lambda c: f"cap{c:g}")
+@pytest.mark.parametrize("causal, window", [(False, (-1, -1)), (True, (-1, -1)), (True, (15, 0))],
+                         ids=lambda x: str(x).replace(" ", ""))
+def test_decode_softcaps_match_float64(case, page, dtype, softcap, causal, window, seed):
+    # Garbage past each length and in unused pages: only the visible keys may reach the
+    # output, capped or not.
+    hq, hkv, d, sq, lens = case
+    b = len(lens)
+    capacity = -(-(max(lens) + 5) // 64) * 64
+    cache = Cache(b, capacity, hkv, d, dtype, lens, page)
+    q = spread(torch.randn(b, sq, hq, d, device="cuda", dtype=dtype))
+    poison_allocator(((b, sq, hq, d), dtype), ((b, hq, sq), torch.float32))
+    o, lse = flashcore.decode(
+        q, cache.k, cache.v, cache.seqlens, block_table=cache.block_table, causal=causal, return_lse=True,
+        window_size=window, softcap=softcap, **cache.host(),
+    )
+    o_ref, lse_ref = decode_reference(q, cache.keys, cache.values, lens, causal, window=window, softcap=softcap)
+    assert_decode_close(o, lse, o_ref, lse_ref, dtype)
+    # Through the registered op: the same kernels, the same result.
+    via_op, _ = torch.ops.flashcore.decode(q, cache.k, cache.v, cache.seqlens, cache.block_table, None, None, causal,
+                                           0.0, False, None, None, *window, softcap)
+    assert torch.equal(via_op, o)
+
+
+def test_decode_softcap_steps_in_a_cuda_graph(seed):
+    # A capped sliding-window decode step captured once and replayed as the sequences grow.
+    dtype, hq, hkv, d, window, cap = torch.bfloat16, 8, 2, 128, 64, 5.0
+    cache = Cache(2, 512, hkv, d, dtype, (10, 100), 16)
+    q = spread(torch.randn(2, 1, hq, d, device="cuda", dtype=dtype))
+    k_new = torch.randn(2, 1, hkv, d, device="cuda", dtype=dtype)
+    v_new = torch.randn(2, 1, hkv, d, device="cuda", dtype=dtype)
+
+    def step():
+        flashcore.append_kv(cache.k, cache.v, cache.seqlens, k_new, v_new, block_table=cache.block_table)
+        cache.seqlens.add_(1)
+        return flashcore.decode(q, cache.k, cache.v, cache.seqlens, block_table=cache.block_table, causal=True,
+                                window_size=(window - 1, 0), softcap=cap)
+
+    step()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    lens = cache.seqlens.tolist()
+    assert lens == [10 + 4, 100 + 4]
+    keys, values = cache.logical()  # the appended tokens included
+    o_ref, _ = decode_reference(q, keys, values, lens, True, window=(window - 1, 0), softcap=cap)
+    assert rel_l2(out, o_ref) <= TOLERANCE[dtype]
+
+
+@needs_fp8
+@pytest.mark.parametrize("page", [0, 16], ids=["contiguous", "page16"])
+@pytest.mark.parametrize("softcap", [5.0, 30.0, 50.0], ids=lambda c: f"cap{c:g}")
+@pytest.mark.parametrize("causal, window", [(True, (-1, -1)), (True, (1000, 0)), (False, (7, 3))],
+                         ids=lambda x: str(x).replace(" ", ""))
+def test_fp8_cache_decode_softcaps(page, softcap, causal, window, seed):
+    # An FP8 cache takes a cap as a 16-bit one does: against float64 attention on the
+    # dequantized cache, capped.
+    dtype, b, hq, hkv, d = torch.bfloat16, 3, 8, 2, 128
+    lens = [5, 2048 + 5, 1500]
+    cache = Fp8Cache(b, 4096, hkv, d, dtype, lens, page)
+    q = spread(torch.randn(b, 4, hq, d, device="cuda", dtype=dtype))
+    o, lse = flashcore.decode(q, cache.k, cache.v, cache.seqlens, causal=causal, return_lse=True, window_size=window,
+                              softcap=softcap, **cache.kw())
+    keys, values = cache.dequantized()
+    o_ref, lse_ref = decode_reference(q, keys, values, lens, causal, window=window, softcap=softcap)
+    assert torch.isfinite(o).all()
+    err = rel_l2(o, o_ref)
+    assert err <= max(FP8_CACHE_TOLERANCE, TOLERANCE[dtype]), f"vs the dequantized cache: rel L2 {err:.2e}"
+    seen = torch.isfinite(lse_ref)
+    assert (lse[~seen] == -math.inf).all()
+    assert (lse[seen].double() - lse_ref[seen]).abs().max().item() <= 1e-2

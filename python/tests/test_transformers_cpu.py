@@ -88,9 +88,10 @@ def _visible(sq, sk, causal, window):
     return seen
 
 
-def _attend(q, k, v, seen, scale):
+def _attend(q, k, v, seen, scale, softcap=0.0):
     """softmax(q kᵀ · scale) v in float64 over the keys `seen` shows each row ([..., Sq,
-    Sk] bool), GQA by head count on dim -3; rows that see no key give zeros."""
+    Sk] bool), GQA by head count on dim -3, the scaled scores x capped to softcap ·
+    tanh(x / softcap) (0: no cap); rows that see no key give zeros."""
     import math
 
     import torch
@@ -99,20 +100,24 @@ def _attend(q, k, v, seen, scale):
     k = k.double().repeat_interleave(group, -3)
     v = v.double().repeat_interleave(group, -3)
     s = (q.double() @ k.transpose(-1, -2)) * (scale or 1 / math.sqrt(q.shape[-1]))
+    if softcap:
+        s = torch.tanh(s / softcap) * softcap
     p = s.masked_fill(~seen, -math.inf).softmax(-1).nan_to_num(0.0)
     return p @ v
 
 
 def _reference_launch(calls):
-    """flashcore's documented forward on the CPU (bottom-right causal, key windows, GQA by
-    head count), standing in for the GPU launch so the backend's routing can be checked
-    here."""
+    """flashcore's documented forward on the CPU (bottom-right causal, key windows, soft
+    caps, GQA by head count), standing in for the GPU launch so the backend's routing can
+    be checked here. Each call is recorded as (q's shape, k's shape, causal, window), with
+    the soft cap after them when there is one."""
 
-    def launch(q, k, v, causal, scale, layout, out_layout, return_lse, window=(-1, -1)):
+    def launch(q, k, v, causal, scale, layout, out_layout, return_lse, window=(-1, -1), softcap=0.0):
         assert (layout, out_layout, return_lse) == ("bhsd", "bshd", False)
-        calls.append((tuple(q.shape), tuple(k.shape), causal, tuple(window)))
+        assert type(softcap) is float
+        calls.append((tuple(q.shape), tuple(k.shape), causal, tuple(window)) + ((softcap,) if softcap else ()))
         seen = _visible(q.shape[2], k.shape[2], causal, window)
-        return _attend(q, k, v, seen, scale).to(q.dtype).transpose(1, 2).contiguous(), None
+        return _attend(q, k, v, seen, scale, softcap).to(q.dtype).transpose(1, 2).contiguous(), None
 
     return launch
 
@@ -198,7 +203,7 @@ def test_training_runs_on_sdpa_with_gradients(monkeypatch):
 
 def test_score_modifiers_are_never_dropped(monkeypatch):
     """A position bias (T5-style) goes to SDPA, which applies it; attention sinks, which
-    neither flashcore nor SDPA computes, are refused."""
+    neither flashcore nor SDPA computes, are refused; soft caps run on flashcore."""
     import torch
 
     calls = []
@@ -214,8 +219,13 @@ def test_score_modifiers_are_never_dropped(monkeypatch):
     with pytest.raises(NotImplementedError, match="sinks"):
         transformers_backend.attention_forward(module, q, kv, kv, None, s_aux=torch.zeros(2))
     with pytest.raises(NotImplementedError, match="softcap"):
-        transformers_backend.attention_forward(module, q, kv, kv, None, softcap=50.0)
+        transformers_backend.attention_forward(module, q, kv, kv, None, position_bias=bias, softcap=50.0)
+    assert not calls
+    transformers_backend.attention_forward(module, q, kv, kv, None, softcap=50.0)  # Gemma 2's
     transformers_backend.attention_forward(module, q, kv, kv, None, softcap=None)  # Gemma 3's
+    transformers_backend.attention_forward(module, q, kv, kv, None, softcap=0)
+    assert calls == [((1, 2, 8, 64), (1, 2, 8, 64), False, (-1, -1), 50.0)] + [
+        ((1, 2, 8, 64), (1, 2, 8, 64), False, (-1, -1))] * 2
 
 
 def test_cpu_tensors_run_on_sdpa(monkeypatch):
@@ -246,15 +256,18 @@ def test_scales_flashcore_cannot_take_run_on_sdpa(monkeypatch, scaling):
 
 def _reference_varlen(calls):
     """flashcore.attention_varlen's documented result on CPU tensors (bottom-right causal
-    and key windows per sequence, GQA by head count, zeros for rows without keys),
-    standing in for the GPU launch of the backend's padded-batch route."""
+    and key windows per sequence, soft caps, GQA by head count, zeros for rows without
+    keys), standing in for the GPU launch of the backend's padded-batch route. Each call is
+    recorded as (offsets of q, of k, causal, window), with the soft cap after them when
+    there is one."""
     import torch
 
-    def launch_varlen(q, k, v, cu_q, cu_k, max_q, host_q, host_k, causal, scaling, window=(-1, -1)):
+    def launch_varlen(q, k, v, cu_q, cu_k, max_q, host_q, host_k, causal, scaling, window=(-1, -1), softcap=0.0):
         assert torch.equal(cu_q.cpu(), host_q) and torch.equal(cu_k.cpu(), host_k)
+        assert type(softcap) is float
         cq, ck = host_q.tolist(), host_k.tolist()
         assert max_q >= max(b - a for a, b in zip(cq, cq[1:]))
-        calls.append((cq, ck, causal, tuple(window)))
+        calls.append((cq, ck, causal, tuple(window)) + ((softcap,) if softcap else ()))
         out = torch.zeros_like(q)
         for b in range(len(cq) - 1):
             (q0, q1), (k0, k1) = cq[b : b + 2], ck[b : b + 2]
@@ -262,7 +275,7 @@ def _reference_varlen(calls):
                 continue
             qs, ks, vs = (t.transpose(0, 1) for t in (q[q0:q1], k[k0:k1], v[k0:k1]))
             seen = _visible(q1 - q0, k1 - k0, causal, window)
-            out[q0:q1] = _attend(qs, ks, vs, seen, scaling).transpose(0, 1).to(q.dtype)
+            out[q0:q1] = _attend(qs, ks, vs, seen, scaling, softcap).transpose(0, 1).to(q.dtype)
         return out
 
     return launch_varlen
@@ -905,3 +918,214 @@ def test_alternating_sliding_and_full_layers_each_get_their_own(monkeypatch):
     assert [c[3] for c in varlen_calls] == [(5, 0), (-1, -1)] * 2 * (1 + 3) + [(5, 0)] * 2
     # The unpadded prompt's full layers: no mask, causal, no window.
     assert [c[2:] for c in calls] == [(True, (-1, -1))] * 2
+
+
+# ---- logit soft-capping ------------------------------------------------------------------
+
+
+def _capped_call(causal=True, hq=4, hkv=2, sq=8, sk=8, b=1, spread=8.0):
+    """A module and q [b, hq, sq, 64], k = v [b, hkv, sk, 64] (float16, CPU) whose scores
+    (q·k / 8, up to about `spread` in magnitude) a cap of a few units bends, with the
+    backend's counts and warnings cleared."""
+    import torch
+
+    module = torch.nn.Module()
+    module.is_causal = causal
+    q = (torch.randn(b, hq, sq, 64) * spread**0.5 / 2).to(torch.float16)
+    kv = (torch.randn(b, hkv, sk, 64) * spread**0.5 / 2).to(torch.float16)
+    _reset()
+    return module, q, kv
+
+
+def test_softcaps_run_on_flashcore_on_every_route(monkeypatch):
+    """A soft cap reaches flashcore as a float on each route: a call without a mask (prompt
+    and decode step), a sliding-window call, a padded batch (variable-length call); the
+    outputs are the capped attention's, far from the uncapped one's."""
+    import torch
+
+    calls, varlen_calls = [], []
+    _use_reference_launch(monkeypatch, calls)
+    _use_reference_varlen(monkeypatch, varlen_calls)
+    module, q, kv = _capped_call()
+    cap = 2.0
+    seen = _visible(8, 8, True, (-1, -1))
+    out, _ = transformers_backend.attention_forward(module, q, kv, kv, None, softcap=cap)
+    assert calls == [((1, 4, 8, 64), (1, 2, 8, 64), True, (-1, -1), 2.0)]
+    want = _attend(q, kv, kv, seen, None, cap).transpose(1, 2)
+    uncapped = _attend(q, kv, kv, seen, None).transpose(1, 2)
+    assert (out.float() - want).abs().max().item() < 1e-2
+    assert (want - uncapped).abs().max().item() > 0.1  # the cap matters here
+    # A decode step, a sliding-window layer (window 3 over 8 keys), an integer cap.
+    calls.clear()
+    transformers_backend.attention_forward(module, q[:, :, -1:], kv, kv, None, softcap=50)
+    transformers_backend.attention_forward(module, q, kv, kv, None, sliding_window=3, softcap=cap)
+    assert calls == [((1, 4, 1, 64), (1, 2, 8, 64), False, (-1, -1), 50.0),
+                     ((1, 4, 8, 64), (1, 2, 8, 64), True, (2, 0), 2.0)]
+    # A padded batch: one variable-length call, capped.
+    module, q, kv = _capped_call(b=2)
+    pad = torch.ones(2, 8, dtype=torch.bool)
+    pad[1, :3] = False
+    i, j = torch.arange(8)[:, None], torch.arange(8)[None]
+    mask = (j <= i)[None, None] & pad[:, None, None, :]
+    out, _ = transformers_backend.attention_forward(module, q, kv, kv, mask, softcap=cap)
+    assert [c[2:] for c in varlen_calls] == [(True, (-1, -1), 2.0)]
+    want = _attend(q, kv, kv, mask, None, cap).transpose(1, 2)
+    real = pad.clone()
+    assert (out.float()[real] - want[real]).abs().max().item() < 1e-2
+    assert transformers_backend.stats["sdpa"] == {}
+    assert transformers_backend.stats["flashcore"] == 1 and transformers_backend.stats["flashcore_padded"] == 1
+
+
+def test_softcapped_calls_that_go_to_sdpa_keep_their_cap(monkeypatch):
+    """SDPA has no soft cap: a capped call that goes to SDPA's path (tensors on the CPU, a
+    mask other than padding, inputs that need gradients) runs on explicit capped attention
+    instead, masked as SDPA masks (no mask: top-left causal), and warns once per reason."""
+    import torch
+
+    calls = []
+    monkeypatch.setattr(transformers_backend, "launch", _reference_launch(calls))
+    cap = 2.0
+    # Tensors on the CPU, no mask: causal top-left (Sq < Sk: the first Sq keys), or none.
+    for causal, sq, sk in [(True, 8, 8), (True, 5, 8), (False, 5, 8), (True, 1, 8)]:
+        module, q, kv = _capped_call(causal, sq=sq, sk=sk)
+        with pytest.warns(UserWarning, match="softcap"):
+            out, _ = transformers_backend.attention_forward(module, q, kv, kv, None, softcap=cap)
+        assert out.shape == (1, sq, 4, 64) and out.dtype == torch.float16
+        i, j = torch.arange(sq)[:, None], torch.arange(sk)[None]
+        seen = (j <= i) if causal and sq > 1 else torch.ones(sq, sk, dtype=torch.bool)
+        want = _attend(q, kv, kv, seen, None, cap).transpose(1, 2)
+        assert (out.float() - want).abs().max().item() < 1e-2, (causal, sq, sk)
+        assert list(transformers_backend.stats["sdpa"]) == ["tensors on cpu (flashcore runs on CUDA devices)"]
+    assert not calls
+    # Masks flashcore does not take: boolean (per head) and additive, an explicit scale.
+    monkeypatch.setattr(transformers_backend, "_on_gpu", lambda *tensors: True)
+    monkeypatch.setattr(transformers_backend, "_CHECK_ON_CPU", True)
+    module, q, kv = _capped_call(hq=2)
+    i, j = torch.arange(8)[:, None], torch.arange(8)[None]
+    per_head = torch.stack([j <= i, (j <= i) & (j > i - 3)])[None]  # [1, 2, 8, 8]
+    additive = torch.zeros(1, 1, 8, 8).masked_fill(~(j <= i), -1e4)
+    for mask, seen in [(per_head, per_head), (additive, (j <= i))]:
+        _reset()
+        with pytest.warns(UserWarning, match="softcap"):
+            out, _ = transformers_backend.attention_forward(module, q, kv, kv, mask, scaling=0.1, softcap=cap)
+        want = _attend(q, kv, kv, seen, 0.1, cap).transpose(1, 2)
+        assert (out.float() - want).abs().max().item() < 1e-2
+        assert list(transformers_backend.stats["sdpa"]) == ["an attention mask other than padding "
+                                                            "(a sliding window without sliding_window, gaps, "
+                                                            "per-head, float)"]
+    assert not calls
+    # Inputs that need gradients: the explicit attention has a backward.
+    module, q, kv = _capped_call()
+    q, kv = q.float().requires_grad_(), kv.float().requires_grad_()
+    with pytest.warns(UserWarning, match="softcap"):
+        out, _ = transformers_backend.attention_forward(module, q, kv, kv, None, softcap=cap)
+    out.sum().backward()
+    assert q.grad is not None and kv.grad is not None and not calls
+
+
+def test_softcaps_flashcore_cannot_take_are_refused(monkeypatch):
+    """A cap that is not a positive, finite number is refused (ValueError), never dropped;
+    None and 0 are no cap."""
+    calls = []
+    _use_reference_launch(monkeypatch, calls)
+    module, q, kv = _capped_call()
+    for bad in (-50.0, float("nan"), float("inf"), -float("inf"), 1e-50):
+        with pytest.raises(ValueError, match="softcap"):
+            transformers_backend.attention_forward(module, q, kv, kv, None, softcap=bad)
+    assert not calls
+    for none in (None, 0, 0.0):
+        transformers_backend.attention_forward(module, q, kv, kv, None, softcap=none)
+    assert calls == [((1, 4, 8, 64), (1, 2, 8, 64), True, (-1, -1))] * 3
+
+
+def test_fp8_runs_a_softcapped_call_on_the_16_bit_kernel(monkeypatch):
+    """The FP8 kernels have no soft cap: a capped call runs on the 16-bit kernel with it,
+    an uncapped one on the FP8 kernel."""
+    calls, fp8_calls = [], []
+    _use_reference_launch(monkeypatch, calls)
+    monkeypatch.setattr(
+        transformers_backend, "launch_fp8", lambda q, *a: fp8_calls.append(tuple(q.shape)) or (q.contiguous(), None)
+    )
+    module, q, kv = _capped_call()
+    transformers_backend.stats["flashcore_fp8"] = 0
+    transformers_backend.attention_forward_fp8(module, q, kv, kv, None, softcap=50.0)
+    assert calls == [((1, 4, 8, 64), (1, 2, 8, 64), True, (-1, -1), 50.0)] and not fp8_calls
+    transformers_backend.attention_forward_fp8(module, q, kv, kv, None, softcap=None)
+    assert len(calls) == 1 and fp8_calls == [(1, 8, 4, 64)]
+    assert transformers_backend.stats["flashcore"] == transformers_backend.stats["flashcore_fp8"] == 1
+
+
+def _small_gemma2(softcap=50.0, layers=4, window=6):
+    """A random-weight Gemma 2 (float16, CPU): sliding-window layers of `window` keys
+    alternating with full ones, every layer's scores capped at `softcap`."""
+    import torch
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Gemma2Config(
+        vocab_size=128, hidden_size=128, intermediate_size=256, num_hidden_layers=layers, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, sliding_window=window, attn_logit_softcapping=softcap,
+        query_pre_attn_scalar=32, layer_types=["sliding_attention", "full_attention"] * (layers // 2),
+    )
+    return config, Gemma2ForCausalLM(config).to(torch.float16).eval()
+
+
+@pytest.mark.parametrize("softcap", [50.0, 0.01])
+def test_gemma2_runs_on_flashcore_with_its_soft_cap(monkeypatch, softcap):
+    """Gemma 2 passes softcap on every layer and sliding_window on alternate ones: a
+    left-padded prompt, cached decode steps and an unpadded prompt all run on flashcore,
+    capped, windowed on the sliding layers, and match transformers' eager attention (which
+    caps; its SDPA path would drop the cap). A cap of 0.01 bends these small random
+    scores, so the cap itself is checked, not only its passing."""
+    import torch
+
+    calls, varlen_calls = [], []
+    _use_reference_launch(monkeypatch, calls)
+    _use_reference_varlen(monkeypatch, varlen_calls)
+    name = flashcore.register_transformers()
+    _, model = _small_gemma2(softcap)
+    ids = torch.randint(1, 128, (2, 14))
+    mask = torch.ones_like(ids)
+    mask[0, :4] = 0
+    steps = torch.randint(1, 128, (2, 3))
+
+    def logits(impl):
+        model.set_attn_implementation(impl)
+        out_logits = []
+        with torch.no_grad():
+            out = model(ids, attention_mask=mask, use_cache=True)
+            out_logits.append(out.logits[mask.bool()].float())
+            m, cache = mask, out.past_key_values
+            for t in range(steps.shape[1]):
+                m = torch.cat([m, torch.ones_like(m[:, :1])], dim=1)
+                out = model(steps[:, t : t + 1], attention_mask=m, past_key_values=cache, use_cache=True)
+                cache = out.past_key_values
+                out_logits.append(out.logits[:, -1].float())
+            out_logits.append(model(ids).logits.float())
+        return out_logits
+
+    want = logits("eager")
+    _reset()
+    got = logits(name)
+    err = max((g - w_).abs().max().item() for g, w_ in zip(got, want))
+    print(f"max logit error against eager attention: {err:.2e}")
+    assert err < 3e-2
+    stats = transformers_backend.stats
+    assert stats["sdpa"] == {}
+    per_layer = 1 + 3 + 1
+    assert stats["flashcore"] == 4 * per_layer and stats["flashcore_window"] == 2 * per_layer
+    # Every call capped at the layer's softcap: the padded prompt and the steps as
+    # variable-length calls, windowed on the sliding layers; the unpadded prompt's full
+    # layers without a mask.
+    assert [c[3:] for c in varlen_calls] == [((5, 0), softcap), ((-1, -1), softcap)] * 2 * (1 + 3) + [
+        ((5, 0), softcap)] * 2
+    assert [c[2:] for c in calls] == [(True, (-1, -1), softcap)] * 2
+    if softcap < 1:
+        # The cap changes these logits: eager attention without it is elsewhere.
+        model.config.attn_logit_softcapping = None
+        for layer in model.model.layers:
+            layer.self_attn.attn_logit_softcapping = None
+        uncapped = logits("eager")
+        off = max((u - w_).abs().max().item() for u, w_ in zip(uncapped, want))
+        print(f"max logit change without the cap: {off:.2e}")
+        assert off > 10 * err

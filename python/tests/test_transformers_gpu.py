@@ -1,6 +1,7 @@
-"""flashcore as transformers' attention implementation in small random Llama, Mistral and
-Gemma 3 models (built from a config: no download): logits and greedy generation against
-SDPA, sliding-window layers included."""
+"""flashcore as transformers' attention implementation in small random Llama, Mistral,
+Gemma 2 and Gemma 3 models (built from a config: no download): logits and greedy
+generation against SDPA (Gemma 2, whose logit soft-capping SDPA drops: against eager
+attention), sliding-window layers included."""
 
 import pytest
 import torch
@@ -391,3 +392,102 @@ def test_a_mask_other_than_the_layers_window_stays_right_through_the_fallback(se
             out, _ = transformers_backend.attention_forward(module, q, k, v, mask, sliding_window=17)
     assert len(transformers_backend.stats["sdpa"]) == 1
     assert rel_l2(out, want.transpose(1, 2)) <= 1e-3
+
+
+# ---- logit soft-capping: Gemma 2 --------------------------------------------------------------
+
+
+def small_gemma2(dtype, softcap):
+    """A random-weight Gemma 2: sliding-window layers of 16 keys alternating with full ones,
+    every layer's scores capped at `softcap` (the final logits at 30, as Gemma 2's)."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    config = Gemma2Config(
+        vocab_size=1000,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        query_pre_attn_scalar=64,
+        sliding_window=16,
+        layer_types=["sliding_attention", "full_attention"] * 2,
+        attn_logit_softcapping=softcap,
+        max_position_embeddings=2048,
+        initializer_range=0.05,
+        pad_token_id=0,
+        eos_token_id=None,
+    )
+    return Gemma2ForCausalLM(config).to(device="cuda", dtype=dtype).eval()
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["f16", "bf16"])
+@pytest.mark.parametrize("softcap", [50.0, 0.5], ids=["cap50", "cap0.5"])
+def test_gemma2_matches_eager_attention_on_flashcore(dtype, softcap, seed, monkeypatch):
+    # Gemma 2 passes softcap on every layer and sliding_window on alternate ones: a
+    # left-padded prompt, cached decode steps past the window, the prompt unpadded and a
+    # short one all run on flashcore (capped; windowed on the sliding layers), none on
+    # SDPA, and the logits match transformers' eager attention, which caps (its SDPA path
+    # would drop the cap). A cap of 0.5 bends these scores: eager attention without it is
+    # far from both.
+    name = flashcore.register_transformers()
+    model = small_gemma2(dtype, softcap)
+    ids = torch.randint(1, 1000, (2, 64), device="cuda")
+    mask = torch.ones_like(ids)
+    mask[0, :21] = 0
+    steps = torch.randint(1, 1000, (2, 8), device="cuda")
+    caps = []  # the softcap of each flashcore launch (after the window)
+    real_launch, real_varlen = transformers_backend.launch, transformers_backend.launch_varlen
+    monkeypatch.setattr(transformers_backend, "launch", lambda *a: caps.append(a[9]) or real_launch(*a))
+    monkeypatch.setattr(transformers_backend, "launch_varlen", lambda *a: caps.append(a[11]) or real_varlen(*a))
+    results = {}
+    with torch.no_grad():
+        for backend in ("eager", name):
+            model.set_attn_implementation(backend)
+            reset_stats()
+            results[backend] = run_prompts_and_steps(model, ids, mask, steps, short=12)
+    stats = transformers_backend.stats
+    tolerance = 5e-3 if dtype == torch.float16 else 2e-2
+    for i, (ours, ref) in enumerate(zip(results[name], results["eager"])):
+        err = rel_l2(ours, ref)
+        assert err <= tolerance, f"call {i}: logits rel L2 vs eager {err:.2e}"
+    print(f"Gemma 2, softcap {softcap}, {dtype}: stats {stats}")
+    assert stats["sdpa"] == {}
+    calls = 1 + 8 + 1 + 1  # per layer
+    assert stats["flashcore"] == 4 * calls and stats["flashcore_window"] == 2 * calls
+    assert caps == [softcap] * (4 * calls)
+    if softcap == 0.5:
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.self_attn.attn_logit_softcapping = None
+            model.set_attn_implementation("eager")
+            uncapped = run_prompts_and_steps(model, ids, mask, steps, short=12)
+        off = min(rel_l2(u, ref) for u, ref in zip(uncapped, results["eager"]))
+        assert off > 3 * tolerance, f"the cap changes the logits by only {off:.2e}"
+
+
+def test_softcapped_calls_through_the_fallback_keep_their_cap(seed):
+    # A soft-capped call handed a mask flashcore does not take (per head) runs on explicit
+    # capped attention; one it takes runs on flashcore; both give the capped attention.
+    module = torch.nn.Module()
+    module.is_causal = True
+    q = torch.randn(2, 8, 40, 64, device="cuda", dtype=torch.bfloat16) * 3
+    k = torch.randn(2, 2, 40, 64, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    i, j = torch.arange(40, device="cuda")[:, None], torch.arange(40, device="cuda")[None]
+    causal = (j <= i).expand(2, 1, 40, 40)
+    s = (q.double() @ k.double().repeat_interleave(4, 1).transpose(-1, -2)) / 8
+    s = torch.tanh(s / 2.0) * 2.0
+    want = (s.masked_fill(~causal, float("-inf")).softmax(-1) @ v.double().repeat_interleave(4, 1)).transpose(1, 2)
+    reset_stats()
+    with torch.no_grad():
+        out, _ = transformers_backend.attention_forward(module, q, k, v, causal, softcap=2.0)
+        assert transformers_backend.stats["flashcore_padded"] == 1 and transformers_backend.stats["sdpa"] == {}
+        assert rel_l2(out, want) <= 2e-2
+        out, _ = transformers_backend.attention_forward(module, q, k, v, None, softcap=2.0)
+        assert rel_l2(out, want) <= 2e-2
+        with pytest.warns(UserWarning, match="softcap"):
+            out, _ = transformers_backend.attention_forward(module, q, k, v, causal.expand(2, 8, 40, 40), softcap=2.0)
+    assert len(transformers_backend.stats["sdpa"]) == 1
+    assert rel_l2(out, want) <= 2e-2

@@ -12,6 +12,7 @@ use super::module::{Carveout, LoadedKernel};
 use super::tensor::{AttentionParams, LseView, TensorView};
 use super::validate::{FWD_PADDED_HEAD_DIMS_TEXT, FwdProblem, validate_fwd};
 use crate::error::{Error, Result};
+use crate::kernels::attention::softcap::ScoreScaling;
 use crate::kernels::attention::{
     BLOCK_M_NARROW, BLOCK_M_WIDE, FwdArgs, FwdConfig, HalfType, Path, Tiling, WINDOW_UNBOUNDED,
     padded_head_dim, scale_folds, sm90, sm90::MapColumns,
@@ -68,6 +69,7 @@ pub fn dispatch(
             head_dim,
             causal,
             window: false,
+            softcap: false,
             block_m,
             split_keys,
             fold_scale: !split_keys && scale_folds(dtype, head_dim, scale),
@@ -94,9 +96,15 @@ fn plan_problem(
         }
         PathChoice::Sm80 => sm80(),
     }?;
-    // A key window runs the windowed kernel of the causal configuration's tiles.
-    Ok(if problem.window.is_some() {
+    // A key window runs the windowed kernel of the causal configuration's tiles, a soft
+    // cap the soft-capping kernel of the configuration's.
+    let cfg = if problem.window.is_some() {
         cfg.windowed()
+    } else {
+        cfg
+    };
+    Ok(if problem.softcap.is_some() {
+        cfg.softcapped()
     } else {
         cfg
     })
@@ -566,8 +574,13 @@ impl Attention {
                 .map(|c| (c.head_dim, c.padded)),
             Path::Sm90 => sm90::padded_head_dim(shape.head_dim),
         };
-        let same = (cfg.dtype, cfg.causal, cfg.window)
-            == (planned.dtype, planned.causal, planned.window)
+        let same = (cfg.dtype, cfg.causal, cfg.window, cfg.softcap)
+            == (
+                planned.dtype,
+                planned.causal,
+                planned.window,
+                planned.softcap,
+            )
             && kernel_head_dim == Some((cfg.head_dim, cfg.padded));
         let runs = match cfg.path {
             Path::Sm80 => {
@@ -583,7 +596,10 @@ impl Attention {
                     && (!cfg.narrow_keys
                         || sm90::has_narrow_keys(cfg.head_dim, cfg.block_m, cfg.split_keys))
                     && (!cfg.fold_scale
-                        || (!cfg.split_keys && scale_folds(cfg.dtype, cfg.head_dim, problem.scale)))
+                        || (!cfg.split_keys
+                            && (cfg.softcap
+                                || scale_folds(cfg.dtype, cfg.head_dim, problem.scale))))
+                    && (!cfg.softcap || (cfg.fold_scale && !cfg.split_keys && cfg.block_m <= 128))
             }
         };
         if !same || !runs {
@@ -893,6 +909,7 @@ fn fwd_args(
             p.cu_seqlens_k,
         ),
     };
+    let scaling = ScoreScaling::new(problem.scale, problem.softcap);
     FwdArgs {
         q: q.ptr,
         k: k.ptr,
@@ -907,8 +924,10 @@ fn fwd_args(
         seqlen_k: rows_k as u32,
         heads_q: shape.heads_q as u32,
         group: shape.group() as u32,
-        scale_log2: problem.scale * std::f32::consts::LOG2_E,
-        scale: problem.scale,
+        scale_log2: scaling.scale_log2,
+        scale: scaling.scale,
+        softcap_pre: scaling.softcap_pre,
+        pad: 0,
         q_blocks: shape.seqlen_q.div_ceil(cfg.tiling().block_m as usize) as u32,
         batch: shape.batch as u32,
         cu_seqlens_q: cu_q,
@@ -1191,8 +1210,10 @@ mod tests {
                         for pick in picks {
                             match pick {
                                 Ok(cfg) => {
-                                    // With a key window, the plan takes the windowed kernel.
-                                    for cfg in [cfg, cfg.windowed()] {
+                                    // With a key window, the plan takes the windowed kernel;
+                                    // with a soft cap, the soft-capping one.
+                                    let capped = [cfg.softcapped(), cfg.windowed().softcapped()];
+                                    for cfg in [cfg, cfg.windowed()].into_iter().chain(capped) {
                                         assert!(
                                             catalog.contains(&cfg),
                                             "{cfg:?} not in the catalog"
@@ -1276,6 +1297,7 @@ mod tests {
                 causal: true,
                 window: None,
                 packed: None,
+                softcap: None,
             };
             let packed = FwdProblem {
                 packed: Some(crate::host::validate::Packed {
@@ -1361,6 +1383,7 @@ mod tests {
                 total_q: 4096,
                 total_k: seqs * keys,
             }),
+            softcap: None,
         };
         let pick = |p: &FwdProblem| {
             let shape = dispatch_shape(p);

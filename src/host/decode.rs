@@ -24,7 +24,7 @@ use super::tensor::{AttentionParams, DType, KeyWindow, LseView, TensorView, WIND
 use super::validate::{
     FWD_PADDED_HEAD_DIMS_TEXT, FwdProblem, LSE_ALIGN, MAX_GRID_YZ, MAX_SEQLEN, Packed,
     TENSOR_ALIGN, byte_range_of, check_no_self_overlap, check_not_empty, check_pointer,
-    check_scale, check_strides, lse_byte_range, overlaps, views_disjoint,
+    check_scale, check_strides, checked_softcap, lse_byte_range, overlaps, views_disjoint,
 };
 use super::varlen::Varlen;
 use crate::error::{Error, Result};
@@ -34,6 +34,7 @@ use crate::kernels::attention::decode::{
     self, DecodeArgs, DecodeConfig, DecodeLayout, MAX_QUERIES, ROWS,
 };
 use crate::kernels::attention::merge::{self, MergeArgs, MergeConfig, MergeType};
+use crate::kernels::attention::softcap::ScoreScaling;
 use crate::shape::AttnShape;
 
 /// The head dims of decode with a 16-bit cache and of the merge, as error text: those of
@@ -57,6 +58,8 @@ pub struct DecodeProblem {
     pub causal: bool,
     /// The key window beyond causal masking, if any: see [`AttentionParams::masking`].
     pub window: Option<KeyWindow>,
+    /// The soft cap of the scores, if any ([`AttentionParams::softcap`], checked).
+    pub softcap: Option<f32>,
     /// A variable-length forward call's packed sequences, run on the decode kernels
     /// (`Attention::varlen_by_decode`): `cache` then counts the sequences, the keys of
     /// the longest one (or an upper bound) as the capacity, and `seqlen_q` bounds each
@@ -258,6 +261,8 @@ pub fn decode_problem(
             "query heads {heads_q} exceed the grid limit {MAX_GRID_YZ}"
         )));
     }
+    check_scale(params)?;
+    let softcap = checked_softcap(params, head_dim)?;
     let masking = params.masking(seqlen_q, shape.capacity)?;
     let problem = DecodeProblem {
         cache: shape,
@@ -267,6 +272,7 @@ pub fn decode_problem(
         scale: params.scale_for(head_dim),
         causal: masking.causal,
         window: masking.window,
+        softcap,
         packed: None,
     };
     if batch > MAX_GRID_YZ || shape.heads_kv * problem.row_chunks() > MAX_GRID_YZ {
@@ -275,7 +281,6 @@ pub fn decode_problem(
             shape.heads_kv * problem.row_chunks()
         )));
     }
-    check_scale(params)?;
     Ok(problem)
 }
 
@@ -972,6 +977,7 @@ impl Attention {
         let c = &problem.cache;
         let (block_table, table_stride) = cache.layout.table();
         let (k_scale, v_scale, k_scale_stride, v_scale_stride) = scale_fields(cache);
+        let scaling = ScoreScaling::new(problem.scale, problem.softcap);
         let mut args = DecodeArgs {
             q: q.ptr,
             k: cache.k.ptr,
@@ -995,8 +1001,10 @@ impl Attention {
             pool_pages: c.pool_pages as u32,
             page_shift: c.page_shift(),
             splits: plan.splits as u32,
-            scale_log2: problem.scale * std::f32::consts::LOG2_E,
-            scale: problem.scale,
+            scale_log2: scaling.scale_log2,
+            scale: scaling.scale,
+            softcap_pre: scaling.softcap_pre,
+            pad: 0,
             causal: u32::from(problem.causal),
             window_left: problem.window.map_or(WINDOW_UNBOUNDED, |w| w.left),
             window_right: problem.window.map_or(0, |w| w.right),
@@ -1167,6 +1175,7 @@ impl Attention {
             scale: problem.scale,
             causal: problem.causal,
             window: problem.window,
+            softcap: problem.softcap,
             packed: Some(packed),
         };
         if !rows_fit || s.heads_kv.saturating_mul(decode.row_chunks()) > MAX_GRID_YZ {
@@ -1425,6 +1434,7 @@ mod tests {
             causal: true,
             window: None,
             packed: None,
+            softcap: None,
         }
     }
 
@@ -1578,6 +1588,7 @@ mod tests {
             causal: true,
             window: None,
             packed: p.packed,
+            softcap: None,
         };
         assert_eq!(problem.layout(), DecodeLayout::Packed);
         let plan = plan_decode(&problem, 132, 227 * 1024).unwrap();
@@ -2322,6 +2333,7 @@ mod tests {
             causal: false,
             window: None,
             packed: None,
+            softcap: None,
         };
         for capacity in [1 << 25, 1 << 27, 1 << 29, 1 << 30] {
             // 256 heads of 16 queries fill a wave without splits.

@@ -284,14 +284,7 @@ pub fn validate_fp8(
     {
         return Err(Error::InvalidArgument("lse overlaps o".into()));
     }
-    let masking = params.masking(seqlen_q, seqlen_k)?;
-    if masking.window.is_some() {
-        return Err(Error::InvalidArgument(
-            "the FP8 forward has no key window (sliding-window attention runs on f16 or \
-             bf16, or on an e4m3 KV cache through decode)"
-                .into(),
-        ));
-    }
+    let masking = fp8_masking(params, seqlen_q, seqlen_k)?;
     Ok(Fp8Problem {
         shape: AttnShape {
             batch,
@@ -385,6 +378,8 @@ pub(crate) fn fp8_args(
         group: shape.group() as u32,
         scale_log2: problem.scale * std::f32::consts::LOG2_E,
         scale: problem.scale,
+        softcap_pre: 0.0,
+        pad: 0,
         q_blocks: shape.seqlen_q.div_ceil(cfg.tiling().block_m as usize) as u32,
         batch: shape.batch as u32,
         cu_seqlens_q: 0,
@@ -597,6 +592,32 @@ fn sm90_map_specs(cfg: &Fp8Config, ops: &Fp8Operands) -> [(TiledMap, u64); 3] {
             vt.ptr,
         ),
     ]
+}
+
+/// The masking of an FP8 forward call with `params` on sequences of at most `max_q` queries
+/// and `max_k` keys ([`AttentionParams::masking`]): the FP8 forward has no key window and no
+/// soft cap, and refuses either with [`Error::InvalidArgument`].
+pub(crate) fn fp8_masking(
+    params: &AttentionParams,
+    max_q: usize,
+    max_k: usize,
+) -> Result<crate::host::tensor::Masking> {
+    let masking = params.masking(max_q, max_k)?;
+    if params.softcap.is_some() {
+        return Err(Error::InvalidArgument(
+            "the FP8 forward has no soft-capping (softcap runs on f16 or bf16, or on an e4m3 \
+             KV cache through decode)"
+                .into(),
+        ));
+    }
+    if masking.window.is_some() {
+        return Err(Error::InvalidArgument(
+            "the FP8 forward has no key window (sliding-window attention runs on f16 or \
+             bf16, or on an e4m3 KV cache through decode)"
+                .into(),
+        ));
+    }
+    Ok(masking)
 }
 
 #[cfg(test)]

@@ -192,6 +192,12 @@ pub struct AttentionParams {
     /// bound on either side. With `causal` its right side is 0 (a right bound above 0
     /// is refused).
     pub window: Window,
+    /// Logit soft-capping (Gemma 2, Grok; FlashAttention's `softcap`): each scaled score
+    /// `x = q·k · softmax_scale` becomes `cap · tanh(x / cap)` before masking and the
+    /// softmax, and the log-sum-exp is that of the capped scores. `None` (the default)
+    /// leaves scores as they are; a cap must be finite and positive (FlashAttention's 0
+    /// is `None` here). The 16-bit forward and decode take it; the FP8 forward refuses it.
+    pub softcap: Option<f32>,
 }
 
 /// FlashAttention's `window_size`: query row `i` of a sequence of `Sq` queries and `Sk`
@@ -301,6 +307,14 @@ impl AttentionParams {
                 }
             }
         })
+    }
+
+    /// Logit soft-capping at `cap` ([`AttentionParams::softcap`]) on top of these options.
+    pub fn with_softcap(self, cap: f32) -> AttentionParams {
+        AttentionParams {
+            softcap: Some(cap),
+            ..self
+        }
     }
 
     /// The scale actually applied for this head dimension.

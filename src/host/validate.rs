@@ -9,7 +9,9 @@
 //! 4. head dim has a kernel ([`Error::UnsupportedHeadDim`]);
 //! 5. Hq a multiple of Hkv ([`Error::HeadRatio`]);
 //! 6. size limits ([`Error::InvalidArgument`]): seqlens <= 2^25, batch and Hq <= 65535;
-//! 7. softmax scale, when given, finite and positive ([`Error::InvalidArgument`]);
+//! 7. softmax scale, when given, finite and positive; soft cap, when given, finite and
+//!    positive, `scale / cap` a normal float; the window's right side 0 with causal
+//!    masking ([`Error::InvalidArgument`]);
 //! 8. pointers of q, k, v, o: non-null ([`Error::NullPointer`]) then 16-byte aligned
 //!    ([`Error::Misaligned`]); then the LSE pointer: non-null, 4-byte aligned;
 //! 9. strides ([`Error::BadStrides`]): head_dim stride 1, every other stride a multiple of
@@ -61,6 +63,9 @@ pub struct FwdProblem {
     /// The key window beyond causal masking, if any (then `causal` is set): see
     /// [`AttentionParams::masking`].
     pub window: Option<KeyWindow>,
+    /// The soft cap of the scores, if any ([`AttentionParams::softcap`], checked finite and
+    /// positive).
+    pub softcap: Option<f32>,
     /// Packed variable-length sequences (`shape.batch` of them, `shape.seqlen_q` the
     /// longest query sequence allowed), or `None` for dense tensors.
     pub packed: Option<Packed>,
@@ -146,8 +151,9 @@ pub fn validate_fwd(
     // 5. GQA/MQA ratio; 6. launch-grid and 32-bit index limits
     check_heads_and_sizes(batch, heads_q, heads_kv, seqlen_q, seqlen_k)?;
 
-    // 7. softmax scale and masking
+    // 7. softmax scale, soft cap and masking
     check_scale(params)?;
+    let softcap = checked_softcap(params, head_dim)?;
     let masking = params.masking(seqlen_q, seqlen_k)?;
 
     // 8. pointers
@@ -206,6 +212,7 @@ pub fn validate_fwd(
         scale: params.scale_for(head_dim),
         causal: masking.causal,
         window: masking.window,
+        softcap,
         packed: None,
     })
 }
@@ -304,6 +311,30 @@ pub(crate) fn check_scale(params: &AttentionParams) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// A call's soft cap ([`AttentionParams::softcap`]), once it is known to be finite and
+/// positive, with `cap · log2 e` finite and `scale / cap` (the kernels' factor inside the
+/// `tanh`) a normal float, for the scale the call runs with at head dim `head_dim`: an
+/// [`Error::InvalidArgument`] otherwise. (A cap so far from the scale that their ratio
+/// leaves the float range would turn every score into 0 or ±1.)
+pub(crate) fn checked_softcap(params: &AttentionParams, head_dim: usize) -> Result<Option<f32>> {
+    let Some(cap) = params.softcap else {
+        return Ok(None);
+    };
+    let scale = params.scale_for(head_dim) as f64;
+    let ratio = scale / cap as f64;
+    let fits = cap.is_finite()
+        && cap > 0.0
+        && cap as f64 * std::f64::consts::LOG2_E <= f32::MAX as f64
+        && (f32::MIN_POSITIVE as f64..=f32::MAX as f64).contains(&ratio);
+    if !fits {
+        return Err(Error::InvalidArgument(format!(
+            "softcap must be finite and positive (None for no cap), with softmax_scale / \
+             softcap a normal float; got softcap {cap} at softmax_scale {scale}"
+        )));
+    }
+    Ok(Some(cap))
 }
 
 /// Head dimension contiguous; other strides keep 16-byte vectors aligned.
@@ -481,6 +512,45 @@ mod tests {
     }
 
     #[test]
+    fn soft_caps_are_checked_against_the_scale() {
+        let (q, k, v, o) = views(1, 64, 64, 4, 4, 64);
+        let with = |softmax_scale, softcap| AttentionParams {
+            softmax_scale,
+            softcap,
+            ..Default::default()
+        };
+        for (scale, cap) in [
+            (None, 50.0),
+            (None, 1e-3),
+            (Some(1e30), 1e30),
+            (Some(1e-30), 1e-30),
+        ] {
+            let p = validate_fwd(&q, &k, &v, &o, None, &with(scale, Some(cap))).unwrap();
+            assert_eq!(p.softcap, Some(cap));
+        }
+        let p = validate_fwd(&q, &k, &v, &o, None, &with(None, None)).unwrap();
+        assert_eq!(p.softcap, None);
+        // Not finite, not positive, a cap whose exponent factor overflows, and ratios of
+        // scale to cap outside the normal floats.
+        for (scale, cap) in [
+            (None, 0.0),
+            (None, -0.0),
+            (None, -50.0),
+            (None, f32::NAN),
+            (None, f32::INFINITY),
+            (None, f32::MAX),
+            (Some(1e30), 1e-20),
+            (Some(1e-30), 1e20),
+        ] {
+            let e = validate_fwd(&q, &k, &v, &o, None, &with(scale, Some(cap))).unwrap_err();
+            assert!(
+                matches!(&e, Error::InvalidArgument(m) if m.contains("softcap must be")),
+                "{scale:?} {cap}: {e:?}"
+            );
+        }
+    }
+
+    #[test]
     fn head_dims_text_matches_table() {
         let dims = crate::kernels::attention::FWD_HEAD_DIMS;
         let text: Vec<String> = dims.iter().map(|d| d.to_string()).collect();
@@ -521,6 +591,7 @@ mod tests {
                 causal: true,
                 window: None,
                 packed: None,
+                softcap: None,
             }
         );
         assert_eq!(p.shape.group(), 4);

@@ -259,6 +259,7 @@ mod tests {
             fold_scale: false,
             padded: false,
             narrow_keys: false,
+            softcap: false,
         }
     }
 

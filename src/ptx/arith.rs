@@ -356,6 +356,9 @@ impl Kernel {
 
     unary_f32!(/// `2^a`, approximate (2 ulp), subnormals flushed: the softmax exponential.
         ex2, ex2_to, "ex2.approx.ftz.f32");
+    unary_f32!(/// `tanh(a)`, approximate (one MUFU operation, sm_75 on; relative error about
+        /// 2^-11): the soft-capping of attention logits.
+        tanh, tanh_to, "tanh.approx.f32");
     unary_f32!(/// `log2(a)`, approximate, subnormals flushed.
         lg2, lg2_to, "lg2.approx.ftz.f32");
     unary_f32!(/// `1 / a`, correctly rounded.

@@ -68,6 +68,7 @@ use std::mem::offset_of;
 use super::rows::{Rows, Slab, half_of, zeroed_slabs};
 use super::sequence::clamped_offsets;
 use super::sm80::{LaneRoles, frag_addresses};
+use super::softcap::cap_scores;
 use super::softmax::{OnlineSoftmax, pack_probs, rescale_rows};
 use super::{FWD_HEAD_DIMS, HalfType, PADDED_HEAD_DIMS, WINDOW_UNBOUNDED, padded_head_dim};
 use crate::ptx::{
@@ -491,10 +492,37 @@ pub struct DecodeArgs {
     pub cu_seqlens_k: u64,
     pub total_q: u32,
     pub total_k: u32,
+    /// Nonzero: the scores are soft-capped, each `q·k` becoming `tanh(q·k · softcap_pre)`
+    /// before the mask ([`ScoreScaling`](super::softcap::ScoreScaling); `scale` and
+    /// `scale_log2` then carry the cap).
+    pub softcap_pre: f32,
+    /// Zero: keeps the block a whole number of 8-byte words.
+    pub pad: u32,
 }
 
 impl DecodeArgs {
     pub const SIZE: usize = std::mem::size_of::<DecodeArgs>();
+}
+
+/// Whether the call caps its scores ([`DecodeArgs::softcap_pre`] nonzero), and the factor:
+/// read once, before the key loop, so that a tile of an uncapped call pays one branch
+/// every thread takes alike.
+struct SoftCap {
+    capped: Reg<Pred>,
+    pre: Reg<F32>,
+}
+
+impl SoftCap {
+    fn new(k: &mut Kernel, args: ParamBytes) -> SoftCap {
+        let pre = arg::<F32>(k, args, offset_of!(DecodeArgs, softcap_pre));
+        let capped = k.setp(Cmp::Ne, pre, 0f32);
+        SoftCap { capped, pre }
+    }
+
+    /// The scores capped ([`cap_scores`]) when the call asks for it.
+    fn apply(&self, k: &mut Kernel, scores: &Slab) {
+        k.if_(self.capped, |k| cap_scores(k, scores, self.pre));
+    }
 }
 
 fn arg<T: PtxType>(k: &mut Kernel, args: ParamBytes, offset: usize) -> Reg<T> {
@@ -1461,6 +1489,7 @@ fn build<H: Half2>(cfg: &DecodeConfig) -> Result<KernelText, PtxError> {
         .as_ref()
         .map(|codes| Widen::new(&mut k, cfg, &smem, codes, k_slot, lane, warp, col));
 
+    let softcap = SoftCap::new(&mut k, args);
     k.comment("The key loop: tile t from the ring, tile t + stages - 1 issued behind it.");
     // `t % stages`, kept in step with `t` rather than divided out each turn.
     let slot = k.mov(0u32);
@@ -1485,6 +1514,7 @@ fn build<H: Half2>(cfg: &DecodeConfig) -> Result<KernelText, PtxError> {
             None => {
                 let slot_bytes = k.mul(slot, k_slot.stride);
                 let scores = f.scores(k, slot_bytes);
+                softcap.apply(k, &scores);
                 let key0 = first_key(k);
                 mask_scores(k, &scores, limits, key0);
                 let p =
@@ -1498,6 +1528,7 @@ fn build<H: Half2>(cfg: &DecodeConfig) -> Result<KernelText, PtxError> {
                 let tile = k.mov(0u32);
                 let scores = f.scores(k, tile);
                 scale_columns(k, &scores, k_scales);
+                softcap.apply(k, &scores);
                 let key0 = first_key(k);
                 mask_scores(k, &scores, limits, key0);
                 let scores = std::slice::from_ref(&scores);

@@ -13,6 +13,7 @@ pub mod sm80;
 pub mod sm89_fp8;
 pub mod sm90;
 pub mod sm90_fp8;
+pub mod softcap;
 pub mod softmax;
 
 use crate::ptx::{Module, PtxError};
@@ -66,6 +67,10 @@ pub struct FwdConfig {
     /// each work item starts at the first key tile its rows' windows reach, and masks
     /// every tile. Never with split keys.
     pub window: bool,
+    /// Soft-capped scores ([`softcap`]): each `q·k` becomes `tanh(q·k · pre)`
+    /// ([`FwdArgs::softcap_pre`]) before the mask, the softmax taking the cap as its
+    /// scale. Never with split keys or 192-row tiles; folded on the sm90 path.
+    pub softcap: bool,
     /// Query rows per block: [`BLOCK_M_WIDE`] normally, [`BLOCK_M_NARROW`] when the wide
     /// tiles would leave SMs idle (few heads, short sequences).
     pub block_m: u32,
@@ -162,11 +167,26 @@ impl FwdConfig {
             head_dim,
             causal,
             window: false,
+            softcap: false,
             block_m,
             split_keys: false,
             fold_scale: false,
             padded,
             narrow_keys: false,
+        }
+    }
+
+    /// The soft-capping kernel of this configuration ([`FwdConfig::softcap`]): split keys
+    /// give way to a single warpgroup's tile and 192-row tiles to 128-row ones (as for
+    /// [`FwdConfig::windowed`]), and the sm90 path folds the scale, which a capped score
+    /// (at most 1 in magnitude) always allows.
+    pub fn softcapped(self) -> Self {
+        FwdConfig {
+            softcap: true,
+            split_keys: false,
+            block_m: self.block_m.min(BLOCK_M_WIDE),
+            fold_scale: self.path == Path::Sm90,
+            ..self
         }
     }
 
@@ -204,10 +224,11 @@ impl FwdConfig {
 
     /// The kernel id: also the PTX entry name, e.g. `attn_fwd_sm80_f16_d128_m128_causal`,
     /// `attn_fwd_sm90a_bf16_d64_m64_splitkv`, `attn_fwd_sm90a_f16_d128_m128_fold_causal`,
-    /// `attn_fwd_sm90a_f16_d256_m128_n64_fold_causal` (64-key tiles).
+    /// `attn_fwd_sm90a_f16_d256_m128_n64_fold_causal` (64-key tiles),
+    /// `attn_fwd_sm90a_bf16_d256_m128_fold_softcap_window` (soft-capped, windowed).
     pub fn id(&self) -> String {
         format!(
-            "attn_fwd_{}_{}_d{}_m{}{}{}{}{}{}",
+            "attn_fwd_{}_{}_d{}_m{}{}{}{}{}{}{}",
             self.path.name(),
             self.dtype.name(),
             self.head_dim,
@@ -216,6 +237,7 @@ impl FwdConfig {
             if self.split_keys { "_splitkv" } else { "" },
             if self.fold_scale { "_fold" } else { "" },
             if self.padded { "_padded" } else { "" },
+            if self.softcap { "_softcap" } else { "" },
             match (self.causal, self.window) {
                 (_, true) => "_window",
                 (true, false) => "_causal",
@@ -263,8 +285,19 @@ pub struct Tiling {
 const MASKS: [(bool, bool); 3] = [(false, false), (true, false), (true, true)];
 
 /// Every forward configuration the dispatch can choose: the sm80 path's for every head
-/// dimension and both query tiles, then the sm90 path's.
+/// dimension and both query tiles, then the sm90 path's, then the soft-capping kernel of
+/// each ([`FwdConfig::softcapped`]), once.
 pub fn all_fwd_configs() -> Vec<FwdConfig> {
+    let mut v = uncapped_fwd_configs();
+    let mut capped: Vec<FwdConfig> = v.iter().map(|c| c.softcapped()).collect();
+    capped.sort();
+    capped.dedup();
+    v.extend(capped);
+    v
+}
+
+/// [`all_fwd_configs`] without the soft-capping kernels.
+fn uncapped_fwd_configs() -> Vec<FwdConfig> {
     let mut v = Vec::new();
     for dtype in [HalfType::F16, HalfType::Bf16] {
         for head_dim in FWD_HEAD_DIMS {
@@ -324,6 +357,7 @@ pub fn all_fwd_configs() -> Vec<FwdConfig> {
                                         head_dim,
                                         causal,
                                         window,
+                                        softcap: false,
                                         block_m,
                                         split_keys,
                                         fold_scale,
@@ -396,6 +430,11 @@ pub struct FwdArgs {
     /// window_right`; each at most [`WINDOW_UNBOUNDED`]. Other kernels ignore them.
     pub window_left: u32,
     pub window_right: u32,
+    /// Soft-capping kernels ([`FwdConfig::softcap`]): `scale / cap`, the factor inside the
+    /// `tanh` ([`softcap::ScoreScaling`]; `scale` and `scale_log2` then carry the cap).
+    pub softcap_pre: f32,
+    /// Zero: keeps the block a whole number of 8-byte words.
+    pub pad: u32,
 }
 
 impl FwdArgs {

@@ -39,6 +39,7 @@ use super::epilogue::{OutputBlock, store_output};
 use super::mask::{KeyTiles, apply_mask, key_tiles, query_block, window_head_tiles, windowed_keys};
 use super::rows::{Rows, Slab, zeroed_slabs};
 use super::sequence::sequence;
+use super::softcap::cap_scores;
 use super::softmax::OnlineSoftmax;
 use super::{BLOCK_M_NARROW, FwdArgs, FwdConfig, HalfType, Tiling};
 use crate::ptx::{
@@ -453,6 +454,13 @@ fn build<H: Half2>(cfg: &FwdConfig) -> Result<KernelText, PtxError> {
         k.cp_async_commit();
 
         let scores = f.scores(k);
+        if cfg.softcap {
+            // Read where used: one more register across the loop spills the widest tiles.
+            let pre = arg::<F32>(k, args, offset_of!(FwdArgs, softcap_pre));
+            for slab in &scores {
+                cap_scores(k, slab, pre);
+            }
+        }
         if masked {
             let (seq, causal_offset, low) = keys_again(k);
             let causal = f.causal.then_some(causal_offset);

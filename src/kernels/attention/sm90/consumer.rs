@@ -10,6 +10,7 @@ use crate::kernels::attention::FwdArgs;
 use crate::kernels::attention::epilogue::{LseForm, OutputBlock, store_output_staged};
 use crate::kernels::attention::mask::{causal_key_limit, row_key_limit};
 use crate::kernels::attention::rows::Slab;
+use crate::kernels::attention::softcap;
 use crate::kernels::attention::softmax::{OnlineSoftmax, pack_probs_into, rescale_rows};
 use crate::ptx::{
     Acc, Cmp, F32, Half2, InFlight, KMajor, Kernel, MnMajor, NamedBarrier, Reg, S32, ScaleD,
@@ -24,6 +25,8 @@ pub(super) struct Consumer<'a, H: Half2> {
     /// This warpgroup's 64 rows of the Q tile (the Q ring has one stage).
     q: SmemDesc<KMajor>,
     scale_log2: Reg<F32>,
+    /// Soft-capping kernels: the factor inside the `tanh` ([`FwdArgs::softcap_pre`]).
+    softcap_pre: Option<Reg<F32>>,
     softmax: OnlineSoftmax,
     /// Each row's pending rescale of O, from the last softmax.
     factors: [Reg<F32>; 2],
@@ -58,6 +61,9 @@ where
     let q_at = f.smem.tile(k, f.slots.q, 0);
     let q = roles.q_rows(k, q_at, &f.s.q_layout());
     let scale_log2 = k.load_param_at::<F32>(f.args, offset_of!(FwdArgs, scale_log2));
+    let softcap_pre = f
+        .softcap
+        .then(|| k.load_param_at::<F32>(f.args, offset_of!(FwdArgs, softcap_pre)));
     let o_in_q = f.s.o_in_q();
     let stage = roles.output_stage(f.smem, f.slots.o, (f.maps[3], f.s.columns), o_in_q);
     let ring_barriers = [&f.slots.q_ring, &f.slots.k_ring, &f.slots.v_ring];
@@ -74,6 +80,7 @@ where
             roles,
             q,
             scale_log2,
+            softcap_pre,
             softmax: OnlineSoftmax::new(k, 1).with_fma_exps(f.s.fma_exp_every()),
             factors: [k.mov(1f32), k.mov(1f32)],
             p: (0..f.s.block_n / 16).map(|_| k.regs::<H, 4>()).collect(),
@@ -179,6 +186,7 @@ impl<H: Half2 + WgmmaInput> Consumer<'_, H> {
             .scores_alone(k, kr, |k, kr| self.scores::<NS>(k, kr));
         self.release_kv(k, kr);
         let tiles = s.tiles();
+        self.cap(k, &tiles);
         let full = |k: &mut Kernel| {
             self.mask_tiles(k, &tiles, last);
             self.exponentiate_tiles(k, &tiles);
@@ -393,6 +401,7 @@ impl<H: Half2 + WgmmaInput> Consumer<'_, H> {
         k.wgmma_wait(1);
         let s = k.wgmma_retire(s);
         self.release_kv(k, kr);
+        self.cap(k, &s.tiles());
         if masked {
             self.mask(k, &s, n);
         }
@@ -499,6 +508,13 @@ impl<H: Half2 + WgmmaInput> Consumer<'_, H> {
     /// 16-key fragments of P.
     fn left_tiles(&self) -> usize {
         (self.f.s.block_n as usize / 2).div_ceil(16) * 2
+    }
+
+    /// Soft-capping kernels: the scores capped ([`softcap::cap_scores`]), before the mask.
+    fn cap(&self, k: &mut Kernel, tiles: &Slab) {
+        if let Some(pre) = self.softcap_pre {
+            softcap::cap_scores(k, tiles, pre);
+        }
     }
 
     /// The mask of key tile `n` on this warpgroup's scores.

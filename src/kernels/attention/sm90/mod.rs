@@ -229,6 +229,7 @@ where
             WindowTiles::Every
         }),
         fold_scale: cfg.fold_scale,
+        softcap: cfg.softcap,
         args,
         maps,
         head_dim,

@@ -215,6 +215,8 @@ pub(super) struct Fwd {
     pub(super) window: Option<WindowTiles>,
     /// The scale folded into the exponent ([`FwdConfig::fold_scale`](crate::kernels::attention::FwdConfig::fold_scale)).
     pub(super) fold_scale: bool,
+    /// Soft-capped scores ([`FwdConfig::softcap`](crate::kernels::attention::FwdConfig::softcap)).
+    pub(super) softcap: bool,
     pub(super) args: ParamBytes,
     /// Q, K, V and O.
     pub(super) maps: [TmaDesc; 4],

@@ -12,6 +12,7 @@ fn config(head_dim: u32, dtype: HalfType, causal: bool) -> FwdConfig {
         fold_scale: true,
         padded: false,
         narrow_keys: false,
+        softcap: false,
     }
 }
 
@@ -378,8 +379,10 @@ fn padded_kernels_move_one_box_per_column_block() {
         .filter(|c| c.path == super::super::Path::Sm90 && c.padded)
         .collect();
     // f16/bf16 x no mask, causal or a window x folded or not, on 64- and 128-row tiles
-    // of head dims 64/128/192/256, and head dim 256's 64-key tiles.
-    assert_eq!(padded.len(), 96 + 12);
+    // of head dims 64/128/192/256, and head dim 256's 64-key tiles; and the soft-capping
+    // twin of each (folded only).
+    let capped = padded.iter().filter(|c| c.softcap).count();
+    assert_eq!((padded.len() - capped, capped), (96 + 12, (96 + 12) / 2));
     for cfg in padded {
         let id = cfg.id();
         let ptx = generate(&cfg).unwrap().to_ptx();
