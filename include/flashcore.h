@@ -187,19 +187,39 @@ typedef struct FlashcoreQuantizeOptions {
 /* The options of the attention calls' _ex spellings (flashcore_forward_ex,
  * flashcore_forward_varlen_ex, flashcore_decode_ex, flashcore_decode_fp8kv_ex and their
  * checks), which take them in place of softmax_scale and causal: one struct, so that an
- * option added later needs no new spelling of every call. 32 bytes, 8-byte aligned (4
- * bytes of padding follow softcap).
+ * option added later needs no new spelling of every call. 32 bytes, 8-byte aligned, no
+ * padding: struct_size at offset 0, softmax_scale 4, window_left 8, window_right 16,
+ * causal 24, softcap 28.
  *
- * All zeros is NOT "no options": window sides of 0 are a window of one key (each row
- * sees its diagonal key only). No options, the plain calls' defaults, is
- *     FlashcoreAttentionOptions opts = {0.0f, 0, -1, -1, 0.0f};
+ * Always start from FLASHCORE_ATTENTION_OPTIONS_INIT, then set the options wanted:
+ *     FlashcoreAttentionOptions opts = FLASHCORE_ATTENTION_OPTIONS_INIT;
+ *     opts.causal = 1;
+ *     opts.softcap = 50.0f;
+ * The macro is no options, the plain calls' defaults (the default scale, no causal mask,
+ * no window, no cap), with struct_size set. All zeros is NOT "no options": its
+ * struct_size of 0 is refused (and window sides of 0 would be a window of one key, each
+ * row seeing its diagonal key only).
  *
+ * Versioning: struct_size is sizeof(FlashcoreAttentionOptions) as the caller's copy of
+ * this header has it, which the macro fills in. Options added later go at the end, grow
+ * the struct by a multiple of 8 bytes and default to "off" in the macro; the library
+ * reads only struct_size bytes (struct_size first, then the rest), so a program built
+ * against an older header keeps working with a newer library, the options it does not
+ * know at their defaults. The library refuses with FLASHCORE_ERROR_INVALID_ARGUMENT, and
+ * reads nothing past struct_size:
+ *   - a struct_size below 32 (this first version's size) or not a multiple of 8: the
+ *     options were not initialized with FLASHCORE_ATTENTION_OPTIONS_INIT;
+ *   - a struct_size above the library's own sizeof(FlashcoreAttentionOptions): options
+ *     from a newer header than the library, which would otherwise silently ignore the
+ *     options it does not know and give wrong answers.
+ *
+ *   struct_size:   sizeof(FlashcoreAttentionOptions), from FLASHCORE_ATTENTION_OPTIONS_INIT.
  *   softmax_scale: as flashcore_forward's: 0 for the default 1/sqrt(D); otherwise finite
  *                  and positive.
- *   causal:        as flashcore_forward's: non-zero for a causal mask aligned bottom-right.
  *   window_left, window_right: the key window, as flashcore_forward_window takes it (a
  *                  negative side unbounded; causal with window_right > 0 is
  *                  FLASHCORE_ERROR_INVALID_ARGUMENT).
+ *   causal:        as flashcore_forward's: non-zero for a causal mask aligned bottom-right.
  *   softcap:       logit soft-capping (Gemma 2, Grok; FlashAttention's softcap): 0 (either
  *                  sign) for none; otherwise each scaled score x = q . k * softmax_scale
  *                  becomes softcap * tanh(x / softcap) before masking and the softmax, and
@@ -210,12 +230,18 @@ typedef struct FlashcoreQuantizeOptions {
  *                  A capped call runs kernels of its own, generated on first use. The FP8
  *                  forward (flashcore_forward_fp8) has no cap. */
 typedef struct FlashcoreAttentionOptions {
+    uint32_t struct_size; /* sizeof(FlashcoreAttentionOptions): the struct's version */
     float softmax_scale;  /* 0: 1/sqrt(D); otherwise finite and positive */
-    int32_t causal;       /* non-zero: causal mask, aligned bottom-right */
     int64_t window_left;  /* keys a row sees before its diagonal; negative: unbounded */
     int64_t window_right; /* keys a row sees after its diagonal; negative: unbounded */
+    int32_t causal;       /* non-zero: causal mask, aligned bottom-right */
     float softcap;        /* 0: no cap; > 0: scores become softcap * tanh(score / softcap) */
 } FlashcoreAttentionOptions;
+
+/* No options, in this header's size: the initializer every FlashcoreAttentionOptions
+ * should start from (struct_size, softmax_scale, window_left, window_right, causal,
+ * softcap). */
+#define FLASHCORE_ATTENTION_OPTIONS_INIT {(uint32_t)sizeof(FlashcoreAttentionOptions), 0.0f, -1, -1, 0, 0.0f}
 
 /* Attention on one device: owns the kernels loaded for it. Opaque. */
 typedef struct FlashcoreContext FlashcoreContext;
@@ -307,11 +333,13 @@ int32_t flashcore_check_forward_window(const FlashcoreTensor *q, const Flashcore
                                        int64_t window_left, int64_t window_right);
 
 /* flashcore_forward with its options as one struct: the same parameters, with `opts` (see
- * FlashcoreAttentionOptions: the scale, causal masking, the key window and the soft cap)
- * in place of softmax_scale and causal. opts NULL is FLASHCORE_ERROR_NULL_ARGUMENT. With
- * softcap 0 the call is flashcore_forward_window's with the same scale, causal flag and
- * window. All arguments are checked before anything runs; on error nothing is launched or
- * written. */
+ * FlashcoreAttentionOptions: the scale, causal masking, the key window and the soft cap;
+ * start from FLASHCORE_ATTENTION_OPTIONS_INIT) in place of softmax_scale and causal. opts
+ * NULL is FLASHCORE_ERROR_NULL_ARGUMENT; a struct_size the library does not read (options
+ * not started from the macro, or from a newer header) FLASHCORE_ERROR_INVALID_ARGUMENT.
+ * With softcap 0 the call is flashcore_forward_window's with the same scale, causal flag
+ * and window. All arguments are checked before anything runs; on error nothing is
+ * launched or written. */
 int32_t flashcore_forward_ex(FlashcoreContext *ctx, const FlashcoreTensor *q, const FlashcoreTensor *k,
                              const FlashcoreTensor *v, const FlashcoreTensor *o, uint64_t lse,
                              const FlashcoreAttentionOptions *opts, flashcore_stream stream);

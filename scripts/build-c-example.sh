@@ -35,7 +35,14 @@ mkdir -p "$out"
 cflags=(-std=c11 -O2 -Wall -Wextra -Werror -Iinclude)
 
 echo "==> header checks" >&2
-printf '#include "flashcore.h"\nint main(void) { return FLASHCORE_SUCCESS; }\n' >"$out/header_c99.c"
+# The header, and FLASHCORE_ATTENTION_OPTIONS_INIT as callers use it, in C99 and C++.
+cat >"$out/header_c99.c" <<'EOF'
+#include "flashcore.h"
+int main(void) {
+    FlashcoreAttentionOptions opts = FLASHCORE_ATTENTION_OPTIONS_INIT;
+    return opts.struct_size == sizeof(FlashcoreAttentionOptions) && opts.window_left == -1 ? FLASHCORE_SUCCESS : 1;
+}
+EOF
 "$CC" -std=c99 -pedantic -Wall -Wextra -Werror -Iinclude -c "$out/header_c99.c" -o "$out/header_c99.o"
 cat >"$out/header_layout.c" <<'EOF'
 #include <stddef.h>
@@ -66,12 +73,15 @@ _Static_assert(sizeof(FlashcoreQuantizeOptions) == 16 && offsetof(FlashcoreQuant
                    offsetof(FlashcoreQuantizeOptions, hadamard_seed) == 8,
                "FlashcoreQuantizeOptions");
 _Static_assert(sizeof(FlashcoreAttentionOptions) == 32 && _Alignof(FlashcoreAttentionOptions) == 8 &&
-                   offsetof(FlashcoreAttentionOptions, causal) == 4 &&
+                   offsetof(FlashcoreAttentionOptions, struct_size) == 0 &&
+                   offsetof(FlashcoreAttentionOptions, softmax_scale) == 4 &&
                    offsetof(FlashcoreAttentionOptions, window_left) == 8 &&
                    offsetof(FlashcoreAttentionOptions, window_right) == 16 &&
-                   offsetof(FlashcoreAttentionOptions, softcap) == 24,
+                   offsetof(FlashcoreAttentionOptions, causal) == 24 &&
+                   offsetof(FlashcoreAttentionOptions, softcap) == 28,
                "FlashcoreAttentionOptions");
-int main(void) { return 0; }
+static const FlashcoreAttentionOptions no_options = FLASHCORE_ATTENTION_OPTIONS_INIT;
+int main(void) { return (int)no_options.causal; }
 EOF
 "$CC" -std=c11 -pedantic -Wall -Wextra -Werror -Iinclude -c "$out/header_layout.c" -o "$out/header_layout.o"
 if command -v "$CXX" >/dev/null; then

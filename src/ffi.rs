@@ -7,7 +7,7 @@
 //! FlashAttention's `window_size` (sliding-window attention), and in `_ex` spellings that
 //! take their options as one struct, [`FlashcoreAttentionOptions`]: the scale, causal
 //! masking, the key window and logit soft-capping (and the options added later, with no
-//! new spelling of every call).
+//! new spelling of every call: the struct is size-versioned by its `struct_size`).
 //! `include/flashcore.h` declares exactly what is here (the `c_header` test checks the two
 //! against each other).
 //!
@@ -205,27 +205,73 @@ pub struct FlashcoreQuantizeOptions {
 /// The options of an attention call as C passes them to the `_ex` entry points
 /// (`flashcore_forward_ex`, ...), the C spelling of [`AttentionParams`]: one struct, so
 /// that an option added later needs no new spelling of every call. 32 bytes, 8-byte
-/// aligned: 4 bytes of padding follow `softcap`.
+/// aligned, no padding: `struct_size` at 0, `softmax_scale` 4, `window_left` 8,
+/// `window_right` 16, `causal` 24, `softcap` 28.
 ///
-/// All zeros is not "no options": window sides of 0 are a window of one key (the
-/// diagonal). No options is `{0, 0, -1, -1, 0}`.
+/// Size-versioned: `struct_size` (the first field, read before any other) is
+/// `sizeof(FlashcoreAttentionOptions)` as the caller's header has it. An option added
+/// later goes at the end and grows the struct by a multiple of 8 bytes; the library reads
+/// only `struct_size` bytes, and an option past them keeps its default (what
+/// [`new`](Self::new) and the header's `FLASHCORE_ATTENTION_OPTIONS_INIT` give it). A
+/// `struct_size` below [`MIN_SIZE`](Self::MIN_SIZE) (this first version's) or not a
+/// multiple of 8 is refused, as is one above [`SIZE`](Self::SIZE) (a newer header's
+/// options, which this library would otherwise silently ignore): see `read_options`.
+///
+/// All zeros is not "no options" (its `struct_size` of 0 is refused, and window sides of
+/// 0 would be a window of one key, the diagonal): start from [`new`](Self::new), as C
+/// starts from `FLASHCORE_ATTENTION_OPTIONS_INIT`.
 #[repr(C)]
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct FlashcoreAttentionOptions {
+    /// `sizeof(FlashcoreAttentionOptions)` as the caller's header has it: [`Self::SIZE`].
+    pub struct_size: u32,
     /// 0 (either sign): the default `1/sqrt(head_dim)`; otherwise finite and positive.
     pub softmax_scale: f32,
-    /// Non-zero: causal masking, aligned bottom-right.
-    pub causal: i32,
     /// The keys a row sees before its diagonal; negative: unbounded.
     pub window_left: i64,
     /// The keys a row sees after its diagonal; negative: unbounded.
     pub window_right: i64,
+    /// Non-zero: causal masking, aligned bottom-right.
+    pub causal: i32,
     /// 0 (either sign): no cap; otherwise each scaled score `x` becomes
     /// `softcap · tanh(x / softcap)`, the cap finite and positive.
     pub softcap: f32,
 }
 
+// `struct_size` comes first, so that it can be read alone, before the caller's struct is
+// known to be as large as this one; the sizes accepted run in whole 8-byte steps from the
+// first version's to this one's (no truncation in `SIZE`).
+const _: () = {
+    assert!(std::mem::offset_of!(FlashcoreAttentionOptions, struct_size) == 0);
+    assert!(FlashcoreAttentionOptions::SIZE as usize == size_of::<FlashcoreAttentionOptions>());
+    assert!(FlashcoreAttentionOptions::SIZE >= FlashcoreAttentionOptions::MIN_SIZE);
+    assert!(FlashcoreAttentionOptions::SIZE.is_multiple_of(8));
+    assert!(FlashcoreAttentionOptions::MIN_SIZE.is_multiple_of(8));
+};
+
 impl FlashcoreAttentionOptions {
+    /// `sizeof(FlashcoreAttentionOptions)` in this library: the largest `struct_size` it
+    /// accepts.
+    pub const SIZE: u32 = size_of::<FlashcoreAttentionOptions>() as u32;
+
+    /// The size of the struct's first version (32 bytes): the smallest `struct_size`
+    /// accepted. It stays 32 when options are added.
+    pub const MIN_SIZE: u32 = 32;
+
+    /// No options, the plain calls' defaults, in this library's size: what the header's
+    /// `FLASHCORE_ATTENTION_OPTIONS_INIT` gives C, `{sizeof(...), 0.0f, -1, -1, 0, 0.0f}`:
+    /// the default scale, no window (both sides unbounded), no causal mask, no cap.
+    pub const fn new() -> FlashcoreAttentionOptions {
+        FlashcoreAttentionOptions {
+            struct_size: Self::SIZE,
+            softmax_scale: 0.0,
+            window_left: -1,
+            window_right: -1,
+            causal: 0,
+            softcap: 0.0,
+        }
+    }
+
     /// The options of a call's spellings without `_ex`: their scale, causal flag and key
     /// window (−1, −1: none), no soft cap.
     fn uncapped(
@@ -239,8 +285,15 @@ impl FlashcoreAttentionOptions {
             causal,
             window_left,
             window_right,
-            softcap: 0.0,
+            ..FlashcoreAttentionOptions::new()
         }
+    }
+}
+
+impl Default for FlashcoreAttentionOptions {
+    /// [`FlashcoreAttentionOptions::new`]: no options (not all zeros).
+    fn default() -> FlashcoreAttentionOptions {
+        FlashcoreAttentionOptions::new()
     }
 }
 
@@ -467,15 +520,67 @@ fn c_options(o: &FlashcoreAttentionOptions) -> AttentionParams {
     }
 }
 
-/// Reads the C options behind `opts` ([`c_options`]).
+/// Why a caller's `struct_size` is refused, or `None` for one this library reads: from
+/// [`MIN_SIZE`](FlashcoreAttentionOptions::MIN_SIZE) to
+/// [`SIZE`](FlashcoreAttentionOptions::SIZE), a multiple of 8.
+fn options_size_error(struct_size: u32) -> Option<Error> {
+    let (first, known) = (
+        FlashcoreAttentionOptions::MIN_SIZE,
+        FlashcoreAttentionOptions::SIZE,
+    );
+    if struct_size < first || !struct_size.is_multiple_of(8) {
+        Some(Error::InvalidArgument(format!(
+            "opts.struct_size is {struct_size}, which is no size of FlashcoreAttentionOptions \
+             ({first} bytes or more, a multiple of 8): initialize the options with \
+             FLASHCORE_ATTENTION_OPTIONS_INIT"
+        )))
+    } else if struct_size > known {
+        Some(Error::InvalidArgument(format!(
+            "opts.struct_size is {struct_size}: options from a newer flashcore header than \
+             this library, which knows FlashcoreAttentionOptions of up to {known} bytes and \
+             would ignore the options it does not know (use the header of this library)"
+        )))
+    } else {
+        None
+    }
+}
+
+/// Reads the C options behind `opts` ([`c_options`]), as many bytes as their
+/// `struct_size` says: `struct_size` first (4 bytes, the first field), and only when
+/// [`options_size_error`] accepts it the rest of those bytes; options past them (a
+/// smaller, older struct's) keep [`FlashcoreAttentionOptions::new`]'s defaults. A size
+/// refused is `FLASHCORE_ERROR_INVALID_ARGUMENT`, null `opts`
+/// `FLASHCORE_ERROR_NULL_ARGUMENT`.
 ///
 /// # Safety
 ///
-/// `opts` must be null or point to a readable `FlashcoreAttentionOptions`.
+/// `opts` must be null or point to a readable, 8-byte aligned `FlashcoreAttentionOptions`
+/// of `struct_size` bytes: 4 readable bytes at least (the `struct_size`), and all of
+/// `struct_size` when it is a size accepted.
 unsafe fn read_options(opts: *const FlashcoreAttentionOptions) -> Result<AttentionParams, Failure> {
-    // SAFETY: the caller guarantees `opts` is null or valid for reads; `as_ref` handles null.
-    let opts = unsafe { opts.as_ref() }.ok_or_else(|| null_argument("opts"))?;
-    Ok(c_options(opts))
+    if opts.is_null() {
+        return Err(null_argument("opts"));
+    }
+    // SAFETY: `opts` is not null and the caller guarantees its first 4 bytes, the
+    // `struct_size` field (offset 0, asserted at compile time), are readable and aligned;
+    // nothing past them is read here.
+    let struct_size = unsafe { opts.cast::<u32>().read() };
+    if let Some(e) = options_size_error(struct_size) {
+        return Err(e.into());
+    }
+    let mut o = FlashcoreAttentionOptions::new();
+    // SAFETY: the caller guarantees `struct_size` readable bytes at `opts`, and
+    // `options_size_error` made that size at most `size_of::<FlashcoreAttentionOptions>()`,
+    // so the copy stays inside `o` too; a multiple of 8 from 32 up, it covers whole fields
+    // (the struct has no padding), each a plain number for which any bytes are a value.
+    unsafe {
+        std::ptr::copy_nonoverlapping(
+            opts.cast::<u8>(),
+            (&raw mut o).cast::<u8>(),
+            struct_size as usize,
+        );
+    }
+    Ok(c_options(&o))
 }
 
 /// A C cache (and, for an e4m3 one, its scales) as a [`KvCache`]: its tensors as
@@ -780,9 +885,10 @@ impl DecodeCall<'_> {
     ///
     /// `q`, `o` null or readable `FlashcoreTensor`s, `cache` null or a readable
     /// `FlashcoreKvCache`, `scales` null or a readable `FlashcoreKvScales`, `opts` null or
-    /// a readable `FlashcoreAttentionOptions`; `host_seqlens` null or `B` readable int32s,
-    /// `host_block_table` null or `(B − 1) · table_stride + max_pages` readable int32s
-    /// (`B` = q's batch), for as long as the result lives.
+    /// a readable `FlashcoreAttentionOptions` (as [`read_options`] reads it);
+    /// `host_seqlens` null or `B` readable int32s, `host_block_table` null or
+    /// `(B − 1) · table_stride + max_pages` readable int32s (`B` = q's batch), for as long
+    /// as the result lives.
     #[allow(clippy::too_many_arguments)]
     unsafe fn read<'a>(
         q: *const FlashcoreTensor,
@@ -1029,8 +1135,8 @@ pub unsafe extern "C" fn flashcore_destroy(ctx: *mut FlashcoreContext) {
 // FlashAttention's `window_size` (`window_left`, `window_right` after `causal`; −1, −1:
 // none, and then the same call), and an `_ex` one that takes all the options as one
 // `FlashcoreAttentionOptions` in place of `softmax_scale` and `causal` (the soft cap
-// included). All run one shared body on the options, which reports under the name the
-// caller used.
+// included; size-versioned, read by `read_options`). All run one shared body on the
+// options, which reports under the name the caller used.
 
 /// The body of [`flashcore_forward`], [`flashcore_forward_window`] and
 /// [`flashcore_forward_ex`], reporting as `name`.
@@ -1153,7 +1259,8 @@ pub unsafe extern "C" fn flashcore_forward_window(
 /// # Safety
 ///
 /// As for [`flashcore_forward`]; `opts` must be null or point to a readable
-/// `FlashcoreAttentionOptions`.
+/// `FlashcoreAttentionOptions` (its first 4 bytes, `struct_size`, and all `struct_size`
+/// bytes when the size is one the library accepts).
 #[allow(clippy::too_many_arguments)]
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn flashcore_forward_ex(
@@ -1269,7 +1376,8 @@ pub unsafe extern "C" fn flashcore_check_forward_window(
 /// # Safety
 ///
 /// As for [`flashcore_check_forward`]; `opts` must be null or point to a readable
-/// `FlashcoreAttentionOptions`.
+/// `FlashcoreAttentionOptions` (its first 4 bytes, `struct_size`, and all `struct_size`
+/// bytes when the size is one the library accepts).
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn flashcore_check_forward_ex(
     q: *const FlashcoreTensor,
@@ -1631,7 +1739,8 @@ pub unsafe extern "C" fn flashcore_decode_fp8kv_window(
 /// # Safety
 ///
 /// As for [`flashcore_decode`]; `opts` must be null or point to a readable
-/// `FlashcoreAttentionOptions`.
+/// `FlashcoreAttentionOptions` (its first 4 bytes, `struct_size`, and all `struct_size`
+/// bytes when the size is one the library accepts).
 #[allow(clippy::too_many_arguments)]
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn flashcore_decode_ex(
@@ -1673,7 +1782,8 @@ pub unsafe extern "C" fn flashcore_decode_ex(
 /// # Safety
 ///
 /// As for [`flashcore_decode_fp8kv`]; `opts` must be null or point to a readable
-/// `FlashcoreAttentionOptions`.
+/// `FlashcoreAttentionOptions` (its first 4 bytes, `struct_size`, and all `struct_size`
+/// bytes when the size is one the library accepts).
 #[allow(clippy::too_many_arguments)]
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn flashcore_decode_fp8kv_ex(
@@ -2362,7 +2472,8 @@ pub unsafe extern "C" fn flashcore_forward_varlen_window(
 /// # Safety
 ///
 /// As for [`flashcore_forward_varlen`]; `opts` must be null or point to a readable
-/// `FlashcoreAttentionOptions`.
+/// `FlashcoreAttentionOptions` (its first 4 bytes, `struct_size`, and all `struct_size`
+/// bytes when the size is one the library accepts).
 #[allow(clippy::too_many_arguments)]
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn flashcore_forward_varlen_ex(
@@ -5250,11 +5361,115 @@ mod tests {
         use std::mem::{align_of, offset_of, size_of};
         assert_eq!(size_of::<FlashcoreAttentionOptions>(), 32);
         assert_eq!(align_of::<FlashcoreAttentionOptions>(), 8);
-        assert_eq!(offset_of!(FlashcoreAttentionOptions, softmax_scale), 0);
-        assert_eq!(offset_of!(FlashcoreAttentionOptions, causal), 4);
+        assert_eq!(offset_of!(FlashcoreAttentionOptions, struct_size), 0);
+        assert_eq!(offset_of!(FlashcoreAttentionOptions, softmax_scale), 4);
         assert_eq!(offset_of!(FlashcoreAttentionOptions, window_left), 8);
         assert_eq!(offset_of!(FlashcoreAttentionOptions, window_right), 16);
-        assert_eq!(offset_of!(FlashcoreAttentionOptions, softcap), 24);
+        assert_eq!(offset_of!(FlashcoreAttentionOptions, causal), 24);
+        assert_eq!(offset_of!(FlashcoreAttentionOptions, softcap), 28);
+        // The first version is this one: 32 bytes, the smallest size and the largest.
+        assert_eq!(FlashcoreAttentionOptions::MIN_SIZE, 32);
+        assert_eq!(FlashcoreAttentionOptions::SIZE, 32);
+    }
+
+    #[test]
+    fn new_options_are_no_options() {
+        let o = FlashcoreAttentionOptions::new();
+        // FLASHCORE_ATTENTION_OPTIONS_INIT's values (the c_header test checks the macro
+        // against new()).
+        assert_eq!(
+            (
+                o.struct_size,
+                o.softmax_scale,
+                o.window_left,
+                o.window_right,
+                o.causal,
+                o.softcap
+            ),
+            (32, 0.0, -1, -1, 0, 0.0)
+        );
+        assert_eq!(FlashcoreAttentionOptions::default(), o);
+        assert_eq!(FlashcoreAttentionOptions::uncapped(0.0, 0, -1, -1), o);
+        // The plain calls' defaults: default scale, no mask, no window, no cap.
+        // SAFETY: `o` is a live local of its size.
+        let p = unsafe { read_options(&o) }.unwrap_or_else(|f| panic!("{}", f.message));
+        assert_eq!(p, params(0.0, 0, Window::FULL));
+        assert_eq!(p, AttentionParams::default());
+    }
+
+    #[test]
+    fn options_sizes_other_than_this_librarys_are_refused() {
+        // Accepted: 32 only (the first version's size is this library's).
+        let accepted: Vec<u32> = (0..=1024)
+            .filter(|&n| options_size_error(n).is_none())
+            .collect();
+        assert_eq!(accepted, [32]);
+        for n in [u32::MAX, u32::MAX - 7, 1 << 31, 1 << 16] {
+            assert!(options_size_error(n).is_some(), "{n}");
+        }
+        // Too small or not a multiple of 8: not initialized from the macro. Only the
+        // struct_size is read: the options here are a lone (8-byte aligned) u32.
+        #[repr(C, align(8))]
+        struct SizeOnly(u32);
+        for n in [0, 1, 4, 8, 16, 24, 31, 33, 36, 39, 41, 60, u32::MAX] {
+            let size = SizeOnly(n);
+            // SAFETY: `size` is a live, aligned u32 and the sizes here are refused, so no
+            // more than its 4 bytes may be read.
+            let read = unsafe { read_options((&raw const size).cast()) };
+            let f = read.expect_err("refused");
+            assert_eq!(f.code, FLASHCORE_ERROR_INVALID_ARGUMENT, "{n}");
+            assert!(
+                f.message.contains(&format!("opts.struct_size is {n},"))
+                    && f.message.contains("FLASHCORE_ATTENTION_OPTIONS_INIT"),
+                "{}",
+                f.message
+            );
+        }
+        // Larger than this library's, a multiple of 8: a newer header's options. Only the
+        // struct_size is read, whatever follows it.
+        let mut newer = [0u64; 8];
+        for n in [40u32, 48, 64, 1 << 12, u32::MAX - 7] {
+            newer[0] = u64::from(n).to_le();
+            // SAFETY: `newer` is 64 live, aligned bytes starting with a u32 of `n` (on
+            // little-endian targets; a big-endian one would read a size of 0, also refused).
+            let read = unsafe { read_options(newer.as_ptr().cast()) };
+            let f = read.expect_err("refused");
+            assert_eq!(f.code, FLASHCORE_ERROR_INVALID_ARGUMENT, "{n}");
+            if cfg!(target_endian = "little") {
+                assert!(
+                    f.message
+                        .contains("options from a newer flashcore header than this library"),
+                    "{}",
+                    f.message
+                );
+            }
+        }
+        // All zeros is no longer "a window of one key": it is refused.
+        let zeros = FlashcoreAttentionOptions {
+            struct_size: 0,
+            softmax_scale: 0.0,
+            window_left: 0,
+            window_right: 0,
+            causal: 0,
+            softcap: 0.0,
+        };
+        // SAFETY: `zeros` is a live local.
+        let f = unsafe { read_options(&zeros) }.expect_err("refused");
+        assert_eq!(f.code, FLASHCORE_ERROR_INVALID_ARGUMENT);
+        // The right size with the rest as given: the options as c_options maps them.
+        let o = FlashcoreAttentionOptions {
+            struct_size: 32,
+            ..options(1, 15, 0, 50.0)
+        };
+        // SAFETY: `o` is a live local.
+        let p = unsafe { read_options(&o) }.unwrap_or_else(|f| panic!("{}", f.message));
+        assert_eq!(p, c_options(&o));
+        // SAFETY: null is allowed and reported.
+        let f = unsafe { read_options(ptr::null()) }.expect_err("null");
+        assert_eq!(
+            (f.code, f.message.as_str()),
+            (FLASHCORE_ERROR_NULL_ARGUMENT, "opts is a null pointer")
+        );
     }
 
     /// Options with a soft cap (0: none) on top of the spellings' without `_ex`.
@@ -5398,6 +5613,33 @@ mod tests {
             last_error(),
             "flashcore_check_forward_ex: k is a null pointer"
         );
+        // A struct_size other than this library's (32) is refused, whatever the options:
+        // not from FLASHCORE_ATTENTION_OPTIONS_INIT, or from a newer header.
+        for (struct_size, why) in [
+            (0, "FLASHCORE_ATTENTION_OPTIONS_INIT"),
+            (24, "FLASHCORE_ATTENTION_OPTIONS_INIT"),
+            (36, "FLASHCORE_ATTENTION_OPTIONS_INIT"),
+            (40, "newer flashcore header"),
+            (u32::MAX - 7, "newer flashcore header"),
+        ] {
+            let opts = FlashcoreAttentionOptions {
+                struct_size,
+                ..options(1, 15, 0, 50.0)
+            };
+            assert_eq!(
+                check(&opts),
+                FLASHCORE_ERROR_INVALID_ARGUMENT,
+                "{struct_size}"
+            );
+            let message = last_error();
+            assert!(
+                message.starts_with(&format!(
+                    "flashcore_check_forward_ex: invalid argument: opts.struct_size is \
+                     {struct_size}"
+                )) && message.contains(why),
+                "{message}"
+            );
+        }
     }
 
     #[test]
@@ -5471,6 +5713,21 @@ mod tests {
             last_error(),
             "flashcore_check_forward_varlen_ex: opts is a null pointer"
         );
+        // A struct_size other than this library's is refused.
+        for struct_size in [0, 16, 33, 48] {
+            let opts = FlashcoreAttentionOptions {
+                struct_size,
+                ..options(1, -1, -1, 50.0)
+            };
+            assert_eq!(check(&cu_q, &opts), FLASHCORE_ERROR_INVALID_ARGUMENT);
+            assert!(
+                last_error().starts_with(
+                    "flashcore_check_forward_varlen_ex: invalid argument: opts.struct_size"
+                ),
+                "{}",
+                last_error()
+            );
+        }
     }
 
     #[test]
@@ -5542,6 +5799,24 @@ mod tests {
                 }
                 assert_eq!(check(ptr::null()), FLASHCORE_ERROR_NULL_ARGUMENT);
                 assert_eq!(last_error(), format!("{name}: opts is a null pointer"));
+                for struct_size in [0, 28, 40, 1 << 20] {
+                    let opts = FlashcoreAttentionOptions {
+                        struct_size,
+                        ..options(1, 15, 0, 50.0)
+                    };
+                    assert_eq!(
+                        check(&opts),
+                        FLASHCORE_ERROR_INVALID_ARGUMENT,
+                        "{name} {struct_size}"
+                    );
+                    let message = last_error();
+                    assert!(
+                        message.starts_with(&format!(
+                            "{name}: invalid argument: opts.struct_size is {struct_size}"
+                        )),
+                        "{message}"
+                    );
+                }
             }
         }
     }

@@ -219,6 +219,19 @@ fn info() -> Result<(), Failure> {
          larger one, padded: {}",
         padded.join(", ")
     );
+    // Key windows and soft caps: twins of the kernels above.
+    let big = AttnShape::square(8, 32, 4096, 128);
+    let twins = dispatch(arch, sms, HalfType::Bf16, &big, true, 1.0 / 128f32.sqrt())
+        .map(|c| {
+            let (w, s, ws) = (c.windowed(), c.softcapped(), c.windowed().softcapped());
+            format!("{} | {} | {}", w.id(), s.id(), ws.id())
+        })
+        .unwrap_or_else(|why| format!("unsupported: {why}"));
+    out!(
+        "  a key window runs the windowed twin of the causal kernel, a soft cap the \
+         soft-capping twin (no split keys, no 192-row tiles; the scale folded on sm90a); bf16 \
+         d128 causal with a window | a cap | both -> {twins}"
+    );
     out!(
         "  up to {} queries per sequence against {} keys or more ({} where {} or more KV \
          heads each serve 4 query heads or more; packed batches by their mean key count): \

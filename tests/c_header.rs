@@ -3,7 +3,8 @@
 //! the same parameter types, the same fields of each struct (`FlashcoreTensor`,
 //! `FlashcoreKvCache`, `FlashcoreKvScales`, `FlashcoreVarlen`, `FlashcoreFp8Operands`,
 //! `FlashcoreQuantizeOptions`, `FlashcoreAttentionOptions`), and the same struct layouts (the C layout the header's fields give
-//! against Rust's offsets, sizes and alignments). Plain text parsing: the header is kept
+//! against Rust's offsets, sizes and alignments), and `FLASHCORE_ATTENTION_OPTIONS_INIT`
+//! against `FlashcoreAttentionOptions::new()`. Plain text parsing: the header is kept
 //! in a simple, regular style for it. The three files are embedded in the test binary,
 //! which therefore runs anywhere.
 
@@ -100,6 +101,8 @@ type Fields = Vec<(String, String)>;
 
 struct Header {
     defines: BTreeMap<String, Option<i64>>,
+    /// Each `#define NAME {a, b, ...}` (a struct initializer): its elements, trimmed.
+    initializers: BTreeMap<String, Vec<String>>,
     functions: BTreeMap<String, Signature>,
     typedefs: Vec<String>,
     /// Each `typedef struct Name { ... } Name;`'s fields, in the order defined.
@@ -110,12 +113,26 @@ fn parse_header() -> Header {
     let raw = read("include/flashcore.h");
     let text = strip_c_comments(&raw);
     let mut defines = BTreeMap::new();
+    let mut initializers = BTreeMap::new();
     let mut body = String::new();
     for line in text.lines() {
         let l = line.trim();
         if let Some(def) = l.strip_prefix("#define") {
             let mut parts = def.split_whitespace();
             let name = parts.next().expect("#define without a name").to_string();
+            let value = def.trim_start()[name.len()..].trim();
+            if let Some(inside) = value.strip_prefix('{') {
+                let inside = inside
+                    .strip_suffix('}')
+                    .unwrap_or_else(|| panic!("#define {name}: initializer without a }}"));
+                let elements = inside.split(',').map(|e| e.trim().to_string()).collect();
+                assert!(
+                    !defines.contains_key(&name)
+                        && initializers.insert(name.clone(), elements).is_none(),
+                    "{name} defined twice"
+                );
+                continue;
+            }
             let value = parts.next().map(|v| {
                 v.parse::<i64>()
                     .unwrap_or_else(|_| panic!("#define {name}: value {v:?} is not an integer"))
@@ -200,6 +217,7 @@ fn parse_header() -> Header {
     }
     Header {
         defines,
+        initializers,
         functions,
         typedefs,
         structs,
@@ -241,6 +259,7 @@ fn rust_to_c(t: &str) -> String {
     match t {
         "" => "void",
         "i32" => "int32_t",
+        "u32" => "uint32_t",
         "i64" => "int64_t",
         "u64" => "uint64_t",
         "usize" => "size_t",
@@ -532,10 +551,11 @@ fn expected_fields(name: &str) -> Fields {
             ("uint64_t", "hadamard_seed"),
         ],
         "FlashcoreAttentionOptions" => &[
+            ("uint32_t", "struct_size"),
             ("float", "softmax_scale"),
-            ("int32_t", "causal"),
             ("int64_t", "window_left"),
             ("int64_t", "window_right"),
+            ("int32_t", "causal"),
             ("float", "softcap"),
         ],
         other => panic!("no expected fields for {other}"),
@@ -554,7 +574,7 @@ fn c_size_align(ty: &str, header: &Header) -> (usize, usize) {
         return (size * n.parse::<usize>().expect("array length"), align);
     }
     match ty {
-        "int32_t" | "float" => (4, 4),
+        "int32_t" | "uint32_t" | "float" => (4, 4),
         "int64_t" | "uint64_t" | "size_t" => (8, 8),
         _ if ty.ends_with('*') => (8, 8),
         name => {
@@ -653,10 +673,13 @@ fn rust_layout(name: &str) -> (Vec<(&'static str, usize)>, usize, usize) {
         "FlashcoreAttentionOptions" => (
             vec![
                 (
+                    "struct_size",
+                    offset_of!(FlashcoreAttentionOptions, struct_size),
+                ),
+                (
                     "softmax_scale",
                     offset_of!(FlashcoreAttentionOptions, softmax_scale),
                 ),
-                ("causal", offset_of!(FlashcoreAttentionOptions, causal)),
                 (
                     "window_left",
                     offset_of!(FlashcoreAttentionOptions, window_left),
@@ -665,6 +688,7 @@ fn rust_layout(name: &str) -> (Vec<(&'static str, usize)>, usize, usize) {
                     "window_right",
                     offset_of!(FlashcoreAttentionOptions, window_right),
                 ),
+                ("causal", offset_of!(FlashcoreAttentionOptions, causal)),
                 ("softcap", offset_of!(FlashcoreAttentionOptions, softcap)),
             ],
             size_of::<FlashcoreAttentionOptions>(),
@@ -741,6 +765,26 @@ fn layouts_match() {
             "{name}: size and alignment"
         );
     }
+    // The attention options have no padding either: their fields' sizes add up to the
+    // struct's, so that a struct_size covers whole fields and no unset bytes.
+    let header_fields = header.fields("FlashcoreAttentionOptions");
+    let field_bytes: usize = header_fields
+        .iter()
+        .map(|(t, _)| c_size_align(t, &header).0)
+        .sum();
+    assert_eq!(field_bytes, size_of::<FlashcoreAttentionOptions>());
+    let (offsets, _, _) = rust_layout("FlashcoreAttentionOptions");
+    assert_eq!(
+        offsets,
+        [
+            ("struct_size", 0),
+            ("softmax_scale", 4),
+            ("window_left", 8),
+            ("window_right", 16),
+            ("causal", 24),
+            ("softcap", 28)
+        ]
+    );
     // The cache has no padding: C and Rust agree on it byte for byte, whatever the rules.
     let (offsets, _, _) = rust_layout("FlashcoreKvCache");
     assert_eq!(
@@ -761,6 +805,7 @@ fn c_to_ctypes(t: &str) -> &'static str {
     match t {
         "void" => "None",
         "int32_t" => "ctypes.c_int32",
+        "uint32_t" => "ctypes.c_uint32",
         "int64_t" => "ctypes.c_int64",
         "uint64_t" => "ctypes.c_uint64",
         "size_t" => "ctypes.c_size_t",
@@ -784,6 +829,75 @@ fn c_to_ctypes(t: &str) -> &'static str {
         "const FlashcoreAttentionOptions*" => "ctypes.POINTER(FlashcoreAttentionOptions)",
         other => panic!("no ctypes spelling for {other}"),
     }
+}
+
+/// `FLASHCORE_ATTENTION_OPTIONS_INIT` is the only initializer macro, one element per field
+/// of `FlashcoreAttentionOptions` in the header's order, and gives what
+/// `FlashcoreAttentionOptions::new()` does: `struct_size` the header's own
+/// `sizeof(FlashcoreAttentionOptions)` (the header's layout is Rust's: `layouts_match`),
+/// and every option its "none".
+#[test]
+fn options_initializer_is_new() {
+    let header = parse_header();
+    assert_eq!(
+        header.initializers.keys().collect::<Vec<_>>(),
+        ["FLASHCORE_ATTENTION_OPTIONS_INIT"],
+        "initializer macros of the header"
+    );
+    let init = &header.initializers["FLASHCORE_ATTENTION_OPTIONS_INIT"];
+    let fields = header.fields("FlashcoreAttentionOptions");
+    assert_eq!(
+        init.len(),
+        fields.len(),
+        "FLASHCORE_ATTENTION_OPTIONS_INIT {init:?}: one element per field of {fields:?}"
+    );
+    // Every field set from its element, read by its C type; all bits set to start with, so
+    // that a field the loop misses shows.
+    let mut got = FlashcoreAttentionOptions {
+        struct_size: u32::MAX,
+        softmax_scale: f32::NAN,
+        window_left: i64::MAX,
+        window_right: i64::MAX,
+        causal: i32::MAX,
+        softcap: f32::NAN,
+    };
+    for ((ty, name), element) in fields.iter().zip(init) {
+        let e = element.as_str();
+        let int = || {
+            e.parse::<i64>()
+                .unwrap_or_else(|_| panic!("{name} = {e}: not an integer literal"))
+        };
+        let float = || {
+            e.strip_suffix('f')
+                .and_then(|f| f.parse::<f32>().ok())
+                .unwrap_or_else(|| panic!("{name} = {e}: not a float literal like 0.0f"))
+        };
+        match (ty.as_str(), name.as_str()) {
+            ("uint32_t", "struct_size") => {
+                assert_eq!(
+                    e, "(uint32_t)sizeof(FlashcoreAttentionOptions)",
+                    "struct_size must be the header's own size"
+                );
+                got.struct_size = FlashcoreAttentionOptions::SIZE;
+            }
+            ("float", "softmax_scale") => got.softmax_scale = float(),
+            ("int64_t", "window_left") => got.window_left = int(),
+            ("int64_t", "window_right") => got.window_right = int(),
+            ("int32_t", "causal") => got.causal = i32::try_from(int()).expect("causal"),
+            ("float", "softcap") => got.softcap = float(),
+            other => panic!("FLASHCORE_ATTENTION_OPTIONS_INIT: no element rule for {other:?}"),
+        }
+    }
+    assert_eq!(
+        got,
+        FlashcoreAttentionOptions::new(),
+        "FLASHCORE_ATTENTION_OPTIONS_INIT {init:?}"
+    );
+    assert_eq!(
+        (got.window_left, got.window_right),
+        (-1, -1),
+        "no window: both sides unbounded"
+    );
 }
 
 #[test]

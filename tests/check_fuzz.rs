@@ -1,7 +1,8 @@
 //! Random and extreme arguments through every `flashcore_check_*` entry point of the C
 //! ABI (no GPU needed; the attention checks in their `_window` and `_ex` spellings too,
-//! with key windows from sliding ones to the edges of int64 and soft caps from Gemma 2's
-//! to the edges of float): each starts from a call that is
+//! with key windows from sliding ones to the edges of int64, soft caps from Gemma 2's
+//! to the edges of float and options' `struct_size`s of every other value, which must be
+//! refused): each starts from a call that is
 //! valid, changes up to three of its fields to values from the edges of their types
 //! (zero, negative, 2^31, 2^63, NaN, misaligned or overlapping pointers, unknown dtype
 //! codes, ...), and must answer with one of the documented codes. A panic inside flashcore (caught at the boundary as
@@ -266,21 +267,69 @@ const EDGE_SOFTCAPS: [f32; 10] = [
     f32::MAX,
 ];
 
-/// The options of an `_ex` call: its scale and causal flag, its window (none: −1, −1) and
-/// its soft cap.
+/// `struct_size`s the library must refuse: below the first version's 32 bytes, not a
+/// multiple of 8, or above this library's size (a newer header's), up to the edges of u32.
+const EDGE_STRUCT_SIZES: [u32; 16] = [
+    0,
+    1,
+    4,
+    8,
+    16,
+    24,
+    28,
+    31,
+    33,
+    36,
+    40,
+    48,
+    64,
+    1 << 16,
+    1 << 31,
+    u32::MAX,
+];
+
+/// A `struct_size` other than this library's: an edge, a small one or any u32.
+fn other_struct_size(rng: &mut Rng) -> u32 {
+    let size = match rng.below(3) {
+        0 => rng.pick(&EDGE_STRUCT_SIZES),
+        1 => rng.below(129) as u32,
+        _ => rng.next() as u32,
+    };
+    if size == FlashcoreAttentionOptions::SIZE {
+        0
+    } else {
+        size
+    }
+}
+
+/// The options of an `_ex` call: its scale and causal flag, its window (none: −1, −1),
+/// its soft cap and its `struct_size` (this library's: [`FlashcoreAttentionOptions::SIZE`]).
 fn options(
     scale: f32,
     causal: i32,
     window: Option<(i64, i64)>,
     cap: f32,
+    struct_size: u32,
 ) -> FlashcoreAttentionOptions {
     let (window_left, window_right) = window.unwrap_or((-1, -1));
     FlashcoreAttentionOptions {
+        struct_size,
         softmax_scale: scale,
         causal,
         window_left,
         window_right,
         softcap: cap,
+    }
+}
+
+/// Checks one answer of an `_ex` spelling on top of [`judge`]: options of another size
+/// than this library's are never accepted.
+fn judge_size(what: &str, struct_size: u32, rc: i32, args: &dyn std::fmt::Debug) {
+    if struct_size != FlashcoreAttentionOptions::SIZE {
+        assert_ne!(
+            rc, FLASHCORE_SUCCESS,
+            "{what}_ex accepted options of struct_size {struct_size}\nwith {args:#?}"
+        );
     }
 }
 
@@ -307,15 +356,21 @@ fn forward_checks_answer_every_argument_with_a_code() {
             let mut causal = rng.below(2) as i32;
             let mut window = window(&mut rng, causal != 0);
             let mut softcap = softcap(&mut rng);
+            let mut size = FlashcoreAttentionOptions::SIZE;
             let n = mutations(&mut rng);
             for _ in 0..n {
-                match rng.below(11) {
+                match rng.below(12) {
                     0 => lse = rng.pick(&[2, region(0), region(3) + 64, u64::MAX - 3]),
                     1 => scale = rng.pick(&SCALES),
                     2 => causal = rng.pick(&[-1, 2, i32::MAX]),
                     3 => set_head_dim(&mut t, rng.pick(&BAD_HEAD_DIMS)),
                     4 => window = any_window(&mut rng),
                     5 => softcap = Some(rng.pick(&EDGE_SOFTCAPS)),
+                    6 => {
+                        // Through the _ex spelling (no cap, if none was drawn).
+                        size = other_struct_size(&mut rng);
+                        softcap.get_or_insert(0.0);
+                    }
                     _ => {
                         let i = rng.below(4) as usize;
                         mutate_tensor(&mut rng, &mut t[i]);
@@ -331,7 +386,7 @@ fn forward_checks_answer_every_argument_with_a_code() {
                         &t[2],
                         &t[3],
                         lse,
-                        &options(scale, causal, window, cap),
+                        &options(scale, causal, window, cap, size),
                     ),
                     (None, None) => {
                         flashcore_check_forward(&t[0], &t[1], &t[2], &t[3], lse, scale, causal)
@@ -341,12 +396,9 @@ fn forward_checks_answer_every_argument_with_a_code() {
                     ),
                 }
             };
-            judge(
-                "flashcore_check_forward",
-                n == 0,
-                rc,
-                &(t, lse, scale, causal, window, softcap),
-            );
+            let args = (t, lse, scale, causal, window, softcap, size);
+            judge("flashcore_check_forward", n == 0, rc, &args);
+            judge_size("flashcore_check_forward", size, rc, &args);
         }
     }
 }
@@ -389,10 +441,15 @@ fn varlen_checks_answer_every_argument_with_a_code() {
             let mut lse = if rng.chance(2) { region(4) } else { 0 };
             let mut host = rng.chance(2);
             let mut softcap = softcap(&mut rng);
+            let mut size = FlashcoreAttentionOptions::SIZE;
             let n = mutations(&mut rng);
             for _ in 0..n {
-                match rng.below(10) {
+                match rng.below(11) {
                     6 => softcap = Some(rng.pick(&EDGE_SOFTCAPS)),
+                    7 => {
+                        size = other_struct_size(&mut rng);
+                        softcap.get_or_insert(0.0);
+                    }
                     0 => varlen.batch = rng.pick(&EDGE_I64),
                     1 => varlen.max_seqlen_q = rng.pick(&EDGE_I64),
                     2 => varlen.cu_seqlens_q = rng.pick(&[0, 2, region(3), region(0) + 16]),
@@ -437,7 +494,7 @@ fn varlen_checks_answer_every_argument_with_a_code() {
                         &varlen,
                         hq_ptr,
                         hk_ptr,
-                        &options(0.0, causal, window, cap),
+                        &options(0.0, causal, window, cap, size),
                     ),
                     (None, None) => flashcore_check_forward_varlen(
                         &t[0], &t[1], &t[2], &t[3], lse, &varlen, hq_ptr, hk_ptr, 0.0, causal,
@@ -448,12 +505,9 @@ fn varlen_checks_answer_every_argument_with_a_code() {
                     ),
                 }
             };
-            judge(
-                "flashcore_check_forward_varlen",
-                n == 0,
-                rc,
-                &(t, varlen, lse, fits, &cu_q, &cu_k, window, softcap),
-            );
+            let args = (t, varlen, lse, fits, &cu_q, &cu_k, window, softcap, size);
+            judge("flashcore_check_forward_varlen", n == 0, rc, &args);
+            judge_size("flashcore_check_forward_varlen", size, rc, &args);
         }
     }
 }
@@ -603,10 +657,15 @@ fn decode_checks_answer_every_argument_with_a_code() {
             let mut lse = if rng.chance(2) { region(4) } else { 0 };
             let mut scale = 0.0f32;
             let mut softcap = softcap(&mut rng);
+            let mut size = FlashcoreAttentionOptions::SIZE;
             let n = mutations(&mut rng);
             for _ in 0..n {
-                match rng.below(10) {
+                match rng.below(11) {
                     6 => softcap = Some(rng.pick(&EDGE_SOFTCAPS)),
+                    7 => {
+                        size = other_struct_size(&mut rng);
+                        softcap.get_or_insert(0.0);
+                    }
                     0 => mutate_tensor(&mut rng, &mut q),
                     1 => mutate_tensor(&mut rng, &mut o),
                     2 => lse = rng.pick(&[2, region(0), region(12)]),
@@ -635,7 +694,7 @@ fn decode_checks_answer_every_argument_with_a_code() {
                         ht,
                         &o,
                         lse,
-                        &options(scale, causal, window, softcap.unwrap_or_default()),
+                        &options(scale, causal, window, softcap.unwrap_or_default(), size),
                     ),
                     (false, _) if softcap.is_some() => flashcore_check_decode_ex(
                         &q,
@@ -644,7 +703,7 @@ fn decode_checks_answer_every_argument_with_a_code() {
                         ht,
                         &o,
                         lse,
-                        &options(scale, causal, window, softcap.unwrap_or_default()),
+                        &options(scale, causal, window, softcap.unwrap_or_default(), size),
                     ),
                     (true, None) => flashcore_check_decode_fp8kv(
                         &q, &c.cache, &c.scales, hs, ht, &o, lse, scale, causal,
@@ -660,12 +719,11 @@ fn decode_checks_answer_every_argument_with_a_code() {
                     ),
                 }
             };
-            judge(
-                "flashcore_check_decode",
-                n == 0,
-                rc,
-                &(q, c.cache, c.scales, o, lse, scale, fp8, window, softcap),
+            let args = (
+                q, c.cache, c.scales, o, lse, scale, fp8, window, softcap, size,
             );
+            judge("flashcore_check_decode", n == 0, rc, &args);
+            judge_size("flashcore_check_decode", size, rc, &args);
         }
     }
 }
@@ -853,11 +911,131 @@ fn fp8_checks_answer_every_argument_with_a_code() {
     }
 }
 
+/// Options of any `struct_size` but this library's are `FLASHCORE_ERROR_INVALID_ARGUMENT`
+/// from every `_ex` check of an otherwise valid call, saying why; the library reads their
+/// `struct_size` only, so sizes below 32 come as a lone 4-byte field here (nothing past it
+/// is there to read).
+#[test]
+fn ex_checks_refuse_options_of_every_other_size() {
+    /// A `struct_size` and nothing after it: all a refused size lets the library read.
+    #[repr(C, align(8))]
+    struct SizeOnly(u32);
+
+    let mut rng = Rng(SEEDS[0] ^ 7);
+    let t = |i, s| bshd(region(i), FLASHCORE_F16, [1, s, 2, 64]);
+    let (q, k, v, o) = (t(0, 48), t(1, 80), t(2, 80), t(3, 48));
+    let (cu_q, cu_k) = ([0i32, 16, 48], [0i32, 30, 80]);
+    let varlen = FlashcoreVarlen {
+        cu_seqlens_q: region(5),
+        cu_seqlens_k: region(6),
+        batch: 2,
+        max_seqlen_q: 32,
+    };
+    let (dq, dout) = (
+        bshd(region(0), FLASHCORE_BF16, [2, 1, 8, 128]),
+        bshd(region(3), FLASHCORE_BF16, [2, 1, 8, 128]),
+    );
+    let c16 = cache_case(&mut rng, [2, 2, 128], (FLASHCORE_BF16, false), 0);
+    let c8 = cache_case(&mut rng, [2, 2, 128], (FLASHCORE_BF16, true), 0);
+    // Each check's name, code and message (read right after it: the next call may
+    // overwrite it).
+    let checks = |opts: *const FlashcoreAttentionOptions| {
+        let answer = |name: &'static str, rc: i32| (name, rc, last_error());
+        // SAFETY: every struct pointer points at a live local; the host offsets hold
+        // batch + 1 entries; no cache host arrays; `opts` points at live options, or at a
+        // lone struct_size of a size the library refuses (all it may then read).
+        unsafe {
+            [
+                answer(
+                    "flashcore_check_forward_ex",
+                    flashcore_check_forward_ex(&q, &k, &v, &o, region(4), opts),
+                ),
+                answer(
+                    "flashcore_check_forward_varlen_ex",
+                    flashcore_check_forward_varlen_ex(
+                        &q,
+                        &k,
+                        &v,
+                        &o,
+                        0,
+                        &varlen,
+                        cu_q.as_ptr(),
+                        cu_k.as_ptr(),
+                        opts,
+                    ),
+                ),
+                answer(
+                    "flashcore_check_decode_ex",
+                    flashcore_check_decode_ex(
+                        &dq,
+                        &c16.cache,
+                        ptr::null(),
+                        ptr::null(),
+                        &dout,
+                        0,
+                        opts,
+                    ),
+                ),
+                answer(
+                    "flashcore_check_decode_fp8kv_ex",
+                    flashcore_check_decode_fp8kv_ex(
+                        &dq,
+                        &c8.cache,
+                        &c8.scales,
+                        ptr::null(),
+                        ptr::null(),
+                        &dout,
+                        0,
+                        opts,
+                    ),
+                ),
+            ]
+        }
+    };
+    // This library's size: every call is valid, capped or not.
+    for cap in [0.0, 50.0] {
+        let opts = options(0.0, 1, Some((15, 0)), cap, FlashcoreAttentionOptions::SIZE);
+        for (name, rc, message) in checks(&opts) {
+            assert_eq!(rc, FLASHCORE_SUCCESS, "{name}: {message}");
+        }
+    }
+    let sizes = EDGE_STRUCT_SIZES
+        .into_iter()
+        .chain((0..ROUNDS).map(|_| other_struct_size(&mut rng)));
+    for size in sizes {
+        let full = options(0.0, 1, Some((15, 0)), 50.0, size);
+        let size_only = SizeOnly(size);
+        let opts: *const FlashcoreAttentionOptions = if size < 32 {
+            (&raw const size_only).cast()
+        } else {
+            &full
+        };
+        for (name, rc, message) in checks(opts) {
+            assert_eq!(
+                code_name(rc),
+                "FLASHCORE_ERROR_INVALID_ARGUMENT",
+                "{name} with struct_size {size}: {message}"
+            );
+            let why = if size > FlashcoreAttentionOptions::SIZE && size.is_multiple_of(8) {
+                "options from a newer flashcore header than this library"
+            } else {
+                "FLASHCORE_ATTENTION_OPTIONS_INIT"
+            };
+            assert!(
+                message.starts_with(&format!(
+                    "{name}: invalid argument: opts.struct_size is {size}"
+                )) && message.contains(why),
+                "{message}"
+            );
+        }
+    }
+}
+
 /// Null struct pointers are refused as such by every entry point, never dereferenced.
 #[test]
 fn null_structs_are_refused() {
     let t = bshd(region(0), FLASHCORE_F16, [1, 16, 1, 64]);
-    let opts = options(0.0, 1, Some((15, 0)), 50.0);
+    let opts = options(0.0, 1, Some((15, 0)), 50.0, FlashcoreAttentionOptions::SIZE);
     let cache = FlashcoreKvCache {
         k: t,
         v: t,

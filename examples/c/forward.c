@@ -328,9 +328,15 @@ int main(void) {
     /* The options as one struct (flashcore_forward_ex): causal, a sliding window of 32
      * keys (each row sees itself and the 31 before it), and logit soft-capping as Gemma 2
      * and Grok use it (each scaled score x becomes softcap * tanh(x / softcap)), at a scale
-     * where the cap bends the scores. Starting from {0.0f, 0, -1, -1, 0.0f} is no option
-     * at all: window sides of 0 would be a window of one key. */
-    FlashcoreAttentionOptions opts = {0.5f, 1, 31, 0, 2.0f};
+     * where the cap bends the scores. Options always start from
+     * FLASHCORE_ATTENTION_OPTIONS_INIT (no option at all, and struct_size, which versions
+     * the struct); all zeros would be refused. */
+    FlashcoreAttentionOptions opts = FLASHCORE_ATTENTION_OPTIONS_INIT;
+    opts.softmax_scale = 0.5f;
+    opts.causal = 1;
+    opts.window_left = 31;
+    opts.window_right = 0;
+    opts.softcap = 2.0f;
     CU_CHECK(cu.cuMemsetD8(dout, 0xff, bytes));
     CU_CHECK(cu.cuMemsetD8(dlse, 0xff, lse_bytes));
     rc = flashcore_forward_ex(ctx, &tq, &tk, &tv, &to, dlse, &opts, NULL);
@@ -360,6 +366,17 @@ int main(void) {
         goto done;
     }
     printf("negative softcap refused as expected: %s\n", flashcore_last_error());
+    /* Options not started from FLASHCORE_ATTENTION_OPTIONS_INIT (struct_size 0) are refused
+     * too, not read as a window of one key. */
+    FlashcoreAttentionOptions zeros;
+    memset(&zeros, 0, sizeof zeros);
+    rc = flashcore_check_forward_ex(&tq, &tk, &tv, &to, dlse, &zeros);
+    if (rc != FLASHCORE_ERROR_INVALID_ARGUMENT) {
+        fprintf(stderr, "zeroed options: expected FLASHCORE_ERROR_INVALID_ARGUMENT, got %s\n",
+                flashcore_error_name(rc));
+        goto done;
+    }
+    printf("zeroed options refused as expected: %s\n", flashcore_last_error());
 
     /* FP8: the same inputs quantized on the GPU into a workspace, then the FP8 forward. */
     size_t ws_bytes = 0;

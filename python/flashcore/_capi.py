@@ -93,13 +93,24 @@ class FlashcoreQuantizeOptions(ctypes.Structure):
 
 
 class FlashcoreAttentionOptions(ctypes.Structure):
+    """The options of the _ex spellings, size-versioned as the header's are: a new one is
+    FLASHCORE_ATTENTION_OPTIONS_INIT (struct_size = ctypes.sizeof of this class, no options:
+    the default scale, no window, no causal mask, no cap), keyword arguments set on top. All
+    zeros is not "no options": the library refuses a struct_size of 0."""
+
     _fields_ = [
+        ("struct_size", ctypes.c_uint32),
         ("softmax_scale", ctypes.c_float),
-        ("causal", ctypes.c_int32),
         ("window_left", ctypes.c_int64),
         ("window_right", ctypes.c_int64),
+        ("causal", ctypes.c_int32),
         ("softcap", ctypes.c_float),
     ]
+
+    def __init__(self, **fields):
+        init = {"struct_size": ctypes.sizeof(FlashcoreAttentionOptions), "softmax_scale": 0.0,
+                "window_left": -1, "window_right": -1, "causal": 0, "softcap": 0.0}
+        super().__init__(**{**init, **fields})
 
 
 _I32P = ctypes.POINTER(ctypes.c_int32)
@@ -163,12 +174,9 @@ NO_SOFTCAP = 0.0
 def attention_options(scale, causal, window=NO_WINDOW, softcap=NO_SOFTCAP):
     """A FlashcoreAttentionOptions: the softmax scale (0.0: 1/sqrt(D)), causal masking, the
     key window (left, right) (-1: unbounded) and the soft cap (0.0: none)."""
-    o = FlashcoreAttentionOptions()
-    o.softmax_scale = scale
-    o.causal = int(causal)
-    o.window_left, o.window_right = window
-    o.softcap = softcap
-    return o
+    window_left, window_right = window
+    return FlashcoreAttentionOptions(softmax_scale=scale, causal=int(causal), window_left=window_left,
+                                     window_right=window_right, softcap=softcap)
 
 
 class FlashcoreError(RuntimeError):

@@ -913,16 +913,37 @@ def test_ex_spellings_are_their_calls_with_the_options_in_place_of_scale_and_cau
         assert getattr(lib.lib, name).argtypes == args  # exported and typed
     # The FP8 forward has no _ex spelling: its kernels have no cap.
     assert not [n for n in _capi.SIGNATURES if n.startswith("flashcore_forward_fp8") and n.endswith("_ex")]
-    # The C layout: 32 bytes, 4 of them padding after softcap.
+    # The C layout: 32 bytes, no padding, struct_size first.
     o = _capi.FlashcoreAttentionOptions
+    fields = ("struct_size", "softmax_scale", "window_left", "window_right", "causal", "softcap")
     assert ctypes.sizeof(o) == 32 and ctypes.alignment(o) == 8
-    assert [getattr(o, f).offset for f in ("softmax_scale", "causal", "window_left", "window_right", "softcap")] == [
-        0, 4, 8, 16, 24]
+    assert [getattr(o, f).offset for f in fields] == [0, 4, 8, 16, 24, 28]
+    # A new one is FLASHCORE_ATTENTION_OPTIONS_INIT: its size, then no options.
+    assert tuple(getattr(o(), f) for f in fields) == (32, 0.0, -1, -1, 0, 0.0)
+    assert o(causal=1).window_left == -1 and o(causal=1).causal == 1
     built = _capi.attention_options(0.125, True, (15, 0), 50.0)
-    assert (built.softmax_scale, built.causal, built.window_left, built.window_right, built.softcap) == (
-        0.125, 1, 15, 0, 50.0)
+    assert tuple(getattr(built, f) for f in fields) == (32, 0.125, 15, 0, 1, 50.0)
     plain = _capi.attention_options(0.0, False)
-    assert (plain.window_left, plain.window_right, plain.softcap) == (-1, -1, 0.0)
+    assert tuple(getattr(plain, f) for f in fields) == tuple(getattr(o(), f) for f in fields)
+
+
+def test_c_abi_refuses_options_of_another_size():
+    """struct_size below 32 or not a multiple of 8 (not from FLASHCORE_ATTENTION_OPTIONS_INIT),
+    or above the library's own size (a newer header's), is FLASHCORE_ERROR_INVALID_ARGUMENT."""
+    lib = _capi.library()
+    q, o = describe((1, 64, 4, 128)), describe((1, 64, 4, 128), ptr=4 << 40)
+    k, v = describe((1, 80, 2, 128), ptr=2 << 40), describe((1, 80, 2, 128), ptr=3 << 40)
+    tensors = [ctypes.byref(t) for t in (q, k, v, o)]
+    opts = _capi.attention_options(0.0, True, softcap=50.0)
+    assert lib.lib.flashcore_check_forward_ex(*tensors, 0, ctypes.byref(opts)) == _capi.FLASHCORE_SUCCESS
+    for size, why in [(0, "FLASHCORE_ATTENTION_OPTIONS_INIT"), (24, "FLASHCORE_ATTENTION_OPTIONS_INIT"),
+                      (36, "FLASHCORE_ATTENTION_OPTIONS_INIT"), (40, "newer flashcore header"),
+                      (2**32 - 8, "newer flashcore header")]:
+        opts.struct_size = size
+        rc = lib.lib.flashcore_check_forward_ex(*tensors, 0, ctypes.byref(opts))
+        assert lib.error_name(rc) == "FLASHCORE_ERROR_INVALID_ARGUMENT", size
+        message = lib.lib.flashcore_last_error().decode()
+        assert message.startswith("flashcore_check_forward_ex: ") and why in message, message
 
 
 def test_c_abi_softcap_checks_arrive_as_flashcore_errors():
