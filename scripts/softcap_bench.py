@@ -30,7 +30,7 @@ import argparse
 import json
 import math
 
-from window_bench import pairs, time_calls
+from window_bench import input_sets, pairs, time_calls
 
 
 def main():
@@ -60,23 +60,12 @@ def main():
             print(f"# flex_attention unavailable: {e}")
     dtype = {"f16": torch.float16, "bf16": torch.bfloat16}[args.dtype]
     cap = args.softcap
-    l2 = torch.cuda.get_device_properties(0).L2_cache_size
     print(f"# {torch.cuda.get_device_name(0)}, torch {torch.__version__}, {args.dtype}, softcap {cap}")
     records = []
     for shape in args.shapes.split(","):
         b, h, hkv, s, d = (int(x) for x in shape.split("x"))
-        set_bytes = (b * h * s * d + 2 * b * hkv * s * d) * 2
-        n_sets = max(1, min(math.ceil(2 * l2 / set_bytes), int(4e9 // set_bytes)))
-        gen = torch.Generator(device="cuda")
-        gen.manual_seed(11)
         # [B, S, H, D] as flashcore takes it; SDPA, flex and eager get [B, H, S, D] views.
-        sets = [
-            tuple(
-                torch.randn(b, s, n, d, device="cuda", dtype=dtype, generator=gen)
-                for n in (h, hkv, hkv)
-            )
-            for _ in range(n_sets)
-        ]
+        sets = input_sets(torch, (b, h, hkv, s, d), dtype, seed=11, bshd=True)
         scale = 1.0 / math.sqrt(d)
         i = torch.arange(s, device="cuda")
         for w in [int(x) for x in args.windows.split(",")]:

@@ -36,6 +36,23 @@ def pairs(s, window):
     return window * (window + 1) // 2 + (s - window) * window
 
 
+def input_sets(torch, shape, dtype, seed, bshd=False):
+    """Random (q, k, v) sets of `shape` (B, Hq, Hkv, S, D), [B, H, S, D] (or [B, S, H, D]
+    with `bshd`), enough of them to exceed twice the L2 cache (at most 4 GB)."""
+    b, h, hkv, s, d = shape
+    l2 = torch.cuda.get_device_properties(0).L2_cache_size
+    set_bytes = (b * h * s * d + 2 * b * hkv * s * d) * 2
+    n_sets = max(1, min(math.ceil(2 * l2 / set_bytes), int(4e9 // set_bytes)))
+    gen = torch.Generator(device="cuda")
+    gen.manual_seed(seed)
+
+    def one(n):
+        dims = (b, s, n, d) if bshd else (b, n, s, d)
+        return torch.randn(*dims, device="cuda", dtype=dtype, generator=gen)
+
+    return [(one(h), one(hkv), one(hkv)) for _ in range(n_sets)]
+
+
 def time_calls(torch, call, sets, iters):
     for i in range(3):
         call(*sets[i % len(sets)])
@@ -77,23 +94,11 @@ def main():
     except ImportError:
         flashcore = None
     dtype = {"f16": torch.float16, "bf16": torch.bfloat16}[args.dtype]
-    l2 = torch.cuda.get_device_properties(0).L2_cache_size
     print(f"# {torch.cuda.get_device_name(0)}, torch {torch.__version__}, {args.dtype}")
     records = []
     for shape in args.shapes.split(","):
         b, h, hkv, s, d = (int(x) for x in shape.split("x"))
-        set_bytes = (b * h * s * d + 2 * b * hkv * s * d) * 2
-        n_sets = max(1, min(math.ceil(2 * l2 / set_bytes), int(4e9 // set_bytes)))
-        gen = torch.Generator(device="cuda")
-        gen.manual_seed(7)
-        sets = [
-            (
-                torch.randn(b, h, s, d, device="cuda", dtype=dtype, generator=gen),
-                torch.randn(b, hkv, s, d, device="cuda", dtype=dtype, generator=gen),
-                torch.randn(b, hkv, s, d, device="cuda", dtype=dtype, generator=gen),
-            )
-            for _ in range(n_sets)
-        ]
+        sets = input_sets(torch, (b, h, hkv, s, d), dtype, seed=7)
         gqa = {"enable_gqa": True} if hkv != h else {}
         i = torch.arange(s, device="cuda")
 

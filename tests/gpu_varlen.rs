@@ -693,12 +693,7 @@ fn key_windows_in_packed_batches() {
     let mut rng = Rng::new(seeds().run_seed().rotate_left(31) ^ 0x3D17);
     for i in 0..8 {
         let causal = i % 2 == 0;
-        let lens = (0..1 + i % 4)
-            .map(|_| {
-                let sk = random_len(&mut rng, &EDGES, 3000);
-                (1 + (rng.next_u64() % 16) as usize, sk)
-            })
-            .collect();
+        let lens = decode_shaped_lens(&mut rng, 1 + i % 4);
         cases.push(Case {
             dtype: [HalfType::F16, HalfType::Bf16][i % 2],
             heads_q: 8,
@@ -755,12 +750,7 @@ fn softcapped_scores_in_packed_batches() {
     let mut rng = Rng::new(seeds().run_seed().rotate_left(37) ^ 0x5CA9);
     for i in 0..6 {
         let causal = i % 2 == 0;
-        let lens = (0..1 + i % 4)
-            .map(|_| {
-                let sk = random_len(&mut rng, &EDGES, 3000);
-                (1 + (rng.next_u64() % 16) as usize, sk)
-            })
-            .collect();
+        let lens = decode_shaped_lens(&mut rng, 1 + i % 4);
         cases.push(Case {
             dtype: [HalfType::F16, HalfType::Bf16][i % 2],
             heads_q: 8,
@@ -783,6 +773,17 @@ fn softcapped_scores_in_packed_batches() {
     for path in [PathChoice::Best, PathChoice::Sm80] {
         run_cases(path, &cases);
     }
+}
+
+/// `count` sequences shaped like decode steps: 1 to 16 queries each against up to 3000
+/// keys (a third at a tile edge).
+fn decode_shaped_lens(rng: &mut Rng, count: usize) -> Vec<(usize, usize)> {
+    (0..count)
+        .map(|_| {
+            let sk = random_len(rng, &EDGES, 3000);
+            (1 + (rng.next_u64() % 16) as usize, sk)
+        })
+        .collect()
 }
 
 /// Lengths at the tiles' edges (64-row query tiles, 128-key tiles, 192-row tiles).

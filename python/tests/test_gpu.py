@@ -1104,18 +1104,27 @@ def test_varlen_errors_and_compile(seed):
 def test_varlen_windows_match_float64_per_sequence(dtype, causal, window, heads, seed):
     # Each sequence's window aligned on its own diagonal, as one attention() call of its
     # lengths would align it.
+    check_varlen_per_sequence(dtype, causal, window, heads)
+
+
+def check_varlen_per_sequence(dtype, causal, window, heads, softcap=0.0, spread_q=False):
+    """One packed call over VARLEN_LENS against the float64 reference of each sequence
+    alone (a sequence without keys: zeros and LSE -inf); `spread_q` widens q's scores
+    (`spread`)."""
     hq, hkv, d = heads
     lens_q = [a for a, _ in VARLEN_LENS]
     lens_k = [b for _, b in VARLEN_LENS]
     cu_q = torch.tensor([0] + torch.tensor(lens_q).cumsum(0).tolist(), dtype=torch.int32)
     cu_k = torch.tensor([0] + torch.tensor(lens_k).cumsum(0).tolist(), dtype=torch.int32)
     q = torch.randn(int(cu_q[-1]), hq, d, device="cuda", dtype=dtype)
+    if spread_q:
+        q = spread(q)
     k = torch.randn(int(cu_k[-1]), hkv, d, device="cuda", dtype=dtype)
     v = torch.randn(int(cu_k[-1]), hkv, d, device="cuda", dtype=dtype)
     poison_allocator((q.shape, dtype), ((hq, q.shape[0]), torch.float32))
     o, lse = flashcore.attention_varlen(
         q, k, v, cu_q.cuda(), cu_k.cuda(), max(lens_q), causal=causal, return_lse=True, window_size=window,
-        host_cu_seqlens_q=cu_q, host_cu_seqlens_k=cu_k,
+        softcap=softcap, host_cu_seqlens_q=cu_q, host_cu_seqlens_k=cu_k,
     )
     torch.cuda.synchronize()
     as_bhsd = lambda t: t.transpose(0, 1).unsqueeze(0)  # noqa: E731
@@ -1128,7 +1137,8 @@ def test_varlen_windows_match_float64_per_sequence(dtype, causal, window, heads,
         if sk == 0:
             assert (got == 0).all() and torch.isneginf(got_lse).all()
             continue
-        o_ref, lse_ref = reference(as_bhsd(q[rows]), as_bhsd(k[keys]), as_bhsd(v[keys]), causal, window=window)
+        o_ref, lse_ref = reference(as_bhsd(q[rows]), as_bhsd(k[keys]), as_bhsd(v[keys]), causal, window=window,
+                                   softcap=softcap)
         check_windowed(got, got_lse, o_ref, lse_ref, dtype)
 
 
@@ -1246,33 +1256,7 @@ def test_softcaps_under_torch_compile_and_cuda_graphs(seed):
 @pytest.mark.parametrize("causal, window", SOFTCAP_MASKS, ids=lambda x: str(x).replace(" ", ""))
 @pytest.mark.parametrize("heads", [(4, 2, 128), (8, 1, 64)], ids=["gqa2-d128", "mqa-d64"])
 def test_varlen_softcaps_match_float64_per_sequence(dtype, softcap, causal, window, heads, seed):
-    hq, hkv, d = heads
-    lens_q = [a for a, _ in VARLEN_LENS]
-    lens_k = [b for _, b in VARLEN_LENS]
-    cu_q = torch.tensor([0] + torch.tensor(lens_q).cumsum(0).tolist(), dtype=torch.int32)
-    cu_k = torch.tensor([0] + torch.tensor(lens_k).cumsum(0).tolist(), dtype=torch.int32)
-    q = spread(torch.randn(int(cu_q[-1]), hq, d, device="cuda", dtype=dtype))
-    k = torch.randn(int(cu_k[-1]), hkv, d, device="cuda", dtype=dtype)
-    v = torch.randn(int(cu_k[-1]), hkv, d, device="cuda", dtype=dtype)
-    poison_allocator((q.shape, dtype), ((hq, q.shape[0]), torch.float32))
-    o, lse = flashcore.attention_varlen(
-        q, k, v, cu_q.cuda(), cu_k.cuda(), max(lens_q), causal=causal, return_lse=True, window_size=window,
-        softcap=softcap, host_cu_seqlens_q=cu_q, host_cu_seqlens_k=cu_k,
-    )
-    torch.cuda.synchronize()
-    as_bhsd = lambda t: t.transpose(0, 1).unsqueeze(0)  # noqa: E731
-    for b, (sq, sk) in enumerate(VARLEN_LENS):
-        if sq == 0:
-            continue
-        rows = slice(int(cu_q[b]), int(cu_q[b + 1]))
-        keys = slice(int(cu_k[b]), int(cu_k[b + 1]))
-        got, got_lse = as_bhsd(o[rows]), lse[:, rows].unsqueeze(0)
-        if sk == 0:
-            assert (got == 0).all() and torch.isneginf(got_lse).all()
-            continue
-        o_ref, lse_ref = reference(as_bhsd(q[rows]), as_bhsd(k[keys]), as_bhsd(v[keys]), causal, window=window,
-                                   softcap=softcap)
-        check_windowed(got, got_lse, o_ref, lse_ref, dtype)
+    check_varlen_per_sequence(dtype, causal, window, heads, softcap=softcap, spread_q=True)
 
 
 SOFTCAP_DECODE_CASES = [
