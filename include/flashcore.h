@@ -453,7 +453,10 @@ int32_t flashcore_check_forward_varlen_ex(const FlashcoreTensor *q, const Flashc
  * cache, asynchronously on `stream`. Query i of Sq is position len - Sq + i of its
  * sequence (the lengths count the new tokens: append them first).
  *
- *   q, o:          [B, Sq, Hq, D], 1 <= Sq <= 16, of the cache's dtype; D a multiple of 8
+ *   q, o:          [B, Sq, Hq, D], Sq >= 1 (up to 16 run on the split-KV decode kernels;
+ *                  more, a prompt chunk after a cached prefix, on the forward kernels
+ *                  where they read the cache: 16-bit, contiguous or, on Hopper, paged
+ *                  with pages of 16 or more), of the cache's dtype; D a multiple of 8
  *                  up to 256 (one without a kernel of its own, 80 say, runs the next
  *                  larger of 32, 64, 96, 128, 192, 256 padded; an e4m3 cache: 64, 128,
  *                  256); Hq a multiple of Hkv (GQA/MQA); pointers

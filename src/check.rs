@@ -650,6 +650,8 @@ pub fn planned_kernel(attn: &Attention, case: &FwdCase) -> Result<FwdConfig> {
         window: masking.window,
         softcap: params.softcap,
         packed: None,
+        seqused_k: None,
+        pages: None,
     };
     attn.plan(&problem)
 }

@@ -3406,7 +3406,7 @@ mod tests {
 
         // One typed code for each kind of bad input.
         assert_eq!(
-            code(&query(17, 4, 4 * GB), &c),
+            code(&query(600_000, 4, 4 * GB), &c),
             FLASHCORE_ERROR_INVALID_ARGUMENT
         );
         assert!(

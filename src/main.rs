@@ -1245,6 +1245,11 @@ fn decode(args: &[String]) -> Result<(), Failure> {
             });
             let problem = flashcore::host::decode::decode_problem(&qv, &views[0], &params)?;
             let plan = attn.decode_plan(&problem)?;
+            // More than 16 queries run on the forward kernels where they can read the cache.
+            let (splits, kernel) = match attn.decode_forward_plan(&problem, &views[0]) {
+                Some((_, cfg)) => (1, cfg.id()),
+                None => (plan.splits, plan.config.id()),
+            };
             // SAFETY: every view points into the buffers above, alive until the end of
             // this iteration, on their own stream.
             let us = unsafe {
@@ -1271,11 +1276,22 @@ fn decode(args: &[String]) -> Result<(), Failure> {
                 Some(l) => format!("B{b} Hq{hq} Hkv{hkv} Sq{sq} Skv{skv} D{d} {layout} W{l}"),
                 None => format!("B{b} Hq{hq} Hkv{hkv} Sq{sq} Skv{skv} D{d} {layout}"),
             };
-            out!(
-                "{name:<34} {:>6} {us:>10.1} {gbps:>9.0}  {}",
-                plan.splits,
-                plan.config.id()
-            );
+            // Query-key pairs each query head scores: a causal query `i` of `Sq` sees
+            // keys up to `Skv − Sq + i` (a window's left side is not counted off).
+            let pairs = if causal {
+                (0..sq)
+                    .map(|i| (skv + i + 1).saturating_sub(sq))
+                    .sum::<usize>()
+            } else {
+                sq * skv
+            };
+            let tflops = 4.0 * (b * hq * d * pairs) as f64 / (us * 1e6);
+            let tflops = if sq > 16 {
+                format!(" ({tflops:.1} TFLOP/s)")
+            } else {
+                String::new()
+            };
+            out!("{name:<34} {splits:>6} {us:>10.1} {gbps:>9.0}  {kernel}{tflops}");
             records.push(format!(
                 "{{\"batch\": {b}, \"heads_q\": {hq}, \"heads_kv\": {hkv}, \"seqlen_q\": {sq}, \
                  \"seqlen_k\": {skv}, \"head_dim\": {d}, \"dtype\": \"{}\", \"page\": {page}, \
@@ -1284,9 +1300,9 @@ fn decode(args: &[String]) -> Result<(), Failure> {
                  \"kernel\": \"{}\"}}",
                 dtype.name(),
                 window.left.map_or(-1, i64::from),
-                plan.splits,
+                splits,
                 cache_dt.name(),
-                plan.config.id()
+                kernel
             ));
             // One decode step (and its merge) captured in a CUDA graph per cache copy;
             // the replays rotate over them (as the SDPA bench's graphs rotate over its

@@ -16,7 +16,7 @@ use common::{down, loaded_ids, pick, ptr, random_len, random_window, seeds, up};
 use cudarc::driver::{CudaSlice, CudaStream};
 use flashcore::Error;
 use flashcore::check::tolerance;
-use flashcore::host::attention::Attention;
+use flashcore::host::attention::{Attention, PathChoice};
 use flashcore::host::decode::{MergeParts, Workspace};
 use flashcore::host::device::Device;
 use flashcore::host::kv_cache::{CacheLayout, HostMetadata, KvCache, KvScales};
@@ -657,20 +657,62 @@ fn decode_with_softcap() {
     run_all_fp8(&fp8);
 }
 
+/// Prefill against a cache (chunked prefill, prefix caching): 17 to 1023 new queries per
+/// sequence against contiguous and paged caches, bottom-right aligned, lengths below the
+/// query count among them (the queries before the sequence's first position see no key:
+/// zeros and LSE −∞), GQA 1 to 8, with and without causal masking, a window and a cap.
+/// Contiguous caches and (on Hopper) pages of 16 or more run on the forward kernels,
+/// the rest on the decode kernels; then the contiguous cases on the sm80 path's forward
+/// kernels, and the first three on an e4m3 cache (decode kernels).
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn decode_long_query_chunks() {
+    let mut cases = vec![
+        case(HalfType::F16, (8, 2), 128, 17, &[1, 7, 4097, 300], 0, true),
+        case(HalfType::Bf16, (16, 2), 64, 113, &[5, 113, 1500], 16, true),
+        case(HalfType::F16, (32, 8), 128, 512, &[700, 512], 64, true),
+        case(HalfType::Bf16, (4, 1), 256, 1023, &[1100, 3], 1, true),
+        case(HalfType::F16, (8, 8), 96, 200, &[2500, 17], 256, false),
+    ];
+    let mut windowed = case(HalfType::Bf16, (16, 4), 128, 300, &[4000, 299], 16, true);
+    windowed.window = Window::sliding(256);
+    cases.push(windowed);
+    let mut capped = case(HalfType::F16, (8, 1), 128, 64, &[64, 3000], 32, true);
+    capped.softcap = Some(2.0);
+    cases.push(capped);
+    let (attn, s) = setup();
+    run_all_on(&attn, &s, &cases);
+    let forward = loaded_ids(&attn, "attn_fwd_");
+    println!("forward kernels: {forward:?}");
+    let hopper = attn.device().compute_capability().0 == 9;
+    assert!(
+        forward.iter().any(|id| id.contains("sm80") != hopper),
+        "no forward kernel ran: {forward:?}"
+    );
+    let sm80 = setup().0.with_path(PathChoice::Sm80);
+    let contiguous: Vec<Case> = cases.iter().filter(|c| c.page == 0).cloned().collect();
+    run_all_on(&sm80, &s, &contiguous);
+    run_all_fp8(&cases[..3]);
+}
+
 /// Lengths at the decode tiles' edges (16-key warp shares, 64-key stages).
 const EDGES: [usize; 12] = [0, 1, 2, 15, 16, 17, 63, 64, 65, 127, 128, 129];
 
 /// One random decode configuration with a head dim from `head_dims`: 1 to 4 sequences,
-/// GQA 1 to 8, 1 to 16 queries, contiguous or paged with any page size the API takes
+/// GQA 1 to 8, 1 to 16 queries (one case in ten 17 to 200), contiguous or paged with any
+/// page size the API takes
 /// (1 to 1024), causal or not, with or without host copies and a caller's workspace.
 fn random_case(rng: &mut Rng, head_dims: &[usize]) -> Case {
     let heads_kv = pick(rng, &[1, 2, 4]);
     let group = pick(rng, &[1, 2, 4, 8]);
     let batch = 1 + (rng.next_u64() % 4) as usize;
-    let seqlen_q = if rng.uniform() < 0.5 {
+    let draw = rng.uniform();
+    let seqlen_q = if draw < 0.5 {
         1
-    } else {
+    } else if draw < 0.9 {
         1 + (rng.next_u64() % 16) as usize
+    } else {
+        17 + (rng.next_u64() % 184) as usize
     };
     Case {
         dtype: pick(rng, &[HalfType::F16, HalfType::Bf16]),

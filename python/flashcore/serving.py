@@ -422,11 +422,14 @@ def decode(
     window_size=(-1, -1),
     softcap=0.0,
 ):
-    """Attention of a few new query tokens per sequence against a KV cache (split-KV decode).
+    """Attention of new query tokens against a KV cache: decode steps (split-KV decode), or
+    a prompt chunk after a cached prefix (chunked prefill).
 
-    q: [B, Sq, Hq, D], 1 <= Sq <= 16 new tokens per sequence; float16 or bfloat16; D a
-        multiple of 8 up to 256 (80, say, runs the 96 kernel padded); Hq a multiple of Hkv
-        (GQA/MQA by head count).
+    q: [B, Sq, Hq, D], Sq >= 1 new tokens per sequence (up to 16 run on the split-KV
+        decode kernels; more on the forward kernels where they read the cache: 16-bit,
+        contiguous or, on Hopper, pages of 16 or more); float16 or bfloat16; D a multiple
+        of 8 up to 256 (80, say, runs the 96 kernel padded); Hq a multiple of Hkv (GQA/MQA
+        by head count).
     k_cache, v_cache: q's dtype, or torch.float8_e4m3fn codes with k_scale and v_scale (an
         FP8 cache: D in 64, 128, 256, a GPU of sm_89 or newer; q either 16-bit dtype).
         Contiguous cache (block_table None): [B, capacity, Hkv, D].

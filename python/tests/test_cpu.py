@@ -209,7 +209,7 @@ def test_c_abi_serving_checks_arrive_as_flashcore_errors():
         lib.check_decode(q, c, _capi.int32_array([64, 0]), table if paged else None, o, 6 << 40, 0.5, False)
     c = cache_descs(True)
     cases = [
-        (dict(q=describe((2, 17, 4, 64), ptr=4 << 40)), "FLASHCORE_ERROR_INVALID_ARGUMENT", "1 to 16"),
+        (dict(q=describe((2, 600000, 4, 64), ptr=4 << 40)), "FLASHCORE_ERROR_INVALID_ARGUMENT", "grid limit"),
         (dict(q=describe((2, 1, 3, 64), ptr=4 << 40)), "FLASHCORE_ERROR_HEAD_RATIO", "3"),
         (dict(lens=[65, 0], table=table), "FLASHCORE_ERROR_INVALID_ARGUMENT", "capacity"),
         (dict(lens=[64, 0], table=_capi.int32_array([0, 1, 2, 8, 4, 5, 6, 7])), "FLASHCORE_ERROR_INVALID_ARGUMENT",
@@ -301,7 +301,7 @@ def test_merge_fake_shapes():
 @pytest.mark.parametrize(
     "q_shape, cache_shape, table_shape, dtype, cache_dtype, name, words",
     [
-        ((2, 17, 8, 128), (2, 64, 8, 128), None, torch.float16, None, "FLASHCORE_ERROR_INVALID_ARGUMENT", "1 to 16"),
+        ((2, 300000, 8, 128), (2, 64, 8, 128), None, torch.float16, None, "FLASHCORE_ERROR_INVALID_ARGUMENT", "grid limit"),
         ((2, 1, 12, 128), (2, 64, 8, 128), None, torch.float16, None, "FLASHCORE_ERROR_HEAD_RATIO", "12"),
         ((2, 1, 8, 264), (2, 64, 8, 264), None, torch.float16, None, "FLASHCORE_ERROR_UNSUPPORTED_HEAD_DIM", "264"),
         ((2, 1, 8, 64), (2, 64, 8, 64), None, torch.float16, torch.bfloat16, "FLASHCORE_ERROR_UNSUPPORTED_DTYPE", "share"),

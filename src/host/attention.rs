@@ -295,6 +295,37 @@ fn sm90_maps(
     })
 }
 
+/// The [`Sm90Operands`] of a launch of `cfg` over a paged cache: Q's and O's as
+/// [`sm90_maps`] makes them, K's and V's over the pools `[pages, page_size, Hkv, D]`
+/// (the page as the maps' batch), with a box of one 64-column block by a chunk of rows:
+/// the page, or the largest power of two that divides the key tile where that is smaller
+/// (see the producer's `load_paged_tile`).
+pub(crate) fn sm90_paged_maps(
+    cfg: &FwdConfig,
+    [q, k, v, o]: [&TensorView; 4],
+    page_size: usize,
+) -> Result<Sm90Operands> {
+    let Tiling {
+        block_m, block_n, ..
+    } = cfg.tiling();
+    let d = q.shape[3];
+    let (columns, blocks) = match cfg.padded {
+        false => (MapColumns::Blocked, d as u32 / 64),
+        true => (MapColumns::PerBlock, 1),
+    };
+    let chunk = (page_size as u32).min(1 << block_n.trailing_zeros());
+    let pool = |t: &TensorView| sm90_map_boxed(t, [chunk, 1], columns);
+    Ok(Sm90Operands {
+        inputs: [
+            sm90_map_boxed(q, [block_m, blocks], columns)?,
+            pool(k)?,
+            pool(v)?,
+        ],
+        output: sm90_output_map(o, false, columns),
+        head_dim: cfg.padded.then(|| head_dim_param(d)).transpose()?,
+    })
+}
+
 /// The 5-D map of a `[B, S, H, D]` view with a box of `rows` rows by `blocks` 64-column
 /// blocks: through a dimension of column blocks ([`sm90_map`]), or per block
 /// (`{D, seq, 1, heads, batch}`, boxes `{64, rows, 1, 1, 1}`; a padded kernel's, see
@@ -653,7 +684,7 @@ impl Attention {
     ///
     /// As for [`Attention::launch_forward`]; `operands` must describe this problem's Q, K,
     /// V (and O, where there is a map of O), as [`sm90_maps`] makes them for `cfg`.
-    unsafe fn launch_sm90(
+    pub(crate) unsafe fn launch_sm90(
         &self,
         problem: &FwdProblem,
         cfg: &FwdConfig,
@@ -938,6 +969,12 @@ fn fwd_args(
         o_by_tma: 0,
         window_left: problem.window.map_or(WINDOW_UNBOUNDED, |w| w.left),
         window_right: problem.window.map_or(0, |w| w.right),
+        seqused_k: problem.seqused_k.unwrap_or(0),
+        block_table: problem.pages.map_or(0, |p| p.block_table),
+        table_stride: problem.pages.map_or(0, |p| p.table_stride),
+        page_shift: problem.pages.map_or(0, |p| p.page_shift),
+        max_pages: problem.pages.map_or(0, |p| p.max_pages),
+        pad2: 0,
     }
 }
 
@@ -1298,6 +1335,8 @@ mod tests {
                 window: None,
                 packed: None,
                 softcap: None,
+                seqused_k: None,
+                pages: None,
             };
             let packed = FwdProblem {
                 packed: Some(crate::host::validate::Packed {
@@ -1384,6 +1423,8 @@ mod tests {
                 total_k: seqs * keys,
             }),
             softcap: None,
+            seqused_k: None,
+            pages: None,
         };
         let pick = |p: &FwdProblem| {
             let shape = dispatch_shape(p);

@@ -215,7 +215,7 @@ pub struct BlockTable<'a> {
 }
 
 impl Attention {
-    /// [`Attention::decode`] over cudarc buffers, on `stream`: `Sq` (1 to 16) new query
+    /// [`Attention::decode`] over cudarc buffers, on `stream`: `Sq` new query
     /// tokens per sequence (`q`, `o`: `[B, Sq, Hq, D]`) against `cache`, whose lengths
     /// count the new tokens; the LSE (float32 `[B, Hq, Sq]`, contiguous) into `lse` when
     /// given. The partial results of a split call take memory from the stream-ordered

@@ -393,6 +393,12 @@ pub(crate) fn fp8_args(
         o_by_tma: 0,
         window_left: 0,
         window_right: 0,
+        seqused_k: 0,
+        block_table: 0,
+        table_stride: 0,
+        page_shift: 0,
+        max_pages: 0,
+        pad2: 0,
     };
     Fp8Args {
         base,

@@ -69,6 +69,28 @@ pub struct FwdProblem {
     /// Packed variable-length sequences (`shape.batch` of them, `shape.seqlen_q` the
     /// longest query sequence allowed), or `None` for dense tensors.
     pub packed: Option<Packed>,
+    /// Device `i32 [B]`: the keys each sequence uses, at most `seqlen_k` (a KV cache's
+    /// lengths, the cache's capacity as `seqlen_k`; see [`FwdArgs::seqused_k`]), or `None`
+    /// for all of them. Set by the calls over a cache, never by `validate_fwd`.
+    ///
+    /// [`FwdArgs::seqused_k`]: crate::kernels::attention::FwdArgs::seqused_k
+    pub seqused_k: Option<u64>,
+    /// K and V as a paged cache's pools (sm90 path only; see [`FwdArgs::block_table`]),
+    /// or `None` for tensors. Set by the calls over a cache, never by `validate_fwd`.
+    ///
+    /// [`FwdArgs::block_table`]: crate::kernels::attention::FwdArgs::block_table
+    pub pages: Option<PageTable>,
+}
+
+/// A paged cache's block table as the sm90 forward kernels read it: device `i32`
+/// entries, `table_stride` apart per sequence, `max_pages` of them for each; pages of
+/// `2^page_shift` positions.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PageTable {
+    pub block_table: u64,
+    pub table_stride: u32,
+    pub page_shift: u32,
+    pub max_pages: u32,
 }
 
 /// A validated packed batch: where the offsets are and how many rows they index.
@@ -214,6 +236,8 @@ pub fn validate_fwd(
         window: masking.window,
         softcap,
         packed: None,
+        seqused_k: None,
+        pages: None,
     })
 }
 
@@ -592,6 +616,8 @@ mod tests {
                 window: None,
                 packed: None,
                 softcap: None,
+                seqused_k: None,
+                pages: None,
             }
         );
         assert_eq!(p.shape.group(), 4);

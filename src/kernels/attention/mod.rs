@@ -248,6 +248,15 @@ impl FwdConfig {
 
     id_static!(FwdConfig, all_fwd_configs, "attn_fwd_unknown");
 
+    /// Whether the kernel reads each sequence's used keys ([`FwdArgs::seqused_k`]), and
+    /// so serves calls over a KV cache: every one but the windowed kernels whose
+    /// registers have no room for the read (it spills them): the sm80 path's, which read
+    /// their sequence again on every key tile, and the sm90 path's head-dim-256 ones with
+    /// 64-row tiles.
+    pub fn reads_used_keys(&self) -> bool {
+        !(self.window && (self.path == Path::Sm80 || (self.head_dim == 256 && self.block_m == 64)))
+    }
+
     /// Tile shape and launch geometry.
     pub fn tiling(&self) -> Tiling {
         match self.path {
@@ -435,6 +444,23 @@ pub struct FwdArgs {
     pub softcap_pre: f32,
     /// Zero: keeps the block a whole number of 8-byte words.
     pub pad: u32,
+    /// Device `i32 [batch]`: the keys each sequence uses (FlashAttention-3's
+    /// `seqused_k`, a KV cache's lengths), or 0 for all of its rows. Each is clamped to
+    /// the sequence's rows; the rows past it, stale cache entries, are treated as a packed
+    /// sequence's successors (see [`sequence`](sequence::sequence)).
+    pub seqused_k: u64,
+    /// sm90 path: device `i32 [batch, table_stride]` page indices of a paged KV cache
+    /// (key `j` of sequence `b` is row `j mod 2^page_shift` of page `block_table[b][j >>
+    /// page_shift]` of K's and V's maps, whose "batch" dimension is the pool's pages), or
+    /// 0 for K and V as tensors. With a table, [`FwdArgs::seqused_k`] holds the lengths
+    /// and `seqlen_k` the capacity, `max_pages · 2^page_shift`.
+    pub block_table: u64,
+    pub table_stride: u32,
+    pub page_shift: u32,
+    /// Entries of a sequence's row of the block table.
+    pub max_pages: u32,
+    /// Zero: keeps the block a whole number of 8-byte words.
+    pub pad2: u32,
 }
 
 impl FwdArgs {

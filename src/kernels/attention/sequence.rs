@@ -8,6 +8,12 @@
 //! non-null `cu_seqlens_q` in the argument block selects the packed layout; then its
 //! `seqlen_q`/`seqlen_k` hold the packed row counts, and the offsets are clamped to them,
 //! so even offsets the host never checked keep every access inside the tensors.
+//!
+//! Either layout may name the keys each sequence uses (`seqused_k`: a KV cache's
+//! lengths, with the cache's capacity as `seqlen_k`), also read from device memory and
+//! clamped to the sequence's rows. The rows past a sequence's used keys then hold
+//! whatever the cache held there, so the sequence counts as packed: nothing past its end
+//! is assumed zero.
 
 use std::mem::offset_of;
 
@@ -37,8 +43,9 @@ impl Sequence {
     }
 }
 
-/// The sequence of batch entry `batch`.
-pub fn sequence(k: &mut Kernel, args: ParamBytes, batch: Reg<U32>) -> Sequence {
+/// The sequence of batch entry `batch`; its used keys ([`FwdArgs::seqused_k`]) where
+/// `reads_used` (see [`FwdConfig::reads_used_keys`](super::FwdConfig::reads_used_keys)).
+pub fn sequence(k: &mut Kernel, args: ParamBytes, batch: Reg<U32>, reads_used: bool) -> Sequence {
     let seqlen_q = k.load_param_at::<S32>(args, offset_of!(FwdArgs, seqlen_q));
     let seqlen_k = k.load_param_at::<S32>(args, offset_of!(FwdArgs, seqlen_k));
     let cu_q = k.load_param_at::<U64>(args, offset_of!(FwdArgs, cu_seqlens_q));
@@ -63,6 +70,19 @@ pub fn sequence(k: &mut Kernel, args: ParamBytes, batch: Reg<U32>) -> Sequence {
             k.sub_to(len, end, first);
         }
         k.mov_to(seq.tensor_batch, 0u32);
+    });
+    if !reads_used {
+        return seq;
+    }
+    let used = k.load_param_at::<U64>(args, offset_of!(FwdArgs, seqused_k));
+    let given = k.setp(Cmp::Ne, used, 0u64);
+    k.if_(given, |k| {
+        let entry = k.mul_wide_u32(batch, 4u32);
+        let at = k.add(used, entry);
+        let keys = k.ld_global::<S32>(at, 0);
+        let keys = k.max(keys, 0i32);
+        k.min_to(seq.seqlen_k, keys, seq.seqlen_k);
+        k.mov_to(seq.packed, given);
     });
     seq
 }

@@ -336,7 +336,7 @@ fn build<H: Half2>(cfg: &FwdConfig) -> Result<KernelText, PtxError> {
     // kernel; read again where needed (see `keys_again`).
     // (`m_start` is the block's first query row, needed by a windowed kernel only.)
     let keys_of = |k: &mut Kernel, batch: Reg<U32>, m_start: Option<Reg<S32>>| {
-        let seq = sequence(k, args, batch);
+        let seq = sequence(k, args, batch, cfg.reads_used_keys());
         match m_start {
             Some(m_start) if cfg.window => {
                 let w = windowed_keys(k, args, seq, m_start, block_n);
@@ -443,7 +443,7 @@ fn build<H: Half2>(cfg: &FwdConfig) -> Result<KernelText, PtxError> {
             return keys_again(k).0;
         }
         let batch = k.special(Special::CtaidZ);
-        sequence(k, args, batch)
+        sequence(k, args, batch, cfg.reads_used_keys())
     };
     let step = |k: &mut Kernel, n: Reg<S32>, masked: bool| {
         let n_row = k.mul(n, block_n as i32);
@@ -514,7 +514,7 @@ fn build<H: Half2>(cfg: &FwdConfig) -> Result<KernelText, PtxError> {
         batch: c.batch,
         head: c.head,
         m_start: c.m_start,
-        seq: sequence(&mut k, args, c.batch),
+        seq: sequence(&mut k, args, c.batch, cfg.reads_used_keys()),
     };
     let columns = head_dim.map(|p| k.load_param(p));
     store_output::<H>(&mut k, args, &rows, &f.o, &f.softmax, at, columns);

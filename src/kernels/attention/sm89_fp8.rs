@@ -302,7 +302,7 @@ fn build<H: Half2>(cfg: &Fp8Config) -> Result<KernelText, PtxError> {
         head,
         m_start,
     } = coords(&mut k, cfg.causal, BLOCK_M);
-    let seq = sequence(&mut k, args, batch);
+    let seq = sequence(&mut k, args, batch, false);
     let (seqlen_q, seqlen_k) = (seq.seqlen_q, seq.seqlen_k);
     let causal_offset = seq.causal_offset(&mut k);
     let kv_head = k.div(head, group);
@@ -381,7 +381,7 @@ fn build<H: Half2>(cfg: &Fp8Config) -> Result<KernelText, PtxError> {
     // Lengths are read again where needed rather than kept across the loop.
     let seq_again = |k: &mut Kernel| {
         let batch = k.special(Special::CtaidZ);
-        sequence(k, args, batch)
+        sequence(k, args, batch, false)
     };
     let step = |k: &mut Kernel, n: Reg<S32>, masked: bool| {
         let n_row = k.mul(n, block_n as i32);
@@ -453,7 +453,7 @@ fn build<H: Half2>(cfg: &Fp8Config) -> Result<KernelText, PtxError> {
         batch: c.batch,
         head: c.head,
         m_start: c.m_start,
-        seq: sequence(&mut k, args, c.batch),
+        seq: sequence(&mut k, args, c.batch, false),
     };
     let shift = k.load_param_at::<U64>(args, offset_of!(Fp8Args, lse_shift));
     let form = LseForm::Log2 {

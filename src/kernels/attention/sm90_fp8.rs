@@ -380,6 +380,7 @@ impl Fwd {
             causal: self.causal,
             window: None,
             tile: (BLOCK_M, self.s.block_n),
+            used_keys: false,
         }
     }
 }

@@ -230,6 +230,7 @@ where
         }),
         fold_scale: cfg.fold_scale,
         softcap: cfg.softcap,
+        used_keys: cfg.reads_used_keys(),
         args,
         maps,
         head_dim,

@@ -217,6 +217,8 @@ pub(super) struct Fwd {
     pub(super) fold_scale: bool,
     /// Soft-capped scores ([`FwdConfig::softcap`](crate::kernels::attention::FwdConfig::softcap)).
     pub(super) softcap: bool,
+    /// Reads each sequence's used keys ([`FwdConfig::reads_used_keys`](crate::kernels::attention::FwdConfig::reads_used_keys)).
+    pub(super) used_keys: bool,
     pub(super) args: ParamBytes,
     /// Q, K, V and O.
     pub(super) maps: [TmaDesc; 4],
@@ -238,6 +240,7 @@ impl Fwd {
             causal: self.causal,
             window: self.window,
             tile: (self.s.block_m, self.s.block_n),
+            used_keys: self.used_keys,
         }
     }
 }

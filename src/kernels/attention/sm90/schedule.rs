@@ -111,6 +111,9 @@ pub(crate) struct ItemLoop<'a> {
     /// or every tile.
     pub window: Option<WindowTiles>,
     pub tile: (u32, u32),
+    /// The kernel reads each sequence's used keys ([`FwdArgs::seqused_k`]; see
+    /// [`FwdConfig::reads_used_keys`](crate::kernels::attention::FwdConfig::reads_used_keys)).
+    pub used_keys: bool,
 }
 
 /// Which key tiles a windowed kernel masks.
@@ -125,7 +128,8 @@ impl ItemLoop<'_> {
     pub fn run(&self, k: &mut Kernel, role: Role, body: impl FnOnce(&mut Kernel, &Block)) {
         let queue = (self.queue, self.smem, role);
         let mask = (self.causal, self.window);
-        for_each_item(k, self.args, queue, mask, self.tile, body);
+        let keys = (self.tile, self.used_keys);
+        for_each_item(k, self.args, queue, mask, keys, body);
     }
 }
 
@@ -151,7 +155,7 @@ fn for_each_item(
     args: ParamBytes,
     (queue, smem, role): (&WorkQueue, Smem, Role),
     mask: (bool, Option<WindowTiles>),
-    tile: (u32, u32),
+    keys: ((u32, u32), bool),
     body: impl FnOnce(&mut Kernel, &Block),
 ) {
     let causal = mask.0;
@@ -163,7 +167,7 @@ fn for_each_item(
     let items = k.mul(head_batches, q_blocks);
     if !causal {
         k.for_grid_stride(items.cast::<S32>(), |k, item| {
-            let b = item_block(k, args, mask, tile, item.cast(), [q_blocks, heads]);
+            let b = item_block(k, args, mask, keys, item.cast(), [q_blocks, heads]);
             body(k, &b);
         });
         return;
@@ -187,7 +191,7 @@ fn for_each_item(
             publish(k, &mut ring, item);
             let more = |k: &mut Kernel| k.setp(Cmp::Lt, item, items);
             k.while_(more, |k| {
-                let b = item_block(k, args, mask, tile, item, [q_blocks, heads]);
+                let b = item_block(k, args, mask, keys, item, [q_blocks, heads]);
                 body(k, &b);
                 // The ticket is taken once this item's loads are issued; its latency
                 // hides behind the consumers' last tiles.
@@ -213,7 +217,7 @@ fn for_each_item(
             take(k, &mut ring);
             let more = |k: &mut Kernel| k.setp(Cmp::Lt, item, items);
             k.while_(more, |k| {
-                let b = item_block(k, args, mask, tile, item, [q_blocks, heads]);
+                let b = item_block(k, args, mask, keys, item, [q_blocks, heads]);
                 body(k, &b);
                 take(k, &mut ring);
             });
@@ -229,7 +233,7 @@ pub(super) fn item_block(
     k: &mut Kernel,
     args: ParamBytes,
     (causal, window): (bool, Option<WindowTiles>),
-    (block_m, block_n): (u32, u32),
+    ((block_m, block_n), used_keys): ((u32, u32), bool),
     item: Reg<U32>,
     [q_blocks, heads]: [Reg<U32>; 2],
 ) -> Block {
@@ -254,7 +258,7 @@ pub(super) fn item_block(
     let b = k.div(hb, heads);
     let m_block = query_block(k, m_index, q_blocks, causal);
     let m_start = k.mul(m_block.cast::<S32>(), block_m as i32);
-    let seq = sequence(k, args, b);
+    let seq = sequence(k, args, b, used_keys);
     let (seq, causal_offset, low) = if window.is_some() {
         let w = windowed_keys(k, args, seq, m_start, block_n);
         (w.seq, w.offset, Some(w.low))

@@ -393,7 +393,11 @@ fn padded_kernels_move_one_box_per_column_block() {
         .unwrap()
         .to_ptx();
         let blocks = cfg.head_dim / 64;
-        assert_eq!(count(&ptx, loads), blocks * count(&plain, loads), "{id}");
+        // A paged cache's chunks move one box per column block in either kernel.
+        let paged = count(&plain, super::producer::PAGED_LOAD);
+        assert_eq!(count(&ptx, super::producer::PAGED_LOAD), paged, "{id}");
+        let tensors = count(&plain, loads) - paged;
+        assert_eq!(count(&ptx, loads) - paged, blocks * tensors, "{id}");
         assert_eq!(count(&ptx, stores), count(&plain, stores), "{id}");
         for what in ["wgmma.mma_async", "ex2.approx", "stmatrix", "mbarrier."] {
             assert_eq!(count(&ptx, what), count(&plain, what), "{id}: {what}");
@@ -535,4 +539,35 @@ fn causal_warpgroups_pass_by_a_last_tile_they_do_not_see() {
             }
         }
     }
+}
+
+/// A KV cache's used keys and pages: every forward kernel that
+/// [`reads_used_keys`](FwdConfig::reads_used_keys) loads `seqused_k` from its argument
+/// block (and, on this path, carries the paged loads, behind the block table), and no
+/// other does; the excluded ones are windowed only (those whose registers have no room).
+#[test]
+fn kernels_that_read_used_keys_load_them_and_page_on_sm90() {
+    use std::mem::offset_of;
+    let used_at = format!("[args+{}]", offset_of!(FwdArgs, seqused_k));
+    let table_at = format!("[args+{}]", offset_of!(FwdArgs, block_table));
+    let (mut reading, mut not) = (0, 0);
+    for cfg in crate::kernels::attention::all_fwd_configs() {
+        let id = cfg.id();
+        let ptx = cfg.generate().unwrap().to_ptx();
+        let reads = cfg.reads_used_keys();
+        assert_eq!(ptx.contains(&used_at), reads, "{id}");
+        let pages = cfg.path == super::super::Path::Sm90 && reads;
+        assert_eq!(ptx.contains(&table_at), pages, "{id}");
+        assert_eq!(ptx.contains(super::producer::PAGED_LOAD), pages, "{id}");
+        if reads {
+            reading += 1;
+        } else {
+            assert!(cfg.window, "{id}");
+            not += 1;
+        }
+    }
+    assert!(
+        reading >= 5 * not,
+        "{reading} kernels read the used keys, {not} do not"
+    );
 }
