@@ -14,6 +14,7 @@
 #   gpu-bundle/llama_bench.py    per-token time of a random Llama, SDPA vs the package's backend
 #   gpu-bundle/window_bench.py   sliding-window attention: SDPA with the window as a mask, causal SDPA, the package
 #   gpu-bundle/softcap_bench.py  soft-capped attention: eager, flex_attention, the package (imports window_bench.py)
+#   gpu-bundle/cache_prefill_sdpa.py  SDPA on the shapes of a prefill chunk against a cache (beside `flashcore decode --seqlen-q`)
 #   gpu-bundle/fp8_model_check.py  a random Llama with FP8 attention against 16-bit: logits, greedy tokens
 #   gpu-bundle/manifest.txt      commit, build date, file list
 #   gpu-bundle/run.sh            what the GPU machine runs
@@ -111,6 +112,7 @@ cp scripts/profile.sh "$bundle/profile.sh"
 cp scripts/llama_bench.py "$bundle/llama_bench.py"
 cp scripts/window_bench.py "$bundle/window_bench.py"
 cp scripts/softcap_bench.py "$bundle/softcap_bench.py"
+cp scripts/cache_prefill_sdpa.py "$bundle/cache_prefill_sdpa.py"
 cp scripts/fp8_model_check.py "$bundle/fp8_model_check.py"
 cp scripts/decode_sdpa_bench.py "$bundle/decode_sdpa_bench.py"
 timed bash scripts/build-c-example.sh --no-run >&2
