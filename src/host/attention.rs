@@ -81,7 +81,7 @@ pub fn dispatch(
 }
 
 /// [`Attention::plan`] on a GPU of architecture `arch` with `sm_count` SMs.
-fn plan_problem(
+pub(crate) fn plan_problem(
     arch: (i32, i32),
     sm_count: u32,
     choice: PathChoice,

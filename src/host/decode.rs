@@ -16,7 +16,7 @@ use std::sync::Arc;
 
 use cudarc::driver::sys::CUstream;
 
-use super::attention::{Attention, PathChoice, sm90_paged_maps};
+use super::attention::{Attention, PathChoice, plan_problem, sm90_paged_maps};
 use super::kv_cache::{CacheLayout, CacheShape, HostMetadata, KvCache};
 use super::launch::{LaunchDims, PaddedParams, launch, launch_programmatic};
 use super::module::{Carveout, LoadedKernel};
@@ -848,6 +848,61 @@ pub(crate) fn varlen_takes_decode(problem: &FwdProblem, choice: PathChoice, sm_c
     forward_takes_decode(&dense, choice, sm_count)
 }
 
+/// [`Attention::decode_forward_plan`] on a GPU of architecture and SM count `gpu`, with
+/// the paths `choice` allows.
+pub(crate) fn decode_forward_plan_on(
+    (arch, sm_count): ((i32, i32), u32),
+    choice: PathChoice,
+    problem: &DecodeProblem,
+    cache: &KvCache,
+) -> Option<(FwdProblem, FwdConfig)> {
+    let c = &problem.cache;
+    if problem.seqlen_q <= MAX_QUERIES || c.fp8 || problem.packed.is_some() {
+        return None;
+    }
+    let pages = match cache.layout {
+        CacheLayout::Contiguous => None,
+        CacheLayout::Paged {
+            block_table,
+            max_pages,
+            table_stride,
+        } => {
+            if c.page_size < MIN_FORWARD_PAGE {
+                return None;
+            }
+            Some(PageTable {
+                block_table,
+                table_stride: u32::try_from(table_stride).ok()?,
+                page_shift: c.page_shift(),
+                max_pages: u32::try_from(max_pages).ok()?,
+            })
+        }
+    };
+    let forward = FwdProblem {
+        shape: AttnShape {
+            batch: c.batch,
+            seqlen_q: problem.seqlen_q,
+            seqlen_k: c.capacity,
+            heads_q: problem.heads_q,
+            heads_kv: c.heads_kv,
+            head_dim: c.head_dim,
+        },
+        dtype: problem.dtype,
+        scale: problem.scale,
+        causal: problem.causal,
+        window: problem.window,
+        softcap: problem.softcap,
+        packed: None,
+        seqused_k: Some(cache.seqlens),
+        pages,
+    };
+    let cfg = plan_problem(arch, sm_count, choice, &forward).ok()?;
+    if !cfg.reads_used_keys() || (pages.is_some() && cfg.path != Path::Sm90) {
+        return None;
+    }
+    Some((forward, cfg))
+}
+
 impl Attention {
     /// How a decode call of this problem runs on this device: its kernel, its splits
     /// and the workspace it needs.
@@ -985,51 +1040,9 @@ impl Attention {
         problem: &DecodeProblem,
         cache: &KvCache,
     ) -> Option<(FwdProblem, FwdConfig)> {
-        let c = &problem.cache;
-        if problem.seqlen_q <= MAX_QUERIES || c.fp8 || problem.packed.is_some() {
-            return None;
-        }
-        let pages = match cache.layout {
-            CacheLayout::Contiguous => None,
-            CacheLayout::Paged {
-                block_table,
-                max_pages,
-                table_stride,
-            } => {
-                if c.page_size < MIN_FORWARD_PAGE {
-                    return None;
-                }
-                Some(PageTable {
-                    block_table,
-                    table_stride: u32::try_from(table_stride).ok()?,
-                    page_shift: c.page_shift(),
-                    max_pages: u32::try_from(max_pages).ok()?,
-                })
-            }
-        };
-        let forward = FwdProblem {
-            shape: AttnShape {
-                batch: c.batch,
-                seqlen_q: problem.seqlen_q,
-                seqlen_k: c.capacity,
-                heads_q: problem.heads_q,
-                heads_kv: c.heads_kv,
-                head_dim: c.head_dim,
-            },
-            dtype: problem.dtype,
-            scale: problem.scale,
-            causal: problem.causal,
-            window: problem.window,
-            softcap: problem.softcap,
-            packed: None,
-            seqused_k: Some(cache.seqlens),
-            pages,
-        };
-        let cfg = self.plan(&forward).ok()?;
-        if !cfg.reads_used_keys() || (pages.is_some() && cfg.path != Path::Sm90) {
-            return None;
-        }
-        Some((forward, cfg))
+        let d = self.device();
+        let gpu = (d.compute_capability(), d.sm_count());
+        decode_forward_plan_on(gpu, self.path_choice(), problem, cache)
     }
 
     /// Launches a validated decode call (and its merge): its kernels, its workspace (the
@@ -2026,6 +2039,65 @@ mod tests {
         // A dimension of one entry is only indexed at 0: its stride does not matter.
         let one_page = cache(1, 16, 2, 64, Some(16));
         assert!(check(&q(1, 1, 4, 64, 4 * GB), &spread(&one_page, 0, 1 << 40)).is_ok());
+    }
+
+    /// Which calls over a cache the forward kernels take (more than 16 queries, a 16-bit
+    /// cache they can read) and what they are given: the capacity as keys, the lengths as
+    /// used keys, a paged cache's table on the sm90 path only.
+    #[test]
+    fn long_query_chunks_over_a_cache_take_the_forward_kernels() {
+        const H200: ((i32, i32), u32) = ((9, 0), 132);
+        const A100: ((i32, i32), u32) = ((8, 0), 108);
+        let plan = |gpu, choice, sq: usize, c: &KvCache, params: &AttentionParams| {
+            let problem = decode_problem(&q(2, sq, 8, c.k.shape[3], 4 * GB), c, params).unwrap();
+            decode_forward_plan_on(gpu, choice, &problem, c)
+        };
+        let causal = AttentionParams {
+            causal: true,
+            ..AttentionParams::default()
+        };
+        let best = PathChoice::Best;
+        let contiguous = cache(2, 4096, 2, 128, None);
+        for (sq, taken) in [(1, false), (16, false), (17, true), (1024, true)] {
+            let got = plan(H200, best, sq, &contiguous, &causal);
+            assert_eq!(got.is_some(), taken, "Sq {sq}");
+        }
+        let (forward, cfg) = plan(H200, best, 300, &contiguous, &causal).unwrap();
+        assert_eq!(forward.shape.seqlen_k, 4096);
+        assert_eq!(forward.seqused_k, Some(contiguous.seqlens));
+        assert_eq!((forward.pages, forward.causal), (None, true));
+        assert_eq!(cfg.path, Path::Sm90);
+        // The sm80 path's forward kernels read a contiguous cache, not a paged one.
+        let (_, cfg) = plan(A100, best, 300, &contiguous, &causal).unwrap();
+        assert_eq!(cfg.path, Path::Sm80);
+        let (_, cfg) = plan(H200, PathChoice::Sm80, 300, &contiguous, &causal).unwrap();
+        assert_eq!(cfg.path, Path::Sm80);
+        for page in [16, 64, 256] {
+            let paged = cache(2, 4096, 2, 128, Some(page));
+            let (forward, cfg) = plan(H200, best, 300, &paged, &causal).unwrap();
+            let table = forward.pages.unwrap();
+            assert_eq!(1 << table.page_shift, page);
+            assert_eq!(
+                (table.max_pages, table.table_stride),
+                ((4096 / page) as u32, (4096 / page) as u32)
+            );
+            assert_eq!(cfg.path, Path::Sm90);
+            assert!(
+                plan(A100, best, 300, &paged, &causal).is_none(),
+                "page {page}"
+            );
+        }
+        // Pages below 16 and e4m3 caches stay on the decode kernels.
+        assert!(plan(H200, best, 300, &cache(2, 4096, 2, 128, Some(8)), &causal).is_none());
+        assert!(plan(H200, best, 300, &fp8_cache(2, 4096, 2, 128, None), &causal).is_none());
+        // So do windows on kernels that do not read the lengths: every sm80 windowed one.
+        let windowed = AttentionParams {
+            window: crate::host::tensor::Window::sliding(256),
+            ..causal
+        };
+        assert!(plan(A100, best, 300, &contiguous, &windowed).is_none());
+        let (forward, cfg) = plan(H200, best, 300, &contiguous, &windowed).unwrap();
+        assert!(cfg.window && cfg.reads_used_keys() && forward.window.is_some());
     }
 
     #[test]
