@@ -4,7 +4,9 @@
 //!
 //! The decode group times split-KV decode (Sq 1, Hq 32, Hkv 8, D 128, f16) against full
 //! caches of 8192 positions, contiguous and paged (pages of 16 in shuffled order); its
-//! throughput is the K and V bytes read (so `GiB/s` is the cache bandwidth).
+//! throughput is the K and V bytes read (so `GiB/s` is the cache bandwidth). It also times
+//! a prefill chunk of 1024 causal queries against one such cache (which runs on the
+//! forward kernels), in FLOPs.
 //!
 //! The varlen group times packed (variable-length) batches, Hq 32, Hkv 8, D 128, f16:
 //! eight causal prompts of 128 to 4096 tokens (throughput in FLOPs) and sixteen decode
@@ -82,10 +84,12 @@ fn timed(
 const DECODE_SHAPES: [(usize, usize); 2] = [(1, 8192), (16, 8192)];
 /// Decode cache layouts: 0 contiguous, else the page size.
 const DECODE_PAGES: [usize; 2] = [0, 16];
+/// Queries of the decode group's prefill chunk (against its first shape's cache).
+const PREFILL_CHUNK: usize = 1024;
 
 /// One decode shape's buffers on the device: enough copies of the cache (K, V and, paged,
 /// a shuffled block table) to exceed twice the L2 cache, the lengths (every sequence full),
-/// q, o and the workspace the plan needs.
+/// q and o of `sq` queries, and the workspace the plan needs.
 struct DecodeBuffers {
     caches: Vec<(CudaSlice<u16>, CudaSlice<u16>, CudaSlice<i32>)>,
     lens: CudaSlice<i32>,
@@ -98,7 +102,7 @@ fn decode_buffers(
     attn: &Attention,
     stream: &Arc<CudaStream>,
     rng: &mut Rng,
-    (b, skv): (usize, usize),
+    (b, sq, skv): (usize, usize, usize),
     (hq, hkv, d): (usize, usize, usize),
     page: usize,
 ) -> DecodeBuffers {
@@ -128,8 +132,10 @@ fn decode_buffers(
     DecodeBuffers {
         caches,
         lens: stream.clone_htod(&vec![skv as i32; b]).expect("upload"),
-        q: stream.clone_htod(&fill[..b * hq * d]).expect("upload"),
-        o: stream.alloc_zeros(b * hq * d).expect("alloc"),
+        q: stream
+            .clone_htod(&fill.repeat((sq * hq).div_ceil(skv * hkv))[..b * sq * hq * d])
+            .expect("upload"),
+        o: stream.alloc_zeros(b * sq * hq * d).expect("alloc"),
         workspace: stream.alloc_zeros(1).expect("alloc"),
     }
 }
@@ -144,9 +150,11 @@ fn decode_group(
 ) {
     let (hq, hkv, d) = (32, 8, 128);
     let mut group = c.benchmark_group(format!("decode/{}", attn.device().arch_name()));
-    for (b, skv) in DECODE_SHAPES {
+    let steps = DECODE_SHAPES.map(|(b, skv)| (b, 1, skv));
+    let chunk = (DECODE_SHAPES[0].0, PREFILL_CHUNK, DECODE_SHAPES[0].1);
+    for (b, sq, skv) in steps.into_iter().chain([chunk]) {
         for page in DECODE_PAGES {
-            let mut bufs = decode_buffers(attn, stream, rng, (b, skv), (hq, hkv, d), page);
+            let mut bufs = decode_buffers(attn, stream, rng, (b, sq, skv), (hq, hkv, d), page);
             let views: Vec<KvCache> = bufs
                 .caches
                 .iter()
@@ -175,8 +183,8 @@ fn decode_group(
                     }
                 })
                 .collect();
-            let qv = TensorView::bshd(bufs.q.device_ptr(stream).0, DType::F16, b, 1, hq, d);
-            let ov = TensorView::bshd(bufs.o.device_ptr(stream).0, DType::F16, b, 1, hq, d);
+            let qv = TensorView::bshd(bufs.q.device_ptr(stream).0, DType::F16, b, sq, hq, d);
+            let ov = TensorView::bshd(bufs.o.device_ptr(stream).0, DType::F16, b, sq, hq, d);
             let ws_bytes = attn
                 .decode_workspace_bytes(&qv, &views[0])
                 .expect("decode plan");
@@ -185,7 +193,11 @@ fn decode_group(
                 ptr: bufs.workspace.device_ptr(stream).0.next_multiple_of(256),
                 bytes: ws_bytes,
             });
-            let params = AttentionParams::default();
+            // A prefill chunk is causal, bottom-right: its queries are the cache's last.
+            let params = AttentionParams {
+                causal: sq > 1,
+                ..AttentionParams::default()
+            };
             let run = |i: usize| {
                 // SAFETY: every view points into `bufs`' live buffers, sized for it, on
                 // `stream`, which they outlive (the group synchronizes through the timer).
@@ -203,13 +215,18 @@ fn decode_group(
                 }
             };
             run(0).expect("first decode");
-            group.throughput(Throughput::Bytes((2 * b * skv * hkv * d * 2) as u64));
+            let pairs: usize = (0..sq).map(|i| (skv + i + 1).saturating_sub(sq)).sum();
+            group.throughput(if sq == 1 {
+                Throughput::Bytes((2 * b * skv * hkv * d * 2) as u64)
+            } else {
+                Throughput::Elements((4 * b * hq * d * pairs) as u64)
+            });
             let layout = if page == 0 {
                 "contiguous".to_string()
             } else {
                 format!("page{page}")
             };
-            let id = format!("B{b}_Hq{hq}_Hkv{hkv}_D{d}_Skv{skv}_{layout}");
+            let id = format!("B{b}_Sq{sq}_Hq{hq}_Hkv{hkv}_D{d}_Skv{skv}_{layout}");
             group.bench_function(BenchmarkId::from_parameter(id), |bench| {
                 bench.iter_custom(|iters| timed(timer, stream, iters, |i| run(i).expect("decode")))
             });
