@@ -524,6 +524,10 @@ DECODE_CASES = [
     (8, 1, 96, 2, (3000,)),
     (4, 4, 32, 1, (5, 64)),
     (8, 2, 192, 3, (2, 777)),
+    # Prefill chunks after a cached prefix (past 16 queries: the forward kernels where they
+    # read the cache), one sequence shorter than its queries.
+    (8, 2, 128, 100, (40, 1500)),
+    (16, 4, 64, 300, (300, 2000)),
 ]
 
 
