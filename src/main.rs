@@ -244,6 +244,14 @@ fn info() -> Result<(), Failure> {
         flashcore::host::decode::FORWARD_DECODE_MIN_KV_HEADS,
         flashcore::host::decode::FORWARD_ONE_WAVE_ROWS
     );
+    out!(
+        "  decode against a cache with more than {} queries per sequence (a prefill chunk): \
+         the forward kernels, reading each sequence's length (and on sm90a a paged cache's \
+         block table, pages of 16 or more), for a 16-bit cache; the decode kernels for e4m3 \
+         caches, smaller pages, paged caches off sm90a and the windowed kernels without \
+         the length read (sm80, sm90a d256 64-row)",
+        flashcore::kernels::attention::decode::MAX_QUERIES
+    );
     match detected {
         Some(arch) => fp8_info(arch),
         // No GPU here: the two architectures with FP8 tensor cores.
