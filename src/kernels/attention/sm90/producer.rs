@@ -142,10 +142,11 @@ pub(super) const PAGED_LOAD: &str = "a paged cache's chunk";
 /// are all loaded before their TMAs (up to `block_n / 16`: pages of 16), so that the
 /// loads' latencies overlap. A chunk at or past the sequence's used keys, or past the
 /// block table's row, takes a page coordinate past the pool: TMA zero-fills it and
-/// counts its bytes, and no table entry beyond the sequence's is read. An entry the host never
-/// checked is bounded the same way by the hardware: a page outside the pool reads as
-/// zeros. Chunks are at least 16 rows (the host sends smaller pages to the decode
-/// kernels), so each lands on a whole 1024-byte swizzle pattern.
+/// counts its bytes, and no table entry beyond the sequence's is read. An entry the
+/// host never checked is bounded the same way by the hardware: a page outside the pool
+/// reads as zeros. Pages must hold at least 16 rows (the host sends smaller ones to the
+/// decode kernels): each chunk then lands on a whole 1024-byte swizzle pattern, and a
+/// tile has at most the `block_n / 16` chunks whose entries are loaded ahead.
 fn load_paged_tile(
     k: &mut Kernel,
     f: &Fwd,
