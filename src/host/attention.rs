@@ -270,6 +270,16 @@ pub(crate) struct Sm90Operands {
     pub head_dim: Option<u32>,
 }
 
+/// How `cfg`'s maps of `[B, S, H, D]` views of head dim `d` address their column blocks,
+/// and how many a box holds: all of them through a dimension of their own, or (a padded
+/// kernel) one at a time.
+fn map_columns(cfg: &FwdConfig, d: usize) -> (MapColumns, u32) {
+    match cfg.padded {
+        false => (MapColumns::Blocked, d as u32 / 64),
+        true => (MapColumns::PerBlock, 1),
+    }
+}
+
 /// The [`Sm90Operands`] of a launch of `cfg`. A padded kernel's maps hold the tensors'
 /// own head dim: the loads zero-fill the kernel's columns past it, O's TMA store clips
 /// them, and the direct stores (a packed batch, or an O that TMA cannot describe) check
@@ -283,10 +293,7 @@ fn sm90_maps(
         block_m, block_n, ..
     } = cfg.tiling();
     let d = q.shape[3];
-    let (columns, blocks) = match cfg.padded {
-        false => (MapColumns::Blocked, d as u32 / 64),
-        true => (MapColumns::PerBlock, 1),
-    };
+    let (columns, blocks) = map_columns(cfg, d);
     let map = |t: &TensorView, rows| sm90_map_boxed(t, [rows, blocks], columns);
     Ok(Sm90Operands {
         inputs: [map(q, block_m)?, map(k, block_n)?, map(v, block_n)?],
@@ -309,10 +316,7 @@ pub(crate) fn sm90_paged_maps(
         block_m, block_n, ..
     } = cfg.tiling();
     let d = q.shape[3];
-    let (columns, blocks) = match cfg.padded {
-        false => (MapColumns::Blocked, d as u32 / 64),
-        true => (MapColumns::PerBlock, 1),
-    };
+    let (columns, blocks) = map_columns(cfg, d);
     let chunk = (page_size as u32).min(1 << block_n.trailing_zeros());
     let pool = |t: &TensorView| sm90_map_boxed(t, [chunk, 1], columns);
     Ok(Sm90Operands {
