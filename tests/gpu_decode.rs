@@ -18,6 +18,7 @@ use flashcore::Error;
 use flashcore::check::tolerance;
 use flashcore::host::attention::{Attention, PathChoice};
 use flashcore::host::decode::{MergeParts, Workspace};
+use flashcore::host::decode_varlen::PackedQueries;
 use flashcore::host::device::Device;
 use flashcore::host::kv_cache::{CacheLayout, HostMetadata, KvCache, KvScales};
 use flashcore::host::tensor::{AttentionParams, DType, LseView, TensorView, Window};
@@ -693,6 +694,295 @@ fn decode_long_query_chunks() {
     let contiguous: Vec<Case> = cases.iter().filter(|c| c.page == 0).cloned().collect();
     run_all_on(&sm80, &s, &contiguous);
     run_all_fp8(&cases[..3]);
+}
+
+/// One sequence's float64 attention: `n` queries (`[n, Hq, D]`) at the end of `len`
+/// cached keys; `([n, Hq, D], [Hq, n])`, zeros and −∞ with no keys.
+fn reference_sequence(
+    c: &Case,
+    q: &[f64],
+    keys: &[f64],
+    values: &[f64],
+    len: usize,
+) -> (Vec<f64>, Vec<f64>) {
+    let (n, hq, hkv, d) = (
+        q.len() / (c.heads_q * c.head_dim),
+        c.heads_q,
+        c.heads_kv,
+        c.head_dim,
+    );
+    if len == 0 {
+        return (vec![0.0; n * hq * d], vec![f64::NEG_INFINITY; hq * n]);
+    }
+    let shape = AttnShape {
+        batch: 1,
+        seqlen_q: n,
+        seqlen_k: len,
+        heads_q: hq,
+        heads_kv: hkv,
+        head_dim: d,
+    };
+    let params = RefParams {
+        scale: (1.0 / (d as f64).sqrt()) as f32 as f64,
+        causal: c.causal,
+        window: c.window,
+        softcap: c.softcap.map(f64::from),
+    };
+    let r = attention_f64_with(
+        &shape,
+        q,
+        &keys[..len * hkv * d],
+        &values[..len * hkv * d],
+        &params,
+    );
+    (r.out, r.lse)
+}
+
+/// A serving batch's queries packed over the case's cache (`Attention::decode_varlen`):
+/// sequence `b` has `queries[b]` rows of q, after two rows no sequence covers and
+/// before three more, which must keep their poison in o and the LSE. `fp8`: the cache as
+/// e4m3 codes and scales, against the float64 reference of the dequantized cache.
+/// Returns the worst sequence's output error and the LSE error.
+fn run_packed_case(
+    attn: &Attention,
+    s: &Arc<CudaStream>,
+    rng: &mut Rng,
+    c: &Case,
+    queries: &[usize],
+    fp8: bool,
+) -> (f64, f64) {
+    let b = c.lens.len();
+    assert_eq!(queries.len(), b);
+    let cache = DeviceCache::new(s, rng, c, capacity_for(c), &c.lens);
+    let fp8_cache = fp8.then(|| Fp8DeviceCache::new(s, c, &cache));
+    let (hq, d) = (c.heads_q, c.head_dim);
+    let mut cu = vec![2i32];
+    for &n in queries {
+        cu.push(cu.last().unwrap() + n as i32);
+    }
+    let total = cu[b] as usize + 3;
+    let (q_bits, q) = reference::random_half(rng, total * hq * d, c.dtype);
+    let dq = up(s, &q_bits);
+    let dcu = up(s, &cu);
+    let poison = reference::poison(c.dtype);
+    let o = up(s, &vec![poison; total * hq * d]);
+    let lse = up(s, &vec![f32::NAN; hq * total]);
+    let dt = dtype_of(c.dtype);
+    let qv = TensorView::bshd(ptr(s, &dq), dt, 1, total, hq, d);
+    let ov = TensorView::bshd(ptr(s, &o), dt, 1, total, hq, d);
+    let kv = match &fp8_cache {
+        Some(f) => f.view(s, c, &cache),
+        None => cache.view(s, c),
+    };
+    let packed = PackedQueries {
+        cu_seqlens_q: ptr(s, &dcu),
+        batch: b,
+        max_seqlen_q: c.seqlen_q,
+        host: c.host_check.then_some(cu.as_slice()),
+    };
+    let params = AttentionParams {
+        softmax_scale: None,
+        causal: c.causal,
+        window: c.window,
+        softcap: c.softcap,
+    };
+    let ws_bytes = attn
+        .decode_varlen_workspace_bytes(&qv, &kv, &packed)
+        .expect("plan");
+    let ws: Option<CudaSlice<u32>> =
+        (c.workspace && ws_bytes > 0).then(|| workspace_garbage(s, rng, ws_bytes + 256));
+    let workspace = ws.as_ref().map(|w| Workspace {
+        ptr: ptr(s, w).next_multiple_of(256),
+        bytes: ws_bytes,
+    });
+    let host = cache.host();
+    // SAFETY: every view points into this function's live device buffers, sized for it.
+    unsafe {
+        attn.decode_varlen(
+            &qv,
+            &kv,
+            &packed,
+            c.host_check.then_some(&host),
+            &ov,
+            Some(&LseView { ptr: ptr(s, &lse) }),
+            &params,
+            workspace,
+            s.cu_stream(),
+        )
+    }
+    .unwrap_or_else(|e| panic!("{c} packed {queries:?}: {e}"));
+    let got_bits = down(s, &o);
+    let got_lse = down(s, &lse);
+    let row = hq * d;
+    let (first, end) = (cu[0] as usize, cu[b] as usize);
+    let untouched = |r: usize| r < first || r >= end;
+    let written = (0..total)
+        .filter(|&r| untouched(r))
+        .any(|r| got_bits[r * row..][..row].iter().any(|&x| x != poison));
+    assert!(
+        !written,
+        "{c} packed {queries:?}: a row no sequence covers was written"
+    );
+    let lse_written = (0..hq * total).any(|i| untouched(i % total) && !got_lse[i].is_nan());
+    assert!(
+        !lse_written,
+        "{c} packed {queries:?}: an LSE no sequence covers was written"
+    );
+    let got = half_bits_to_f64(&got_bits, c.dtype);
+    let (mut worst, mut worst_lse) = (0.0f64, 0.0f64);
+    for (i, (&n, &len)) in queries.iter().zip(&c.lens).enumerate() {
+        if n == 0 {
+            continue;
+        }
+        let rows = cu[i] as usize..cu[i + 1] as usize;
+        let qs = &q[rows.start * row..rows.end * row];
+        let (keys, values) = match &fp8_cache {
+            Some(f) => (&f.keys[i], &f.values[i]),
+            None => (&cache.keys[i], &cache.values[i]),
+        };
+        let (want, want_lse) = reference_sequence(c, qs, keys, values, len);
+        let err = rel_l2(&got[rows.start * row..rows.end * row], &want);
+        let got_l: Vec<f64> = (0..hq * n)
+            .map(|j| f64::from(got_lse[(j / n) * total + rows.start + j % n]))
+            .collect();
+        let lse_err = lse_error(&got_l, &want_lse);
+        worst = if err.is_nan() {
+            f64::NAN
+        } else {
+            worst.max(err)
+        };
+        worst_lse = if lse_err.is_nan() {
+            f64::NAN
+        } else {
+            worst_lse.max(lse_err)
+        };
+    }
+    (worst, worst_lse)
+}
+
+/// Runs packed-query cases (a case, each sequence's query count) on `attn`.
+fn run_all_packed(attn: &Attention, s: &Arc<CudaStream>, cases: &[(Case, Vec<usize>)], fp8: bool) {
+    let mut seeds = seeds();
+    let mut failures = Vec::new();
+    for (c, queries) in cases {
+        let mut rng = seeds.next_case();
+        let replay = seeds.replay(&rng);
+        let (err, lse_err) = run_packed_case(attn, s, &mut rng, c, queries, fp8);
+        let kind = if fp8 { " e4m3 cache" } else { "" };
+        let line =
+            format!("{c}{kind} packed {queries:?}: out {err:.2e} lse {lse_err:.2e} ({replay})");
+        println!("{line}");
+        if err.is_nan() || err > tolerance(c.dtype) || lse_err.is_nan() || lse_err > 1e-2 {
+            failures.push(line);
+        }
+    }
+    assert!(
+        failures.is_empty(),
+        "{} of {} cases failed:\n{}",
+        failures.len(),
+        cases.len(),
+        failures.join("\n")
+    );
+}
+
+/// Serving batches in one call (`Attention::decode_varlen`): decode steps, drafts and
+/// prompt chunks packed together over contiguous caches and pages of 1 to 256, runs
+/// longer than their sequences (zeros and LSE −∞ before the first position), empty
+/// runs and empty sequences, GQA 1 to 8, causal or not, a window, a cap, with and
+/// without host copies and a caller's workspace. Runs of at most 16 take the decode
+/// kernels; on Hopper, where the forward kernels read the cache, a batch with longer runs
+/// splits between both (asserted), batches whose runs are all long among them (the
+/// decode launch then has nothing to do). Then the contiguous cases on the sm80 path
+/// (the decode kernels) and four on an e4m3 cache.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn decode_varlen_mixed_batches() {
+    let with = |mut c: Case, queries: &[usize], f: &dyn Fn(&mut Case)| {
+        c.seqlen_q = queries.iter().copied().max().unwrap_or(1).max(1);
+        f(&mut c);
+        (c, queries.to_vec())
+    };
+    let keep = |_: &mut Case| {};
+    let f16 = HalfType::F16;
+    let bf16 = HalfType::Bf16;
+    let cases = vec![
+        // Decode-sized runs: the decode kernels.
+        with(
+            case(f16, (32, 8), 128, 1, &[700, 1, 4097, 9, 0], 0, true),
+            &[1, 1, 4, 16, 0],
+            &keep,
+        ),
+        with(
+            case(bf16, (8, 2), 64, 1, &[33, 2000, 5], 16, true),
+            &[3, 1, 7],
+            &keep,
+        ),
+        with(
+            case(f16, (4, 4), 96, 1, &[300, 129], 1, false),
+            &[16, 2],
+            &|c| c.workspace = true,
+        ),
+        // Prompt chunks among decode steps: the forward kernels where they read the cache.
+        with(
+            case(f16, (32, 8), 128, 1, &[1500, 64, 3, 0, 800], 0, true),
+            &[300, 1, 5, 0, 17],
+            &keep,
+        ),
+        with(
+            case(bf16, (16, 2), 64, 1, &[1024, 513, 4000], 64, true),
+            &[1, 113, 1023],
+            &keep,
+        ),
+        with(
+            case(f16, (8, 1), 128, 1, &[2049, 40], 16, true),
+            &[200, 40],
+            &|c| c.host_check = false,
+        ),
+        with(
+            case(bf16, (8, 8), 256, 1, &[90, 700], 256, false),
+            &[90, 1],
+            &keep,
+        ),
+        with(
+            case(f16, (8, 2), 128, 1, &[3000, 20], 1, true),
+            &[100, 20],
+            &keep,
+        ),
+        with(
+            case(bf16, (16, 4), 128, 1, &[4000, 260, 1], 32, true),
+            &[300, 1, 1],
+            &|c| c.window = Window::sliding(256),
+        ),
+        with(
+            case(f16, (8, 1), 128, 1, &[64, 3000], 16, true),
+            &[64, 2],
+            &|c| {
+                c.softcap = Some(2.0);
+                c.workspace = true;
+            },
+        ),
+    ];
+    let (attn, s) = setup();
+    run_all_packed(&attn, &s, &cases, false);
+    let decode = loaded_ids(&attn, "attn_decode_");
+    let forward = loaded_ids(&attn, "attn_fwd_");
+    println!("decode kernels: {decode:?}\nforward kernels: {forward:?}");
+    assert!(
+        !decode.iter().any(|id| id.ends_with("_packed")),
+        "{decode:?}"
+    );
+    assert!(!decode.is_empty(), "no decode kernel ran");
+    if attn.device().compute_capability().0 == 9 {
+        let sm90 = forward.iter().any(|id| id.contains("sm90a"));
+        assert!(sm90, "no forward kernel ran: {forward:?}");
+    }
+    let sm80 = setup().0.with_path(PathChoice::Sm80);
+    let contiguous: Vec<_> = cases.iter().filter(|c| c.0.page == 0).cloned().collect();
+    run_all_packed(&sm80, &s, &contiguous, false);
+    if attn.device().compute_capability() >= (8, 9) {
+        let picks = [0, 1, 3, 4].map(|i| cases[i].clone());
+        run_all_packed(&attn, &s, &picks, true);
+    }
 }
 
 /// Lengths at the decode tiles' edges (16-key warp shares, 64-key stages).
@@ -1431,6 +1721,28 @@ fn decode_small_for_sanitizers() {
     cases.push(case(HalfType::F16, (2, 1), 136, 2, &[70, 3], 64, true));
     cases.push(case(HalfType::Bf16, (2, 1), 248, 1, &[300, 2], 0, false));
     run_all(&cases);
+}
+
+/// Small packed-query cases for compute-sanitizer: a paged decode-sized batch with two
+/// splits and the packed merge, a contiguous single split with a run longer than its
+/// sequence, and prompt chunks on the forward kernels over a contiguous cache and pages
+/// of 16 (the sm90 path's paged loads).
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn decode_varlen_small_for_sanitizers() {
+    let mut split = case(HalfType::F16, (8, 2), 128, 3, &[1, 7, 300], 16, true);
+    split.workspace = true;
+    let short = case(HalfType::Bf16, (4, 4), 64, 5, &[3, 40], 0, true);
+    let chunks = case(HalfType::F16, (8, 2), 128, 70, &[300, 2, 90], 0, true);
+    let paged = case(HalfType::Bf16, (8, 2), 64, 70, &[300, 2, 90], 16, true);
+    let cases = vec![
+        (split, vec![3, 1, 2]),
+        (short, vec![5, 0]),
+        (chunks, vec![70, 1, 33]),
+        (paged, vec![70, 1, 33]),
+    ];
+    let (attn, s) = setup();
+    run_all_packed(&attn, &s, &cases, false);
 }
 
 /// Small key-window cases for compute-sanitizer: a sliding window skipping most of a

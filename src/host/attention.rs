@@ -10,7 +10,7 @@ use super::device::{ContextScope, Device, check};
 use super::launch::{LaunchDims, PaddedParams, launch};
 use super::module::{Carveout, LoadedKernel};
 use super::tensor::{AttentionParams, LseView, TensorView};
-use super::validate::{FWD_PADDED_HEAD_DIMS_TEXT, FwdProblem, validate_fwd};
+use super::validate::{FWD_PADDED_HEAD_DIMS_TEXT, FwdProblem, Runs, validate_fwd};
 use crate::error::{Error, Result};
 use crate::kernels::attention::softcap::ScoreScaling;
 use crate::kernels::attention::{
@@ -284,7 +284,7 @@ fn map_columns(cfg: &FwdConfig, d: usize) -> (MapColumns, u32) {
 /// own head dim: the loads zero-fill the kernel's columns past it, O's TMA store clips
 /// them, and the direct stores (a packed batch, or an O that TMA cannot describe) check
 /// them against the head dim parameter.
-fn sm90_maps(
+pub(crate) fn sm90_maps(
     cfg: &FwdConfig,
     [q, k, v, o]: [&TensorView; 4],
     packed: bool,
@@ -306,11 +306,12 @@ fn sm90_maps(
 /// [`sm90_maps`] makes them, K's and V's over the pools `[pages, page_size, Hkv, D]`
 /// (the page as the maps' batch), with a box of one 64-column block by a chunk of rows:
 /// the page, or the largest power of two that divides the key tile where that is smaller
-/// (see the producer's `load_paged_tile`).
+/// (see the producer's `load_paged_tile`). `packed`: Q and O hold packed sequences.
 pub(crate) fn sm90_paged_maps(
     cfg: &FwdConfig,
     [q, k, v, o]: [&TensorView; 4],
     page_size: usize,
+    packed: bool,
 ) -> Result<Sm90Operands> {
     let Tiling {
         block_m, block_n, ..
@@ -325,7 +326,7 @@ pub(crate) fn sm90_paged_maps(
             pool(k)?,
             pool(v)?,
         ],
-        output: sm90_output_map(o, false, columns),
+        output: sm90_output_map(o, packed, columns),
         head_dim: cfg.padded.then(|| head_dim_param(d)).transpose()?,
     })
 }
@@ -658,7 +659,7 @@ impl Attention {
     /// # Safety
     ///
     /// As for [`Attention::forward`]; `problem` must come from `validate_fwd` on these views.
-    unsafe fn launch_forward(
+    pub(crate) unsafe fn launch_forward(
         &self,
         problem: &FwdProblem,
         cfg: &FwdConfig,
@@ -978,7 +979,10 @@ fn fwd_args(
         table_stride: problem.pages.map_or(0, |p| p.table_stride),
         page_shift: problem.pages.map_or(0, |p| p.page_shift),
         max_pages: problem.pages.map_or(0, |p| p.max_pages),
-        pad2: 0,
+        min_queries: match problem.packed.map(|p| p.runs) {
+            Some(Runs::Long(n)) => n as u32,
+            _ => 0,
+        },
     }
 }
 
@@ -1348,6 +1352,7 @@ mod tests {
                     cu_seqlens_k: 0x2000,
                     total_q: 4096,
                     total_k: 4096,
+                    runs: Runs::All,
                 }),
                 ..dense
             };
@@ -1425,6 +1430,7 @@ mod tests {
                 cu_seqlens_k: 0x2000,
                 total_q: 4096,
                 total_k: seqs * keys,
+                runs: Runs::All,
             }),
             softcap: None,
             seqused_k: None,

@@ -16,14 +16,14 @@ use std::sync::Arc;
 
 use cudarc::driver::sys::CUstream;
 
-use super::attention::{Attention, PathChoice, plan_problem, sm90_paged_maps};
+use super::attention::{Attention, PathChoice, plan_problem, sm90_maps, sm90_paged_maps};
 use super::kv_cache::{CacheLayout, CacheShape, HostMetadata, KvCache};
 use super::launch::{LaunchDims, PaddedParams, launch, launch_programmatic};
 use super::module::{Carveout, LoadedKernel};
 use super::tensor::{AttentionParams, DType, KeyWindow, LseView, TensorView, WINDOW_UNBOUNDED};
 use super::validate::{
     FWD_PADDED_HEAD_DIMS_TEXT, FwdProblem, LSE_ALIGN, MAX_GRID_YZ, MAX_SEQLEN, Packed, PageTable,
-    TENSOR_ALIGN, byte_range_of, check_no_self_overlap, check_not_empty, check_pointer,
+    Runs, TENSOR_ALIGN, byte_range_of, check_no_self_overlap, check_not_empty, check_pointer,
     check_scale, check_strides, checked_softcap, lse_byte_range, overlaps, validate_fwd,
     views_disjoint,
 };
@@ -35,7 +35,7 @@ use crate::kernels::attention::decode::{
 };
 use crate::kernels::attention::merge::{self, MergeArgs, MergeConfig, MergeType};
 use crate::kernels::attention::softcap::ScoreScaling;
-use crate::kernels::attention::{FwdConfig, HalfType, Path};
+use crate::kernels::attention::{CacheReads, FwdConfig, HalfType, Path};
 use crate::shape::AttnShape;
 
 /// The head dims of decode with a 16-bit cache and of the merge, as error text: those of
@@ -65,20 +65,23 @@ pub struct DecodeProblem {
     pub window: Option<KeyWindow>,
     /// The soft cap of the scores, if any ([`AttentionParams::softcap`], checked).
     pub softcap: Option<f32>,
-    /// A variable-length forward call's packed sequences, run on the decode kernels
-    /// (`Attention::varlen_by_decode`): `cache` then counts the sequences, the keys of
-    /// the longest one (or an upper bound) as the capacity, and `seqlen_q` bounds each
-    /// sequence's queries.
+    /// Packed queries, `seqlen_q` bounding each sequence's. With packed keys
+    /// (`cu_seqlens_k` non-null), a variable-length forward call's sequences run on the
+    /// decode kernels (`Attention::varlen_by_decode`): `cache` then counts the
+    /// sequences, the keys of the longest one (or an upper bound) as the capacity.
+    /// Without (`Attention::decode_varlen`), queries packed over a real cache, whose
+    /// capacity `total_k` is.
     pub packed: Option<Packed>,
 }
 
 impl DecodeProblem {
     /// Where the decode kernels find the sequences' keys.
     pub fn layout(&self) -> DecodeLayout {
-        match (self.packed, self.cache.page_size) {
-            (Some(_), _) => DecodeLayout::Packed,
-            (None, 0) => DecodeLayout::Contiguous,
-            (None, _) => DecodeLayout::Paged,
+        let packed_keys = self.packed.is_some_and(|p| p.cu_seqlens_k != 0);
+        match (packed_keys, self.cache.page_size) {
+            (true, _) => DecodeLayout::Packed,
+            (false, 0) => DecodeLayout::Contiguous,
+            (false, _) => DecodeLayout::Paged,
         }
     }
 
@@ -228,6 +231,13 @@ pub fn decode_problem(
     cache: &KvCache,
     params: &AttentionParams,
 ) -> Result<DecodeProblem> {
+    let dtype = decode_dtype(q, cache)?;
+    check_not_empty("q", q)?;
+    decode_problem_of(dtype, q.shape, cache, params)
+}
+
+/// q's dtype, which must be f16 or bf16 and the cache's (or the cache e4m3).
+pub(crate) fn decode_dtype(q: &TensorView, cache: &KvCache) -> Result<HalfType> {
     // An e4m3 cache serves queries of either 16-bit type.
     if q.dtype != cache.k.dtype && !(cache.is_fp8() && q.dtype.half_type().is_some()) {
         return Err(Error::UnsupportedDType(format!(
@@ -236,11 +246,19 @@ pub fn decode_problem(
             dtype_text(cache.k.dtype)
         )));
     }
-    let dtype = q.dtype.half_type().ok_or_else(|| {
+    q.dtype.half_type().ok_or_else(|| {
         Error::UnsupportedDType(format!("q is {}; decode takes f16 or bf16", q.dtype))
-    })?;
-    check_not_empty("q", q)?;
-    let [batch, seqlen_q, heads_q, head_dim] = q.shape;
+    })
+}
+
+/// [`decode_problem`] past q's dtype and emptiness, for queries of `dtype` shaped as a
+/// dense `[B, Sq, Hq, D]` call's (packed queries: their sequence count and longest).
+pub(crate) fn decode_problem_of(
+    dtype: HalfType,
+    [batch, seqlen_q, heads_q, head_dim]: [usize; 4],
+    cache: &KvCache,
+    params: &AttentionParams,
+) -> Result<DecodeProblem> {
     let shape = cache.validate(batch)?;
     if shape.head_dim != head_dim {
         return Err(Error::ShapeMismatch(format!(
@@ -297,7 +315,7 @@ fn decode_head_dim(head_dim: usize, fp8: bool) -> Result<(u32, bool)> {
     })
 }
 
-fn check_lse_pointer(lse: Option<&LseView>) -> Result<()> {
+pub(crate) fn check_lse_pointer(lse: Option<&LseView>) -> Result<()> {
     if let Some(l) = lse {
         check_pointer("lse", l.ptr, LSE_ALIGN)?;
     }
@@ -305,7 +323,7 @@ fn check_lse_pointer(lse: Option<&LseView>) -> Result<()> {
 }
 
 /// The output (and the LSE) overlap none of the inputs, nor each other.
-fn check_outputs(
+pub(crate) fn check_outputs(
     inputs: &[Option<(&'static str, (u64, u64))>],
     (out_name, out): (&'static str, (u64, u64)),
     lse: Option<(u64, u64)>,
@@ -731,7 +749,7 @@ fn merge_launch(
         rows,
         cu_seqlens: packed.map_or(0, |p| p.cu_seqlens_q),
         total: packed.map_or(0, |p| p.total_q as u32),
-        pad: 0,
+        skip_longer: u32::from(packed.is_some_and(|p| p.runs == Runs::Short)),
     };
     let dims = LaunchDims {
         grid: (rows.div_ceil(cfg.rows_per_block()), 1, 1),
@@ -857,7 +875,8 @@ pub(crate) fn decode_forward_plan_on(
     cache: &KvCache,
 ) -> Option<(FwdProblem, FwdConfig)> {
     let c = &problem.cache;
-    if problem.seqlen_q <= MAX_QUERIES || c.fp8 || problem.packed.is_some() {
+    let packed_keys = problem.layout() == DecodeLayout::Packed;
+    if problem.seqlen_q <= MAX_QUERIES || c.fp8 || packed_keys || c.capacity > MAX_SEQLEN {
         return None;
     }
     let pages = match cache.layout {
@@ -892,12 +911,21 @@ pub(crate) fn decode_forward_plan_on(
         causal: problem.causal,
         window: problem.window,
         softcap: problem.softcap,
-        packed: None,
+        // Packed queries over the cache: a null `cu_seqlens_k` keeps the keys the cache's.
+        packed: problem.packed,
         seqused_k: Some(cache.seqlens),
         pages,
     };
     let cfg = plan_problem(arch, sm_count, choice, &forward).ok()?;
-    if !cfg.reads_used_keys() || (pages.is_some() && cfg.path != Path::Sm90) {
+    let reads = match (
+        pages.is_some() || problem.packed.is_some(),
+        cfg.cache_reads(),
+    ) {
+        // Pages and keys apart from packed queries: the sm90 path's kernels only.
+        (true, reads) => reads == CacheReads::UnderPackedQueries,
+        (false, reads) => reads != CacheReads::None,
+    };
+    if !reads {
         return None;
     }
     Some((forward, cfg))
@@ -1006,7 +1034,7 @@ impl Attention {
     ///
     /// As for [`Attention::decode`]; `problem` must come from validating these views.
     #[allow(clippy::too_many_arguments)]
-    unsafe fn decode_by_forward(
+    pub(crate) unsafe fn decode_by_forward(
         &self,
         problem: &DecodeProblem,
         q: &TensorView,
@@ -1017,15 +1045,32 @@ impl Attention {
         stream: CUstream,
     ) -> Option<Result<()>> {
         let (forward, cfg) = self.decode_forward_plan(problem, cache)?;
+        let packed = forward.packed.is_some();
         if forward.pages.is_none() {
             // The forward's own checks of the views (the decode's passed): the cache as
-            // K and V of `[B, capacity, Hkv, D]`.
-            validate_fwd(q, &cache.k, &cache.v, o, lse, params).ok()?;
-            // SAFETY: this function's contract; the forward's checks passed on these views.
-            return Some(unsafe { self.run(&forward, [q, &cache.k, &cache.v, o], lse, stream) });
+            // K and V of `[B, capacity, Hkv, D]`. Packed queries have a batch extent of
+            // their own, and their checks are the decode's plus the capacity's bound,
+            // which the plan checked.
+            if !packed {
+                validate_fwd(q, &cache.k, &cache.v, o, lse, params).ok()?;
+            }
+            let views = [q, &cache.k, &cache.v, o];
+            return Some(match cfg.path {
+                Path::Sm90 => {
+                    // Views the driver will not map go to the decode kernels: the sm80
+                    // kernel a refused map falls back to might not read the used keys.
+                    let operands = sm90_maps(&cfg, views, packed).ok()?;
+                    // SAFETY: this function's contract; the forward's checks (or, packed,
+                    // the decode's) passed on these views, which the maps cover.
+                    unsafe { self.launch_sm90(&forward, &cfg, operands, o, lse, stream) }
+                }
+                // SAFETY: as above; the plan's kernel reads the used keys.
+                Path::Sm80 => unsafe { self.launch_forward(&forward, &cfg, views, lse, stream) },
+            });
         }
         let page_size = problem.cache.page_size;
-        let operands = sm90_paged_maps(&cfg, [q, &cache.k, &cache.v, o], page_size).ok()?;
+        let views = [q, &cache.k, &cache.v, o];
+        let operands = sm90_paged_maps(&cfg, views, page_size, packed).ok()?;
         // SAFETY: this function's contract; the maps cover q, o and the pools, whose
         // pages the kernel finds through the table and TMA bounds to the pools.
         Some(unsafe { self.launch_sm90(&forward, &cfg, operands, o, lse, stream) })
@@ -1054,7 +1099,7 @@ impl Attention {
     /// As for [`Attention::decode`]; `problem` and `plan` must come from validating and
     /// planning these views.
     #[allow(clippy::too_many_arguments)]
-    unsafe fn run_decode(
+    pub(crate) unsafe fn run_decode(
         &self,
         problem: &DecodeProblem,
         plan: &DecodePlan,
@@ -1133,7 +1178,7 @@ impl Attention {
             scale_log2: scaling.scale_log2,
             scale: scaling.scale,
             softcap_pre: scaling.softcap_pre,
-            pad: 0,
+            skip_longer: u32::from(problem.packed.is_some_and(|p| p.runs == Runs::Short)),
             causal: u32::from(problem.causal),
             window_left: problem.window.map_or(WINDOW_UNBOUNDED, |w| w.left),
             window_right: problem.window.map_or(0, |w| w.right),
@@ -1469,7 +1514,7 @@ impl Attention {
         )
     }
 
-    fn check_fp8_cache_gpu(&self) -> Result<()> {
+    pub(crate) fn check_fp8_cache_gpu(&self) -> Result<()> {
         let arch = self.device().compute_capability();
         if arch < (8, 9) {
             return Err(Error::UnsupportedGpu {
@@ -1486,7 +1531,7 @@ impl Attention {
 }
 
 /// The caller's workspace is large enough, aligned and apart from every other buffer.
-fn check_workspace(
+pub(crate) fn check_workspace(
     w: &Workspace,
     needed: usize,
     cache: &KvCache,
@@ -1512,18 +1557,26 @@ fn check_workspace(
             ))
         })?;
     let range = (w.ptr, end);
-    let lse = match lse {
-        Some(l) => Some((
+    // Packed queries: the LSE is `[Hq, total_q]`, and the offsets are read too.
+    let lse = match (lse, p.packed) {
+        (Some(l), Some(packed)) => Some(("lse", lse_byte_range(l, 1, p.heads_q, packed.total_q)?)),
+        (Some(l), None) => Some((
             "lse",
             lse_byte_range(l, p.cache.batch, p.heads_q, p.seqlen_q)?,
         )),
-        None => None,
+        (None, _) => None,
     };
+    let offsets = p.packed.map(|packed| {
+        let bytes = 4 * (p.cache.batch as u64 + 1);
+        let start = packed.cu_seqlens_q;
+        ("cu_seqlens_q", (start, start.saturating_add(bytes)))
+    });
     let [k, v, k_scale, v_scale, lengths, table] = cache.byte_ranges(p.cache.batch);
     let views = [
         q.byte_range().map(|r| ("q", r)),
         o.byte_range().map(|r| ("o", r)),
         lse,
+        offsets,
     ];
     let others = [k, v, k_scale, v_scale, lengths, table]
         .into_iter()
@@ -1539,7 +1592,7 @@ fn check_workspace(
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
     fn forward_problem(
@@ -1597,6 +1650,7 @@ mod tests {
                 cu_seqlens_k: 512,
                 total_q: 4,
                 total_k: 4 * min,
+                runs: Runs::All,
             }),
             ..forward_problem(4, 32, 8, 1, min)
         };
@@ -1667,6 +1721,7 @@ mod tests {
             cu_seqlens_k: 512,
             total_q: batch * max_q,
             total_k,
+            runs: Runs::All,
         });
         p
     }
@@ -1729,9 +1784,15 @@ mod tests {
     use crate::host::draw::Draw;
     use crate::host::kv_cache::{CacheLayout, KvScales};
 
-    const GB: u64 = 1 << 30;
+    pub(crate) const GB: u64 = 1 << 30;
 
-    fn cache(b: usize, cap: usize, hkv: usize, d: usize, paged: Option<usize>) -> KvCache {
+    pub(crate) fn cache(
+        b: usize,
+        cap: usize,
+        hkv: usize,
+        d: usize,
+        paged: Option<usize>,
+    ) -> KvCache {
         let (k, v, layout) = match paged {
             None => (
                 TensorView::bshd(GB, DType::F16, b, cap, hkv, d),
@@ -1766,7 +1827,13 @@ mod tests {
 
     /// `cache(...)` holding e4m3 codes, with scale tensors `[outer, rows, Hkv, 1]` at
     /// 6 GB and 7 GB.
-    fn fp8_cache(b: usize, cap: usize, hkv: usize, d: usize, paged: Option<usize>) -> KvCache {
+    pub(crate) fn fp8_cache(
+        b: usize,
+        cap: usize,
+        hkv: usize,
+        d: usize,
+        paged: Option<usize>,
+    ) -> KvCache {
         let mut c = cache(b, cap, hkv, d, paged);
         for t in [&mut c.k, &mut c.v] {
             *t = TensorView::bshd(t.ptr, DType::E4m3, t.shape[0], t.shape[1], hkv, d);

@@ -398,7 +398,7 @@ pub(crate) fn fp8_args(
         table_stride: 0,
         page_shift: 0,
         max_pages: 0,
-        pad2: 0,
+        min_queries: 0,
     };
     Fp8Args {
         base,

@@ -15,12 +15,15 @@
 //! - [`kv_cache`]: KV caches (contiguous or paged) and their checks.
 //! - [`decode`]: serving calls: split-KV decode, appending to a cache, merging partial
 //!   results by their log-sum-exp.
+//! - [`decode_varlen`]: a serving batch's packed queries (decode steps and prompt chunks
+//!   together) against a cache, in one call.
 //! - [`gemm`]: the Hopper proof kernels (warp-specialized GEMM, TMA round trip).
 
 pub mod attention;
 pub mod buffers;
 pub mod cache;
 pub mod decode;
+pub mod decode_varlen;
 pub mod device;
 #[cfg(test)]
 pub(crate) mod draw;

@@ -100,6 +100,21 @@ pub struct Packed {
     pub cu_seqlens_k: u64,
     pub total_q: usize,
     pub total_k: usize,
+    /// Which sequences the launch computes.
+    pub runs: Runs,
+}
+
+/// Which of a packed batch's sequences a launch computes, by query count: all of them,
+/// or one side of a serving batch split between the decode and the forward kernels
+/// (`Attention::decode_varlen`). A sequence on the other side has no rows written.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Runs {
+    /// Every sequence (queries past the problem's `seqlen_q` uncomputed).
+    All,
+    /// Those with at most the problem's `seqlen_q` queries.
+    Short,
+    /// Those with at least this many.
+    Long(usize),
 }
 
 /// Checks the arguments of a forward call; see the module docs for the order of checks.

@@ -48,7 +48,7 @@ use cudarc::driver::sys::CUstream;
 use super::attention::Attention;
 use super::tensor::{AttentionParams, LseView, TensorView};
 use super::validate::{
-    FwdProblem, LSE_ALIGN, MAX_GRID_YZ, MAX_SEQLEN, Packed, byte_range_of, check_pointer,
+    FwdProblem, LSE_ALIGN, MAX_GRID_YZ, MAX_SEQLEN, Packed, Runs, byte_range_of, check_pointer,
     lse_byte_range, overlaps, validate_fwd,
 };
 use crate::error::{Error, Result};
@@ -193,13 +193,14 @@ pub fn validate_varlen(
             cu_seqlens_k: varlen.cu_seqlens_k,
             total_q,
             total_k,
+            runs: Runs::All,
         }),
         ..dense
     })
 }
 
 /// `cu` has `batch + 1` entries, from 0 or more, non-decreasing, up to `rows`.
-fn check_offsets(name: &str, cu: &[i32], batch: usize, rows: usize) -> Result<()> {
+pub(crate) fn check_offsets(name: &str, cu: &[i32], batch: usize, rows: usize) -> Result<()> {
     if cu.len() != batch + 1 {
         return Err(Error::ShapeMismatch(format!(
             "{name} has {} entries for {batch} sequences (needs {})",

@@ -61,6 +61,12 @@
 //! chunk holds none of the sequence's `n_b · group` rows returns at once; the partial
 //! results keep the dense `[splits, B, Sq, Hq, D]` layout, whose rows past `n_b` the
 //! packed merge skips.
+//!
+//! **Packed queries over a cache**: the contiguous and paged kernels take their queries
+//! packed the same way when `cu_seqlens_q` is non-null (a serving batch mixing decode
+//! steps and prompt chunks in one `[1, total_q, Hq, D]` tensor), their keys still the
+//! cache's. Each block then reads its sequence's query offsets where it places Q and
+//! again where it stores O, rather than keeping them live through the key loop.
 
 use std::marker::PhantomData;
 use std::mem::offset_of;
@@ -496,8 +502,10 @@ pub struct DecodeArgs {
     /// before the mask ([`ScoreScaling`](super::softcap::ScoreScaling); `scale` and
     /// `scale_log2` then carry the cap).
     pub softcap_pre: f32,
-    /// Zero: keeps the block a whole number of 8-byte words.
-    pub pad: u32,
+    /// Nonzero: a packed sequence with more than `seqlen_q` queries is another launch's
+    /// (a serving batch's long runs, on the forward kernels) and has none here, rather
+    /// than its first `seqlen_q`.
+    pub skip_longer: u32,
 }
 
 impl DecodeArgs {
@@ -568,14 +576,111 @@ struct Block {
     packed: Option<PackedSequence>,
 }
 
-/// A packed sequence's rows ([`DecodeConfig::packed`]), its offsets clamped to the
-/// tensors.
+/// The comment before each read of a sequence's query offsets (two global loads).
+const QUERY_OFFSETS: &str = "Packed queries: the sequence's rows from cu_seqlens_q.";
+
+/// Where the block's sequence's queries lie in Q and O (and the LSE): at the block's
+/// batch index of dense `[B, Sq, Hq, D]` tensors, or, where the call packs its queries
+/// (`cu_seqlens_q` non-null: a variable-length forward call, or a serving batch's
+/// queries packed over a cache), at the sequence's rows of `[1, total_q, Hq, D]` ones.
+#[derive(Clone, Copy)]
+struct QueryRows {
+    /// Q's and O's batch index: the block's, or 0 when packed.
+    batch: Reg<U32>,
+    /// The row of the sequence's first query: 0, or its first packed row.
+    start: Reg<U32>,
+    /// The sequence's queries: `Sq`, or when packed its own count (at most `Sq`).
+    count: Reg<U32>,
+    packed: Reg<Pred>,
+}
+
+impl QueryRows {
+    /// Sequence `batch`'s query rows, its offsets (when packed) clamped to
+    /// `0 ≤ start ≤ end ≤ total_q` whatever the array holds. `always_packed`: the kernel
+    /// only ever runs packed calls, so no branch is needed.
+    fn load(k: &mut Kernel, args: ParamBytes, batch: Reg<U32>, always_packed: bool) -> QueryRows {
+        let most = arg::<U32>(k, args, offset_of!(DecodeArgs, seqlen_q));
+        let cu = arg::<U64>(k, args, offset_of!(DecodeArgs, cu_seqlens_q));
+        let rows = QueryRows {
+            batch: k.mov(batch),
+            start: k.mov(0u32),
+            count: most,
+            packed: k.setp(Cmp::Ne, cu, 0u64),
+        };
+        let load = |k: &mut Kernel| {
+            k.comment(QUERY_OFFSETS);
+            let at = k.mul_wide_u32(batch, 4u32);
+            let total = |k: &mut Kernel| arg::<S32>(k, args, offset_of!(DecodeArgs, total_q));
+            let (start, end) = clamped_offsets(k, cu, at, total);
+            let queries = k.sub(end, start).cast::<U32>();
+            k.mov_to(rows.start, start.cast::<U32>());
+            k.min_to(rows.count, queries, most);
+            k.mov_to(rows.batch, 0u32);
+            // More queries than `Sq`, where those are another launch's: none here.
+            let skips = arg::<U32>(k, args, offset_of!(DecodeArgs, skip_longer));
+            let skips = k.setp(Cmp::Ne, skips, 0u32);
+            let longer = k.setp(Cmp::Gt, queries, most);
+            let elsewhere = k.and_pred(skips, longer);
+            k.selp_to(rows.count, 0u32, rows.count, elsewhere);
+        };
+        if always_packed {
+            load(k);
+        } else {
+            k.if_(rows.packed, load);
+        }
+        rows
+    }
+
+    /// The element offset of query `qi`'s row of `head` in Q or O (with their
+    /// `strides`).
+    fn row(
+        &self,
+        k: &mut Kernel,
+        strides: [Reg<U64>; 3],
+        qi: Reg<U32>,
+        head: Reg<U32>,
+    ) -> Reg<U64> {
+        let row = k.add(self.start, qi);
+        row_offset(k, strides, [self.batch, row, head])
+    }
+
+    /// The LSE's element index of query `qi` of `head`: `[B, Hq, Sq]`, or when packed
+    /// `[Hq, total_q]`.
+    fn lse_index(
+        &self,
+        k: &mut Kernel,
+        args: ParamBytes,
+        qi: Reg<U32>,
+        head: Reg<U32>,
+    ) -> Reg<U64> {
+        let index = k.mov(0u64);
+        k.if_else(
+            self.packed,
+            |k| {
+                let total_q = arg::<U32>(k, args, offset_of!(DecodeArgs, total_q));
+                let row = k.add(self.start, qi);
+                let at = k.mul_wide_u32(head, total_q);
+                let row = k.cvt_u64_u32(row);
+                k.add_to(index, at, row);
+            },
+            |k| {
+                let heads_q = arg::<U32>(k, args, offset_of!(DecodeArgs, heads_q));
+                let seqlen_q = arg::<U32>(k, args, offset_of!(DecodeArgs, seqlen_q));
+                let bh = k.mad(self.batch, heads_q, head);
+                let at = k.mul_wide_u32(bh, seqlen_q);
+                let q64 = k.cvt_u64_u32(qi);
+                k.add_to(index, at, q64);
+            },
+        );
+        index
+    }
+}
+
+/// A packed kernel's sequence ([`DecodeConfig::packed`]): its queries, and its first row
+/// of K and V, its offsets clamped to the tensors.
 #[derive(Clone, Copy)]
 struct PackedSequence {
-    /// Its first row of Q and O.
-    q_start: Reg<U32>,
-    /// Its queries: at most `Sq`.
-    queries: Reg<U32>,
+    rows: QueryRows,
     /// Its first row of K and V.
     k_start: Reg<U32>,
 }
@@ -585,27 +690,14 @@ impl PackedSequence {
     /// `0 ≤ start ≤ end ≤ total` whatever the arrays hold. Returns the sequence and its
     /// key count.
     fn load(k: &mut Kernel, args: ParamBytes, batch: Reg<U32>) -> (PackedSequence, Reg<S32>) {
+        let rows = QueryRows::load(k, args, batch, true);
         let at = k.mul_wide_u32(batch, 4u32);
-        let rows = |k: &mut Kernel, cu_at: usize, total_at: usize| {
-            let cu = arg::<U64>(k, args, cu_at);
-            let (start, end) = clamped_offsets(k, cu, at, |k| arg::<S32>(k, args, total_at));
-            (start, k.sub(end, start))
-        };
-        let (q_start, queries) = rows(
-            k,
-            offset_of!(DecodeArgs, cu_seqlens_q),
-            offset_of!(DecodeArgs, total_q),
-        );
-        let (k_start, keys) = rows(
-            k,
-            offset_of!(DecodeArgs, cu_seqlens_k),
-            offset_of!(DecodeArgs, total_k),
-        );
-        let most = arg::<S32>(k, args, offset_of!(DecodeArgs, seqlen_q));
-        let queries = k.min(queries, most);
+        let cu = arg::<U64>(k, args, offset_of!(DecodeArgs, cu_seqlens_k));
+        let total = |k: &mut Kernel| arg::<S32>(k, args, offset_of!(DecodeArgs, total_k));
+        let (k_start, end) = clamped_offsets(k, cu, at, total);
+        let keys = k.sub(end, k_start);
         let seq = PackedSequence {
-            q_start: q_start.cast::<U32>(),
-            queries: queries.cast::<U32>(),
+            rows,
             k_start: k_start.cast::<U32>(),
         };
         (seq, keys)
@@ -674,7 +766,7 @@ impl Block {
             k.comment("A key window: skip the tiles before the first query's window.");
             let len = k.max(self.loaded_len, 0i32);
             let len = k.min(len, self.capacity);
-            let queries = self.queries(k, args).cast::<S32>();
+            let queries = self.query_rows(k, args).count.cast::<S32>();
             // In s32: len <= 2^30, left < 2^30, queries <= 16.
             let first = k.sub(len, queries);
             let first = k.sub(first, left.cast::<S32>());
@@ -700,30 +792,12 @@ impl Block {
         (split, kv_head, chunk)
     }
 
-    /// The sequence's queries: `Sq`, or a packed sequence's own count.
-    fn queries(&self, k: &mut Kernel, args: ParamBytes) -> Reg<U32> {
+    /// Where the sequence's queries lie: a packed kernel's, loaded with its offsets, or
+    /// loaded here (again at each call, rather than kept live through the key loop).
+    fn query_rows(&self, k: &mut Kernel, args: ParamBytes) -> QueryRows {
         match &self.packed {
-            Some(seq) => seq.queries,
-            None => arg::<U32>(k, args, offset_of!(DecodeArgs, seqlen_q)),
-        }
-    }
-
-    /// The element offset of query `qi`'s row of `head` in Q or O (with their
-    /// `strides`): in the block's batch, or a packed sequence's row `q_start + qi`.
-    fn query_row(
-        &self,
-        k: &mut Kernel,
-        strides: [Reg<U64>; 3],
-        qi: Reg<U32>,
-        head: Reg<U32>,
-    ) -> Reg<U64> {
-        match &self.packed {
-            Some(seq) => {
-                let zero = k.mov(0u32);
-                let row = k.add(seq.q_start, qi);
-                row_offset(k, strides, [zero, row, head])
-            }
-            None => row_offset(k, strides, [self.batch, qi, head]),
+            Some(seq) => seq.rows,
+            None => QueryRows::load(k, args, self.batch, false),
         }
     }
 
@@ -1241,15 +1315,14 @@ fn build<H: Half2>(cfg: &DecodeConfig) -> Result<KernelText, PtxError> {
 
     k.comment("Which (batch, kv head, row chunk, split) this block owns; its length's load.");
     let block = Block::new(&mut k, args, cfg);
-    let seqlen_q = block.queries(&mut k, args);
+    let queries = block.query_rows(&mut k, args);
+    let seqlen_q = queries.count;
     let group = arg::<U32>(&mut k, args, offset_of!(DecodeArgs, group));
     let packed_rows = k.mul(seqlen_q, group);
     let row_base = k.mul(block.chunk, ROWS);
-    if block.packed.is_some() {
-        k.comment("A row chunk past the packed sequence's queries has nothing to do.");
-        let idle = k.setp(Cmp::Ge, row_base, packed_rows);
-        k.if_(idle, |k| k.ret());
-    }
+    k.comment("A row chunk past a packed sequence's queries has nothing to do.");
+    let idle = k.setp(Cmp::Ge, row_base, packed_rows);
+    k.if_(idle, |k| k.ret());
 
     let columns = head_dim.map(|p| k.load_param(p));
     let loader = Loader::new(&mut k, cfg.kv_layout(), cfg.threads(), tid, columns);
@@ -1396,7 +1469,7 @@ fn build<H: Half2>(cfg: &DecodeConfig) -> Result<KernelText, PtxError> {
         let head = k.mad(block.kv_head, group, g);
         let q = arg::<U64>(&mut k, args, offset_of!(DecodeArgs, q));
         let s = strides(&mut k, args, offset_of!(DecodeArgs, q_stride));
-        let e = block.query_row(&mut k, s, qi, head);
+        let e = queries.row(&mut k, s, qi, head);
         let c = k.cvt_u64_u32(loader.chunk);
         let c = k.shl(c, 3);
         let e = k.add(e, c);
@@ -1552,9 +1625,9 @@ fn build<H: Half2>(cfg: &DecodeConfig) -> Result<KernelText, PtxError> {
     }
 
     // Read again from the arguments rather than kept live through the loop.
-    let seqlen_q = block.queries(&mut k, args);
+    let queries = block.query_rows(&mut k, args);
     let group = arg::<U32>(&mut k, args, offset_of!(DecodeArgs, group));
-    let packed_rows = k.mul(seqlen_q, group);
+    let packed_rows = k.mul(queries.count, group);
     merge_warps_and_store::<H>(
         &mut k,
         cfg,
@@ -1567,7 +1640,7 @@ fn build<H: Half2>(cfg: &DecodeConfig) -> Result<KernelText, PtxError> {
         warp,
         lane,
         row_base,
-        packed_rows,
+        (&queries, packed_rows),
         head_dim,
     );
     k.finish()
@@ -1897,7 +1970,7 @@ fn merge_warps_and_store<H: Half2>(
     warp: Reg<U32>,
     lane: Reg<U32>,
     row_base: Reg<U32>,
-    packed_rows: Reg<U32>,
+    (queries, packed_rows): (&QueryRows, Reg<U32>),
     head_dim: Option<Param<U32>>,
 ) {
     let d = cfg.head_dim;
@@ -1944,7 +2017,8 @@ fn merge_warps_and_store<H: Half2>(
     let r = k.add(row_base, row);
     let inside = k.setp(Cmp::Lt, r, packed_rows);
     k.if_(inside, |k| {
-        merge_row_and_store::<H>(k, cfg, args, base, w, [row, part, r], cols, head_dim);
+        let at = [row, part, r];
+        merge_row_and_store::<H>(k, cfg, args, base, (w, queries), at, cols, head_dim);
     });
 }
 
@@ -1958,7 +2032,7 @@ fn merge_row_and_store<H: Half2>(
     cfg: &DecodeConfig,
     args: ParamBytes,
     base: SmemAddr,
-    w: &Work,
+    (w, queries): (&Work, &QueryRows),
     [row, part, r]: [Reg<U32>; 3],
     cols: u32,
     head_dim: Option<Param<U32>>,
@@ -2026,13 +2100,12 @@ fn merge_row_and_store<H: Half2>(
     let splits = arg::<U32>(k, args, offset_of!(DecodeArgs, splits));
     let first_part = k.setp(Cmp::Eq, part, 0u32);
     let single = k.setp(Cmp::Eq, splits, 1u32);
-    let bh = k.mad(w.block.batch, heads_q, head);
     k.if_else(
         single,
         |k| {
             let o = arg::<U64>(k, args, offset_of!(DecodeArgs, o));
             let s = strides(k, args, offset_of!(DecodeArgs, o_stride));
-            let e = w.block.query_row(k, s, qi, head);
+            let e = queries.row(k, s, qi, head);
             let c = k.cvt_u64_u32(col0);
             let e = k.add(e, c);
             let e = k.shl(e, 1);
@@ -2055,21 +2128,7 @@ fn merge_row_and_store<H: Half2>(
             let lse_ptr = arg::<U64>(k, args, offset_of!(DecodeArgs, lse));
             let wanted = k.setp(Cmp::Ne, lse_ptr, 0u64);
             let wanted = k.and_pred(wanted, first_part);
-            // [B, Hq, Sq]; packed, [Hq, total_q] at the sequence's first row.
-            let index = match &w.block.packed {
-                Some(seq) => {
-                    let total_q = arg::<U32>(k, args, offset_of!(DecodeArgs, total_q));
-                    let row = k.add(seq.q_start, qi);
-                    let index = k.mul_wide_u32(head, total_q);
-                    let row = k.cvt_u64_u32(row);
-                    k.add(index, row)
-                }
-                None => {
-                    let index = k.mul_wide_u32(bh, seqlen_q);
-                    let q64 = k.cvt_u64_u32(qi);
-                    k.add(index, q64)
-                }
-            };
+            let index = queries.lse_index(k, args, qi, head);
             let index = k.shl(index, 2);
             let at = k.add(lse_ptr, index);
             k.guarded(wanted, true, |k| k.st_global(at, 0, lse));
@@ -2115,14 +2174,22 @@ mod tests {
             let fill = ptx.find("Fill the ring").unwrap();
             let loop_start = fill + ptx[fill..].find("cp.async.wait_group").unwrap();
             // The loop reads the table only through the ring: 4-byte copies in the same
-            // groups as the data, looked up in shared memory.
+            // groups as the data, looked up in shared memory. (What follows it, the
+            // epilogue, reads packed queries' offsets again: two loads each.)
             let inside = &ptx[loop_start..];
-            assert!(!inside.contains("ld.global"), "{}", c.id());
+            let offsets = |text: &str| 2 * text.matches(QUERY_OFFSETS).count();
+            assert_eq!(
+                inside.matches("ld.global").count(),
+                offsets(inside),
+                "{}",
+                c.id()
+            );
             assert!(inside.contains("cp.async.ca.shared.global"), "{}", c.id());
             // The fill's entries come through shared memory too: the kernel's one global
-            // load is the length; the entries are copied first, in a group of their own
-            // (before Q's), and waited for once before the fill.
-            assert_eq!(ptx.matches("ld.global").count(), 1, "{}", c.id());
+            // load besides query offsets is the length; the entries are copied first, in a
+            // group of their own (before Q's), and waited for once before the fill.
+            let loads = ptx.matches("ld.global").count();
+            assert_eq!(loads, 1 + offsets(&ptx), "{}", c.id());
             let before = &ptx[..fill];
             assert_eq!(
                 before.matches("cp.async.wait_group").count(),

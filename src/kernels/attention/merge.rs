@@ -121,7 +121,10 @@ pub struct MergeArgs {
     pub cu_seqlens: u64,
     /// Packed kernels: the output's rows.
     pub total: u32,
-    pub pad: u32,
+    /// Packed kernels, nonzero: a sequence with more than `seqlen` rows is another
+    /// launch's (see [`DecodeArgs::skip_longer`](super::decode::DecodeArgs::skip_longer)):
+    /// none of its rows are written.
+    pub skip_longer: u32,
 }
 
 impl MergeArgs {
@@ -533,6 +536,13 @@ impl PackedRow {
         let (start, end) = clamped_offsets(k, cu, at, total);
         let rows = k.sub(end, start);
         let holds = k.setp(Cmp::Lt, s.cast::<S32>(), rows);
+        // A sequence past `seqlen` rows, where those are another launch's: none.
+        let skips = arg::<U32>(k, args, offset_of!(MergeArgs, skip_longer));
+        let skips = k.setp(Cmp::Ne, skips, 0u32);
+        let seqlen = arg::<S32>(k, args, offset_of!(MergeArgs, seqlen));
+        let most = k.selp(seqlen, i32::MAX, skips);
+        let ours = k.setp(Cmp::Le, rows, most);
+        let holds = k.and_pred(holds, ours);
         let row = k.add(start.cast::<U32>(), s);
         PackedRow {
             at: k.cvt_u64_u32(row),

@@ -17,6 +17,7 @@ pub mod softcap;
 pub mod softmax;
 
 use crate::ptx::{Module, PtxError};
+pub use sequence::CacheReads;
 
 /// The 16-bit element type of Q, K, V and O.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -257,6 +258,19 @@ impl FwdConfig {
         !(self.window && (self.path == Path::Sm80 || (self.head_dim == 256 && self.block_m == 64)))
     }
 
+    /// What the kernel reads of a cache: the used keys where [`FwdConfig::reads_used_keys`],
+    /// and on the sm90 path also keys apart from packed queries (a serving batch's call,
+    /// `Attention::decode_varlen`). The sm80 kernels with 128-row tiles at head dim 128
+    /// spilled with that select, so the sm80 path leaves those calls to the decode
+    /// kernels.
+    pub fn cache_reads(&self) -> CacheReads {
+        match (self.reads_used_keys(), self.path) {
+            (false, _) => CacheReads::None,
+            (true, Path::Sm80) => CacheReads::UsedKeys,
+            (true, Path::Sm90) => CacheReads::UnderPackedQueries,
+        }
+    }
+
     /// Tile shape and launch geometry.
     pub fn tiling(&self) -> Tiling {
         match self.path {
@@ -459,8 +473,10 @@ pub struct FwdArgs {
     pub page_shift: u32,
     /// Entries of a sequence's row of the block table.
     pub max_pages: u32,
-    /// Zero: keeps the block a whole number of 8-byte words.
-    pub pad2: u32,
+    /// Packed queries over a cache, split by run length between two launches
+    /// (`Attention::decode_varlen`): a sequence with fewer queries is the decode kernels',
+    /// and has none here. 0 otherwise.
+    pub min_queries: u32,
 }
 
 impl FwdArgs {

@@ -336,7 +336,7 @@ fn build<H: Half2>(cfg: &FwdConfig) -> Result<KernelText, PtxError> {
     // kernel; read again where needed (see `keys_again`).
     // (`m_start` is the block's first query row, needed by a windowed kernel only.)
     let keys_of = |k: &mut Kernel, batch: Reg<U32>, m_start: Option<Reg<S32>>| {
-        let seq = sequence(k, args, batch, cfg.reads_used_keys());
+        let seq = sequence(k, args, batch, cfg.cache_reads());
         match m_start {
             Some(m_start) if cfg.window => {
                 let w = windowed_keys(k, args, seq, m_start, block_n);
@@ -387,12 +387,12 @@ fn build<H: Half2>(cfg: &FwdConfig) -> Result<KernelText, PtxError> {
     let line = k.mad(chunk, 16u32, line);
     let line = Swizzle::B128.apply_in(&mut k, line);
     let line = smem.tile_byte(&mut k, tiles.q, line);
-    let loader = |k: &mut Kernel, tensor, strides, head, start, slot: TileSlot| {
+    let loader = |k: &mut Kernel, tensor, strides, batch, head, start, slot: TileSlot| {
         f.loader(
             k,
             args,
             (tensor, strides),
-            [seq.tensor_batch, head],
+            [batch, head],
             start,
             (chunk, head_dim),
             first_row,
@@ -404,6 +404,7 @@ fn build<H: Half2>(cfg: &FwdConfig) -> Result<KernelText, PtxError> {
         &mut k,
         offset_of!(FwdArgs, q),
         offset_of!(FwdArgs, q_stride),
+        seq.tensor_batch,
         head,
         seq.q_start,
         tiles.q,
@@ -412,6 +413,7 @@ fn build<H: Half2>(cfg: &FwdConfig) -> Result<KernelText, PtxError> {
         &mut k,
         offset_of!(FwdArgs, k),
         offset_of!(FwdArgs, k_stride),
+        seq.kv_batch,
         kv_head,
         seq.k_start,
         tiles.k,
@@ -420,6 +422,7 @@ fn build<H: Half2>(cfg: &FwdConfig) -> Result<KernelText, PtxError> {
         &mut k,
         offset_of!(FwdArgs, v),
         offset_of!(FwdArgs, v_stride),
+        seq.kv_batch,
         kv_head,
         seq.k_start,
         tiles.v,
@@ -443,7 +446,7 @@ fn build<H: Half2>(cfg: &FwdConfig) -> Result<KernelText, PtxError> {
             return keys_again(k).0;
         }
         let batch = k.special(Special::CtaidZ);
-        sequence(k, args, batch, cfg.reads_used_keys())
+        sequence(k, args, batch, cfg.cache_reads())
     };
     let step = |k: &mut Kernel, n: Reg<S32>, masked: bool| {
         let n_row = k.mul(n, block_n as i32);
@@ -514,7 +517,7 @@ fn build<H: Half2>(cfg: &FwdConfig) -> Result<KernelText, PtxError> {
         batch: c.batch,
         head: c.head,
         m_start: c.m_start,
-        seq: sequence(&mut k, args, c.batch, cfg.reads_used_keys()),
+        seq: sequence(&mut k, args, c.batch, cfg.cache_reads()),
     };
     let columns = head_dim.map(|p| k.load_param(p));
     store_output::<H>(&mut k, args, &rows, &f.o, &f.softmax, at, columns);

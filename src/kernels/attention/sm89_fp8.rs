@@ -51,7 +51,7 @@ use super::epilogue::{LseForm, OutputBlock, store_output_lse};
 use super::fp8::{Fp8Args, Fp8Config, P_SHIFT_LOG2, SCALE_BLOCK, clamp_dequant};
 use super::mask::{apply_mask, key_tiles};
 use super::rows::{Slab, zeroed_slabs};
-use super::sequence::sequence;
+use super::sequence::{CacheReads, sequence};
 use super::sm80::{Coords, LaneRoles, coords, frag_addresses, thread_rows};
 use super::softmax::OnlineSoftmax;
 use super::{FwdArgs, HalfType, Tiling};
@@ -302,7 +302,7 @@ fn build<H: Half2>(cfg: &Fp8Config) -> Result<KernelText, PtxError> {
         head,
         m_start,
     } = coords(&mut k, cfg.causal, BLOCK_M);
-    let seq = sequence(&mut k, args, batch, false);
+    let seq = sequence(&mut k, args, batch, CacheReads::None);
     let (seqlen_q, seqlen_k) = (seq.seqlen_q, seq.seqlen_k);
     let causal_offset = seq.causal_offset(&mut k);
     let kv_head = k.div(head, group);
@@ -342,6 +342,7 @@ fn build<H: Half2>(cfg: &Fp8Config) -> Result<KernelText, PtxError> {
     let (q_st, k_st) = (offset_of!(FwdArgs, q_stride), offset_of!(FwdArgs, k_stride));
     let vt_st = offset_of!(Fp8Args, vt_stride);
     let (b, q_start, k_start) = (seq.tensor_batch, seq.q_start.cast(), seq.k_start.cast());
+    let kv_b = seq.kv_batch;
     let at = slice(
         &mut k,
         offset_of!(FwdArgs, q),
@@ -351,13 +352,13 @@ fn build<H: Half2>(cfg: &Fp8Config) -> Result<KernelText, PtxError> {
     let at = slice(
         &mut k,
         offset_of!(FwdArgs, k),
-        &[(b, k_st), (k_start, k_st + 8), (kv_head, k_st + 16)],
+        &[(kv_b, k_st), (k_start, k_st + 8), (kv_head, k_st + 16)],
     );
     let key = copy(at, k_st + 8, tiles.k);
     let at = slice(
         &mut k,
         offset_of!(Fp8Args, vt),
-        &[(b, vt_st), (kv_head, vt_st + 8)],
+        &[(kv_b, vt_st), (kv_head, vt_st + 8)],
     );
     let vt = copy(at, vt_st + 16, tiles.vt);
     q.issue_rows(&mut k, m_start, seqlen_q, 0..q.passes());
@@ -381,7 +382,7 @@ fn build<H: Half2>(cfg: &Fp8Config) -> Result<KernelText, PtxError> {
     // Lengths are read again where needed rather than kept across the loop.
     let seq_again = |k: &mut Kernel| {
         let batch = k.special(Special::CtaidZ);
-        sequence(k, args, batch, false)
+        sequence(k, args, batch, CacheReads::None)
     };
     let step = |k: &mut Kernel, n: Reg<S32>, masked: bool| {
         let n_row = k.mul(n, block_n as i32);
@@ -453,7 +454,7 @@ fn build<H: Half2>(cfg: &Fp8Config) -> Result<KernelText, PtxError> {
         batch: c.batch,
         head: c.head,
         m_start: c.m_start,
-        seq: sequence(&mut k, args, c.batch, false),
+        seq: sequence(&mut k, args, c.batch, CacheReads::None),
     };
     let shift = k.load_param_at::<U64>(args, offset_of!(Fp8Args, lse_shift));
     let form = LseForm::Log2 {

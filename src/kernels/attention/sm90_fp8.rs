@@ -406,12 +406,12 @@ fn produce(k: &mut Kernel, f: &Fwd, tid: Reg<U32>) {
             let key = k.mul(n, f.s.block_n as i32);
             rings.k.fill(k, f.s.k_layout().bytes(), |k, kr, full| {
                 let k_at = kr.slot(k, f.slots.k);
-                let coords = [zero, key, zero, at.kv_head, at.batch];
+                let coords = [zero, key, zero, at.kv_head, at.kv_batch];
                 k.tma_load(k_at, f.maps[1], coords, full);
             });
             rings.v.fill(k, f.s.vt_layout().bytes(), |k, vr, full| {
                 let vt_at = vr.slot(k, f.slots.vt);
-                k.tma_load(vt_at, f.maps[2], [key, zero, at.kv_head, at.batch], full);
+                k.tma_load(vt_at, f.maps[2], [key, zero, at.kv_head, at.kv_batch], full);
             });
         });
     });

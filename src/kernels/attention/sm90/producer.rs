@@ -15,7 +15,11 @@ use crate::ptx::{
 pub(crate) struct ItemAt {
     pub head: Reg<S32>,
     pub kv_head: Reg<S32>,
+    /// Q's and O's batch index, and K's and V's (see [`Sequence::kv_batch`]).
+    ///
+    /// [`Sequence::kv_batch`]: super::super::sequence::Sequence::kv_batch
     pub batch: Reg<S32>,
+    pub kv_batch: Reg<S32>,
     pub zero: Reg<S32>,
 }
 
@@ -44,11 +48,13 @@ pub(crate) fn produce_items(
             k.if_(any, |k| {
                 let kv_head = k.div(b.head, group).cast::<S32>();
                 let batch = b.seq.tensor_batch.cast::<S32>();
+                let kv_batch = b.seq.kv_batch.cast::<S32>();
                 let head = b.head.cast::<S32>();
                 let at = ItemAt {
                     head,
                     kv_head,
                     batch,
+                    kv_batch,
                     zero,
                 };
                 load(k, b, at, &mut rings);
@@ -70,6 +76,7 @@ pub(super) fn produce(k: &mut Kernel, f: &Fwd, tid: Reg<U32>) {
             head,
             kv_head,
             batch,
+            kv_batch,
             zero,
         } = at;
         let q_layout = f.s.q_layout();
@@ -94,7 +101,7 @@ pub(super) fn produce(k: &mut Kernel, f: &Fwd, tid: Reg<U32>) {
                 ring.fill(k, kv_bytes, |k, ring, full| {
                     let at = ring.slot(k, slot);
                     let load_tensor = |k: &mut Kernel| {
-                        let coords = ([row, kv_head, batch], zero);
+                        let coords = ([row, kv_head, kv_batch], zero);
                         f.s.columns
                             .load_tile(k, (at, &kv_layout), map, coords, full);
                     };
@@ -168,7 +175,7 @@ fn load_paged_tile(
     let end = k.add(b.seq.k_start, b.seq.seqlen_k);
     let max_pages = arg(k, offset_of!(FwdArgs, max_pages)).cast::<S32>();
     let stride = arg(k, offset_of!(FwdArgs, table_stride));
-    let table_row = k.mul_wide_u32(b.seq.tensor_batch, stride);
+    let table_row = k.mul_wide_u32(b.seq.kv_batch, stride);
     let table_row = k.shl(table_row, 2);
     let table_row = k.add(table, table_row);
     let key_of = |k: &mut Kernel, c: u32| {

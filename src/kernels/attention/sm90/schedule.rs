@@ -8,7 +8,7 @@ use crate::kernels::attention::mask::{
     KeyTiles, apply_mask, key_tiles, query_block, window_head_tiles, windowed_keys,
 };
 use crate::kernels::attention::rows::{Rows, Slab};
-use crate::kernels::attention::sequence::{Sequence, sequence};
+use crate::kernels::attention::sequence::{CacheReads, Sequence, sequence};
 use crate::ptx::{
     Cmp, Kernel, ParamBytes, RawSlot, Reg, RingBarriers, S32, Smem, SmemAddr, SmemPlan, Special,
     StageRing, U32, U64,
@@ -258,7 +258,13 @@ pub(super) fn item_block(
     let b = k.div(hb, heads);
     let m_block = query_block(k, m_index, q_blocks, causal);
     let m_start = k.mul(m_block.cast::<S32>(), block_m as i32);
-    let seq = sequence(k, args, b, used_keys);
+    // The sm90 path's kernels that read the used keys also serve packed queries over a
+    // cache ([`FwdConfig::cache_reads`](crate::kernels::attention::FwdConfig::cache_reads)).
+    let cache = match used_keys {
+        true => CacheReads::UnderPackedQueries,
+        false => CacheReads::None,
+    };
+    let seq = sequence(k, args, b, cache);
     let (seq, causal_offset, low) = if window.is_some() {
         let w = windowed_keys(k, args, seq, m_start, block_n);
         (w.seq, w.offset, Some(w.low))
