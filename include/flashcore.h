@@ -606,6 +606,54 @@ int32_t flashcore_check_decode_fp8kv_ex(const FlashcoreTensor *q, const Flashcor
                                         const int32_t *host_block_table, const FlashcoreTensor *o,
                                         uint64_t lse, const FlashcoreAttentionOptions *opts);
 
+/* A serving batch in one call (decode steps, drafts and prompt chunks together), on
+ * `stream`: each sequence's new queries packed one after another in q, attending to the
+ * cache as flashcore_decode_fp8kv_ex attends (scales NULL: a 16-bit cache).
+ *
+ *   q, o:          [1, total_q, Hq, D], the tensor rules of flashcore_decode; total_q <= 2^25.
+ *   cu_seqlens_q:  device address of int32 [batch + 1] offsets (4-byte aligned): sequence b's
+ *                  queries are rows cu_seqlens_q[b] .. cu_seqlens_q[b + 1] of q and o, n_b of
+ *                  them, query i at position len_b - n_b + i of its sequence (len_b the
+ *                  cache's length, which counts the new tokens); a query before the sequence's
+ *                  first position sees no key (zeros, LSE -inf). Rows no sequence covers are
+ *                  not written.
+ *   batch:         the number of sequences, the cache's batch, 1 ..= 65535.
+ *   max_seqlen_q:  at least the longest n_b, 1 ..= 2^25. Up to 16 the decode kernels run;
+ *                  past it, on Hopper, the forward kernels where they read the cache (16-bit,
+ *                  contiguous or pages of 16 or more), the decode kernels otherwise.
+ *   host_cu_seqlens_q: NULL, or a host copy of the offsets (batch + 1 entries), checked first:
+ *                  from 0 or more, non-decreasing, ending inside q, none longer than
+ *                  max_seqlen_q.
+ *   host_seqlens, host_block_table, workspace: as for flashcore_decode
+ *                  (flashcore_decode_varlen_workspace_bytes sizes the workspace).
+ *   lse:           0, or device float32 [Hq, total_q].
+ * All arguments are checked before anything runs; on error nothing is launched or written. */
+int32_t flashcore_decode_varlen(FlashcoreContext *ctx, const FlashcoreTensor *q,
+                                const FlashcoreKvCache *cache, const FlashcoreKvScales *scales,
+                                uint64_t cu_seqlens_q, int64_t batch, int64_t max_seqlen_q,
+                                const int32_t *host_cu_seqlens_q, const int32_t *host_seqlens,
+                                const int32_t *host_block_table, const FlashcoreTensor *o,
+                                uint64_t lse, const FlashcoreAttentionOptions *opts,
+                                uint64_t workspace, size_t workspace_bytes, flashcore_stream stream);
+
+/* The workspace, in bytes, that flashcore_decode_varlen needs for these arguments on the
+ * context's device (0: none) into *out, as flashcore_decode_workspace_bytes says it for
+ * flashcore_decode. Reads no device memory. */
+int32_t flashcore_decode_varlen_workspace_bytes(FlashcoreContext *ctx, const FlashcoreTensor *q,
+                                                const FlashcoreKvCache *cache,
+                                                const FlashcoreKvScales *scales,
+                                                uint64_t cu_seqlens_q, int64_t batch,
+                                                int64_t max_seqlen_q, size_t *out);
+
+/* Checks the arguments of a flashcore_decode_varlen call (same meaning) as
+ * flashcore_check_decode_fp8kv_ex does, the offsets' rules included. */
+int32_t flashcore_check_decode_varlen(const FlashcoreTensor *q, const FlashcoreKvCache *cache,
+                                      const FlashcoreKvScales *scales, uint64_t cu_seqlens_q,
+                                      int64_t batch, int64_t max_seqlen_q,
+                                      const int32_t *host_cu_seqlens_q, const int32_t *host_seqlens,
+                                      const int32_t *host_block_table, const FlashcoreTensor *o,
+                                      uint64_t lse, const FlashcoreAttentionOptions *opts);
+
 /* Appends Snew tokens per sequence, asynchronously on `stream`: k_new[b, j] and
  * v_new[b, j] (j < Snew) go to position len_b + j of sequence b, with len_b the length the
  * device holds in cache->seqlens when the kernel runs. The lengths are NOT advanced: the

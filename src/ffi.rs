@@ -36,6 +36,7 @@ use crate::host::decode::{
     AppendProblem, DecodeProblem, MergeParts, Workspace, validate_append, validate_decode,
     validate_merge,
 };
+use crate::host::decode_varlen::{PackedQueries, validate_decode_varlen};
 use crate::host::device::Device;
 use crate::host::fp8::{Fp8Operands, VtView, validate_fp8};
 use crate::host::kv_cache::{CacheLayout, HostMetadata, KvCache, KvScales};
@@ -2876,6 +2877,266 @@ const VERSION: &CStr =
 #[unsafe(no_mangle)]
 pub extern "C" fn flashcore_version() -> *const c_char {
     VERSION.as_ptr()
+}
+
+// ---- serving batches: packed queries over a cache -------------------------------------
+
+/// The offsets of a packed-query call as C passes them: counts converted (a negative one
+/// is [`Error::InvalidArgument`]) and the host copy, when given, as a slice of `batch + 1`
+/// entries (none is made past the grid limit, which validation refuses first).
+///
+/// # Safety
+///
+/// `host_cu_seqlens_q` must be null or valid for reads of `batch + 1` int32s for `'a`.
+unsafe fn read_packed_queries<'a>(
+    cu_seqlens_q: u64,
+    batch: i64,
+    max_seqlen_q: i64,
+    host_cu_seqlens_q: *const i32,
+) -> Result<PackedQueries<'a>, Failure> {
+    let count = |n: i64, what: &str| {
+        usize::try_from(n)
+            .map_err(|_| Error::InvalidArgument(format!("{what} is {n}, must be >= 0")))
+    };
+    let batch = count(batch, "batch")?;
+    let max_seqlen_q = count(max_seqlen_q, "max_seqlen_q")?;
+    let host = if host_cu_seqlens_q.is_null() || batch > MAX_GRID_YZ {
+        None
+    } else {
+        // SAFETY: non-null; the caller guarantees `batch + 1` readable entries.
+        Some(unsafe { host_array(host_cu_seqlens_q, batch + 1, "host_cu_seqlens_q")? })
+    };
+    Ok(PackedQueries {
+        cu_seqlens_q,
+        batch,
+        max_seqlen_q,
+        host,
+    })
+}
+
+/// The arguments of a [`flashcore_decode_varlen`] call, read from C and validated (all
+/// but the workspace's, whose size depends on the GPU).
+struct DecodeVarlenCall<'a> {
+    q: TensorView,
+    cache: KvCache,
+    queries: PackedQueries<'a>,
+    o: TensorView,
+    lse: Option<LseView>,
+    params: AttentionParams,
+}
+
+impl DecodeVarlenCall<'_> {
+    /// Reads and checks the C arguments, the host metadata (when given) against the
+    /// cache.
+    ///
+    /// # Safety
+    ///
+    /// As for [`DecodeCall::read`], with `B` = `batch`, and `host_cu_seqlens_q` null or
+    /// `batch + 1` readable int32s.
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn read<'a>(
+        q: *const FlashcoreTensor,
+        cache: *const FlashcoreKvCache,
+        scales: *const FlashcoreKvScales,
+        (cu_seqlens_q, batch, max_seqlen_q): (u64, i64, i64),
+        [host_cu_seqlens_q, host_seqlens, host_block_table]: [*const i32; 3],
+        o: *const FlashcoreTensor,
+        lse: u64,
+        opts: *const FlashcoreAttentionOptions,
+    ) -> Result<DecodeVarlenCall<'a>, Failure> {
+        // SAFETY: forwarded from the caller's guarantee.
+        let (q, cache, o) = unsafe {
+            (
+                read_tensor(q, "q")?,
+                read_cache(cache, scales)?,
+                read_tensor(o, "o")?,
+            )
+        };
+        let lse = (lse != 0).then_some(LseView { ptr: lse });
+        // SAFETY: the caller guarantees `opts` is null or readable.
+        let params = unsafe { read_options(opts)? };
+        // SAFETY: the caller guarantees the host offsets' extent.
+        let queries =
+            unsafe { read_packed_queries(cu_seqlens_q, batch, max_seqlen_q, host_cu_seqlens_q)? };
+        let problem = validate_decode_varlen(&q, &cache, &queries, &o, lse.as_ref(), &params)?;
+        let arrays = HostArrays {
+            seqlens: host_seqlens,
+            block_table: host_block_table,
+        };
+        // SAFETY: validation made `batch` the cache's; the caller guarantees the host
+        // arrays' extents for it.
+        let host = unsafe { arrays.metadata(&cache, problem.cache.batch)? };
+        if let Some(h) = &host {
+            h.check(&cache, &problem.cache, 0)?;
+        }
+        Ok(DecodeVarlenCall {
+            q,
+            cache,
+            queries,
+            o,
+            lse,
+            params,
+        })
+    }
+}
+
+/// A serving batch in one call: each sequence's queries packed in `q` against a cache;
+/// see `include/flashcore.h` for the contract.
+///
+/// # Safety
+///
+/// As for [`flashcore_decode_fp8kv_ex`], with q and o `[1, total_q, Hq, D]`, `batch` the
+/// cache's batch, `cu_seqlens_q` `batch + 1` live device int32s, and `host_cu_seqlens_q`
+/// null or `batch + 1` readable int32s.
+#[allow(clippy::too_many_arguments)]
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn flashcore_decode_varlen(
+    ctx: *mut FlashcoreContext,
+    q: *const FlashcoreTensor,
+    cache: *const FlashcoreKvCache,
+    scales: *const FlashcoreKvScales,
+    cu_seqlens_q: u64,
+    batch: i64,
+    max_seqlen_q: i64,
+    host_cu_seqlens_q: *const i32,
+    host_seqlens: *const i32,
+    host_block_table: *const i32,
+    o: *const FlashcoreTensor,
+    lse: u64,
+    opts: *const FlashcoreAttentionOptions,
+    workspace: u64,
+    workspace_bytes: usize,
+    stream: CUstream,
+) -> i32 {
+    guard("flashcore_decode_varlen", || {
+        // SAFETY: the caller guarantees `ctx` is null or a live handle; shared access only.
+        let ctx = unsafe { ctx.as_ref() }.ok_or_else(|| null_argument("ctx"))?;
+        // SAFETY: the caller guarantees the struct pointers are null or readable and the
+        // host arrays' extents; the result is dropped before this call returns.
+        let call = unsafe {
+            DecodeVarlenCall::read(
+                q,
+                cache,
+                scales,
+                (cu_seqlens_q, batch, max_seqlen_q),
+                [host_cu_seqlens_q, host_seqlens, host_block_table],
+                o,
+                lse,
+                opts,
+            )?
+        };
+        let workspace = (workspace != 0 || workspace_bytes != 0).then_some(Workspace {
+            ptr: workspace,
+            bytes: workspace_bytes,
+        });
+        // SAFETY: the C contract of flashcore_decode_varlen (header): the pointers are
+        // device memory of the context's device valid for the described extents, and
+        // `stream` is null or a stream of that context. The host metadata was checked above.
+        unsafe {
+            ctx.attn.decode_varlen(
+                &call.q,
+                &call.cache,
+                &call.queries,
+                None,
+                &call.o,
+                call.lse.as_ref(),
+                &call.params,
+                workspace,
+                stream,
+            )?;
+        }
+        Ok(())
+    })
+}
+
+/// The workspace a [`flashcore_decode_varlen`] call needs, into `*out`; see
+/// `include/flashcore.h`.
+///
+/// # Safety
+///
+/// `out` must be null or valid for writing one `size_t`; `ctx` null or a live handle;
+/// `q` null or a readable `FlashcoreTensor`, `cache` null or a readable
+/// `FlashcoreKvCache`, `scales` null or a readable `FlashcoreKvScales`. No device memory
+/// is read.
+#[allow(clippy::too_many_arguments)]
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn flashcore_decode_varlen_workspace_bytes(
+    ctx: *mut FlashcoreContext,
+    q: *const FlashcoreTensor,
+    cache: *const FlashcoreKvCache,
+    scales: *const FlashcoreKvScales,
+    cu_seqlens_q: u64,
+    batch: i64,
+    max_seqlen_q: i64,
+    out: *mut usize,
+) -> i32 {
+    guard("flashcore_decode_varlen_workspace_bytes", || {
+        if out.is_null() {
+            return Err(null_argument("out"));
+        }
+        // SAFETY: `out` is non-null and the caller guarantees it is valid for writes.
+        unsafe { out.write(0) };
+        // SAFETY: the caller guarantees `ctx` is null or a live handle; shared access only.
+        let ctx = unsafe { ctx.as_ref() }.ok_or_else(|| null_argument("ctx"))?;
+        // SAFETY: the caller guarantees `q`, `cache` and `scales` are null or readable; no
+        // host offsets are read.
+        let (q, cache, queries) = unsafe {
+            (
+                read_tensor(q, "q")?,
+                read_cache(cache, scales)?,
+                read_packed_queries(cu_seqlens_q, batch, max_seqlen_q, std::ptr::null())?,
+            )
+        };
+        let bytes = ctx
+            .attn
+            .decode_varlen_workspace_bytes(&q, &cache, &queries)?;
+        // SAFETY: as above.
+        unsafe { out.write(bytes) };
+        Ok(())
+    })
+}
+
+/// Checks the arguments of a [`flashcore_decode_varlen`] call without a context, a device
+/// or a driver: every rule it applies before launching except the workspace's. Device
+/// pointers are only checked as numbers; the host arrays, when given, are read and
+/// checked.
+///
+/// # Safety
+///
+/// As for [`flashcore_decode_varlen`], except that no device memory need exist.
+#[allow(clippy::too_many_arguments)]
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn flashcore_check_decode_varlen(
+    q: *const FlashcoreTensor,
+    cache: *const FlashcoreKvCache,
+    scales: *const FlashcoreKvScales,
+    cu_seqlens_q: u64,
+    batch: i64,
+    max_seqlen_q: i64,
+    host_cu_seqlens_q: *const i32,
+    host_seqlens: *const i32,
+    host_block_table: *const i32,
+    o: *const FlashcoreTensor,
+    lse: u64,
+    opts: *const FlashcoreAttentionOptions,
+) -> i32 {
+    guard("flashcore_check_decode_varlen", || {
+        // SAFETY: the caller guarantees the struct pointers are null or readable and the
+        // host arrays' extents.
+        unsafe {
+            DecodeVarlenCall::read(
+                q,
+                cache,
+                scales,
+                (cu_seqlens_q, batch, max_seqlen_q),
+                [host_cu_seqlens_q, host_seqlens, host_block_table],
+                o,
+                lse,
+                opts,
+            )?
+        };
+        Ok(())
+    })
 }
 
 #[cfg(test)]
@@ -5728,6 +5989,87 @@ mod tests {
                 last_error()
             );
         }
+    }
+
+    /// flashcore_check_decode_varlen on packed `[1, rows, 4, 64]` q (o at 5 GB) over
+    /// [`cache`], offsets at 6 GB.
+    fn check_varlen(
+        rows: i64,
+        c: &FlashcoreKvCache,
+        (batch, max): (i64, i64),
+        host: Option<&[i32]>,
+        lse: u64,
+    ) -> i32 {
+        let q = bshd(4 * GB, [1, rows, 4, 64]);
+        let o = FlashcoreTensor { ptr: 5 * GB, ..q };
+        let opts = FlashcoreAttentionOptions::uncapped(0.0, 1, -1, -1);
+        let host = host.map_or(ptr::null(), <[i32]>::as_ptr);
+        let (none, scales) = (ptr::null(), ptr::null());
+        // SAFETY: the structs are live locals; the host offsets are null or a live slice
+        // the callers size for the batch.
+        unsafe {
+            flashcore_check_decode_varlen(
+                &q,
+                c,
+                scales,
+                6 * GB,
+                batch,
+                max,
+                host,
+                none,
+                none,
+                &o,
+                lse,
+                &opts,
+            )
+        }
+    }
+
+    #[test]
+    fn check_decode_varlen_applies_the_packed_rules_without_a_device() {
+        for paged in [false, true] {
+            let c = cache(paged);
+            let ok = check_varlen(40, &c, (2, 16), Some(&[0, 1, 17]), 6 * GB + 64);
+            assert_eq!(ok, FLASHCORE_SUCCESS, "{}", last_error());
+            assert_eq!(check_varlen(40, &c, (2, 300), None, 0), FLASHCORE_SUCCESS);
+        }
+        let c = cache(true);
+        let cases: [(i64, i64, Option<&[i32]>, i32); 6] = [
+            (0, 16, None, FLASHCORE_ERROR_EMPTY_DIMENSION),
+            (-1, 16, None, FLASHCORE_ERROR_INVALID_ARGUMENT),
+            (2, 0, None, FLASHCORE_ERROR_INVALID_ARGUMENT),
+            (2, 16, Some(&[0, 20, 10]), FLASHCORE_ERROR_INVALID_ARGUMENT),
+            (2, 16, Some(&[0, 20, 41]), FLASHCORE_ERROR_INVALID_ARGUMENT),
+            (2, 16, Some(&[0, 17, 20]), FLASHCORE_ERROR_INVALID_ARGUMENT),
+        ];
+        for (batch, max, host, code) in cases {
+            let got = check_varlen(40, &c, (batch, max), host, 0);
+            assert_eq!(got, code, "{batch} {max} {host:?}: {}", last_error());
+        }
+        assert!(last_error().starts_with("flashcore_check_decode_varlen: "));
+        // A contiguous cache of 2 sequences serves no batch of 3.
+        let got = check_varlen(40, &cache(false), (3, 16), None, 0);
+        assert_eq!(got, FLASHCORE_ERROR_SHAPE_MISMATCH);
+        // The LSE over the offsets ([4, 40] floats from 6 GB − 64).
+        let got = check_varlen(40, &c, (2, 16), None, 6 * GB - 64);
+        assert_eq!(got, FLASHCORE_ERROR_INVALID_ARGUMENT);
+        // No context: a typed error, nothing else.
+        let mut out = 7usize;
+        let q = bshd(4 * GB, [1, 40, 4, 64]);
+        // SAFETY: the structs and `out` are live locals; a null context is refused.
+        let rc = unsafe {
+            flashcore_decode_varlen_workspace_bytes(
+                ptr::null_mut(),
+                &q,
+                &c,
+                ptr::null(),
+                6 * GB,
+                2,
+                16,
+                &mut out,
+            )
+        };
+        assert_eq!((rc, out), (FLASHCORE_ERROR_NULL_ARGUMENT, 0));
     }
 
     #[test]
