@@ -8,6 +8,10 @@
 //! a prefill chunk of 1024 causal queries against one such cache (which runs on the
 //! forward kernels), in FLOPs.
 //!
+//! The serving-batch group times one prompt chunk of 512 queries and fifteen decode
+//! steps packed in one call (`Attention::decode_varlen`) against caches of 8192
+//! positions, contiguous and paged, in FLOPs.
+//!
 //! The varlen group times packed (variable-length) batches, Hq 32, Hkv 8, D 128, f16:
 //! eight causal prompts of 128 to 4096 tokens (throughput in FLOPs) and sixteen decode
 //! steps of one query against 8192 keys each, which run on the decode kernels
@@ -26,6 +30,7 @@ use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
 use flashcore::check::{BENCH_SHAPES, DeviceCase, FwdCase, Layout};
 use flashcore::host::attention::{Attention, path_for_arch};
 use flashcore::host::decode::Workspace;
+use flashcore::host::decode_varlen::PackedQueries;
 use flashcore::host::device::{Device, driver_present};
 use flashcore::host::kv_cache::{CacheLayout, KvCache};
 use flashcore::host::tensor::{AttentionParams, DType, TensorView};
@@ -236,6 +241,118 @@ fn decode_group(
     group.finish();
 }
 
+/// Query runs of the serving-batch group: one prompt chunk among fifteen decode steps.
+const SERVING_RUNS: [usize; 16] = [512, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1];
+
+/// A serving batch in one call (`Attention::decode_varlen`): the queries of
+/// [`SERVING_RUNS`] packed, each against a full cache of 8192 positions, contiguous and
+/// paged, causal; throughput in FLOPs.
+fn serving_batch_group(
+    c: &mut Criterion,
+    attn: &Attention,
+    stream: &Arc<CudaStream>,
+    timer: &EventTimer,
+    rng: &mut Rng,
+) {
+    let (hq, hkv, d, skv) = (32, 8, 128, 8192);
+    let b = SERVING_RUNS.len();
+    let total: usize = SERVING_RUNS.iter().sum();
+    let max = SERVING_RUNS.iter().copied().max().unwrap_or(1);
+    let mut group = c.benchmark_group(format!("serving_batch/{}", attn.device().arch_name()));
+    let offsets: Vec<i32> = std::iter::once(0)
+        .chain(SERVING_RUNS.iter().scan(0, |at, &n| {
+            *at += n as i32;
+            Some(*at)
+        }))
+        .collect();
+    let cu = stream.clone_htod(&offsets).expect("upload");
+    for page in DECODE_PAGES {
+        let mut bufs = decode_buffers(attn, stream, rng, (b, max, skv), (hq, hkv, d), page);
+        let (k, v, table) = &bufs.caches[0];
+        let (k, v) = (k.device_ptr(stream).0, v.device_ptr(stream).0);
+        let seqlens = bufs.lens.device_ptr(stream).0;
+        let cache = match skv.checked_div(page) {
+            None => KvCache {
+                k: TensorView::bshd(k, DType::F16, b, skv, hkv, d),
+                v: TensorView::bshd(v, DType::F16, b, skv, hkv, d),
+                seqlens,
+                layout: CacheLayout::Contiguous,
+                scales: None,
+            },
+            Some(max_pages) => KvCache {
+                k: TensorView::bshd(k, DType::F16, b * max_pages, page, hkv, d),
+                v: TensorView::bshd(v, DType::F16, b * max_pages, page, hkv, d),
+                seqlens,
+                layout: CacheLayout::Paged {
+                    block_table: table.device_ptr(stream).0,
+                    max_pages,
+                    table_stride: max_pages,
+                },
+                scales: None,
+            },
+        };
+        let qv = TensorView::bshd(bufs.q.device_ptr(stream).0, DType::F16, 1, total, hq, d);
+        let ov = TensorView::bshd(bufs.o.device_ptr(stream).0, DType::F16, 1, total, hq, d);
+        let queries = PackedQueries {
+            cu_seqlens_q: cu.device_ptr(stream).0,
+            batch: b,
+            max_seqlen_q: max,
+            host: None,
+        };
+        let ws_bytes = attn
+            .decode_varlen_workspace_bytes(&qv, &cache, &queries)
+            .expect("plan");
+        bufs.workspace = stream.alloc_zeros(ws_bytes + 256).expect("alloc");
+        let workspace = (ws_bytes > 0).then(|| Workspace {
+            ptr: bufs.workspace.device_ptr(stream).0.next_multiple_of(256),
+            bytes: ws_bytes,
+        });
+        let params = AttentionParams {
+            causal: true,
+            ..AttentionParams::default()
+        };
+        let run = || {
+            // SAFETY: every view points into `bufs`' and `cu`'s live buffers, sized for
+            // it, on `stream`, which they outlive.
+            unsafe {
+                attn.decode_varlen(
+                    &qv,
+                    &cache,
+                    &queries,
+                    None,
+                    &ov,
+                    None,
+                    &params,
+                    workspace,
+                    stream.cu_stream(),
+                )
+            }
+        };
+        run().expect("first serving batch");
+        let pairs: usize = SERVING_RUNS
+            .iter()
+            .map(|&n| {
+                (0..n)
+                    .map(|i| (skv + i + 1).saturating_sub(n))
+                    .sum::<usize>()
+            })
+            .sum();
+        group.throughput(Throughput::Elements((4 * hq * d * pairs) as u64));
+        let layout = if page == 0 {
+            "contiguous".to_string()
+        } else {
+            format!("page{page}")
+        };
+        let id = format!("B{b}_Sq{total}max{max}_Hq{hq}_Hkv{hkv}_D{d}_Skv{skv}_{layout}");
+        group.bench_function(BenchmarkId::from_parameter(id), |bench| {
+            bench
+                .iter_custom(|iters| timed(timer, stream, iters, |_| run().expect("serving batch")))
+        });
+        stream.synchronize().expect("sync");
+    }
+    group.finish();
+}
+
 /// A packed batch: (query rows, key rows) per sequence.
 struct PackedBatch {
     name: &'static str,
@@ -390,6 +507,7 @@ fn main() {
     group.finish();
 
     decode_group(&mut c, &attn, &stream, &timer, &mut rng);
+    serving_batch_group(&mut c, &attn, &stream, &timer, &mut rng);
     varlen_group(&mut c, &attn, &stream, &timer, &mut rng);
 
     // Launch overhead: the reference shape replayed from a CUDA graph of 20 calls.

@@ -64,7 +64,7 @@ const USAGE: &str = "usage:
   flashcore decode [--shapes BxSKV,...] [--pages 0,16,64] [--heads 32] [--kv-heads 8]
                    [--head-dim 128] [--seqlen-q 1] [--causal] [--dtype f16|bf16] [--iters N]
                    [--kv-dtype e4m3] [--cache-layout bshd|bhsd] [--window LEFT,RIGHT]
-                   [--softcap CAP] [--json FILE]
+                   [--softcap CAP] [--packed | --q-lens N,N,...] [--json FILE]
   flashcore varlen [--lens 512,4096,...] [--q-lens 1,16,...] [--heads 32] [--kv-heads 8]
                    [--head-dim 128] [--causal] [--dtype f16|bf16] [--path sm80] [--iters N]
                    [--json FILE]
@@ -250,6 +250,13 @@ fn info() -> Result<(), Failure> {
          block table, pages of 16 or more), for a 16-bit cache; the decode kernels for e4m3 \
          caches, smaller pages, paged caches off sm90a and the windowed kernels without \
          the length read (sm80, sm90a d256 64-row)",
+        flashcore::kernels::attention::decode::MAX_QUERIES
+    );
+    out!(
+        "  a serving batch's packed queries against a cache (decode_varlen): runs of up to \
+         {0} queries on the decode kernels; with longer ones, where the sm90a forward \
+         kernels read the cache, two launches split by each sequence's count on the device \
+         (decode kernels up to {0}, forward kernels past it); elsewhere the decode kernels",
         flashcore::kernels::attention::decode::MAX_QUERIES
     );
     match detected {
@@ -1004,6 +1011,7 @@ const DECODE_SHAPES: [(usize, usize); 4] = [(1, 8192), (1, 32768), (16, 8192), (
 /// (Correctness is `tests/gpu_decode.rs`'s.)
 fn decode(args: &[String]) -> Result<(), Failure> {
     use flashcore::host::decode::Workspace;
+    use flashcore::host::decode_varlen::{PackedQueries, validate_decode_varlen};
     use flashcore::host::kv_cache::{CacheLayout, KvCache, KvScales};
     use flashcore::host::tensor::{AttentionParams, LseView, TensorView};
 
@@ -1023,10 +1031,27 @@ fn decode(args: &[String]) -> Result<(), Failure> {
             "--cache-layout",
             "--window",
             "--softcap",
+            "--q-lens",
         ],
-        &["--causal"],
+        &["--causal", "--packed"],
     )?;
     let iters = o.num("--iters", 100)?;
+    // The queries packed `[1, B·Sq, Hq, D]` with offsets (`Attention::decode_varlen`, a
+    // serving batch's call) rather than `[B, Sq, Hq, D]`.
+    // `--q-lens n0,n1,...`: a serving batch of those query counts, packed (the shapes'
+    // batch becomes their count).
+    let q_lens: Option<Vec<usize>> = match o.value("--q-lens") {
+        None => None,
+        Some(list) => Some(
+            list.split(',')
+                .map(|n| {
+                    n.parse()
+                        .map_err(|_| Failure::Usage(format!("--q-lens takes N,N,..., got `{n}`")))
+                })
+                .collect::<Result<_, _>>()?,
+        ),
+    };
+    let packed = o.flag("--packed") || q_lens.is_some();
     let window = parse_window(o.value("--window"))?;
     let softcap = parse_softcap(o.value("--softcap"))?;
     // A contiguous cache as `[B, Skv, Hkv, D]` (the serving layout) or with each head's
@@ -1058,7 +1083,10 @@ fn decode(args: &[String]) -> Result<(), Failure> {
         o.num("--kv-heads", 8)?,
         o.num("--head-dim", 128)?,
     );
-    let sq = o.num("--seqlen-q", 1)?;
+    let sq = match &q_lens {
+        Some(lens) => lens.iter().copied().max().unwrap_or(1).max(1),
+        None => o.num("--seqlen-q", 1)?,
+    };
     let causal = o.flag("--causal");
     let shapes: Vec<(usize, usize)> = match o.value("--shapes") {
         None => DECODE_SHAPES.to_vec(),
@@ -1084,6 +1112,12 @@ fn decode(args: &[String]) -> Result<(), Failure> {
                 .map_err(|_| Failure::Usage(format!("bad page size `{p}`")))
         })
         .collect::<Result<_, _>>()?;
+    let shapes: Vec<(usize, usize)> = match &q_lens {
+        Some(lens) => shapes.iter().map(|&(_, skv)| (lens.len(), skv)).collect(),
+        None => shapes,
+    };
+    // Each sequence's queries.
+    let runs = |b: usize| q_lens.clone().unwrap_or_else(|| vec![sq; b]);
     for &(b, skv) in &shapes {
         let shape = AttnShape {
             batch: b,
@@ -1238,12 +1272,36 @@ fn decode(args: &[String]) -> Result<(), Failure> {
                     }
                 })
                 .collect();
-            let qv = TensorView::bshd(q.device_ptr(&stream).0, dt, b, sq, hq, d);
-            let ov = TensorView::bshd(out.device_ptr(&stream).0, dt, b, sq, hq, d);
+            let (qv, ov) = {
+                let total: usize = runs(b).iter().sum();
+                let (outer, rows) = if packed { (1, total) } else { (b, sq) };
+                let view = |ptr| TensorView::bshd(ptr, dt, outer, rows, hq, d);
+                (
+                    view(q.device_ptr(&stream).0),
+                    view(out.device_ptr(&stream).0),
+                )
+            };
             let lv = LseView {
                 ptr: lse.device_ptr(&stream).0,
             };
-            let ws_bytes = attn.decode_workspace_bytes(&qv, &views[0])?;
+            let offsets: Vec<i32> = std::iter::once(0)
+                .chain(runs(b).iter().scan(0, |at, &n| {
+                    *at += n as i32;
+                    Some(*at)
+                }))
+                .collect();
+            let offsets = stream.clone_htod(&offsets).map_err(err)?;
+            let queries = PackedQueries {
+                cu_seqlens_q: offsets.device_ptr(&stream).0,
+                batch: b,
+                max_seqlen_q: sq,
+                host: None,
+            };
+            let ws_bytes = if packed {
+                attn.decode_varlen_workspace_bytes(&qv, &views[0], &queries)?
+            } else {
+                attn.decode_workspace_bytes(&qv, &views[0])?
+            };
             let ws = stream
                 .alloc_zeros::<u8>(ws_bytes.max(1) + 256)
                 .map_err(err)?;
@@ -1251,7 +1309,11 @@ fn decode(args: &[String]) -> Result<(), Failure> {
                 ptr: ws.device_ptr(&stream).0.next_multiple_of(256),
                 bytes: ws_bytes,
             });
-            let problem = flashcore::host::decode::decode_problem(&qv, &views[0], &params)?;
+            let problem = if packed {
+                validate_decode_varlen(&qv, &views[0], &queries, &ov, Some(&lv), &params)?
+            } else {
+                flashcore::host::decode::decode_problem(&qv, &views[0], &params)?
+            };
             let plan = attn.decode_plan(&problem)?;
             // More than 16 queries run on the forward kernels where they can read the cache.
             let (splits, kernel) = match attn.decode_forward_plan(&problem, &views[0]) {
@@ -1262,38 +1324,44 @@ fn decode(args: &[String]) -> Result<(), Failure> {
             // this iteration, on their own stream.
             let us = unsafe {
                 median_us_queued(&dev, &stream, &mut busy, iters, |turn| {
-                    attn.decode(
-                        &qv,
-                        &views[turn % views.len()],
-                        None,
-                        &ov,
-                        Some(&lv),
-                        &params,
-                        workspace,
-                        stream.cu_stream(),
-                    )
+                    let cache = &views[turn % views.len()];
+                    let cu = stream.cu_stream();
+                    if packed {
+                        let (q, o, l) = (&qv, &ov, Some(&lv));
+                        attn.decode_varlen(q, cache, &queries, None, o, l, &params, workspace, cu)
+                    } else {
+                        attn.decode(&qv, cache, None, &ov, Some(&lv), &params, workspace, cu)
+                    }
                 })
             }?;
             let gbps = kv_bytes as f64 / (us * 1e3);
-            let layout = if page == 0 {
-                "contiguous".to_string()
-            } else {
-                format!("page{page}")
+            let layout = match (page, packed) {
+                (0, false) => "contiguous".to_string(),
+                (0, true) => "contiguous packed".to_string(),
+                (p, false) => format!("page{p}"),
+                (p, true) => format!("page{p} packed"),
+            };
+            let queries = match &q_lens {
+                Some(lens) => format!("Sq{}max{sq}", lens.iter().sum::<usize>()),
+                None => format!("Sq{sq}"),
             };
             let name = match window.left {
-                Some(l) => format!("B{b} Hq{hq} Hkv{hkv} Sq{sq} Skv{skv} D{d} {layout} W{l}"),
-                None => format!("B{b} Hq{hq} Hkv{hkv} Sq{sq} Skv{skv} D{d} {layout}"),
+                Some(l) => format!("B{b} Hq{hq} Hkv{hkv} {queries} Skv{skv} D{d} {layout} W{l}"),
+                None => format!("B{b} Hq{hq} Hkv{hkv} {queries} Skv{skv} D{d} {layout}"),
             };
             // Query-key pairs each query head scores: a causal query `i` of `Sq` sees
             // keys up to `Skv − Sq + i` (a window's left side is not counted off).
-            let pairs = if causal {
-                (0..sq)
-                    .map(|i| (skv + i + 1).saturating_sub(sq))
-                    .sum::<usize>()
-            } else {
-                sq * skv
+            let pairs_of = |sq: usize| {
+                if causal {
+                    (0..sq)
+                        .map(|i| (skv + i + 1).saturating_sub(sq))
+                        .sum::<usize>()
+                } else {
+                    sq * skv
+                }
             };
-            let tflops = 4.0 * (b * hq * d * pairs) as f64 / (us * 1e6);
+            let pairs: usize = runs(b).into_iter().map(pairs_of).sum();
+            let tflops = 4.0 * (hq * d * pairs) as f64 / (us * 1e6);
             let tflops = if sq > 16 {
                 format!(" ({tflops:.1} TFLOP/s)")
             } else {
@@ -1315,7 +1383,7 @@ fn decode(args: &[String]) -> Result<(), Failure> {
             // One decode step (and its merge) captured in a CUDA graph per cache copy;
             // the replays rotate over them (as the SDPA bench's graphs rotate over its
             // inputs), so each replay reads its cache from HBM, not from L2.
-            if (b, skv, page) == (1, 8192, 0) {
+            if (b, skv, page, packed) == (1, 8192, 0, false) {
                 let side = dev.context().new_stream().map_err(err)?;
                 let mut graphs = Vec::new();
                 for view in &views {
