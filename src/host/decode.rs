@@ -75,13 +75,16 @@ pub struct DecodeProblem {
 }
 
 impl DecodeProblem {
-    /// Where the decode kernels find the sequences' keys.
+    /// Where the decode kernels find the sequences' keys (and whether their queries are
+    /// packed).
     pub fn layout(&self) -> DecodeLayout {
-        let packed_keys = self.packed.is_some_and(|p| p.cu_seqlens_k != 0);
-        match (packed_keys, self.cache.page_size) {
-            (true, _) => DecodeLayout::Packed,
-            (false, 0) => DecodeLayout::Contiguous,
-            (false, _) => DecodeLayout::Paged,
+        let paged = self.cache.page_size > 0;
+        match (self.packed.map(|p| p.cu_seqlens_k != 0), paged) {
+            (Some(true), _) => DecodeLayout::Packed,
+            (Some(false), false) => DecodeLayout::PackedOverContiguous,
+            (Some(false), true) => DecodeLayout::PackedOverPaged,
+            (None, false) => DecodeLayout::Contiguous,
+            (None, true) => DecodeLayout::Paged,
         }
     }
 

@@ -355,8 +355,8 @@ mod tests {
     #[test]
     fn packed_queries_over_a_cache_become_a_problem_of_its_sequences() {
         for (paged, layout) in [
-            (None, DecodeLayout::Contiguous),
-            (Some(16), DecodeLayout::Paged),
+            (None, DecodeLayout::PackedOverContiguous),
+            (Some(16), DecodeLayout::PackedOverPaged),
         ] {
             let c = cache(3, 1024, 2, 64, paged);
             let host: &[i32] = &[0, 1, 301, 305];
@@ -461,7 +461,7 @@ mod tests {
         assert_eq!(long.packed.unwrap().runs, Runs::Long(MAX_QUERIES + 1));
         // Both sides keep the keys the cache's.
         for side in [short, long] {
-            assert_eq!(side.layout(), DecodeLayout::Contiguous);
+            assert_eq!(side.layout(), DecodeLayout::PackedOverContiguous);
             let packed = side.packed.unwrap();
             assert_eq!((packed.cu_seqlens_k, packed.total_q), (0, 2000));
         }
@@ -469,6 +469,12 @@ mod tests {
         assert_eq!(forward.packed.unwrap().runs, Runs::Long(MAX_QUERIES + 1));
         // The decode kernels' side is planned as a decode step of 16 queries.
         assert!(decode_forward_plan_on(H200, PathChoice::Best, &short, &c).is_none());
+        let plan = crate::host::decode::plan_decode(&short, 132, 227 * 1024).unwrap();
+        assert!(
+            plan.config.packed_queries && !plan.config.packed,
+            "{plan:?}"
+        );
+        assert!(plan.config.id().ends_with("_pq"), "{plan:?}");
     }
 
     #[test]

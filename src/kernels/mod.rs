@@ -321,6 +321,7 @@ mod tests {
             fp8: false,
             padded: false,
             packed: false,
+            packed_queries: false,
         };
         refused("decode at head dim 80", decode.generate());
         let packed = DecodeConfig {

@@ -126,6 +126,9 @@ pub struct DecodeConfig {
     /// and key rows found through the cumulative offsets `cu_seqlens_q`/`cu_seqlens_k`.
     /// Contiguous 16-bit K/V only.
     pub packed: bool,
+    /// Packed queries over a cache (a serving batch's, see the module docs): query rows
+    /// found through `cu_seqlens_q`, keys in the contiguous or paged cache.
+    pub packed_queries: bool,
 }
 
 /// The decode kernel head dim that serves a cache of head dim `d`, and whether it runs
@@ -185,7 +188,7 @@ impl DecodeConfig {
         layout: DecodeLayout,
         fp8: bool,
     ) -> [DecodeConfig; 3] {
-        let paged = layout == DecodeLayout::Paged;
+        let paged = matches!(layout, DecodeLayout::Paged | DecodeLayout::PackedOverPaged);
         let cfg = |stages, warps| DecodeConfig {
             dtype,
             head_dim,
@@ -195,6 +198,10 @@ impl DecodeConfig {
             fp8,
             padded,
             packed: layout == DecodeLayout::Packed,
+            packed_queries: matches!(
+                layout,
+                DecodeLayout::PackedOverContiguous | DecodeLayout::PackedOverPaged
+            ),
         };
         [
             cfg(Self::preferred_stages(head_dim, paged, fp8), 4),
@@ -210,7 +217,7 @@ impl DecodeConfig {
     /// `attn_decode_f16_d96_s3w4_padded`.
     pub fn id(&self) -> String {
         format!(
-            "attn_decode_{}{}_d{}_s{}w{}{}{}{}",
+            "attn_decode_{}{}_d{}_s{}w{}{}{}{}{}",
             self.dtype.name(),
             if self.fp8 { "_kv_e4m3" } else { "" },
             self.head_dim,
@@ -218,8 +225,15 @@ impl DecodeConfig {
             self.warps,
             if self.paged { "_paged" } else { "" },
             if self.packed { "_packed" } else { "" },
+            if self.packed_queries { "_pq" } else { "" },
             if self.padded { "_padded" } else { "" }
         )
+    }
+
+    /// Queries packed in `[1, total_q, Hq, D]` ([`DecodeConfig::packed`] or
+    /// [`DecodeConfig::packed_queries`]) rather than `[B, Sq, Hq, D]`.
+    pub fn queries_packed(&self) -> bool {
+        self.packed || self.packed_queries
     }
 
     pub fn threads(&self) -> u32 {
@@ -392,12 +406,17 @@ pub enum DecodeLayout {
     Paged,
     /// Rows `cu_k[b] .. cu_k[b + 1]` of `[1, total_k, Hkv, D]` ([`DecodeConfig::packed`]).
     Packed,
+    /// A contiguous cache under packed queries ([`DecodeConfig::packed_queries`]).
+    PackedOverContiguous,
+    /// A paged cache under packed queries.
+    PackedOverPaged,
 }
 
 /// Every decode configuration the dispatch can choose: each head dim's
 /// [`DecodeConfig::candidates`], for 16-bit caches (unpadded, and padded where
-/// [`PADDED_HEAD_DIMS`] has the head dim; contiguous, paged and packed) and (head dims
-/// 64, 128, 256, contiguous and paged) e4m3.
+/// [`PADDED_HEAD_DIMS`] has the head dim; contiguous, paged and packed, and contiguous and
+/// paged under packed queries) and (head dims 64, 128, 256, contiguous and paged, under
+/// dense or packed queries) e4m3.
 pub fn all_decode_configs() -> Vec<DecodeConfig> {
     let mut v = Vec::new();
     for fp8 in [false, true] {
@@ -412,12 +431,19 @@ pub fn all_decode_configs() -> Vec<DecodeConfig> {
                     &[false]
                 };
                 let layouts: &[DecodeLayout] = if fp8 {
-                    &[DecodeLayout::Contiguous, DecodeLayout::Paged]
+                    &[
+                        DecodeLayout::Contiguous,
+                        DecodeLayout::Paged,
+                        DecodeLayout::PackedOverContiguous,
+                        DecodeLayout::PackedOverPaged,
+                    ]
                 } else {
                     &[
                         DecodeLayout::Contiguous,
                         DecodeLayout::Paged,
                         DecodeLayout::Packed,
+                        DecodeLayout::PackedOverContiguous,
+                        DecodeLayout::PackedOverPaged,
                     ]
                 };
                 for &padded in paddings {
@@ -580,55 +606,49 @@ struct Block {
 const QUERY_OFFSETS: &str = "Packed queries: the sequence's rows from cu_seqlens_q.";
 
 /// Where the block's sequence's queries lie in Q and O (and the LSE): at the block's
-/// batch index of dense `[B, Sq, Hq, D]` tensors, or, where the call packs its queries
-/// (`cu_seqlens_q` non-null: a variable-length forward call, or a serving batch's
-/// queries packed over a cache), at the sequence's rows of `[1, total_q, Hq, D]` ones.
+/// batch index of dense `[B, Sq, Hq, D]` tensors, or, in a kernel whose queries are
+/// packed ([`DecodeConfig::queries_packed`]: a variable-length forward call, or a serving
+/// batch's queries over a cache), at the sequence's rows of `[1, total_q, Hq, D]` ones.
 #[derive(Clone, Copy)]
 struct QueryRows {
     /// Q's and O's batch index: the block's, or 0 when packed.
     batch: Reg<U32>,
-    /// The row of the sequence's first query: 0, or its first packed row.
-    start: Reg<U32>,
+    /// The row of the sequence's first query, when packed.
+    start: Option<Reg<U32>>,
     /// The sequence's queries: `Sq`, or when packed its own count (at most `Sq`).
     count: Reg<U32>,
-    packed: Reg<Pred>,
 }
 
 impl QueryRows {
-    /// Sequence `batch`'s query rows, its offsets (when packed) clamped to
-    /// `0 ≤ start ≤ end ≤ total_q` whatever the array holds. `always_packed`: the kernel
-    /// only ever runs packed calls, so no branch is needed.
-    fn load(k: &mut Kernel, args: ParamBytes, batch: Reg<U32>, always_packed: bool) -> QueryRows {
+    /// Sequence `batch`'s query rows: dense, or (`packed`) from its offsets, clamped to
+    /// `0 ≤ start ≤ end ≤ total_q` whatever the array holds.
+    fn load(k: &mut Kernel, args: ParamBytes, batch: Reg<U32>, packed: bool) -> QueryRows {
         let most = arg::<U32>(k, args, offset_of!(DecodeArgs, seqlen_q));
-        let cu = arg::<U64>(k, args, offset_of!(DecodeArgs, cu_seqlens_q));
-        let rows = QueryRows {
-            batch: k.mov(batch),
-            start: k.mov(0u32),
-            count: most,
-            packed: k.setp(Cmp::Ne, cu, 0u64),
-        };
-        let load = |k: &mut Kernel| {
-            k.comment(QUERY_OFFSETS);
-            let at = k.mul_wide_u32(batch, 4u32);
-            let total = |k: &mut Kernel| arg::<S32>(k, args, offset_of!(DecodeArgs, total_q));
-            let (start, end) = clamped_offsets(k, cu, at, total);
-            let queries = k.sub(end, start).cast::<U32>();
-            k.mov_to(rows.start, start.cast::<U32>());
-            k.min_to(rows.count, queries, most);
-            k.mov_to(rows.batch, 0u32);
-            // More queries than `Sq`, where those are another launch's: none here.
-            let skips = arg::<U32>(k, args, offset_of!(DecodeArgs, skip_longer));
-            let skips = k.setp(Cmp::Ne, skips, 0u32);
-            let longer = k.setp(Cmp::Gt, queries, most);
-            let elsewhere = k.and_pred(skips, longer);
-            k.selp_to(rows.count, 0u32, rows.count, elsewhere);
-        };
-        if always_packed {
-            load(k);
-        } else {
-            k.if_(rows.packed, load);
+        if !packed {
+            return QueryRows {
+                batch,
+                start: None,
+                count: most,
+            };
         }
-        rows
+        k.comment(QUERY_OFFSETS);
+        let cu = arg::<U64>(k, args, offset_of!(DecodeArgs, cu_seqlens_q));
+        let at = k.mul_wide_u32(batch, 4u32);
+        let total = |k: &mut Kernel| arg::<S32>(k, args, offset_of!(DecodeArgs, total_q));
+        let (start, end) = clamped_offsets(k, cu, at, total);
+        let queries = k.sub(end, start).cast::<U32>();
+        let count = k.min(queries, most);
+        // More queries than `Sq`, where those are another launch's: none here.
+        let skips = arg::<U32>(k, args, offset_of!(DecodeArgs, skip_longer));
+        let skips = k.setp(Cmp::Ne, skips, 0u32);
+        let longer = k.setp(Cmp::Gt, queries, most);
+        let elsewhere = k.and_pred(skips, longer);
+        let count = k.selp(0u32, count, elsewhere);
+        QueryRows {
+            batch: k.mov(0u32),
+            start: Some(start.cast::<U32>()),
+            count,
+        }
     }
 
     /// The element offset of query `qi`'s row of `head` in Q or O (with their
@@ -640,39 +660,11 @@ impl QueryRows {
         qi: Reg<U32>,
         head: Reg<U32>,
     ) -> Reg<U64> {
-        let row = k.add(self.start, qi);
+        let row = match self.start {
+            Some(start) => k.add(start, qi),
+            None => qi,
+        };
         row_offset(k, strides, [self.batch, row, head])
-    }
-
-    /// The LSE's element index of query `qi` of `head`: `[B, Hq, Sq]`, or when packed
-    /// `[Hq, total_q]`.
-    fn lse_index(
-        &self,
-        k: &mut Kernel,
-        args: ParamBytes,
-        qi: Reg<U32>,
-        head: Reg<U32>,
-    ) -> Reg<U64> {
-        let index = k.mov(0u64);
-        k.if_else(
-            self.packed,
-            |k| {
-                let total_q = arg::<U32>(k, args, offset_of!(DecodeArgs, total_q));
-                let row = k.add(self.start, qi);
-                let at = k.mul_wide_u32(head, total_q);
-                let row = k.cvt_u64_u32(row);
-                k.add_to(index, at, row);
-            },
-            |k| {
-                let heads_q = arg::<U32>(k, args, offset_of!(DecodeArgs, heads_q));
-                let seqlen_q = arg::<U32>(k, args, offset_of!(DecodeArgs, seqlen_q));
-                let bh = k.mad(self.batch, heads_q, head);
-                let at = k.mul_wide_u32(bh, seqlen_q);
-                let q64 = k.cvt_u64_u32(qi);
-                k.add_to(index, at, q64);
-            },
-        );
-        index
     }
 }
 
@@ -725,7 +717,7 @@ impl Block {
                 block_n,
                 packed: Some(seq),
             };
-            block.skip_before_window(k, args);
+            block.skip_before_window(k, args, cfg);
             return block;
         }
         let seqlens = arg::<U64>(k, args, offset_of!(DecodeArgs, seqlens));
@@ -749,7 +741,7 @@ impl Block {
             block_n,
             packed: None,
         };
-        block.skip_before_window(k, args);
+        block.skip_before_window(k, args, cfg);
         block
     }
 
@@ -759,14 +751,14 @@ impl Block {
     /// those with `split + j·splits < t0`, `j < ⌈(t0 − split) / splits⌉`. Only a call
     /// with a window waits for the length here; the others issue their first tile
     /// before it arrives.
-    fn skip_before_window(&self, k: &mut Kernel, args: ParamBytes) {
+    fn skip_before_window(&self, k: &mut Kernel, args: ParamBytes, cfg: &DecodeConfig) {
         let left = arg::<U32>(k, args, offset_of!(DecodeArgs, window_left));
         let windowed = k.setp(Cmp::Lt, left, WINDOW_UNBOUNDED);
         k.if_(windowed, |k| {
             k.comment("A key window: skip the tiles before the first query's window.");
             let len = k.max(self.loaded_len, 0i32);
             let len = k.min(len, self.capacity);
-            let queries = self.query_rows(k, args).count.cast::<S32>();
+            let queries = self.query_rows(k, args, cfg).count.cast::<S32>();
             // In s32: len <= 2^30, left < 2^30, queries <= 16.
             let first = k.sub(len, queries);
             let first = k.sub(first, left.cast::<S32>());
@@ -793,11 +785,12 @@ impl Block {
     }
 
     /// Where the sequence's queries lie: a packed kernel's, loaded with its offsets, or
-    /// loaded here (again at each call, rather than kept live through the key loop).
-    fn query_rows(&self, k: &mut Kernel, args: ParamBytes) -> QueryRows {
+    /// loaded here (a serving batch's packed queries again at each call, rather than
+    /// kept live through the key loop).
+    fn query_rows(&self, k: &mut Kernel, args: ParamBytes, cfg: &DecodeConfig) -> QueryRows {
         match &self.packed {
             Some(seq) => seq.rows,
-            None => QueryRows::load(k, args, self.batch, false),
+            None => QueryRows::load(k, args, self.batch, cfg.packed_queries),
         }
     }
 
@@ -1315,14 +1308,16 @@ fn build<H: Half2>(cfg: &DecodeConfig) -> Result<KernelText, PtxError> {
 
     k.comment("Which (batch, kv head, row chunk, split) this block owns; its length's load.");
     let block = Block::new(&mut k, args, cfg);
-    let queries = block.query_rows(&mut k, args);
+    let queries = block.query_rows(&mut k, args, cfg);
     let seqlen_q = queries.count;
     let group = arg::<U32>(&mut k, args, offset_of!(DecodeArgs, group));
     let packed_rows = k.mul(seqlen_q, group);
     let row_base = k.mul(block.chunk, ROWS);
-    k.comment("A row chunk past a packed sequence's queries has nothing to do.");
-    let idle = k.setp(Cmp::Ge, row_base, packed_rows);
-    k.if_(idle, |k| k.ret());
+    if cfg.queries_packed() {
+        k.comment("A row chunk past the packed sequence's queries has nothing to do.");
+        let idle = k.setp(Cmp::Ge, row_base, packed_rows);
+        k.if_(idle, |k| k.ret());
+    }
 
     let columns = head_dim.map(|p| k.load_param(p));
     let loader = Loader::new(&mut k, cfg.kv_layout(), cfg.threads(), tid, columns);
@@ -1625,7 +1620,7 @@ fn build<H: Half2>(cfg: &DecodeConfig) -> Result<KernelText, PtxError> {
     }
 
     // Read again from the arguments rather than kept live through the loop.
-    let queries = block.query_rows(&mut k, args);
+    let queries = block.query_rows(&mut k, args, cfg);
     let group = arg::<U32>(&mut k, args, offset_of!(DecodeArgs, group));
     let packed_rows = k.mul(queries.count, group);
     merge_warps_and_store::<H>(
@@ -2100,6 +2095,7 @@ fn merge_row_and_store<H: Half2>(
     let splits = arg::<U32>(k, args, offset_of!(DecodeArgs, splits));
     let first_part = k.setp(Cmp::Eq, part, 0u32);
     let single = k.setp(Cmp::Eq, splits, 1u32);
+    let bh = k.mad(w.block.batch, heads_q, head);
     k.if_else(
         single,
         |k| {
@@ -2128,7 +2124,21 @@ fn merge_row_and_store<H: Half2>(
             let lse_ptr = arg::<U64>(k, args, offset_of!(DecodeArgs, lse));
             let wanted = k.setp(Cmp::Ne, lse_ptr, 0u64);
             let wanted = k.and_pred(wanted, first_part);
-            let index = queries.lse_index(k, args, qi, head);
+            // [B, Hq, Sq]; packed, [Hq, total_q] at the sequence's first row.
+            let index = match queries.start {
+                Some(start) => {
+                    let total_q = arg::<U32>(k, args, offset_of!(DecodeArgs, total_q));
+                    let row = k.add(start, qi);
+                    let index = k.mul_wide_u32(head, total_q);
+                    let row = k.cvt_u64_u32(row);
+                    k.add(index, row)
+                }
+                None => {
+                    let index = k.mul_wide_u32(bh, seqlen_q);
+                    let q64 = k.cvt_u64_u32(qi);
+                    k.add(index, q64)
+                }
+            };
             let index = k.shl(index, 2);
             let at = k.add(lse_ptr, index);
             k.guarded(wanted, true, |k| k.st_global(at, 0, lse));
@@ -2166,6 +2176,18 @@ fn merge_row_and_store<H: Half2>(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Packed queries cost the kernels that take them only: the others' PTX reads no
+    /// query offsets (it is what it was before packed queries over a cache existed).
+    #[test]
+    fn only_kernels_of_packed_queries_read_query_offsets() {
+        for c in all_decode_configs() {
+            let ptx = c.generate().unwrap().to_ptx();
+            let reads = ptx.contains(QUERY_OFFSETS);
+            assert_eq!(reads, c.queries_packed(), "{}", c.id());
+            assert_eq!(ptx.contains("has nothing to do"), reads, "{}", c.id());
+        }
+    }
 
     #[test]
     fn paged_kernels_never_wait_on_the_block_table_inside_the_loop() {
@@ -2319,10 +2341,10 @@ mod tests {
             assert_eq!(guarded(&padded), guarded(&plain) + words, "{id}");
             seen += 1;
         }
-        // Five kernel head dims, two dtypes, contiguous, paged and packed, three rings
-        // each at 64, 96, 128 and 192 and two at 256 (whose preferred ring has two
-        // stages).
-        assert_eq!(seen, 84);
+        // Five kernel head dims, two dtypes, contiguous, paged and packed and contiguous
+        // and paged under packed queries, three rings each at 64, 96, 128 and 192 and
+        // two at 256 (whose preferred ring has two stages).
+        assert_eq!(seen, 140);
     }
 
     #[test]
@@ -2336,6 +2358,7 @@ mod tests {
             fp8,
             padded: false,
             packed: false,
+            packed_queries: false,
         };
         // 16-bit rings: 64 KiB in flight per SM. Head dim 128 (two 32 KiB stages in
         // flight) and 256 (one of 64 KiB) want one block per SM; head dim 64 (three of
