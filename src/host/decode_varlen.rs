@@ -525,8 +525,13 @@ mod tests {
             let q = r.view(dtype, [extent, rows, hq, d]);
             let o = r.view(dtype, q.shape);
             let lse = r.chance(0.5).then(|| LseView { ptr: r.ptr() });
-            let host: Vec<i32> = (0..=batch.min(4))
-                .map(|j| (j * rows / batch.max(1)) as i32 - i32::from(!tame && j == 1))
+            // Even offsets over the rows (any size: in u128, then cut to i32), one
+            // decreasing in the wild draws.
+            let host: Vec<i32> = (0..=batch.min(4) as u128)
+                .map(|j| {
+                    let at = (j * rows as u128 / batch.max(1) as u128).min(i32::MAX as u128);
+                    at as i32 - i32::from(!tame && j == 1)
+                })
                 .collect();
             let max = r.pick(&[0, 1, 16, 17, rows, usize::MAX]);
             let p = PackedQueries {
