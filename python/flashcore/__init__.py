@@ -21,6 +21,7 @@
     o = flashcore.decode(q, k8, v8, seqlens, k_scale=ks, v_scale=vs)  # FP8 cache (sm_89+):
     # float8_e4m3fn codes, float32 scales [B, capacity, Hkv]; append_kv(..., k_scale=, v_scale=)
     o = flashcore.attention_varlen(q, k, v, cu_q, cu_k, max_q)    # packed prompts, no padding
+    o = flashcore.decode_varlen(q, k_cache, v_cache, seqlens, cu_q, max_q)  # a packed serving step
 
 The kernels are generated at run time and loaded through the CUDA driver; the wheel
 carries libflashcore.so (the C ABI, include/flashcore.h) and this package calls it through
@@ -31,7 +32,7 @@ from ._capi import FlashcoreError
 from .fp8 import FP8_HEAD_DIMS, Fp8Operands, attention_fp8, forward_fp8, quantize_fp8
 from .ops import HEAD_DIMS, LAYOUTS, attention, forward_head_dim
 from .serving import append_kv, decode, merge
-from .varlen import attention_varlen
+from .varlen import attention_varlen, decode_varlen
 from . import transformers_backend  # imports no transformers; register_transformers() does
 
 __version__ = "0.1.0"
@@ -47,6 +48,7 @@ __all__ = [
     "attention_fp8",
     "attention_varlen",
     "decode",
+    "decode_varlen",
     "forward_fp8",
     "forward_head_dim",
     "library_version",

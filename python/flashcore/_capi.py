@@ -364,6 +364,45 @@ class Library:
             )
         self.check(rc)
 
+    # A serving batch in one call: packed queries (`cu_q_ptr`, the device offsets, `batch`
+    # sequences, the longest `max_seqlen_q` queries) against the cache; one C spelling,
+    # which takes every option in a FlashcoreAttentionOptions and `scales` NULL for a
+    # 16-bit cache. `host_cu_q` is None or an int32 pointer to batch + 1 host offsets.
+
+    def decode_varlen_workspace_bytes(self, ctx, q, cache, scales, cu_q_ptr, batch, max_seqlen_q):
+        """Bytes of workspace flashcore_decode_varlen needs for these arguments (0: none)."""
+        out = ctypes.c_size_t()
+        self.check(
+            self.lib.flashcore_decode_varlen_workspace_bytes(
+                ctx, ctypes.byref(q), ctypes.byref(cache), _byref_or_none(scales), cu_q_ptr, batch, max_seqlen_q,
+                ctypes.byref(out),
+            )
+        )
+        return out.value
+
+    def check_decode_varlen(self, q, cache, scales, cu_q_ptr, batch, max_seqlen_q, host_cu_q, host_seqlens,
+                            host_block_table, o, lse_ptr, scale, causal, window=NO_WINDOW, softcap=NO_SOFTCAP):
+        """Validates a serving batch as flashcore_decode_varlen would (but for the workspace); no GPU needed."""
+        self.check(
+            self.lib.flashcore_check_decode_varlen(
+                ctypes.byref(q), ctypes.byref(cache), _byref_or_none(scales), cu_q_ptr, batch, max_seqlen_q,
+                host_cu_q, host_seqlens, host_block_table, ctypes.byref(o), lse_ptr,
+                _options(scale, causal, window, softcap),
+            )
+        )
+
+    def decode_varlen(self, ctx, q, cache, scales, cu_q_ptr, batch, max_seqlen_q, host_cu_q, host_seqlens,
+                      host_block_table, o, lse_ptr, scale, causal, ws_ptr, ws_bytes, stream, window=NO_WINDOW,
+                      softcap=NO_SOFTCAP):
+        """flashcore_decode_varlen on descriptors; `stream` is a CUstream address."""
+        self.check(
+            self.lib.flashcore_decode_varlen(
+                ctx, ctypes.byref(q), ctypes.byref(cache), _byref_or_none(scales), cu_q_ptr, batch, max_seqlen_q,
+                host_cu_q, host_seqlens, host_block_table, ctypes.byref(o), lse_ptr,
+                _options(scale, causal, window, softcap), ws_ptr, ws_bytes, stream,
+            )
+        )
+
     def check_append_kv(self, cache, k_new, v_new, host_seqlens, host_block_table, scales=None):
         """Validates an append as flashcore_append_kv would; no GPU needed."""
         if scales is None:

@@ -1,16 +1,20 @@
-"""Variable-length prefill on torch tensors: prompts of different lengths packed without
-padding, one launch (FlashAttention's `flash_attn_varlen_func` layout).
+"""Variable-length batches on torch tensors, packed without padding (FlashAttention's
+`flash_attn_varlen_func` layout): prefill of prompts of different lengths in one launch,
+and a serving step's new queries against a KV cache in one call.
 
     o = flashcore.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causal=True)
     o = flashcore.attention_varlen(..., causal=True, window_size=(w - 1, 0))  # sliding window of w keys
     o = flashcore.attention_varlen(..., causal=True, softcap=50.0)  # Gemma 2's logit soft-capping
+    o = flashcore.decode_varlen(q, k_cache, v_cache, seqlens, cu_seqlens_q, max_seqlen_q, causal=True)
 
 q [total_q, Hq, D], k and v [total_k, Hkv, D]; sequence b is rows
 cu_seqlens_q[b]:cu_seqlens_q[b + 1] of q (and of o) and cu_seqlens_k[b]:cu_seqlens_k[b + 1]
-of k and v (int32 offsets on the GPU). A `torch.library` custom op
-(`torch.ops.flashcore.attention_varlen`) whose fake implementation applies flashcore's own
-rules through flashcore_check_forward_varlen (or its _window, _ex spellings); in plain
-eager mode it is called directly.
+of k and v (int32 offsets on the GPU). decode_varlen takes its keys from a cache as
+flashcore.decode does (seqlens, optionally a block table), in place of k, v and
+cu_seqlens_k. Each is a `torch.library` custom op (`torch.ops.flashcore.attention_varlen`,
+`.decode_varlen`) whose fake implementation applies flashcore's own rules through
+flashcore_check_forward_varlen (or its _window, _ex spellings) and
+flashcore_check_decode_varlen; in plain eager mode it is called directly.
 """
 
 import math
@@ -22,12 +26,20 @@ from . import _capi
 from .ops import _ALIGN, _aligned, _context, _current_stream, softcap_arg, window_arg
 from .serving import (
     _STAND_IN,
+    _WORKSPACE_ALIGN,
     _check_device,
+    _check_metadata,
     _check_no_grad,
+    _check_scales,
     _check_tensor,
     _desc,
+    _describe,
+    _describe_cache,
+    _describe_scales,
+    _host_arrays,
     _host_int32,
     _plain_eager,
+    _prepare_host,
     _scale_arg,
     _static,
 )
@@ -260,4 +272,257 @@ def attention_varlen(
         o, lse = _varlen(*args)
     else:
         o, lse = torch.ops.flashcore.attention_varlen(*args)
+    return (o, lse) if return_lse else o
+
+
+# ---- a serving batch in one call: packed queries against a KV cache ---------------------------
+
+
+def _check_decode_varlen(q, k_cache, v_cache, block_table, o, return_lse, batch, max_seqlen_q, scale, causal,
+                         k_scale=None, v_scale=None, window=_capi.NO_WINDOW, softcap=_capi.NO_SOFTCAP, host_cu_q=None):
+    """flashcore_check_decode_varlen at stand-in addresses (fake tensors have none), with
+    the host offsets when given; the host lengths and block table are the real call's.
+    For an empty q (nothing to compute, which is no error) empty dimensions are described
+    as 1, so that every other rule still applies."""
+    if not _static(q, k_cache, v_cache, block_table, o, k_scale, v_scale):
+        return
+    empty = q.numel() == 0
+    # Described as one row, an empty q would hold an offset of 1.
+    if host_cu_q is not None and q.shape[0] == 0 and int(host_cu_q.abs().max()) != 0:
+        raise ValueError("flashcore.decode_varlen: host_cu_seqlens_q reaches past q's 0 rows")
+    cache = _describe_cache(
+        _describe(k_cache, 3 * _STAND_IN, empty),
+        _describe(v_cache, 4 * _STAND_IN, empty),
+        5 * _STAND_IN,
+        block_table,
+        6 * _STAND_IN,
+    )
+    _capi.library().check_decode_varlen(
+        _stand_in(q, 1 * _STAND_IN) if empty else _packed(q, 1 * _STAND_IN),
+        cache,
+        _describe_scales(k_scale, v_scale, (8 * _STAND_IN, 9 * _STAND_IN), empty),
+        10 * _STAND_IN,
+        max(batch, 1) if empty else batch,
+        max_seqlen_q,
+        _capi.host_ptr(host_cu_q.data_ptr()) if host_cu_q is not None else None,
+        None,
+        None,
+        _stand_in(o, 2 * _STAND_IN) if empty else _packed(o, 2 * _STAND_IN),
+        7 * _STAND_IN if return_lse else 0,
+        scale,
+        causal,
+        window,
+        softcap,
+    )
+
+
+# Workspace bytes by (device, q's dtype and shape, the cache's dtype and shape, block-table
+# width, batch, max_seqlen_q): what the plan depends on. Filled by successful queries only.
+_decode_varlen_workspace_sizes = {}
+
+
+def _decode_varlen_workspace(lib, ctx, index, q, k_cache, block_table, q_desc, cache_desc, scales_desc, cu_ptr, batch,
+                             max_seqlen_q):
+    key = (
+        index, q.dtype, tuple(q.shape), k_cache.dtype, tuple(k_cache.shape),
+        None if block_table is None else block_table.shape[1], batch, max_seqlen_q,
+    )
+    n = _decode_varlen_workspace_sizes.get(key)
+    if n is None:
+        n = lib.decode_varlen_workspace_bytes(ctx, q_desc, cache_desc, scales_desc, cu_ptr, batch, max_seqlen_q)
+        _decode_varlen_workspace_sizes[key] = n
+    return n
+
+
+@torch.library.custom_op("flashcore::decode_varlen", mutates_args=(), device_types="cuda")
+def _decode_varlen_op(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    seqlens: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    max_seqlen_q: int,
+    block_table: Optional[torch.Tensor],
+    host_seqlens: Optional[torch.Tensor],
+    host_block_table: Optional[torch.Tensor],
+    host_cu_seqlens_q: Optional[torch.Tensor],
+    causal: bool,
+    scale: float,
+    return_lse: bool,
+    k_scale: Optional[torch.Tensor] = None,
+    v_scale: Optional[torch.Tensor] = None,
+    window_left: int = -1,
+    window_right: int = -1,
+    softcap: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A serving batch against a KV cache with flashcore: packed queries [total_q, Hq, D],
+    sequence b's at rows cu_seqlens_q[b]:cu_seqlens_q[b + 1] (scale 0: 1/sqrt(D); k_scale,
+    v_scale: an FP8 cache's scales; window_left, window_right: the key window, -1 for no
+    bound; softcap: the logit soft cap, 0 for none). Returns (o, lse): o [total_q, Hq, D]
+    contiguous, lse float32 [Hq, total_q] when return_lse, else empty."""
+    return _decode_varlen(q, k_cache, v_cache, seqlens, cu_seqlens_q, max_seqlen_q, block_table, host_seqlens,
+                          host_block_table, host_cu_seqlens_q, causal, scale, return_lse, k_scale, v_scale,
+                          window_left, window_right, softcap)
+
+
+def _decode_varlen(q, k_cache, v_cache, seqlens, cu_q, max_seqlen_q, block_table, host_seqlens, host_block_table,
+                   host_cu_q, causal, scale, return_lse, k_scale=None, v_scale=None, window_left=-1, window_right=-1,
+                   softcap=0.0):
+    """The op's CUDA implementation (also called directly in plain eager mode)."""
+    window = (window_left, window_right)
+    o, lse = _outputs(q, return_lse)
+    batch = seqlens.shape[0]
+    if q.numel() == 0:
+        # Nothing to compute; flashcore's rules still apply to what was passed.
+        _check_decode_varlen(q, k_cache, v_cache, block_table, o, return_lse, batch, max_seqlen_q, scale, causal,
+                             k_scale, v_scale, window, softcap, host_cu_q)
+        return o, lse
+    q = _aligned(q)
+    index = q.get_device()
+    lib = _capi.library()
+    ctx = _context(index)
+    q_desc = _packed(q)
+    cache = _describe_cache(
+        _describe(k_cache),
+        _describe(v_cache),
+        seqlens.data_ptr(),
+        block_table,
+        block_table.data_ptr() if block_table is not None else 0,
+    )
+    scales = _describe_scales(k_scale, v_scale)
+    ws_bytes = _decode_varlen_workspace(lib, ctx, index, q, k_cache, block_table, q_desc, cache, scales,
+                                        cu_q.data_ptr(), batch, max_seqlen_q)
+    workspace, ws_ptr = None, 0
+    if ws_bytes:
+        # From torch's allocator (graph-safe), on the current stream, alive past the call.
+        workspace = torch.empty(ws_bytes + _WORKSPACE_ALIGN, dtype=torch.uint8, device=q.device)
+        ws_ptr = -(-workspace.data_ptr() // _WORKSPACE_ALIGN) * _WORKSPACE_ALIGN
+    lens_ptr, table_ptr = _host_arrays(host_seqlens, host_block_table)
+    lib.decode_varlen(
+        ctx,
+        q_desc,
+        cache,
+        scales,
+        cu_q.data_ptr(),
+        batch,
+        max_seqlen_q,
+        _capi.host_ptr(host_cu_q.data_ptr()) if host_cu_q is not None else None,
+        lens_ptr,
+        table_ptr,
+        _packed(o),
+        lse.data_ptr() if return_lse else 0,
+        scale,
+        causal,
+        ws_ptr,
+        ws_bytes,
+        _current_stream(index),
+        window,
+        softcap,
+    )
+    del workspace  # freed in stream order: later work on this stream runs after the kernels
+    return o, lse
+
+
+@_decode_varlen_op.register_fake
+def _decode_varlen_fake(q, k_cache, v_cache, seqlens, cu_q, max_seqlen_q, block_table, host_seqlens, host_block_table,
+                        host_cu_q, causal, scale, return_lse, k_scale=None, v_scale=None, window_left=-1,
+                        window_right=-1, softcap=0.0):
+    o, lse = _outputs(q, return_lse)
+    # The host copies are fake here too (no data): the real call checks them.
+    _check_decode_varlen(q, k_cache, v_cache, block_table, o, return_lse, seqlens.shape[0], max_seqlen_q, scale,
+                         causal, k_scale, v_scale, (window_left, window_right), softcap)
+    return o, lse
+
+
+def decode_varlen(
+    q,
+    k_cache,
+    v_cache,
+    seqlens,
+    cu_seqlens_q,
+    max_seqlen_q,
+    *,
+    block_table=None,
+    causal=False,
+    scale=None,
+    return_lse=False,
+    host_seqlens=None,
+    host_block_table=None,
+    host_cu_seqlens_q=None,
+    k_scale=None,
+    v_scale=None,
+    window_size=(-1, -1),
+    softcap=0.0,
+):
+    """A serving step in one call: each sequence's new queries (decode tokens, speculative
+    drafts, prompt chunks) packed one after another, attending to a KV cache as `decode`
+    attends (FlashAttention's varlen call with seqused_k and a block table).
+
+    q: [total_q, Hq, D], float16 or bfloat16; sequence b's queries are rows
+        cu_seqlens_q[b]:cu_seqlens_q[b + 1], n_b of them, query i at position
+        seqlens[b] - n_b + i of its sequence (bottom-right aligned, as `decode`'s).
+        Hq a multiple of Hkv; D as for `decode`. Last dim contiguous, other strides
+        multiples of 16 bytes (else copied).
+    k_cache, v_cache, seqlens, block_table, k_scale, v_scale: the cache, as for `decode`
+        (B = seqlens.shape[0] sequences: contiguous [B, capacity, Hkv, D], or page pools
+        with a [B, max_pages] block table; an FP8 cache with its scales).
+    cu_seqlens_q: int32 [B + 1] on the GPU, contiguous: the query offsets.
+    max_seqlen_q: at least the longest n_b (it sizes the launch), 1 to 2^25. Up to 16 the
+        split-KV decode kernels run; past it, on Hopper where the forward kernels read the
+        cache (16-bit, contiguous or pages of 16 or more), the sequences of more than 16
+        queries go to the forward kernels and the others to the decode kernels, split on
+        the GPU (a captured graph stays right as the mix changes).
+    causal, scale, window_size, softcap: as for `decode`, per sequence. A query before
+        its sequence's first position (n_b > seqlens[b]) sees no key: zeros, LSE -inf.
+    return_lse: also return the float32 [Hq, total_q] log-sum-exp.
+    host_seqlens, host_block_table: optional host copies, checked as `decode` checks them.
+    host_cu_seqlens_q: optional host copy of the offsets (a CPU tensor or a sequence of
+        ints), checked first: from 0 or more, non-decreasing, ending inside q, none longer
+        than max_seqlen_q. Without it the kernels clamp the offsets to q's rows and each
+        run to max_seqlen_q.
+
+    Returns o ([total_q, Hq, D], contiguous; rows no sequence covers are left
+    uninitialised), or (o, lse). The workspace (from torch's allocator) depends on the
+    shapes, max_seqlen_q and the GPU only. Inference only. Raises FlashcoreError with
+    flashcore's message for anything the kernels refuse, ValueError/TypeError for misuse
+    of this function.
+    """
+    fn = "decode_varlen"
+    _check_tensor(fn, "q", q, 3)
+    batch = seqlens.shape[0] if isinstance(seqlens, torch.Tensor) else -1
+    _check_metadata(fn, batch, k_cache, v_cache, seqlens, block_table)
+    _check_scales(fn, k_cache, k_scale, v_scale)
+    _check_tensor(fn, "cu_seqlens_q", cu_seqlens_q, 1)
+    if cu_seqlens_q.dtype != torch.int32:
+        raise ValueError(f"flashcore.{fn}: cu_seqlens_q must be torch.int32, got {cu_seqlens_q.dtype}")
+    if cu_seqlens_q.shape[0] != batch + 1:
+        raise ValueError(
+            f"flashcore.{fn}: cu_seqlens_q has {cu_seqlens_q.shape[0]} entries for a batch of {batch} (B + 1 needed)"
+        )
+    if cu_seqlens_q.stride(0) != 1:
+        raise ValueError(f"flashcore.{fn}: cu_seqlens_q must be contiguous, got stride {cu_seqlens_q.stride(0)}")
+    if not isinstance(max_seqlen_q, int) or isinstance(max_seqlen_q, bool) or not 1 <= max_seqlen_q <= _MAX_SEQLEN:
+        raise ValueError(f"flashcore.{fn}: max_seqlen_q must be an int from 1 to 2^25, got {max_seqlen_q!r}")
+    named = [("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("seqlens", seqlens),
+             ("cu_seqlens_q", cu_seqlens_q)]
+    if block_table is not None:
+        named.append(("block_table", block_table))
+    scales = () if k_scale is None else (k_scale, v_scale)
+    named += list(zip(("k_scale", "v_scale"), scales))
+    _check_device(fn, named)
+    _check_no_grad(fn, (q, k_cache, v_cache, *scales))
+    scale = _scale_arg(fn, scale)
+    window = window_arg(f"flashcore.{fn}", window_size)
+    softcap = softcap_arg(f"flashcore.{fn}", softcap)
+    host_seqlens, host_block_table = _prepare_host(fn, batch, block_table, host_seqlens, host_block_table)
+    host_cu_q = None
+    if host_cu_seqlens_q is not None:
+        host_cu_q = _host_int32(fn, "host_cu_seqlens_q", host_cu_seqlens_q, (batch + 1,))
+    q = _ready(q)
+    args = (q, k_cache, v_cache, seqlens, cu_seqlens_q, max_seqlen_q, block_table, host_seqlens, host_block_table,
+            host_cu_q, bool(causal), scale, bool(return_lse), k_scale, v_scale, *window, softcap)
+    if _plain_eager(args[:5] + (block_table,) + args[13:15]):
+        o, lse = _decode_varlen(*args)
+    else:
+        o, lse = torch.ops.flashcore.decode_varlen(*args)
     return (o, lse) if return_lse else o

@@ -716,6 +716,125 @@ def test_varlen_max_seqlen_and_host_copies_of_any_integer_type():
                                    host_cu_seqlens_k=[0, 250, 500])
 
 
+# ---- a serving batch in one call: packed queries against a cache ----------------------------
+
+
+def test_decode_varlen_fake_shapes_and_flashcore_rules():
+    lens, cu, pool, table = i32(3), i32(4), meta(64, 16, 8, 128), i32(3, 32)
+    o, lse = flashcore.decode_varlen(meta(40, 32, 128), pool, pool.clone(), lens, cu, 20, block_table=table,
+                                     causal=True, return_lse=True)
+    assert o.shape == (40, 32, 128) and o.dtype == torch.float16 and o.is_contiguous()
+    assert lse.shape == (32, 40) and lse.dtype == torch.float32
+    k8, scales = meta(3, 256, 8, 64, dtype=E4M3), meta(3, 256, 8, dtype=torch.float32)
+    o = flashcore.decode_varlen(meta(9, 16, 64, dtype=torch.bfloat16), k8, k8.clone(), lens, cu, 4, k_scale=scales,
+                                v_scale=scales.clone(), window_size=(127, 0), causal=True, softcap=30.0)
+    assert o.shape == (9, 16, 64) and o.dtype == torch.bfloat16
+    cache = meta(3, 256, 8, 64)
+    for q, k, kwargs, name, words in [
+        (meta(9, 12, 64), cache, {}, "FLASHCORE_ERROR_HEAD_RATIO", "12"),
+        (meta(9, 8, 264), meta(3, 256, 8, 264), {}, "FLASHCORE_ERROR_UNSUPPORTED_HEAD_DIM", "264"),
+        (meta(9, 8, 64, dtype=torch.bfloat16), cache, {}, "FLASHCORE_ERROR_UNSUPPORTED_DTYPE", "share"),
+        (meta(2**25 + 1, 8, 64), cache, {}, "FLASHCORE_ERROR_INVALID_ARGUMENT", "2^25"),
+        (meta(9, 8, 64), cache, {"causal": True, "window_size": (4, 2)}, "FLASHCORE_ERROR_INVALID_ARGUMENT", "causal"),
+        # No rows to compute: still checked, empty dimensions described as 1.
+        (meta(0, 8, 264), meta(3, 256, 8, 264), {}, "FLASHCORE_ERROR_UNSUPPORTED_HEAD_DIM", "264"),
+    ]:
+        with pytest.raises(FlashcoreError) as e:
+            flashcore.decode_varlen(q, k, k.clone(), lens, cu, 4, **kwargs)
+        assert e.value.name == name, (tuple(q.shape), kwargs)
+        assert words in str(e.value)
+        assert e.value.message.startswith("flashcore_check_decode_varlen: ")
+    o, lse = flashcore.decode_varlen(meta(0, 8, 64), cache, cache.clone(), lens, cu, 4, return_lse=True)
+    assert o.shape == (0, 8, 64) and lse.shape == (8, 0)
+
+
+def test_decode_varlen_misuse_is_refused_before_the_library():
+    q, k, lens, cu = meta(9, 8, 64), meta(3, 64, 8, 64), i32(3), i32(4)
+    for kwargs_or_args, error, words in [
+        ((q, k, k, lens, i32(3), 4), ValueError, "3 entries for a batch of 3"),
+        ((q, k, k, lens, meta(4, dtype=torch.int64), 4), ValueError, "cu_seqlens_q must be torch.int32"),
+        ((q, k, k, lens, i32(8)[::2], 4), ValueError, "contiguous"),
+        ((q, k, k, lens, cu, 0), ValueError, "max_seqlen_q"),
+        ((q, k, k, lens, cu, 2**25 + 1), ValueError, "max_seqlen_q"),
+        ((q, k, k, lens, cu, 4.0), ValueError, "max_seqlen_q"),
+        ((q, k, k, lens, cu, True), ValueError, "max_seqlen_q"),
+        ((meta(1, 9, 8, 64), k, k, lens, cu, 4), ValueError, "3-d"),
+        ((q, k, k, i32(2), cu, 4), ValueError, "batch"),
+        ((q, k, k, lens, [0, 1, 2, 3], 4), TypeError, "cu_seqlens_q"),
+        ((q, k, k, lens, torch.zeros(4, dtype=torch.int32), 4), ValueError, "CUDA"),
+    ]:
+        with pytest.raises(error, match=words):
+            flashcore.decode_varlen(*kwargs_or_args)
+    with pytest.raises(ValueError, match="shape"):
+        flashcore.decode_varlen(q, k, k, lens, cu, 4, host_cu_seqlens_q=[0, 1, 2])
+    with pytest.raises(ValueError, match="int32"):
+        flashcore.decode_varlen(q, k, k, lens, cu, 4, host_cu_seqlens_q=[0, 1, 2, 2**32 + 3])
+    with pytest.raises(ValueError, match="host_block_table needs host_seqlens"):
+        flashcore.decode_varlen(q, meta(8, 16, 8, 64), meta(8, 16, 8, 64), lens, cu, 4, block_table=i32(3, 2),
+                                host_block_table=[[0, 1], [2, 3], [4, 5]])
+    with pytest.raises(NotImplementedError, match="backward"):
+        flashcore.decode_varlen(q.clone().requires_grad_(), k, k, lens, cu, 4)
+
+
+def test_decode_varlen_host_offsets_are_checked_by_the_library():
+    lib = _capi.library()
+    q, o = describe((1, 40, 8, 64)), describe((1, 40, 8, 64), ptr=4 << 40)
+    cache = _capi.describe_cache(describe((3, 256, 2, 64), ptr=2 << 40), describe((3, 256, 2, 64), ptr=3 << 40),
+                                 5 << 40)
+    cu = 6 << 40
+
+    def check(host, max_seqlen_q=20, batch=3, cu_ptr=cu):
+        lib.check_decode_varlen(q, cache, None, cu_ptr, batch, max_seqlen_q, _capi.int32_array(host), None, None, o,
+                                0, 0.0, True)
+
+    check([0, 1, 21, 40])  # valid: no exception
+    check(None)
+    for host, kwargs, name in [
+        ([0, 1, 30, 40], {}, "FLASHCORE_ERROR_INVALID_ARGUMENT"),  # a run longer than max_seqlen_q
+        ([0, 10, 5, 40], {}, "FLASHCORE_ERROR_INVALID_ARGUMENT"),  # decreasing
+        ([0, 1, 21, 41], {}, "FLASHCORE_ERROR_INVALID_ARGUMENT"),  # past q's rows
+        ([-1, 1, 21, 40], {}, "FLASHCORE_ERROR_INVALID_ARGUMENT"),
+        (None, {"batch": 0}, "FLASHCORE_ERROR_EMPTY_DIMENSION"),
+        (None, {"batch": 2}, "FLASHCORE_ERROR_SHAPE_MISMATCH"),  # the cache holds 3 sequences
+        (None, {"cu_ptr": 0}, "FLASHCORE_ERROR_NULL_POINTER"),
+        (None, {"cu_ptr": cu + 2}, "FLASHCORE_ERROR_MISALIGNED"),
+        (None, {"max_seqlen_q": 0}, "FLASHCORE_ERROR_INVALID_ARGUMENT"),
+    ]:
+        with pytest.raises(FlashcoreError) as e:
+            check(host, **kwargs)
+        assert e.value.name == name, (host, kwargs)
+    # The eager implementation launches nothing for an empty q, and still checks the host
+    # offsets against its rows (CPU tensors show it: no launch could take them).
+    empty, k = torch.empty(0, 8, 64, dtype=torch.float16), torch.empty(3, 64, 8, 64, dtype=torch.float16)
+    lens = torch.zeros(3, dtype=torch.int32)
+    o, lse = flashcore.varlen._decode_varlen(empty, k, k, lens, torch.zeros(4, dtype=torch.int32), 4, None, None, None,
+                                             None, True, 0.0, True)
+    assert o.shape == (0, 8, 64) and lse.shape == (8, 0)
+    with pytest.raises(ValueError, match="0 rows"):
+        flashcore.varlen._decode_varlen(empty, k, k, lens, torch.zeros(4, dtype=torch.int32), 4, None, None, None,
+                                        torch.tensor([0, 1, 1, 1], dtype=torch.int32), True, 0.0, False)
+
+
+def test_decode_varlen_compiles_to_one_graph():
+    calls = []
+
+    def backend(gm, example_inputs):
+        calls.append(gm)
+        return gm
+
+    def step(q, k_new, v_new, k_pool, v_pool, seqlens, cu, table):
+        flashcore.append_kv(k_pool, v_pool, seqlens, k_new, v_new, block_table=table)
+        return flashcore.decode_varlen(q, k_pool, v_pool, seqlens + 1, cu, 16, block_table=table, causal=True) * 2
+
+    compiled = torch.compile(step, backend=backend, fullgraph=True)
+    pool, new = meta(64, 16, 8, 128), meta(2, 1, 8, 128)
+    out = compiled(meta(17, 32, 128), new, new.clone(), pool, pool.clone(), i32(2), i32(3), i32(2, 32))
+    assert out.shape == (17, 32, 128)
+    assert len(calls) == 1
+    ops = [n.target for n in calls[0].graph.nodes if n.op == "call_function"]
+    assert torch.ops.flashcore.decode_varlen in ops, ops
+
+
 # ---- key windows: sliding-window (local) attention ------------------------------------------------
 
 # The C calls that take a key window, by the call they are with one.

@@ -1350,3 +1350,143 @@ def test_fp8_cache_decode_softcaps(page, softcap, causal, window, seed):
     seen = torch.isfinite(lse_ref)
     assert (lse[~seen] == -math.inf).all()
     assert (lse[seen].double() - lse_ref[seen]).abs().max().item() <= 1e-2
+
+
+# ---- a serving batch in one call: packed queries against a cache ----------------------------
+
+
+def packed_offsets(runs, lead=3, tail=2):
+    """cu_seqlens_q (a list) of query runs packed after `lead` rows no sequence covers, and
+    the number of rows of q with `tail` more after them."""
+    cu = [lead]
+    for n in runs:
+        cu.append(cu[-1] + n)
+    return cu, cu[-1] + tail
+
+
+def assert_packed_close(q, o, lse, cu, keys, values, lens, causal, dtype, window=(-1, -1), softcap=0.0, tol=None):
+    """Each sequence's rows of o [total_q, Hq, D] and lse [Hq, total_q] against the float64
+    decode of its queries alone."""
+    assert torch.isfinite(o[cu[0] : cu[-1]]).all(), "non-finite output"
+    for b, n in enumerate(lens):
+        lo, hi = cu[b], cu[b + 1]
+        if hi == lo:
+            continue
+        o_ref, lse_ref = decode_reference(q[None, lo:hi], keys[b : b + 1], values[b : b + 1], [n], causal,
+                                          window=window, softcap=softcap)
+        if tol is None:
+            assert_decode_close(o[None, lo:hi], lse[None, :, lo:hi], o_ref, lse_ref, dtype)
+        else:
+            assert rel_l2(o[lo:hi], o_ref[0]) <= tol, f"sequence {b}"
+
+
+PACKED_CASES = [
+    # hq, hkv, d, query runs, lengths, max_seqlen_q
+    # Steps, drafts, an empty run, a prompt chunk (past 16: the forward kernels where they
+    # read the cache) and a run longer than its sequence.
+    (32, 8, 128, (1, 4, 0, 16, 200, 3), (300, 4097, 50, 33, 1500, 2), 256),
+    # Runs of at most 16 (the decode kernels only); a sequence of length 0.
+    (16, 2, 64, (1, 7, 16, 2), (1, 7, 1000, 0), 16),
+    (8, 8, 256, (40, 1), (45, 33), 40),
+]
+
+
+@pytest.mark.parametrize("case", PACKED_CASES,
+                         ids=lambda c: "Hq{}Hkv{}D{}runs{}".format(*c[:3], "-".join(map(str, c[3]))))
+@pytest.mark.parametrize("page", [0, 16, 64], ids=["contiguous", "page16", "page64"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["f16", "bf16"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_decode_varlen_matches_float64_per_sequence(case, page, dtype, causal, seed):
+    hq, hkv, d, runs, lens, max_q = case
+    capacity = -(-(max(lens) + 5) // 64) * 64
+    cache = Cache(len(lens), capacity, hkv, d, dtype, lens, page)
+    cu, total = packed_offsets(runs)
+    cu_dev = torch.tensor(cu, dtype=torch.int32, device="cuda")
+    q = torch.randn(total, hq, d, device="cuda", dtype=dtype)
+    poison_allocator(((total, hq, d), dtype), ((hq, total), torch.float32))
+    o, lse = flashcore.decode_varlen(q, cache.k, cache.v, cache.seqlens, cu_dev, max_q, block_table=cache.block_table,
+                                     causal=causal, return_lse=True, host_cu_seqlens_q=cu, **cache.host())
+    assert o.shape == q.shape and o.dtype == dtype and o.is_contiguous()
+    assert lse.shape == (hq, total) and lse.dtype == torch.float32
+    assert_packed_close(q, o, lse, cu, cache.keys, cache.values, lens, causal, dtype)
+    # Without host copies: the same kernels, the same result.
+    again = flashcore.decode_varlen(q, cache.k, cache.v, cache.seqlens, cu_dev, max_q, block_table=cache.block_table,
+                                    causal=causal)
+    assert torch.equal(again[cu[0] : cu[-1]], o[cu[0] : cu[-1]])
+
+
+def test_decode_varlen_windows_softcaps_and_the_registered_op(seed):
+    dtype, runs, lens = torch.bfloat16, (1, 30, 5), (900, 64, 5000)
+    cache = Cache(3, 5056, 2, 128, dtype, lens, 16)
+    cu, total = packed_offsets(runs)
+    cu_dev = torch.tensor(cu, dtype=torch.int32, device="cuda")
+    q = torch.randn(total, 8, 128, device="cuda", dtype=dtype)
+    for causal, window, softcap in [(True, (15, 0), 0.0), (True, (-1, -1), 30.0), (False, (100, 7), 5.0)]:
+        o, lse = flashcore.decode_varlen(q, cache.k, cache.v, cache.seqlens, cu_dev, 32, block_table=cache.block_table,
+                                         causal=causal, window_size=window, softcap=softcap, return_lse=True)
+        assert_packed_close(q, o, lse, cu, cache.keys, cache.values, lens, causal, dtype, window, softcap)
+    via_op = torch.ops.flashcore.decode_varlen(q, cache.k, cache.v, cache.seqlens, cu_dev, 32, cache.block_table, None,
+                                               None, None, False, 0.0, True, None, None, 100, 7, 5.0)
+    rows = slice(cu[0], cu[-1])
+    assert torch.equal(via_op[0][rows], o[rows]) and torch.equal(via_op[1][:, rows], lse[:, rows])
+
+
+def test_decode_varlen_host_copies_turn_bad_offsets_into_errors():
+    cache = Cache(2, 128, 2, 64, torch.float16, (100, 50), 16)
+    q = torch.randn(20, 8, 64, device="cuda", dtype=torch.float16)
+    cu = torch.tensor([0, 4, 20], dtype=torch.int32, device="cuda")
+    for host, max_q, words in [([0, 4, 20], 8, "max_seqlen_q"), ([0, 12, 4], 16, "decreases"), ([0, 4, 21], 17, "past")]:
+        with pytest.raises(FlashcoreError) as e:
+            flashcore.decode_varlen(q, cache.k, cache.v, cache.seqlens, cu, max_q, block_table=cache.block_table,
+                                    host_cu_seqlens_q=host)
+        assert e.value.name == "FLASHCORE_ERROR_INVALID_ARGUMENT" and words in e.value.message, (host, e.value)
+
+
+def test_decode_varlen_step_in_a_cuda_graph_as_the_mix_changes(seed):
+    # Captured with one mix of steps and a prompt chunk, replayed with others of the same
+    # bound: the kernels read the offsets and lengths when they run.
+    dtype, hq, hkv, d, capacity, max_q = torch.float16, 16, 4, 128, 4096, 48
+    cache = Cache(3, capacity, hkv, d, dtype, (capacity,) * 3, 64)
+    q = torch.randn(64, hq, d, device="cuda", dtype=dtype)
+    cu_dev = torch.zeros(4, dtype=torch.int32, device="cuda")
+    mixes = [((1, 48, 15), (2000, 3000, 100)), ((16, 17, 31), (17, 4000, 31)), ((0, 2, 48), (1, 2, 4096))]
+
+    def load(runs, lens):
+        cu, _ = packed_offsets(runs, lead=0, tail=0)
+        cu_dev.copy_(torch.tensor(cu, dtype=torch.int32))
+        cache.seqlens.copy_(torch.tensor(lens, dtype=torch.int32))
+        q.copy_(torch.randn_like(q))
+        return cu
+
+    load(*mixes[0])
+
+    def step():
+        return flashcore.decode_varlen(q, cache.k, cache.v, cache.seqlens, cu_dev, max_q,
+                                       block_table=cache.block_table, causal=True, return_lse=True)
+
+    step()  # loads the kernels
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        o, lse = step()
+    for runs, lens in mixes:
+        cu = load(runs, lens)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_packed_close(q, o, lse, cu, cache.keys, cache.values, lens, True, dtype)
+
+
+@needs_fp8
+@pytest.mark.parametrize("page", [0, 16], ids=["contiguous", "page16"])
+def test_decode_varlen_fp8_cache(page, seed):
+    # An e4m3 cache: the decode kernels take every run, the long one included.
+    dtype, runs, lens = torch.bfloat16, (1, 20, 3), (700, 2000, 3)
+    cache = Fp8Cache(3, 2048, 2, 128, dtype, lens, page)
+    cu, total = packed_offsets(runs)
+    cu_dev = torch.tensor(cu, dtype=torch.int32, device="cuda")
+    q = torch.randn(total, 8, 128, device="cuda", dtype=dtype)
+    poison_allocator(((total, 8, 128), dtype))
+    o, lse = flashcore.decode_varlen(q, cache.k, cache.v, cache.seqlens, cu_dev, 20, causal=True, return_lse=True,
+                                     **cache.kw())
+    keys, values = cache.dequantized()
+    assert_packed_close(q, o, lse, cu, keys, values, lens, True, dtype, tol=FP8_CACHE_TOLERANCE)
