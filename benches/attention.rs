@@ -103,6 +103,53 @@ struct DecodeBuffers {
     workspace: CudaSlice<u8>,
 }
 
+impl DecodeBuffers {
+    /// A workspace of `bytes` at a 256-byte aligned address, in a buffer `self` holds
+    /// from now on; none when `bytes` is 0.
+    fn workspace(&mut self, stream: &Arc<CudaStream>, bytes: usize) -> Option<Workspace> {
+        self.workspace = stream.alloc_zeros(bytes + 256).expect("alloc");
+        (bytes > 0).then(|| Workspace {
+            ptr: self.workspace.device_ptr(stream).0.next_multiple_of(256),
+            bytes,
+        })
+    }
+
+    /// Input set `i`'s cache of `b` sequences of `skv` positions: contiguous (`page` 0)
+    /// or in pages of `page` positions through its shuffled block table.
+    fn cache_view(
+        &self,
+        stream: &Arc<CudaStream>,
+        i: usize,
+        (b, skv): (usize, usize),
+        (hkv, d): (usize, usize),
+        page: usize,
+    ) -> KvCache {
+        let (k, v, table) = &self.caches[i];
+        let (k, v) = (k.device_ptr(stream).0, v.device_ptr(stream).0);
+        let seqlens = self.lens.device_ptr(stream).0;
+        match skv.checked_div(page) {
+            None => KvCache {
+                k: TensorView::bshd(k, DType::F16, b, skv, hkv, d),
+                v: TensorView::bshd(v, DType::F16, b, skv, hkv, d),
+                seqlens,
+                layout: CacheLayout::Contiguous,
+                scales: None,
+            },
+            Some(max_pages) => KvCache {
+                k: TensorView::bshd(k, DType::F16, b * max_pages, page, hkv, d),
+                v: TensorView::bshd(v, DType::F16, b * max_pages, page, hkv, d),
+                seqlens,
+                layout: CacheLayout::Paged {
+                    block_table: table.device_ptr(stream).0,
+                    max_pages,
+                    table_stride: max_pages,
+                },
+                scales: None,
+            },
+        }
+    }
+}
+
 fn decode_buffers(
     attn: &Attention,
     stream: &Arc<CudaStream>,
@@ -160,44 +207,15 @@ fn decode_group(
     for (b, sq, skv) in steps.into_iter().chain([chunk]) {
         for page in DECODE_PAGES {
             let mut bufs = decode_buffers(attn, stream, rng, (b, sq, skv), (hq, hkv, d), page);
-            let views: Vec<KvCache> = bufs
-                .caches
-                .iter()
-                .map(|(k, v, table)| {
-                    let (k, v) = (k.device_ptr(stream).0, v.device_ptr(stream).0);
-                    let seqlens = bufs.lens.device_ptr(stream).0;
-                    match skv.checked_div(page) {
-                        None => KvCache {
-                            k: TensorView::bshd(k, DType::F16, b, skv, hkv, d),
-                            v: TensorView::bshd(v, DType::F16, b, skv, hkv, d),
-                            seqlens,
-                            layout: CacheLayout::Contiguous,
-                            scales: None,
-                        },
-                        Some(max_pages) => KvCache {
-                            k: TensorView::bshd(k, DType::F16, b * max_pages, page, hkv, d),
-                            v: TensorView::bshd(v, DType::F16, b * max_pages, page, hkv, d),
-                            seqlens,
-                            layout: CacheLayout::Paged {
-                                block_table: table.device_ptr(stream).0,
-                                max_pages,
-                                table_stride: max_pages,
-                            },
-                            scales: None,
-                        },
-                    }
-                })
+            let views: Vec<KvCache> = (0..bufs.caches.len())
+                .map(|i| bufs.cache_view(stream, i, (b, skv), (hkv, d), page))
                 .collect();
             let qv = TensorView::bshd(bufs.q.device_ptr(stream).0, DType::F16, b, sq, hq, d);
             let ov = TensorView::bshd(bufs.o.device_ptr(stream).0, DType::F16, b, sq, hq, d);
             let ws_bytes = attn
                 .decode_workspace_bytes(&qv, &views[0])
                 .expect("decode plan");
-            bufs.workspace = stream.alloc_zeros(ws_bytes + 256).expect("alloc");
-            let workspace = (ws_bytes > 0).then(|| Workspace {
-                ptr: bufs.workspace.device_ptr(stream).0.next_multiple_of(256),
-                bytes: ws_bytes,
-            });
+            let workspace = bufs.workspace(stream, ws_bytes);
             // A prefill chunk is causal, bottom-right: its queries are the cache's last.
             let params = AttentionParams {
                 causal: sq > 1,
@@ -268,29 +286,7 @@ fn serving_batch_group(
     let cu = stream.clone_htod(&offsets).expect("upload");
     for page in DECODE_PAGES {
         let mut bufs = decode_buffers(attn, stream, rng, (b, max, skv), (hq, hkv, d), page);
-        let (k, v, table) = &bufs.caches[0];
-        let (k, v) = (k.device_ptr(stream).0, v.device_ptr(stream).0);
-        let seqlens = bufs.lens.device_ptr(stream).0;
-        let cache = match skv.checked_div(page) {
-            None => KvCache {
-                k: TensorView::bshd(k, DType::F16, b, skv, hkv, d),
-                v: TensorView::bshd(v, DType::F16, b, skv, hkv, d),
-                seqlens,
-                layout: CacheLayout::Contiguous,
-                scales: None,
-            },
-            Some(max_pages) => KvCache {
-                k: TensorView::bshd(k, DType::F16, b * max_pages, page, hkv, d),
-                v: TensorView::bshd(v, DType::F16, b * max_pages, page, hkv, d),
-                seqlens,
-                layout: CacheLayout::Paged {
-                    block_table: table.device_ptr(stream).0,
-                    max_pages,
-                    table_stride: max_pages,
-                },
-                scales: None,
-            },
-        };
+        let cache = bufs.cache_view(stream, 0, (b, skv), (hkv, d), page);
         let qv = TensorView::bshd(bufs.q.device_ptr(stream).0, DType::F16, 1, total, hq, d);
         let ov = TensorView::bshd(bufs.o.device_ptr(stream).0, DType::F16, 1, total, hq, d);
         let queries = PackedQueries {
@@ -302,11 +298,7 @@ fn serving_batch_group(
         let ws_bytes = attn
             .decode_varlen_workspace_bytes(&qv, &cache, &queries)
             .expect("plan");
-        bufs.workspace = stream.alloc_zeros(ws_bytes + 256).expect("alloc");
-        let workspace = (ws_bytes > 0).then(|| Workspace {
-            ptr: bufs.workspace.device_ptr(stream).0.next_multiple_of(256),
-            bytes: ws_bytes,
-        });
+        let workspace = bufs.workspace(stream, ws_bytes);
         let params = AttentionParams {
             causal: true,
             ..AttentionParams::default()

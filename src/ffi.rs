@@ -1524,10 +1524,7 @@ unsafe fn decode_entry(
                 opts,
             )?
         };
-        let workspace = (workspace != 0 || workspace_bytes != 0).then_some(Workspace {
-            ptr: workspace,
-            bytes: workspace_bytes,
-        });
+        let workspace = workspace_arg(workspace, workspace_bytes);
         // SAFETY: the C contract of flashcore_decode (header): the pointers are device
         // memory of the context's device valid for the described extents (the scales' and
         // the workspace's included), and `stream` is null or a stream of that context.
@@ -2914,6 +2911,11 @@ unsafe fn read_packed_queries<'a>(
     })
 }
 
+/// A C call's workspace: none when both its address and its size are 0.
+fn workspace_arg(ptr: u64, bytes: usize) -> Option<Workspace> {
+    (ptr != 0 || bytes != 0).then_some(Workspace { ptr, bytes })
+}
+
 /// The arguments of a [`flashcore_decode_varlen`] call, read from C and validated (all
 /// but the workspace's, whose size depends on the GPU).
 struct DecodeVarlenCall<'a> {
@@ -3025,10 +3027,7 @@ pub unsafe extern "C" fn flashcore_decode_varlen(
                 opts,
             )?
         };
-        let workspace = (workspace != 0 || workspace_bytes != 0).then_some(Workspace {
-            ptr: workspace,
-            bytes: workspace_bytes,
-        });
+        let workspace = workspace_arg(workspace, workspace_bytes);
         // SAFETY: the C contract of flashcore_decode_varlen (header): the pointers are
         // device memory of the context's device valid for the described extents, and
         // `stream` is null or a stream of that context. The host metadata was checked above.

@@ -380,19 +380,10 @@ fn run_case(attn: &Attention, s: &Arc<CudaStream>, rng: &mut Rng, c: &Case) -> (
         [c.seqlen_q * c.heads_q * o_row, c.heads_q * o_row, o_row, 1],
     );
     let kv = cache.view(s, c);
-    let params = AttentionParams {
-        softmax_scale: None,
-        causal: c.causal,
-        window: c.window,
-        softcap: c.softcap,
-    };
+    let params = c.params();
     let ws_bytes = attn.decode_workspace_bytes(&qv, &kv).expect("plan");
-    let ws: Option<CudaSlice<u32>> =
-        (c.workspace && ws_bytes > 0).then(|| workspace_garbage(s, rng, ws_bytes + 256));
-    let workspace = ws.as_ref().map(|w| Workspace {
-        ptr: ptr(s, w).next_multiple_of(256),
-        bytes: ws_bytes,
-    });
+    let ws = c.workspace(s, rng, ws_bytes);
+    let workspace = ws.as_ref().map(|(_, w)| *w);
     let host = cache.host();
     // SAFETY: every view points into this function's live device buffers, sized for it.
     unsafe {
@@ -434,6 +425,34 @@ fn run_case(attn: &Attention, s: &Arc<CudaStream>, rng: &mut Rng, c: &Case) -> (
 
 /// A caller's workspace of at least `bytes` as the caller's allocator may hand it over:
 /// random words, all-ones (NaN as floats) and zeros. Nothing of it may reach the output.
+impl Case {
+    /// The case's options as the calls take them (the default scale).
+    fn params(&self) -> AttentionParams {
+        AttentionParams {
+            softmax_scale: None,
+            causal: self.causal,
+            window: self.window,
+            softcap: self.softcap,
+        }
+    }
+
+    /// The workspace a call of this case passes, `bytes` at a 256-byte aligned address
+    /// full of garbage, with the buffer that holds it; none where the case passes none or
+    /// the call needs none.
+    fn workspace(
+        &self,
+        s: &Arc<CudaStream>,
+        rng: &mut Rng,
+        bytes: usize,
+    ) -> Option<(CudaSlice<u32>, Workspace)> {
+        (self.workspace && bytes > 0).then(|| {
+            let buffer = workspace_garbage(s, rng, bytes + 256);
+            let ptr = ptr(s, &buffer).next_multiple_of(256);
+            (buffer, Workspace { ptr, bytes })
+        })
+    }
+}
+
 fn workspace_garbage(s: &Arc<CudaStream>, rng: &mut Rng, bytes: usize) -> CudaSlice<u32> {
     let words: Vec<u32> = (0..bytes.div_ceil(4))
         .map(|i| match i % 3 {
@@ -780,21 +799,12 @@ fn run_packed_case(
         max_seqlen_q: c.seqlen_q,
         host: c.host_check.then_some(cu.as_slice()),
     };
-    let params = AttentionParams {
-        softmax_scale: None,
-        causal: c.causal,
-        window: c.window,
-        softcap: c.softcap,
-    };
+    let params = c.params();
     let ws_bytes = attn
         .decode_varlen_workspace_bytes(&qv, &kv, &packed)
         .expect("plan");
-    let ws: Option<CudaSlice<u32>> =
-        (c.workspace && ws_bytes > 0).then(|| workspace_garbage(s, rng, ws_bytes + 256));
-    let workspace = ws.as_ref().map(|w| Workspace {
-        ptr: ptr(s, w).next_multiple_of(256),
-        bytes: ws_bytes,
-    });
+    let ws = c.workspace(s, rng, ws_bytes);
+    let workspace = ws.as_ref().map(|(_, w)| *w);
     let host = cache.host();
     // SAFETY: every view points into this function's live device buffers, sized for it.
     unsafe {
@@ -1968,12 +1978,7 @@ fn run_fp8_case(
     let qv = TensorView::bshd(ptr(s, &dq), dt, b, c.seqlen_q, c.heads_q, c.head_dim);
     let ov = TensorView::bshd(ptr(s, &o), dt, b, c.seqlen_q, c.heads_q, c.head_dim);
     let kv = fp8.view(s, c, &cache);
-    let params = AttentionParams {
-        softmax_scale: None,
-        causal: c.causal,
-        window: c.window,
-        softcap: c.softcap,
-    };
+    let params = c.params();
     let host = cache.host();
     // SAFETY: every view points into this function's live device buffers, sized for it.
     unsafe {

@@ -112,6 +112,38 @@ def _describe_cache(k_desc, v_desc, seqlens_ptr, block_table, block_table_ptr):
     return _capi.describe_cache(k_desc, v_desc, seqlens_ptr, block_table_ptr, max_pages, stride)
 
 
+def _cache_at_stand_ins(k_cache, v_cache, block_table, at_least_one=False):
+    """The cache's FlashcoreKvCache at the fake checks' stand-in addresses (3 to 6)."""
+    return _describe_cache(
+        _describe(k_cache, 3 * _STAND_IN, at_least_one),
+        _describe(v_cache, 4 * _STAND_IN, at_least_one),
+        5 * _STAND_IN,
+        block_table,
+        6 * _STAND_IN,
+    )
+
+
+def _cache_in_place(k_cache, v_cache, seqlens, block_table):
+    """The cache's FlashcoreKvCache at the tensors' own addresses."""
+    return _describe_cache(
+        _describe(k_cache),
+        _describe(v_cache),
+        seqlens.data_ptr(),
+        block_table,
+        block_table.data_ptr() if block_table is not None else 0,
+    )
+
+
+def _workspace(nbytes, device):
+    """(tensor, address): `nbytes` of workspace from torch's allocator (graph-safe, on the
+    current stream) at a `_WORKSPACE_ALIGN`-aligned address; (None, 0) for none. The
+    caller keeps the tensor alive past its launch."""
+    if not nbytes:
+        return None, 0
+    workspace = torch.empty(nbytes + _WORKSPACE_ALIGN, dtype=torch.uint8, device=device)
+    return workspace, -(-workspace.data_ptr() // _WORKSPACE_ALIGN) * _WORKSPACE_ALIGN
+
+
 def _static(*tensors):
     """Whether every size and stride is a plain int (not symbolic: then the real call checks)."""
     return all(
@@ -185,6 +217,23 @@ def _check_metadata(fn, batch, k_cache, v_cache, seqlens, block_table):
             raise ValueError(
                 f"flashcore.{fn}: block_table's rows must be contiguous, got strides {block_table.stride()}"
             )
+
+
+def _check_cache_call(fn, batch, inputs, k_cache, v_cache, seqlens, block_table, k_scale, v_scale, metadata=()):
+    """What every call on a cache checks in Python: the metadata and the scales, then that
+    `inputs` (named tensors: queries or new tokens), the cache, its metadata (and any more
+    named `metadata`) share one CUDA device, and that no gradient is asked for. Returns the
+    scales, () for a 16-bit cache."""
+    _check_metadata(fn, batch, k_cache, v_cache, seqlens, block_table)
+    _check_scales(fn, k_cache, k_scale, v_scale)
+    scales = () if k_scale is None else (k_scale, v_scale)
+    named = [*inputs, ("k_cache", k_cache), ("v_cache", v_cache), ("seqlens", seqlens), *metadata]
+    if block_table is not None:
+        named.append(("block_table", block_table))
+    named += list(zip(("k_scale", "v_scale"), scales))
+    _check_device(fn, named)
+    _check_no_grad(fn, (*(t for _, t in inputs), k_cache, v_cache, *scales))
+    return scales
 
 
 def _check_scales(fn, k_cache, k_scale, v_scale):
@@ -280,13 +329,7 @@ def _check_decode(q, k_cache, v_cache, block_table, o, return_lse, scale, causal
     if not _static(q, k_cache, v_cache, block_table, o, k_scale, v_scale):
         return
     empty = q.numel() == 0
-    cache = _describe_cache(
-        _describe(k_cache, 3 * _STAND_IN, empty),
-        _describe(v_cache, 4 * _STAND_IN, empty),
-        5 * _STAND_IN,
-        block_table,
-        6 * _STAND_IN,
-    )
+    cache = _cache_at_stand_ins(k_cache, v_cache, block_table, empty)
     _capi.library().check_decode(
         _describe(q, 1 * _STAND_IN, empty),
         cache,
@@ -360,20 +403,10 @@ def _decode(q, k_cache, v_cache, seqlens, block_table, host_seqlens, host_block_
     lib = _capi.library()
     ctx = _context(index)
     q_desc = _describe(q)
-    cache = _describe_cache(
-        _describe(k_cache),
-        _describe(v_cache),
-        seqlens.data_ptr(),
-        block_table,
-        block_table.data_ptr() if block_table is not None else 0,
-    )
+    cache = _cache_in_place(k_cache, v_cache, seqlens, block_table)
     scales = _describe_scales(k_scale, v_scale)
     ws_bytes = _workspace_bytes(lib, ctx, index, q, k_cache, block_table, q_desc, cache, scales)
-    workspace, ws_ptr = None, 0
-    if ws_bytes:
-        # From torch's allocator (graph-safe), on the current stream, alive past the call.
-        workspace = torch.empty(ws_bytes + _WORKSPACE_ALIGN, dtype=torch.uint8, device=q.device)
-        ws_ptr = -(-workspace.data_ptr() // _WORKSPACE_ALIGN) * _WORKSPACE_ALIGN
+    workspace, ws_ptr = _workspace(ws_bytes, q.device)
     lens_ptr, table_ptr = _host_arrays(host_seqlens, host_block_table)
     lib.decode(
         ctx,
@@ -470,15 +503,7 @@ def decode(
     kernels refuse, ValueError/TypeError for misuse of this function.
     """
     _check_tensor("decode", "q", q, 4)
-    _check_metadata("decode", q.shape[0], k_cache, v_cache, seqlens, block_table)
-    _check_scales("decode", k_cache, k_scale, v_scale)
-    named = [("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("seqlens", seqlens)]
-    if block_table is not None:
-        named.append(("block_table", block_table))
-    scales = () if k_scale is None else (k_scale, v_scale)
-    named += list(zip(("k_scale", "v_scale"), scales))
-    _check_device("decode", named)
-    _check_no_grad("decode", (q, k_cache, v_cache, *scales))
+    _check_cache_call("decode", q.shape[0], [("q", q)], k_cache, v_cache, seqlens, block_table, k_scale, v_scale)
     scale = _scale_arg("decode", scale)
     window = window_arg("flashcore.decode", window_size)
     softcap = softcap_arg("flashcore.decode", softcap)
@@ -503,13 +528,7 @@ def _check_append(k_cache, v_cache, block_table, k_new, v_new, k_scale=None, v_s
     if not _static(k_cache, v_cache, block_table, k_new, v_new, k_scale, v_scale):
         return
     empty = k_new.numel() == 0  # nothing to write: the other rules still apply
-    cache = _describe_cache(
-        _describe(k_cache, 3 * _STAND_IN, empty),
-        _describe(v_cache, 4 * _STAND_IN, empty),
-        5 * _STAND_IN,
-        block_table,
-        6 * _STAND_IN,
-    )
+    cache = _cache_at_stand_ins(k_cache, v_cache, block_table, empty)
     _capi.library().check_append_kv(
         cache, _describe(k_new, 1 * _STAND_IN, empty), _describe(v_new, 2 * _STAND_IN, empty), None, None,
         scales=_describe_scales(k_scale, v_scale, (8 * _STAND_IN, 9 * _STAND_IN), empty),
@@ -545,13 +564,7 @@ def _append(k_cache, v_cache, seqlens, k_new, v_new, block_table, host_seqlens, 
     k_new, v_new = _aligned(k_new), _aligned(v_new)
     index = k_cache.get_device()
     lib = _capi.library()
-    cache = _describe_cache(
-        _describe(k_cache),
-        _describe(v_cache),
-        seqlens.data_ptr(),
-        block_table,
-        block_table.data_ptr() if block_table is not None else 0,
-    )
+    cache = _cache_in_place(k_cache, v_cache, seqlens, block_table)
     lens_ptr, table_ptr = _host_arrays(host_seqlens, host_block_table)
     lib.append_kv(
         _context(index), cache, _describe(k_new), _describe(v_new), lens_ptr, table_ptr, _current_stream(index),
@@ -608,15 +621,8 @@ def append_kv(
     _check_tensor("append_kv", "k_new", k_new, 4)
     _check_tensor("append_kv", "v_new", v_new, 4)
     batch = k_new.shape[0]
-    _check_metadata("append_kv", batch, k_cache, v_cache, seqlens, block_table)
-    _check_scales("append_kv", k_cache, k_scale, v_scale)
-    named = [("k_cache", k_cache), ("v_cache", v_cache), ("seqlens", seqlens), ("k_new", k_new), ("v_new", v_new)]
-    if block_table is not None:
-        named.append(("block_table", block_table))
-    scales = () if k_scale is None else (k_scale, v_scale)
-    named += list(zip(("k_scale", "v_scale"), scales))
-    _check_device("append_kv", named)
-    _check_no_grad("append_kv", (k_cache, v_cache, k_new, v_new, *scales))
+    scales = _check_cache_call("append_kv", batch, [("k_new", k_new), ("v_new", v_new)], k_cache, v_cache, seqlens,
+                               block_table, k_scale, v_scale)
     host_seqlens, host_block_table = _prepare_host("append_kv", batch, block_table, host_seqlens, host_block_table)
     k_new, v_new = (t if kernel_ready(t) else t.clone(memory_format=torch.contiguous_format) for t in (k_new, v_new))
     args = (k_cache, v_cache, seqlens, k_new, v_new, block_table, host_seqlens, host_block_table, k_scale, v_scale)

@@ -26,15 +26,13 @@ from . import _capi
 from .ops import _ALIGN, _aligned, _context, _current_stream, softcap_arg, window_arg
 from .serving import (
     _STAND_IN,
-    _WORKSPACE_ALIGN,
+    _cache_at_stand_ins,
+    _cache_in_place,
+    _check_cache_call,
     _check_device,
-    _check_metadata,
     _check_no_grad,
-    _check_scales,
     _check_tensor,
     _desc,
-    _describe,
-    _describe_cache,
     _describe_scales,
     _host_arrays,
     _host_int32,
@@ -42,12 +40,18 @@ from .serving import (
     _prepare_host,
     _scale_arg,
     _static,
+    _workspace,
 )
 
 
 # The longest sequence flashcore takes (the C ABI's limit on max_seqlen_q): checked here,
 # since the C struct's int64 would wrap a larger Python int.
 _MAX_SEQLEN = 2**25
+
+
+def _check_max_seqlen(fn, max_seqlen_q):
+    if not isinstance(max_seqlen_q, int) or isinstance(max_seqlen_q, bool) or not 1 <= max_seqlen_q <= _MAX_SEQLEN:
+        raise ValueError(f"flashcore.{fn}: max_seqlen_q must be an int from 1 to 2^25, got {max_seqlen_q!r}")
 
 
 def _packed(t, ptr=None):
@@ -252,8 +256,7 @@ def attention_varlen(
             f"flashcore.{fn}: cu_seqlens_q and cu_seqlens_k must both hold B + 1 >= 2 entries, got "
             f"{cu_seqlens_q.shape[0]} and {cu_seqlens_k.shape[0]}"
         )
-    if not isinstance(max_seqlen_q, int) or isinstance(max_seqlen_q, bool) or not 1 <= max_seqlen_q <= _MAX_SEQLEN:
-        raise ValueError(f"flashcore.{fn}: max_seqlen_q must be an int from 1 to 2^25, got {max_seqlen_q!r}")
+    _check_max_seqlen(fn, max_seqlen_q)
     _check_device(fn, [("q", q), ("k", k), ("v", v), ("cu_seqlens_q", cu_seqlens_q),
                        ("cu_seqlens_k", cu_seqlens_k)])
     _check_no_grad(fn, (q, k, v))
@@ -290,13 +293,7 @@ def _check_decode_varlen(q, k_cache, v_cache, block_table, o, return_lse, batch,
     # Described as one row, an empty q would hold an offset of 1.
     if host_cu_q is not None and q.shape[0] == 0 and int(host_cu_q.abs().max()) != 0:
         raise ValueError("flashcore.decode_varlen: host_cu_seqlens_q reaches past q's 0 rows")
-    cache = _describe_cache(
-        _describe(k_cache, 3 * _STAND_IN, empty),
-        _describe(v_cache, 4 * _STAND_IN, empty),
-        5 * _STAND_IN,
-        block_table,
-        6 * _STAND_IN,
-    )
+    cache = _cache_at_stand_ins(k_cache, v_cache, block_table, empty)
     _capi.library().check_decode_varlen(
         _stand_in(q, 1 * _STAND_IN) if empty else _packed(q, 1 * _STAND_IN),
         cache,
@@ -382,21 +379,11 @@ def _decode_varlen(q, k_cache, v_cache, seqlens, cu_q, max_seqlen_q, block_table
     lib = _capi.library()
     ctx = _context(index)
     q_desc = _packed(q)
-    cache = _describe_cache(
-        _describe(k_cache),
-        _describe(v_cache),
-        seqlens.data_ptr(),
-        block_table,
-        block_table.data_ptr() if block_table is not None else 0,
-    )
+    cache = _cache_in_place(k_cache, v_cache, seqlens, block_table)
     scales = _describe_scales(k_scale, v_scale)
     ws_bytes = _decode_varlen_workspace(lib, ctx, index, q, k_cache, block_table, q_desc, cache, scales,
                                         cu_q.data_ptr(), batch, max_seqlen_q)
-    workspace, ws_ptr = None, 0
-    if ws_bytes:
-        # From torch's allocator (graph-safe), on the current stream, alive past the call.
-        workspace = torch.empty(ws_bytes + _WORKSPACE_ALIGN, dtype=torch.uint8, device=q.device)
-        ws_ptr = -(-workspace.data_ptr() // _WORKSPACE_ALIGN) * _WORKSPACE_ALIGN
+    workspace, ws_ptr = _workspace(ws_bytes, q.device)
     lens_ptr, table_ptr = _host_arrays(host_seqlens, host_block_table)
     lib.decode_varlen(
         ctx,
@@ -489,10 +476,10 @@ def decode_varlen(
     """
     fn = "decode_varlen"
     _check_tensor(fn, "q", q, 3)
-    batch = seqlens.shape[0] if isinstance(seqlens, torch.Tensor) else -1
-    _check_metadata(fn, batch, k_cache, v_cache, seqlens, block_table)
-    _check_scales(fn, k_cache, k_scale, v_scale)
     _check_tensor(fn, "cu_seqlens_q", cu_seqlens_q, 1)
+    batch = seqlens.shape[0] if isinstance(seqlens, torch.Tensor) else -1
+    _check_cache_call(fn, batch, [("q", q)], k_cache, v_cache, seqlens, block_table, k_scale, v_scale,
+                      [("cu_seqlens_q", cu_seqlens_q)])
     if cu_seqlens_q.dtype != torch.int32:
         raise ValueError(f"flashcore.{fn}: cu_seqlens_q must be torch.int32, got {cu_seqlens_q.dtype}")
     if cu_seqlens_q.shape[0] != batch + 1:
@@ -501,16 +488,7 @@ def decode_varlen(
         )
     if cu_seqlens_q.stride(0) != 1:
         raise ValueError(f"flashcore.{fn}: cu_seqlens_q must be contiguous, got stride {cu_seqlens_q.stride(0)}")
-    if not isinstance(max_seqlen_q, int) or isinstance(max_seqlen_q, bool) or not 1 <= max_seqlen_q <= _MAX_SEQLEN:
-        raise ValueError(f"flashcore.{fn}: max_seqlen_q must be an int from 1 to 2^25, got {max_seqlen_q!r}")
-    named = [("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("seqlens", seqlens),
-             ("cu_seqlens_q", cu_seqlens_q)]
-    if block_table is not None:
-        named.append(("block_table", block_table))
-    scales = () if k_scale is None else (k_scale, v_scale)
-    named += list(zip(("k_scale", "v_scale"), scales))
-    _check_device(fn, named)
-    _check_no_grad(fn, (q, k_cache, v_cache, *scales))
+    _check_max_seqlen(fn, max_seqlen_q)
     scale = _scale_arg(fn, scale)
     window = window_arg(f"flashcore.{fn}", window_size)
     softcap = softcap_arg(f"flashcore.{fn}", softcap)

@@ -172,6 +172,29 @@ fn check_append_targets(cache: &KvCache, batch: usize) -> Result<()> {
     Ok(())
 }
 
+/// o's first rules, checked before q's and the cache's: q's dtype, not empty.
+pub(crate) fn check_output_dtype(q: &TensorView, o: &TensorView) -> Result<()> {
+    if o.dtype != q.dtype {
+        return Err(Error::UnsupportedDType(format!(
+            "q and o must share one dtype, got q {}, o {}",
+            dtype_text(q.dtype),
+            dtype_text(o.dtype)
+        )));
+    }
+    check_not_empty("o", o)
+}
+
+/// o's shape, checked once q's are known good: q's.
+pub(crate) fn check_output_shape(q: &TensorView, o: &TensorView) -> Result<()> {
+    if o.shape != q.shape {
+        return Err(Error::ShapeMismatch(format!(
+            "o has shape {:?} but q has {:?}; they must be equal",
+            o.shape, q.shape
+        )));
+    }
+    Ok(())
+}
+
 /// Checks a decode call; see [`Attention::decode`] for the rules.
 pub fn validate_decode(
     q: &TensorView,
@@ -180,21 +203,9 @@ pub fn validate_decode(
     lse: Option<&LseView>,
     params: &AttentionParams,
 ) -> Result<DecodeProblem> {
-    if o.dtype != q.dtype {
-        return Err(Error::UnsupportedDType(format!(
-            "q and o must share one dtype, got q {}, o {}",
-            dtype_text(q.dtype),
-            dtype_text(o.dtype)
-        )));
-    }
-    check_not_empty("o", o)?;
+    check_output_dtype(q, o)?;
     let problem = decode_problem(q, cache, params)?;
-    if o.shape != q.shape {
-        return Err(Error::ShapeMismatch(format!(
-            "o has shape {:?} but q has {:?}; they must be equal",
-            o.shape, q.shape
-        )));
-    }
+    check_output_shape(q, o)?;
     let [batch, seqlen_q, heads_q, _] = q.shape;
     for (name, t) in [("q", q), ("o", o)] {
         check_pointer(name, t.ptr, TENSOR_ALIGN)?;

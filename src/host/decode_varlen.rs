@@ -39,14 +39,14 @@ use cudarc::driver::sys::CUstream;
 
 use super::attention::Attention;
 use super::decode::{
-    DecodeProblem, Workspace, check_lse_pointer, check_outputs, check_workspace, decode_dtype,
-    decode_problem_of,
+    DecodeProblem, Workspace, check_lse_pointer, check_output_dtype, check_output_shape,
+    check_outputs, check_workspace, decode_dtype, decode_problem_of,
 };
 use super::kv_cache::{HostMetadata, KvCache};
 use super::tensor::{AttentionParams, LseView, TensorView};
 use super::validate::{
-    MAX_GRID_YZ, MAX_SEQLEN, Packed, Runs, TENSOR_ALIGN, byte_range_of, check_no_self_overlap,
-    check_not_empty, check_pointer, check_strides, lse_byte_range,
+    MAX_SEQLEN, Packed, Runs, TENSOR_ALIGN, byte_range_of, check_no_self_overlap, check_not_empty,
+    check_pointer, check_sequence_counts, check_strides, lse_byte_range,
 };
 use super::varlen::check_offsets;
 use crate::error::{Error, Result};
@@ -86,23 +86,7 @@ fn packed_query_problem(
         )));
     }
     let batch = queries.batch;
-    if batch == 0 {
-        return Err(Error::EmptyDimension {
-            tensor: "cu_seqlens_q",
-            dim: "batch",
-        });
-    }
-    if batch > MAX_GRID_YZ {
-        return Err(Error::InvalidArgument(format!(
-            "{batch} sequences exceed the grid limit {MAX_GRID_YZ}"
-        )));
-    }
-    if !(1..=MAX_SEQLEN).contains(&queries.max_seqlen_q) {
-        return Err(Error::InvalidArgument(format!(
-            "max_seqlen_q {} is outside 1..=2^25",
-            queries.max_seqlen_q
-        )));
-    }
+    check_sequence_counts(batch, queries.max_seqlen_q)?;
     if total_q > MAX_SEQLEN {
         return Err(Error::InvalidArgument(format!(
             "q's {total_q} packed rows exceed 2^25"
@@ -156,20 +140,9 @@ pub fn validate_decode_varlen(
     lse: Option<&LseView>,
     params: &AttentionParams,
 ) -> Result<DecodeProblem> {
-    if o.dtype != q.dtype {
-        return Err(Error::UnsupportedDType(format!(
-            "q and o must share one dtype, got q {}, o {}",
-            q.dtype, o.dtype
-        )));
-    }
-    check_not_empty("o", o)?;
+    check_output_dtype(q, o)?;
     let problem = packed_query_problem(q, cache, queries, params)?;
-    if o.shape != q.shape {
-        return Err(Error::ShapeMismatch(format!(
-            "o has shape {:?} but q has {:?}; they must be equal",
-            o.shape, q.shape
-        )));
-    }
+    check_output_shape(q, o)?;
     check_pointer("o", o.ptr, TENSOR_ALIGN)?;
     check_lse_pointer(lse)?;
     check_strides("o", o)?;

@@ -311,6 +311,29 @@ pub(crate) fn head_dim_in(dims: &[u32], head_dim: usize) -> bool {
 }
 
 /// A device pointer is non-null and `align`-byte aligned.
+/// A packed call's sequence counts: at least one sequence and at most [`MAX_GRID_YZ`]
+/// (the grid's limit), `max_seqlen_q` (the longest query run, which sizes the launch)
+/// from 1 to [`MAX_SEQLEN`].
+pub(crate) fn check_sequence_counts(batch: usize, max_seqlen_q: usize) -> Result<()> {
+    if batch == 0 {
+        return Err(Error::EmptyDimension {
+            tensor: "cu_seqlens_q",
+            dim: "batch",
+        });
+    }
+    if batch > MAX_GRID_YZ {
+        return Err(Error::InvalidArgument(format!(
+            "{batch} sequences exceed the grid limit {MAX_GRID_YZ}"
+        )));
+    }
+    if !(1..=MAX_SEQLEN).contains(&max_seqlen_q) {
+        return Err(Error::InvalidArgument(format!(
+            "max_seqlen_q {max_seqlen_q} is outside 1..=2^25"
+        )));
+    }
+    Ok(())
+}
+
 pub(crate) fn check_pointer(name: &'static str, ptr: u64, align: u64) -> Result<()> {
     if ptr == 0 {
         return Err(Error::NullPointer(name));

@@ -48,7 +48,7 @@ use cudarc::driver::sys::CUstream;
 use super::attention::Attention;
 use super::tensor::{AttentionParams, LseView, TensorView};
 use super::validate::{
-    FwdProblem, LSE_ALIGN, MAX_GRID_YZ, MAX_SEQLEN, Packed, Runs, byte_range_of, check_pointer,
+    FwdProblem, LSE_ALIGN, Packed, Runs, byte_range_of, check_pointer, check_sequence_counts,
     lse_byte_range, overlaps, validate_fwd,
 };
 use crate::error::{Error, Result};
@@ -101,23 +101,7 @@ pub fn validate_varlen(
 
     // 2. sequence counts
     let batch = varlen.batch;
-    if batch == 0 {
-        return Err(Error::EmptyDimension {
-            tensor: "cu_seqlens_q",
-            dim: "batch",
-        });
-    }
-    if batch > MAX_GRID_YZ {
-        return Err(Error::InvalidArgument(format!(
-            "{batch} sequences exceed the grid limit {MAX_GRID_YZ}"
-        )));
-    }
-    if !(1..=MAX_SEQLEN).contains(&varlen.max_seqlen_q) {
-        return Err(Error::InvalidArgument(format!(
-            "max_seqlen_q {} is outside 1..=2^25",
-            varlen.max_seqlen_q
-        )));
-    }
+    check_sequence_counts(batch, varlen.max_seqlen_q)?;
 
     // 3. offset arrays
     let o_range = byte_range_of("o", o)?;
