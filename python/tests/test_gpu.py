@@ -1490,3 +1490,45 @@ def test_decode_varlen_fp8_cache(page, seed):
                                      **cache.kw())
     keys, values = cache.dequantized()
     assert_packed_close(q, o, lse, cu, keys, values, lens, True, dtype, tol=FP8_CACHE_TOLERANCE)
+
+
+@pytest.mark.parametrize("draw", range(24))
+def test_decode_varlen_random_batches(draw, seed):
+    # Random serving batches: sequence counts, runs (empty, longer than their sequence,
+    # past 16), lengths (0 to past 4096), pages of 1 to 256, GQA 1 to 8, head dims with and
+    # without their own kernels, options; against float64 per sequence.
+    g = torch.Generator().manual_seed(seed * 31 + draw)
+
+    def pick(options):
+        return options[int(torch.randint(len(options), (1,), generator=g))]
+
+    b = pick([1, 2, 3, 5, 8])
+    hkv, group = pick([1, 2, 4, 8]), pick([1, 2, 4, 8])
+    d = pick([64, 80, 128, 256])
+    dtype = pick([torch.float16, torch.bfloat16])
+    page = pick([0, 0, 1, 16, 64, 256])
+    causal = pick([False, True])
+    window = pick([(-1, -1), (-1, -1), (63, 0) if causal else (40, 9)])
+    softcap = pick([0.0, 0.0, 20.0])
+    runs = [pick([0, 1, 1, 2, 5, 16, 17, 40, 200]) for _ in range(b)]
+    lens = [pick([0, 1, 7, 33, 300, 1000, 4097]) for _ in range(b)]
+    max_q = max(max(runs), 1) + pick([0, 0, 3])
+    capacity = -(-(max(lens) + 1) // 256) * 256
+    cache = Cache(b, capacity, hkv, d, dtype, lens, page)
+    cu, total = packed_offsets(runs, lead=pick([0, 2]), tail=pick([0, 1]))
+    total = max(total, 1)
+    cu_dev = torch.tensor(cu, dtype=torch.int32, device="cuda")
+    # Sometimes the query heads of a fused QKV projection's output, read in place.
+    fused = pick([False, True])
+    qkv = torch.randn(total, hkv * group + 2 * hkv * fused, d, device="cuda", dtype=dtype)
+    q = qkv[:, : hkv * group]
+    what = f"fused{fused} b{b} hkv{hkv}x{group} d{d} {dtype} page{page} causal{causal} window{window} softcap{softcap} " \
+           f"runs{runs} lens{lens} max{max_q}"
+    poison_allocator(((total, hkv * group, d), dtype), ((hkv * group, total), torch.float32))
+    o, lse = flashcore.decode_varlen(q, cache.k, cache.v, cache.seqlens, cu_dev, max_q, block_table=cache.block_table,
+                                     causal=causal, window_size=window, softcap=softcap, return_lse=True,
+                                     host_cu_seqlens_q=cu, **cache.host())
+    try:
+        assert_packed_close(q, o, lse, cu, cache.keys, cache.values, lens, causal, dtype, window, softcap)
+    except AssertionError as e:
+        raise AssertionError(f"{what}: {e}") from e

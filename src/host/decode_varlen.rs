@@ -40,7 +40,7 @@ use cudarc::driver::sys::CUstream;
 use super::attention::Attention;
 use super::decode::{
     DecodeProblem, Workspace, check_lse_pointer, check_output_dtype, check_output_shape,
-    check_outputs, check_workspace, decode_dtype, decode_problem_of,
+    check_outputs, check_workspace, decode_dtype, decode_problem_of, plan_decode,
 };
 use super::kv_cache::{HostMetadata, KvCache};
 use super::tensor::{AttentionParams, LseView, TensorView};
@@ -263,8 +263,8 @@ impl Attention {
     }
 
     /// The workspace a [`Attention::decode_varlen`] call with these `q`, `cache` and
-    /// `queries` needs, in bytes (0 when its plan has one split, or where the forward
-    /// kernels run it). They are checked as that call checks them.
+    /// `queries` needs, in bytes, whatever its options (0 when every plan it may take
+    /// has one split). They are checked as that call checks them.
     pub fn decode_varlen_workspace_bytes(
         &self,
         q: &TensorView,
@@ -275,13 +275,27 @@ impl Attention {
         if problem.cache.fp8 {
             self.check_fp8_cache_gpu()?;
         }
-        let split = split_runs(&problem);
-        if problem.seqlen_q > MAX_QUERIES && self.decode_forward_plan(&split.long, cache).is_some()
-        {
-            return Ok(self.decode_plan(&split.short)?.workspace_bytes);
-        }
-        Ok(self.decode_plan(&problem)?.workspace_bytes)
+        let d = self.device();
+        packed_workspace_bytes(&problem, d.sm_count(), d.smem_optin())
     }
+}
+
+/// The workspace of a packed-query problem's decode kernels on a GPU of `sm_count` SMs:
+/// the larger of its two plans, every run on the decode kernels or the short runs alone.
+/// Which of them a call takes depends on its options (the forward kernels that would take
+/// the long runs may not exist for a window or a cap) and on the forward's tensor maps,
+/// neither of which the size may depend on.
+fn packed_workspace_bytes(
+    problem: &DecodeProblem,
+    sm_count: u32,
+    smem_optin: u32,
+) -> Result<usize> {
+    let every_run = plan_decode(problem, sm_count, smem_optin)?.workspace_bytes;
+    if problem.seqlen_q <= MAX_QUERIES {
+        return Ok(every_run);
+    }
+    let short_runs = plan_decode(&split_runs(problem).short, sm_count, smem_optin)?;
+    Ok(every_run.max(short_runs.workspace_bytes))
 }
 
 #[cfg(test)]
@@ -448,6 +462,94 @@ mod tests {
             "{plan:?}"
         );
         assert!(plan.config.id().ends_with("_pq"), "{plan:?}");
+    }
+
+    /// The size asked for without options covers the plan a call takes with any of
+    /// them: with some options the forward kernels that would take the long runs do not
+    /// read the cache, and then every run takes the decode kernels.
+    #[test]
+    fn the_workspace_size_covers_every_options_plan() {
+        use crate::host::tensor::Window;
+        let options = [
+            (false, Window::default(), None),
+            (true, Window::default(), None),
+            (
+                true,
+                Window {
+                    left: Some(63),
+                    right: Some(0),
+                },
+                None,
+            ),
+            (
+                false,
+                Window {
+                    left: Some(40),
+                    right: Some(9),
+                },
+                None,
+            ),
+            (false, Window::default(), Some(20.0)),
+            (
+                true,
+                Window {
+                    left: Some(63),
+                    right: Some(0),
+                },
+                Some(20.0),
+            ),
+        ];
+        let mut decode_only = 0;
+        let heads = [(8, 2), (8, 8), (2, 2)];
+        for (d, (hq, hkv)) in [64, 128, 256]
+            .into_iter()
+            .flat_map(|d| heads.map(|h| (d, h)))
+        {
+            for paged in [None, Some(16), Some(64)] {
+                let c = cache(8, 4352, hkv, d, paged);
+                let [q, o] =
+                    [4 * GB, 5 * GB].map(|at| TensorView::bshd(at, DType::F16, 1, 300, hq, d));
+                for max in [16, 200] {
+                    let without = AttentionParams::default();
+                    let p = packed_query_problem(&q, &c, &queries(8, max, None), &without).unwrap();
+                    let bytes = packed_workspace_bytes(&p, 132, 227 * 1024).unwrap();
+                    for (causal, window, softcap) in options {
+                        let params = AttentionParams {
+                            softmax_scale: None,
+                            causal,
+                            window,
+                            softcap,
+                        };
+                        let p = validate_decode_varlen(
+                            &q,
+                            &c,
+                            &queries(8, max, None),
+                            &o,
+                            None,
+                            &params,
+                        )
+                        .unwrap();
+                        // What the call plans: the short runs alone where the forward
+                        // kernels take the long ones, every run otherwise.
+                        let split = split_runs(&p);
+                        let forward = max > MAX_QUERIES
+                            && decode_forward_plan_on(H200, PathChoice::Best, &split.long, &c)
+                                .is_some();
+                        let taken = if forward { &split.short } else { &p };
+                        decode_only += usize::from(max > MAX_QUERIES && !forward);
+                        let needs = plan_decode(taken, 132, 227 * 1024).unwrap().workspace_bytes;
+                        assert!(
+                            needs <= bytes,
+                            "d {d} {hq}/{hkv} heads {paged:?} max {max} {params:?}: needs \
+                             {needs}, sized {bytes}"
+                        );
+                    }
+                }
+            }
+        }
+        // Some options do leave the long runs to the decode kernels on the sm90 path (a
+        // window open on the right over two heads), where the short runs' plan is smaller.
+        assert!(decode_only > 0);
     }
 
     #[test]
