@@ -637,8 +637,8 @@ int32_t flashcore_decode_varlen(FlashcoreContext *ctx, const FlashcoreTensor *q,
                                 uint64_t workspace, size_t workspace_bytes, flashcore_stream stream);
 
 /* The workspace, in bytes, that flashcore_decode_varlen needs for these arguments on the
- * context's device (0: none) into *out, as flashcore_decode_workspace_bytes says it for
- * flashcore_decode. Reads no device memory. */
+ * context's device, with any options (0: none), into *out, as
+ * flashcore_decode_workspace_bytes says it for flashcore_decode. Reads no device memory. */
 int32_t flashcore_decode_varlen_workspace_bytes(FlashcoreContext *ctx, const FlashcoreTensor *q,
                                                 const FlashcoreKvCache *cache,
                                                 const FlashcoreKvScales *scales,
