@@ -1532,3 +1532,38 @@ def test_decode_varlen_random_batches(draw, seed):
         assert_packed_close(q, o, lse, cu, cache.keys, cache.values, lens, causal, dtype, window, softcap)
     except AssertionError as e:
         raise AssertionError(f"{what}: {e}") from e
+
+
+@pytest.mark.parametrize("draw", range(24))
+def test_decode_random_steps(draw, seed):
+    # Random decode calls: batch, queries per sequence (1 to 16 on the decode kernels, more
+    # on the forward kernels where they read the cache), lengths (some shorter than the
+    # queries), pages of 1 to 256, GQA 1 to 8, head dims, options; against float64.
+    g = torch.Generator().manual_seed(seed * 37 + draw)
+
+    def pick(options):
+        return options[int(torch.randint(len(options), (1,), generator=g))]
+
+    b = pick([1, 2, 3, 6])
+    hkv, group = pick([1, 2, 4, 8]), pick([1, 2, 4, 8])
+    d = pick([64, 80, 128, 256])
+    dtype = pick([torch.float16, torch.bfloat16])
+    page = pick([0, 0, 1, 16, 64, 256])
+    causal = pick([False, True])
+    window = pick([(-1, -1), (-1, -1), (63, 0) if causal else (40, 9)])
+    softcap = pick([0.0, 0.0, 20.0])
+    sq = pick([1, 2, 5, 16, 17, 40, 200])
+    lens = [pick([0, 1, 7, 33, 300, 1000, 4097]) for _ in range(b)]
+    capacity = -(-(max(lens) + 1) // 256) * 256
+    cache = Cache(b, capacity, hkv, d, dtype, lens, page)
+    q = torch.randn(b, sq, hkv * group, d, device="cuda", dtype=dtype)
+    what = f"b{b} sq{sq} hkv{hkv}x{group} d{d} {dtype} page{page} causal{causal} window{window} softcap{softcap} " \
+           f"lens{lens}"
+    poison_allocator(((b, sq, hkv * group, d), dtype), ((b, hkv * group, sq), torch.float32))
+    o, lse = flashcore.decode(q, cache.k, cache.v, cache.seqlens, block_table=cache.block_table, causal=causal,
+                              window_size=window, softcap=softcap, return_lse=True, **cache.host())
+    o_ref, lse_ref = decode_reference(q, cache.keys, cache.values, lens, causal, window=window, softcap=softcap)
+    try:
+        assert_decode_close(o, lse, o_ref, lse_ref, dtype)
+    except AssertionError as e:
+        raise AssertionError(f"{what}: {e}") from e
