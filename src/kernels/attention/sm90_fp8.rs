@@ -381,6 +381,8 @@ impl Fwd {
             window: None,
             tile: (BLOCK_M, self.s.block_n),
             used_keys: false,
+            // Its launches are dense: no item is empty.
+            skip_empty: false,
         }
     }
 }

@@ -114,6 +114,10 @@ pub(crate) struct ItemLoop<'a> {
     /// The kernel reads each sequence's used keys ([`FwdArgs::seqused_k`]; see
     /// [`FwdConfig::reads_used_keys`](crate::kernels::attention::FwdConfig::reads_used_keys)).
     pub used_keys: bool,
+    /// Every role passes over the items that hold no query row: in a packed batch the
+    /// grid is sized by the longest sequence, so the query tiles past a shorter one's
+    /// end, and every tile of a sequence another launch takes, are empty.
+    pub skip_empty: bool,
 }
 
 /// Which key tiles a windowed kernel masks.
@@ -129,6 +133,13 @@ impl ItemLoop<'_> {
         let queue = (self.queue, self.smem, role);
         let mask = (self.causal, self.window);
         let keys = (self.tile, self.used_keys);
+        let body = |k: &mut Kernel, b: &Block| match self.skip_empty {
+            true => {
+                let rows = k.setp(Cmp::Lt, b.m_start, b.seq.seqlen_q);
+                k.if_(rows, |k| body(k, b));
+            }
+            false => body(k, b),
+        };
         for_each_item(k, self.args, queue, mask, keys, body);
     }
 }
