@@ -345,19 +345,21 @@ def _check_decode(q, k_cache, v_cache, block_table, o, return_lse, scale, causal
     )
 
 
-# Workspace bytes by (device, q's dtype and shape, the cache's dtype and shape, block-table
-# width): what the plan depends on. Filled by successful queries only.
+# Workspace bytes by what a decode call's plan depends on: the device, q's dtype and shape,
+# the cache's dtype and shape, the block table's width (and, for packed queries, the batch
+# and max_seqlen_q). Filled by successful queries only.
 _workspace_sizes = {}
 
 
-def _workspace_bytes(lib, ctx, index, q, k_cache, block_table, q_desc, cache_desc, scales_desc):
+def _workspace_bytes(index, q, k_cache, block_table, query, *more):
+    """The workspace bytes `query()` returns for this plan key, asked once per key."""
     key = (
         index, q.dtype, tuple(q.shape), k_cache.dtype, tuple(k_cache.shape),
-        None if block_table is None else block_table.shape[1],
+        None if block_table is None else block_table.shape[1], *more,
     )
     n = _workspace_sizes.get(key)
     if n is None:
-        n = lib.decode_workspace_bytes(ctx, q_desc, cache_desc, scales_desc)
+        n = query()
         _workspace_sizes[key] = n
     return n
 
@@ -405,7 +407,8 @@ def _decode(q, k_cache, v_cache, seqlens, block_table, host_seqlens, host_block_
     q_desc = _describe(q)
     cache = _cache_in_place(k_cache, v_cache, seqlens, block_table)
     scales = _describe_scales(k_scale, v_scale)
-    ws_bytes = _workspace_bytes(lib, ctx, index, q, k_cache, block_table, q_desc, cache, scales)
+    ws_bytes = _workspace_bytes(index, q, k_cache, block_table,
+                                lambda: lib.decode_workspace_bytes(ctx, q_desc, cache, scales))
     workspace, ws_ptr = _workspace(ws_bytes, q.device)
     lens_ptr, table_ptr = _host_arrays(host_seqlens, host_block_table)
     lib.decode(

@@ -41,6 +41,7 @@ from .serving import (
     _scale_arg,
     _static,
     _workspace,
+    _workspace_bytes,
 )
 
 
@@ -313,24 +314,6 @@ def _check_decode_varlen(q, k_cache, v_cache, block_table, o, return_lse, batch,
     )
 
 
-# Workspace bytes by (device, q's dtype and shape, the cache's dtype and shape, block-table
-# width, batch, max_seqlen_q): what the plan depends on. Filled by successful queries only.
-_decode_varlen_workspace_sizes = {}
-
-
-def _decode_varlen_workspace(lib, ctx, index, q, k_cache, block_table, q_desc, cache_desc, scales_desc, cu_ptr, batch,
-                             max_seqlen_q):
-    key = (
-        index, q.dtype, tuple(q.shape), k_cache.dtype, tuple(k_cache.shape),
-        None if block_table is None else block_table.shape[1], batch, max_seqlen_q,
-    )
-    n = _decode_varlen_workspace_sizes.get(key)
-    if n is None:
-        n = lib.decode_varlen_workspace_bytes(ctx, q_desc, cache_desc, scales_desc, cu_ptr, batch, max_seqlen_q)
-        _decode_varlen_workspace_sizes[key] = n
-    return n
-
-
 @torch.library.custom_op("flashcore::decode_varlen", mutates_args=(), device_types="cuda")
 def _decode_varlen_op(
     q: torch.Tensor,
@@ -381,8 +364,11 @@ def _decode_varlen(q, k_cache, v_cache, seqlens, cu_q, max_seqlen_q, block_table
     q_desc = _packed(q)
     cache = _cache_in_place(k_cache, v_cache, seqlens, block_table)
     scales = _describe_scales(k_scale, v_scale)
-    ws_bytes = _decode_varlen_workspace(lib, ctx, index, q, k_cache, block_table, q_desc, cache, scales,
-                                        cu_q.data_ptr(), batch, max_seqlen_q)
+    ws_bytes = _workspace_bytes(
+        index, q, k_cache, block_table,
+        lambda: lib.decode_varlen_workspace_bytes(ctx, q_desc, cache, scales, cu_q.data_ptr(), batch, max_seqlen_q),
+        batch, max_seqlen_q,
+    )
     workspace, ws_ptr = _workspace(ws_bytes, q.device)
     lens_ptr, table_ptr = _host_arrays(host_seqlens, host_block_table)
     lib.decode_varlen(

@@ -1492,78 +1492,79 @@ def test_decode_varlen_fp8_cache(page, seed):
     assert_packed_close(q, o, lse, cu, keys, values, lens, True, dtype, tol=FP8_CACHE_TOLERANCE)
 
 
+class ServingDraw:
+    """A random serving configuration drawn from generator `g`: `b` sequences (from
+    `batches`) of random lengths (0 to past 4096) in a cache of pages of 1 to 256 (or
+    contiguous), GQA 1 to 8, head dims with and without their own kernels, dtype, causal
+    masking, a window, a cap."""
+
+    def __init__(self, g, batches):
+        self.g = g
+        self.b = self.pick(batches)
+        self.hkv, self.group = self.pick([1, 2, 4, 8]), self.pick([1, 2, 4, 8])
+        self.hq = self.hkv * self.group
+        self.d = self.pick([64, 80, 128, 256])
+        self.dtype = self.pick([torch.float16, torch.bfloat16])
+        self.page = self.pick([0, 0, 1, 16, 64, 256])
+        self.causal = self.pick([False, True])
+        self.window = self.pick([(-1, -1), (-1, -1), (63, 0) if self.causal else (40, 9)])
+        self.softcap = self.pick([0.0, 0.0, 20.0])
+        self.lens = [self.pick([0, 1, 7, 33, 300, 1000, 4097]) for _ in range(self.b)]
+        capacity = -(-(max(self.lens) + 1) // 256) * 256
+        self.cache = Cache(self.b, capacity, self.hkv, self.d, self.dtype, self.lens, self.page)
+
+    def pick(self, options):
+        return options[int(torch.randint(len(options), (1,), generator=self.g))]
+
+    def options(self):
+        """The drawn options as the serving calls take them."""
+        return dict(causal=self.causal, window_size=self.window, softcap=self.softcap)
+
+    def __str__(self):
+        return (f"b{self.b} hkv{self.hkv}x{self.group} d{self.d} {self.dtype} page{self.page} causal{self.causal} "
+                f"window{self.window} softcap{self.softcap} lens{self.lens}")
+
+
 @pytest.mark.parametrize("draw", range(24))
 def test_decode_varlen_random_batches(draw, seed):
-    # Random serving batches: sequence counts, runs (empty, longer than their sequence,
-    # past 16), lengths (0 to past 4096), pages of 1 to 256, GQA 1 to 8, head dims with and
-    # without their own kernels, options; against float64 per sequence.
-    g = torch.Generator().manual_seed(seed * 31 + draw)
-
-    def pick(options):
-        return options[int(torch.randint(len(options), (1,), generator=g))]
-
-    b = pick([1, 2, 3, 5, 8])
-    hkv, group = pick([1, 2, 4, 8]), pick([1, 2, 4, 8])
-    d = pick([64, 80, 128, 256])
-    dtype = pick([torch.float16, torch.bfloat16])
-    page = pick([0, 0, 1, 16, 64, 256])
-    causal = pick([False, True])
-    window = pick([(-1, -1), (-1, -1), (63, 0) if causal else (40, 9)])
-    softcap = pick([0.0, 0.0, 20.0])
-    runs = [pick([0, 1, 1, 2, 5, 16, 17, 40, 200]) for _ in range(b)]
-    lens = [pick([0, 1, 7, 33, 300, 1000, 4097]) for _ in range(b)]
-    max_q = max(max(runs), 1) + pick([0, 0, 3])
-    capacity = -(-(max(lens) + 1) // 256) * 256
-    cache = Cache(b, capacity, hkv, d, dtype, lens, page)
-    cu, total = packed_offsets(runs, lead=pick([0, 2]), tail=pick([0, 1]))
+    # Random serving batches (see ServingDraw) with runs that are empty, longer than their
+    # sequence or past 16, and rows no sequence covers; against float64 per sequence.
+    c = ServingDraw(torch.Generator().manual_seed(seed * 31 + draw), [1, 2, 3, 5, 8])
+    runs = [c.pick([0, 1, 1, 2, 5, 16, 17, 40, 200]) for _ in range(c.b)]
+    max_q = max(max(runs), 1) + c.pick([0, 0, 3])
+    cu, total = packed_offsets(runs, lead=c.pick([0, 2]), tail=c.pick([0, 1]))
     total = max(total, 1)
     cu_dev = torch.tensor(cu, dtype=torch.int32, device="cuda")
     # Sometimes the query heads of a fused QKV projection's output, read in place.
-    fused = pick([False, True])
-    qkv = torch.randn(total, hkv * group + 2 * hkv * fused, d, device="cuda", dtype=dtype)
-    q = qkv[:, : hkv * group]
-    what = f"fused{fused} b{b} hkv{hkv}x{group} d{d} {dtype} page{page} causal{causal} window{window} softcap{softcap} " \
-           f"runs{runs} lens{lens} max{max_q}"
-    poison_allocator(((total, hkv * group, d), dtype), ((hkv * group, total), torch.float32))
+    fused = c.pick([False, True])
+    qkv = torch.randn(total, c.hq + 2 * c.hkv * fused, c.d, device="cuda", dtype=c.dtype)
+    q = qkv[:, : c.hq]
+    what = f"fused{fused} {c} runs{runs} max{max_q}"
+    poison_allocator(((total, c.hq, c.d), c.dtype), ((c.hq, total), torch.float32))
+    cache = c.cache
     o, lse = flashcore.decode_varlen(q, cache.k, cache.v, cache.seqlens, cu_dev, max_q, block_table=cache.block_table,
-                                     causal=causal, window_size=window, softcap=softcap, return_lse=True,
-                                     host_cu_seqlens_q=cu, **cache.host())
+                                     return_lse=True, host_cu_seqlens_q=cu, **c.options(), **cache.host())
     try:
-        assert_packed_close(q, o, lse, cu, cache.keys, cache.values, lens, causal, dtype, window, softcap)
+        assert_packed_close(q, o, lse, cu, cache.keys, cache.values, c.lens, c.causal, c.dtype, c.window, c.softcap)
     except AssertionError as e:
         raise AssertionError(f"{what}: {e}") from e
 
 
 @pytest.mark.parametrize("draw", range(24))
 def test_decode_random_steps(draw, seed):
-    # Random decode calls: batch, queries per sequence (1 to 16 on the decode kernels, more
-    # on the forward kernels where they read the cache), lengths (some shorter than the
-    # queries), pages of 1 to 256, GQA 1 to 8, head dims, options; against float64.
-    g = torch.Generator().manual_seed(seed * 37 + draw)
-
-    def pick(options):
-        return options[int(torch.randint(len(options), (1,), generator=g))]
-
-    b = pick([1, 2, 3, 6])
-    hkv, group = pick([1, 2, 4, 8]), pick([1, 2, 4, 8])
-    d = pick([64, 80, 128, 256])
-    dtype = pick([torch.float16, torch.bfloat16])
-    page = pick([0, 0, 1, 16, 64, 256])
-    causal = pick([False, True])
-    window = pick([(-1, -1), (-1, -1), (63, 0) if causal else (40, 9)])
-    softcap = pick([0.0, 0.0, 20.0])
-    sq = pick([1, 2, 5, 16, 17, 40, 200])
-    lens = [pick([0, 1, 7, 33, 300, 1000, 4097]) for _ in range(b)]
-    capacity = -(-(max(lens) + 1) // 256) * 256
-    cache = Cache(b, capacity, hkv, d, dtype, lens, page)
-    q = torch.randn(b, sq, hkv * group, d, device="cuda", dtype=dtype)
-    what = f"b{b} sq{sq} hkv{hkv}x{group} d{d} {dtype} page{page} causal{causal} window{window} softcap{softcap} " \
-           f"lens{lens}"
-    poison_allocator(((b, sq, hkv * group, d), dtype), ((b, hkv * group, sq), torch.float32))
-    o, lse = flashcore.decode(q, cache.k, cache.v, cache.seqlens, block_table=cache.block_table, causal=causal,
-                              window_size=window, softcap=softcap, return_lse=True, **cache.host())
-    o_ref, lse_ref = decode_reference(q, cache.keys, cache.values, lens, causal, window=window, softcap=softcap)
+    # Random decode calls (see ServingDraw) of 1 to 200 queries per sequence (up to 16 on
+    # the decode kernels, more on the forward kernels where they read the cache), some
+    # more than their sequence's length; against float64.
+    c = ServingDraw(torch.Generator().manual_seed(seed * 37 + draw), [1, 2, 3, 6])
+    sq = c.pick([1, 2, 5, 16, 17, 40, 200])
+    q = torch.randn(c.b, sq, c.hq, c.d, device="cuda", dtype=c.dtype)
+    poison_allocator(((c.b, sq, c.hq, c.d), c.dtype), ((c.b, c.hq, sq), torch.float32))
+    cache = c.cache
+    o, lse = flashcore.decode(q, cache.k, cache.v, cache.seqlens, block_table=cache.block_table, return_lse=True,
+                              **c.options(), **cache.host())
+    o_ref, lse_ref = decode_reference(q, cache.keys, cache.values, c.lens, c.causal, window=c.window,
+                                      softcap=c.softcap)
     try:
-        assert_decode_close(o, lse, o_ref, lse_ref, dtype)
+        assert_decode_close(o, lse, o_ref, lse_ref, c.dtype)
     except AssertionError as e:
-        raise AssertionError(f"{what}: {e}") from e
+        raise AssertionError(f"sq{sq} {c}: {e}") from e
