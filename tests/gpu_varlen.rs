@@ -606,6 +606,52 @@ fn many_short_sequences() {
     }
 }
 
+/// Work items that hold no query row: sequences without queries first, between and last
+/// (in the causal schedule's tail too), and short sequences' empty query tiles beside a
+/// long one, with enough heads that causal launches take their items from the counter,
+/// whose producers pass the rest of a sequence without queries in one step.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn empty_work_items_are_passed_over() {
+    let lens = vec![
+        (0, 40),
+        (0, 0),
+        (1100, 1100),
+        (70, 70),
+        (0, 9),
+        (1, 500),
+        (300, 300),
+        (0, 3000),
+        (129, 129),
+        (0, 64),
+        (0, 1),
+    ];
+    let cases: Vec<Case> = [
+        (false, 64),
+        (true, 64),
+        (false, 128),
+        (true, 128),
+        (true, 256),
+    ]
+    .into_iter()
+    .map(|(causal, head_dim)| Case {
+        dtype: HalfType::F16,
+        heads_q: 16,
+        heads_kv: 4,
+        head_dim,
+        lens: lens.clone(),
+        causal,
+        window: Window::FULL,
+        gap: 2,
+        host_check: !causal,
+        non_finite_gaps: true,
+        o_pad: 0,
+        softcap: None,
+    })
+    .collect();
+    run_cases(PathChoice::Best, &cases);
+}
+
 /// NaN and ±∞ in the key and value rows after the last sequence (a buffer larger than
 /// the batch, never written): every tile that runs past a sequence's end, on every sm90
 /// kernel (64-, 128- and 192-row tiles, split keys, head dims 64 to 256), must give

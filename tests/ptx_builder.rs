@@ -535,12 +535,20 @@ fn plain_full_arrivals_and_global_tickets() {
     let counter = k.param::<U64>("counter");
     let counter = k.load_param(counter);
     let ticket = k.atom_global_add_u32(counter, 4, 1u32);
+    // Moving the counter past tickets no one needs: no result register.
+    k.red_global_max_u32(counter, 4, ticket);
     let producer = ring.producer(&mut k, smem);
     producer.arrive_full(&mut k);
     let lines = body_90a(k);
     let text = lines.join("\n");
     let atom = format!("atom.global.add.u32 {}, [%rd", ticket.name());
     assert!(text.contains(&atom) && text.contains("+4], 1;"), "{text}");
+    let red = format!("+4], {};", ticket.name());
+    assert!(
+        text.lines()
+            .any(|l| l.contains("red.global.max.u32 [%rd") && l.ends_with(&red)),
+        "{text}"
+    );
     // A FULL arrival without copies announces no bytes.
     assert_eq!(
         text.matches("mbarrier.arrive.shared::cta.b64 _, [%r")

@@ -158,6 +158,15 @@ impl Kernel {
         d
     }
 
+    /// `red.global.max.u32`: raises the word at the address to `v` if it is lower,
+    /// atomically, without returning the old value (a shared counter moved past values
+    /// no one needs to draw).
+    pub fn red_global_max_u32(&mut self, base: Reg<U64>, offset: i32, v: impl Src<U32>) {
+        self.check_owner(&[Src::<U64>::owner(&base), v.owner()]);
+        let a = addr(base.name(), offset);
+        self.emit(format!("red.global.max.u32 {a}, {};", v.operand()));
+    }
+
     /// `cp.async.cg.shared.global` of 16 bytes, bypassing L1. Only `src_bytes` bytes are
     /// read (0 or 16 in practice); the rest of the 16 is zero-filled, which is how tiles
     /// past the end of a sequence become zeros without a branch.

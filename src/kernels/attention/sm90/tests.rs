@@ -571,3 +571,31 @@ fn kernels_that_read_used_keys_load_them_and_page_on_sm90() {
         "{reading} kernels read the used keys, {not} do not"
     );
 }
+
+/// The causal 16-bit kernels that skip empty work items ([`ItemLoop::skip_empty`]) raise
+/// the tile counter past a sequence without queries, once, in the producer's loop and
+/// behind the counter's own check; the others (unmasked, windowed, FP8, sm80) never do.
+#[test]
+fn causal_producers_pass_sequences_without_queries() {
+    let mut raising = 0;
+    for cfg in crate::kernels::attention::all_fwd_configs() {
+        let id = cfg.id();
+        let ptx = cfg.generate().unwrap().to_ptx();
+        let raises = ptx.matches("red.global.max.u32").count();
+        let expected = cfg.path == super::super::Path::Sm90 && cfg.causal && !cfg.window;
+        assert_eq!(raises, usize::from(expected), "{id}");
+        if expected {
+            raising += 1;
+            // Before the ticket that follows it: the raise moves what that ticket draws.
+            let raise = ptx.find("red.global.max.u32").unwrap();
+            let ticket = ptx[raise..].find("atom.global.add.u32");
+            assert!(ticket.is_some(), "{id}: no ticket after the raise");
+        }
+    }
+    assert!(raising >= 50, "{raising} kernels raise the counter");
+    // The FP8 kernels' launches are dense: no item there lacks query rows.
+    for cfg in crate::kernels::attention::fp8::all_fp8_configs() {
+        let ptx = cfg.generate().unwrap().to_ptx();
+        assert!(!ptx.contains("red.global.max"), "{}", cfg.id());
+    }
+}
