@@ -760,6 +760,7 @@ impl Attention {
         base.tile_counter = counter.unwrap_or(0);
         base.tail_heads = schedule.tail_heads;
         base.o_by_tma = operands.output.is_some() as u32;
+        base.set_divisors();
         let dims = LaunchDims {
             grid: (schedule.blocks, 1, 1),
             block: (tiling.threads, 1, 1),
@@ -983,6 +984,8 @@ fn fwd_args(
             Some(Runs::Long(n)) => n as u32,
             _ => 0,
         },
+        // The sm90 launch sets the divisors once the schedule is known.
+        ..FwdArgs::default()
     }
 }
 

@@ -399,6 +399,8 @@ pub(crate) fn fp8_args(
         page_shift: 0,
         max_pages: 0,
         min_queries: 0,
+        // The sm90 launch sets the divisors once the schedule is known.
+        ..FwdArgs::default()
     };
     Fp8Args {
         base,

@@ -129,6 +129,7 @@ pub mod types;
 pub mod warp;
 pub mod wgmma;
 
+pub use arith::FastDivisor;
 pub use error::PtxError;
 pub use kernel::{Cmp, Kernel, KernelText, Label, Param, ParamBytes, Reg, Special, Src};
 pub use layout::{SmemLayout, Swizzle};

@@ -16,7 +16,7 @@ pub mod sm90_fp8;
 pub mod softcap;
 pub mod softmax;
 
-use crate::ptx::{Module, PtxError};
+use crate::ptx::{FastDivisor, Module, PtxError};
 pub use sequence::CacheReads;
 
 /// The 16-bit element type of Q, K, V and O.
@@ -477,10 +477,26 @@ pub struct FwdArgs {
     /// (`Attention::decode_varlen`): a sequence with fewer queries is the decode kernels',
     /// and has none here. 0 otherwise.
     pub min_queries: u32,
+    /// sm90 path: the divisors a work item's decoding divides by, as multiplies and
+    /// shifts ([`FastDivisor`]; [`FwdArgs::set_divisors`]): `q_blocks`, `heads_q`,
+    /// `group` and `max(tail_heads, 1)`.
+    pub q_blocks_div: FastDivisor,
+    pub heads_div: FastDivisor,
+    pub group_div: FastDivisor,
+    pub tail_div: FastDivisor,
 }
 
 impl FwdArgs {
     pub const SIZE: usize = std::mem::size_of::<FwdArgs>();
+
+    /// Sets the [`FastDivisor`]s of `q_blocks`, `heads_q`, `group` and `tail_heads` (once
+    /// those are final, before an sm90 launch).
+    pub fn set_divisors(&mut self) {
+        self.q_blocks_div = FastDivisor::new(self.q_blocks);
+        self.heads_div = FastDivisor::new(self.heads_q);
+        self.group_div = FastDivisor::new(self.group);
+        self.tail_div = FastDivisor::new(self.tail_heads.max(1));
+    }
 }
 
 impl AsMut<FwdArgs> for FwdArgs {

@@ -51,8 +51,8 @@ use super::epilogue::{LseForm, OutputBlock, store_output_lse, store_output_stage
 use super::fp8::{Fp8Args, Fp8Config, MAX_LAG_LOG2, P_SHIFT_LOG2, SCALE_BLOCK, clamp_dequant};
 use super::rows::{Slab, zeroed_slabs};
 use super::sm90::{
-    Block, ConsumerRoles, ItemLoop, MapColumns, Rings, Role, WorkQueue, advance, produce_items,
-    split_roles,
+    Block, ConsumerRoles, ItemLoop, MapColumns, Rings, Role, WorkQueue, advance, divisor,
+    produce_items, split_roles,
 };
 use super::softmax::{OnlineSoftmax, rescale_rows};
 use super::{FwdArgs, HalfType, Tiling};
@@ -536,7 +536,7 @@ where
 fn item_scales(k: &mut Kernel, args: ParamBytes, b: &Block) -> Scales {
     // Read here, not kept in registers across the key loop.
     let scale_log2 = k.load_param_at::<F32>(args, offset_of!(FwdArgs, scale_log2));
-    let group = k.load_param_at::<U32>(args, offset_of!(FwdArgs, group));
+    let group = divisor(k, args, offset_of!(FwdArgs, group_div));
     let heads_q = k.load_param_at::<U32>(args, offset_of!(FwdArgs, heads_q));
     let blocks = |k: &mut Kernel, off| k.load_param_at::<U32>(args, off);
     let q_blocks = blocks(k, offset_of!(Fp8Args, q_scale_blocks));
@@ -549,8 +549,8 @@ fn item_scales(k: &mut Kernel, args: ParamBytes, b: &Block) -> Scales {
     let q_at = k.mad_wide_u32(q_index, 4u32, q_ptr);
     let q_scale = k.ld_global::<F32>(q_at, 0);
     // k_scale[(b·Hkv + h / group)·kv_blocks + ..]
-    let heads_kv = k.div(heads_q, group);
-    let kv_head = k.div(b.head, group);
+    let heads_kv = k.div_fast(heads_q, group);
+    let kv_head = k.div_fast(b.head, group);
     let bkv = k.mad(b.batch, heads_kv, kv_head);
     Scales {
         q_log2: k.mul(q_scale, scale_log2),

@@ -75,7 +75,7 @@ use producer::produce;
 pub(super) use producer::produce_items;
 use roles::Fwd;
 pub(super) use roles::{ConsumerRoles, Rings, split_roles};
-pub(super) use schedule::{Block, ItemLoop, Role, WindowTiles, WorkQueue};
+pub(super) use schedule::{Block, ItemLoop, Role, WindowTiles, WorkQueue, divisor};
 pub use shape::{
     CONSUMER_REGS, D64_STAGES, MAX_SMEM, MapColumns, PRODUCER_REGS, SPLIT_STAGES, STAGES, Shape,
     Slots,

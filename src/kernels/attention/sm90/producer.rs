@@ -3,7 +3,7 @@
 use std::mem::offset_of;
 
 use super::roles::{Fwd, Rings};
-use super::schedule::{Block, ItemLoop, Role};
+use super::schedule::{Block, ItemLoop, Role, divisor};
 use crate::kernels::attention::FwdArgs;
 use crate::ptx::{
     Cmp, Kernel, Mbarrier, Pred, Reg, RingBarriers, S32, SmemAddr, SmemLayout, TmaDesc, U32, U64,
@@ -40,13 +40,13 @@ pub(crate) fn produce_items(
         for map in maps {
             k.tma_prefetch_desc(map);
         }
-        let group = k.load_param_at::<U32>(items.args, offset_of!(FwdArgs, group));
+        let group = divisor(k, items.args, offset_of!(FwdArgs, group_div));
         let zero = k.mov::<S32>(0i32);
         let mut rings = Rings::producer(k, items.smem, rings);
         items.run(k, Role::Producer, |k, b| {
             let any = k.setp(Cmp::Gt, b.tiles.end, 0i32);
             k.if_(any, |k| {
-                let kv_head = k.div(b.head, group).cast::<S32>();
+                let kv_head = k.div_fast(b.head, group).cast::<S32>();
                 let batch = b.seq.tensor_batch.cast::<S32>();
                 let kv_batch = b.seq.kv_batch.cast::<S32>();
                 let head = b.head.cast::<S32>();

@@ -287,6 +287,15 @@ fn for_each_item(
     }
 }
 
+/// The [`FastDivisor`](crate::ptx::FastDivisor) at byte `at` of the argument block, as
+/// the (magic, shift) pair [`Kernel::div_fast`] takes. (Work items number below 2^31 on
+/// this path, so every quotient of their decoding is exact.)
+pub(crate) fn divisor(k: &mut Kernel, args: ParamBytes, at: usize) -> (Reg<U32>, Reg<U32>) {
+    let magic = k.load_param_at::<U32>(args, at);
+    let shift = k.load_param_at::<U32>(args, at + 4);
+    (magic, shift)
+}
+
 /// The (query tile, head, batch) of work item `item`: head-batch-major with each head's
 /// query tiles in a row, except, with causal masking, the last `tail_heads` head-batches,
 /// which are query-tile-major (see [`for_each_item`]). A windowed kernel's item starts
@@ -299,8 +308,8 @@ pub(super) fn item_block(
     item: Reg<U32>,
     [q_blocks, heads]: [Reg<U32>; 2],
 ) -> Block {
-    let mut m_index = k.rem(item, q_blocks);
-    let mut hb = k.div(item, q_blocks);
+    let q_div = divisor(k, args, offset_of!(FwdArgs, q_blocks_div));
+    let (mut hb, mut m_index) = k.div_rem_fast(item, q_blocks, q_div);
     if causal {
         let tail = k.load_param_at::<U32>(args, offset_of!(FwdArgs, tail_heads));
         let batch = k.load_param_at::<U32>(args, offset_of!(FwdArgs, batch));
@@ -310,14 +319,16 @@ pub(super) fn item_block(
         let in_lead = k.setp(Cmp::Lt, item, lead_items);
         let past = k.sub(item, lead_items);
         let across = k.max(tail, 1u32);
-        let m_tail = k.div(past, across);
-        let hb_tail = k.rem(past, across);
+        // (Past the lead only: `past` wraps for the lead's items, whose quotient the
+        // select drops.)
+        let tail_div = divisor(k, args, offset_of!(FwdArgs, tail_div));
+        let (m_tail, hb_tail) = k.div_rem_fast(past, across, tail_div);
         let hb_tail = k.add(hb_tail, lead);
         m_index = k.selp(m_index, m_tail, in_lead);
         hb = k.selp(hb, hb_tail, in_lead);
     }
-    let head = k.rem(hb, heads);
-    let b = k.div(hb, heads);
+    let heads_div = divisor(k, args, offset_of!(FwdArgs, heads_div));
+    let (b, head) = k.div_rem_fast(hb, heads, heads_div);
     let m_block = query_block(k, m_index, q_blocks, causal);
     let m_start = k.mul(m_block.cast::<S32>(), block_m as i32);
     // The sm90 path's kernels that read the used keys also serve packed queries over a

@@ -599,3 +599,35 @@ fn causal_producers_pass_sequences_without_queries() {
         assert!(!ptx.contains("red.global.max"), "{}", cfg.id());
     }
 }
+
+/// Every sm90a forward (16-bit and FP8) decodes its work items by multiplies and shifts
+/// from the argument block's [`FastDivisor`](crate::ptx::FastDivisor)s: no `div` or `rem`
+/// on a register divisor, whose reciprocal sequence stood between a producer's first
+/// ticket and its first TMA.
+#[test]
+fn sm90_work_items_decode_without_integer_division() {
+    let divides = |ptx: &str| {
+        ptx.lines().any(|l| {
+            ["div.u32", "div.s32", "rem.u32", "rem.s32"]
+                .iter()
+                .any(|d| l.contains(d))
+        })
+    };
+    let mut sm90 = 0;
+    for cfg in crate::kernels::attention::all_fwd_configs() {
+        if cfg.path != super::super::Path::Sm90 {
+            continue;
+        }
+        sm90 += 1;
+        let ptx = cfg.generate().unwrap().to_ptx();
+        assert!(!divides(&ptx), "{}", cfg.id());
+        assert!(ptx.contains("mul.hi.u32"), "{}", cfg.id());
+    }
+    assert!(sm90 >= 300, "{sm90} sm90 forward kernels");
+    for cfg in crate::kernels::attention::fp8::all_fp8_configs() {
+        let ptx = cfg.generate().unwrap().to_ptx();
+        if ptx.contains(".target sm_90a") {
+            assert!(!divides(&ptx), "{}", cfg.id());
+        }
+    }
+}
