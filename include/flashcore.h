@@ -479,8 +479,12 @@ int32_t flashcore_check_forward_varlen_ex(const FlashcoreTensor *q, const Flashc
  * The number of splits of each sequence's keys (and so the workspace size) depends only
  * on the shapes (B, Sq, Hq, Hkv, D), the dtype, the layout, the capacity and the GPU, never
  * on the lengths: a captured graph stays right as sequences grow. Limits: B and Hkv * ceil(Sq * Hq / Hkv / 16) at most
- * 65535. All arguments are checked before anything runs; on error nothing is launched or
- * written. The first call of a configuration generates and JIT-loads its kernels. */
+ * 65535; where the decode kernels run the call (up to 16 queries, or a cache the forward
+ * kernels cannot read), B * Sq * Hq below 2^31 (their partial results' rows): which path
+ * runs it depends on the GPU, so flashcore_check_decode leaves this one to the call,
+ * which returns FLASHCORE_ERROR_INVALID_ARGUMENT for it before launching anything. All
+ * arguments are checked before anything runs; on error nothing is launched or written.
+ * The first call of a configuration generates and JIT-loads its kernels. */
 int32_t flashcore_decode(FlashcoreContext *ctx, const FlashcoreTensor *q, const FlashcoreKvCache *cache,
                          const int32_t *host_seqlens, const int32_t *host_block_table,
                          const FlashcoreTensor *o, uint64_t lse, float softmax_scale, int32_t causal,
@@ -491,8 +495,8 @@ int32_t flashcore_decode(FlashcoreContext *ctx, const FlashcoreTensor *q, const 
  * cache's k and v are e4m3 codes (FLASHCORE_E4M3) with these scales (see
  * FlashcoreKvScales), D in {64, 128, 256}, and q and o are f16 or bf16 (one dtype for
  * both): keys and values are dequantized (code times scale) as they are read. Needs an
- * sm_89 or newer GPU (FLASHCORE_ERROR_UNSUPPORTED_GPU otherwise). An e4m3 cache with scales NULL, or scales
- * with a 16-bit cache, is FLASHCORE_ERROR_INVALID_ARGUMENT; scales not float32 is
+ * sm_89 or newer GPU (FLASHCORE_ERROR_UNSUPPORTED_GPU otherwise). An e4m3 cache with scales NULL, or
+ * float32 scales with a 16-bit cache, is FLASHCORE_ERROR_INVALID_ARGUMENT; scales not float32 is
  * FLASHCORE_ERROR_UNSUPPORTED_DTYPE, of another shape FLASHCORE_ERROR_SHAPE_MISMATCH. */
 int32_t flashcore_decode_fp8kv(FlashcoreContext *ctx, const FlashcoreTensor *q, const FlashcoreKvCache *cache,
                                const FlashcoreKvScales *scales, const int32_t *host_seqlens,
@@ -561,7 +565,8 @@ int32_t flashcore_decode_workspace_bytes_fp8kv(FlashcoreContext *ctx, const Flas
 
 /* Checks the arguments of a flashcore_decode call (same meaning) against every rule
  * flashcore_decode applies before launching, except the workspace's (its size depends on
- * the GPU), without a context, a GPU or a driver: device pointers are only checked as
+ * the GPU) and the decode kernels' 2^31 partial rows (whether they run the call depends on
+ * the GPU; see flashcore_decode), without a context, a GPU or a driver: device pointers are only checked as
  * numbers; the host arrays, when given, are read and checked against the cache. Returns
  * FLASHCORE_SUCCESS or the code flashcore_decode would return for them. */
 int32_t flashcore_check_decode(const FlashcoreTensor *q, const FlashcoreKvCache *cache,

@@ -61,11 +61,11 @@ def _packed(t, ptr=None):
 
 
 def _stand_in(t, ptr):
-    """`_packed(t)` at a stand-in address, empty dimensions described as 1: every check
-    but "not empty" still applies to a call with nothing to launch."""
+    """`_packed(t)` at a stand-in address, no rows described as one: every check but "not
+    empty" still applies to a call with nothing to launch. (Heads or a head dim of 0 stay
+    0, which the checks refuse, as the library refuses them with rows.)"""
     d = _packed(t, ptr)
-    for j in range(4):
-        d.shape[j] = max(d.shape[j], 1)
+    d.shape[1] = max(d.shape[1], 1)
     return d
 
 
@@ -154,9 +154,9 @@ def _varlen(q, k, v, cu_q, cu_k, max_seqlen_q, host_q, host_k, causal, scale, re
     window = (window_left, window_right)
     o, lse = _outputs(q, return_lse)
     batch = cu_q.shape[0] - 1
-    if q.numel() == 0 or k.numel() == 0:
-        # Nothing to launch; flashcore's rules still apply to what was passed. With no
-        # keys, every query row sees none: zeros, and an LSE of -inf.
+    if q.shape[0] == 0 or k.shape[0] == 0:
+        # No rows: nothing to launch; flashcore's rules still apply to what was passed.
+        # With no keys, every query row sees none: zeros, and an LSE of -inf.
         _check(q, k, v, o, return_lse, batch, max_seqlen_q, scale, causal, host_q, host_k, window, softcap)
         o.zero_()
         lse.fill_(-math.inf)

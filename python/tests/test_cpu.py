@@ -698,6 +698,13 @@ def test_varlen_without_rows_still_follows_the_rules():
         with pytest.raises(FlashcoreError) as e:
             torch.ops.flashcore.attention_varlen(q, k, k, cu, cu, 8, None, None, False, 0.0, False)
         assert e.value.name == name
+    # No heads (or no head dim) is no smaller problem but a malformed one, with rows or
+    # without: refused as the library refuses it, never answered with zeros.
+    for q, k in [(meta(10, 8, 64), meta(7, 0, 64)), (meta(10, 8, 64), meta(0, 0, 64)),
+                 (meta(10, 0, 64), meta(7, 2, 64)), (meta(10, 8, 0), meta(7, 2, 0))]:
+        with pytest.raises(FlashcoreError) as e:
+            torch.ops.flashcore.attention_varlen(q, k, k, cu, cu, 8, None, None, False, 0.0, False)
+        assert e.value.name == "FLASHCORE_ERROR_EMPTY_DIMENSION", (q.shape, k.shape, e.value.name)
 
 
 def test_varlen_max_seqlen_and_host_copies_of_any_integer_type():

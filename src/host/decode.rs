@@ -16,7 +16,9 @@ use std::sync::Arc;
 
 use cudarc::driver::sys::CUstream;
 
-use super::attention::{Attention, PathChoice, plan_problem, sm90_maps, sm90_paged_maps};
+use super::attention::{
+    Attention, PathChoice, Sm90Operands, plan_problem, sm90_maps, sm90_paged_maps,
+};
 use super::kv_cache::{CacheLayout, CacheShape, HostMetadata, KvCache};
 use super::launch::{LaunchDims, PaddedParams, launch, launch_programmatic};
 use super::module::{Carveout, LoadedKernel};
@@ -880,6 +882,15 @@ pub(crate) fn varlen_takes_decode(problem: &FwdProblem, choice: PathChoice, sm_c
     forward_takes_decode(&dense, choice, sm_count)
 }
 
+/// A decode call's forward side, ready to launch ([`Attention::prepare_decode_by_forward`]):
+/// its forward problem and kernel configuration (loaded), and the sm90 path's tensor maps
+/// (`None` on the sm80 path, whose kernels take pointers).
+pub(crate) struct ForwardDecode {
+    forward: FwdProblem,
+    cfg: FwdConfig,
+    operands: Option<Sm90Operands>,
+}
+
 /// [`Attention::decode_forward_plan`] on a GPU of architecture and SM count `gpu`, with
 /// the paths `choice` allows.
 pub(crate) fn decode_forward_plan_on(
@@ -964,7 +975,14 @@ impl Attention {
         if problem.cache.fp8 {
             self.check_fp8_cache_gpu()?;
         }
-        Ok(self.decode_plan(&problem)?.workspace_bytes)
+        match self.decode_plan(&problem) {
+            Ok(plan) => Ok(plan.workspace_bytes),
+            // Queries the forward kernels take (which need no workspace) past the decode
+            // kernels' 2^31 partial rows: a call whose maps or options leave them to the
+            // decode kernels fails on that plan before it launches anything.
+            Err(_) if self.decode_forward_plan(&problem, cache).is_some() => Ok(0),
+            Err(e) => Err(e),
+        }
     }
 
     /// Decode: `o = softmax(q kᵀ · scale) v` for `Sq` new query tokens per sequence
@@ -1058,9 +1076,32 @@ impl Attention {
         params: &AttentionParams,
         stream: CUstream,
     ) -> Option<Result<()>> {
+        let prepared = match self.prepare_decode_by_forward(problem, q, cache, o, lse, params)? {
+            Ok(prepared) => prepared,
+            Err(e) => return Some(Err(e)),
+        };
+        // SAFETY: this function's contract, passed on.
+        Some(unsafe { self.launch_decode_by_forward(prepared, q, cache, o, lse, stream) })
+    }
+
+    /// Everything of [`Attention::decode_by_forward`] short of its launch: the forward
+    /// problem and kernel, the views' checks, the tensor maps, and the kernel loaded,
+    /// so that a caller with other launches to make first (`decode_varlen`'s short
+    /// runs) learns of any failure before it launches anything. `None` where the
+    /// decode kernels run the call.
+    pub(crate) fn prepare_decode_by_forward(
+        &self,
+        problem: &DecodeProblem,
+        q: &TensorView,
+        cache: &KvCache,
+        o: &TensorView,
+        lse: Option<&LseView>,
+        params: &AttentionParams,
+    ) -> Option<Result<ForwardDecode>> {
         let (forward, cfg) = self.decode_forward_plan(problem, cache)?;
         let packed = forward.packed.is_some();
-        if forward.pages.is_none() {
+        let views = [q, &cache.k, &cache.v, o];
+        let operands = if forward.pages.is_none() {
             // The forward's own checks of the views (the decode's passed): the cache as
             // K and V of `[B, capacity, Hkv, D]`. Packed queries have a batch extent of
             // their own, and their checks are the decode's plus the capacity's bound,
@@ -1068,26 +1109,53 @@ impl Attention {
             if !packed {
                 validate_fwd(q, &cache.k, &cache.v, o, lse, params).ok()?;
             }
-            let views = [q, &cache.k, &cache.v, o];
-            return Some(match cfg.path {
-                Path::Sm90 => {
-                    // Views the driver will not map go to the decode kernels: the sm80
-                    // kernel a refused map falls back to might not read the used keys.
-                    let operands = sm90_maps(&cfg, views, packed).ok()?;
-                    // SAFETY: this function's contract; the forward's checks (or, packed,
-                    // the decode's) passed on these views, which the maps cover.
-                    unsafe { self.launch_sm90(&forward, &cfg, operands, o, lse, stream) }
-                }
-                // SAFETY: as above; the plan's kernel reads the used keys.
-                Path::Sm80 => unsafe { self.launch_forward(&forward, &cfg, views, lse, stream) },
-            });
+            match cfg.path {
+                // Views the driver will not map go to the decode kernels: the sm80
+                // kernel a refused map falls back to might not read the used keys.
+                Path::Sm90 => Some(sm90_maps(&cfg, views, packed).ok()?),
+                Path::Sm80 => None,
+            }
+        } else {
+            let page_size = problem.cache.page_size;
+            Some(sm90_paged_maps(&cfg, views, page_size, packed).ok()?)
+        };
+        Some(self.prepare(&cfg).map(|_| ForwardDecode {
+            forward,
+            cfg,
+            operands,
+        }))
+    }
+
+    /// Launches what [`Attention::prepare_decode_by_forward`] prepared for these views.
+    ///
+    /// # Safety
+    ///
+    /// As for [`Attention::decode_by_forward`].
+    pub(crate) unsafe fn launch_decode_by_forward(
+        &self,
+        prepared: ForwardDecode,
+        q: &TensorView,
+        cache: &KvCache,
+        o: &TensorView,
+        lse: Option<&LseView>,
+        stream: CUstream,
+    ) -> Result<()> {
+        let ForwardDecode {
+            forward,
+            cfg,
+            operands,
+        } = prepared;
+        match operands {
+            // SAFETY: this function's contract; the forward's checks (or, packed, the
+            // decode's) passed on these views, which the maps cover (a paged cache's
+            // pools, whose pages the kernel finds through the table and TMA bounds).
+            Some(operands) => unsafe { self.launch_sm90(&forward, &cfg, operands, o, lse, stream) },
+            // SAFETY: as above; the plan's kernel reads the used keys.
+            None => unsafe {
+                let views = [q, &cache.k, &cache.v, o];
+                self.launch_forward(&forward, &cfg, views, lse, stream)
+            },
         }
-        let page_size = problem.cache.page_size;
-        let views = [q, &cache.k, &cache.v, o];
-        let operands = sm90_paged_maps(&cfg, views, page_size, packed).ok()?;
-        // SAFETY: this function's contract; the maps cover q, o and the pools, whose
-        // pages the kernel finds through the table and TMA bounds to the pools.
-        Some(unsafe { self.launch_sm90(&forward, &cfg, operands, o, lse, stream) })
     }
 
     /// The forward problem and kernel a validated decode call runs on when

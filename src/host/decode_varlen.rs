@@ -220,8 +220,15 @@ impl Attention {
             self.check_fp8_cache_gpu()?;
         }
         let split = split_runs(&problem);
-        if problem.seqlen_q > MAX_QUERIES && self.decode_forward_plan(&split.long, cache).is_some()
-        {
+        // The long runs' forward kernel, maps and checks come first: whatever of them fails
+        // fails before the short runs launch (and views the maps refuse send every run to
+        // the decode kernels, checked as such).
+        let forward = match problem.seqlen_q > MAX_QUERIES {
+            true => self.prepare_decode_by_forward(&split.long, q, cache, o, lse, params),
+            false => None,
+        };
+        if let Some(forward) = forward {
+            let forward = forward?;
             // The short runs on the decode kernels, which skip the long ones...
             let plan = self.decode_plan(&split.short)?;
             if let Some(w) = workspace
@@ -229,26 +236,15 @@ impl Attention {
             {
                 check_workspace(&w, plan.workspace_bytes, cache, q, o, lse, &split.short)?;
             }
-            let (short, long) = (&split.short, &split.long);
+            let short = &split.short;
             // SAFETY: this function's contract; the call was validated above. The decode
             // kernels clamp each sequence's offsets to q's rows and write only the rows of
             // sequences of at most `MAX_QUERIES` queries.
             unsafe { self.run_decode(short, &plan, q, cache, o, lse, workspace, stream)? };
             // ...then the long ones on the forward kernels, which skip the short ones.
-            // SAFETY: as above; they write only the rows of the other sequences.
-            let by_forward =
-                unsafe { self.decode_by_forward(long, q, cache, o, lse, params, stream) };
-            if let Some(ran) = by_forward {
-                return ran;
-            }
-            // Views the forward's maps refuse: every run on the decode kernels (the short
-            // ones again, to the same values), with a workspace of their size.
-            let plan = self.decode_plan(&problem)?;
-            let workspace = workspace.filter(|w| w.bytes >= plan.workspace_bytes);
-            // SAFETY: as above, for every sequence.
-            return unsafe {
-                self.run_decode(&problem, &plan, q, cache, o, lse, workspace, stream)
-            };
+            // SAFETY: as above; they write only the rows of the other sequences, and
+            // `forward` was prepared for `long` on these views.
+            return unsafe { self.launch_decode_by_forward(forward, q, cache, o, lse, stream) };
         }
         let plan = self.decode_plan(&problem)?;
         if let Some(w) = workspace
@@ -276,7 +272,11 @@ impl Attention {
             self.check_fp8_cache_gpu()?;
         }
         let d = self.device();
-        packed_workspace_bytes(&problem, d.sm_count(), d.smem_optin())
+        let forward = problem.seqlen_q > MAX_QUERIES
+            && self
+                .decode_forward_plan(&split_runs(&problem).long, cache)
+                .is_some();
+        packed_workspace_bytes(&problem, d.sm_count(), d.smem_optin(), forward)
     }
 }
 
@@ -284,18 +284,27 @@ impl Attention {
 /// the larger of its two plans, every run on the decode kernels or the short runs alone.
 /// Which of them a call takes depends on its options (the forward kernels that would take
 /// the long runs may not exist for a window or a cap) and on the forward's tensor maps,
-/// neither of which the size may depend on.
+/// neither of which the size may depend on. Where every run on the decode kernels has no
+/// plan (2^31 partial rows or more: many sequences beside a long prompt chunk) but the
+/// forward kernels take the long runs on this GPU (`forward_takes_long`), the size is the
+/// short runs': a call whose maps or options leave every run to the decode kernels then
+/// fails on that plan before it launches anything.
 fn packed_workspace_bytes(
     problem: &DecodeProblem,
     sm_count: u32,
     smem_optin: u32,
+    forward_takes_long: bool,
 ) -> Result<usize> {
-    let every_run = plan_decode(problem, sm_count, smem_optin)?.workspace_bytes;
+    let every_run = plan_decode(problem, sm_count, smem_optin).map(|p| p.workspace_bytes);
     if problem.seqlen_q <= MAX_QUERIES {
-        return Ok(every_run);
+        return every_run;
     }
     let short_runs = plan_decode(&split_runs(problem).short, sm_count, smem_optin)?;
-    Ok(every_run.max(short_runs.workspace_bytes))
+    match every_run {
+        Ok(bytes) => Ok(bytes.max(short_runs.workspace_bytes)),
+        Err(_) if forward_takes_long => Ok(short_runs.workspace_bytes),
+        Err(e) => Err(e),
+    }
 }
 
 #[cfg(test)]
@@ -467,6 +476,40 @@ mod tests {
     /// The size asked for without options covers the plan a call takes with any of
     /// them: with some options the forward kernels that would take the long runs do not
     /// read the cache, and then every run takes the decode kernels.
+    /// Many sequences beside one long prompt chunk: every run on the decode kernels would
+    /// hold 2^31 partial rows (4096 sequences x 65536 queries x 8 heads), which no plan
+    /// takes, but on Hopper the forward kernels take the long runs and the short ones
+    /// need their own plan only: the size query gives that plan's size there, and the
+    /// decode kernels' refusal where nothing else can take the call.
+    #[test]
+    fn the_workspace_size_of_many_sequences_beside_a_long_chunk() {
+        let c = cache(4096, 16, 8, 128, None);
+        let q = TensorView::bshd(4 * GB, DType::F16, 1, 65536 + 4095, 8, 128);
+        let params = AttentionParams::default();
+        let p = packed_query_problem(&q, &c, &queries(4096, 65536, None), &params).unwrap();
+        let smem = 227 * 1024;
+        assert!(plan_decode(&p, 132, smem).is_err());
+        let split = split_runs(&p);
+        assert!(decode_forward_plan_on(H200, PathChoice::Best, &split.long, &c).is_some());
+        let short = plan_decode(&split.short, 132, smem)
+            .unwrap()
+            .workspace_bytes;
+        assert_eq!(packed_workspace_bytes(&p, 132, smem, true).unwrap(), short);
+        let refused = packed_workspace_bytes(&p, 132, smem, false);
+        assert!(
+            matches!(refused, Err(Error::InvalidArgument(_))),
+            "{refused:?}"
+        );
+        // A chunk half as long: every run has a plan, and the size covers it.
+        let q = TensorView::bshd(4 * GB, DType::F16, 1, 32768 + 4095, 8, 128);
+        let p = packed_query_problem(&q, &c, &queries(4096, 32768, None), &params).unwrap();
+        let every = plan_decode(&p, 132, smem).unwrap().workspace_bytes;
+        for forward in [false, true] {
+            let bytes = packed_workspace_bytes(&p, 132, smem, forward).unwrap();
+            assert!(bytes >= every, "{bytes} < {every}");
+        }
+    }
+
     #[test]
     fn the_workspace_size_covers_every_options_plan() {
         use crate::host::tensor::Window;
@@ -512,7 +555,7 @@ mod tests {
                 for max in [16, 200] {
                     let without = AttentionParams::default();
                     let p = packed_query_problem(&q, &c, &queries(8, max, None), &without).unwrap();
-                    let bytes = packed_workspace_bytes(&p, 132, 227 * 1024).unwrap();
+                    let bytes = packed_workspace_bytes(&p, 132, 227 * 1024, false).unwrap();
                     for (causal, window, softcap) in options {
                         let params = AttentionParams {
                             softmax_scale: None,
