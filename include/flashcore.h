@@ -478,11 +478,12 @@ int32_t flashcore_check_forward_varlen_ex(const FlashcoreTensor *q, const Flashc
  *
  * The number of splits of each sequence's keys (and so the workspace size) depends only
  * on the shapes (B, Sq, Hq, Hkv, D), the dtype, the layout, the capacity and the GPU, never
- * on the lengths: a captured graph stays right as sequences grow. Limits: B and Hkv * ceil(Sq * Hq / Hkv / 16) at most
- * 65535; where the decode kernels run the call (up to 16 queries, or a cache the forward
- * kernels cannot read), B * Sq * Hq below 2^31 (their partial results' rows): which path
- * runs it depends on the GPU, so flashcore_check_decode leaves this one to the call,
- * which returns FLASHCORE_ERROR_INVALID_ARGUMENT for it before launching anything. All
+ * on the lengths: a captured graph stays right as sequences grow. Limits: B at most 65535;
+ * where the decode kernels run the call (up to 16 queries, or more against a cache the
+ * forward kernels cannot read), also Hkv * ceil(Sq * Hq / Hkv / 16) at most 65535 (their
+ * grid) and B * Sq * Hq below 2^31 (their partial results' rows). Which kernels run a
+ * call depends on the GPU, so flashcore_check_decode leaves those two to the call, which
+ * returns FLASHCORE_ERROR_INVALID_ARGUMENT for them before launching anything. All
  * arguments are checked before anything runs; on error nothing is launched or written.
  * The first call of a configuration generates and JIT-loads its kernels. */
 int32_t flashcore_decode(FlashcoreContext *ctx, const FlashcoreTensor *q, const FlashcoreKvCache *cache,
@@ -565,8 +566,8 @@ int32_t flashcore_decode_workspace_bytes_fp8kv(FlashcoreContext *ctx, const Flas
 
 /* Checks the arguments of a flashcore_decode call (same meaning) against every rule
  * flashcore_decode applies before launching, except the workspace's (its size depends on
- * the GPU) and the decode kernels' 2^31 partial rows (whether they run the call depends on
- * the GPU; see flashcore_decode), without a context, a GPU or a driver: device pointers are only checked as
+ * the GPU) and the decode kernels' grid and partial rows (whether they run the call
+ * depends on the GPU; see flashcore_decode), without a context, a GPU or a driver: device pointers are only checked as
  * numbers; the host arrays, when given, are read and checked against the cache. Returns
  * FLASHCORE_SUCCESS or the code flashcore_decode would return for them. */
 int32_t flashcore_check_decode(const FlashcoreTensor *q, const FlashcoreKvCache *cache,
@@ -625,7 +626,9 @@ int32_t flashcore_check_decode_fp8kv_ex(const FlashcoreTensor *q, const Flashcor
  *   batch:         the number of sequences, the cache's batch, 1 ..= 65535.
  *   max_seqlen_q:  at least the longest n_b, 1 ..= 2^25. Up to 16 the decode kernels run;
  *                  past it, on Hopper, the forward kernels where they read the cache (16-bit,
- *                  contiguous or pages of 16 or more), the decode kernels otherwise.
+ *                  contiguous or pages of 16 or more), the decode kernels otherwise (then
+ *                  with flashcore_decode's limits on their grid and partial rows, for
+ *                  batch sequences of max_seqlen_q queries).
  *   host_cu_seqlens_q: NULL, or a host copy of the offsets (batch + 1 entries), checked first:
  *                  from 0 or more, non-decreasing, ending inside q, none longer than
  *                  max_seqlen_q.

@@ -3664,9 +3664,17 @@ mod tests {
         let code =
             |q: &FlashcoreTensor, c: &FlashcoreKvCache| check_decode(q, c, None, None, 0, 0.0);
 
-        // One typed code for each kind of bad input.
+        // A long prompt chunk passes: the decode kernels' grid is their plan's to apply,
+        // where they take the call.
         assert_eq!(
             code(&query(600_000, 4, 4 * GB), &c),
+            FLASHCORE_SUCCESS,
+            "{}",
+            last_error()
+        );
+        // One typed code for each kind of bad input.
+        assert_eq!(
+            check_decode(&q, &c, None, None, 0, -1.0),
             FLASHCORE_ERROR_INVALID_ARGUMENT
         );
         assert!(

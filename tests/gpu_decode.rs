@@ -715,6 +715,37 @@ fn decode_long_query_chunks() {
     run_all_fp8(&cases[..3]);
 }
 
+/// A prompt chunk past the decode kernels' grid (64 query heads over 8 KV heads, 16400
+/// queries: 8 x 8200 blocks of 16 rows, above its 65535) against a contiguous cache runs
+/// on the forward kernels, which read the cache on either path; validation used to refuse
+/// it for the decode kernels' sake.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn decode_prompt_chunks_past_the_decode_grid() {
+    let chunk = case(HalfType::F16, (64, 8), 64, 16400, &[64], 0, false);
+    let (attn, s) = setup();
+    run_all_on(&attn, &s, &[chunk]);
+    let forward = loaded_ids(&attn, "attn_fwd_");
+    assert!(!forward.is_empty(), "no forward kernel ran");
+}
+
+/// A serving batch whose prompt chunk is past the decode kernels' grid (16400 queries of
+/// 64 heads over 8 KV heads) beside decode steps, with a caller's workspace of the size
+/// the query gives: on Hopper the forward kernels take the chunk and the decode kernels the
+/// steps, whose plan alone sizes the workspace (every run on the decode kernels has none).
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn decode_varlen_chunks_past_the_decode_grid() {
+    let (attn, s) = setup();
+    if attn.device().compute_capability().0 != 9 {
+        println!("skipped: off Hopper the decode kernels take every run");
+        return;
+    }
+    let mut batch = case(HalfType::F16, (64, 8), 64, 16400, &[64, 300, 9], 0, false);
+    batch.workspace = true;
+    run_all_packed(&attn, &s, &[(batch, vec![16400, 1, 4])], false);
+}
+
 /// One sequence's float64 attention: `n` queries (`[n, Hq, D]`) at the end of `len`
 /// cached keys; `([n, Hq, D], [Hq, n])`, zeros and −∞ with no keys.
 fn reference_sequence(

@@ -209,7 +209,6 @@ def test_c_abi_serving_checks_arrive_as_flashcore_errors():
         lib.check_decode(q, c, _capi.int32_array([64, 0]), table if paged else None, o, 6 << 40, 0.5, False)
     c = cache_descs(True)
     cases = [
-        (dict(q=describe((2, 600000, 4, 64), ptr=4 << 40)), "FLASHCORE_ERROR_INVALID_ARGUMENT", "grid limit"),
         (dict(q=describe((2, 1, 3, 64), ptr=4 << 40)), "FLASHCORE_ERROR_HEAD_RATIO", "3"),
         (dict(lens=[65, 0], table=table), "FLASHCORE_ERROR_INVALID_ARGUMENT", "capacity"),
         (dict(lens=[64, 0], table=_capi.int32_array([0, 1, 2, 8, 4, 5, 6, 7])), "FLASHCORE_ERROR_INVALID_ARGUMENT",
@@ -231,6 +230,9 @@ def test_c_abi_serving_checks_arrive_as_flashcore_errors():
         assert e.value.name == name, args
         assert words in e.value.message, (args, e.value.message)
         assert e.value.message.startswith("flashcore_check_decode: ")
+    # A long prompt chunk passes the checks: the decode kernels' grid is the call's to apply.
+    long_q, long_o = describe((2, 600000, 4, 64), ptr=4 << 40), describe((2, 600000, 4, 64), ptr=5 << 40)
+    lib.check_decode(long_q, c, None, None, long_o, 0, 0.0, True)
     # Entries past a sequence's last page are not looked at.
     lib.check_decode(q, c, _capi.int32_array([48, 0]), _capi.int32_array([0, 1, 2, -1, 4, 5, 6, 7]), o, 0, 0.0, False)
     c.max_pages = -1
@@ -301,7 +303,6 @@ def test_merge_fake_shapes():
 @pytest.mark.parametrize(
     "q_shape, cache_shape, table_shape, dtype, cache_dtype, name, words",
     [
-        ((2, 300000, 8, 128), (2, 64, 8, 128), None, torch.float16, None, "FLASHCORE_ERROR_INVALID_ARGUMENT", "grid limit"),
         ((2, 1, 12, 128), (2, 64, 8, 128), None, torch.float16, None, "FLASHCORE_ERROR_HEAD_RATIO", "12"),
         ((2, 1, 8, 264), (2, 64, 8, 264), None, torch.float16, None, "FLASHCORE_ERROR_UNSUPPORTED_HEAD_DIM", "264"),
         ((2, 1, 8, 64), (2, 64, 8, 64), None, torch.float16, torch.bfloat16, "FLASHCORE_ERROR_UNSUPPORTED_DTYPE", "share"),
@@ -321,6 +322,15 @@ def test_fake_decode_applies_flashcore_rules(q_shape, cache_shape, table_shape, 
     assert e.value.name == name
     assert words in str(e.value)
     assert e.value.message.startswith("flashcore_check_decode: ")
+
+
+def test_fake_decode_takes_long_prompt_chunks():
+    # 300000 queries of 8 heads: past the decode kernels' grid (8 KV heads x 18750 blocks of
+    # 16 rows), which only the call applies, where those kernels would take it (on Hopper
+    # the forward kernels run such chunks).
+    k = meta(2, 64, 8, 128)
+    o = flashcore.decode(meta(2, 300000, 8, 128), k, k.clone(), i32(2))
+    assert o.shape == (2, 300000, 8, 128)
 
 
 def test_fake_append_and_merge_apply_flashcore_rules():

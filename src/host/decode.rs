@@ -308,10 +308,11 @@ pub(crate) fn decode_problem_of(
         softcap,
         packed: None,
     };
-    if batch > MAX_GRID_YZ || shape.heads_kv.saturating_mul(problem.row_chunks()) > MAX_GRID_YZ {
+    // (The decode kernels' grid also holds KV heads x query chunks of 16 rows; that limit
+    // is their plan's, since past 16 queries the forward kernels may take the call.)
+    if batch > MAX_GRID_YZ {
         return Err(Error::InvalidArgument(format!(
-            "batch {batch} or KV heads x query chunks {} exceed the grid limit {MAX_GRID_YZ}",
-            shape.heads_kv.saturating_mul(problem.row_chunks())
+            "batch {batch} exceeds the grid limit {MAX_GRID_YZ}"
         )));
     }
     Ok(problem)
@@ -389,6 +390,15 @@ pub fn plan_decode(p: &DecodeProblem, sm_count: u32, smem_optin: u32) -> Result<
         )));
     }
     let kernel_head_dim = decode_head_dim(c.head_dim, c.fp8)?;
+    // The grid's y: KV heads x blocks of 16 packed query rows.
+    let chunks = c.heads_kv.saturating_mul(p.row_chunks());
+    if chunks > MAX_GRID_YZ {
+        return Err(Error::InvalidArgument(format!(
+            "no decode plan for {} queries of {} heads over {} KV heads: KV heads x query \
+             chunks {chunks} exceed the decode kernels' grid limit {MAX_GRID_YZ}",
+            p.seqlen_q, p.heads_q, c.heads_kv
+        )));
+    }
     // The partial results' rows (one per split, sequence, query and head) are counted in
     // 31 bits by the merge, as `validate_merge` requires of a caller's.
     let rows = c
@@ -2253,13 +2263,21 @@ pub(crate) mod tests {
     fn decode_refuses_bad_input_with_typed_errors() {
         let c = cache(2, 1024, 2, 64, Some(16));
         let q0 = q(2, 1, 4, 64, 4 * GB);
-        // Any query count, up to the grid's blocks of 16 query rows per KV head.
+        // Any query count: past the decode kernels' grid (KV heads x blocks of 16 query
+        // rows) only their plan refuses it, since the forward kernels may take the call.
         assert!(check(&q(2, 17, 4, 64, 4 * GB), &c).is_ok());
         assert!(check(&q(2, 4096, 4, 64, 4 * GB), &c).is_ok());
+        let long = check(&q(2, 600_000, 4, 64, 4 * GB), &c).unwrap();
         assert!(matches!(
-            check(&q(2, 600_000, 4, 64, 4 * GB), &c),
+            plan_decode(&long, 132, 227 * 1024),
             Err(Error::InvalidArgument(e)) if e.contains("grid limit")
         ));
+        // 2 KV heads x ceil(Sq · 2 / 16) chunks: 65534 at 262136 queries, 65536 past it.
+        let plan = |sq| plan_decode(&check(&q(2, sq, 4, 64, 4 * GB), &c).unwrap(), 132, 1 << 20);
+        assert!(plan(262_136).is_ok());
+        assert!(
+            matches!(plan(262_144), Err(Error::InvalidArgument(e)) if e.contains("grid limit"))
+        );
         assert!(matches!(
             check(&q(2, 1, 3, 64, 4 * GB), &c),
             Err(Error::HeadRatio { .. })

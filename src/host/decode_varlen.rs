@@ -28,8 +28,9 @@
 //! q of batch extent 1 and o of q's shape ([`Error::ShapeMismatch`]); at least one
 //! sequence ([`Error::EmptyDimension`]), at most 65535, `max_seqlen_q` from 1 to 2^25,
 //! `total_q` at most 2^25 ([`Error::InvalidArgument`]); then the cache, head dims,
-//! ratios, options and grid as [`Attention::decode`] checks them for `batch` sequences of
-//! `max_seqlen_q` queries; the pointers of q, o, the LSE and `cu_seqlens_q` (non-null,
+//! ratios and options as [`Attention::decode`] checks them for `batch` sequences of
+//! `max_seqlen_q` queries (the decode kernels' grid and partial rows are checked by the
+//! plan of the runs they take: the short ones where the forward kernels take the others); the pointers of q, o, the LSE and `cu_seqlens_q` (non-null,
 //! aligned) and q's and o's strides; o and the LSE apart from every input (the offsets
 //! among them) and each other; and with a host copy of the offsets, `batch + 1` entries
 //! from 0 or more, non-decreasing, ending inside q, none longer than `max_seqlen_q`.
