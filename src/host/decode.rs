@@ -2523,6 +2523,32 @@ pub(crate) mod tests {
                 "{lens:?} + {extra}: {m}"
             );
         }
+        // The overlap check allocates nothing by the pool's page count, which is the
+        // caller's (it was a mark per page: 4 GiB of host memory for a pool described
+        // with 2^32 - 1 pages, which a check function needs no memory behind): it looks
+        // pages up among the writes, wherever in the pool they are.
+        let pages = u32::MAX as usize;
+        let pool = |at| TensorView::bshd(at, DType::F16, pages, 1, 2, 64);
+        let huge = KvCache {
+            k: pool(GB),
+            v: pool(GB << 10),
+            layout: CacheLayout::Paged {
+                block_table: 3 * GB,
+                max_pages: 4,
+                table_stride: 4,
+            },
+            ..c
+        };
+        let shape = huge.validate(2).unwrap();
+        let far = [i32::MAX - 1, 7, 9, 3, 0, 1, 2, i32::MAX - 1];
+        let meta = |lens: &'static [i32]| paged_meta(lens, &far);
+        assert!(meta(&[1, 1]).check(&huge, &shape, 2).is_ok());
+        // Sequence 1's fourth page is sequence 0's first, which holds one row.
+        let e = meta(&[1, 3]).check(&huge, &shape, 1);
+        assert!(
+            matches!(&e, Err(Error::InvalidArgument(m)) if m.contains("sequence 1 would append over rows 0..1")),
+            "{e:?}"
+        );
     }
 
     /// One sequence's live pages are distinct: a page named twice would put two of its

@@ -461,14 +461,7 @@ impl HostMetadata<'_> {
             }
         }
         if extra > 0 {
-            check_append_rows(
-                self.seqlens,
-                table,
-                table_stride,
-                shape.page_size,
-                shape.pool_pages,
-                extra,
-            )?;
+            check_append_rows(self.seqlens, table, table_stride, shape.page_size, extra)?;
         }
         Ok(())
     }
@@ -486,7 +479,6 @@ fn check_append_rows(
     table: &[i32],
     table_stride: usize,
     page_size: usize,
-    pool_pages: usize,
     extra: usize,
 ) -> Result<()> {
     // The rows each sequence writes, as (page, first row, end row, sequence).
@@ -512,20 +504,18 @@ fn check_append_rows(
         )));
     }
     // Every page some sequence holds rows of: does another sequence write below the
-    // holder's last row there? A mark per pool page finds the few pages written on.
-    let mut written = vec![false; pool_pages];
-    for w in &writes {
-        written[w.0 as usize] = true;
-    }
+    // holder's last row there? The writes, sorted by page, find the few pages written
+    // on (a search rather than a mark per pool page: a pool's page count is the
+    // caller's, and a check must not allocate by it).
     for (holder, &len) in seqlens.iter().enumerate() {
         let len = len as usize;
         for index in 0..len.div_ceil(page_size) {
             let page = table[holder * table_stride + index];
-            if !written[page as usize] {
+            let on_page = writes.partition_point(|w| w.0 < page);
+            if writes.get(on_page).is_none_or(|w| w.0 != page) {
                 continue;
             }
             let held = (len - index * page_size).min(page_size);
-            let on_page = writes.partition_point(|w| w.0 < page);
             if let Some(&(_, first, end, writer)) = writes[on_page..]
                 .iter()
                 .take_while(|w| w.0 == page)
