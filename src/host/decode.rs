@@ -1005,7 +1005,7 @@ impl Attention {
     /// split-KV decode kernels. More (chunked prefill, a prompt after a cached prefix) run
     /// on the forward kernels where they can read the cache (a 16-bit cache, contiguous,
     /// or paged with pages of 16 positions or more on the sm90 path; see
-    /// `decode_by_forward`), on the decode kernels otherwise.
+    /// `prepare_decode_by_forward`), on the decode kernels otherwise.
     ///
     /// `host`, when given, holds copies of the cache's lengths (and block table) that are
     /// checked first. `workspace` holds the partial results when the plan has more than
@@ -1036,11 +1036,11 @@ impl Attention {
         if problem.cache.fp8 {
             self.check_fp8_cache_gpu()?;
         }
-        // SAFETY: this function's contract; the call was validated above.
-        let by_forward =
-            unsafe { self.decode_by_forward(&problem, q, cache, o, lse, params, stream) };
-        if let Some(ran) = by_forward {
-            return ran;
+        if let Some(forward) = self.prepare_decode_by_forward(&problem, q, cache, o, lse, params) {
+            let forward = forward?;
+            // SAFETY: this function's contract; the call was validated above and
+            // `forward` prepared for these views.
+            return unsafe { self.launch_decode_by_forward(forward, q, cache, o, lse, stream) };
         }
         let plan = self.decode_plan(&problem)?;
         if let Some(w) = workspace
@@ -1072,33 +1072,11 @@ impl Attention {
     /// decode kernels run) for an e4m3 cache, pages below 16, a paged cache off the sm90
     /// path, or views the forward's checks or tensor maps refuse.
     ///
-    /// # Safety
-    ///
-    /// As for [`Attention::decode`]; `problem` must come from validating these views.
-    #[allow(clippy::too_many_arguments)]
-    pub(crate) unsafe fn decode_by_forward(
-        &self,
-        problem: &DecodeProblem,
-        q: &TensorView,
-        cache: &KvCache,
-        o: &TensorView,
-        lse: Option<&LseView>,
-        params: &AttentionParams,
-        stream: CUstream,
-    ) -> Option<Result<()>> {
-        let prepared = match self.prepare_decode_by_forward(problem, q, cache, o, lse, params)? {
-            Ok(prepared) => prepared,
-            Err(e) => return Some(Err(e)),
-        };
-        // SAFETY: this function's contract, passed on.
-        Some(unsafe { self.launch_decode_by_forward(prepared, q, cache, o, lse, stream) })
-    }
-
-    /// Everything of [`Attention::decode_by_forward`] short of its launch: the forward
-    /// problem and kernel, the views' checks, the tensor maps, and the kernel loaded,
-    /// so that a caller with other launches to make first (`decode_varlen`'s short
-    /// runs) learns of any failure before it launches anything. `None` where the
-    /// decode kernels run the call.
+    /// This prepares everything short of the launch ([`Attention::launch_decode_by_forward`]):
+    /// the forward problem and kernel, the views' checks, the tensor maps, and the kernel
+    /// loaded, so that a caller with other launches to make first (`decode_varlen`'s short
+    /// runs) learns of any failure before it launches anything. `problem` must come from
+    /// validating these views.
     pub(crate) fn prepare_decode_by_forward(
         &self,
         problem: &DecodeProblem,
@@ -1140,7 +1118,7 @@ impl Attention {
     ///
     /// # Safety
     ///
-    /// As for [`Attention::decode_by_forward`].
+    /// As for [`Attention::decode`].
     pub(crate) unsafe fn launch_decode_by_forward(
         &self,
         prepared: ForwardDecode,
@@ -1170,7 +1148,7 @@ impl Attention {
 
     /// The forward problem and kernel a validated decode call runs on when
     /// [`Attention::decode`] gives it to the forward kernels (more than [`MAX_QUERIES`]
-    /// queries per sequence and a cache they can read: see `decode_by_forward`), or
+    /// queries per sequence and a cache they can read: see `prepare_decode_by_forward`), or
     /// `None` where the decode kernels run it.
     pub fn decode_forward_plan(
         &self,
