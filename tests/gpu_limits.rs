@@ -15,10 +15,10 @@ use flashcore::Error;
 use flashcore::check::{TestSeeds, tolerance};
 use flashcore::host::attention::Attention;
 use flashcore::host::device::Device;
-use flashcore::host::tensor::{AttentionParams, DType, LseView, TensorView};
+use flashcore::host::tensor::{AttentionParams, DType, LseView, TensorView, Window};
 use flashcore::host::validate::MAX_SEQLEN;
 use flashcore::kernels::attention::{BLOCK_M_WIDE, FwdConfig, HalfType, Path};
-use flashcore::reference::{self, Rng};
+use flashcore::reference::{self, RefParams, Rng};
 use flashcore::shape::AttnShape;
 
 fn setup() -> (Attention, Arc<CudaStream>) {
@@ -327,8 +327,53 @@ fn strides_no_tensor_map_holds_fall_back_to_the_sm80_kernel() {
     let up16 = |x: &[u16]| stream.clone_htod(x).expect("upload");
     let dev = |x: &CudaSlice<u16>| x.device_ptr(&stream).0;
     let mut failures = Vec::new();
+    // Plain and causal at every head dim; a key window and a soft cap, which the sm80
+    // kernels' own twins must take over, at two.
+    let sliding = AttentionParams::sliding_window(32);
+    let left_only = Window {
+        left: Some(16),
+        right: None,
+    };
+    let options = [
+        ("plain", AttentionParams::default()),
+        (
+            "causal",
+            AttentionParams {
+                causal: true,
+                ..Default::default()
+            },
+        ),
+        ("sliding 32", sliding),
+        (
+            "window (16, -1)",
+            AttentionParams {
+                window: left_only,
+                ..Default::default()
+            },
+        ),
+        (
+            "softcap 30, scale 0.5",
+            AttentionParams {
+                softmax_scale: Some(0.5),
+                softcap: Some(30.0),
+                ..Default::default()
+            },
+        ),
+        (
+            "softcap 30, causal",
+            AttentionParams {
+                causal: true,
+                softcap: Some(30.0),
+                ..Default::default()
+            },
+        ),
+    ];
     for d in [64, 80, 128, 192, 256] {
-        for causal in [false, true] {
+        for (name, params) in options {
+            if !matches!(name, "plain" | "causal") && ![64, 128].contains(&d) {
+                continue;
+            }
+            let causal = params.causal;
             let dtype = HalfType::F16;
             let shape = AttnShape {
                 seqlen_q: 130,
@@ -362,11 +407,6 @@ fn strides_no_tensor_map_holds_fall_back_to_the_sm80_kernel() {
                 [b, sk, hkv, d],
                 [FAR as usize / 2, hkv * d, d, 1],
             );
-            let params = AttentionParams {
-                softmax_scale: None,
-                causal,
-                ..Default::default()
-            };
             let lse_view = LseView {
                 ptr: lse.device_ptr(&stream).0,
             };
@@ -388,16 +428,15 @@ fn strides_no_tensor_map_holds_fall_back_to_the_sm80_kernel() {
             stream.synchronize().expect("sync");
             drop(far);
             let line = match run {
-                Err(e) => format!("d{d} causal {causal}: {e}"),
+                Err(e) => format!("d{d} {name}: {e}"),
                 Ok(()) => {
-                    let want = reference::attention_f64(
-                        &shape,
-                        &q,
-                        &k,
-                        &v,
-                        params.scale_for(d) as f64,
+                    let reference_params = RefParams {
+                        scale: params.scale_for(d) as f64,
                         causal,
-                    );
+                        window: params.window,
+                        softcap: params.softcap.map(f64::from),
+                    };
+                    let want = reference::attention_f64_with(&shape, &q, &k, &v, &reference_params);
                     let out =
                         reference::rel_l2(&reference::half_bits_to_f64(&got, dtype), &want.out);
                     let lse_err = got_lse
@@ -416,7 +455,7 @@ fn strides_no_tensor_map_holds_fall_back_to_the_sm80_kernel() {
                         })
                         .fold(0.0, f64::max);
                     let ok = out <= tolerance(dtype) && lse_err <= tolerance(dtype);
-                    let line = format!("d{d} causal {causal}: out {out:.2e} lse {lse_err:.2e}");
+                    let line = format!("d{d} {name}: out {out:.2e} lse {lse_err:.2e}");
                     println!("{line}");
                     if ok {
                         continue;

@@ -566,8 +566,10 @@ impl Attention {
                     return unsafe { self.launch_sm90(&problem, &cfg, operands, o, lse, stream) };
                 }
                 Err(e) if e.is_map_refusal() => {
+                    // The sm80 plan of the same problem: its window and soft cap kept, as
+                    // `FwdArgs` carries the soft-capped scaling either way.
                     let (arch, sms) = (self.device.compute_capability(), self.device.sm_count());
-                    dispatch_sm80(arch, sms, problem.dtype, &problem.shape, problem.causal)
+                    plan_problem(arch, sms, PathChoice::Sm80, &problem)
                         .map_err(Error::InvalidArgument)?
                 }
                 Err(e) => return Err(e),
