@@ -751,7 +751,8 @@ int32_t flashcore_fp8_workspace_bytes(const FlashcoreTensor *q, const FlashcoreT
                                       const FlashcoreQuantizeOptions *options, size_t *out);
 
 /* Quantizes 16-bit q, k, v to e4m3 with one float32 scale per block of 128 rows (scale =
- * the block's largest magnitude / 448; 1 for a block of zeros), into a workspace,
+ * the block's largest magnitude / 448; 1 for a block of zeros; a block holding an infinite
+ * element gets an infinite scale and NaN codes, one holding NaN a NaN code), into a workspace,
  * asynchronously on `stream`, and describes the result in *out for flashcore_forward_fp8.
  *
  *   q: [B, Sq, Hq, D]    k, v: [B, Sk, Hkv, D]   f16 or bf16 (one dtype), D in {64, 128, 256},
@@ -804,7 +805,11 @@ int32_t flashcore_check_quantize_fp8(const FlashcoreTensor *q, const FlashcoreTe
  * Range: exact up to FP8's rounding while each row's largest logit (softmax_scale times its
  * largest score) is below about 1.2e7 in magnitude; past that a row's o loses precision
  * (its LSE stays right), and past about 1.5e9 a row can come out as one that saw no key (o
- * zero, LSE -inf). No output is ever NaN or infinite, whatever the scales and softmax_scale.
+ * zero, LSE -inf). No Q or K scale and no softmax_scale makes an output NaN or infinite.
+ * V's scales and lse_shift carry through as values do: a NaN or infinite one (or, from
+ * flashcore_quantize_fp8, a NaN or infinite input element) makes the outputs that read it
+ * non-finite, as it would in 16-bit attention; and o's f32 sums, which hold probabilities
+ * times 256, overflow where a V block's largest magnitude times 256 * Sk passes 3.4e38.
  *
  * Accuracy: E4M3 keeps 3 mantissa bits, so o differs from 16-bit attention by a few percent
  * (relative L2 about 4-5% for normal inputs, most of it from rounding Q, K and V). All

@@ -454,6 +454,32 @@ mod tests {
     }
 
     #[test]
+    fn non_finite_inputs_give_the_documented_scales_and_codes() {
+        // One block of 2 rows x 2 columns: an infinite element makes the scale infinite
+        // and its own code NaN (every finite element's 0); a NaN element gets a NaN code
+        // beside the finite scale of the rest.
+        let is_nan = |c: u8| e4m3_to_f32(c).is_nan();
+        let inf = quantize_rows(
+            &[1.0, f32::INFINITY, -2.0, 0.5],
+            [1, 2, 1, 2],
+            Granularity::PerBlock,
+        );
+        assert_eq!(inf.scales, [f32::INFINITY]);
+        assert!(is_nan(inf.codes[1]));
+        for c in [inf.codes[0], inf.codes[2], inf.codes[3]] {
+            assert_eq!(e4m3_to_f32(c), 0.0);
+        }
+        let nan = quantize_rows(
+            &[1.0, f32::NAN, -448.0, 0.5],
+            [1, 2, 1, 2],
+            Granularity::PerBlock,
+        );
+        assert_eq!(nan.scales, [1.0]);
+        assert!(is_nan(nan.codes[1]));
+        assert_eq!(e4m3_to_f32(nan.codes[2]), -448.0);
+    }
+
+    #[test]
     fn every_code_round_trips() {
         for code in 0..=255u8 {
             let v = e4m3_to_f32(code);

@@ -55,6 +55,9 @@ enum Fill {
     ZeroBlock,
     /// One element of Q, K and V a thousand times the rest (a block's amax).
     Outlier,
+    /// An infinity in head 0's first block of Q, K and V and a NaN in the last head's:
+    /// the scales and codes the docs give for non-finite inputs.
+    NonFinite,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -119,6 +122,10 @@ impl Input {
             Fill::Outlier => {
                 let row = if s > 128 { 130.min(s - 1) } else { s / 2 };
                 draws[at(0, row, h - 1) + d / 3] = -1000.0;
+            }
+            Fill::NonFinite => {
+                draws[at(0, s / 3, 0) + d / 3] = f64::INFINITY;
+                draws[at(0, s / 2, h - 1) + d / 2] = f64::NAN;
             }
         }
         let bits = f64_to_half_bits(&draws, dtype);
@@ -359,6 +366,14 @@ fn check(c: &Case, r: &Run) -> Result<(), String> {
             return Err(format!("q's zero block has scale {first}"));
         }
     }
+    // A block holding an infinity gets an infinite scale (its codes, NaN for the
+    // infinity and 0 for the rest, compared above).
+    if c.fill == Fill::NonFinite {
+        let first = r.f32s(l.q_scale)[0];
+        if first != f32::INFINITY {
+            return Err(format!("q's block with an infinity has scale {first}"));
+        }
+    }
     Ok(())
 }
 
@@ -516,6 +531,16 @@ fn zero_blocks_and_outliers() {
                 });
             }
         }
+    }
+    // Non-finite inputs: no option (the key mean and the rotation would spread them).
+    for (dtype, d, s) in [(HalfType::F16, 64, 129), (HalfType::Bf16, 128, 300)] {
+        cases.push(Case {
+            dtype,
+            shape: shape(1, s, s, 2, 2, d),
+            bhsd: false,
+            fill: Fill::NonFinite,
+            options: QuantizeOptions::default(),
+        });
     }
     run_all(&cases);
 }

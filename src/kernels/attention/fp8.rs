@@ -18,7 +18,10 @@
 //!   `v_scale` over keys. Real values are `e4m3 · scale`. The quantizer's scale is
 //!   `amax / 448` (1 for a block of zeros), so a block's largest magnitude maps to E4M3's
 //!   largest finite value and an outlier in one block leaves the others' precision alone.
-//!   Scales must be finite and positive.
+//!   Scales must be finite and positive. (From a block holding an infinite element the
+//!   quantizer's scale is infinite and its codes NaN; one holding NaN gets a NaN code:
+//!   non-finite inputs make the outputs that read them non-finite, as in 16-bit
+//!   attention.)
 //!
 //! # What the kernels compute
 //!
@@ -51,9 +54,12 @@
 //! Each tile's factor `dc` is also clamped into `[smallest normal f32, max_dequant(D)]`
 //! ([`clamp_dequant`]): below, so a zero scale never turns a masked score into NaN
 //! (`−∞ · 0`); above, so no score or running maximum in the exponent's units overflows
-//! f32 (a raw score is at most `448² · D` in magnitude). Together, no output is ever NaN or
-//! infinite, whatever the scales and the softmax scale. (A factor that large puts `|L|`
-//! past 2^31 unless the row's largest raw score is within 2^-69 of zero.)
+//! f32 (a raw score is at most `448² · D` in magnitude). Together, no Q or K scale and no
+//! softmax scale makes an output NaN or infinite. (A factor that large puts `|L|` past
+//! 2^31 unless the row's largest raw score is within 2^-69 of zero.) V's scales and
+//! `lse_shift` are applied as they are, like values: a non-finite one reaches the outputs
+//! that read it, and O's f32 sums (probabilities up to 256, unnormalised) overflow where a
+//! V block's largest magnitude times `256 · Sk` passes f32's range.
 //!
 //! [`OnlineSoftmax::with_max_rounded_up`]: super::softmax::OnlineSoftmax::with_max_rounded_up
 //!
@@ -118,9 +124,14 @@ pub const fn scale_blocks(rows: u32) -> u32 {
     rows.div_ceil(SCALE_BLOCK)
 }
 
-/// The smallest `Vᵀ8` pitch (keys per stored row) for `seqlen_k` keys.
+/// The smallest `Vᵀ8` pitch (keys per stored row) for `seqlen_k` keys (the largest
+/// multiple of the group where that passes `u64`; validated lengths are far below).
 pub const fn vt_min_pitch(seqlen_k: u64) -> u64 {
-    seqlen_k.div_ceil(VT_GROUP as u64) * VT_GROUP as u64
+    let group = VT_GROUP as u64;
+    match seqlen_k.checked_next_multiple_of(group) {
+        Some(pitch) => pitch,
+        None => u64::MAX / group * group,
+    }
 }
 
 /// [`vt_min_pitch`] for host sizes: `None` where it passes `usize`.
@@ -321,6 +332,9 @@ mod tests {
         assert_eq!(scale_blocks(129), 2);
         assert_eq!(vt_min_pitch(1), 16);
         assert_eq!(vt_min_pitch(32), 32);
+        // Saturates at the largest multiple of the group rather than wrapping.
+        assert_eq!(vt_min_pitch(u64::MAX - 3), u64::MAX - 15);
+        assert_eq!(vt_min_pitch(u64::MAX - 15), u64::MAX - 15);
     }
 
     #[test]
