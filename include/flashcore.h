@@ -137,7 +137,7 @@ typedef struct FlashcoreVarlen {
     uint64_t cu_seqlens_k; /* device address of int32 [batch + 1] key offsets */
     int64_t batch;         /* number of sequences, 1 ..= 65535 */
     int64_t max_seqlen_q;  /* at least the longest query sequence, 1 ..= 2^25 */
-} FlashcoreVarlen;
+} FlashcoreVarlen; /* total_q and total_k (all sequences' rows) are at most 2^25 too */
 
 /* The FP8 operands of flashcore_forward_fp8, as flashcore_quantize_fp8 writes them (or any
  * producer of the same data contract). 256 bytes, 8-byte aligned.
@@ -283,10 +283,14 @@ void flashcore_destroy(FlashcoreContext *ctx);
  *
  * All arguments are checked before anything runs; on error nothing is launched or
  * written. The first call for a (dtype, head_dim, causal) configuration generates and
- * JIT-loads its kernel (milliseconds); later calls only launch, with no allocation but
- * that of a causal Hopper call whose work items outnumber the SMs: a 4-byte tile counter
- * from the stream-ordered allocator (cuMemAllocAsync), zeroed and freed on `stream` (where
- * that allocator is unavailable, the call runs one block per work item instead). Calls
+ * JIT-loads its kernel (milliseconds); later calls only launch, with one allocation at
+ * most, from the stream-ordered allocator (cuMemAllocAsync) and freed on `stream` behind
+ * the launch: a causal Hopper call whose work items outnumber the SMs takes a
+ * 4-byte tile counter, zeroed there (where that allocator is unavailable, the call runs
+ * one block per work item instead); a call of at most 16 queries per sequence that runs
+ * on the split-KV decode kernels (see flashcore_decode; at least 1536 keys, 512 where
+ * 128 or more KV heads each serve 4 query heads or more) takes its splits' partial
+ * results (where that allocator is unavailable, the forward kernels run the call). Calls
  * can be captured in a CUDA graph (stream-ordered allocations are capturable). A context
  * may be shared by threads. */
 int32_t flashcore_forward(FlashcoreContext *ctx, const FlashcoreTensor *q, const FlashcoreTensor *k,
@@ -355,7 +359,8 @@ int32_t flashcore_check_forward_ex(const FlashcoreTensor *q, const FlashcoreTens
  * layout), one launch, no padding; asynchronous on `stream`.
  *
  *   q, o: [1, total_q, Hq, D]    k, v: [1, total_k, Hkv, D]   (batch extent 1; the rules
- *                  of flashcore_forward for dtype, D, heads, pointers and strides)
+ *                  of flashcore_forward for dtype, D, heads, pointers and strides, and
+ *                  its size limit on Sq and Sk for total_q and total_k: at most 2^25)
  *   lse:           0, or a device pointer to float32 [Hq, total_q] (contiguous).
  *   varlen:        the offsets (see FlashcoreVarlen); each sequence is attended to as a
  *                  flashcore_forward call of its own lengths would (causal: bottom-right per
@@ -375,7 +380,8 @@ int32_t flashcore_check_forward_ex(const FlashcoreTensor *q, const FlashcoreTens
  * Each sequence sees only its own keys: rows of k and v that belong to another sequence
  * or to none never reach its output, whatever they hold (NaN and infinities included).
  * All arguments are checked before anything runs; on error nothing is launched or
- * written. */
+ * written. Allocations as for flashcore_forward (the decode kernels take packed sequences
+ * of at most 16 queries each). */
 int32_t flashcore_forward_varlen(FlashcoreContext *ctx, const FlashcoreTensor *q,
                                  const FlashcoreTensor *k, const FlashcoreTensor *v,
                                  const FlashcoreTensor *o, uint64_t lse,

@@ -216,7 +216,8 @@ def attention_varlen(
         other strides multiples of 16 bytes.
     cu_seqlens_q, cu_seqlens_k: int32 [B + 1] on the GPU, contiguous: sequence b is query
         rows cu_seqlens_q[b]:cu_seqlens_q[b + 1] and key rows cu_seqlens_k[b]:cu_seqlens_k[b + 1].
-    max_seqlen_q: at least the longest query sequence (it sizes the launch), at most 2^25.
+    max_seqlen_q: at least the longest query sequence (it sizes the launch), at most 2^25
+        (as are total_q and total_k).
     causal: bottom-right aligned per sequence (query i of a sequence of Sq queries and Sk
         keys sees keys j <= i + Sk - Sq); a sequence with queries and no keys gives zeros
         (and an LSE of -inf), a batch with no keys at all (k and v of 0 rows) too.

@@ -15,7 +15,9 @@
 //! sequence of 32768 keys against one query: 38 µs rather than 246 on an H200). The
 //! results are those of the forward kernels, to their tolerances.
 //!
-//! Checks, after every check of a dense call on the four views (in its order):
+//! Checks, after every check of a dense call on the four views (in its order; its size
+//! limit on Sq and Sk, 2^25, bounds the packed totals `total_q` and `total_k`, and its
+//! message names them `seqlen_q` and `seqlen_k`):
 //!
 //! 1. the views have batch extent 1 ([`Error::ShapeMismatch`]);
 //! 2. at least one sequence ([`Error::EmptyDimension`]), at most 65535, and a longest
