@@ -84,8 +84,8 @@ typedef struct FlashcoreTensor {
  *
  * Contiguous cache: block_table, max_pages and table_stride all 0; k and v are
  *   [B, capacity, Hkv, D]: position p of sequence b is k[b, p].
- * Paged cache: anything else; k and v are pools [pages, page_size, Hkv, D], page_size a
- *   power of two from 1 to 1024, and block_table is a device int32 array [B, max_pages]
+ * Paged cache: anything else; k and v are pools [pages, page_size, Hkv, D] (pages at most
+ *   2^31, what an int32 table can name), page_size a power of two from 1 to 1024, and block_table is a device int32 array [B, max_pages]
  *   (4-byte aligned) whose rows are table_stride (>= max_pages) elements apart: position
  *   p of sequence b is row p % page_size of page block_table[b * table_stride +
  *   p / page_size]. The capacity is max_pages * page_size.
@@ -726,7 +726,9 @@ int32_t flashcore_check_append_kv_fp8kv(const FlashcoreKvCache *cache, const Fla
  *   count:         number of shards, >= 1.
  *   lse_parts:     device pointer (4-byte aligned) to float32 [count, B, H, S], contiguous:
  *                  each shard's LSE as flashcore_forward and flashcore_decode write it. A
- *                  shard whose row has LSE -inf (it saw no key) counts for nothing there.
+ *                  shard whose row has LSE -inf (it saw no key) counts for nothing there;
+ *                  one whose row has LSE +inf or NaN (no forward writes those) makes the
+ *                  merged row NaN.
  *   out:           [B, S, H, D], f16, bf16 or f32 (any of them, whatever parts' dtype),
  *                  apart from the shards and lse_parts.
  *   out_lse:       0, or a device pointer to float32 [B, H, S] (contiguous) for the merged

@@ -1595,6 +1595,36 @@ fn append_writes_the_new_rows_where_they_belong() {
         // SAFETY: as above.
         let e = unsafe { attn.append_kv(&kv, &kn, &vn, Some(&host), s.cu_stream()) };
         assert!(matches!(e, Err(Error::InvalidArgument(_))), "{e:?}");
+        if page != 0 {
+            continue;
+        }
+        // Without host copies a negative device length is clamped to 0, as the decode
+        // kernels clamp it: sequence 1's rows land at positions 0.. (not shifted down
+        // and cut), and a length past the capacity writes nothing.
+        let mut device_lens = cache.seqlens.clone();
+        s.memcpy_htod(&[20, -2, capacity as i32 + 5], &mut device_lens)
+            .expect("upload");
+        let odd = KvCache {
+            seqlens: ptr(&s, &device_lens),
+            ..kv
+        };
+        let before_v = down(&s, &cache.v);
+        // SAFETY: as above; the lengths are a live device buffer of three int32s.
+        unsafe { attn.append_kv(&odd, &kn, &vn, None, s.cu_stream()) }
+            .unwrap_or_else(|e| panic!("clamped lengths: {e}"));
+        let after_v = down(&s, &cache.v);
+        let mut expect_v = before_v.clone();
+        for (b, first) in [(0, 20), (1, 0)] {
+            for j in 0..3 {
+                let at = (b * capacity + first + j) * row;
+                let src = (b * 3 + j) * row;
+                expect_v[at..at + row].copy_from_slice(&vb[src..src + row]);
+            }
+        }
+        assert!(
+            after_v == expect_v,
+            "clamped lengths: V rows other than the new ones"
+        );
     }
 }
 

@@ -1852,7 +1852,7 @@ pub(crate) mod tests {
         assert!(plan.config.id().ends_with("_packed"), "{plan:?}");
     }
     use crate::host::draw::Draw;
-    use crate::host::kv_cache::{CacheLayout, KvScales};
+    use crate::host::kv_cache::{CacheLayout, KvScales, MAX_POOL_PAGES};
 
     pub(crate) const GB: u64 = 1 << 30;
 
@@ -2502,10 +2502,10 @@ pub(crate) mod tests {
             );
         }
         // The overlap check allocates nothing by the pool's page count, which is the
-        // caller's (it was a mark per page: 4 GiB of host memory for a pool described
-        // with 2^32 - 1 pages, which a check function needs no memory behind): it looks
+        // caller's (it was a mark per page: 2 GiB of host memory for a pool described
+        // with 2^31 pages, which a check function needs no memory behind): it looks
         // pages up among the writes, wherever in the pool they are.
-        let pages = u32::MAX as usize;
+        let pages = MAX_POOL_PAGES;
         let pool = |at| TensorView::bshd(at, DType::F16, pages, 1, 2, 64);
         let huge = KvCache {
             k: pool(GB),

@@ -29,6 +29,11 @@ use crate::host::validate::{
 pub const PAGE_SIZES: std::ops::RangeInclusive<usize> = 1..=1024;
 /// The most positions one sequence of a cache may hold: 2^30.
 pub const MAX_CAPACITY: usize = 1 << 30;
+/// The most pages a paged cache's pool may have: what an int32 block table names. The
+/// kernels compare entries with the pool's page count as unsigned numbers, so a negative
+/// entry (2^31 or more as u32) always lies outside a pool of at most 2^31 pages and is
+/// never followed.
+pub const MAX_POOL_PAGES: usize = 1 << 31;
 
 /// How a cache's positions map to memory.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -222,9 +227,10 @@ impl KvCache {
                  {capacity}"
             )));
         }
-        if pool_pages > u32::MAX as usize {
+        // The kernels read entries as unsigned: a negative one must land past the pool.
+        if pool_pages > MAX_POOL_PAGES {
             return Err(Error::InvalidArgument(format!(
-                "{pool_pages} pages exceed the 2^32 a block table can name"
+                "{pool_pages} pages exceed the 2^31 an int32 block table can name"
             )));
         }
         for (name, t) in [("k_cache", k), ("v_cache", v)] {

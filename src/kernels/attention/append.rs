@@ -185,6 +185,9 @@ impl Geometry {
         let at = k.mul_wide_u32(b, 4u32);
         let at = k.add(self.seqlens, at);
         let len = k.ld_global::<S32>(at, 0);
+        // Clamped below as the decode kernels clamp it (above, positions past the
+        // capacity are not written).
+        let len = k.max(len, 0i32);
         let pos = k.add(len, j.cast::<S32>());
         let low = k.setp(Cmp::Ge, pos, 0i32);
         let high = k.setp(Cmp::Lt, pos, self.capacity);

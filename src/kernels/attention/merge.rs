@@ -11,7 +11,7 @@
 //! A shard whose keys were all masked has `LSE_i = −∞` and weight 0: it merges as
 //! nothing, whatever its `O_i` holds (NaN included: its values are replaced by 0, never
 //! used). A row every shard masked gets O = 0 and LSE = −∞, as the forward gives such a
-//! row.
+//! row. An LSE of +∞ or NaN, which no forward writes, makes its row's O and LSE NaN.
 //!
 //! One block merges one row `(b, s, h)`: warp `w` sums shards `w, w + WARPS, ...` (so a
 //! row's shards are read by all warps at once, not one after another), lane `l` owning
