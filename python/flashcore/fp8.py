@@ -22,7 +22,7 @@ import torch
 
 from . import _capi
 from .ops import _aligned, _bshd_sizes_strides, _context, _current_stream, _describe, _empty_outputs
-from .ops import _plain_eager, check_arguments, kernel_ready, softmax_scale
+from .ops import _plain_eager, check_arguments, kernel_ready, softmax_scale, stand_in_empty
 
 # The head dims the FP8 kernels take (HEAD_DIMS in src/kernels/attention/fp8.rs).
 FP8_HEAD_DIMS = (64, 128, 256)
@@ -63,9 +63,7 @@ def _check_fp8_descriptors(q, k, v, layout, options):
     if not all(isinstance(x, int) for x in sizes):
         return 0  # symbolic sizes: the real call checks
     descs = _describe_inputs(q, k, v, layout, ptrs=[(i + 1) << 44 for i in range(3)])
-    for d in descs:  # every check but "not empty" must run: describe empty dimensions as 1
-        for j in range(4):
-            d.shape[j] = max(d.shape[j], 1)
+    stand_in_empty(descs)
     return _capi.library().fp8_workspace_bytes(*descs, options)
 
 
@@ -235,7 +233,8 @@ def attention_fp8(
     flashcore_forward_fp8); never NaN or infinite for finite inputs (non-finite ones make
     the outputs that read them non-finite, as in 16-bit attention). Runs on the current stream; works
     under torch.compile and in CUDA graphs. Inference only. Raises FlashcoreError for what
-    the library refuses, ValueError/TypeError for misuse of this function.
+    the library refuses, ValueError/TypeError for misuse of this function,
+    NotImplementedError for inputs that need derivatives.
     """
     fn = "flashcore.attention_fp8"
     scale = check_arguments(fn, q, k, v, layout, scale)

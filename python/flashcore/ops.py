@@ -15,6 +15,7 @@ import struct
 import threading
 
 import torch
+from torch.autograd.forward_ad import unpack_dual as _unpack_dual
 
 from . import _capi
 
@@ -133,14 +134,26 @@ def _check_descriptors(q, k, v, o, lse, layout, out_layout, scale, causal, windo
     if not all(isinstance(x, int) for x in sizes):
         return  # symbolic sizes: the real call checks
     lib = _capi.library()
-    # Every check but "not empty" must run: describe empty dimensions as 1.
-    descs = []
-    for i, (t, lay) in enumerate(((q, layout), (k, layout), (v, layout), (o, out_layout))):
-        d = _describe(t, lay, (i + 1) << 44)
-        for j in range(4):
-            d.shape[j] = max(d.shape[j], 1)
-        descs.append(d)
+    descs = [_describe(t, lay, (i + 1) << 44)
+             for i, (t, lay) in enumerate(((q, layout), (k, layout), (v, layout), (o, out_layout)))]
+    stand_in_empty(descs)
     lib.check_forward(*descs, (5 << 44) if lse.numel() else 0, scale, causal, window, softcap=softcap)
+
+
+def stand_in_empty(descs):
+    """Describes the empty dimensions of a call with nothing to launch (batch, either
+    sequence, query heads: `_forward`'s short cut) as 1, in place, so that every other
+    check of flashcore's runs on them (descriptors of q, k, v and optionally o, in
+    [B, S, H, D] order; torch's strides of an empty tensor hold for extents of 1). Without
+    query heads the KV heads stand in as 1 too, so the ratio check passes; an empty
+    KV-head count or head dim stays, which the library refuses whatever else is empty, as
+    the real call does."""
+    no_query_heads = descs[0].shape[2] == 0
+    for i, d in enumerate(descs):
+        d.shape[0] = max(d.shape[0], 1)
+        d.shape[1] = max(d.shape[1], 1)
+        if (no_query_heads and d.shape[2] > 0) or (d.shape[2] == 0 and i in (0, 3)):
+            d.shape[2] = 1
 
 
 # ---- the operator -------------------------------------------------------------------------
@@ -246,7 +259,8 @@ def attention(q, k, v, *, causal=False, scale=None, return_lse=False, layout="bh
     Runs on the current stream; works under torch.compile and in CUDA graphs (call it
     once before capturing: the first call for a configuration compiles its kernel).
     Inference only: there is no backward. Raises FlashcoreError with flashcore's message
-    for anything the kernels refuse, ValueError/TypeError for misuse of this function.
+    for anything the kernels refuse, ValueError/TypeError for misuse of this function,
+    NotImplementedError for inputs that need derivatives.
     """
     scale = check_arguments("flashcore.attention", q, k, v, layout, scale)
     window = window_arg("flashcore.attention", window_size)
@@ -270,8 +284,9 @@ def check_arguments(fn, q, k, v, layout, scale):
         raise ValueError(f"{fn}: q, k and v must be on one CUDA device, got {device}, {k.device} and {v.device}")
     if _needs_grad((q, k, v)):
         raise NotImplementedError(
-            f"{fn} has no backward pass: call it under torch.no_grad() "
-            "(or torch.inference_mode()), or on tensors that do not require grad"
+            f"{fn} has no backward pass (nor forward-mode derivative): call it under "
+            "torch.no_grad() (or torch.inference_mode()), on tensors that neither require "
+            "grad nor carry a forward-mode tangent"
         )
     if scale is None:
         return 0.0  # flashcore's default, 1/sqrt(D), computed as the Rust API does
@@ -305,6 +320,8 @@ def softcap_arg(fn, softcap):
         raise TypeError(f"{fn}: softcap must be a float (0.0: no cap), got {softcap!r}")
     try:
         softcap = float(softcap)
+    except OverflowError:  # an int past float64's range: the library's refusal of inf
+        raise ValueError(f"{fn}: softcap must be finite and positive (0.0: no cap), got {softcap!r}") from None
     except (TypeError, ValueError):
         raise TypeError(f"{fn}: softcap must be a float (0.0: no cap), got {softcap!r}") from None
     if softcap != 0.0 and struct.unpack("f", struct.pack("f", softcap))[0] == 0.0:
@@ -316,7 +333,14 @@ def softmax_scale(fn, scale):
     """`scale` as the float32 the C ABI takes: finite and positive there too. A Python
     float below float32's smallest subnormal would round to 0, which the C ABI reads as
     "the default 1/sqrt(D)"; one above its largest would become inf."""
-    scale = float(scale)
+    if isinstance(scale, (bool, str, bytes)):
+        raise TypeError(f"{fn}: scale must be a float (None: 1/sqrt(D)), got {scale!r}")
+    try:
+        scale = float(scale)
+    except OverflowError:  # an int past float64's range
+        raise ValueError(f"{fn}: scale must be finite and positive as a float32, got {scale!r}") from None
+    except (TypeError, ValueError):
+        raise TypeError(f"{fn}: scale must be a float (None: 1/sqrt(D)), got {scale!r}") from None
     as_f32 = struct.unpack("f", struct.pack("f", scale))[0] if math.isfinite(scale) else scale
     if not (math.isfinite(as_f32) and as_f32 > 0.0):
         raise ValueError(
@@ -351,8 +375,13 @@ def _plain_eager(q, k, v):
 
 
 def _needs_grad(tensors):
-    """Autograd would want gradients of these tensors (flashcore has no backward)."""
-    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+    """Autograd would want derivatives of these tensors, which flashcore does not have:
+    gradients (reverse mode), or tangents (forward mode: a dual tensor of
+    torch.autograd.forward_ad, or torch.func.jvp's inputs), which the op would otherwise
+    drop without a word (a zero or missing tangent)."""
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return True
+    return any(_unpack_dual(t).tangent is not None for t in tensors)
 
 
 def _dispatch_mode_active():

@@ -43,6 +43,7 @@ descales, s[:, None, :].expand(...)), or one for the whole cache; append_kv refu
 and 256, GPUs of sm_89 and newer (FlashcoreError UNSUPPORTED_GPU on older ones).
 """
 
+import operator
 from typing import Optional
 
 import torch
@@ -179,8 +180,9 @@ def _check_device(fn, named):
 def _check_no_grad(fn, tensors):
     if _needs_grad(tensors):
         raise NotImplementedError(
-            f"flashcore.{fn} has no backward pass: call it under torch.no_grad() "
-            "(or torch.inference_mode()), or on tensors that do not require grad"
+            f"flashcore.{fn} has no backward pass (nor forward-mode derivative): call it "
+            "under torch.no_grad() (or torch.inference_mode()), on tensors that neither "
+            "require grad nor carry a forward-mode tangent"
         )
 
 
@@ -261,24 +263,57 @@ def _check_scales(fn, k_cache, k_scale, v_scale):
 
 def _host_int32(fn, name, x, shape):
     """A host copy of device metadata (a CPU tensor or a sequence of ints) as a contiguous
-    int32 CPU tensor of `shape`; ValueError for anything else."""
+    int32 CPU tensor of `shape`; ValueError for anything else.
+
+    Values are checked against int32's range before any narrowing: a wrapped value
+    (2^32 + 3 as 3) would pass the library's checks as another, valid entry. A tensor's
+    values cannot be read while torch.compile traces (its data is fake there), so a
+    tensor that would need narrowing is refused then; an int32 one needs no check."""
     if isinstance(x, torch.Tensor):
         if x.device.type != "cpu":
             raise ValueError(f"flashcore.{fn}: {name} must be a CPU tensor (a host copy), got {x.device}")
+        if x.is_floating_point() or x.is_complex() or x.dtype == torch.bool:
+            raise ValueError(f"flashcore.{fn}: {name} must hold integers, got {x.dtype}")
+        if x.dtype != torch.int32:
+            if torch.compiler.is_compiling() or _dispatch_mode_active():
+                raise ValueError(
+                    f"flashcore.{fn}: under torch.compile (or a dispatch mode) {name} must be an int32 "
+                    f"CPU tensor or a sequence of ints: the values of a {x.dtype} tensor cannot be "
+                    "checked against int32's range while tracing"
+                )
+            # As Python ints: torch has no min/max for every integer type (uint64, say).
+            _check_int32_range(fn, name, x.flatten().tolist())
+            x = x.to(torch.int32)
     else:
-        x = torch.tensor(x)
-    if x.is_floating_point() or x.is_complex() or x.dtype == torch.bool:
-        raise ValueError(f"flashcore.{fn}: {name} must hold integers, got {x.dtype}")
-    # Checked before the narrowing: a wrapped value (2^32 + 3 as 3) would pass the
-    # library's checks as another, valid entry.
-    # As Python ints: torch has no min/max for every integer type (uint64, say).
-    values = x.flatten().tolist()
-    if values and (min(values) < -(2**31) or max(values) >= 2**31):
-        raise ValueError(f"flashcore.{fn}: {name} holds values outside int32 (the device copy's type)")
-    x = x.to(torch.int32)
+        values = _flat_ints(fn, name, x)
+        _check_int32_range(fn, name, values)
+        if values:
+            x = torch.tensor(x, dtype=torch.int32)
+        else:  # no entries: a shape of no elements takes it (torch.tensor([]) is float)
+            x = torch.empty(shape if 0 in shape else (0,), dtype=torch.int32)
     if tuple(x.shape) != shape:
         raise ValueError(f"flashcore.{fn}: {name} has shape {tuple(x.shape)}, expected {shape}")
     return x.contiguous()
+
+
+def _flat_ints(fn, name, x):
+    """The Python ints of a (nested) sequence, read without making a tensor."""
+    out = []
+    stack = [x]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, (list, tuple)):
+            stack.extend(reversed(item))
+            continue
+        if isinstance(item, bool) or not hasattr(item, "__index__"):
+            raise ValueError(f"flashcore.{fn}: {name} must hold integers, got {item!r}")
+        out.append(operator.index(item))
+    return out
+
+
+def _check_int32_range(fn, name, values):
+    if values and (min(values) < -(2**31) or max(values) >= 2**31):
+        raise ValueError(f"flashcore.{fn}: {name} holds values outside int32 (the device copy's type)")
 
 
 def _prepare_host(fn, batch, block_table, host_seqlens, host_block_table):
@@ -483,7 +518,8 @@ def decode(
     return_lse: also return the float32 [B, Hq, Sq] natural-log log-sum-exp of each row.
     host_seqlens, host_block_table: optional host copies of seqlens and block_table (CPU
         tensors or sequences of ints): checked against the capacity and the pool (no page
-        named twice within one sequence) before anything runs (not under torch.compile's fake tensors, where they are not read).
+        named twice within one sequence) before anything runs. Under torch.compile a tensor
+        copy must be int32 (a wider one's values cannot be range-checked while tracing).
     k_scale, v_scale: an FP8 cache's scales (required with one, refused without): float32
         [B, capacity, Hkv] (contiguous) or [pages, page_size, Hkv] (paged), the caches'
         first three dimensions ([..., 1] 4-d tensors are taken too; any strides): each
@@ -503,7 +539,8 @@ def decode(
     workspace, taken from torch's allocator) depends on the shapes and the GPU only, never
     on the lengths, so a CUDA graph of a decode step stays right as sequences grow.
     Inference only. Raises FlashcoreError with flashcore's message for anything the
-    kernels refuse, ValueError/TypeError for misuse of this function.
+    kernels refuse, ValueError/TypeError for misuse of this function,
+    NotImplementedError for inputs that need derivatives.
     """
     _check_tensor("decode", "q", q, 4)
     _check_cache_call("decode", q.shape[0], [("q", q)], k_cache, v_cache, seqlens, block_table, k_scale, v_scale)
@@ -619,7 +656,7 @@ def append_kv(
     Positions past the capacity (and pages outside the pool) are never written, whatever
     the device metadata holds. Snew <= capacity and B·Snew·Hkv·D/8 <= 2146435039. Returns
     None. Raises FlashcoreError with flashcore's message for anything the kernels refuse,
-    ValueError/TypeError for misuse.
+    ValueError/TypeError for misuse, NotImplementedError for inputs that need derivatives.
     """
     _check_tensor("append_kv", "k_new", k_new, 4)
     _check_tensor("append_kv", "v_new", v_new, 4)
@@ -747,10 +784,24 @@ def merge(o_parts, lse_parts, *, out_dtype=None, return_lse=False, layout="bshd"
 
     Returns out (o_parts' shard shape in `layout`, contiguous), or (out, lse). Inference
     only. Raises FlashcoreError with flashcore's message for anything the kernel refuses,
-    ValueError/TypeError for misuse of this function.
+    ValueError/TypeError for misuse of this function,
+    NotImplementedError for inputs that need derivatives.
     """
     if layout not in LAYOUTS:
         raise ValueError(f"flashcore.merge: layout must be one of {LAYOUTS}, got {layout!r}")
+    # Lists are stacked, but not promoted: every shard must be of one dtype (torch.stack
+    # would turn f16 beside f32 into f32, and with it the default output dtype).
+    for name, parts in (("o_parts", o_parts), ("lse_parts", lse_parts)):
+        if isinstance(parts, (list, tuple)):
+            if not parts:
+                raise ValueError(f"flashcore.merge: {name} is an empty list; at least one shard is needed")
+            if not all(isinstance(t, torch.Tensor) for t in parts):
+                raise TypeError(f"flashcore.merge: {name} must be a tensor or a list of tensors")
+            if len({t.dtype for t in parts}) > 1:
+                raise ValueError(
+                    f"flashcore.merge: the shards of {name} must share one dtype, got "
+                    f"{sorted({str(t.dtype) for t in parts})}"
+                )
     if isinstance(o_parts, (list, tuple)):
         o_parts = torch.stack(o_parts)
     if isinstance(lse_parts, (list, tuple)):

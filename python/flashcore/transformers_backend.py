@@ -234,7 +234,7 @@ def _forward(fp8, module, query, key, value, attention_mask, dropout, scaling, i
     if scaling is not None:
         try:
             softmax_scale("flashcore", scaling)
-        except ValueError:
+        except (TypeError, ValueError):
             # 0, negative, NaN, or outside float32 (below 1.4e-45 it would reach the C ABI
             # as 0, its "default scale"): SDPA takes what flashcore cannot.
             return fallback(f"scaling {scaling}")

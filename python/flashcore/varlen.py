@@ -242,7 +242,8 @@ def attention_varlen(
 
     Returns o ([total_q, Hq, D], contiguous; rows no sequence covers are left
     uninitialised), or (o, lse). Inference only. Raises FlashcoreError for anything the
-    kernels refuse, ValueError/TypeError for misuse of this function.
+    kernels refuse, ValueError/TypeError for misuse of this function,
+    NotImplementedError for inputs that need derivatives.
     """
     fn = "attention_varlen"
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -459,7 +460,7 @@ def decode_varlen(
     uninitialised), or (o, lse). The workspace (from torch's allocator) depends on the
     shapes, max_seqlen_q and the GPU only. Inference only. Raises FlashcoreError with
     flashcore's message for anything the kernels refuse, ValueError/TypeError for misuse
-    of this function.
+    of this function, NotImplementedError for inputs that need derivatives.
     """
     fn = "decode_varlen"
     _check_tensor(fn, "q", q, 3)

@@ -129,6 +129,15 @@ def test_misuse_is_refused_before_the_library():
     cpu = torch.zeros(1, 4, 64, 64, dtype=torch.float16)
     with pytest.raises(ValueError, match="CUDA"):
         flashcore.attention(cpu, cpu, cpu)
+    # An int past float64 and strings or bools: the documented errors, not OverflowError
+    # or a silent 1.0.
+    with pytest.raises(ValueError, match="scale"):
+        flashcore.attention(q, q, q, scale=10**400)
+    for s in ("0.1", True):
+        with pytest.raises(TypeError, match="scale"):
+            flashcore.attention(q, q, q, scale=s)
+    with pytest.raises(ValueError, match="softcap"):
+        flashcore.attention(q, q, q, softcap=10**400)
     g = meta(1, 4, 64, 64).requires_grad_()
     with pytest.raises(NotImplementedError, match="backward"):
         flashcore.attention(g, q, q)
@@ -1412,3 +1421,55 @@ def test_fp8_compiles_to_one_graph():
     assert len(calls) == 1
     ops = [n.target for n in calls[0].graph.nodes if n.op == "call_function"]
     assert torch.ops.flashcore.attention_fp8 in ops, ops
+
+
+def test_forward_mode_derivatives_are_refused_not_dropped():
+    """A dual tensor (forward-mode AD) or torch.func.jvp's inputs carry tangents the op
+    would drop (a zero or missing tangent): refused, as gradients are."""
+    import torch.autograd.forward_ad as fwAD
+
+    q = meta(1, 4, 64, 64)
+    with fwAD.dual_level():
+        dual = fwAD.make_dual(q, meta(1, 4, 64, 64))
+        with pytest.raises(NotImplementedError, match="forward-mode"):
+            flashcore.attention(dual, q, q)
+    with pytest.raises(NotImplementedError, match="forward-mode"):
+        torch.func.jvp(lambda t: flashcore.attention(t, q, q), (q,), (meta(1, 4, 64, 64),))
+
+
+def test_fake_calls_refuse_what_the_real_ones_refuse():
+    """The fake (meta) path stands in only for the dimensions the real call takes as
+    nothing to launch: 0 KV heads are refused either way, 0 query heads beside 2 KV heads
+    are not a head-ratio error."""
+    q = meta(2, 16, 4, 64)
+    none = meta(2, 16, 0, 64)
+    with pytest.raises(FlashcoreError) as e:
+        flashcore.attention(q, none, none, layout="bshd")
+    assert e.value.name == "FLASHCORE_ERROR_EMPTY_DIMENSION", e.value
+    o = flashcore.attention(meta(2, 16, 0, 64), meta(2, 16, 2, 64), meta(2, 16, 2, 64), layout="bshd")
+    assert o.shape == (2, 16, 0, 64)
+
+
+def test_host_copies_are_range_checked_as_python_ints():
+    """Lists are checked as Python ints (no tensor made first: an empty list is not a float
+    tensor, a value past int64 is not an OverflowError)."""
+    from flashcore.serving import _host_int32
+
+    assert _host_int32("decode", "host_seqlens", [], (0,)).dtype == torch.int32
+    with pytest.raises(ValueError, match="shape"):
+        _host_int32("decode", "host_seqlens", [], (3,))
+    with pytest.raises(ValueError, match="outside int32"):
+        _host_int32("decode", "host_seqlens", [0, 1, 2**70], (3,))
+    with pytest.raises(ValueError, match="integers"):
+        _host_int32("decode", "host_seqlens", [0, 1.5], (2,))
+    got = _host_int32("decode", "host_block_table", [[1, 2], [3, 4]], (2, 2))
+    assert got.tolist() == [[1, 2], [3, 4]] and got.dtype == torch.int32
+
+
+def test_merge_lists_of_mixed_or_no_shards_are_refused():
+    parts = [meta(1, 8, 2, 64), meta(1, 8, 2, 64, dtype=torch.float32)]
+    lses = [meta(1, 2, 8, dtype=torch.float32), meta(1, 2, 8, dtype=torch.float32)]
+    with pytest.raises(ValueError, match="one dtype"):
+        flashcore.merge(parts, lses)
+    with pytest.raises(ValueError, match="empty list"):
+        flashcore.merge([], [])
