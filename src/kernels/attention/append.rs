@@ -189,6 +189,7 @@ impl Geometry {
         // capacity are not written).
         let len = k.max(len, 0i32);
         let pos = k.add(len, j.cast::<S32>());
+        // Only a length within `Snew` of 2^31, whose sum wraps, fails this.
         let low = k.setp(Cmp::Ge, pos, 0i32);
         let high = k.setp(Cmp::Lt, pos, self.capacity);
         let ok = k.and_pred(low, high);
