@@ -424,8 +424,9 @@ impl<H: Half2 + WgmmaInput> Consumer<'_, H> {
     fn exponentiate_tiles(&self, k: &mut Kernel, tiles: &Slab) {
         let (tiles, factors) = ([tiles.clone()], [self.factors]);
         if self.f.fold_scale {
+            let lag = self.f.s.max_lag();
             self.softmax
-                .update_scaled(k, &tiles, self.scale_log2, 0.0, None, &factors);
+                .update_scaled(k, &tiles, self.scale_log2, 0.0, lag, &factors);
         } else {
             self.softmax.update(k, &tiles, self.scale_log2, &factors);
         }
@@ -461,7 +462,18 @@ impl<H: Half2 + WgmmaInput> Consumer<'_, H> {
         o: Acc<NO>,
         vr: &StageRing,
     ) -> InFlight<NO> {
-        rescale_rows(k, &[o.tiles()], &[self.factors]);
+        if self.f.fold_scale && self.f.s.max_lag().is_some() {
+            // A row whose maximum stayed has the factor 1 exactly: a warp whose rows all
+            // stayed leaves O as it is.
+            let [a, b] = self.factors.map(|f| k.setp(Cmp::Ne, f, 1f32));
+            let moved = k.or_pred(a, b);
+            let any_moved = k.vote_any(moved);
+            k.if_(any_moved, |k| {
+                rescale_rows(k, &[o.tiles()], &[self.factors])
+            });
+        } else {
+            rescale_rows(k, &[o.tiles()], &[self.factors]);
+        }
         vr.wait_full(k);
         let pv = self.pv::<NO>(k, o, vr);
         k.wgmma_commit();

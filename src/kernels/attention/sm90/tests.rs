@@ -631,3 +631,47 @@ fn sm90_work_items_decode_without_integer_division() {
         }
     }
 }
+
+/// The two-consumer kernels at head dim 64 let a row's maximum trail a tile's by
+/// [`Shape::max_lag`] and skip O's rescale in warps whose maxima all stayed (a vote
+/// before each rescale); the others rescale on every tile, without a vote.
+#[test]
+fn head_dim_64_pairs_skip_rescales_where_no_maximum_moved() {
+    let votes = |cfg: &FwdConfig| {
+        let ptx = generate(cfg).unwrap().to_ptx();
+        ptx.lines()
+            .filter(|l| l.contains("vote.sync.any.pred"))
+            .count()
+    };
+    for dtype in [HalfType::F16, HalfType::Bf16] {
+        for causal in [false, true] {
+            let pair = config(64, dtype, causal);
+            assert_eq!(Shape::of(&pair).max_lag(), Some(8.0));
+            // The loop's rescale and the last `P V`'s.
+            assert!(votes(&pair) >= 2, "{}", pair.id());
+            let unfolded = FwdConfig {
+                fold_scale: false,
+                ..pair
+            };
+            let others = [
+                unfolded,
+                FwdConfig {
+                    block_m: 64,
+                    ..pair
+                },
+                FwdConfig {
+                    block_m: 192,
+                    ..pair
+                },
+                config(128, dtype, causal),
+                config(256, dtype, causal),
+            ];
+            for cfg in others {
+                assert_eq!(votes(&cfg), 0, "{}", cfg.id());
+            }
+            for cfg in &others[1..] {
+                assert_eq!(Shape::of(cfg).max_lag(), None, "{}", cfg.id());
+            }
+        }
+    }
+}
