@@ -190,16 +190,21 @@ impl Shape {
 
     /// How far (log2 units) a row's running maximum may trail a tile's before it moves
     /// ([`OnlineSoftmax::update_scaled`]'s `lag`), so that a warp whose rows' maxima all
-    /// stay skips O's rescale; probabilities then reach up to `2^lag`, as the 16-bit
-    /// types hold exactly as well as `[0, 1]`. 8 for the two-consumer kernels at head dim
-    /// 64, whose key loop the softmax bounds (on the H200, same call, f16, against the
-    /// rescale on every tile: B32 H32 S512 +2.0–2.3% without a mask and level causal,
-    /// B16 H32 S1024 causal +4.6%, S2048 and S4096 causal +1%); the others are not
-    /// measured with it.
+    /// stay skips O's rescale; probabilities then reach up to `2^lag`, which the 16-bit
+    /// types hold exactly as well as `[0, 1]`. 8 for the kernels whose consumer
+    /// warpgroups take turns (two or three; the rescale lies between a warpgroup's
+    /// softmax and its next `P V`, on the path the turns wait for). On the H200, same
+    /// call, against the rescale on every tile (f16 and bf16, the Hopper grid): head dim
+    /// 128 +1.4% to +9.1% (mean +5%), 256 +0.6% to +4.8% (one f16 row, B1 S16384, 9%
+    /// slower, within that row's known spread between runs), the three-consumer head-dim-64
+    /// kernels −3% to +4.5% (mean +1.8%), the two-consumer head-dim-64 ones +2% at B32 S512
+    /// without a mask and up to +4.6% causal. The one-consumer kernel has no turns to
+    /// shorten and measured level or 1% slower; the split-keys kernels merge their
+    /// warpgroups' maxima and keep the exact ones.
     ///
     /// [`OnlineSoftmax::update_scaled`]: crate::kernels::attention::softmax::OnlineSoftmax::update_scaled
     pub fn max_lag(&self) -> Option<f32> {
-        (self.head_dim == 64 && !self.split_keys && self.consumers() == 2).then_some(8.0)
+        (!self.split_keys && self.consumers() >= 2).then_some(8.0)
     }
 
     /// K and V stages in the rings.

@@ -169,10 +169,14 @@ fn folded_exponent_is_one_fma_per_score() {
             let scores = Shape::of(&folded).block_n as usize / 2;
             assert!(fmas >= 2 * scores, "{}: {fmas}", folded.id());
             // The same number fewer subtractions and multiplications, give or take
-            // the few per row that raise the maxima and form the LSE.
+            // the few per row that raise the maxima and form the LSE. A lagging
+            // maximum ([`Shape::max_lag`]) adds a subtraction and a comparison per
+            // raise: the step the tile's maximum takes, against the lag.
             let fewer = |op| count(&u, op) as i64 - count(&f, op) as i64;
-            for (op, per_fma_exp) in [("sub.f32", 2), ("mul.rn.f32", 1)] {
-                let fewer = fewer(op) + per_fma_exp * on_fma as i64;
+            let lag_steps = -fewer("setp.le.f32");
+            assert_eq!(lag_steps > 0, Shape::of(&folded).max_lag().is_some());
+            for (op, per_fma_exp, per_lag_step) in [("sub.f32", 2, 1), ("mul.rn.f32", 1, 0)] {
+                let fewer = fewer(op) + per_fma_exp * on_fma as i64 + per_lag_step * lag_steps;
                 assert!((fewer - fmas as i64).abs() <= 8, "{op}: {fewer}");
             }
             assert!(folded.id().contains("_fold") && !unfolded.id().contains("_fold"));
@@ -632,11 +636,12 @@ fn sm90_work_items_decode_without_integer_division() {
     }
 }
 
-/// The two-consumer kernels at head dim 64 let a row's maximum trail a tile's by
-/// [`Shape::max_lag`] and skip O's rescale in warps whose maxima all stayed (a vote
-/// before each rescale); the others rescale on every tile, without a vote.
+/// The kernels whose consumer warpgroups take turns (two or three) let a row's maximum
+/// trail a tile's by [`Shape::max_lag`] and skip O's rescale in warps whose maxima all
+/// stayed (a vote before each rescale); the one-consumer and split-keys kernels, and
+/// every unfolded one, rescale on every tile, without a vote.
 #[test]
-fn head_dim_64_pairs_skip_rescales_where_no_maximum_moved() {
+fn turn_taking_kernels_skip_rescales_where_no_maximum_moved() {
     let votes = |cfg: &FwdConfig| {
         let ptx = generate(cfg).unwrap().to_ptx();
         ptx.lines()
@@ -645,32 +650,41 @@ fn head_dim_64_pairs_skip_rescales_where_no_maximum_moved() {
     };
     for dtype in [HalfType::F16, HalfType::Bf16] {
         for causal in [false, true] {
-            let pair = config(64, dtype, causal);
-            assert_eq!(Shape::of(&pair).max_lag(), Some(8.0));
-            // The loop's rescale and the last `P V`'s.
-            assert!(votes(&pair) >= 2, "{}", pair.id());
-            let unfolded = FwdConfig {
-                fold_scale: false,
-                ..pair
-            };
-            let others = [
-                unfolded,
-                FwdConfig {
-                    block_m: 64,
-                    ..pair
-                },
+            let turns = [
+                config(64, dtype, causal),
                 FwdConfig {
                     block_m: 192,
-                    ..pair
+                    ..config(64, dtype, causal)
                 },
                 config(128, dtype, causal),
+                config(192, dtype, causal),
                 config(256, dtype, causal),
             ];
-            for cfg in others {
-                assert_eq!(votes(&cfg), 0, "{}", cfg.id());
+            for cfg in turns {
+                assert_eq!(Shape::of(&cfg).max_lag(), Some(8.0), "{}", cfg.id());
+                // The loop's rescale and the last `P V`'s.
+                assert!(votes(&cfg) >= 2, "{}", cfg.id());
+                let unfolded = FwdConfig {
+                    fold_scale: false,
+                    ..cfg
+                };
+                assert_eq!(votes(&unfolded), 0, "{}", unfolded.id());
             }
-            for cfg in &others[1..] {
-                assert_eq!(Shape::of(cfg).max_lag(), None, "{}", cfg.id());
+            let alone = [
+                FwdConfig {
+                    block_m: 64,
+                    ..config(64, dtype, causal)
+                },
+                FwdConfig {
+                    block_m: 64,
+                    split_keys: true,
+                    fold_scale: false,
+                    ..config(64, dtype, causal)
+                },
+            ];
+            for cfg in alone {
+                assert_eq!(Shape::of(&cfg).max_lag(), None, "{}", cfg.id());
+                assert_eq!(votes(&cfg), 0, "{}", cfg.id());
             }
         }
     }
