@@ -183,7 +183,7 @@ impl Shape {
     /// faster from S 2048 without a mask, causal level. The other kernels measured level
     /// (64-row tiles) or 1–2% slower (128-row tiles). In the two-consumer head-dim-64
     /// kernels (H200, 2026-11-29): one in 16 +3% at B32 H32 S512 without a mask but 2–9%
-    /// slower on the causal rows from S 2048, one in 8 or 4 level or slower on every row.
+    /// slower on the causal rows from S 2048, one in 8 or 4 slower on every causal row.
     ///
     /// [`with_fma_exps`]: crate::kernels::attention::softmax::OnlineSoftmax::with_fma_exps
     pub fn fma_exp_every(&self) -> usize {
