@@ -85,10 +85,11 @@ typedef struct FlashcoreTensor {
  * Contiguous cache: block_table, max_pages and table_stride all 0; k and v are
  *   [B, capacity, Hkv, D]: position p of sequence b is k[b, p].
  * Paged cache: anything else; k and v are pools [pages, page_size, Hkv, D] (pages at most
- *   2^31, what an int32 table can name), page_size a power of two from 1 to 1024, and block_table is a device int32 array [B, max_pages]
- *   (4-byte aligned) whose rows are table_stride (>= max_pages) elements apart: position
- *   p of sequence b is row p % page_size of page block_table[b * table_stride +
- *   p / page_size]. The capacity is max_pages * page_size.
+ *   2^31, what an int32 table can name), page_size a power of two from 1 to 1024, and
+ *   block_table is a device int32 array [B, max_pages] (4-byte aligned) whose rows are
+ *   table_stride (>= max_pages) elements apart: position p of sequence b is row
+ *   p % page_size of page block_table[b * table_stride + p / page_size]. The capacity is
+ *   max_pages * page_size.
  * Either way k and v share one dtype (f16 or bf16; or FLASHCORE_E4M3 codes, with their
  * FlashcoreKvScales, in the _fp8kv calls) and shape, with pointers 16-byte
  * aligned, strides[3] == 1 and other strides multiples of 16 bytes (strides[1], and

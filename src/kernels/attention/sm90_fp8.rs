@@ -54,7 +54,7 @@ use super::sm90::{
     Block, ConsumerRoles, ItemLoop, MapColumns, Rings, Role, WorkQueue, advance, divisor,
     produce_items, split_roles,
 };
-use super::softmax::{OnlineSoftmax, rescale_rows};
+use super::softmax::{OnlineSoftmax, rescale_moved_rows};
 use super::{FwdArgs, HalfType, Tiling};
 use crate::ptx::{
     Acc, Bf16x2, Cmp, E4m3x4, F16x2, F32, Half2, InFlight, KMajor, Kernel, KernelText, Module, N64,
@@ -658,10 +658,7 @@ impl Consumer<'_> {
     /// row of this warp at factor 1 (its maxima stayed: [`MAX_LAG_LOG2`]).
     fn rescale_lagging(&self, k: &mut Kernel) {
         let lagging = self.o[..self.f.s.lagging_tiles()].to_vec();
-        let [a, b] = self.factors.map(|f| k.setp(Cmp::Ne, f, 1f32));
-        let moved = k.or_pred(a, b);
-        let any_moved = k.vote_any(moved);
-        k.if_(any_moved, |k| rescale_rows(k, &[lagging], &[self.factors]));
+        rescale_moved_rows(k, &lagging, self.factors);
     }
 
     /// Waits for chunk 0 of `P·V`, adds it to O, runs the other lagging chunks, and

@@ -470,6 +470,18 @@ pub fn rescale_rows(k: &mut Kernel, o: &[Slab], factors: &[[Reg<F32>; 2]]) {
     }
 }
 
+/// [`rescale_rows`] on one slab, skipped in a warp where every row's factor is exactly 1:
+/// no running maximum moved, as happens on most tiles with a lagging maximum
+/// ([`OnlineSoftmax::update_scaled`]'s `lag`). The vote keeps the branch warp-uniform.
+pub fn rescale_moved_rows(k: &mut Kernel, o: &Slab, factors: [Reg<F32>; 2]) {
+    let [a, b] = factors.map(|f| k.setp(Cmp::Ne, f, 1f32));
+    let moved = k.or_pred(a, b);
+    let any_moved = k.vote_any(moved);
+    k.if_(any_moved, |k| {
+        rescale_rows(k, std::slice::from_ref(o), &[factors])
+    });
+}
+
 /// [`pack_probs`] into registers that already exist (probabilities carried from one
 /// loop turn to the next).
 pub fn pack_probs_into<H: Half2>(k: &mut Kernel, scores: &Slab, p: &[[Reg<H>; 4]]) {

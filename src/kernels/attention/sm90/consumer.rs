@@ -11,7 +11,9 @@ use crate::kernels::attention::epilogue::{LseForm, OutputBlock, store_output_sta
 use crate::kernels::attention::mask::{causal_key_limit, row_key_limit};
 use crate::kernels::attention::rows::Slab;
 use crate::kernels::attention::softcap;
-use crate::kernels::attention::softmax::{OnlineSoftmax, pack_probs_into, rescale_rows};
+use crate::kernels::attention::softmax::{
+    OnlineSoftmax, pack_probs_into, rescale_moved_rows, rescale_rows,
+};
 use crate::ptx::{
     Acc, Cmp, F32, Half2, InFlight, KMajor, Kernel, MnMajor, NamedBarrier, Reg, S32, ScaleD,
     SmemDesc, Special, StageRing, U32, WgmmaD, WgmmaInput, WgmmaN,
@@ -424,12 +426,19 @@ impl<H: Half2 + WgmmaInput> Consumer<'_, H> {
     fn exponentiate_tiles(&self, k: &mut Kernel, tiles: &Slab) {
         let (tiles, factors) = ([tiles.clone()], [self.factors]);
         if self.f.fold_scale {
-            let lag = self.f.s.max_lag();
+            let lag = self.max_lag();
             self.softmax
                 .update_scaled(k, &tiles, self.scale_log2, 0.0, lag, &factors);
         } else {
             self.softmax.update(k, &tiles, self.scale_log2, &factors);
         }
+    }
+
+    /// How far a row's running maximum may trail ([`Shape::max_lag`](super::shape::Shape::max_lag)):
+    /// only where the scale is folded into the exponent, whose softmax
+    /// ([`OnlineSoftmax::update_scaled`]) is the one that lags.
+    fn max_lag(&self) -> Option<f32> {
+        self.f.s.max_lag().filter(|_| self.f.fold_scale)
     }
 
     /// `S = Q Kᵀ` on the K ring's current stage (d/16 k-steps, SS).
@@ -462,15 +471,8 @@ impl<H: Half2 + WgmmaInput> Consumer<'_, H> {
         o: Acc<NO>,
         vr: &StageRing,
     ) -> InFlight<NO> {
-        if self.f.fold_scale && self.f.s.max_lag().is_some() {
-            // A row whose maximum stayed has the factor 1 exactly: a warp whose rows all
-            // stayed leaves O as it is.
-            let [a, b] = self.factors.map(|f| k.setp(Cmp::Ne, f, 1f32));
-            let moved = k.or_pred(a, b);
-            let any_moved = k.vote_any(moved);
-            k.if_(any_moved, |k| {
-                rescale_rows(k, &[o.tiles()], &[self.factors])
-            });
+        if self.max_lag().is_some() {
+            rescale_moved_rows(k, &o.tiles(), self.factors);
         } else {
             rescale_rows(k, &[o.tiles()], &[self.factors]);
         }
