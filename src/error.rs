@@ -79,10 +79,18 @@ pub enum Error {
 }
 
 impl Error {
-    /// Whether a tensor map was refused (by its rules or by the driver): the sm90a
-    /// launches then run the call on the kernel that reads without TMA.
+    /// Whether a tensor map was refused (by its rules, or by the driver as an invalid
+    /// value): the sm90a launches then run the call on the kernel that reads without
+    /// TMA. Any other failure (no context current, a driver in a bad state) is not the
+    /// view's fault and is reported as it is, not hidden behind a slower kernel.
     pub(crate) fn is_map_refusal(&self) -> bool {
-        matches!(self, Error::TensorMap(_) | Error::Driver { .. })
+        match self {
+            Error::TensorMap(_) => true,
+            Error::Driver { call, code } => {
+                *call == "cuTensorMapEncodeTiled" && code == "CUDA_ERROR_INVALID_VALUE"
+            }
+            _ => false,
+        }
     }
 }
 

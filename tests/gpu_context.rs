@@ -13,7 +13,9 @@ use cudarc::driver::sys::{self, CUcontext, CUdevice, CUresult};
 use flashcore::check::{DeviceCase, FwdCase, Layout, TestSeeds, tolerance};
 use flashcore::ffi::{self, FLASHCORE_SUCCESS, FlashcoreContext, FlashcoreTensor};
 use flashcore::host::attention::Attention;
+use flashcore::host::decode::Workspace;
 use flashcore::host::device::{Device, device_count};
+use flashcore::host::quantize::{Fp8Layout, QuantizeOptions};
 use flashcore::host::tensor::{AttentionParams, TensorView};
 use flashcore::host::timing::{Backlog, EventTimer, median_ms, median_ms_queued};
 use flashcore::kernels::attention::HalfType;
@@ -275,6 +277,79 @@ fn no_current_context_stays_none() {
     std::thread::spawn(|| {
         assert!(current().is_null(), "a fresh thread has no current context");
         every_entry_point_keeps(ptr::null_mut(), "no context");
+    })
+    .join()
+    .expect("the test thread panicked");
+}
+
+/// Tensor maps are encoded in the device's context whatever the caller has current (the
+/// driver refuses to encode one where no context is current): with none current, Hopper's
+/// 16-bit forward, the Hadamard quantizer and the FP8 forward take their TMA kernels, not
+/// the fallbacks a refused map sends a call to.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn hopper_calls_with_no_context_current_take_their_tma_kernels() {
+    assert!(device_count().expect("a CUDA driver") > 0, "no CUDA device");
+    std::thread::spawn(|| {
+        let device = Arc::new(Device::new(0).expect("device 0"));
+        if device.compute_capability() != (9, 0) {
+            println!("skipped: the TMA kernels are Hopper's");
+            return;
+        }
+        // Inputs and a workspace through cudarc, which makes the primary context current.
+        let stream = device.context().default_stream();
+        let case = small_case();
+        let mut seeds = TestSeeds::from_env().unwrap_or_else(|e| panic!("{e}"));
+        let mut rng = seeds.next_case();
+        let dev = DeviceCase::new(&stream, case, &mut rng).expect("upload");
+        let ([q, k, v, o], lse) = dev.views();
+        let options = QuantizeOptions {
+            smooth_k: false,
+            hadamard_seed: Some(7),
+        };
+        let layout = Fp8Layout::new(&case.shape, &options).expect("layout");
+        let workspace = stream.alloc_zeros::<u8>(layout.bytes).expect("workspace");
+        let workspace = Workspace {
+            ptr: workspace.device_ptr(&stream).0,
+            bytes: layout.bytes,
+        };
+        let params = AttentionParams {
+            causal: true,
+            ..Default::default()
+        };
+        let cu_stream = stream.cu_stream();
+        set_current(ptr::null_mut());
+
+        let attn = Attention::new(device.clone()).expect("an sm_80+ GPU");
+        // SAFETY: the views are the case's live buffers and the workspace is live memory
+        // of the device's context, all used on the case's stream only.
+        unsafe { attn.forward(&q, &k, &v, &o, Some(&lse), &params, cu_stream) }.expect("forward");
+        // SAFETY: as above.
+        let ops = unsafe { attn.quantize_fp8(&q, &k, &v, &options, workspace, cu_stream) }
+            .expect("quantize");
+        // SAFETY: as above; `ops` lies in the workspace.
+        unsafe { attn.forward_fp8(&ops, &o, Some(&lse), &params, cu_stream) }.expect("FP8 forward");
+        assert!(current().is_null(), "a call left a context current");
+
+        let ids: Vec<String> = attn.loaded_kernels().into_iter().map(|k| k.0).collect();
+        let took = |prefix: &str| ids.iter().any(|id| id.starts_with(prefix));
+        assert!(
+            took("attn_fwd_sm90a_f16_") && took("attn_fwd_sm90a_e4m3_"),
+            "the forwards did not run the sm90a kernels: {ids:?}"
+        );
+        assert!(
+            !took("attn_fwd_sm80_") && !took("attn_fwd_sm89_"),
+            "a forward fell back: {ids:?}"
+        );
+        assert!(
+            ids.iter()
+                .any(|id| id.starts_with("quant_e4m3_rows_") && id.ends_with("_hadamard_sm90a")),
+            "the quantizer did not rotate on the tensor cores: {ids:?}"
+        );
+        stream.synchronize().expect("synchronize");
+        set_current(ptr::null_mut());
+        drop(attn);
+        drop(dev);
     })
     .join()
     .expect("the test thread panicked");

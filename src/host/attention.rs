@@ -559,6 +559,8 @@ impl Attention {
     ) -> Result<()> {
         let problem = *problem;
         let cfg = self.plan(&problem)?;
+        // The driver encodes tensor maps only where a context is current.
+        let _scope = ContextScope::enter(self.device.context())?;
         let cfg = match cfg.path {
             Path::Sm90 => match sm90_maps(&cfg, [q, k, v, o], problem.packed.is_some()) {
                 Ok(operands) => {
@@ -648,6 +650,8 @@ impl Attention {
             )));
         }
         if cfg.path == Path::Sm90 {
+            // The driver encodes tensor maps only where a context is current.
+            let _scope = ContextScope::enter(self.device.context())?;
             let operands = sm90_maps(cfg, [q, k, v, o], problem.packed.is_some())?;
             // SAFETY: this function's contract, passed on unchanged.
             return unsafe { self.launch_sm90(&problem, cfg, operands, o, lse, stream) };

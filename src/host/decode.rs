@@ -19,6 +19,7 @@ use cudarc::driver::sys::CUstream;
 use super::attention::{
     Attention, PathChoice, Sm90Operands, plan_problem, sm90_maps, sm90_paged_maps,
 };
+use super::device::ContextScope;
 use super::kv_cache::{CacheLayout, CacheShape, HostMetadata, KvCache};
 use super::launch::{LaunchDims, PaddedParams, launch, launch_programmatic};
 use super::module::{Carveout, LoadedKernel};
@@ -1089,7 +1090,12 @@ impl Attention {
         let (forward, cfg) = self.decode_forward_plan(problem, cache)?;
         let packed = forward.packed.is_some();
         let views = [q, &cache.k, &cache.v, o];
-        let operands = if forward.pages.is_none() {
+        // The driver encodes tensor maps only where a context is current.
+        let _scope = match ContextScope::enter(self.device().context()) {
+            Ok(scope) => scope,
+            Err(e) => return Some(Err(e)),
+        };
+        let maps = if forward.pages.is_none() {
             // The forward's own checks of the views (the decode's passed): the cache as
             // K and V of `[B, capacity, Hkv, D]`. Packed queries have a batch extent of
             // their own, and their checks are the decode's plus the capacity's bound,
@@ -1098,14 +1104,20 @@ impl Attention {
                 validate_fwd(q, &cache.k, &cache.v, o, lse, params).ok()?;
             }
             match cfg.path {
-                // Views the driver will not map go to the decode kernels: the sm80
-                // kernel a refused map falls back to might not read the used keys.
-                Path::Sm90 => Some(sm90_maps(&cfg, views, packed).ok()?),
+                Path::Sm90 => Some(sm90_maps(&cfg, views, packed)),
                 Path::Sm80 => None,
             }
         } else {
             let page_size = problem.cache.page_size;
-            Some(sm90_paged_maps(&cfg, views, page_size, packed).ok()?)
+            Some(sm90_paged_maps(&cfg, views, page_size, packed))
+        };
+        let operands = match maps {
+            None => None,
+            Some(Ok(maps)) => Some(maps),
+            // Views the driver will not map go to the decode kernels: the sm80 kernel a
+            // refused map falls back to might not read the used keys.
+            Some(Err(e)) if e.is_map_refusal() => return None,
+            Some(Err(e)) => return Some(Err(e)),
         };
         Some(self.prepare(&cfg).map(|_| ForwardDecode {
             forward,

@@ -12,6 +12,7 @@ use std::ffi::c_void;
 use cudarc::driver::sys::CUstream;
 
 use super::attention::{Attention, PathChoice, kernel_head_dim, work_items};
+use super::device::ContextScope;
 use super::launch::{LaunchDims, launch};
 use super::tensor::{AttentionParams, DType, LseView, TensorView};
 use super::validate::{
@@ -469,7 +470,8 @@ impl Attention {
     ) -> Result<()> {
         // The sm90a kernel reads Q8, K8 and Vᵀ8 through tensor maps; a view TMA cannot
         // describe runs on the sm89 kernel instead, as the 16-bit forward falls back to
-        // its sm80 one.
+        // its sm80 one. The driver encodes tensor maps only where a context is current.
+        let _scope = ContextScope::enter(self.device().context())?;
         let (cfg, maps) = match cfg.path {
             Fp8Path::Sm90 => match sm90_maps_or_fallback(cfg, ops)? {
                 Some(maps) => (*cfg, Some(maps)),

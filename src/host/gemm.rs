@@ -9,7 +9,7 @@ use std::sync::Arc;
 use cudarc::driver::sys::CUstream;
 
 use super::cache::ModuleCache;
-use super::device::Device;
+use super::device::{ContextScope, Device};
 use super::launch::{LaunchDims, launch};
 use super::module::LoadedKernel;
 use crate::error::{Error, Result};
@@ -108,6 +108,8 @@ impl HopperProofs {
         };
         let pitch = (k * esize) as u64;
         let (m64, n64, k64) = (m as u64, n as u64, k as u64);
+        // The driver encodes tensor maps only where a context is current.
+        let _scope = ContextScope::enter(self.device.context())?;
         let map_a = TiledMap::for_layout(dtype, m64, k64, pitch, &cfg.a_layout()).encode(a)?;
         let map_b = TiledMap::for_layout(dtype, n64, k64, pitch, &cfg.b_layout()).encode(b)?;
         let tiles_m = m.div_ceil(BLOCK_M as usize) as u32;
@@ -171,6 +173,8 @@ impl HopperProofs {
         let map = |p: u64| {
             TiledMap::for_layout(TmaType::Bf16, rows as u64, cols as u64, pitch, &layout).encode(p)
         };
+        // The driver encodes tensor maps only where a context is current.
+        let _scope = ContextScope::enter(self.device.context())?;
         let (mut map_in, mut map_out) = (map(input)?, map(out)?);
         if !readback.is_multiple_of(4) {
             return Err(Error::Misaligned {

@@ -550,16 +550,21 @@ impl Attention {
         }
         let steps = plan_steps(&problem, q, k, v, workspace.ptr);
         let hopper = arch == (9, 0);
-        let launches: Vec<Launch> = steps
+        // The driver encodes tensor maps only where a context is current.
+        let _scope = ContextScope::enter(self.device().context())?;
+        // A view the driver will not map runs the plain kernels; any other failure is the
+        // call's.
+        let launches = steps
             .iter()
             .map(|st| match st.rotate {
                 Some(r) if hopper => match sm90_map(&r.view, SCALE_BLOCK) {
-                    Ok(map) => Launch::Rotated(r.config, map),
-                    Err(_) => Launch::Plain,
+                    Ok(map) => Ok(Launch::Rotated(r.config, map)),
+                    Err(e) if e.is_map_refusal() => Ok(Launch::Plain),
+                    Err(e) => Err(e),
                 },
-                _ => Launch::Plain,
+                _ => Ok(Launch::Plain),
             })
-            .collect();
+            .collect::<Result<Vec<Launch>>>()?;
         // Every kernel is loaded before the first launch, so a load error launches
         // nothing.
         let kernels = steps
