@@ -123,7 +123,8 @@ typedef struct FlashcoreKvCache {
  *       scales may not have two elements at one address. A decode only reads them, so
  *       its scales may repeat through zero strides: one per KV head ({0, 0, 1, 1}), per
  *       sequence and KV head of a contiguous cache ({Hkv, 0, 1, 1}, FlashAttention-3's
- *       descales), or one for the whole cache ({0, 0, 0, 0}). */
+ *       descales), or one for the whole cache ({0, 0, 0, 0}). Scales are finite and not
+ *       negative, as the append writes them. */
 typedef struct FlashcoreKvScales {
     FlashcoreTensor k_scale; /* float32 [B, capacity, Hkv, 1] or [pages, page_size, Hkv, 1] */
     FlashcoreTensor v_scale; /* float32, k_scale's shape */

@@ -295,6 +295,13 @@ pub(crate) fn decode_problem_of(
             "query heads {heads_q} exceed the grid limit {MAX_GRID_YZ}"
         )));
     }
+    // The forward kernels, which take calls of more than MAX_QUERIES queries, count a
+    // sequence's rows in 31 bits; every call bounds its sequences by MAX_SEQLEN.
+    if seqlen_q > MAX_SEQLEN {
+        return Err(Error::InvalidArgument(format!(
+            "{seqlen_q} queries per sequence exceed 2^25"
+        )));
+    }
     check_scale(params)?;
     let softcap = checked_softcap(params, head_dim)?;
     let masking = params.masking(seqlen_q, shape.capacity)?;
@@ -999,8 +1006,9 @@ impl Attention {
     /// Decode: `o = softmax(q kᵀ · scale) v` for `Sq` new query tokens per sequence
     /// against `cache`, whose lengths count the new tokens (query `i` of `Sq` is position
     /// `len − Sq + i`; with `params.causal` it sees keys up to there). `q`, `o`:
-    /// `[B, Sq, Hq, D]`; `lse`: float32 `[B, Hq, Sq]`. A row that sees no key (a length of
-    /// 0, or a query before the sequence's first position) gets zeros and LSE −∞.
+    /// `[B, Sq, Hq, D]`, Sq at most 2^25; `lse`: float32 `[B, Hq, Sq]`. A row that sees no
+    /// key (a length of 0, or with `params.causal` a query before the sequence's first
+    /// position) gets zeros and LSE −∞.
     ///
     /// Up to [`MAX_QUERIES`] queries (decode steps, speculative verification) run on the
     /// split-KV decode kernels. More (chunked prefill, a prompt after a cached prefix) run
@@ -2268,6 +2276,18 @@ pub(crate) mod tests {
         assert!(
             matches!(plan(262_144), Err(Error::InvalidArgument(e)) if e.contains("grid limit"))
         );
+        // Sequences of queries are bounded as every call's are (a paged cache's call of
+        // 2^31 queries would reach the forward kernels, which count rows in 31 bits).
+        let long = |sq| {
+            let q = q(2, sq, 4, 64, 4 * GB);
+            let o = TensorView { ptr: 64 * GB, ..q };
+            validate_decode(&q, &c, &o, None, &AttentionParams::default())
+        };
+        assert!(long(MAX_SEQLEN).is_ok());
+        assert!(matches!(
+            long(MAX_SEQLEN + 1),
+            Err(Error::InvalidArgument(e)) if e.contains("2^25")
+        ));
         assert!(matches!(
             check(&q(2, 1, 3, 64, 4 * GB), &c),
             Err(Error::HeadRatio { .. })

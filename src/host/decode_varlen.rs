@@ -8,8 +8,9 @@
 //! `cu_seqlens_q[b] .. cu_seqlens_q[b + 1]`, `n_b` of them, and query `i` sits at position
 //! `len_b − n_b + i` of its sequence (`len_b` the cache's length, which counts the new
 //! tokens): bottom-right aligned, as a decode call's are. The LSE is float32
-//! `[Hq, total_q]`. Rows no sequence covers are left untouched; a query before its
-//! sequence's first position (`n_b > len_b`) sees no key and gets zeros and LSE −∞.
+//! `[Hq, total_q]`. Rows no sequence covers are left untouched; with causal masking a
+//! query before its sequence's first position (`n_b > len_b`) sees no key and gets zeros
+//! and LSE −∞.
 //!
 //! Which kernels run depends on the longest query run, `max_seqlen_q`. Up to
 //! [`MAX_QUERIES`], the split-KV decode kernels, whose blocks read each sequence's query

@@ -82,7 +82,10 @@ pub struct KvCache {
 /// cache's own first three dimensions (`[B, capacity, Hkv]` contiguous, `[pages,
 /// page_size, Hkv]` paged), so a position's scales live where its codes do. Element
 /// `(·, p, h, 0)` of `k` is the scale of key `p`'s head `h`: its values are its codes
-/// times it. Strides are free (in elements); pointers 4-byte aligned.
+/// times it. Strides are free (in elements); pointers 4-byte aligned. Scales are finite
+/// and not negative, as an append writes them (`max|x| / 448`, or 1 for a row of zeros):
+/// the decode kernels rescale probabilities by V's scales relative to the largest of a
+/// tile's, which a negative scale breaks.
 ///
 /// A decode only reads the scales, so they may repeat: zero strides give one scale per
 /// KV head (`[0, 0, 1]`), per sequence and head of a contiguous cache (`[Hkv, 0, 1]`,

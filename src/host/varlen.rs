@@ -35,8 +35,9 @@
 //! offset makes them touch memory outside the views; but offsets that are not
 //! non-decreasing then give empty, truncated or overlapping sequences rather than an
 //! error (with `[0, 100, 50, 300]` sequences 0 and 2 both write rows 50..100 of `o` and
-//! the LSE, in no set order), and query rows past `max_seqlen_q` in a sequence are not
-//! computed. Pass host copies to have those refused.
+//! the LSE, in no set order), and a query sequence longer than `max_seqlen_q` has rows
+//! left unwritten or computed as other positions (which depends on the kernels the call
+//! takes). Pass host copies to have those refused.
 //!
 //! Each sequence sees only its own keys. On the sm90 path a sequence's last key tile is
 //! read whole through TMA, so it holds the rows that follow the sequence (the next
