@@ -329,6 +329,9 @@ def softcap_arg(fn, softcap):
     return softcap
 
 
+_FLOAT32_MAX = 3.4028234663852886e38
+
+
 def softmax_scale(fn, scale):
     """`scale` as the float32 the C ABI takes: finite and positive there too. A Python
     float below float32's smallest subnormal would round to 0, which the C ABI reads as
@@ -342,10 +345,11 @@ def softmax_scale(fn, scale):
     except (TypeError, ValueError):
         raise TypeError(f"{fn}: scale must be a float (None: 1/sqrt(D)), got {scale!r}") from None
     as_f32 = struct.unpack("f", struct.pack("f", scale))[0] if math.isfinite(scale) else scale
-    if not (math.isfinite(as_f32) and as_f32 > 0.0):
+    # The kernels take scale · log2(e) as a float32 too, which the library checks.
+    if not (math.isfinite(as_f32) and 0.0 < as_f32 and as_f32 * math.log2(math.e) <= _FLOAT32_MAX):
         raise ValueError(
-            f"{fn}: scale must be finite and positive as a float32 "
-            f"(about 1.4e-45 to 3.4e38), got {scale}"
+            f"{fn}: scale must be finite and positive as a float32, and times log2(e) too "
+            f"(about 1.4e-45 to 2.36e38), got {scale}"
         )
     return scale
 

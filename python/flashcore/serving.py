@@ -268,7 +268,10 @@ def _host_int32(fn, name, x, shape):
     Values are checked against int32's range before any narrowing: a wrapped value
     (2^32 + 3 as 3) would pass the library's checks as another, valid entry. A tensor's
     values cannot be read while torch.compile traces (its data is fake there), so a
-    tensor that would need narrowing is refused then; an int32 one needs no check."""
+    tensor that would need narrowing is refused then; an int32 one needs no check. NumPy
+    arrays are taken as the CPU tensors they convert to."""
+    if not isinstance(x, torch.Tensor) and hasattr(x, "__array_interface__"):
+        x = torch.as_tensor(x)
     if isinstance(x, torch.Tensor):
         if x.device.type != "cpu":
             raise ValueError(f"flashcore.{fn}: {name} must be a CPU tensor (a host copy), got {x.device}")
@@ -524,7 +527,7 @@ def decode(
         [B, capacity, Hkv] (contiguous) or [pages, page_size, Hkv] (paged), the caches'
         first three dimensions ([..., 1] 4-d tensors are taken too; any strides): each
         cached value is its code times the scale of its (position, KV head) row, as
-        append_kv writes them.
+        append_kv writes them (finite and not negative).
     window_size: (left, right), local (sliding-window) attention as flashcore.attention
         takes it: query i, at position p = seqlens[b] - Sq + i, sees keys p - left ..=
         p + right (-1: no bound; causal=True with right > 0 raises FlashcoreError). A
@@ -669,9 +672,13 @@ def append_kv(
     if _plain_eager(args[:6] + args[8:]):
         _append(*args)
         # What the op's own wrapper does for its mutated arguments: autograd sees the writes.
+        # One tensor at a time (torch 2.4 takes no sequence), and none made under
+        # inference_mode (which have no version counter).
         bump = getattr(torch.autograd.graph, "increment_version", None)
         if bump is not None:
-            bump((k_cache, v_cache, *scales))
+            for t in (k_cache, v_cache, *scales):
+                if not t.is_inference():
+                    bump(t)
     else:
         torch.ops.flashcore.append_kv(*args)
 
@@ -801,6 +808,17 @@ def merge(o_parts, lse_parts, *, out_dtype=None, return_lse=False, layout="bshd"
                 raise ValueError(
                     f"flashcore.merge: the shards of {name} must share one dtype, got "
                     f"{sorted({str(t.dtype) for t in parts})}"
+                )
+            # What torch.stack would refuse with a RuntimeError.
+            if len({tuple(t.shape) for t in parts}) > 1:
+                raise ValueError(
+                    f"flashcore.merge: the shards of {name} must share one shape, got "
+                    f"{[tuple(t.shape) for t in parts]}"
+                )
+            if len({t.device for t in parts}) > 1:
+                raise ValueError(
+                    f"flashcore.merge: the shards of {name} must be on one device, got "
+                    f"{[str(t.device) for t in parts]}"
                 )
     if isinstance(o_parts, (list, tuple)):
         o_parts = torch.stack(o_parts)

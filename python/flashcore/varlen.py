@@ -465,7 +465,8 @@ def decode_varlen(
     fn = "decode_varlen"
     _check_tensor(fn, "q", q, 3)
     _check_tensor(fn, "cu_seqlens_q", cu_seqlens_q, 1)
-    batch = seqlens.shape[0] if isinstance(seqlens, torch.Tensor) else -1
+    # (Any other seqlens is refused by the metadata checks, with their message.)
+    batch = seqlens.shape[0] if isinstance(seqlens, torch.Tensor) and seqlens.dim() == 1 else -1
     _check_cache_call(fn, batch, [("q", q)], k_cache, v_cache, seqlens, block_table, k_scale, v_scale,
                       [("cu_seqlens_q", cu_seqlens_q)])
     if cu_seqlens_q.dtype != torch.int32:

@@ -118,8 +118,8 @@ def test_misuse_is_refused_before_the_library():
     with pytest.raises(ValueError, match="layout"):
         flashcore.attention(q, q, q, layout="bsdh")
     # 1e-46 and 1e39 are finite Python floats that float32 turns into 0 (which the C ABI
-    # reads as "the default scale") and inf.
-    for s in (0.0, -1.0, math.nan, math.inf, 1e-46, 1e39):
+    # reads as "the default scale") and inf; 3e38 is a float32 but times log2(e) is not.
+    for s in (0.0, -1.0, math.nan, math.inf, 1e-46, 1e39, 3e38):
         with pytest.raises(ValueError, match="scale"):
             flashcore.attention(q, q, q, scale=s)
     with pytest.raises(ValueError, match="4-d"):
@@ -786,6 +786,7 @@ def test_decode_varlen_misuse_is_refused_before_the_library():
         ((q, k, k, lens, cu, True), ValueError, "max_seqlen_q"),
         ((meta(1, 9, 8, 64), k, k, lens, cu, 4), ValueError, "3-d"),
         ((q, k, k, i32(2), cu, 4), ValueError, "batch"),
+        ((q, k, k, i32(()), cu, 4), ValueError, "seqlens must be 1-d"),
         ((q, k, k, lens, [0, 1, 2, 3], 4), TypeError, "cu_seqlens_q"),
         ((q, k, k, lens, torch.zeros(4, dtype=torch.int32), 4), ValueError, "CUDA"),
     ]:
@@ -1466,6 +1467,23 @@ def test_host_copies_are_range_checked_as_python_ints():
     assert got.tolist() == [[1, 2], [3, 4]] and got.dtype == torch.int32
 
 
+def test_host_copies_may_be_numpy_arrays():
+    """Serving code often keeps its host metadata in NumPy: arrays are taken as the CPU
+    tensors they convert to, with the same checks."""
+    np = pytest.importorskip("numpy")
+    from flashcore.serving import _host_int32
+
+    got = _host_int32("decode", "host_block_table", np.array([[1, 2], [3, 4]], dtype=np.int64), (2, 2))
+    assert got.tolist() == [[1, 2], [3, 4]] and got.dtype == torch.int32
+    assert _host_int32("decode", "host_seqlens", np.arange(3, dtype=np.int32), (3,)).tolist() == [0, 1, 2]
+    with pytest.raises(ValueError, match="outside int32"):
+        _host_int32("decode", "host_seqlens", np.array([0, 2**40]), (2,))
+    with pytest.raises(ValueError, match="integers"):
+        _host_int32("decode", "host_seqlens", np.array([0.0, 1.0]), (2,))
+    with pytest.raises(ValueError, match="shape"):
+        _host_int32("decode", "host_seqlens", np.zeros(3, dtype=np.int32), (2,))
+
+
 def test_merge_lists_of_mixed_or_no_shards_are_refused():
     parts = [meta(1, 8, 2, 64), meta(1, 8, 2, 64, dtype=torch.float32)]
     lses = [meta(1, 2, 8, dtype=torch.float32), meta(1, 2, 8, dtype=torch.float32)]
@@ -1473,3 +1491,11 @@ def test_merge_lists_of_mixed_or_no_shards_are_refused():
         flashcore.merge(parts, lses)
     with pytest.raises(ValueError, match="empty list"):
         flashcore.merge([], [])
+    # Shards that torch.stack would refuse: a ValueError, as for any misuse.
+    with pytest.raises(ValueError, match="one shape"):
+        flashcore.merge([meta(1, 8, 2, 64), meta(1, 9, 2, 64)], lses)
+    with pytest.raises(ValueError, match="one shape"):
+        uneven = [meta(1, 2, 8, dtype=torch.float32), meta(1, 2, 9, dtype=torch.float32)]
+        flashcore.merge([meta(1, 8, 2, 64)] * 2, uneven)
+    with pytest.raises(ValueError, match="one device"):
+        flashcore.merge([meta(1, 8, 2, 64), torch.empty(1, 8, 2, 64, dtype=torch.float16)], lses)

@@ -240,7 +240,7 @@ def test_cpu_tensors_run_on_sdpa(monkeypatch):
     assert out.shape == (1, 8, 2, 64)
 
 
-@pytest.mark.parametrize("scaling", [1e-46, -0.125, float("nan"), float("inf"), 1e39, 0.0])
+@pytest.mark.parametrize("scaling", [1e-46, -0.125, float("nan"), float("inf"), 1e39, 3e38, 0.0])
 def test_scales_flashcore_cannot_take_run_on_sdpa(monkeypatch, scaling):
     """A scale that is not a positive float32 goes to SDPA: one below float32's smallest
     subnormal would reach the C ABI as 0, its "default scale", and others it refuses."""
