@@ -259,7 +259,8 @@ typedef struct FlashcoreContext FlashcoreContext;
 int32_t flashcore_create(int32_t device_ordinal, FlashcoreContext **out);
 
 /* Destroys a context and unloads its kernels. NULL is a no-op. Work already queued on a
- * stream must have finished. */
+ * stream must have finished, and CUDA graphs that captured the context's calls must not
+ * be launched again (their kernels are gone). */
 void flashcore_destroy(FlashcoreContext *ctx);
 
 /* o = softmax(q k^T * scale) v, asynchronously on `stream`.

@@ -149,6 +149,25 @@ fn every_entry_point_keeps(expect: CUcontext, what: &str) {
         .expect("forward (warm)");
     check("a warm forward call");
 
+    // The safe call over cudarc buffers, on a second stream: cudarc then orders the
+    // buffers' uses by events, making the device's context current to wait and record.
+    {
+        use flashcore::host::buffers::{Layout4, Tensor, TensorMut};
+        let side = device.context().new_stream().expect("a second stream");
+        let l = Layout4::bshd(1, 64, 2, 64);
+        let ones = vec![half::f16::ONE; 64 * 2 * 64];
+        let x = side.clone_htod(&ones).expect("upload");
+        let mut out = side.clone_htod(&ones).expect("upload");
+        set_current(expect);
+        let inputs = [Tensor::new(&x, l), Tensor::new(&x, l), Tensor::new(&x, l)];
+        attn.forward_buffers(&side, inputs, TensorMut::new(&mut out, l), None, &params)
+            .expect("forward_buffers");
+        check("forward_buffers on a second stream");
+        side.synchronize().expect("synchronize");
+        drop((x, out, side));
+        set_current(expect);
+    }
+
     // A rejected call: k with heads that do not divide q's.
     let bad_k = TensorView::bshd(k.ptr, k.dtype, 1, 130, 3, 64);
     // SAFETY: as above; validation rejects the call before anything runs.

@@ -259,7 +259,11 @@ def quantize_fp8(q, k, v, *, layout="bhsd", smooth_k=False, hadamard_seed=None):
     """q, k, v (as attention_fp8 takes them: CUDA, float16 or bfloat16, `layout`) quantized
     to FP8 operands on the GPU, on the current stream: an Fp8Operands of tensor views of one
     fresh workspace. Use them with forward_fp8 as often as q, k, v stay the same (the keys
-    and values of a prompt, say). Eager only (not a torch.library op)."""
+    and values of a prompt, say). The workspace belongs to the current stream, as any
+    tensor torch allocates there: a forward_fp8 on another stream must be ordered after
+    the quantizer, and the operands kept alive until it has run, as torch asks of any
+    tensor used across streams (wait_stream, record_stream). Eager only (not a
+    torch.library op)."""
     fn = "flashcore.quantize_fp8"
     check_arguments(fn, q, k, v, layout, None)
     seed = _check_seed(fn, hadamard_seed)

@@ -243,16 +243,22 @@ pub(crate) fn sm90_map(t: &TensorView, rows: u32) -> Result<TensorMap> {
 
 /// The map of O the sm90a epilogues store through, one `{64, 16}` box (a warp's rows,
 /// one column block) at a time, its column blocks addressed as `columns` says; `None`
-/// where O cannot go out by TMA: packed sequences (a box would cross into the next
-/// sequence's rows) or a layout TMA cannot describe.
+/// where O cannot go out by TMA (the epilogue then stores it directly): packed sequences
+/// (a box would cross into the next sequence's rows) or a layout TMA refuses. Any other
+/// failure to encode is an error.
 pub(crate) fn sm90_output_map(
     o: &TensorView,
     packed: bool,
     columns: MapColumns,
-) -> Option<TensorMap> {
-    (!packed)
-        .then(|| sm90_map_boxed(o, [16, 1], columns).ok())
-        .flatten()
+) -> Result<Option<TensorMap>> {
+    if packed {
+        return Ok(None);
+    }
+    match sm90_map_boxed(o, [16, 1], columns) {
+        Ok(map) => Ok(Some(map)),
+        Err(e) if e.is_map_refusal() => Ok(None),
+        Err(e) => Err(e),
+    }
 }
 
 /// A padded kernel's head dim parameter: the tensors' head dim, which has a kernel only
@@ -297,7 +303,7 @@ pub(crate) fn sm90_maps(
     let map = |t: &TensorView, rows| sm90_map_boxed(t, [rows, blocks], columns);
     Ok(Sm90Operands {
         inputs: [map(q, block_m)?, map(k, block_n)?, map(v, block_n)?],
-        output: sm90_output_map(o, packed, columns),
+        output: sm90_output_map(o, packed, columns)?,
         head_dim: cfg.padded.then(|| head_dim_param(d)).transpose()?,
     })
 }
@@ -326,7 +332,7 @@ pub(crate) fn sm90_paged_maps(
             pool(k)?,
             pool(v)?,
         ],
-        output: sm90_output_map(o, packed, columns),
+        output: sm90_output_map(o, packed, columns)?,
         head_dim: cfg.padded.then(|| head_dim_param(d)).transpose()?,
     })
 }
@@ -378,7 +384,8 @@ fn sm90_map_boxed(
 /// instead), so they can be captured in a CUDA graph. Every call (and dropping it)
 /// leaves the calling thread's current CUDA context as it found it: the device's primary
 /// context is current only inside the driver calls (see
-/// [`ContextScope`]).
+/// [`ContextScope`]). Dropping it unloads its kernels: CUDA graphs that captured its calls
+/// must not be launched after that.
 pub struct Attention {
     device: Arc<Device>,
     cache: ModuleCache,

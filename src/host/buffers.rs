@@ -48,6 +48,7 @@ use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut, DeviceSlice};
 
 use crate::error::{Error, Result};
 use crate::host::attention::Attention;
+use crate::host::device::ContextScope;
 use crate::host::kv_cache::{CacheLayout, KvCache};
 use crate::host::tensor::{AttentionParams, DType, LseView, TensorView};
 
@@ -168,7 +169,10 @@ impl Attention {
             owner.rows("lse", *l, b.saturating_mul(h).saturating_mul(sq))?;
         }
         // The stream waits for the buffers' earlier uses on other streams; the guards
-        // record this call's uses when dropped, after the launch.
+        // record this call's uses when dropped, after the launch. cudarc makes the
+        // device's context current for both; `_restore`, dropped after the guards, puts
+        // the caller's back, as every call of an Attention does.
+        let _restore = ContextScope::save()?;
         let (q_ptr, _q_read) = q.data.device_ptr(stream);
         let (k_ptr, _k_read) = k.data.device_ptr(stream);
         let (v_ptr, _v_read) = v.data.device_ptr(stream);
@@ -253,6 +257,8 @@ impl Attention {
         if let Some(l) = &lse {
             owner.rows("lse", *l, b.saturating_mul(hq).saturating_mul(sq))?;
         }
+        // As in forward_buffers: the caller's context is current again after the guards.
+        let _restore = ContextScope::save()?;
         let (q_ptr, _q_read) = q.data.device_ptr(stream);
         let (k_ptr, _k_read) = cache.k.data.device_ptr(stream);
         let (v_ptr, _v_read) = cache.v.data.device_ptr(stream);

@@ -505,7 +505,7 @@ impl Attention {
             Some(maps) => {
                 let operands = super::attention::Sm90Operands {
                     inputs: maps,
-                    output: super::attention::sm90_output_map(o, false, sm90::MapColumns::Blocked),
+                    output: super::attention::sm90_output_map(o, false, sm90::MapColumns::Blocked)?,
                     head_dim: None,
                 };
                 // SAFETY: `args` is the kernel's `Fp8Args` block and `maps` cover exactly
