@@ -43,7 +43,8 @@ backend "flashcore"; unknown extra fields are ignored by --compare):
       "tflops":    float | null,      # flops / (median_ms * 1e-3) / 1e12
       "flops":     int,               # optional: the FLOP count used
       "iters":     int,               # optional: timed calls
-      "rel_err":   float,             # optional (flashcore): max |O - O_ref| / max |O_ref|
+      "rel_err":   float | null,      # optional (flashcore): ||O - O_ref||_2 / ||O_ref||_2 against
+                                      # float64; null where O has unwritten or non-finite elements
       "device":    str,               # optional: GPU name
       "error":     str                # optional: why there is no figure
     }

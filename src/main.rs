@@ -2,13 +2,15 @@
 //!
 //! ```text
 //! flashcore info                 driver, GPU, and the kernel each configuration dispatches to
-//! flashcore ptx --list           every kernel id the dispatch can choose
+//! flashcore ptx --list           every kernel id flashcore generates (and the Hopper proof kernels')
 //! flashcore ptx <id>             that kernel's PTX
-//! flashcore report               each kernel's tiling, and registers/spills if ptxas is on PATH
+//! flashcore report               each forward kernel's tiling, and registers/spills if ptxas is on PATH
 //! flashcore run [options]        one forward pass: error against float64 and time (GPU);
 //!                                (--dtype e4m3: quantized on the GPU, then the FP8 forward)
 //! flashcore bench [--json FILE]  the benchmark shapes, TFLOP/s (GPU)
+//! flashcore gemm [options]       the sm_90a proof GEMM, TFLOP/s (GPU)
 //! flashcore decode [options]     split-KV decode over contiguous and paged caches, GB/s (GPU)
+//! flashcore varlen [options]     packed variable-length prefill against padded calls (GPU)
 //! flashcore fp8 [options]        FP8 forward against our FP16 one, TFLOP/s (GPU)
 //! flashcore quantize-bench       the FP8 quantizer (Q, K, V to e4m3), GB/s against a copy (GPU)
 //! flashcore calibrate [options]  FP8 error against float64: per tensor, per block, options (GPU, or --cpu)
@@ -425,6 +427,9 @@ impl<'a> Opts<'a> {
             if switches.contains(&a) {
                 i += 1;
             } else if known.contains(&a) {
+                if i + 1 == self.args.len() {
+                    return Err(Failure::Usage(format!("{a} takes a value")));
+                }
                 i += 2;
             } else {
                 return Err(Failure::Usage(format!("unknown argument `{a}`")));
@@ -450,7 +455,12 @@ fn parse_dtype(s: &str) -> Result<HalfType, Failure> {
         "f16" | "fp16" => Ok(HalfType::F16),
         "bf16" => Ok(HalfType::Bf16),
         other => Err(Failure::Usage(format!(
-            "unknown dtype `{other}` (f16 or bf16)"
+            "unknown dtype `{other}` (f16 or bf16{})",
+            if other.eq_ignore_ascii_case("e4m3") {
+                "; `e4m3`, lower case, where a command takes FP8"
+            } else {
+                ""
+            }
         ))),
     }
 }
@@ -470,6 +480,26 @@ fn check_sizes(shape: AttnShape, dtype: HalfType, causal: bool) -> Result<(), Fa
         softmax_scale: None,
     };
     Ok(case.validate()?)
+}
+
+/// [`check_sizes`] for the FP8 commands, whose kernels take head dims 64, 128 and 256,
+/// with the quantizer's options as `options` asks for them.
+fn check_fp8_sizes(
+    shape: AttnShape,
+    options: &flashcore::host::quantize::QuantizeOptions,
+) -> Result<(), Failure> {
+    let case = FwdCase {
+        shape,
+        dtype: HalfType::F16,
+        causal: false,
+        window: Default::default(),
+        layout: Layout::Bshd,
+        kernel: None,
+        softcap: None,
+        softmax_scale: None,
+    };
+    case.validate()?;
+    Ok(case.validate_fp8(options)?)
 }
 
 fn run(args: &[String]) -> Result<(), Failure> {
@@ -844,6 +874,7 @@ fn bench(args: &[String]) -> Result<(), Failure> {
         })
         .collect();
     let total = runs.len();
+    let mut failed = Vec::new();
     for (i, (dtype, (b, h, hkv, s, d), causal)) in runs.into_iter().enumerate() {
         eprintln!(
             "[{}/{total}] B{b} H{h}/{hkv} S{s} D{d} causal={causal}",
@@ -886,6 +917,9 @@ fn bench(args: &[String]) -> Result<(), Failure> {
             ..case
         };
         let err = check_forward(&attn, &stream, checked, &mut rng)?;
+        if !err.passes(dtype) {
+            failed.push(format!("{shape} {} causal={causal}", dtype.name()));
+        }
         let t = time_forward(&attn, &stream, case, iters, &mut rng)?;
         let tflops = case.flops() / (t.median_ms as f64 * 1e9);
         out!(
@@ -902,10 +936,17 @@ fn bench(args: &[String]) -> Result<(), Failure> {
             "{{\"batch\": {b}, \"heads\": {h}, \"kv_heads\": {hkv}, \"seqlen_q\": {s}, \
              \"seqlen_k\": {s}, \"head_dim\": {d}, \"dtype\": \"{}\", \"causal\": {causal}, \
              \"backend\": \"{backend}\", \"median_ms\": {:.6}, \"tflops\": {tflops:.3}, \
-             \"rel_err\": {:.3e}, \"kernel\": \"{}\"}}",
+             \"rel_err\": {}, \"passes\": {}, \"kernel\": \"{}\"}}",
             dtype.name(),
             t.median_ms,
-            err.out_err,
+            // JSON has no inf or NaN: an output with unwritten or non-finite elements
+            // (an infinite error) is null.
+            if err.out_err.is_finite() {
+                format!("{:.3e}", err.out_err)
+            } else {
+                "null".into()
+            },
+            err.passes(dtype),
             kernel.id()
         ));
     }
@@ -913,7 +954,15 @@ fn bench(args: &[String]) -> Result<(), Failure> {
         std::fs::write(path, format!("[\n  {}\n]\n", records.join(",\n  ")))
             .map_err(|e| Failure::Run(format!("writing {path}: {e}")))?;
     }
-    Ok(())
+    if failed.is_empty() {
+        Ok(())
+    } else {
+        Err(Failure::Run(format!(
+            "error above tolerance on {} of {total} rows: {}",
+            failed.len(),
+            failed.join(", ")
+        )))
+    }
 }
 
 /// Times the sm_90a warp-specialized GEMM (the Hopper building blocks' proof kernel):
@@ -1707,8 +1756,9 @@ fn quantize_bench(args: &[String]) -> Result<(), Failure> {
         smooth_k: true,
         hadamard_seed: Some(1),
     };
-    // Sizes first: the layout refuses operands past the address space (so the element
-    // counts below fit), before a GPU is opened.
+    // Sizes first, before a GPU is opened: the library's checks, then the layout, which
+    // refuses operands past the address space (so the element counts below fit).
+    check_fp8_sizes(shape, &all_options)?;
     let ws_bytes = Fp8Layout::new(&shape, &all_options)?.bytes;
     let dev = open_gpu()?;
     let stream = dev.context().default_stream();
@@ -1899,27 +1949,16 @@ fn fp8_bench(args: &[String]) -> Result<(), Failure> {
         Some(list) => list
             .split(',')
             .map(|x| {
-                let n: Vec<usize> = x.split(':').filter_map(|v| v.parse().ok()).collect();
-                match n[..] {
-                    [b, h, s, d] => Ok((b, h, s, d)),
+                let n: Option<Vec<usize>> = x.split(':').map(|v| v.parse().ok()).collect();
+                match n.as_deref() {
+                    Some(&[b, h, s, d]) => Ok((b, h, s, d)),
                     _ => Err(Failure::Usage(format!("shape `{x}` is not B:H:S:D"))),
                 }
             })
             .collect::<Result<_, _>>()?,
     };
     for &(b, h, s, d) in &shapes {
-        let case = FwdCase {
-            shape: AttnShape::square(b, h, s, d),
-            dtype: HalfType::F16,
-            causal: false,
-            window: Default::default(),
-            layout: Layout::Bshd,
-            kernel: None,
-            softcap: None,
-            softmax_scale: None,
-        };
-        case.validate()?;
-        case.validate_fp8(&QuantizeOptions::default())?;
+        check_fp8_sizes(AttnShape::square(b, h, s, d), &QuantizeOptions::default())?;
     }
     let dev = open_gpu()?;
     let stream = dev.context().default_stream();
@@ -2088,17 +2127,36 @@ fn calibrate(args: &[String]) -> Result<(), Failure> {
             })
             .collect::<Result<Vec<_>, _>>()?,
     };
+    if seqlens.is_empty() || dists.is_empty() {
+        return Err(Failure::Usage(
+            "--seqlens and --inputs each need at least one entry".into(),
+        ));
+    }
     let heads = o.num("--heads", 8)?;
     let head_dim = o.num("--head-dim", 128)?;
     let max_rows = o.num("--rows", 512)?;
+    if max_rows == 0 {
+        return Err(Failure::Usage("--rows takes a count of at least 1".into()));
+    }
     let seed = o.num("--seed", 0x0CA1)? as u64;
+    let path = parse_path(o.value("--path"))?;
+    // Every method's operands (the options included) at every length, as the library
+    // checks them, before anything is drawn or a GPU opened.
+    let all_options = flashcore::host::quantize::QuantizeOptions {
+        smooth_k: true,
+        hadamard_seed: Some(seed),
+    };
+    for &seqlen in &seqlens {
+        let shape = AttnShape::square(1, heads, seqlen, head_dim);
+        check_fp8_sizes(shape, &all_options)?;
+    }
     let cpu = o.flag("--cpu");
     let gpu = if cpu {
         None
     } else {
         let dev = open_gpu()?;
         let stream = dev.context().default_stream();
-        let attn = Attention::new(dev.clone())?.with_path(parse_path(o.value("--path"))?);
+        let attn = Attention::new(dev.clone())?.with_path(path);
         Some((dev, stream, attn))
     };
     let context = match &gpu {
