@@ -23,7 +23,8 @@ takes a boolean mask [B, 1, Sq, Sk] in which each sequence's keys are one run of
 positions [s_b, e_b) and each query row sees exactly what a bottom-right causal call over
 that run shows it: the last min(Sq, e_b - s_b) rows their part of the run, the others
 nothing (left padding, as generate() pads, and a StaticCache's empty slots); for a module
-that is not causal, every row the whole run (padding on either side). The backend gathers
+that is not causal, every row the whole run (padding on either side). A causal batch
+padded on the right (evaluation batches) is not of that form and runs on SDPA. The backend gathers
 the query rows into a packed tensor (a decode step needs no gather), runs the call and
 scatters the rows back; keys and values in contiguous tensors are read in place (a
 sequence without queries over the rows between two sequences' keys), others gathered
@@ -52,7 +53,8 @@ A call that comes with any other mask (a sliding window other than the layer's
 padding made to see every key), a `sliding_window` that is not a positive int, a mask under
 torch.compile or graph capture, a dtype other than float16 or bfloat16, a head dim
 flashcore has no kernel for (or value's differing from query's), a
-score bias (`position_bias`: T5-style models), a `scaling` that is not a positive float32
+score bias (`position_bias`: T5-style models), attention dropout (a model in training mode
+with a dropout rate), a `scaling` that is not a positive float32
 (zero, negative, NaN, or outside float32's range), a causal call with more queries than
 keys, tensors off the GPU (a model on the CPU), or inputs that require gradients with
 autograd on (flashcore is forward only) is computed by transformers' own SDPA path
@@ -129,7 +131,7 @@ def _fallback(reason, module, query, key, value, attention_mask, **kwargs):
     return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
 
-def _softcap_fallback(reason, module, query, key, value, attention_mask, scaling, is_causal, softcap):
+def _softcap_fallback(reason, module, query, key, value, attention_mask, scaling, is_causal, softcap, dropout=0.0):
     """What transformers' SDPA path computes for this call, with the scores soft-capped,
     which SDPA cannot do: explicit attention in PyTorch, as transformers' eager attention
     of Gemma 2 computes it (scores in float32, capped, then masked), masked as SDPA masks:
@@ -160,6 +162,8 @@ def _softcap_fallback(reason, module, query, key, value, attention_mask, scaling
     else:
         s = s + attention_mask.float()
     p = torch.softmax(s, dim=-1).nan_to_num(0.0)  # a row that sees no key: zeros
+    if dropout:
+        p = torch.nn.functional.dropout(p, p=dropout)  # as Gemma 2's eager attention, in training
     out = torch.matmul(p, v.float()).to(query.dtype)
     return out.transpose(1, 2).contiguous(), None
 
@@ -202,8 +206,6 @@ def _fp8_options():
 
 
 def _forward(fp8, module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs):
-    if dropout and module.training:
-        raise NotImplementedError("flashcore: attention dropout in training is not supported (forward only)")
     if kwargs.get("s_aux") is not None:
         raise NotImplementedError(
             "flashcore: attention sinks (s_aux) are not supported; use attn_implementation='eager' for this model"
@@ -213,8 +215,14 @@ def _forward(fp8, module, query, key, value, attention_mask, dropout, scaling, i
 
     def fallback(reason):
         if softcap:
-            return _softcap_fallback(reason, module, query, key, value, attention_mask, scaling, is_causal, softcap)
+            return _softcap_fallback(reason, module, query, key, value, attention_mask, scaling, is_causal, softcap,
+                                     dropout)
         return _fallback(reason, module, query, key, value, attention_mask, **sdpa_kwargs)
+
+    if dropout:
+        # flashcore has no dropout; SDPA applies it whenever it is given (transformers'
+        # models give it in training mode only).
+        return fallback("attention dropout")
 
     if kwargs.get("position_bias") is not None:
         if softcap:
@@ -262,11 +270,16 @@ def _forward(fp8, module, query, key, value, attention_mask, dropout, scaling, i
             return fallback("an attention mask under torch.compile or CUDA graph capture")
         plan = _padded_plan(attention_mask, bool(causal), query.shape[0], query.shape[2], key.shape[2], sliding)
         if plan is None:
+            # (A causal call is served for left padding only: right padding leaves the
+            # padded rows seeing every key, which is no bottom-right aligned batch.)
             if sliding is not None:
                 return fallback("an attention mask other than padding and the layer's sliding window "
-                                "(gaps, another window, per-head, float)")
+                                "(right padding, gaps, another window, per-head, float)")
+            if causal:
+                return fallback("an attention mask other than padding "
+                                "(right padding, a sliding window without sliding_window, gaps, per-head, float)")
             return fallback("an attention mask other than padding "
-                            "(a sliding window without sliding_window, gaps, per-head, float)")
+                            "(a bidirectional sliding window, gaps, per-head, float)")
         stats["flashcore"] += 1
         stats["flashcore_padded"] += 1
         stats["flashcore_window"] += sliding is not None

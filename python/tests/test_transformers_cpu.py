@@ -254,6 +254,27 @@ def test_scales_flashcore_cannot_take_run_on_sdpa(monkeypatch, scaling):
     assert calls
 
 
+def test_attention_dropout_runs_on_sdpa(monkeypatch):
+    """flashcore has no dropout: a call that asks for it (a model in training mode, GPT-2 or
+    BERT by default) runs on SDPA, which applies it, rather than raising or dropping it;
+    with a soft cap, on the explicit attention, which applies it too."""
+    import torch
+
+    calls = []
+    _use_reference_launch(monkeypatch, calls)
+    module, q, kv = _one_layer_call(causal=True)
+    module.train()
+    with pytest.warns(UserWarning, match="attention dropout"):
+        out, _ = transformers_backend.attention_forward(module, q, kv, kv, None, dropout=0.5)
+    assert not calls and list(transformers_backend.stats["sdpa"]) == ["attention dropout"]
+    want, _ = transformers_backend.attention_forward(module, q, kv, kv, None)
+    assert calls and out.shape == want.shape and not torch.equal(out, want)
+    transformers_backend._warned.clear()
+    with pytest.warns(UserWarning, match="attention dropout"):
+        capped, _ = transformers_backend.attention_forward(module, q, kv, kv, None, dropout=0.5, softcap=30.0)
+    assert capped.shape == want.shape and len(calls) == 1
+
+
 def _reference_varlen(calls):
     """flashcore.attention_varlen's documented result on CPU tensors (bottom-right causal
     and key windows per sequence, soft caps, GQA by head count, zeros for rows without
@@ -1011,8 +1032,8 @@ def test_softcapped_calls_that_go_to_sdpa_keep_their_cap(monkeypatch):
         want = _attend(q, kv, kv, seen, 0.1, cap).transpose(1, 2)
         assert (out.float() - want).abs().max().item() < 1e-2
         assert list(transformers_backend.stats["sdpa"]) == ["an attention mask other than padding "
-                                                            "(a sliding window without sliding_window, gaps, "
-                                                            "per-head, float)"]
+                                                            "(right padding, a sliding window without "
+                                                            "sliding_window, gaps, per-head, float)"]
     assert not calls
     # Inputs that need gradients: the explicit attention has a backward.
     module, q, kv = _capped_call()
