@@ -712,8 +712,8 @@ fn find(
 
 /// The calibration targets on `records`: no NaN or Inf anywhere; per block at most half
 /// per tensor's RMSE on the outlier and channel-offset inputs (plain per-block, and the
-/// best per-block variant); per-block with either option (K smoothing, the Hadamard
-/// rotation) at most 9e-3 RMSE on the outlier input; every per-block variant's relative
+/// best per-block variant); per-block with either option (the better of K smoothing and
+/// the Hadamard rotation) at most 9e-3 RMSE on the outlier input; every per-block variant's relative
 /// L2 at most 3e-2 on normal inputs. Each at every length run; a target whose input or
 /// methods were not run is not judged (`met: None`).
 pub fn verdicts(records: &[Record]) -> Vec<Verdict> {
@@ -788,47 +788,48 @@ pub fn verdicts(records: &[Record]) -> Vec<Verdict> {
             detail: best.join(", "),
         });
     }
-    let option_variants = [Method::Fp8Smooth, Method::Fp8Hadamard];
-    for (dist, target, limit, pick, variants) in [
-        (
-            Distribution::Outliers,
-            "outliers: per-block with either option (smoothing, Hadamard) RMSE <= 9e-3",
-            9e-3,
-            (|m: &Measured| m.rmse) as fn(&Measured) -> f64,
-            &option_variants[..],
-        ),
-        (
-            Distribution::Normal,
-            "normal: every per-block variant relative L2 <= 3e-2",
-            3e-2,
-            |m: &Measured| m.rel_l2,
-            &block_variants[..],
-        ),
-    ] {
-        let mut ok = true;
-        let mut worst = Vec::new();
-        for &s in &seqlens {
-            let got: Vec<f64> = variants
-                .iter()
-                .filter_map(|&m| find(records, dist, s, m).map(pick))
-                .collect();
-            if got.is_empty() {
-                continue;
-            }
-            // A NaN (a non-finite output) is the worst of all and meets no limit.
-            let w = got
-                .iter()
-                .copied()
-                .fold(0f64, |a, b| if b.is_nan() || b > a { b } else { a });
-            ok &= got.iter().all(|&v| v <= limit);
-            worst.push(format!("S{s} worst {w:.2e}"));
+    // Per block with either option: the better of the two at each length (issue 9's
+    // 9e-3; FlashAttention-3's 9.1e-3 is per block with the Hadamard rotation).
+    let mut ok = true;
+    let mut best = Vec::new();
+    for &s in &seqlens {
+        let got = [Method::Fp8Smooth, Method::Fp8Hadamard]
+            .iter()
+            .filter_map(|&m| find(records, Distribution::Outliers, s, m).map(|x| (m, x.rmse)))
+            .min_by(|a, b| a.1.total_cmp(&b.1));
+        if let Some((m, rmse)) = got {
+            ok &= rmse <= 9e-3;
+            best.push(format!("S{s} {rmse:.2e} ({})", m.name()));
         }
-        out.push(Verdict {
-            target,
-            met: (!worst.is_empty()).then_some(ok),
-            detail: worst.join(", "),
-        });
     }
+    out.push(Verdict {
+        target: "outliers: per-block with either option (the better of smoothing, Hadamard) RMSE <= 9e-3",
+        met: (!best.is_empty()).then_some(ok),
+        detail: best.join(", "),
+    });
+    let mut ok = true;
+    let mut worst = Vec::new();
+    for &s in &seqlens {
+        let got: Vec<f64> = block_variants
+            .iter()
+            .filter_map(|&m| find(records, Distribution::Normal, s, m).map(|x| x.rel_l2))
+            .collect();
+        if got.is_empty() {
+            continue;
+        }
+        // A NaN (a non-finite output) is the worst of all and meets no limit.
+        let w = got
+            .iter()
+            .copied()
+            .fold(0f64, |a, b| if b.is_nan() || b > a { b } else { a });
+        ok &= got.iter().all(|&v| v <= 3e-2);
+        worst.push(format!("S{s} worst {w:.2e}"));
+    }
+    out.push(Verdict {
+        target: "normal: every per-block variant relative L2 <= 3e-2",
+        met: (!worst.is_empty()).then_some(ok),
+        detail: worst.join(", "),
+    });
     out
 }
 
@@ -1035,7 +1036,7 @@ mod tests {
         records.push(rec(
             Distribution::Outliers,
             Method::Fp8Smooth,
-            m(8e-3, 0.05),
+            m(1.2e-2, 0.05),
         ));
         records.push(rec(
             Distribution::Outliers,
@@ -1043,13 +1044,14 @@ mod tests {
             m(7e-3, 0.05),
         ));
         let v = verdicts(&records);
+        // The better option (here the rotation) meets it.
         assert_eq!(
             get(&v, "outliers: per-block with either option"),
             Some(true)
         );
         records[1].measured.nonfinite = 3;
         records[1].measured.rmse = 1.5e-2;
-        // A non-finite output's error is NaN: it meets no limit.
+        // A non-finite output's error is NaN: it meets no limit, nor is it the better.
         records[4].measured.rmse = f64::NAN;
         let v = verdicts(&records);
         assert_eq!(get(&v, "no NaN"), Some(false));
