@@ -345,14 +345,16 @@ fn worst_sequence_error(got: &[f64], want: &[f64], batch: usize) -> f64 {
         })
 }
 
-/// The largest LSE difference; a row the reference gives −∞ must be −∞ exactly.
+/// The largest LSE difference; a row the reference gives −∞ must be −∞ exactly, and any
+/// other must be finite: a NaN (an LSE left at its poison) is an infinite error, which
+/// the fold keeps (`f64::max` would drop a NaN).
 fn lse_error(got: &[f64], want: &[f64]) -> f64 {
     got.iter()
         .zip(want)
         .map(|(g, w)| match (w.is_finite(), g == w) {
-            (true, _) => (g - w).abs(),
+            (true, _) if g.is_finite() => (g - w).abs(),
             (false, true) => 0.0,
-            (false, false) => f64::INFINITY,
+            _ => f64::INFINITY,
         })
         .fold(0.0, f64::max)
 }
@@ -1753,11 +1755,7 @@ fn merge_of_shards_matches_one_shot_attention() {
         let want = attention_f64(&shape, &q, &k, &v, scale, false);
         let err = rel_l2(&got, &want.out);
         let got_lse: Vec<f64> = down(&s, &out_lse).into_iter().map(f64::from).collect();
-        let lse_err = got_lse
-            .iter()
-            .zip(&want.lse)
-            .map(|(g, w)| (g - w).abs())
-            .fold(0.0, f64::max);
+        let lse_err = lse_error(&got_lse, &want.lse);
         println!("merge {dtype:?} -> {out_dtype} d{d}: out {err:.2e} lse {lse_err:.2e}");
         let tol = tolerance(dtype).max(out_dtype.half_type().map_or(0.0, tolerance));
         assert!(

@@ -172,7 +172,8 @@ fn longest_sequences_are_exact() {
             };
             worst_o = worst_o.max(reference::rel_l2(row, &want_o));
             let got = lse[i] as f64;
-            let err = if want_lse.is_finite() {
+            // A NaN (the LSE's poison, unwritten) is an infinite error, which max keeps.
+            let err = if want_lse.is_finite() && got.is_finite() {
                 (got - want_lse).abs() / want_lse.abs().max(1.0)
             } else if got == want_lse {
                 0.0
@@ -449,8 +450,12 @@ fn strides_no_tensor_map_holds_fall_back_to_the_sm80_kernel() {
                                 } else {
                                     f64::INFINITY
                                 }
-                            } else {
+                            } else if g.is_finite() {
                                 (g as f64 - w).abs() / w.abs().max(1.0)
+                            } else {
+                                // Unwritten (NaN poison) or overflowed: f64::max would
+                                // drop a NaN.
+                                f64::INFINITY
                             }
                         })
                         .fold(0.0, f64::max);
