@@ -14,6 +14,16 @@ fn flashcore(args: &[&str]) -> (Option<i32>, String) {
     (out.status.code(), text)
 }
 
+/// Runs each `(args, message)` case: the command must exit with `status` (1: the library's
+/// refusal; 2: a usage error; never 101, a panic) and say `message`.
+fn refused(cases: &[(&[&str], &str)], status: i32) {
+    for &(args, want) in cases {
+        let (code, text) = flashcore(args);
+        assert_eq!(code, Some(status), "{args:?}: {text}");
+        assert!(text.contains(want), "{args:?}: {text}");
+    }
+}
+
 #[test]
 fn unknown_arguments_are_named() {
     let (code, text) = flashcore(&["run", "--bogus"]);
@@ -79,32 +89,26 @@ fn commands_check_their_sizes_before_opening_a_gpu() {
         ),
         (&["decode", "--shapes", "1x100000000"], "exceeds the limit"),
     ];
-    for (args, want) in cases {
-        let (code, text) = flashcore(args);
-        // 1: a run failure with the library's error (not 101, a panic; not 2, usage).
-        assert_eq!(code, Some(1), "{args:?}: {text}");
-        assert!(text.contains(want), "{args:?}: {text}");
-    }
+    // A run failure with the library's error.
+    refused(&cases, 1);
 }
 
 /// `varlen --q-lens` must give one query length per key length, each a number.
 #[test]
 fn varlen_query_lengths_match_the_key_lengths() {
-    for (args, want) in [
-        (
-            &["varlen", "--lens", "5,7", "--q-lens", "1"][..],
-            "--q-lens has 1 lengths, --lens 2",
-        ),
-        (
-            &["varlen", "--lens", "5,7", "--q-lens", "1,x"][..],
-            "bad length `x` in --q-lens",
-        ),
-    ] {
-        let (code, text) = flashcore(args);
-        // 2: usage.
-        assert_eq!(code, Some(2), "{args:?}: {text}");
-        assert!(text.contains(want), "{args:?}: {text}");
-    }
+    refused(
+        &[
+            (
+                &["varlen", "--lens", "5,7", "--q-lens", "1"][..],
+                "--q-lens has 1 lengths, --lens 2",
+            ),
+            (
+                &["varlen", "--lens", "5,7", "--q-lens", "1,x"][..],
+                "bad length `x` in --q-lens",
+            ),
+        ],
+        2,
+    );
 }
 
 /// `--window LEFT,RIGHT` is read as FlashAttention's window_size: a malformed one is a
@@ -158,72 +162,69 @@ fn soft_caps_are_checked_before_opening_a_gpu() {
 /// open the GPU first.
 #[test]
 fn fp8_commands_check_their_sizes_first() {
-    for (args, want) in [
-        (
-            &["calibrate", "--cpu", "--heads", "0", "--seqlens", "64"][..],
-            "zero-size dimension",
-        ),
-        (
-            &["calibrate", "--cpu", "--head-dim", "0", "--seqlens", "64"][..],
-            "zero-size dimension",
-        ),
-        (
-            &["calibrate", "--cpu", "--head-dim", "96", "--seqlens", "64"][..],
-            "unsupported head dimension 96",
-        ),
-        (
-            &["calibrate", "--heads", "70000", "--seqlens", "64"][..],
-            "exceed the grid limit",
-        ),
-        (
-            &["quantize-bench", "--seqlen", "0"][..],
-            "zero-size dimension",
-        ),
-        (
-            &["quantize-bench", "--head-dim", "72"][..],
-            "unsupported head dimension 72",
-        ),
-        (
-            &["quantize-bench", "--heads", "3", "--kv-heads", "2"][..],
-            "must be a multiple of key/value heads",
-        ),
-    ] {
-        let (code, text) = flashcore(args);
-        // 1: the library's refusal (not 101, a panic).
-        assert_eq!(code, Some(1), "{args:?}: {text}");
-        assert!(text.contains(want), "{args:?}: {text}");
-    }
+    refused(
+        &[
+            (
+                &["calibrate", "--cpu", "--heads", "0", "--seqlens", "64"][..],
+                "zero-size dimension",
+            ),
+            (
+                &["calibrate", "--cpu", "--head-dim", "0", "--seqlens", "64"][..],
+                "zero-size dimension",
+            ),
+            (
+                &["calibrate", "--cpu", "--head-dim", "96", "--seqlens", "64"][..],
+                "unsupported head dimension 96",
+            ),
+            (
+                &["calibrate", "--heads", "70000", "--seqlens", "64"][..],
+                "exceed the grid limit",
+            ),
+            (
+                &["quantize-bench", "--seqlen", "0"][..],
+                "zero-size dimension",
+            ),
+            (
+                &["quantize-bench", "--head-dim", "72"][..],
+                "unsupported head dimension 72",
+            ),
+            (
+                &["quantize-bench", "--heads", "3", "--kv-heads", "2"][..],
+                "must be a multiple of key/value heads",
+            ),
+        ],
+        1,
+    );
 }
 
 /// Malformed arguments are usage errors (exit status 2), before a GPU is opened.
 #[test]
 fn malformed_arguments_are_usage_errors() {
-    for (args, want) in [
-        // An option given last without its value was ignored.
-        (
-            &["run", "--heads", "8", "--kv-heads"][..],
-            "--kv-heads takes a value",
-        ),
-        // A field that is not a number was dropped, leaving four that were.
-        (&["fp8", "--shapes", "1:x:1:128:128"][..], "is not B:H:S:D"),
-        (&["fp8", "--shapes", "1:x:128:128"][..], "is not B:H:S:D"),
-        (
-            &["calibrate", "--cpu", "--seqlens", ","][..],
-            "at least one entry",
-        ),
-        (
-            &["calibrate", "--cpu", "--inputs", ","][..],
-            "at least one entry",
-        ),
-        (&["calibrate", "--cpu", "--rows", "0"][..], "--rows"),
-        (
-            &["calibrate", "--cpu", "--path", "bogus"][..],
-            "unknown path `bogus`",
-        ),
-        (&["run", "--dtype", "E4M3"][..], "lower case"),
-    ] {
-        let (code, text) = flashcore(args);
-        assert_eq!(code, Some(2), "{args:?}: {text}");
-        assert!(text.contains(want), "{args:?}: {text}");
-    }
+    refused(
+        &[
+            // An option given last without its value was ignored.
+            (
+                &["run", "--heads", "8", "--kv-heads"][..],
+                "--kv-heads takes a value",
+            ),
+            // A field that is not a number was dropped, leaving four that were.
+            (&["fp8", "--shapes", "1:x:1:128:128"][..], "is not B:H:S:D"),
+            (&["fp8", "--shapes", "1:x:128:128"][..], "is not B:H:S:D"),
+            (
+                &["calibrate", "--cpu", "--seqlens", ","][..],
+                "at least one entry",
+            ),
+            (
+                &["calibrate", "--cpu", "--inputs", ","][..],
+                "at least one entry",
+            ),
+            (&["calibrate", "--cpu", "--rows", "0"][..], "--rows"),
+            (
+                &["calibrate", "--cpu", "--path", "bogus"][..],
+                "unknown path `bogus`",
+            ),
+            (&["run", "--dtype", "E4M3"][..], "lower case"),
+        ],
+        2,
+    );
 }
