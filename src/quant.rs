@@ -6,7 +6,10 @@
 //! Layouts and scale semantics are those of [`crate::kernels::attention::fp8`]: one f32
 //! scale per block of [`SCALE_BLOCK`] rows of one (batch, head), `scale = amax / 448`
 //! and `e4m3 = rn_satfinite(x · (448 / amax))`; a block whose `448 / amax` is not finite
-//! (all zeros, or too small to scale) gets scale 1 and all-zero codes.
+//! (all zeros, or too small to scale) gets scale 1 and all-zero codes. The amax is over
+//! the block's finite elements; an infinity or NaN gets the NaN code (0x7F), so it
+//! reaches the outputs that read it as it would in 16-bit attention, and the rest of its
+//! block keeps its precision.
 //!
 //! # Options (each leaves `softmax(Q Kᵀ) V` unchanged)
 //!
@@ -89,6 +92,23 @@ pub fn e4m3_to_f32(b: u8) -> f32 {
     }
 }
 
+/// `|x|` where `x` is finite, 0 where it is not: a block's amax is taken over these, so
+/// an infinity (or NaN) in one element leaves the other elements' scale alone.
+pub fn finite_magnitude(x: f32) -> f32 {
+    if x.is_finite() { x.abs() } else { 0.0 }
+}
+
+/// The code of `x` in a block whose multiplier is `inv` ([`block_scale`]):
+/// `rn_satfinite(x · inv)` for a finite `x`, NaN (0x7F) for an infinity or NaN, which
+/// saturation would otherwise turn into ±448, a finite value read as data.
+pub fn quantize_value(x: f32, inv: f32) -> u8 {
+    if x.is_finite() {
+        e4m3_from_f32(x * inv)
+    } else {
+        0x7F
+    }
+}
+
 /// A block's scale and the multiplier that quantizes it, from its largest magnitude.
 pub fn block_scale(amax: f32) -> (f32, f32) {
     let scale = amax / E4M3_MAX;
@@ -126,7 +146,7 @@ fn amaxes(x: &[f32], [b, s, h, d]: [usize; 4], g: Granularity) -> Vec<f32> {
         for si in 0..s {
             for hi in 0..h {
                 let row = &x[((bi * s + si) * h + hi) * d..][..d];
-                let m = row.iter().fold(0f32, |m, v| m.max(v.abs()));
+                let m = row.iter().fold(0f32, |m, &v| m.max(finite_magnitude(v)));
                 let slot = &mut amax[(bi * h + hi) * blocks + si / SCALE_BLOCK as usize];
                 *slot = slot.max(m);
             }
@@ -152,7 +172,7 @@ pub fn quantize_rows(x: &[f32], shape: [usize; 4], g: Granularity) -> Quantized 
                 let (_, inv) = pairs[(bi * h + hi) * blocks + si / SCALE_BLOCK as usize];
                 let at = ((bi * s + si) * h + hi) * d;
                 for (c, &v) in codes[at..at + d].iter_mut().zip(&x[at..at + d]) {
-                    *c = e4m3_from_f32(v * inv);
+                    *c = quantize_value(v, inv);
                 }
             }
         }
@@ -185,7 +205,7 @@ pub fn quantize_vt(v: &[f32], shape: [usize; 4], pitch: usize, g: Granularity) -
                 let (_, inv) = pairs[(bi * h + hi) * blocks + key / SCALE_BLOCK as usize];
                 let src = &v[((bi * s + key) * h + hi) * d..][..d];
                 for (di, &x) in src.iter().enumerate() {
-                    codes[((bi * h + hi) * d + di) * pitch + pos] = e4m3_from_f32(x * inv);
+                    codes[((bi * h + hi) * d + di) * pitch + pos] = quantize_value(x, inv);
                 }
             }
         }
@@ -374,8 +394,14 @@ pub struct RowTransform<'a> {
 
 /// The rows of a contiguous `[B, S, H, D]` tensor after `t` (the values the quantizer
 /// scales and rounds).
+///
+/// # Panics
+/// If `x` does not hold `B·S·H·D` values, or `t.mean` does not hold `B·H·D`.
 pub fn transform_rows(x: &[f32], [b, s, h, d]: [usize; 4], t: RowTransform) -> Vec<f32> {
     assert_eq!(x.len(), b * s * h * d, "tensor length");
+    if let Some(mean) = t.mean {
+        assert_eq!(mean.len(), b * h * d, "mean length ([B, H, D])");
+    }
     let mut out = x.to_vec();
     for bi in 0..b {
         for si in 0..s {
@@ -395,6 +421,9 @@ pub fn transform_rows(x: &[f32], [b, s, h, d]: [usize; 4], t: RowTransform) -> V
 }
 
 /// [`quantize_rows`] after [`transform_rows`]: the GPU quantizer's rows with options.
+///
+/// # Panics
+/// As [`transform_rows`].
 pub fn quantize_rows_with(
     x: &[f32],
     shape: [usize; 4],
@@ -423,7 +452,23 @@ pub fn dequantize_rows(q: &Quantized, [b, s, h, d]: [usize; 4]) -> Vec<f64> {
 }
 
 /// The real values of `Vᵀ8` codes, back in V's `[B, Sk, H, D]` layout.
+///
+/// # Panics
+/// If `pitch` is below `Sk` rounded up to 16, or `q` holds fewer than `B·H·D·pitch`
+/// codes or `B·H·ceil(Sk / 128)` scales.
 pub fn dequantize_vt(q: &Quantized, [b, s, h, d]: [usize; 4], pitch: usize) -> Vec<f64> {
+    assert!(
+        pitch as u64 >= vt_min_pitch(s as u64),
+        "pitch below Sk rounded up to 16"
+    );
+    assert!(
+        q.codes.len() >= b * h * d * pitch,
+        "codes shorter than [B, H, D, pitch]"
+    );
+    assert!(
+        q.scales.len() >= b * h * s.div_ceil(SCALE_BLOCK as usize),
+        "scales shorter than [B, H, blocks]"
+    );
     let blocks = s.div_ceil(SCALE_BLOCK as usize);
     let mut out = vec![0f64; b * s * h * d];
     for bi in 0..b {
@@ -455,28 +500,39 @@ mod tests {
 
     #[test]
     fn non_finite_inputs_give_the_documented_scales_and_codes() {
-        // One block of 2 rows x 2 columns: an infinite element makes the scale infinite
-        // and its own code NaN (every finite element's 0); a NaN element gets a NaN code
-        // beside the finite scale of the rest.
+        // One block of 2 rows x 2 columns: an infinity or NaN gets a NaN code and leaves
+        // the scale to the finite elements, whose codes are those of the block without it.
         let is_nan = |c: u8| e4m3_to_f32(c).is_nan();
-        let inf = quantize_rows(
-            &[1.0, f32::INFINITY, -2.0, 0.5],
-            [1, 2, 1, 2],
-            Granularity::PerBlock,
-        );
-        assert_eq!(inf.scales, [f32::INFINITY]);
-        assert!(is_nan(inf.codes[1]));
-        for c in [inf.codes[0], inf.codes[2], inf.codes[3]] {
-            assert_eq!(e4m3_to_f32(c), 0.0);
+        for bad in [f32::INFINITY, f32::NEG_INFINITY, f32::NAN] {
+            let q = quantize_rows(&[1.0, bad, -2.0, 0.5], [1, 2, 1, 2], Granularity::PerBlock);
+            assert_eq!(q.scales, [2.0 / E4M3_MAX], "{bad}");
+            assert!(is_nan(q.codes[1]), "{bad}");
+            let values: Vec<f32> = [0, 2, 3].map(|i| e4m3_to_f32(q.codes[i])).to_vec();
+            assert_eq!(values, [224.0, -448.0, 112.0], "{bad}");
         }
-        let nan = quantize_rows(
-            &[1.0, f32::NAN, -448.0, 0.5],
-            [1, 2, 1, 2],
+        // A block of nothing but non-finite values: scale 1, every code NaN.
+        let q = quantize_rows(
+            &[f32::INFINITY, f32::NAN],
+            [1, 1, 1, 2],
             Granularity::PerBlock,
         );
-        assert_eq!(nan.scales, [1.0]);
-        assert!(is_nan(nan.codes[1]));
-        assert_eq!(e4m3_to_f32(nan.codes[2]), -448.0);
+        assert_eq!(q.scales, [1.0]);
+        assert!(q.codes.iter().all(|&c| is_nan(c)));
+        // Per tensor, likewise: the infinity does not zero the other blocks.
+        let q = quantize_rows(&[f32::INFINITY, 4.0], [1, 1, 1, 2], Granularity::PerTensor);
+        assert_eq!(q.scales, [4.0 / E4M3_MAX]);
+        assert_eq!(e4m3_to_f32(q.codes[1]), 448.0);
+        // Vᵀ: the same rule.
+        let vt = quantize_vt(
+            &[f32::NEG_INFINITY, 3.0],
+            [1, 2, 1, 1],
+            16,
+            Granularity::PerBlock,
+        );
+        assert_eq!(vt.scales, [3.0 / E4M3_MAX]);
+        let at = |key: u32| crate::kernels::attention::fp8::vt_position(key) as usize;
+        assert!(is_nan(vt.codes[at(0)]));
+        assert_eq!(e4m3_to_f32(vt.codes[at(1)]), 448.0);
     }
 
     #[test]

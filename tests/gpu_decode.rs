@@ -1836,10 +1836,12 @@ fn quantize_rows_e4m3(x: &[f64], d: usize) -> (Vec<u8>, Vec<f32>, Vec<f64>) {
     let mut scales = Vec::with_capacity(x.len() / d);
     let mut deq = Vec::with_capacity(x.len());
     for row in x.chunks(d) {
-        let amax = row.iter().fold(0f32, |m, &v| m.max((v as f32).abs()));
+        let amax = row
+            .iter()
+            .fold(0f32, |m, &v| m.max(quant::finite_magnitude(v as f32)));
         let (scale, inv) = quant::block_scale(amax);
         for &v in row {
-            let c = quant::e4m3_from_f32(v as f32 * inv);
+            let c = quant::quantize_value(v as f32, inv);
             codes.push(c);
             deq.push(f64::from(quant::e4m3_to_f32(c)) * f64::from(scale));
         }
@@ -1935,7 +1937,9 @@ impl Fp8DeviceCache {
             for (b, seq) in seqs.iter().enumerate() {
                 for (r, row) in seq.chunks(d).enumerate() {
                     let g = repeat.index(c, b, r % hkv);
-                    amax[g] = row.iter().fold(amax[g], |m, &x| m.max((x as f32).abs()));
+                    amax[g] = row
+                        .iter()
+                        .fold(amax[g], |m, &x| m.max(quant::finite_magnitude(x as f32)));
                 }
             }
             let scales: Vec<(f32, f32)> = amax.into_iter().map(quant::block_scale).collect();
@@ -1947,7 +1951,7 @@ impl Fp8DeviceCache {
                     let g = repeat.index(c, r / (hkv * outer_rows), r % hkv);
                     let inv = scales[g].1;
                     row.iter()
-                        .map(move |&x| quant::e4m3_from_f32(x as f32 * inv))
+                        .map(move |&x| quant::quantize_value(x as f32, inv))
                 })
                 .collect();
             let deq: Vec<Vec<f64>> = seqs
@@ -1959,7 +1963,7 @@ impl Fp8DeviceCache {
                         .flat_map(|(r, row)| {
                             let (scale, inv) = scales[repeat.index(c, b, r % hkv)];
                             row.iter().map(move |&x| {
-                                let code = quant::e4m3_from_f32(x as f32 * inv);
+                                let code = quant::quantize_value(x as f32, inv);
                                 f64::from(quant::e4m3_to_f32(code)) * f64::from(scale)
                             })
                         })

@@ -14,7 +14,7 @@ use std::sync::Arc;
 
 use common::{down, ptr, seeds, up};
 use cudarc::driver::CudaStream;
-use flashcore::check::{FwdCase, Layout, check_forward_fp8};
+use flashcore::check::{FP8_TOLERANCE, FwdCase, Layout, check_forward_fp8};
 use flashcore::ffi::{
     FLASHCORE_BF16, FLASHCORE_E4M3, FLASHCORE_F16, FLASHCORE_SUCCESS, FlashcoreContext,
     FlashcoreFp8Operands, FlashcoreQuantizeOptions, FlashcoreTensor, flashcore_check_forward_fp8,
@@ -379,4 +379,143 @@ fn the_c_abi_gives_the_rust_apis_output() {
     }
     // SAFETY: `ctx` came from flashcore_create and is destroyed once.
     unsafe { flashcore_destroy(ctx) };
+}
+
+/// One infinite input element spoils only the outputs that read it, as in 16-bit
+/// attention. An infinity in Q's row `r` makes that row of O non-finite and leaves every
+/// other row, those of its own 128-row scale block included, within the FP8 bound of
+/// float64 attention on the finite rest; an infinity in causal key `j` spoils the rows of
+/// its heads that see key `j` and no others. (A quantizer that took the block's amax over
+/// the infinity gave the block an infinite scale and its finite elements zero codes:
+/// finite, wrong rows.) Both kernel families; no option and the rotation, which keeps a
+/// row's infinity in that row (K smoothing spreads a key's over its head's mean).
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn an_infinite_input_spoils_only_the_outputs_that_read_it() {
+    let Some(dev) = device() else { return };
+    let s = dev.context().default_stream();
+    let sh = shape(1, 4, 2, 200, 200, 128);
+    let (d, hq, hkv) = (sh.head_dim, sh.heads_q, sh.heads_kv);
+    let scale = 1.0 / (d as f64).sqrt();
+    // Q's element (row 5, head 1, channel 7); K's (key 150, KV head 0, channel 3).
+    let q_at = (5 * hq + 1) * d + 7;
+    let (key, k_at) = (150, (150 * hkv) * d + 3);
+    let mut seeds = seeds();
+    let mut failures = Vec::new();
+    for path in [PathChoice::Best, PathChoice::Sm80] {
+        let attn = Attention::new(dev.clone())
+            .expect("an attention context")
+            .with_path(path);
+        for (dtype, options) in [
+            (HalfType::Bf16, QuantizeOptions::default()),
+            (
+                HalfType::F16,
+                QuantizeOptions {
+                    smooth_k: false,
+                    hadamard_seed: Some(9),
+                },
+            ),
+        ] {
+            for spoiled in ["q", "k"] {
+                let mut rng = seeds.next_case();
+                let (mut q_bits, mut q) = reference::random_half(&mut rng, sh.q_len(), dtype);
+                let (mut k_bits, mut k) = reference::random_half(&mut rng, sh.kv_len(), dtype);
+                let (v_bits, v) = reference::random_half(&mut rng, sh.kv_len(), dtype);
+                let inf = match dtype {
+                    HalfType::F16 => 0x7C00,
+                    HalfType::Bf16 => 0x7F80,
+                };
+                // The reference sees the finite rest: the element as 0.
+                if spoiled == "q" {
+                    q_bits[q_at] = inf;
+                    q[q_at] = 0.0;
+                } else {
+                    k_bits[k_at] = inf | 0x8000;
+                    k[k_at] = 0.0;
+                }
+                let want = reference::attention_f64(&sh, &q, &k, &v, scale, true);
+                let (qd, kd, vd) = (up(&s, &q_bits), up(&s, &k_bits), up(&s, &v_bits));
+                let dt = DType::from(dtype);
+                let [qv, kv, vv] = [
+                    (&qd, sh.seqlen_q, hq),
+                    (&kd, sh.seqlen_k, hkv),
+                    (&vd, sh.seqlen_k, hkv),
+                ]
+                .map(|(x, s_len, h)| TensorView::bshd(ptr(&s, x), dt, 1, s_len, h, d));
+                let layout = Fp8Layout::new(&sh, &options).unwrap();
+                let ws_buf = up(&s, &vec![0xCDu8; layout.bytes + 256]);
+                let ws = Workspace {
+                    ptr: ptr(&s, &ws_buf).next_multiple_of(256),
+                    bytes: layout.bytes,
+                };
+                let o = up(&s, &vec![reference::poison(dtype); sh.q_len()]);
+                let ov = TensorView::bshd(ptr(&s, &o), dt, 1, sh.seqlen_q, hq, d);
+                let params = AttentionParams {
+                    causal: true,
+                    ..Default::default()
+                };
+                // SAFETY: the views and the workspace lie in the live buffers above, used
+                // on `s` only and alive until the download below.
+                let ops = unsafe { attn.quantize_fp8(&qv, &kv, &vv, &options, ws, s.cu_stream()) }
+                    .expect("quantize");
+                // SAFETY: as above; `ops` lies in the workspace.
+                unsafe { attn.forward_fp8(&ops, &ov, None, &params, s.cu_stream()) }
+                    .expect("FP8 forward");
+                let got = reference::half_bits_to_f64(&down(&s, &o), dtype);
+                // Which (row, head) pairs read the infinity.
+                let reads = |row: usize, head: usize| {
+                    if spoiled == "q" {
+                        (row, head) == (5, 1)
+                    } else {
+                        head / (hq / hkv) == 0 && row >= key
+                    }
+                };
+                // The rows that do not read it but whose inputs share its scale block: Q's
+                // other rows of block 0 in head 1; the rows of the key's heads that see
+                // keys 128.. of its block, but not key 150.
+                let neighbour = |row: usize, head: usize| {
+                    if spoiled == "q" {
+                        head == 1 && row < 128
+                    } else {
+                        head / (hq / hkv) == 0 && (128..key).contains(&row)
+                    }
+                };
+                let (mut clean, mut near) = ((Vec::new(), Vec::new()), (Vec::new(), Vec::new()));
+                let (mut clean_nonfinite, mut spoiled_finite) = (0, 0);
+                for row in 0..sh.seqlen_q {
+                    for head in 0..hq {
+                        let at = (row * hq + head) * d;
+                        let out = &got[at..at + d];
+                        if reads(row, head) {
+                            spoiled_finite += out.iter().filter(|x| x.is_finite()).count();
+                            continue;
+                        }
+                        clean_nonfinite += out.iter().filter(|x| !x.is_finite()).count();
+                        let into = if neighbour(row, head) {
+                            &mut near
+                        } else {
+                            &mut clean
+                        };
+                        into.0.extend_from_slice(out);
+                        into.1.extend_from_slice(&want.out[at..at + d]);
+                    }
+                }
+                let err = reference::rel_l2(&clean.0, &clean.1);
+                let near_err = reference::rel_l2(&near.0, &near.1);
+                let line = format!(
+                    "{path:?} {dtype:?} hadamard {:?}, infinity in {spoiled}: error {near_err:.3e} \
+                     on its block's other rows, {err:.3e} on the rest ({clean_nonfinite} \
+                     non-finite), {spoiled_finite} finite elements in the rows that read it",
+                    options.hadamard_seed
+                );
+                println!("{line}");
+                let bad = |e: f64| e.is_nan() || e > FP8_TOLERANCE;
+                if bad(err) || bad(near_err) || clean_nonfinite > 0 || spoiled_finite > 0 {
+                    failures.push(format!("{line} ({})", seeds.replay(&rng)));
+                }
+                s.synchronize().expect("synchronize");
+            }
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
 }

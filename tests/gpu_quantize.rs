@@ -366,11 +366,11 @@ fn check(c: &Case, r: &Run) -> Result<(), String> {
             return Err(format!("q's zero block has scale {first}"));
         }
     }
-    // A block holding an infinity gets an infinite scale (its codes, NaN for the
-    // infinity and 0 for the rest, compared above).
+    // A block holding an infinity keeps the scale of its finite elements (its codes,
+    // NaN for the infinity, compared above).
     if c.fill == Fill::NonFinite {
         let first = r.f32s(l.q_scale)[0];
-        if first != f32::INFINITY {
+        if !first.is_finite() {
             return Err(format!("q's block with an infinity has scale {first}"));
         }
     }

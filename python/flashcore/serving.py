@@ -36,7 +36,8 @@ An FP8 cache holds torch.float8_e4m3fn codes in k_cache and v_cache and, in k_sc
 v_scale, float32 scales shaped like the cache's first three dimensions ([B, capacity, Hkv],
 or [pages, page_size, Hkv] for a paged pool): a cached value is its code times the scale
 of its (position, KV head) row. append_kv writes both from 16-bit new tokens (scale = the
-row's largest magnitude / 448); decode reads them with 16-bit queries. decode also takes
+row's largest finite magnitude / 448; an infinite or NaN value gets the NaN code); decode
+reads them with 16-bit queries. decode also takes
 scales that repeat (expanded views): one per KV head, k_scale = s.view(1, 1, Hkv).expand(
 *k_cache.shape[:3]), per sequence and head of a contiguous cache (FlashAttention-3's
 descales, s[:, None, :].expand(...)), or one for the whole cache; append_kv refuses those. Head dims 64, 128

@@ -471,10 +471,31 @@ fn store_scale(k: &mut Kernel, args: ParamBytes, p: &Place, scale: Reg<F32>) {
     k.guarded(write, true, |k| k.st_global(at, 0, scale));
 }
 
-/// The e4m3 codes of eight values times `inv` (`cvt.rn.satfinite`), as two words: value
-/// `e` in byte `e`.
+/// `|v|` where `v` is finite, 0 where it is not, as [`crate::quant::finite_magnitude`]:
+/// what a block's amax is taken over, so that an infinity in one element leaves the
+/// scale of the others alone (its own code is NaN: [`scaled`]).
+pub(crate) fn finite_magnitude(k: &mut Kernel, v: Reg<F32>) -> Reg<F32> {
+    let a = k.abs(v);
+    let finite = k.setp(Cmp::Lt, a, f32::INFINITY);
+    k.selp(a, 0.0f32, finite)
+}
+
+/// The value whose code is `v`'s in a block with multiplier `inv`, as
+/// [`crate::quant::quantize_value`]: `v · inv`, or NaN where `v` is not finite.
+/// `cvt.rn.satfinite` would clamp an infinity to ±448, a finite value that attention
+/// would then use as if it were data; NaN propagates to the outputs that read it, as the
+/// infinity would in 16-bit attention.
+pub(crate) fn scaled(k: &mut Kernel, v: Reg<F32>, inv: Reg<F32>) -> Reg<F32> {
+    let a = k.abs(v);
+    let finite = k.setp(Cmp::Lt, a, f32::INFINITY);
+    let y = k.mul(v, inv);
+    k.selp(y, f32::NAN, finite)
+}
+
+/// The e4m3 codes of eight values times `inv` (`cvt.rn.satfinite`; NaN for a value that
+/// is not finite), as two words: value `e` in byte `e`.
 fn codes(k: &mut Kernel, x: &[Reg<F32>; 8], inv: Reg<F32>) -> [Reg<B32>; 2] {
-    let y: Vec<Reg<F32>> = x.iter().map(|&v| k.mul(v, inv)).collect();
+    let y: Vec<Reg<F32>> = x.iter().map(|&v| scaled(k, v, inv)).collect();
     let h: Vec<_> = y.chunks(2).map(|p| k.pack_e4m3x2(p[0], p[1])).collect();
     [k.join_b16x2(h[0], h[1]), k.join_b16x2(h[2], h[3])]
 }
@@ -686,7 +707,7 @@ fn rows(
             kept.push(x);
         }
         for v in x {
-            let a = k.abs(v);
+            let a = finite_magnitude(k, v);
             k.max_to(amax, amax, a);
         }
     }
@@ -749,7 +770,7 @@ fn vt(
     let amax = k.mov(0.0f32);
     for &words in &raw {
         for v in widen(k, cfg.input, words) {
-            let a = k.abs(v);
+            let a = finite_magnitude(k, v);
             k.max_to(amax, amax, a);
         }
     }

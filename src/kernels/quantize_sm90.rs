@@ -63,7 +63,8 @@ use std::mem::offset_of;
 use super::attention::HalfType;
 use super::attention::fp8::{HEAD_DIMS, SCALE_BLOCK};
 use super::quantize::{
-    QuantArgs, Smoothing, address, arg, bhn_address, block_scale, lse_shift_address, strides, widen,
+    QuantArgs, Smoothing, address, arg, bhn_address, block_scale, finite_magnitude,
+    lse_shift_address, scaled, strides, widen,
 };
 use crate::ptx::{
     Acc, B32, Bf16x2, Cmp, F16x2, F32, InFlight, KMajor, Kernel, KernelText, Module, N64, N128,
@@ -564,7 +565,7 @@ fn consume<H: WgmmaInput, N: WgmmaN>(k: &mut Kernel, r: &Rotate, tid: Reg<U32>) 
             for y in &ys {
                 for tile in y.tiles() {
                     for (e, &v) in tile.iter().enumerate() {
-                        let a = k.abs(v);
+                        let a = finite_magnitude(k, v);
                         k.max_to(row_max[e / 2], row_max[e / 2], a);
                     }
                 }
@@ -580,7 +581,7 @@ fn consume<H: WgmmaInput, N: WgmmaN>(k: &mut Kernel, r: &Rotate, tid: Reg<U32>) 
             let local = k.mov(0.0f32);
             for y in &ys {
                 for &v in y.regs() {
-                    let a = k.abs(v);
+                    let a = finite_magnitude(k, v);
                     k.max_to(local, local, a);
                 }
             }
@@ -632,7 +633,7 @@ fn consume<H: WgmmaInput, N: WgmmaN>(k: &mut Kernel, r: &Rotate, tid: Reg<U32>) 
                             let tile = tiles[(8 * run + i) as usize];
                             let [lo, hi] = [tile[2 * row_half], tile[2 * row_half + 1]].map(|v| {
                                 let v = k.mul(v, norm);
-                                k.mul(v, inv)
+                                scaled(k, v, inv)
                             });
                             k.pack_e4m3x2(lo, hi)
                         })

@@ -12,13 +12,14 @@
 //! **e4m3 caches** (`.target sm_89`): the thread holds 8 values of a row instead, the
 //! `D/8` threads of a row (8, 16 or 32 lanes of one warp) agree on the row's absolute
 //! maximum by shuffles, and each writes its 8 codes (`cvt.rn.satfinite`, scale `amax /
-//! 448`); the row's first thread writes the scale. Whole warps run the loop together so
+//! 448`, the amax over the row's finite values; NaN codes for the others, as in
+//! [`crate::quant::quantize_value`]); the row's first thread writes the scale. Whole warps run the loop together so
 //! the shuffles always have every lane.
 
 use std::mem::offset_of;
 
 use super::HalfType;
-use crate::kernels::quantize::block_scale;
+use crate::kernels::quantize::{block_scale, finite_magnitude, scaled};
 use crate::ptx::{
     B32, Bf16x2, Cmp, F16x2, F32, Half2, Kernel, KernelText, Module, ParamBytes, Pred, PtxError,
     PtxType, Reg, S32, Special, Target, U32, U64,
@@ -394,7 +395,7 @@ fn build_fp8<H: Half2>(cfg: &AppendConfig) -> Result<KernelText, PtxError> {
                 .collect();
             let amax = k.mov(0f32);
             for &v in &values {
-                let a = k.abs(v);
+                let a = finite_magnitude(k, v);
                 k.max_to(amax, amax, a);
             }
             for mask in [1u32, 2, 4, 8, 16] {
@@ -408,8 +409,8 @@ fn build_fp8<H: Half2>(cfg: &AppendConfig) -> Result<KernelText, PtxError> {
             let codes: Vec<_> = values
                 .chunks(2)
                 .map(|pair| {
-                    let lo = k.mul(pair[0], inv);
-                    let hi = k.mul(pair[1], inv);
+                    let lo = scaled(k, pair[0], inv);
+                    let hi = scaled(k, pair[1], inv);
                     k.pack_e4m3x2(lo, hi)
                 })
                 .collect();

@@ -18,10 +18,10 @@
 //!   `v_scale` over keys. Real values are `e4m3 · scale`. The quantizer's scale is
 //!   `amax / 448` (1 for a block of zeros), so a block's largest magnitude maps to E4M3's
 //!   largest finite value and an outlier in one block leaves the others' precision alone.
-//!   Scales must be finite and positive. (From a block holding an infinite element the
-//!   quantizer's scale is infinite and its codes NaN; one holding NaN gets a NaN code:
-//!   non-finite inputs make the outputs that read them non-finite, as in 16-bit
-//!   attention.)
+//!   Scales must be finite and positive. (The quantizer takes the amax over a block's
+//!   finite elements and gives an infinite or NaN element the NaN code: non-finite inputs
+//!   make the outputs that read them non-finite, as in 16-bit attention, and leave the
+//!   rest of their block's codes alone.)
 //!
 //! # What the kernels compute
 //!
