@@ -21,6 +21,8 @@ use flashcore::host::timing::{Backlog, EventTimer, median_ms, median_ms_queued};
 use flashcore::kernels::attention::HalfType;
 use flashcore::reference;
 use flashcore::shape::AttnShape;
+use flashcore::tma::{TiledMap, TmaType};
+use flashcore::{Error, ptx::Swizzle};
 
 fn current() -> CUcontext {
     let mut c: CUcontext = ptr::null_mut();
@@ -130,10 +132,10 @@ fn every_entry_point_keeps(expect: CUcontext, what: &str) {
         ..Default::default()
     };
     let cu_stream = stream.cu_stream();
-    let backlog = stream.alloc_zeros::<u8>(1 << 20).expect("backlog");
+    let backlog_buf = stream.alloc_zeros::<u8>(1 << 20).expect("backlog");
     let backlog = Backlog {
-        ptr: backlog.device_ptr(&stream).0,
-        bytes: backlog.len(),
+        ptr: backlog_buf.device_ptr(&stream).0,
+        bytes: backlog_buf.len(),
         passes: 2,
     };
     set_current(expect);
@@ -264,9 +266,11 @@ fn every_entry_point_keeps(expect: CUcontext, what: &str) {
     check("dropping the Attention (unloads its kernels)");
     drop(device);
     check("dropping the Device");
-    // The case's buffers and stream are released through cudarc, after the checks.
-    set_current(ptr::null_mut());
-    drop(dev);
+    // The case's buffers are released through cudarc, after the checks. cudarc frees
+    // without binding a context, so the one they belong to is made current first (else
+    // every free fails, which compute-sanitizer counts as an error, and leaks).
+    stream.context().bind_to_thread().expect("bind");
+    drop((dev, backlog_buf));
 }
 
 #[test]
@@ -327,9 +331,9 @@ fn hopper_calls_with_no_context_current_take_their_tma_kernels() {
             hadamard_seed: Some(7),
         };
         let layout = Fp8Layout::new(&case.shape, &options).expect("layout");
-        let workspace = stream.alloc_zeros::<u8>(layout.bytes).expect("workspace");
+        let workspace_buf = stream.alloc_zeros::<u8>(layout.bytes).expect("workspace");
         let workspace = Workspace {
-            ptr: workspace.device_ptr(&stream).0,
+            ptr: workspace_buf.device_ptr(&stream).0,
             bytes: layout.bytes,
         };
         let params = AttentionParams {
@@ -338,6 +342,15 @@ fn hopper_calls_with_no_context_current_take_their_tma_kernels() {
         };
         let cu_stream = stream.cu_stream();
         set_current(ptr::null_mut());
+
+        // The driver refuses to encode a map with no context current: an error, not the
+        // "TMA cannot describe this tensor" that sends a call to its fallback kernels.
+        let map = TiledMap::new(TmaType::F16, &[64, 64], &[128], &[64, 64], Swizzle::B128);
+        match map.encode(q.ptr) {
+            Err(Error::Driver { code, .. }) if code == "CUDA_ERROR_INVALID_CONTEXT" => {}
+            other => panic!("a map encoded with no context current: {other:?}"),
+        }
+        assert!(current().is_null(), "encoding left a context current");
 
         let attn = Attention::new(device.clone()).expect("an sm_80+ GPU");
         // SAFETY: the views are the case's live buffers and the workspace is live memory
@@ -366,9 +379,10 @@ fn hopper_calls_with_no_context_current_take_their_tma_kernels() {
             "the quantizer did not rotate on the tensor cores: {ids:?}"
         );
         stream.synchronize().expect("synchronize");
-        set_current(ptr::null_mut());
         drop(attn);
-        drop(dev);
+        // cudarc frees in whatever context is current: its own first (see above).
+        stream.context().bind_to_thread().expect("bind");
+        drop((dev, workspace_buf));
     })
     .join()
     .expect("the test thread panicked");

@@ -313,14 +313,30 @@ impl TiledMap {
         Ok(())
     }
 
-    /// Validates, then encodes the map of the tensor at `base` through the driver.
+    /// Validates, then encodes the map of the tensor at `base` through the driver, in
+    /// the calling thread's current context (that of the memory at `base`: enter it with
+    /// [`crate::host::device::ContextScope`]).
     ///
     /// Errors: [`Error::TensorMap`] for a broken rule, [`Error::NoDriver`] without
-    /// libcuda, [`Error::Driver`] if the driver still refuses.
+    /// libcuda, [`Error::Driver`] if the driver still refuses, or (`CUDA_ERROR_INVALID_CONTEXT`)
+    /// if no context is current. The driver needs one to encode; without it, it refuses
+    /// every map, and a caller that read that as "TMA cannot describe this tensor" would
+    /// quietly take its fallback kernels.
     pub fn encode(&self, base: u64) -> Result<TensorMap> {
         self.validate(base)?;
         if !driver_present() {
             return Err(Error::NoDriver);
+        }
+        let mut current = std::ptr::null_mut();
+        // SAFETY: libcuda is loaded (checked above); `current` is a valid out-pointer.
+        check("cuCtxGetCurrent", unsafe {
+            sys::cuCtxGetCurrent(&mut current)
+        })?;
+        if current.is_null() {
+            return Err(Error::Driver {
+                call: "cuTensorMapEncodeTiled",
+                code: "CUDA_ERROR_INVALID_CONTEXT".into(),
+            });
         }
         let rank = self.rank;
         let mut map = TensorMap(sys::CUtensorMap { opaque: [0; 16] });
