@@ -24,6 +24,11 @@
  *     found it (the caller's own context, another device's, or none), on success and on
  *     every error. A caller that works in a context of its own need not save and restore
  *     it around flashcore calls.
+ *   - "On error nothing is launched or written" (said of most calls below) holds for
+ *     every argument error and every failure before the call's first launch. A call that
+ *     queues several kernels (a decode with its merge, decode_varlen's two kinds of runs,
+ *     the FP8 quantizer's passes) can still fail at a later launch (FLASHCORE_ERROR_DRIVER,
+ *     a broken context or an exhausted device); what the earlier kernels write then stands.
  */
 #ifndef FLASHCORE_H
 #define FLASHCORE_H
@@ -50,13 +55,13 @@ extern "C" {
 #define FLASHCORE_ERROR_NO_DEVICE 2            /* no device with that ordinal */
 #define FLASHCORE_ERROR_UNSUPPORTED_GPU 3      /* below sm_80 (FP8: sm_89): no kernel path */
 #define FLASHCORE_ERROR_SHAPE_MISMATCH 4       /* tensors disagree on a dimension */
-#define FLASHCORE_ERROR_BAD_STRIDES 5          /* unusable or negative stride */
+#define FLASHCORE_ERROR_BAD_STRIDES 5          /* unusable or negative stride, or a range past the address space */
 #define FLASHCORE_ERROR_EMPTY_DIMENSION 6      /* a dimension is zero */
 #define FLASHCORE_ERROR_UNSUPPORTED_HEAD_DIM 7 /* head_dim has no kernel (forward, decode, merge: a multiple of 8 up to 256; FP8 and e4m3 caches: 64, 128, 256) */
 #define FLASHCORE_ERROR_UNSUPPORTED_DTYPE 8    /* not f16/bf16 (FP8: e4m3 codes), mixed, or unknown code */
 #define FLASHCORE_ERROR_HEAD_RATIO 9           /* q heads not a multiple of k/v heads */
-#define FLASHCORE_ERROR_NULL_POINTER 10        /* a tensor's device pointer is 0 */
-#define FLASHCORE_ERROR_MISALIGNED 11          /* pointer not aligned (device 16 B, lse 4 B; host int32 array 4 B) */
+#define FLASHCORE_ERROR_NULL_POINTER 10        /* a device pointer is 0 (tensor, lse parts, lengths, table, offsets, workspace) */
+#define FLASHCORE_ERROR_MISALIGNED 11          /* pointer not aligned (tensors 16 B; lse, scales, lengths, tables, offsets 4 B; decode workspace 256 B) */
 #define FLASHCORE_ERROR_INVALID_ARGUMENT 12    /* bad scale, negative shape or ordinal, overlap, too large */
 #define FLASHCORE_ERROR_PTX 13                 /* kernel generation failed (a flashcore bug) */
 #define FLASHCORE_ERROR_MODULE_LOAD 14         /* the driver's JIT refused the kernel */
@@ -119,7 +124,8 @@ typedef struct FlashcoreKvCache {
  *       Pointers 4-byte aligned; strides free (in elements, each >= 0; strides[3] is
  *       not used beyond that), and neither tensor may overlap the other or the codes.
  *       flashcore_append_kv_fp8kv writes one scale per (position, KV head) row, the
- *       row's largest magnitude / 448 (the e4m3 maximum), then the row's codes: its
+ *       row's largest finite magnitude / 448 (the e4m3 maximum), then the row's codes
+ *       (an infinite or NaN value gets the NaN code, which decode reads as NaN): its
  *       scales may not have two elements at one address. A decode only reads them, so
  *       its scales may repeat through zero strides: one per KV head ({0, 0, 1, 1}), per
  *       sequence and KV head of a contiguous cache ({Hkv, 0, 1, 1}, FlashAttention-3's
@@ -762,8 +768,9 @@ int32_t flashcore_fp8_workspace_bytes(const FlashcoreTensor *q, const FlashcoreT
                                       const FlashcoreQuantizeOptions *options, size_t *out);
 
 /* Quantizes 16-bit q, k, v to e4m3 with one float32 scale per block of 128 rows (scale =
- * the block's largest magnitude / 448; 1 for a block of zeros; a block holding an infinite
- * element gets an infinite scale and NaN codes, one holding NaN a NaN code), into a workspace,
+ * the largest magnitude of the block's finite elements / 448; 1 for a block of zeros; an
+ * infinite or NaN element gets a NaN code and leaves the rest of its block as it would be
+ * without it), into a workspace,
  * asynchronously on `stream`, and describes the result in *out for flashcore_forward_fp8.
  *
  *   q: [B, Sq, Hq, D]    k, v: [B, Sk, Hkv, D]   f16 or bf16 (one dtype), D in {64, 128, 256},
@@ -824,7 +831,10 @@ int32_t flashcore_check_quantize_fp8(const FlashcoreTensor *q, const FlashcoreTe
  *
  * Accuracy: E4M3 keeps 3 mantissa bits, so o differs from 16-bit attention by a few percent
  * (relative L2 about 4-5% for normal inputs, most of it from rounding Q, K and V). All
- * arguments are checked before anything runs; on error nothing is launched or written. */
+ * arguments are checked before anything runs; on error nothing is launched or written.
+ * Besides the tensor rules, B * Hq * ceil(Sq / 128) and B * Hkv * ceil(Sk / 128) (the
+ * scale counts, which the kernels index in 32 bits) must be below 2^32, which only batches
+ * broadcast through zero strides can reach (FLASHCORE_ERROR_INVALID_ARGUMENT). */
 int32_t flashcore_forward_fp8(FlashcoreContext *ctx, const FlashcoreFp8Operands *ops,
                               const FlashcoreTensor *o, uint64_t lse, float softmax_scale,
                               int32_t causal, flashcore_stream stream);

@@ -166,7 +166,7 @@ return_codes! {
     FLASHCORE_ERROR_SHAPE_MISMATCH = 4 for Error::ShapeMismatch(_),
         "tensors disagree on a dimension";
     FLASHCORE_ERROR_BAD_STRIDES = 5 for Error::BadStrides { .. },
-        "unusable or negative stride";
+        "unusable or negative stride, or a range past the address space";
     FLASHCORE_ERROR_EMPTY_DIMENSION = 6 for Error::EmptyDimension { .. },
         "a dimension is zero";
     FLASHCORE_ERROR_UNSUPPORTED_HEAD_DIM = 7 for Error::UnsupportedHeadDim(..),
@@ -176,9 +176,9 @@ return_codes! {
     FLASHCORE_ERROR_HEAD_RATIO = 9 for Error::HeadRatio { .. },
         "q heads not a multiple of k/v heads";
     FLASHCORE_ERROR_NULL_POINTER = 10 for Error::NullPointer(_),
-        "a tensor's device pointer is 0";
+        "a device pointer is 0 (tensor, lse parts, lengths, table, offsets, workspace)";
     FLASHCORE_ERROR_MISALIGNED = 11 for Error::Misaligned { .. },
-        "pointer not aligned (device 16 B, lse 4 B; host int32 array 4 B)";
+        "pointer not aligned (tensors 16 B; lse, scales, lengths, tables, offsets 4 B; decode workspace 256 B)";
     FLASHCORE_ERROR_INVALID_ARGUMENT = 12 for Error::InvalidArgument(_),
         "bad scale, negative shape or ordinal, overlap, too large";
     FLASHCORE_ERROR_PTX = 13 for Error::Ptx(_),

@@ -115,10 +115,14 @@ pub struct DecodePlan {
     pub workspace_bytes: usize,
 }
 
-/// Device memory a decode call may use for its partial results.
+/// Device memory a call may use for scratch: a decode's partial results, the FP8
+/// quantizer's operands.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Workspace {
+    /// Device address, 256-byte aligned ([`Error::Misaligned`] otherwise), as
+    /// `cuMemAlloc` returns them.
     pub ptr: u64,
+    /// Its size in bytes.
     pub bytes: usize,
 }
 

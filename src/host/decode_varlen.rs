@@ -25,7 +25,7 @@
 //! the host, so a captured CUDA graph stays right as the batch's mix changes. Elsewhere
 //! (the sm80 path, e4m3 caches, pages below 16) the decode kernels take every sequence.
 //!
-//! Checks, in order: q's and o's dtypes (as [`Attention::decode`]); q and o not empty,
+//! Checks (a call with several faults gets the error of one of them): q's and o's dtypes (as [`Attention::decode`]); q and o not empty,
 //! q of batch extent 1 and o of q's shape ([`Error::ShapeMismatch`]); at least one
 //! sequence ([`Error::EmptyDimension`]), at most 65535, `max_seqlen_q` from 1 to 2^25,
 //! `total_q` at most 2^25 ([`Error::InvalidArgument`]); then the cache, head dims,
@@ -35,7 +35,10 @@
 //! aligned) and q's and o's strides; o and the LSE apart from every input (the offsets
 //! among them) and each other; and with a host copy of the offsets, `batch + 1` entries
 //! from 0 or more, non-decreasing, ending inside q, none longer than `max_seqlen_q`.
-//! Without it the kernels clamp the offsets to q's rows and each run to `max_seqlen_q`.
+//! Without it the kernels clamp the offsets to q's rows and each run to `max_seqlen_q`;
+//! offsets that go down or overlap then make two sequences write the same rows of o and
+//! the LSE (which one's lands is not defined), so pass the host copy where the offsets
+//! are not known to be right.
 
 use cudarc::driver::sys::CUstream;
 

@@ -433,7 +433,10 @@ impl Attention {
 
     /// `o = softmax(q kᵀ · scale) v` from FP8 operands with per-block scales, on `stream`;
     /// writes `lse` (natural log, `[B, Hq, Sq]`) when given. Checked first: on error
-    /// nothing is launched or written. Asynchronous.
+    /// nothing is launched or written. Asynchronous. Besides the tensor rules, each scale
+    /// array must hold fewer than 2^32 scales (`B·H·ceil(S / 128)`, which the kernels index
+    /// in 32 bits; only batches broadcast by zero strides reach it):
+    /// [`Error::InvalidArgument`] otherwise.
     ///
     /// # Safety
     ///
