@@ -608,6 +608,8 @@ fn consume<H: WgmmaInput, N: WgmmaN>(k: &mut Kernel, r: &Rotate, tid: Reg<U32>) 
         // max |acc · norm| = max |acc| · norm: rounding is monotonic.
         let amax = k.mul(raw, norm);
         let (scale, inv) = block_scale(k, amax);
+        // The rotation's norm folded into the multiplier: one rounding fewer per value.
+        let norm_inv = k.mul(norm, inv);
 
         let scale_at = bhn_address(k, scales, [heads, blocks], [it.batch, it.head, it.block]);
         k.guarded(first_thread, true, |k| k.st_global(scale_at, 0, scale));
@@ -631,10 +633,8 @@ fn consume<H: WgmmaInput, N: WgmmaN>(k: &mut Kernel, r: &Rotate, tid: Reg<U32>) 
                     let pairs: Vec<_> = (0..8)
                         .map(|i| {
                             let tile = tiles[(8 * run + i) as usize];
-                            let [lo, hi] = [tile[2 * row_half], tile[2 * row_half + 1]].map(|v| {
-                                let v = k.mul(v, norm);
-                                scaled(k, v, inv)
-                            });
+                            let [lo, hi] = [tile[2 * row_half], tile[2 * row_half + 1]]
+                                .map(|v| scaled(k, v, norm_inv));
                             k.pack_e4m3x2(lo, hi)
                         })
                         .collect();
