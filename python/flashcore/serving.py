@@ -654,8 +654,9 @@ def append_kv(
     k_scale, v_scale: an FP8 cache's scales, as for `decode` (written in place too). The
         cache's k and v are then torch.float8_e4m3fn and k_new, v_new float16 or bfloat16
         (one dtype for both): each new (position, KV head) row of D values is quantized on
-        the GPU with the scale max|x| / 448 (1 for a row of zeros), codes rounded to the
-        nearest e4m3 value.
+        the GPU with the scale max|x| / 448 over its finite values (1 for a row of
+        zeros), codes rounded to the nearest e4m3 value (an infinite or NaN value gets
+        the NaN code).
 
     Positions past the capacity (and pages outside the pool) are never written, whatever
     the device metadata holds. Snew <= capacity and B·Snew·Hkv·D/8 <= 2146435039. Returns
