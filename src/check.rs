@@ -427,6 +427,19 @@ impl DeviceCase {
         )
     }
 
+    /// Poisons O and the LSE again (as [`DeviceCase::new`] leaves them), so that a later
+    /// run's unwritten elements show instead of an earlier run's values.
+    pub fn poison(&mut self) -> Result<()> {
+        let o = vec![reference::poison(self.case.dtype); self.o.len()];
+        let lse = vec![f32::NAN; self.lse.len()];
+        self.stream
+            .memcpy_htod(&o, &mut self.o)
+            .map_err(driver_err("cuMemcpyHtoD"))?;
+        self.stream
+            .memcpy_htod(&lse, &mut self.lse)
+            .map_err(driver_err("cuMemcpyHtoD"))
+    }
+
     /// One forward call on this case's stream, LSE included.
     pub fn run(&self, attn: &Attention, params: &AttentionParams) -> Result<()> {
         let ([q, k, v, o], lse) = self.views();
@@ -628,10 +641,10 @@ pub struct CheckResult {
 }
 
 impl CheckResult {
-    /// The bounds: 2e-3 for fp16, 1.6e-2 for bf16, every element written.
+    /// The bounds on O (2e-3 for fp16, 1.6e-2 for bf16), [`LSE_TOLERANCE`] on the
+    /// LSE, every element written.
     pub fn passes(&self, dtype: HalfType) -> bool {
-        let tol = tolerance(dtype);
-        self.unwritten == 0 && self.out_err <= tol && self.lse_err <= tol
+        self.unwritten == 0 && self.out_err <= tolerance(dtype) && self.lse_err <= LSE_TOLERANCE
     }
 }
 
@@ -663,6 +676,12 @@ pub fn tolerance(dtype: HalfType) -> f64 {
         HalfType::Bf16 => 1.6e-2,
     }
 }
+
+/// Relative L2 bound on a 16-bit forward's LSE against float64, either dtype: the LSE is
+/// f32 arithmetic on the same 16-bit inputs the reference reads (at most 1.1e-5 over
+/// the 5791 checks of the 16-bit GPU suites on the H200, soft caps and splits included),
+/// so O's bf16 bound (1.6e-2) would let a tail tile's rows trade LSEs unseen.
+pub const LSE_TOLERANCE: f64 = 1e-4;
 
 /// Relative L2 bound on the FP8 path's O against float64 attention on the 16-bit inputs:
 /// rounding Q, K and V to E4M3 (3 mantissa bits) costs about 4.6% on normal inputs, P's

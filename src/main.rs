@@ -646,11 +646,12 @@ fn run(args: &[String]) -> Result<(), Failure> {
     let r = check_forward(&attn, &stream, case, &mut rng)?;
     out!("{}: {case}", dev.name());
     out!(
-        "relative L2 error vs float64: out {:.3e}, lse {:.3e}, unwritten {} (tolerance {:.1e}; seed {:#x})",
+        "relative L2 error vs float64: out {:.3e} (tolerance {:.1e}), lse {:.3e} (tolerance {:.1e}), unwritten {} (seed {:#x})",
         r.out_err,
-        r.lse_err,
-        r.unwritten,
         flashcore::check::tolerance(case.dtype),
+        r.lse_err,
+        flashcore::check::LSE_TOLERANCE,
+        r.unwritten,
         r.seed
     );
     if iters > 0 {

@@ -1514,7 +1514,12 @@ fn device_metadata_never_leaves_the_cache() {
     }
     let nq = 2 * 4 * 128;
     let dq = up(&s, &vec![0x3F80u16; nq]);
-    let o = up(&s, &vec![0u16; nq]);
+    // Sequence 0 reads garbage rows (NaN among them: see below), so its output may be NaN
+    // and the NaN poison could not tell "unwritten" from "NaN": the sentinel is bf16's
+    // largest finite value instead, which no average of V's rows (at most 200 in
+    // magnitude) reaches.
+    const SENTINEL: u16 = 0x7F7F;
+    let o = up(&s, &vec![SENTINEL; nq]);
     let qv = TensorView::bshd(ptr(&s, &dq), DType::Bf16, 2, 1, 4, 128);
     let ov = TensorView::bshd(ptr(&s, &o), DType::Bf16, 2, 1, 4, 128);
     // SAFETY: the views point into live buffers of this test.
@@ -1532,11 +1537,17 @@ fn device_metadata_never_leaves_the_cache() {
     }
     .expect("launch");
     let out = down(&s, &o);
-    // Sequence 1 (length clamped to 0) sees no key: zeros.
+    // Sequence 1 (length clamped to 0) sees no key: zeros, written over the poison.
     let seq1 = half_bits_to_f64(&out[nq / 2..], HalfType::Bf16);
     assert!(
         seq1.iter().all(|&x| x == 0.0),
         "a sequence of length <= 0 gives zeros"
+    );
+    // Sequence 0, clamped to the capacity, reads the garbage rows past its host length
+    // (and zeros for its two pages outside the pool): every element written.
+    assert!(
+        out[..nq / 2].iter().all(|&b| b != SENTINEL),
+        "sequence 0 left unwritten"
     );
 }
 

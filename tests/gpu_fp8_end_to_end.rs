@@ -316,10 +316,18 @@ fn the_c_abi_gives_the_rust_apis_output() {
             );
             (o, lse, view)
         };
-        let (c_o, c_lse, c_view) = out(true);
-        let (r_o, r_lse, r_view) = out(true);
+        let (mut c_o, mut c_lse, c_view) = out(true);
+        let (mut r_o, mut r_lse, r_view) = out(true);
         let co = c_tensor(&c_view);
         for causal in [false, true] {
+            // Poisoned afresh: an element the causal pass left unwritten must not show
+            // the first pass's value (the same in both outputs, so equal).
+            let poison = vec![reference::poison(dtype); sh.q_len()];
+            let nan = vec![f32::NAN; sh.lse_len()];
+            for (o, lse) in [(&mut c_o, &mut c_lse), (&mut r_o, &mut r_lse)] {
+                s.memcpy_htod(&poison, o).expect("poison O");
+                s.memcpy_htod(&nan, lse).expect("poison the LSE");
+            }
             // SAFETY: every pointer points at a live local; nothing is read through them.
             let rc = unsafe {
                 flashcore_check_forward_fp8(&c_ops, &co, ptr(&s, &c_lse), 0.0, causal as i32)
@@ -373,6 +381,11 @@ fn the_c_abi_gives_the_rust_apis_output() {
                     .zip(&r_l)
                     .all(|(a, b)| a.to_bits() == b.to_bits()),
                 "{sh} causal {causal}: C's LSE differs from Rust's"
+            );
+            // Rows that see no key hold -inf; NaN is the poison.
+            assert!(
+                !c_l.iter().any(|x| x.is_nan()),
+                "{sh} causal {causal}: LSE not written"
             );
         }
         drop((x.q, x.k, x.v, c_buf, r_buf));

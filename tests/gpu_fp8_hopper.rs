@@ -5,8 +5,11 @@
 //!
 //! What the kernel adds to the reference's answer is the rounding of the probabilities
 //! to E4M3 (3 mantissa bits: a relative error up to 2⁻⁴ per probability, ~2⁻⁶ RMS),
-//! which averages down over the keys: O is checked at 3e-2 relative L2 on values with a
-//! non-zero mean (so O itself is not an average of noise near zero). The LSE comes from
+//! which averages down over the keys: V has a mean of 1, and O − 1 (what the scores
+//! decide) is checked at [`O_TOLERANCE`] relative L2: 10% below 2048 keys, 20% past
+//! (measured on the H200 up to 5.4% at 1300 keys, and up to 9.6% at 4097, where more
+//! probabilities sit near E4M3's smallest values and one query row gives few samples;
+//! uniform weights, or no output at all, cost 100% and more). The LSE comes from
 //! the f32 probabilities, but its scores from the tensor cores' FP8 accumulation, which
 //! keeps about 13 fraction bits of the largest term (products of codes up to 448² summed
 //! over d), so the error grows with the scores' magnitude: checked to 1e-3 of
@@ -29,6 +32,10 @@ use flashcore::kernels::attention::fp8::vt_min_pitch;
 use flashcore::quant::{Granularity, dequantize_rows, dequantize_vt, quantize_rows, quantize_vt};
 use flashcore::reference::{Rng, attention_f64, half_bits_to_f64, rel_l2};
 use flashcore::shape::AttnShape;
+
+/// Relative L2 bound on O − 1 for rows of fewer than 2048 keys, and for more (see the
+/// module docs).
+const O_TOLERANCE: [f64; 2] = [0.1, 0.2];
 
 fn setup(path: PathChoice) -> (Attention, Arc<CudaStream>) {
     let device = Arc::new(Device::new(0).expect("a CUDA device"));
@@ -199,8 +206,11 @@ fn run_case(attn: &Attention, s: &Arc<CudaStream>, c: Case, rng: &mut Rng) -> Ou
         assert!(g.is_finite(), "{c:?}: LSE row {i} = {g}, want {w}");
         lse_err = lse_err.max((g as f64 - w).abs() / w.abs().max(1.0));
     }
+    // V's mean of 1 reaches every row whatever its probabilities: measured on O − 1, a
+    // softmax that ignored the scores (the mean of V) or no output at all (1) fails.
+    let centered = |x: &[f64]| x.iter().map(|v| v - 1.0).collect::<Vec<_>>();
     Outcome {
-        o_err: rel_l2(&got, &want.out),
+        o_err: rel_l2(&centered(&got), &centered(&want.out)),
         lse_err,
     }
 }
@@ -211,11 +221,11 @@ fn check(attn: &Attention, s: &Arc<CudaStream>, cases: &[Case]) {
         let mut rng = seeds.next_case();
         let r = run_case(attn, s, c, &mut rng);
         println!(
-            "{c:?}: O rel L2 {:.2e}, LSE max err {:.2e} (of max(1, |LSE|))",
+            "{c:?}: O - 1 rel L2 {:.2e}, LSE max err {:.2e} (of max(1, |LSE|))",
             r.o_err, r.lse_err
         );
         assert!(
-            r.o_err <= 3e-2 && r.lse_err <= 1e-3,
+            r.o_err <= O_TOLERANCE[(c.seqlen_k >= 2048) as usize] && r.lse_err <= 1e-3,
             "{c:?}: O {:.3e}, LSE {:.3e}; {}",
             r.o_err,
             r.lse_err,

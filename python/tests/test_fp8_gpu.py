@@ -33,6 +33,13 @@ def fp8_capable():
 needs_fp8 = pytest.mark.skipif(not fp8_capable(), reason="FP8 needs an sm_89 or newer GPU")
 
 
+def poison_allocator(*shapes_dtypes):
+    """Fills blocks the caching allocator will hand out next with NaN (as test_gpu.py
+    does), so an output element the kernels leave unwritten shows up."""
+    blocks = [torch.full(s, math.nan, dtype=dt, device="cuda") for s, dt in shapes_dtypes]
+    del blocks
+
+
 def rel_l2(a, b):
     a, b = a.double(), b.double()
     den = b.norm().item()
@@ -118,6 +125,7 @@ OPTIONS = {
 def test_attention_fp8_matches_float64(case, dtype, layout, causal, seed):
     b, hq, hkv, sq, sk, d = case
     q, k, v = make(b, hq, hkv, sq, sk, d, dtype, layout)
+    poison_allocator((q.shape, dtype), ((b, hq, sq), torch.float32))
     o, lse = flashcore.attention_fp8(q, k, v, causal=causal, layout=layout, return_lse=True)
     assert o.shape == q.shape and o.dtype == dtype and o.is_contiguous()
     assert lse.shape == (b, hq, sq) and lse.dtype == torch.float32
@@ -135,6 +143,7 @@ def test_options_keep_attention_and_its_lse(options, case, seed):
     # Keys with a per-channel offset, as real models' have: what K smoothing removes.
     k = k + 3 * torch.randn(d, device="cuda", dtype=k.dtype)
     for causal in (False, True):
+        poison_allocator((q.shape, q.dtype), ((b, hq, sq), torch.float32))
         o, lse = flashcore.attention_fp8(q, k, v, causal=causal, return_lse=True, **options)
         o_ref, lse_ref = reference(q, k, v, causal)
         # Unsmoothed offset keys round coarser (about 10% on a CPU model of the path, 5%
@@ -190,8 +199,11 @@ def test_quantize_fp8_operands_hold_the_inputs(seed):
 def test_forward_fp8_reuses_operands_and_equals_attention_fp8(seed):
     q, k, v = make(2, 8, 2, 333, 444, 128, torch.bfloat16)
     ops = flashcore.quantize_fp8(q, k, v)
+    outputs = ((q.shape, q.dtype), ((2, 8, 333), torch.float32))
     for causal in (False, True):
+        poison_allocator(*outputs)
         direct, lse = flashcore.attention_fp8(q, k, v, causal=causal, return_lse=True)
+        poison_allocator(*outputs)
         again, lse2 = flashcore.forward_fp8(ops, causal=causal, return_lse=True)
         # The same kernels on the same bits (no K smoothing: nothing summed by atomics).
         assert torch.equal(direct, again) and torch.equal(lse, lse2)
@@ -213,11 +225,13 @@ def test_views_and_unaligned_inputs(seed):
     b, s, h, d = 2, 333, 8, 128
     qkv = torch.randn(b, s, 3, h, d, device="cuda", dtype=torch.bfloat16)  # a fused projection
     q, k, v = qkv.unbind(2)  # [B, S, H, D] views with a row stride of 3*H*D
+    poison_allocator(((b, s, h, d), torch.bfloat16))
     o = flashcore.attention_fp8(q, k, v, causal=True, layout="bshd")
     check(o, None, q, k, v, True, "bshd")
     v2 = torch.randn(1 + 4 * 200 * 128, device="cuda", dtype=torch.float16)[1:].view(1, 4, 200, 128)  # 2 B in
     q2 = torch.randn(1, 4, 200, 256, device="cuda", dtype=torch.float16)[..., ::2]  # head dim stride 2
     k2 = torch.randn(1, 4, 200, 128, device="cuda", dtype=torch.float16)
+    poison_allocator(((1, 4, 200, 128), torch.float16))
     o2 = flashcore.attention_fp8(q2, k2, v2)
     check(o2, None, q2, k2, v2, False)
 

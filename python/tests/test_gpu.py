@@ -507,8 +507,10 @@ def decode_reference(q, keys, values, lens, causal, scale=None, window=(-1, -1),
 
 def assert_decode_close(o, lse, o_ref, lse_ref, dtype):
     assert torch.isfinite(o).all(), "non-finite output"
-    err = rel_l2(o, o_ref)
-    assert err <= TOLERANCE[dtype], f"rel L2 {err:.2e}"
+    # Per sequence, the worst: one norm over the batch lets short sequences (whose rows
+    # are large) hide a long one's error, and the long ones run the splits and the merge.
+    err = max(rel_l2(o[i], o_ref[i]) for i in range(o.shape[0]))
+    assert err <= TOLERANCE[dtype], f"rel L2 {err:.2e} (worst sequence)"
     seen = torch.isfinite(lse_ref)
     assert (lse[~seen] == -math.inf).all(), "a row that sees no key has LSE -inf"
     assert (o.transpose(1, 2)[~seen] == 0).all(), "a row that sees no key gives zeros"
@@ -1063,6 +1065,9 @@ def test_varlen_sequences_never_see_other_rows(d, causal, seed):
     as_bhsd = lambda t: t.transpose(0, 1).unsqueeze(0)  # noqa: E731
 
     def check(k, v, sequences):
+        # The previous call's O was just freed: its block (holding right answers) must
+        # not pass for this call's output.
+        poison_allocator(((150, hq, d), torch.float16))
         o = flashcore.attention_varlen(q, k, v, cu_q.cuda(), cu_k.cuda(), 100, causal=causal,
                                        host_cu_seqlens_q=cu_q, host_cu_seqlens_k=cu_k)
         torch.cuda.synchronize()
