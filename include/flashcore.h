@@ -684,7 +684,8 @@ int32_t flashcore_check_decode_varlen(const FlashcoreTensor *q, const FlashcoreK
  *
  *   k_new, v_new:  [B, Snew, Hkv, D] of the cache's dtype, Hkv and D (D a multiple of 8),
  *                  pointers 16-byte aligned, strides[3] == 1 and other strides multiples of
- *                  16 bytes, not overlapping the cache; Snew <= capacity and
+ *                  16 bytes, not overlapping the cache; 1 <= Snew <= capacity (Snew 0:
+ *                  FLASHCORE_ERROR_EMPTY_DIMENSION; the Python package returns instead) and
  *                  B * Snew * Hkv * D / 8 <= 2146435039 (2^31 - 2^20 - 33: the kernels
  *                  count 16-byte chunks in 32 bits, with room for their last step).
  *   host_seqlens, host_block_table: NULL, or host copies of the lengths before the append
@@ -736,8 +737,9 @@ int32_t flashcore_check_append_kv_fp8kv(const FlashcoreKvCache *cache, const Fla
  *   lse_parts:     device pointer (4-byte aligned) to float32 [count, B, H, S], contiguous:
  *                  each shard's LSE as flashcore_forward and flashcore_decode write it. A
  *                  shard whose row has LSE -inf (it saw no key) counts for nothing there;
- *                  one whose row has LSE +inf or NaN (no forward writes those) makes the
- *                  merged row NaN.
+ *                  one whose row has LSE +inf or NaN (no flashcore call writes those)
+ *                  makes the merged row NaN. FlashAttention-2's forward marks a row that
+ *                  saw no key with +inf: map those to -inf before merging its shards.
  *   out:           [B, S, H, D], f16, bf16 or f32 (any of them, whatever parts' dtype),
  *                  apart from the shards and lse_parts.
  *   out_lse:       0, or a device pointer to float32 [B, H, S] (contiguous) for the merged

@@ -324,12 +324,26 @@ def softcap_arg(fn, softcap):
         raise ValueError(f"{fn}: softcap must be finite and positive (0.0: no cap), got {softcap!r}") from None
     except (TypeError, ValueError):
         raise TypeError(f"{fn}: softcap must be a float (0.0: no cap), got {softcap!r}") from None
-    if softcap != 0.0 and struct.unpack("f", struct.pack("f", softcap))[0] == 0.0:
+    as_f32 = as_float32(softcap)
+    if softcap != 0.0 and as_f32 == 0.0:
         raise ValueError(f"{fn}: softcap {softcap} is 0 as a float32, which is no cap; pass 0.0 for none")
+    if math.isinf(as_f32) and math.isfinite(softcap):
+        raise ValueError(f"{fn}: softcap must be finite and positive as a float32, got {softcap}")
     return softcap
 
 
 _FLOAT32_MAX = 3.4028234663852886e38
+
+
+def as_float32(x):
+    """The Python float `x` rounded to float32, as the C ABI's arguments are: ±inf past its
+    range (where struct.pack raises OverflowError), NaN and infinities kept."""
+    if not math.isfinite(x):
+        return x
+    try:
+        return struct.unpack("f", struct.pack("f", x))[0]
+    except OverflowError:
+        return math.copysign(math.inf, x)
 
 
 def softmax_scale(fn, scale):
@@ -344,7 +358,7 @@ def softmax_scale(fn, scale):
         raise ValueError(f"{fn}: scale must be finite and positive as a float32, got {scale!r}") from None
     except (TypeError, ValueError):
         raise TypeError(f"{fn}: scale must be a float (None: 1/sqrt(D)), got {scale!r}") from None
-    as_f32 = struct.unpack("f", struct.pack("f", scale))[0] if math.isfinite(scale) else scale
+    as_f32 = as_float32(scale)
     # The kernels take scale · log2(e) as a float32 too, which the library checks.
     if not (math.isfinite(as_f32) and 0.0 < as_f32 and as_f32 * math.log2(math.e) <= _FLOAT32_MAX):
         raise ValueError(

@@ -779,7 +779,9 @@ def merge(o_parts, lse_parts, *, out_dtype=None, return_lse=False, layout="bshd"
     """Merges attention results over N disjoint key shards into attention over all their keys:
     out = sum_i exp(lse_i - lse) * o_i with lse = log(sum_i exp(lse_i)) (split-KV,
     context-parallel or ring attention). A shard whose row has LSE -inf (it saw no key)
-    counts for nothing; a row no shard saw gives zeros (and LSE -inf).
+    counts for nothing; a row no shard saw gives zeros (and LSE -inf). A row's LSE of +inf
+    or NaN in any shard makes that row's output and LSE NaN: FlashAttention-2's forward
+    marks a row that saw no key with +inf, so map those to -inf before merging its shards.
 
     o_parts: [N, B, S, H, D] (layout="bshd", decode's and FlashAttention's order) or
         [N, B, H, S, D] (layout="bhsd", flashcore.attention's default), float16, bfloat16

@@ -138,6 +138,10 @@ def test_misuse_is_refused_before_the_library():
             flashcore.attention(q, q, q, scale=s)
     with pytest.raises(ValueError, match="softcap"):
         flashcore.attention(q, q, q, softcap=10**400)
+    # A finite float64 that float32 makes infinite: struct.pack's OverflowError is not
+    # what the docs promise.
+    with pytest.raises(ValueError, match="softcap"):
+        flashcore.attention(q, q, q, softcap=1e39)
     g = meta(1, 4, 64, 64).requires_grad_()
     with pytest.raises(NotImplementedError, match="backward"):
         flashcore.attention(g, q, q)

@@ -1573,7 +1573,8 @@ impl Attention {
 
     /// Merges attention results over disjoint key shards into `out` (and `out_lse`): what
     /// attention over all their keys gives. Shards of LSE −∞ (every key masked) count
-    /// for nothing.
+    /// for nothing; an LSE of +∞ or NaN (which no flashcore call writes, but
+    /// FlashAttention-2 marks a row that saw no key with +∞) makes the merged row NaN.
     ///
     /// # Safety
     ///

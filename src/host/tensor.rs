@@ -223,7 +223,8 @@ impl Window {
     };
 
     /// The `keys` keys up to and including the diagonal (`left = keys − 1`, `right = 0`):
-    /// a causal sliding window. `keys` must be at least 1.
+    /// a causal sliding window. A window holds at least the diagonal: `keys` 0 gives
+    /// what 1 does.
     pub fn sliding(keys: u32) -> Window {
         Window {
             left: Some(keys.saturating_sub(1)),
