@@ -25,8 +25,9 @@
 //! the host, so a captured CUDA graph stays right as the batch's mix changes. Elsewhere
 //! (the sm80 path, e4m3 caches, pages below 16) the decode kernels take every sequence.
 //!
-//! Checks (a call with several faults gets the error of one of them): q's and o's dtypes (as [`Attention::decode`]); q and o not empty,
-//! q of batch extent 1 and o of q's shape ([`Error::ShapeMismatch`]); at least one
+//! Checks (a call with several faults gets the error of one of them): q's and o's
+//! dtypes (as [`Attention::decode`]); q and o not empty, q of batch extent 1 and o of
+//! q's shape ([`Error::ShapeMismatch`]); at least one
 //! sequence ([`Error::EmptyDimension`]), at most 65535, `max_seqlen_q` from 1 to 2^25,
 //! `total_q` at most 2^25 ([`Error::InvalidArgument`]); then the cache, head dims,
 //! ratios and options as [`Attention::decode`] checks them for `batch` sequences of

@@ -158,18 +158,24 @@ impl ContextScope {
 
     /// A scope remembering the current context. libcuda must be loaded.
     fn current() -> Result<ContextScope> {
-        let mut saved: CUcontext = ptr::null_mut();
-        // SAFETY: callers ensure libcuda is loaded; `saved` is a valid out-pointer.
-        let r = unsafe { sys::cuCtxGetCurrent(&mut saved) };
-        // Before cuInit no context can be current: remember none.
-        if r != CUresult::CUDA_ERROR_NOT_INITIALIZED {
-            check("cuCtxGetCurrent", r)?;
-        }
         Ok(ContextScope {
-            saved,
+            saved: current_context()?,
             _thread_bound: PhantomData,
         })
     }
+}
+
+/// The calling thread's current context, null where there is none (before `cuInit` too).
+/// libcuda must be loaded ([`driver_present`]).
+pub(crate) fn current_context() -> Result<CUcontext> {
+    let mut current: CUcontext = ptr::null_mut();
+    // SAFETY: callers ensure libcuda is loaded; `current` is a valid out-pointer.
+    let r = unsafe { sys::cuCtxGetCurrent(&mut current) };
+    // Before cuInit no context can be current: none.
+    if r != CUresult::CUDA_ERROR_NOT_INITIALIZED {
+        check("cuCtxGetCurrent", r)?;
+    }
+    Ok(current)
 }
 
 impl Drop for ContextScope {

@@ -477,9 +477,15 @@ fn store_scale(k: &mut Kernel, args: ParamBytes, p: &Place, scale: Reg<F32>) {
 /// One fused multiply-add: `v · 0 + |v|`, as `v · 0` is ±0 for a finite `v` and NaN
 /// otherwise (the Hopper rotation is short of issue slots: a compare and a select per
 /// value, here and in [`scaled`], made it 12% slower with K smoothing).
-pub(crate) fn finite_magnitude(k: &mut Kernel, v: Reg<F32>) -> Reg<F32> {
+fn finite_magnitude(k: &mut Kernel, v: Reg<F32>) -> Reg<F32> {
     let a = k.abs(v);
     k.mad(v, 0.0f32, a)
+}
+
+/// `amax = max(amax, finite_magnitude(v))`: one value into a running amax.
+pub(crate) fn fold_amax(k: &mut Kernel, amax: Reg<F32>, v: Reg<F32>) {
+    let a = finite_magnitude(k, v);
+    k.max_to(amax, amax, a);
 }
 
 /// The value whose code is `v`'s in a block with multiplier `inv`, as
@@ -709,8 +715,7 @@ fn rows(
             kept.push(x);
         }
         for v in x {
-            let a = finite_magnitude(k, v);
-            k.max_to(amax, amax, a);
+            fold_amax(k, amax, v);
         }
     }
     let amax = block_max(k, g, p.tid, amax, red);
@@ -772,8 +777,7 @@ fn vt(
     let amax = k.mov(0.0f32);
     for &words in &raw {
         for v in widen(k, cfg.input, words) {
-            let a = finite_magnitude(k, v);
-            k.max_to(amax, amax, a);
+            fold_amax(k, amax, v);
         }
     }
     let amax = block_max(k, g, p.tid, amax, red);

@@ -63,8 +63,8 @@ use std::mem::offset_of;
 use super::attention::HalfType;
 use super::attention::fp8::{HEAD_DIMS, SCALE_BLOCK};
 use super::quantize::{
-    QuantArgs, Smoothing, address, arg, bhn_address, block_scale, finite_magnitude,
-    lse_shift_address, scaled, strides, widen,
+    QuantArgs, Smoothing, address, arg, bhn_address, block_scale, fold_amax, lse_shift_address,
+    scaled, strides, widen,
 };
 use crate::ptx::{
     Acc, B32, Bf16x2, Cmp, F16x2, F32, InFlight, KMajor, Kernel, KernelText, Module, N64, N128,
@@ -565,8 +565,7 @@ fn consume<H: WgmmaInput, N: WgmmaN>(k: &mut Kernel, r: &Rotate, tid: Reg<U32>) 
             for y in &ys {
                 for tile in y.tiles() {
                     for (e, &v) in tile.iter().enumerate() {
-                        let a = finite_magnitude(k, v);
-                        k.max_to(row_max[e / 2], row_max[e / 2], a);
+                        fold_amax(k, row_max[e / 2], v);
                     }
                 }
             }
@@ -581,8 +580,7 @@ fn consume<H: WgmmaInput, N: WgmmaN>(k: &mut Kernel, r: &Rotate, tid: Reg<U32>) 
             let local = k.mov(0.0f32);
             for y in &ys {
                 for &v in y.regs() {
-                    let a = finite_magnitude(k, v);
-                    k.max_to(local, local, a);
+                    fold_amax(k, local, v);
                 }
             }
             local

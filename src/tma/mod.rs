@@ -17,7 +17,7 @@ use cudarc::driver::sys::{
 };
 
 use crate::error::{Error, Result};
-use crate::host::device::{check, driver_present};
+use crate::host::device::{check, current_context, driver_present};
 use crate::ptx::{SmemLayout, Swizzle};
 
 /// An encoded `CUtensorMap`: 128 opaque bytes, 64-byte aligned, passed to a kernel by
@@ -327,12 +327,7 @@ impl TiledMap {
         if !driver_present() {
             return Err(Error::NoDriver);
         }
-        let mut current = std::ptr::null_mut();
-        // SAFETY: libcuda is loaded (checked above); `current` is a valid out-pointer.
-        check("cuCtxGetCurrent", unsafe {
-            sys::cuCtxGetCurrent(&mut current)
-        })?;
-        if current.is_null() {
+        if current_context()?.is_null() {
             return Err(Error::Driver {
                 call: "cuTensorMapEncodeTiled",
                 code: "CUDA_ERROR_INVALID_CONTEXT".into(),

@@ -13,13 +13,13 @@
 //! `D/8` threads of a row (8, 16 or 32 lanes of one warp) agree on the row's absolute
 //! maximum by shuffles, and each writes its 8 codes (`cvt.rn.satfinite`, scale `amax /
 //! 448`, the amax over the row's finite values; NaN codes for the others, as in
-//! [`crate::quant::quantize_value`]); the row's first thread writes the scale. Whole warps run the loop together so
-//! the shuffles always have every lane.
+//! [`crate::quant::quantize_value`]); the row's first thread writes the scale. Whole
+//! warps run the loop together so the shuffles always have every lane.
 
 use std::mem::offset_of;
 
 use super::HalfType;
-use crate::kernels::quantize::{block_scale, finite_magnitude, scaled};
+use crate::kernels::quantize::{block_scale, fold_amax, scaled};
 use crate::ptx::{
     B32, Bf16x2, Cmp, F16x2, F32, Half2, Kernel, KernelText, Module, ParamBytes, Pred, PtxError,
     PtxType, Reg, S32, Special, Target, U32, U64,
@@ -395,8 +395,7 @@ fn build_fp8<H: Half2>(cfg: &AppendConfig) -> Result<KernelText, PtxError> {
                 .collect();
             let amax = k.mov(0f32);
             for &v in &values {
-                let a = finite_magnitude(k, v);
-                k.max_to(amax, amax, a);
+                fold_amax(k, amax, v);
             }
             for mask in [1u32, 2, 4, 8, 16] {
                 // Lanes `mask` apart share a row when the row has more than `mask` lanes.
