@@ -1,3 +1,4 @@
+import math
 import os
 
 import pytest
@@ -11,6 +12,13 @@ def gpu_available():
 
 
 requires_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def poison_allocator(*shapes_dtypes):
+    """Fills blocks the caching allocator will hand out next with NaN, so an output element
+    the kernel leaves unwritten shows up."""
+    blocks = [torch.full(s, math.nan, dtype=dt, device="cuda") for s, dt in shapes_dtypes]
+    del blocks
 
 
 @pytest.fixture

@@ -11,7 +11,7 @@ import torch
 import flashcore
 from flashcore import FlashcoreError
 
-from conftest import requires_gpu
+from conftest import poison_allocator, requires_gpu
 
 pytestmark = requires_gpu
 
@@ -31,13 +31,6 @@ def fp8_capable():
 
 
 needs_fp8 = pytest.mark.skipif(not fp8_capable(), reason="FP8 needs an sm_89 or newer GPU")
-
-
-def poison_allocator(*shapes_dtypes):
-    """Fills blocks the caching allocator will hand out next with NaN (as test_gpu.py
-    does), so an output element the kernels leave unwritten shows up."""
-    blocks = [torch.full(s, math.nan, dtype=dt, device="cuda") for s, dt in shapes_dtypes]
-    del blocks
 
 
 def rel_l2(a, b):

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 import flashcore
 from flashcore import FlashcoreError
 
-from conftest import requires_gpu
+from conftest import poison_allocator, requires_gpu
 
 pytestmark = requires_gpu
 
@@ -62,13 +62,6 @@ def reference(q, k, v, causal, scale=None, window=(-1, -1), softcap=0.0):
     l = p.sum(-1, keepdim=True)
     o = (p @ vv) / torch.where(l > 0, l, torch.ones_like(l))
     return o, (m + torch.log(l)).squeeze(-1)
-
-
-def poison_allocator(*shapes_dtypes):
-    """Fills blocks the caching allocator will hand out next with NaN, so an output element
-    the kernel leaves unwritten shows up."""
-    blocks = [torch.full(s, math.nan, dtype=dt, device="cuda") for s, dt in shapes_dtypes]
-    del blocks
 
 
 def make(b, hq, hkv, sq, sk, d, dtype, layout="bhsd"):
