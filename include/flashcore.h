@@ -264,9 +264,10 @@ typedef struct FlashcoreContext FlashcoreContext;
  * programmatically on Hopper, as GPUs before Hopper do. */
 int32_t flashcore_create(int32_t device_ordinal, FlashcoreContext **out);
 
-/* Destroys a context and unloads its kernels. NULL is a no-op. Work already queued on a
- * stream must have finished, and CUDA graphs that captured the context's calls must not
- * be launched again (their kernels are gone). */
+/* Destroys a context and unloads its kernels. NULL is a no-op. No other thread may be
+ * inside a call on the context or make one later (the context is freed), work already
+ * queued on a stream must have finished, and CUDA graphs that captured the context's
+ * calls must not be launched again (their kernels are gone). */
 void flashcore_destroy(FlashcoreContext *ctx);
 
 /* o = softmax(q k^T * scale) v, asynchronously on `stream`.
@@ -568,7 +569,11 @@ int32_t flashcore_decode_fp8kv_ex(FlashcoreContext *ctx, const FlashcoreTensor *
 
 /* The workspace, in bytes, that flashcore_decode needs for these q and cache on the
  * context's device (0: the call runs in one split and needs none) into *out. Validates q
- * and the cache as flashcore_decode does; on failure *out is 0. Reads no device memory. */
+ * and the cache as flashcore_decode does; on failure *out is 0. Reads no device memory.
+ * Also 0 for a call with more queries than the decode kernels' partial results can index
+ * (2^31 rows), which the forward kernels take; where options (a window) or a tensor the
+ * forward kernels cannot describe leave such a call to the decode kernels, the call
+ * itself fails with FLASHCORE_ERROR_INVALID_ARGUMENT before launching anything. */
 int32_t flashcore_decode_workspace_bytes(FlashcoreContext *ctx, const FlashcoreTensor *q,
                                          const FlashcoreKvCache *cache, size_t *out);
 

@@ -23,11 +23,11 @@ use flashcore::ffi::{
     FlashcoreKvScales, FlashcoreQuantizeOptions, FlashcoreTensor, FlashcoreVarlen,
     flashcore_check_append_kv, flashcore_check_append_kv_fp8kv, flashcore_check_decode,
     flashcore_check_decode_ex, flashcore_check_decode_fp8kv, flashcore_check_decode_fp8kv_ex,
-    flashcore_check_decode_fp8kv_window, flashcore_check_decode_window, flashcore_check_forward,
-    flashcore_check_forward_ex, flashcore_check_forward_fp8, flashcore_check_forward_varlen,
-    flashcore_check_forward_varlen_ex, flashcore_check_forward_varlen_window,
-    flashcore_check_forward_window, flashcore_check_merge, flashcore_check_quantize_fp8,
-    flashcore_last_error,
+    flashcore_check_decode_fp8kv_window, flashcore_check_decode_varlen,
+    flashcore_check_decode_window, flashcore_check_forward, flashcore_check_forward_ex,
+    flashcore_check_forward_fp8, flashcore_check_forward_varlen, flashcore_check_forward_varlen_ex,
+    flashcore_check_forward_varlen_window, flashcore_check_forward_window, flashcore_check_merge,
+    flashcore_check_quantize_fp8, flashcore_last_error,
 };
 use std::ffi::CStr;
 use std::ptr;
@@ -724,6 +724,90 @@ fn decode_checks_answer_every_argument_with_a_code() {
             );
             judge("flashcore_check_decode", n == 0, rc, &args);
             judge_size("flashcore_check_decode", size, rc, &args);
+        }
+    }
+}
+
+/// The packed serving call: each sequence's queries (0 to 40 of them: decode steps, drafts
+/// and prompt chunks) one after another in q and o, against a cache of `batch`
+/// sequences. Beside the decode call's fields, the offsets' device address, the batch and
+/// the bound are drawn from the edges, and host offsets that decrease, start below 0, run
+/// past q or exceed the bound.
+#[test]
+fn decode_varlen_checks_answer_every_argument_with_a_code() {
+    for seed in SEEDS {
+        let mut rng = Rng(seed ^ 6);
+        for _ in 0..ROUNDS {
+            let fp8 = rng.chance(3);
+            let batch = rng.pick(&[1i64, 3, 8]);
+            let (hkv, d) = (rng.pick(&[1i64, 8]), cache_head_dim(&mut rng, fp8));
+            let hq = hkv * rng.pick(&[1, 4]);
+            let dt = dtype16(&mut rng);
+            let mut c = cache_case(&mut rng, [batch, hkv, d], (dt, fp8), 0);
+            let mut cu = vec![0i32];
+            for _ in 0..batch {
+                let n = rng.pick(&[0, 1, 4, 16, 40]);
+                cu.push(cu.last().unwrap() + n);
+            }
+            let longest = cu.windows(2).map(|w| w[1] - w[0]).max().unwrap();
+            let total = i64::from(*cu.last().unwrap()).max(1);
+            let mut q = bshd(region(0), dt, [1, total, hq, d]);
+            let mut o = bshd(region(3), dt, [1, total, hq, d]);
+            let mut lse = if rng.chance(2) { region(4) } else { 0 };
+            let mut cu_ptr = region(5);
+            let mut count = batch;
+            let mut bound = i64::from(longest.max(1)) + rng.pick(&[0, 1, 100]);
+            let mut host_cu = rng.chance(2);
+            let mut scale = 0.0f32;
+            let mut cap = softcap(&mut rng).unwrap_or_default();
+            let mut size = FlashcoreAttentionOptions::SIZE;
+            let n = mutations(&mut rng);
+            for _ in 0..n {
+                match rng.below(14) {
+                    0 => mutate_tensor(&mut rng, &mut q),
+                    1 => mutate_tensor(&mut rng, &mut o),
+                    2 => lse = rng.pick(&[2, region(0), region(5), region(12)]),
+                    3 => scale = rng.pick(&SCALES),
+                    4 if fp8 => mutate_scales(&mut rng, &mut c.scales),
+                    5 => cap = rng.pick(&EDGE_SOFTCAPS),
+                    6 => size = other_struct_size(&mut rng),
+                    7 => count = rng.pick(&EDGE_I64),
+                    8 => bound = rng.pick(&EDGE_I64),
+                    9 => cu_ptr = rng.pick(&[0, 2, region(3), region(4), region(12), u64::MAX - 3]),
+                    10 => {
+                        // Host offsets that decrease, start below 0 or run past q.
+                        host_cu = true;
+                        let i = rng.below(cu.len() as u64) as usize;
+                        cu[i] = rng.pick(&[-1, i32::MIN, i32::MAX, cu[i] + 1, 1 << 25]);
+                    }
+                    11 => {
+                        let mut views = [q, o, c.cache.k, c.cache.v];
+                        set_head_dim(&mut views, rng.pick(&BAD_HEAD_DIMS));
+                        [q, o, c.cache.k, c.cache.v] = views;
+                    }
+                    _ => mutate_cache(&mut rng, &mut c),
+                }
+            }
+            // The host offsets must hold batch + 1 entries whenever they are passed.
+            let cu_fits = host_cu && count >= 0 && (count as usize) < cu.len();
+            let hcu = if cu_fits { cu.as_ptr() } else { ptr::null() };
+            let (hs, ht) = host_arrays(&mut rng, &c, count);
+            let causal = rng.below(2) as i32;
+            let window = window(&mut rng, causal != 0);
+            let scales: *const FlashcoreKvScales = if fp8 { &c.scales } else { ptr::null() };
+            let opts = options(scale, causal, window, cap, size);
+            // SAFETY: the structs are live; the host arrays hold what the call's own
+            // fields say they hold (null otherwise).
+            let rc = unsafe {
+                flashcore_check_decode_varlen(
+                    &q, &c.cache, scales, cu_ptr, count, bound, hcu, hs, ht, &o, lse, &opts,
+                )
+            };
+            let args = (
+                q, o, c.cache, c.scales, fp8, lse, cu_ptr, count, bound, &cu, cu_fits, opts,
+            );
+            judge("flashcore_check_decode_varlen", n == 0, rc, &args);
+            judge_size("flashcore_check_decode_varlen", size, rc, &args);
         }
     }
 }

@@ -1645,11 +1645,12 @@ pub(crate) fn check_workspace(
     let end = u64::try_from(needed)
         .ok()
         .and_then(|n| w.ptr.checked_add(n))
-        .ok_or_else(|| {
-            Error::InvalidArgument(format!(
+        .ok_or_else(|| Error::BadStrides {
+            tensor: "workspace",
+            reason: format!(
                 "a workspace of {needed} bytes at {:#x} passes the end of the address space",
                 w.ptr
-            ))
+            ),
         })?;
     let range = (w.ptr, end);
     // Packed queries: the LSE is `[Hq, total_q]`, and the offsets are read too.
@@ -2478,7 +2479,16 @@ pub(crate) mod tests {
         };
         let q1 = q(2, 1, 8, 128, 4 * GB);
         let e = check_workspace(&w, plan.workspace_bytes, &c, &q1, &o, None, &p);
-        assert!(matches!(e, Err(Error::InvalidArgument(_))), "{e:?}");
+        assert!(
+            matches!(
+                e,
+                Err(Error::BadStrides {
+                    tensor: "workspace",
+                    ..
+                })
+            ),
+            "{e:?}"
+        );
     }
 
     /// Host metadata of a paged cache: `seqlens` and the block table `table`.

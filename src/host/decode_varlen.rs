@@ -159,10 +159,9 @@ pub fn validate_decode_varlen(
     let cu = queries.cu_seqlens_q;
     let cu_end = cu
         .checked_add(4 * (queries.batch as u64 + 1))
-        .ok_or_else(|| {
-            Error::InvalidArgument(format!(
-                "cu_seqlens_q at {cu:#x} overflows 64-bit addressing"
-            ))
+        .ok_or_else(|| Error::BadStrides {
+            tensor: "cu_seqlens_q",
+            reason: format!("cu_seqlens_q at {cu:#x} overflows 64-bit addressing"),
         })?;
     let [k, v, k_scale, v_scale, lengths, table] = cache.byte_ranges(queries.batch);
     let inputs = [
@@ -413,6 +412,15 @@ mod tests {
         assert!(matches!(
             check(&c, 40, &bad, None),
             Err(Error::Misaligned { .. })
+        ));
+        // Offsets whose 4 entries pass the end of the address space.
+        bad.cu_seqlens_q = u64::MAX - 11;
+        assert!(matches!(
+            check(&c, 40, &bad, None),
+            Err(Error::BadStrides {
+                tensor: "cu_seqlens_q",
+                ..
+            })
         ));
         // The offsets inside o's memory, or the LSE's ([8, 40] floats: 1280 bytes).
         bad.cu_seqlens_q = 5 * GB + 64;

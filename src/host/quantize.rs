@@ -258,8 +258,9 @@ pub fn validate_quantize(
         .ptr
         .checked_add(layout.bytes as u64)
         .map(|end| (workspace.ptr, end))
-        .ok_or_else(|| {
-            Error::InvalidArgument("the workspace overflows 64-bit addressing".into())
+        .ok_or_else(|| Error::BadStrides {
+            tensor: "workspace",
+            reason: "the workspace overflows 64-bit addressing".into(),
         })?;
     // validate_quantize_inputs checked that these ranges exist.
     for (name, t) in [("q", q), ("k", k), ("v", v)] {
@@ -1000,6 +1001,17 @@ mod tests {
                 ..workspace()
             }),
             Err(Error::InvalidArgument(ref m)) if m.contains("overlaps k")
+        ));
+        // A workspace running past the end of the address space: a range past it.
+        assert!(matches!(
+            bad(Workspace {
+                ptr: u64::MAX - 255,
+                bytes: usize::MAX,
+            }),
+            Err(Error::BadStrides {
+                tensor: "workspace",
+                ..
+            })
         ));
         // Smoothing needs room for the mean and lse_shift too.
         let smooth = QuantizeOptions {

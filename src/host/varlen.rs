@@ -116,9 +116,12 @@ pub fn validate_varlen(
         check_pointer(name, ptr, 4)?;
         // batch <= 65535: the array's end cannot overflow unless ptr is within 256 KiB
         // of 2^64.
-        let end = ptr.checked_add(4 * (batch as u64 + 1)).ok_or_else(|| {
-            Error::InvalidArgument(format!("{name} at {ptr:#x} overflows 64-bit addressing"))
-        })?;
+        let end = ptr
+            .checked_add(4 * (batch as u64 + 1))
+            .ok_or_else(|| Error::BadStrides {
+                tensor: name,
+                reason: format!("{name} at {ptr:#x} overflows 64-bit addressing"),
+            })?;
         *range = (ptr, end);
         if overlaps(*range, o_range) {
             return Err(Error::InvalidArgument(format!(
@@ -425,6 +428,17 @@ mod tests {
         let mut v = varlen(None);
         v.cu_seqlens_q = 4 * GB + 64;
         assert!(matches!(check(&v, None), Err(Error::InvalidArgument(_))));
+        // Offsets whose 4 entries pass the end of the address space: a range past it,
+        // BadStrides like every other such range.
+        let mut v = varlen(None);
+        v.cu_seqlens_k = u64::MAX - 11;
+        assert!(matches!(
+            check(&v, None),
+            Err(Error::BadStrides {
+                tensor: "cu_seqlens_k",
+                ..
+            })
+        ));
     }
 
     #[test]
