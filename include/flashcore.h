@@ -90,7 +90,7 @@ typedef struct FlashcoreTensor {
  * Contiguous cache: block_table, max_pages and table_stride all 0; k and v are
  *   [B, capacity, Hkv, D]: position p of sequence b is k[b, p].
  * Paged cache: anything else; k and v are pools [pages, page_size, Hkv, D] (pages at most
- *   2^31, what an int32 table can name), page_size a power of two from 1 to 1024, and
+ *   2^31 - 1: an int32 table names no more), page_size a power of two from 1 to 1024, and
  *   block_table is a device int32 array [B, max_pages] (4-byte aligned) whose rows are
  *   table_stride (>= max_pages) elements apart: position p of sequence b is row
  *   p % page_size of page block_table[b * table_stride + p / page_size]. The capacity is
@@ -111,7 +111,7 @@ typedef struct FlashcoreKvCache {
     uint64_t seqlens;      /* device address of int32 [B]: each sequence's length */
     uint64_t block_table;  /* device address of int32 [B, table_stride] (paged), or 0 */
     int64_t max_pages;     /* pages per sequence (paged), or 0 */
-    int64_t table_stride;  /* elements between block-table rows, >= max_pages (paged), or 0 */
+    int64_t table_stride;  /* elements between block-table rows, >= max_pages (paged; any with B = 1), or 0 */
 } FlashcoreKvCache;
 
 /* The scales of an FP8 KV cache (the _fp8kv serving calls), whose k and v then hold e4m3
@@ -122,12 +122,13 @@ typedef struct FlashcoreKvCache {
  *       so a position's scales live where its codes do: element (i, p, h, 0) is the scale
  *       of row (i, p, h) of k (of v): each value of that row is its code times the scale.
  *       Pointers 4-byte aligned; strides free (in elements, each >= 0; strides[3] is
- *       not used beyond that), and neither tensor may overlap the other or the codes.
+ *       not used beyond that).
  *       flashcore_append_kv_fp8kv writes one scale per (position, KV head) row, the
  *       row's largest finite magnitude / 448 (the e4m3 maximum), then the row's codes
  *       (an infinite or NaN value gets the NaN code, which decode reads as NaN): its
- *       scales may not have two elements at one address. A decode only reads them, so
- *       its scales may repeat through zero strides: one per KV head ({0, 0, 1, 1}), per
+ *       scales may not have two elements at one address, nor overlap each other or the
+ *       codes. A decode only reads them, so its scales may share memory (one tensor for
+ *       both) and repeat through zero strides: one per KV head ({0, 0, 1, 1}), per
  *       sequence and KV head of a contiguous cache ({Hkv, 0, 1, 1}, FlashAttention-3's
  *       descales), or one for the whole cache ({0, 0, 0, 0}). Scales are finite and not
  *       negative, as the append writes them. */

@@ -192,6 +192,11 @@ class FlashcoreError(RuntimeError):
         self.name = name
         self.message = message
 
+    def __reduce__(self):
+        # Pickled as its three fields (RuntimeError's default passes only the formatted
+        # text back to __init__): errors cross process pools as FlashcoreError.
+        return (type(self), (self.code, self.name, self.message))
+
 
 LIB_ENV = "FLASHCORE_LIB"
 LIB_NAME = "libflashcore.so"

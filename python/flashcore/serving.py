@@ -40,8 +40,8 @@ row's largest finite magnitude / 448; an infinite or NaN value gets the NaN code
 reads them with 16-bit queries. decode also takes
 scales that repeat (expanded views): one per KV head, k_scale = s.view(1, 1, Hkv).expand(
 *k_cache.shape[:3]), per sequence and head of a contiguous cache (FlashAttention-3's
-descales, s[:, None, :].expand(...)), or one for the whole cache; append_kv refuses those. Head dims 64, 128
-and 256, GPUs of sm_89 and newer (FlashcoreError UNSUPPORTED_GPU on older ones).
+descales, s[:, None, :].expand(...)), or one for the whole cache, and one tensor for both
+k_scale and v_scale; append_kv refuses those. Head dims 64, 128 and 256, GPUs of sm_89 and newer (FlashcoreError UNSUPPORTED_GPU on older ones).
 """
 
 import operator
@@ -329,6 +329,8 @@ def _prepare_host(fn, batch, block_table, host_seqlens, host_block_table):
         raise ValueError(f"flashcore.{fn}: host_block_table needs host_seqlens")
     if host_block_table is not None and block_table is None:
         raise ValueError(f"flashcore.{fn}: host_block_table is given for a contiguous cache (no block_table)")
+    if host_block_table is None and block_table is not None:
+        raise ValueError(f"flashcore.{fn}: a paged cache's host_seqlens need host_block_table too")
 
     lens = _host_int32(fn, "host_seqlens", host_seqlens, (batch,))
     table = None
@@ -522,7 +524,8 @@ def decode(
     return_lse: also return the float32 [B, Hq, Sq] natural-log log-sum-exp of each row.
     host_seqlens, host_block_table: optional host copies of seqlens and block_table (CPU
         tensors or sequences of ints): checked against the capacity and the pool (no page
-        named twice within one sequence) before anything runs. Under torch.compile a tensor
+        named twice within one sequence) before anything runs. A paged cache takes both or
+        neither (one alone raises ValueError). Under torch.compile a tensor
         copy must be int32 (a wider one's values cannot be range-checked while tracing).
     k_scale, v_scale: an FP8 cache's scales (required with one, refused without): float32
         [B, capacity, Hkv] (contiguous) or [pages, page_size, Hkv] (paged), the caches'

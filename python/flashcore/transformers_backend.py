@@ -472,6 +472,11 @@ def _padded_plan(mask, causal, batch, sq, sk, window=None):
         return None
     if window is not None and not causal:
         return None  # a bidirectional window is no variable-length call of this kind
+    if mask.is_inference():
+        # Made under torch.inference_mode: no version counter, so a mask written in place
+        # since (a static buffer refilled every step) would look unchanged. Checked every
+        # call instead.
+        return _check_padding(mask[:, 0].expand(batch, sq, sk), causal, batch, sq, sk, window)
     key = (id(mask), mask._version, causal, batch, sq, sk, window)
     with _plans_lock:
         kept = _plans.get(key)

@@ -503,7 +503,8 @@ def test_c_abi_fp8_cache_checks_arrive_as_flashcore_errors():
         (scales_with("k_scale", "shape", 64, 3), "FLASHCORE_ERROR_SHAPE_MISMATCH", "k_scale"),
         (scales_with("k_scale", "ptr", (6 << 40) + 2), "FLASHCORE_ERROR_MISALIGNED", "k_scale"),
         (scales_with("v_scale", "ptr", 0), "FLASHCORE_ERROR_NULL_POINTER", "v_scale"),
-        (scales_with("v_scale", "ptr", (6 << 40) + 4), "FLASHCORE_ERROR_INVALID_ARGUMENT", "overlaps"),
+        # Overlapping scales: a decode only reads them (an append refuses them, below).
+        (scales_with("v_scale", "ptr", (6 << 40) + 4), None, None),
         (scales_with("k_scale", "strides", -1, 1), "FLASHCORE_ERROR_BAD_STRIDES", "k_scale"),
     ]
     for scales, name, words in cases:
@@ -515,6 +516,11 @@ def test_c_abi_fp8_cache_checks_arrive_as_flashcore_errors():
         assert e.value.name == name, words
         assert words in e.value.message, e.value.message
         assert e.value.message.startswith("flashcore_check_decode_fp8kv: ")
+    shared = scales_with("v_scale", "ptr", (6 << 40) + 4)
+    with pytest.raises(FlashcoreError) as e:
+        lib.check_append_kv(c, describe((2, 3, 2, 64), ptr=4 << 40), describe((2, 3, 2, 64), ptr=5 << 40), None,
+                            None, scales=shared)
+    assert e.value.name == "FLASHCORE_ERROR_INVALID_ARGUMENT" and "overlaps" in e.value.message
     # An e4m3 cache without scales (either spelling), scales with a 16-bit cache.
     for call in (lambda: lib.check_decode(q, c, None, None, o, 0, 0.0, False),
                  lambda: lib.check_decode(q, cache_descs(True), None, None, o, 0, 0.0, False, scales=s)):
@@ -803,8 +809,21 @@ def test_decode_varlen_misuse_is_refused_before_the_library():
     with pytest.raises(ValueError, match="host_block_table needs host_seqlens"):
         flashcore.decode_varlen(q, meta(8, 16, 8, 64), meta(8, 16, 8, 64), lens, cu, 4, block_table=i32(3, 2),
                                 host_block_table=[[0, 1], [2, 3], [4, 5]])
+    with pytest.raises(ValueError, match="need host_block_table too"):
+        flashcore.decode_varlen(q, meta(8, 16, 8, 64), meta(8, 16, 8, 64), lens, cu, 4, block_table=i32(3, 2),
+                                host_seqlens=[1, 2, 3])
     with pytest.raises(NotImplementedError, match="backward"):
         flashcore.decode_varlen(q.clone().requires_grad_(), k, k, lens, cu, 4)
+
+
+def test_errors_cross_process_boundaries_as_flashcore_errors():
+    """Process pools send a worker's exception back pickled: it must come back whole."""
+    import pickle
+
+    e = FlashcoreError(5, "FLASHCORE_ERROR_BAD_STRIDES", "q: a stride")
+    back = pickle.loads(pickle.dumps(e))
+    assert type(back) is FlashcoreError
+    assert (back.code, back.name, back.message, str(back)) == (e.code, e.name, e.message, str(e))
 
 
 def test_decode_varlen_host_offsets_are_checked_by_the_library():

@@ -461,6 +461,16 @@ def test_a_padding_plan_packs_each_run_of_keys(monkeypatch, where):
     assert [t.tolist() for t in plan.k_rows] == [[0] * 5 + [1] * 7, [2, 3, 4, 5, 6, 0, 1, 2, 3, 4, 5, 6]]
     assert plan.max_q == 3
     assert transformers_backend._padded_plan(mask, True, 3, 3, 10) is plan and len(checks) == 1
+    # A mask made under inference_mode has no version counter: it is checked on every call,
+    # so one refilled in place (a static buffer) is read as it is now.
+    with torch.inference_mode():
+        frozen = mask.clone()
+        assert transformers_backend._padded_plan(frozen, True, 3, 3, 10) is not None
+        frozen[0].fill_(True)
+        assert transformers_backend._padded_plan(frozen, True, 3, 3, 10) is None
+    assert len(checks) == 3
+    checks.clear()
+    checks.append(1)
     # Two masks in turn (full and sliding-window layers) are each checked once.
     other = mask.clone()
     for _ in range(3):

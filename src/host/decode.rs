@@ -559,10 +559,9 @@ pub fn validate_append(
     let [batch, new_tokens, heads_kv, head_dim] = k_new.shape;
     let shape = cache.validate(batch)?;
     if let Some(scales) = &cache.scales {
-        // The append writes a scale per (position, head): repeated ones (which a decode
-        // may read) would be written by several threads at once.
-        check_no_self_overlap("k_scale", &scales.k)?;
-        check_no_self_overlap("v_scale", &scales.v)?;
+        // The append writes a scale per (position, head): repeated or shared ones (which
+        // a decode may read) would be written by several threads at once.
+        scales.check_apart(cache)?;
     }
     if (heads_kv, head_dim) != (shape.heads_kv, shape.head_dim) {
         return Err(Error::ShapeMismatch(format!(
@@ -2008,20 +2007,25 @@ pub(crate) mod tests {
             err(&with(&|s| s.k.ptr = 0)),
             Error::NullPointer("k_scale")
         ));
-        // Scales inside the codes, on each other, or with elements sharing an address.
-        assert!(matches!(
-            err(&with(&|s| s.k.ptr = GB + 64)),
-            Error::InvalidArgument(m) if m.contains("overlaps")
-        ));
-        assert!(matches!(
-            err(&with(&|s| s.v.ptr = s.k.ptr + 4)),
-            Error::InvalidArgument(m) if m.contains("overlaps")
-        ));
-        // Repeated scales (zero strides: per KV head, per sequence and head, one for the
-        // whole cache) are read by a decode, and refused by an append, which writes them.
+        // Scales inside the codes, or on each other (one tensor for K and V): a decode
+        // reads them; an append, which writes them, refuses them.
         let new = TensorView::bshd(4 * GB, DType::F16, 2, 1, 2, 64);
         let v_new = TensorView { ptr: 5 * GB, ..new };
         assert!(validate_append(&good, &new, &v_new).is_ok());
+        for shared in [
+            with(&|s| s.k.ptr = GB + 64),
+            with(&|s| s.v.ptr = 3 * GB),
+            with(&|s| s.v.ptr = s.k.ptr + 4),
+            with(&|s| s.v = s.k),
+        ] {
+            assert!(check(&q0, &shared).is_ok());
+            assert!(matches!(
+                validate_append(&shared, &new, &v_new),
+                Err(Error::InvalidArgument(m)) if m.contains("overlaps")
+            ));
+        }
+        // Repeated scales (zero strides: per KV head, per sequence and head, one for the
+        // whole cache) are read by a decode, and refused by an append, which writes them.
         for strides in [[0, 0, 1, 1], [2, 0, 1, 1], [0, 0, 0, 0], [1, 0, 0, 1]] {
             let repeated = with(&|s| s.k.strides = strides);
             assert!(check(&q0, &repeated).is_ok(), "{strides:?}");
@@ -3162,6 +3166,40 @@ pub(crate) mod tests {
         }
         let stride = (APPEND_MAX_BLOCKS * APPEND_THREADS as usize) as u64;
         assert!(MAX_APPEND_CHUNKS as u64 + 32 + stride <= i32::MAX as u64);
+    }
+
+    /// Pools hold at most 2^31 − 1 pages, so `i32::MAX` (the Hopper producers' "no page")
+    /// and every negative entry lie outside each pool accepted. A table of one row may
+    /// carry any stride (an expanded `[1, n]` view's 0): only row 0 is read.
+    #[test]
+    fn pools_stop_below_the_no_page_entry_and_one_row_takes_any_stride() {
+        let paged = |pages: usize, b: usize, stride: usize| KvCache {
+            k: TensorView::bshd(GB, DType::F16, pages, 16, 2, 64),
+            v: TensorView::bshd(1 << 50, DType::F16, pages, 16, 2, 64),
+            layout: CacheLayout::Paged {
+                block_table: 3 * GB,
+                max_pages: 4,
+                table_stride: stride,
+            },
+            ..cache(b, 64, 2, 64, Some(16))
+        };
+        assert!(paged(MAX_POOL_PAGES, 2, 4).validate(2).is_ok());
+        assert!(MAX_POOL_PAGES <= i32::MAX as usize);
+        let e = paged(MAX_POOL_PAGES + 1, 2, 4).validate(2);
+        assert!(
+            matches!(&e, Err(Error::InvalidArgument(m)) if m.contains("2^31 - 1")),
+            "{e:?}"
+        );
+        for stride in [0, 1, 3] {
+            assert!(paged(8, 1, stride).validate(1).is_ok(), "{stride}");
+            assert!(matches!(
+                paged(8, 2, stride).validate(2),
+                Err(Error::BadStrides {
+                    tensor: "block_table",
+                    ..
+                })
+            ));
+        }
     }
 
     /// Metadata pointers whose extents pass the end of the address space are refused

@@ -22,18 +22,20 @@
 use crate::error::{Error, Result};
 use crate::host::tensor::{DType, TensorView};
 use crate::host::validate::{
-    TENSOR_ALIGN, byte_range_of, check_not_empty, check_pointer, check_strides, overlaps,
+    TENSOR_ALIGN, byte_range_of, check_no_self_overlap, check_not_empty, check_pointer,
+    check_strides, overlaps,
 };
 
 /// Page sizes a paged cache may use: powers of two from 1 to 1024 tokens.
 pub const PAGE_SIZES: std::ops::RangeInclusive<usize> = 1..=1024;
 /// The most positions one sequence of a cache may hold: 2^30.
 pub const MAX_CAPACITY: usize = 1 << 30;
-/// The most pages a paged cache's pool may have: what an int32 block table names. The
-/// kernels compare entries with the pool's page count as unsigned numbers, so a negative
-/// entry (2^31 or more as u32) always lies outside a pool of at most 2^31 pages and is
-/// never followed.
-pub const MAX_POOL_PAGES: usize = 1 << 31;
+/// The most pages a paged cache's pool may have: one fewer than an int32 block table
+/// names. The kernels compare entries with the pool's page count as unsigned numbers, so
+/// a negative entry (2^31 or more as u32) always lies outside the pool and is never
+/// followed; so does `i32::MAX`, which the Hopper producers load for "no page" (TMA then
+/// zero-fills the box).
+pub const MAX_POOL_PAGES: usize = (1 << 31) - 1;
 
 /// How a cache's positions map to memory.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -212,7 +214,9 @@ impl KvCache {
                         dim: "max_pages",
                     });
                 }
-                if table_stride < max_pages {
+                // One sequence reads row 0 only: its stride is never used (a [1, n] view
+                // may carry any, as an expanded tensor's 0).
+                if table_stride < max_pages && batch > 1 {
                     return Err(Error::BadStrides {
                         tensor: "block_table",
                         reason: format!(
@@ -233,7 +237,8 @@ impl KvCache {
         // The kernels read entries as unsigned: a negative one must land past the pool.
         if pool_pages > MAX_POOL_PAGES {
             return Err(Error::InvalidArgument(format!(
-                "{pool_pages} pages exceed the 2^31 an int32 block table can name"
+                "a pool of {pool_pages} pages: at most {MAX_POOL_PAGES} (2^31 - 1; an int32 \
+                 block table names no more, and i32::MAX means no page)"
             )));
         }
         for (name, t) in [("k_cache", k), ("v_cache", v)] {
@@ -251,7 +256,7 @@ impl KvCache {
                     "64, 128, 256 (e4m3 cache)",
                 ));
             }
-            scales.validate([outer, rows, heads_kv, 1], self)?;
+            scales.validate([outer, rows, heads_kv, 1])?;
         }
         Ok(CacheShape {
             batch,
@@ -335,19 +340,11 @@ impl KvCache {
 
 impl KvScales {
     /// Both views are float32 of `shape` (the cache's first three dims and 1), 4-byte
-    /// aligned, addressable, each element its own, apart from the codes and each other:
-    /// appends write them.
-    fn validate(&self, shape: [usize; 4], cache: &KvCache) -> Result<()> {
-        let codes = [
-            ("k_cache", byte_range_of("k_cache", &cache.k)?),
-            ("v_cache", byte_range_of("v_cache", &cache.v)?),
-        ];
-        // A fixed array, not a Vec: decode and append validate on every call.
-        let mut ranges = [("", (0u64, 0u64)); 2];
-        for (i, (name, t)) in [("k_scale", &self.k), ("v_scale", &self.v)]
-            .into_iter()
-            .enumerate()
-        {
+    /// aligned and addressable. A decode only reads them, so they may share memory with
+    /// each other or the codes; an append, which writes them, checks that they do not
+    /// ([`KvScales::check_apart`]).
+    fn validate(&self, shape: [usize; 4]) -> Result<()> {
+        for (name, t) in [("k_scale", &self.k), ("v_scale", &self.v)] {
             if t.dtype != DType::F32 {
                 return Err(Error::UnsupportedDType(format!(
                     "{name} must be f32, got {}",
@@ -362,15 +359,35 @@ impl KvScales {
                 )));
             }
             check_pointer(name, t.ptr, 4)?;
-            let r = byte_range_of(name, t)?;
-            for (other, o) in codes.iter().chain(&ranges[..i]) {
-                if overlaps(r, *o) {
+            byte_range_of(name, t)?;
+        }
+        Ok(())
+    }
+
+    /// What an append, which writes the scales, needs beyond [`KvScales::validate`]: each
+    /// element its own, and both views apart from the codes and each other.
+    pub(crate) fn check_apart(&self, cache: &KvCache) -> Result<()> {
+        check_no_self_overlap("k_scale", &self.k)?;
+        check_no_self_overlap("v_scale", &self.v)?;
+        let codes = [
+            ("k_cache", byte_range_of("k_cache", &cache.k)?),
+            ("v_cache", byte_range_of("v_cache", &cache.v)?),
+        ];
+        let k = byte_range_of("k_scale", &self.k)?;
+        let v = byte_range_of("v_scale", &self.v)?;
+        for (name, r) in [("k_scale", k), ("v_scale", v)] {
+            for (other, o) in codes {
+                if overlaps(r, o) {
                     return Err(Error::InvalidArgument(format!(
-                        "{name}'s memory overlaps {other}'s"
+                        "an append writes {name}, whose memory overlaps {other}'s"
                     )));
                 }
             }
-            ranges[i] = (name, r);
+        }
+        if overlaps(k, v) {
+            return Err(Error::InvalidArgument(
+                "an append writes k_scale and v_scale, whose memory overlaps".into(),
+            ));
         }
         Ok(())
     }
