@@ -639,7 +639,8 @@ def test_decode_host_metadata_turns_bad_values_into_errors():
     bad[0, 1] = cache.k.shape[0]  # one past the pool
     with pytest.raises(FlashcoreError, match="outside the pool"):
         flashcore.decode(*args, block_table=cache.block_table, host_seqlens=[100, 50], host_block_table=bad)
-    with pytest.raises(FlashcoreError, match="block table"):
+    # A paged cache's host lengths without its host table: refused before the library.
+    with pytest.raises(ValueError, match="need host_block_table too"):
         flashcore.decode(*args, block_table=cache.block_table, host_seqlens=[100, 50])
     # Without host copies the same device values are only clamped: nothing outside the cache.
     cache.seqlens.copy_(torch.tensor([1 << 28, -5], dtype=torch.int32))
