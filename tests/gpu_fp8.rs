@@ -25,7 +25,7 @@ mod common;
 
 use std::sync::Arc;
 
-use common::{down, ptr, seeds, up};
+use common::{down, ptr, rel_l2_of_row_groups, seeds, up};
 use cudarc::driver::CudaStream;
 use flashcore::host::attention::{Attention, PathChoice};
 use flashcore::host::device::Device;
@@ -231,8 +231,23 @@ fn measure(c: &Fp8Case, got_o: &[f64], got_lse: &[f64], want: &RefOutput) -> Mea
             lse_excess = f64::INFINITY;
         }
     }
+    // With an outlier block, rows that see one of its keys and rows that do not (causal,
+    // Sq > Sk) are measured apart: the first group's ×1000 values would hide the second's.
+    let sees_outliers = |row: usize| {
+        let last_key = if c.causal {
+            (row + c.seqlen_k).checked_sub(c.seqlen_q)
+        } else {
+            Some(c.seqlen_k - 1)
+        };
+        c.keys == Keys::OutlierBlock && last_key.is_some_and(|j| j >= 128)
+    };
+    let shape = [c.batch, c.seqlen_q, c.heads_q, d];
+    let groups = rel_l2_of_row_groups(got_o, &want.out, shape, sees_outliers);
     Measured {
-        out_err: rel_l2(got_o, &want.out),
+        // (f64::max would pass over a NaN; a NaN must fail.)
+        out_err: groups.into_iter().flatten().fold(0.0, |worst, e| {
+            if e.is_nan() || e > worst { e } else { worst }
+        }),
         lse_err,
         lse_excess,
         bad_empty_rows,
@@ -408,6 +423,25 @@ fn sm89_shapes() {
 #[ignore = "needs a CUDA GPU"]
 fn sm89_gqa() {
     check_cases(PathChoice::Sm80, Fp8Path::Sm89, &gqa());
+}
+
+/// The measure [`measure`] applies to outlier cases can fail where a whole-output error
+/// could not: rows 10% off beside rows 1000 times larger pass as one vector (about 1e-4)
+/// and fail as their own group. (CPU only: it checks the measure, not a kernel.)
+#[test]
+fn outlier_rows_do_not_hide_the_other_rows_errors() {
+    let (sq, row) = (8, 4);
+    let want: Vec<f64> = (0..sq * row)
+        .map(|i| if i / row < 4 { 1000.0 } else { 1.0 })
+        .collect();
+    let got: Vec<f64> = want
+        .iter()
+        .map(|&w| if w == 1.0 { 1.1 } else { w })
+        .collect();
+    assert!(rel_l2(&got, &want) < 1e-3);
+    let [outliers, others] = rel_l2_of_row_groups(&got, &want, [1, sq, 1, row], |r| r < 4);
+    assert_eq!(outliers, Some(0.0));
+    assert!(others.is_some_and(|e| e > OUT_BOUND), "{others:?}");
 }
 
 #[test]

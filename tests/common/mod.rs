@@ -184,3 +184,25 @@ pub fn random_window(rng: &mut Rng, causal: bool, most: u32) -> flashcore::host:
     };
     flashcore::host::tensor::Window { left, right }
 }
+
+/// Relative L2 errors of `[B, Sq, H, D]` outputs over two groups of query rows: those
+/// `in_first(row)` picks (the row's index within its sequence) and the rest, `None` for an
+/// empty group. A whole-output error is set by the rows with the largest values, so rows
+/// that read a block of outliers (×1000) hide every error of the rows that do not; split
+/// this way, each group is checked at its own scale.
+pub fn rel_l2_of_row_groups(
+    got: &[f64],
+    want: &[f64],
+    [b, sq, h, d]: [usize; 4],
+    in_first: impl Fn(usize) -> bool,
+) -> [Option<f64>; 2] {
+    assert_eq!(got.len(), b * sq * h * d);
+    assert_eq!(want.len(), got.len());
+    let mut groups: [(Vec<f64>, Vec<f64>); 2] = Default::default();
+    for (i, (g, w)) in got.chunks(h * d).zip(want.chunks(h * d)).enumerate() {
+        let group = &mut groups[usize::from(!in_first(i % sq))];
+        group.0.extend_from_slice(g);
+        group.1.extend_from_slice(w);
+    }
+    groups.map(|(g, w)| (!g.is_empty()).then(|| flashcore::reference::rel_l2(&g, &w)))
+}
