@@ -165,6 +165,10 @@ typedef struct FlashcoreVarlen {
  *       vt_shape is [B, Hkv, D, Sk].
  *   q_scale: device float32 [B, Hq, ceil(Sq / 128)], contiguous, 4-byte aligned: one scale
  *       per block of 128 rows of one (batch, head); a value is its code times its scale.
+ *       q_scale and k_scale must be finite and not negative (amax / 448 is, or 1 for a
+ *       block of zeros): the kernels clamp each block pair's product into the normal
+ *       floats, so a negative or NaN one gives that pair logits of about 0 (the mean of
+ *       its values), not an error; the host never reads the device values.
  *   k_scale, v_scale: device float32 [B, Hkv, ceil(Sk / 128)] each, likewise per 128 keys.
  *   lse_shift: 0, or device float32 [B, Hq, Sq] (4-byte aligned) added, times the softmax
  *       scale, to each row's log-sum-exp (the quantizer's q . mean_k with K smoothing, which

@@ -316,7 +316,8 @@ pub fn rotate_row(x: &mut [f32], signs: &HadamardSigns) {
 }
 
 /// K's mean over the sequence per (batch, head, channel), f32 `[B, H, D]`, of a
-/// contiguous `[B, S, H, D]` tensor (summed in f64, then rounded once).
+/// contiguous `[B, S, H, D]` tensor: its finite elements summed in f64, divided by S and
+/// rounded once.
 pub fn key_mean(k: &[f32], [b, s, h, d]: [usize; 4]) -> Vec<f32> {
     assert_eq!(k.len(), b * s * h * d, "tensor length");
     let mut sum = vec![0f64; b * h * d];
@@ -325,8 +326,12 @@ pub fn key_mean(k: &[f32], [b, s, h, d]: [usize; 4]) -> Vec<f32> {
             for hi in 0..h {
                 let row = &k[((bi * s + si) * h + hi) * d..][..d];
                 let acc = &mut sum[(bi * h + hi) * d..][..d];
+                // Finite elements only, as the GPU's key mean: an infinite or NaN one
+                // spoils its own codes, not the mean every key and query takes.
                 for (a, &x) in acc.iter_mut().zip(row) {
-                    *a += x as f64;
+                    if x.is_finite() {
+                        *a += x as f64;
+                    }
                 }
             }
         }
@@ -674,6 +679,19 @@ mod tests {
                 "{before} vs {after}"
             );
         }
+    }
+
+    /// An infinite or NaN key element leaves the mean finite: it counts as 0, so it
+    /// spoils only its own codes, not every key of its head and every query's shift.
+    #[test]
+    fn the_key_mean_passes_over_non_finite_elements() {
+        let (s, d) = (4, 8);
+        let mut k = vec![1.0f32; s * d];
+        k[d + 3] = f32::INFINITY;
+        k[2 * d + 5] = f32::NAN;
+        let mean = key_mean(&k, [1, s, 1, d]);
+        assert!(mean.iter().all(|m| m.is_finite()), "{mean:?}");
+        assert_eq!((mean[3], mean[5], mean[0]), (0.75, 0.75, 1.0));
     }
 
     #[test]

@@ -400,8 +400,9 @@ fn the_c_abi_gives_the_rust_apis_output() {
 /// float64 attention on the finite rest; an infinity in causal key `j` spoils the rows of
 /// its heads that see key `j` and no others. (A quantizer that took the block's amax over
 /// the infinity gave the block an infinite scale and its finite elements zero codes:
-/// finite, wrong rows.) Both kernel families; no option and the rotation, which keeps a
-/// row's infinity in that row (K smoothing spreads a key's over its head's mean).
+/// finite, wrong rows.) Both kernel families; no option, the rotation, K smoothing and
+/// both: the key mean sums K's finite elements only (one that summed the infinity made the
+/// mean, every key of the head and every query's LSE shift non-finite).
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn an_infinite_input_spoils_only_the_outputs_that_read_it() {
@@ -419,16 +420,16 @@ fn an_infinite_input_spoils_only_the_outputs_that_read_it() {
         let attn = Attention::new(dev.clone())
             .expect("an attention context")
             .with_path(path);
-        for (dtype, options) in [
-            (HalfType::Bf16, QuantizeOptions::default()),
-            (
-                HalfType::F16,
-                QuantizeOptions {
-                    smooth_k: false,
-                    hadamard_seed: Some(9),
-                },
-            ),
+        for (dtype, smooth_k, hadamard_seed) in [
+            (HalfType::Bf16, false, None),
+            (HalfType::F16, false, Some(9)),
+            (HalfType::F16, true, None),
+            (HalfType::Bf16, true, Some(4)),
         ] {
+            let options = QuantizeOptions {
+                smooth_k,
+                hadamard_seed,
+            };
             for spoiled in ["q", "k"] {
                 let mut rng = seeds.next_case();
                 let (mut q_bits, mut q) = reference::random_half(&mut rng, sh.q_len(), dtype);
@@ -516,10 +517,10 @@ fn an_infinite_input_spoils_only_the_outputs_that_read_it() {
                 let err = reference::rel_l2(&clean.0, &clean.1);
                 let near_err = reference::rel_l2(&near.0, &near.1);
                 let line = format!(
-                    "{path:?} {dtype:?} hadamard {:?}, infinity in {spoiled}: error {near_err:.3e} \
-                     on its block's other rows, {err:.3e} on the rest ({clean_nonfinite} \
-                     non-finite), {spoiled_finite} finite elements in the rows that read it",
-                    options.hadamard_seed
+                    "{path:?} {dtype:?} smooth_k {smooth_k} hadamard {hadamard_seed:?}, infinity \
+                     in {spoiled}: error {near_err:.3e} on its block's other rows, {err:.3e} on \
+                     the rest ({clean_nonfinite} non-finite), {spoiled_finite} finite elements \
+                     in the rows that read it"
                 );
                 println!("{line}");
                 let bad = |e: f64| e.is_nan() || e > FP8_TOLERANCE;

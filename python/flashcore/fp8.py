@@ -230,8 +230,10 @@ def attention_fp8(
     Returns o in q's layout and dtype (contiguous), or (o, lse). Accuracy against float64
     attention: about 5% relative L2 on normal inputs, while each row's largest logit
     (scale times score) stays below about 1.2e7 in magnitude (beyond, see flashcore.h's
-    flashcore_forward_fp8); never NaN or infinite for finite inputs (non-finite ones make
-    the outputs that read them non-finite, as in 16-bit attention). Runs on the current stream; works
+    flashcore_forward_fp8); never NaN or infinite for finite inputs below about 1e35 in
+    magnitude (the rotation and the key mean sum in float32; O's sums overflow where V's
+    values times the keys' count pass float32), and non-finite inputs make only the
+    outputs that read them non-finite, as in 16-bit attention. Runs on the current stream; works
     under torch.compile and in CUDA graphs. Inference only. Raises FlashcoreError for what
     the library refuses, ValueError/TypeError for misuse of this function,
     NotImplementedError for inputs that need derivatives.

@@ -482,6 +482,15 @@ fn finite_magnitude(k: &mut Kernel, v: Reg<F32>) -> Reg<F32> {
     k.mad(v, 0.0f32, a)
 }
 
+/// `v` where it is finite, else 0: what the key mean sums, so that an infinite or NaN
+/// key element spoils only its own codes (and the outputs that read them), not the mean
+/// every key and the LSE shift of every query take. As [`crate::quant::key_mean`].
+fn finite_or_zero(k: &mut Kernel, v: Reg<F32>) -> Reg<F32> {
+    let a = k.abs(v);
+    let finite = k.setp(Cmp::Lt, a, f32::INFINITY);
+    k.selp(v, 0.0f32, finite)
+}
+
 /// `amax = max(amax, finite_magnitude(v))`: one value into a running amax.
 pub(crate) fn fold_amax(k: &mut Kernel, amax: Reg<F32>, v: Reg<F32>) {
     let a = finite_magnitude(k, v);
@@ -874,7 +883,8 @@ fn key_mean(
         for words in raw {
             let x = widen(k, cfg.input, words);
             for e in 0..8 {
-                k.add_to(acc[e], acc[e], x[e]);
+                let finite = finite_or_zero(k, x[e]);
+                k.add_to(acc[e], acc[e], finite);
             }
         }
     });
