@@ -32,7 +32,9 @@ too. A batch of decode steps runs on the split-KV decode kernels. Query rows tha
 key are zeros, as are padding rows transformers lets see every key. Checking a mask costs
 a pass over it and one wait for the GPU, once per mask (a model's layers share it), so
 this runs only in plain eager mode (not under torch.compile or while a CUDA graph is
-captured), and not for FP8.
+captured), and not for FP8. A mask made under torch.inference_mode has no version counter
+to tell a refill in place from the same mask, and one that reaches a layer as a new copy
+(a model split over GPUs) is another tensor: those are checked on every call.
 
 Sliding-window layers go to flashcore too, on its windowed kernels. transformers passes
 `sliding_window=w` to the attention calls of such layers (Mistral's, Gemma 3's local
@@ -56,10 +58,20 @@ flashcore has no kernel for (or value's differing from query's), a
 score bias (`position_bias`: T5-style models), attention dropout (a model in training mode
 with a dropout rate), a `scaling` that is not a positive float32
 (zero, negative, NaN, or outside float32's range), a causal call with more queries than
-keys, tensors off the GPU (a model on the CPU), or inputs that require gradients with
+keys, tensors off the GPU (a model on the CPU), a GPU older than sm_80 (with "fcore-fp8", one
+older than sm_89 runs the 16-bit kernels), or inputs that require gradients with
 autograd on (flashcore is forward only) is computed by transformers' own SDPA path
 instead (with a soft cap: explicit attention in PyTorch, see below), with a warning the
-first time, so results stay right. `stats` counts both.
+first time (outside torch.compile, which cannot trace one), so results stay right.
+`stats` counts both. Models whose indexer selects keys for sparse attention (DeepSeek-V3.2's
+`indices`, `block_indices`) raise NotImplementedError: they hand the selection over as
+such an argument to any implementation but "eager" and "sdpa".
+
+Only models that route attention through transformers' AttentionInterface can use the
+registered name; some older ones (Falcon, GPT-J, GPT-Neo) look their implementation up in
+tables of their own and raise KeyError for any name they do not list. Packed batches
+without padding (DataCollatorWithFlattening: block-diagonal masks, `cu_seq_lens_*`) run
+on SDPA, by the mask rule above.
 
 Causal alignment. With no mask, transformers' SDPA path aligns a causal call top-left:
 query i sees keys 0..=i. A prompt written into a longer preallocated cache (StaticCache:
@@ -120,14 +132,25 @@ _UNBOUNDED_SIDE = 1 << 31
 
 _warned = set()
 
+# Keyword arguments by which transformers' sparse-attention models hand an implementation
+# other than "eager" and "sdpa" the keys each query may see.
+_SPARSE_SELECTIONS = ("indices", "block_indices")
+
+
+def _warn_once(reason, text):
+    """Warns about `reason` the first time, outside torch.compile (Dynamo cannot trace
+    `warnings.warn`: under fullgraph=True it would stop the compile)."""
+    if reason in _warned or torch.compiler.is_compiling():
+        return
+    _warned.add(reason)
+    warnings.warn(text, stacklevel=4)
+
 
 def _fallback(reason, module, query, key, value, attention_mask, **kwargs):
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     stats["sdpa"][reason] = stats["sdpa"].get(reason, 0) + 1
-    if reason not in _warned:
-        _warned.add(reason)
-        warnings.warn(f"flashcore: {reason}: these attention calls run on transformers' SDPA path", stacklevel=3)
+    _warn_once(reason, f"flashcore: {reason}: these attention calls run on transformers' SDPA path")
     return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
 
@@ -138,13 +161,11 @@ def _softcap_fallback(reason, module, query, key, value, attention_mask, scaling
     a boolean or additive mask as given, no mask a top-left causal one where the module is
     causal and there is more than one query. Counted and warned about as `_fallback`."""
     stats["sdpa"][reason] = stats["sdpa"].get(reason, 0) + 1
-    if reason not in _warned:
-        _warned.add(reason)
-        warnings.warn(
-            f"flashcore: {reason}: these soft-capped attention calls run on explicit attention in PyTorch "
-            "(SDPA has no softcap)",
-            stacklevel=3,
-        )
+    _warn_once(
+        reason,
+        f"flashcore: {reason}: these soft-capped attention calls run on explicit attention in PyTorch "
+        "(SDPA has no softcap)",
+    )
     group = query.shape[1] // key.shape[1]
     k = key.repeat_interleave(group, dim=1) if group > 1 else key
     v = value.repeat_interleave(group, dim=1) if group > 1 else value
@@ -210,6 +231,15 @@ def _forward(fp8, module, query, key, value, attention_mask, dropout, scaling, i
         raise NotImplementedError(
             "flashcore: attention sinks (s_aux) are not supported; use attn_implementation='eager' for this model"
         )
+    for sparse in _SPARSE_SELECTIONS:
+        if kwargs.get(sparse) is not None:
+            # Models with a top-k indexer (DeepSeek-V3.2, GLM's DSA, ...) put its selection
+            # into the mask for "eager" and "sdpa" only, and pass it as this argument to any
+            # other implementation: attending to every key would be silently wrong.
+            raise NotImplementedError(
+                f"flashcore: sparse attention over selected keys ({sparse}) is not supported; use "
+                "attn_implementation='sdpa' for this model"
+            )
     softcap = _softcap_of(kwargs.get("softcap"))
     sdpa_kwargs = dict(kwargs, dropout=dropout, scaling=scaling, is_causal=is_causal)
 
@@ -235,6 +265,10 @@ def _forward(fp8, module, query, key, value, attention_mask, dropout, scaling, i
     if key.device != query.device or value.device != query.device:
         # SDPA raises its own error for these.
         return fallback(f"query, key and value on {query.device}, {key.device} and {value.device}")
+    if _capability(query.device) < (8, 0):
+        # flashcore's kernels start at sm_80 (a T4 or V100 would raise UNSUPPORTED_GPU).
+        major, minor = _capability(query.device)
+        return fallback(f"a GPU of compute capability {major}.{minor} (flashcore needs 8.0 or newer)")
     if query.dtype not in (torch.float16, torch.bfloat16):
         return fallback(f"dtype {query.dtype}")
     if not forward_head_dim(query.shape[-1]) or value.shape[-1] != query.shape[-1]:
@@ -300,7 +334,9 @@ def _forward(fp8, module, query, key, value, attention_mask, dropout, scaling, i
     if sliding is not None and key.shape[2] > sliding:
         window = (min(sliding - 1, _UNBOUNDED_SIDE), 0)
     stats["flashcore_window"] += sliding is not None
-    if fp8 and query.shape[-1] in FP8_HEAD_DIMS and window == NO_WINDOW and not softcap:
+    # FP8 needs sm_89 (an A100 runs "fcore-fp8" calls on the 16-bit kernels).
+    if fp8 and query.shape[-1] in FP8_HEAD_DIMS and window == NO_WINDOW and not softcap and \
+            _capability(query.device) >= (8, 9):
         stats["flashcore_fp8"] += 1
         # [B, S, H, D] views in, [B, Sq, Hq, D] contiguous out, as transformers wants it.
         q, k, v = (t.transpose(1, 2) for t in (query, key, value))
@@ -586,6 +622,20 @@ def _may_wait(device):
 def _on_gpu(*tensors):
     """Whether every tensor is on a CUDA device, where flashcore's op runs."""
     return all(t.is_cuda for t in tensors)
+
+
+# Compute capability by device index, read once per device (outside torch.compile's
+# tracing, which takes the cached value as a constant).
+_capabilities = {}
+
+
+def _capability(device):
+    """(major, minor) of a CUDA device."""
+    cap = _capabilities.get(device.index)
+    if cap is None:
+        cap = tuple(torch.cuda.get_device_capability(device))
+        _capabilities[device.index] = cap
+    return cap
 
 
 def _scale(scaling):

@@ -126,6 +126,7 @@ def _use_reference_launch(monkeypatch, calls):
     """The backend's flashcore path on CPU tensors, through `_reference_launch`."""
     monkeypatch.setattr(transformers_backend, "launch", _reference_launch(calls))
     monkeypatch.setattr(transformers_backend, "_on_gpu", lambda *tensors: True)
+    monkeypatch.setattr(transformers_backend, "_capability", lambda device: (9, 0))
 
 
 def _one_layer_call(causal):
@@ -218,14 +219,59 @@ def test_score_modifiers_are_never_dropped(monkeypatch):
     assert (out.float() - want).abs().max().item() < 1e-2
     with pytest.raises(NotImplementedError, match="sinks"):
         transformers_backend.attention_forward(module, q, kv, kv, None, s_aux=torch.zeros(2))
+    # A sparse model's selected keys (DeepSeek-V3.2's indexer), handed over as an argument
+    # to every implementation but eager and sdpa: attending to all keys would be wrong.
+    for sparse in ("indices", "block_indices"):
+        with pytest.raises(NotImplementedError, match=sparse):
+            transformers_backend.attention_forward(module, q, kv, kv, None, **{sparse: torch.zeros(1, 8, 2)})
     with pytest.raises(NotImplementedError, match="softcap"):
         transformers_backend.attention_forward(module, q, kv, kv, None, position_bias=bias, softcap=50.0)
     assert not calls
     transformers_backend.attention_forward(module, q, kv, kv, None, softcap=50.0)  # Gemma 2's
     transformers_backend.attention_forward(module, q, kv, kv, None, softcap=None)  # Gemma 3's
-    transformers_backend.attention_forward(module, q, kv, kv, None, softcap=0)
+    transformers_backend.attention_forward(module, q, kv, kv, None, softcap=0, indices=None)  # (a dense layer's)
     assert calls == [((1, 2, 8, 64), (1, 2, 8, 64), False, (-1, -1), 50.0)] + [
         ((1, 2, 8, 64), (1, 2, 8, 64), False, (-1, -1))] * 2
+
+
+def test_gpus_before_sm80_run_on_sdpa_and_fp8_needs_sm89(monkeypatch):
+    """flashcore's kernels start at sm_80 (a T4 or V100 would raise UNSUPPORTED_GPU): older
+    GPUs get SDPA. FP8 starts at sm_89: an A100 runs "fcore-fp8" calls on the 16-bit kernel."""
+    calls, fp8_calls = [], []
+    _use_reference_launch(monkeypatch, calls)
+    monkeypatch.setattr(
+        transformers_backend, "launch_fp8", lambda q, *a: fp8_calls.append(tuple(q.shape)) or (q.contiguous(), None)
+    )
+    module, q, kv = _one_layer_call(causal=True)
+    monkeypatch.setattr(transformers_backend, "_capability", lambda device: (7, 5))
+    with pytest.warns(UserWarning, match="compute capability 7.5"):
+        transformers_backend.attention_forward(module, q, kv, kv, None)
+    assert not calls and list(transformers_backend.stats["sdpa"]) == [
+        "a GPU of compute capability 7.5 (flashcore needs 8.0 or newer)"]
+    monkeypatch.setattr(transformers_backend, "_capability", lambda device: (8, 0))
+    transformers_backend.attention_forward_fp8(module, q, kv, kv, None)
+    assert len(calls) == 1 and not fp8_calls
+    monkeypatch.setattr(transformers_backend, "_capability", lambda device: (8, 9))
+    transformers_backend.attention_forward_fp8(module, q, kv, kv, None)
+    assert len(calls) == 1 and fp8_calls == [(1, 8, 2, 64)]
+
+
+def test_fallbacks_do_not_warn_under_torch_compile(monkeypatch):
+    """Dynamo cannot trace warnings.warn (under fullgraph=True it stops the compile): a
+    fallback while compiling is counted, and warned about only in eager mode."""
+    import warnings
+
+    import torch
+
+    module, q, kv = _one_layer_call(causal=True)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        transformers_backend.attention_forward(module, q, kv, kv, None)
+    assert transformers_backend.stats["sdpa"] == {"tensors on cpu (flashcore runs on CUDA devices)": 1}
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: False)
+    with pytest.warns(UserWarning, match="cpu"):
+        transformers_backend.attention_forward(module, q, kv, kv, None)
 
 
 def test_cpu_tensors_run_on_sdpa(monkeypatch):
@@ -307,6 +353,7 @@ def _use_reference_varlen(monkeypatch, calls):
     monkeypatch.setattr(transformers_backend, "launch_varlen", _reference_varlen(calls))
     monkeypatch.setattr(transformers_backend, "_CHECK_ON_CPU", True)
     monkeypatch.setattr(transformers_backend, "_on_gpu", lambda *tensors: True)
+    monkeypatch.setattr(transformers_backend, "_capability", lambda device: (9, 0))
 
 
 def _reset():
@@ -1030,6 +1077,7 @@ def test_softcapped_calls_that_go_to_sdpa_keep_their_cap(monkeypatch):
     assert not calls
     # Masks flashcore does not take: boolean (per head) and additive, an explicit scale.
     monkeypatch.setattr(transformers_backend, "_on_gpu", lambda *tensors: True)
+    monkeypatch.setattr(transformers_backend, "_capability", lambda device: (9, 0))
     monkeypatch.setattr(transformers_backend, "_CHECK_ON_CPU", True)
     module, q, kv = _capped_call(hq=2)
     i, j = torch.arange(8)[:, None], torch.arange(8)[None]
