@@ -778,7 +778,8 @@ fn decode_varlen_checks_answer_every_argument_with_a_code() {
                         // Host offsets that decrease, start below 0 or run past q.
                         host_cu = true;
                         let i = rng.below(cu.len() as u64) as usize;
-                        cu[i] = rng.pick(&[-1, i32::MIN, i32::MAX, cu[i] + 1, 1 << 25]);
+                        cu[i] =
+                            rng.pick(&[-1, i32::MIN, i32::MAX, cu[i].saturating_add(1), 1 << 25]);
                     }
                     11 => {
                         let mut views = [q, o, c.cache.k, c.cache.v];

@@ -59,9 +59,9 @@ def _describe_inputs(q, k, v, layout, ptrs=None):
 def _check_fp8_descriptors(q, k, v, layout, options):
     """flashcore's checks of a quantization on the tensors' sizes and strides, with stand-in
     addresses (fake tensors have none) far apart; returns the workspace size it needs."""
-    sizes = [x for t in (q, k, v) for x in t.shape]
-    if not all(isinstance(x, int) for x in sizes):
-        return 0  # symbolic sizes: the real call checks
+    dims = [x for t in (q, k, v) for x in (*t.shape, *t.stride())]
+    if not all(type(x) is int for x in dims):
+        return 0  # symbolic sizes or strides: the real call checks (as ops._check_descriptors)
     descs = _describe_inputs(q, k, v, layout, ptrs=[(i + 1) << 44 for i in range(3)])
     stand_in_empty(descs)
     return _capi.library().fp8_workspace_bytes(*descs, options)

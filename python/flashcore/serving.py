@@ -270,9 +270,10 @@ def _host_int32(fn, name, x, shape):
     (2^32 + 3 as 3) would pass the library's checks as another, valid entry. A tensor's
     values cannot be read while torch.compile traces (its data is fake there), so a
     tensor that would need narrowing is refused then; an int32 one needs no check. NumPy
-    arrays are taken as the CPU tensors they convert to."""
+    arrays are taken as the CPU tensors they convert to. Every tensor made here is made
+    on the CPU whatever torch's default device is: the library reads it on the host."""
     if not isinstance(x, torch.Tensor) and hasattr(x, "__array_interface__"):
-        x = torch.as_tensor(x)
+        x = torch.as_tensor(x, device="cpu")
     if isinstance(x, torch.Tensor):
         if x.device.type != "cpu":
             raise ValueError(f"flashcore.{fn}: {name} must be a CPU tensor (a host copy), got {x.device}")
@@ -292,9 +293,9 @@ def _host_int32(fn, name, x, shape):
         values = _flat_ints(fn, name, x)
         _check_int32_range(fn, name, values)
         if values:
-            x = torch.tensor(x, dtype=torch.int32)
+            x = torch.tensor(x, dtype=torch.int32, device="cpu")
         else:  # no entries: a shape of no elements takes it (torch.tensor([]) is float)
-            x = torch.empty(shape if 0 in shape else (0,), dtype=torch.int32)
+            x = torch.empty(shape if 0 in shape else (0,), dtype=torch.int32, device="cpu")
     if tuple(x.shape) != shape:
         raise ValueError(f"flashcore.{fn}: {name} has shape {tuple(x.shape)}, expected {shape}")
     return x.contiguous()
@@ -340,7 +341,7 @@ def _prepare_host(fn, batch, block_table, host_seqlens, host_block_table):
         if stride <= max_pages:  # (shorter: the call refuses the device table's stride)
             table = t
         else:
-            table = torch.zeros(batch, stride, dtype=torch.int32)
+            table = torch.zeros(batch, stride, dtype=torch.int32, device="cpu")
             table[:, :max_pages] = t
     return lens, table
 
@@ -388,8 +389,10 @@ def _check_decode(q, k_cache, v_cache, block_table, o, return_lse, scale, causal
 
 # Workspace bytes by what a decode call's plan depends on: the device, q's dtype and shape,
 # the cache's dtype and shape, the block table's width (and, for packed queries, the batch
-# and max_seqlen_q). Filled by successful queries only.
+# and max_seqlen_q). Filled by successful queries only, and bounded: a server whose packed
+# batches differ at every step would otherwise add a key per step for ever.
 _workspace_sizes = {}
+_WORKSPACE_SIZES_KEPT = 4096
 
 
 def _workspace_bytes(index, q, k_cache, block_table, query, *more):
@@ -401,6 +404,8 @@ def _workspace_bytes(index, q, k_cache, block_table, query, *more):
     n = _workspace_sizes.get(key)
     if n is None:
         n = query()
+        if len(_workspace_sizes) >= _WORKSPACE_SIZES_KEPT:
+            _workspace_sizes.clear()  # (asked again as needed: one library query each)
         _workspace_sizes[key] = n
     return n
 
@@ -525,8 +530,9 @@ def decode(
     host_seqlens, host_block_table: optional host copies of seqlens and block_table (CPU
         tensors or sequences of ints): checked against the capacity and the pool (no page
         named twice within one sequence) before anything runs. A paged cache takes both or
-        neither (one alone raises ValueError). Under torch.compile a tensor
-        copy must be int32 (a wider one's values cannot be range-checked while tracing).
+        neither (one alone raises ValueError). Under torch.compile pass int32 CPU
+        tensors: a wider one's values cannot be range-checked while tracing, and a list's
+        ints are read as constants of the graph (a recompile for every new value).
     k_scale, v_scale: an FP8 cache's scales (required with one, refused without): float32
         [B, capacity, Hkv] (contiguous) or [pages, page_size, Hkv] (paged), the caches'
         first three dimensions ([..., 1] 4-d tensors are taken too; any strides): each

@@ -51,6 +51,10 @@ _MAX_SEQLEN = 2**25
 
 
 def _check_max_seqlen(fn, max_seqlen_q):
+    """An int from 1 to 2^25; under torch.compile a symbolic one (dynamic shapes) is taken
+    as it is and checked by the real call, so that each new value does not recompile."""
+    if isinstance(max_seqlen_q, torch.SymInt):
+        return
     if not isinstance(max_seqlen_q, int) or isinstance(max_seqlen_q, bool) or not 1 <= max_seqlen_q <= _MAX_SEQLEN:
         raise ValueError(f"flashcore.{fn}: max_seqlen_q must be an int from 1 to 2^25, got {max_seqlen_q!r}")
 
@@ -77,6 +81,11 @@ def _ready(t):
     return t if ok else t.contiguous()
 
 
+def _plain_ints(*values):
+    """Whether every value is a plain int (not a torch.SymInt)."""
+    return all(type(x) is int for x in values)
+
+
 def _varlen_struct(cu_q_ptr, cu_k_ptr, batch, max_seqlen_q):
     v = _capi.FlashcoreVarlen()
     v.cu_seqlens_q = cu_q_ptr
@@ -100,8 +109,10 @@ def _host(name, x, n):
 def _check(q, k, v, o, return_lse, batch, max_seqlen_q, scale, causal, host_q=None, host_k=None,
            window=_capi.NO_WINDOW, softcap=_capi.NO_SOFTCAP):
     """flashcore_check_forward_varlen at stand-in addresses (fake tensors have none), with
-    the host offsets when given."""
-    if not _static(q, k, v, o):
+    the host offsets when given. Symbolic sizes, strides, batch or bound (torch.compile's
+    dynamic shapes) leave the checks to the real call: read here they would specialize the
+    graph on each value and recompile for every new one."""
+    if not _static(q, k, v, o) or not _plain_ints(batch, max_seqlen_q, *window):
         return
     for name, host, rows in (("host_cu_seqlens_q", host_q, q.shape[0]), ("host_cu_seqlens_k", host_k, k.shape[0])):
         # Described as one row, an empty tensor would hold an offset of 1.
@@ -289,8 +300,11 @@ def _check_decode_varlen(q, k_cache, v_cache, block_table, o, return_lse, batch,
     """flashcore_check_decode_varlen at stand-in addresses (fake tensors have none), with
     the host offsets when given; the host lengths and block table are the real call's.
     For an empty q (nothing to compute, which is no error) empty dimensions are described
-    as 1, so that every other rule still applies."""
-    if not _static(q, k_cache, v_cache, block_table, o, k_scale, v_scale):
+    as 1, so that every other rule still applies. Symbolic values are left to the real
+    call, as in `_check`."""
+    if not _static(q, k_cache, v_cache, block_table, o, k_scale, v_scale) or not _plain_ints(
+        batch, max_seqlen_q, *window
+    ):
         return
     empty = q.numel() == 0
     # Described as one row, an empty q would hold an offset of 1.

@@ -816,6 +816,27 @@ def test_decode_varlen_misuse_is_refused_before_the_library():
         flashcore.decode_varlen(q.clone().requires_grad_(), k, k, lens, cu, 4)
 
 
+def test_host_copies_are_made_on_the_cpu_whatever_the_default_device():
+    """The library reads host copies on the host: under torch.set_default_device("cuda")
+    (common in serving code) a copy made on the default device would hand it a device
+    address. Checked with the meta device, which a CPU machine has."""
+    import numpy as np
+
+    from flashcore import serving
+
+    table = torch.zeros(2, 8, dtype=torch.int32, device="cpu")[:, :2]  # row stride 8 > 2 pages
+    torch.set_default_device("meta")
+    try:
+        for x, shape in (([1, 2, 3], (3,)), ([], (0,)), (np.array([4, 5], dtype=np.int64), (2,))):
+            t = serving._host_int32("decode", "host_seqlens", x, shape)
+            assert t.device.type == "cpu" and t.dtype == torch.int32 and tuple(t.shape) == shape
+        lens, padded = serving._prepare_host("decode", 2, table, [1, 2], [[0, 1], [2, 3]])
+        assert lens.device.type == padded.device.type == "cpu"
+        assert padded.tolist() == [[0, 1, 0, 0, 0, 0, 0, 0], [2, 3, 0, 0, 0, 0, 0, 0]]
+    finally:
+        torch.set_default_device(None)
+
+
 def test_errors_cross_process_boundaries_as_flashcore_errors():
     """Process pools send a worker's exception back pickled: it must come back whole."""
     import pickle
@@ -1052,6 +1073,31 @@ def test_windows_compile_to_one_graph():
     for op in (torch.ops.flashcore.attention, torch.ops.flashcore.attention_varlen, torch.ops.flashcore.decode):
         node = next(n for n in nodes if n.target in (op, op.default))
         assert tuple(node.args[-3:]) == (15, 0, 0.0), node.args  # window_left, window_right, softcap
+
+
+def test_dynamic_shapes_compile_once():
+    """Under torch.compile's dynamic shapes, a bound that changes every step and a view
+    whose strides follow a dynamic length are symbolic: the fake checks leave them to the
+    real call instead of reading them (which specialized the graph on each value and
+    recompiled for every new one)."""
+    calls = []
+
+    def backend(gm, example_inputs):
+        calls.append(gm)
+        return gm
+
+    def step(x, k, cu, bound):
+        q = x[:, -1:]  # strides follow x's length
+        o = flashcore.attention(q, k, k, layout="bshd")
+        packed = flashcore.attention_varlen(x[0], k[0], k[0], cu, cu, bound, causal=True)
+        d = flashcore.decode_varlen(x[0], k, k, cu[1:], cu, bound)
+        return o, packed, d
+
+    compiled = torch.compile(step, backend=backend, dynamic=True, fullgraph=True)
+    for s, bound in ((72, 20), (96, 21), (128, 33), (80, 7)):  # (72: not D, which duck sizing would tie)
+        o, packed, d = compiled(meta(2, s, 8, 64), meta(2, s, 8, 64), i32(3), bound)
+        assert o.shape == (2, 1, 8, 64) and packed.shape == d.shape == (s, 8, 64)
+    assert len(calls) == 1
 
 
 # ---- logit soft-capping: the _ex spellings ---------------------------------------------------------
