@@ -624,16 +624,17 @@ def _on_gpu(*tensors):
     return all(t.is_cuda for t in tensors)
 
 
-# Compute capability by device index, read once per device (outside torch.compile's
-# tracing, which takes the cached value as a constant).
+# Compute capability by device index, read once per device.
 _capabilities = {}
 
 
 def _capability(device):
-    """(major, minor) of a CUDA device."""
+    """(major, minor) of a CUDA device. From get_device_properties, which torch.compile
+    folds to a constant (get_device_capability it would try to put in the graph)."""
     cap = _capabilities.get(device.index)
     if cap is None:
-        cap = tuple(torch.cuda.get_device_capability(device))
+        props = torch.cuda.get_device_properties(device)
+        cap = (props.major, props.minor)
         _capabilities[device.index] = cap
     return cap
 

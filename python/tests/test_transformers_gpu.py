@@ -493,3 +493,27 @@ def test_softcapped_calls_through_the_fallback_keep_their_cap(seed):
             out, _ = transformers_backend.attention_forward(module, q, k, v, causal.expand(2, 8, 40, 40), softcap=2.0)
     assert len(transformers_backend.stats["sdpa"]) == 1
     assert rel_l2(out, want) <= 2e-2
+
+
+def test_attention_calls_compile_to_one_graph(monkeypatch):
+    """Under torch.compile(fullgraph=True) the backend's checks trace: the GPU's compute
+    capability (read from get_device_properties, which compile folds to a constant, on a
+    device not seen before) and a fallback (whose warning compile cannot trace, so it is
+    left out there)."""
+    monkeypatch.setattr(transformers_backend, "_capabilities", {})
+    module = torch.nn.Module()
+    module.is_causal = True
+    module.num_key_value_groups = 4  # what SDPA's path reads for GQA
+    q = torch.randn(1, 8, 64, 64, device="cuda", dtype=torch.float16)
+    kv = torch.randn(1, 2, 64, 64, device="cuda", dtype=torch.float16)
+
+    def step(q, k, v):
+        served, _ = transformers_backend.attention_forward(module, q, k, v, None)
+        dropped, _ = transformers_backend.attention_forward(module, q, k, v, None, dropout=0.1)
+        return served, dropped
+
+    with torch.no_grad():
+        served, dropped = torch.compile(step, fullgraph=True)(q, kv, kv)
+        want = torch.nn.functional.scaled_dot_product_attention(q, kv, kv, is_causal=True, enable_gqa=True)
+    assert rel_l2(served.transpose(1, 2), want) < 5e-3
+    assert dropped.shape == served.shape and torch.isfinite(dropped).all()
