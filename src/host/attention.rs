@@ -98,16 +98,26 @@ pub(crate) fn plan_problem(
     }?;
     // A key window runs the windowed kernel of the causal configuration's tiles, a soft
     // cap the soft-capping kernel of the configuration's.
-    let cfg = if problem.window.is_some() {
-        cfg.windowed()
-    } else {
-        cfg
+    let adjust = |cfg: FwdConfig| {
+        let cfg = if problem.window.is_some() {
+            cfg.windowed()
+        } else {
+            cfg
+        };
+        if problem.softcap.is_some() {
+            cfg.softcapped()
+        } else {
+            cfg
+        }
     };
-    Ok(if problem.softcap.is_some() {
-        cfg.softcapped()
-    } else {
-        cfg
-    })
+    let cfg = adjust(cfg);
+    // Both take at most 128-row tiles: a 192-row pick passed the sm90 kernels' 31-bit
+    // work-item numbering, which twice the tiles may not (B·Hq near 2^30, 129 to 192
+    // query rows).
+    if cfg.path == Path::Sm90 && work_items(&shape, cfg.block_m) >= 1 << 31 {
+        return Ok(adjust(sm80()?));
+    }
+    Ok(cfg)
 }
 
 /// The shape the dispatch judges a problem by: its own, except that a packed batch's key
@@ -1421,6 +1431,61 @@ mod tests {
         let shape = AttnShape::square(2, 8, 512, 64);
         assert_eq!(sm90_block_m(&shape, 128, false), 64);
         assert_eq!(sm90_block_m(&shape, 127, false), sm90::BLOCK_M);
+    }
+
+    /// A window or a soft cap shrinks a 192-row pick to 128-row tiles: where that doubles
+    /// the work items past the sm90 kernels' 31-bit numbering, the call takes the sm80
+    /// path instead.
+    #[test]
+    fn shrunk_tiles_stay_within_the_work_item_numbering() {
+        use crate::host::tensor::KeyWindow;
+        let problem = |heads: usize, window, softcap| FwdProblem {
+            shape: AttnShape {
+                batch: 32768,
+                seqlen_q: 150,
+                seqlen_k: 8192,
+                heads_q: heads,
+                heads_kv: 1,
+                head_dim: 64,
+            },
+            dtype: HalfType::F16,
+            scale: 0.125,
+            causal: true,
+            window,
+            packed: None,
+            softcap,
+            seqused_k: None,
+            pages: None,
+        };
+        let window = Some(KeyWindow {
+            left: 100,
+            right: 0,
+        });
+        // 2^30 (batch, head) pairs: one 192-row tile each, two 128-row ones.
+        let plain = plan_problem((9, 0), 132, PathChoice::Best, &problem(32768, None, None));
+        assert_eq!(plain.map(|c| (c.path, c.block_m)), Ok((Path::Sm90, 192)));
+        for (window, softcap) in [(window, None), (None, Some(30.0)), (window, Some(30.0))] {
+            let cfg = plan_problem(
+                (9, 0),
+                132,
+                PathChoice::Best,
+                &problem(32768, window, softcap),
+            )
+            .unwrap();
+            assert_eq!(cfg.path, Path::Sm80, "{window:?} {softcap:?}");
+            assert_eq!(
+                (cfg.window, cfg.softcap),
+                (window.is_some(), softcap.is_some())
+            );
+            // Half the pairs: the sm90 path's 128-row tiles again.
+            let half = plan_problem(
+                (9, 0),
+                132,
+                PathChoice::Best,
+                &problem(16384, window, softcap),
+            );
+            assert_eq!(half.map(|c| (c.path, c.block_m)), Ok((Path::Sm90, 128)));
+        }
     }
 
     /// A packed batch is judged by its mean keys per sequence: 32 sequences of 100 keys
