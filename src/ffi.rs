@@ -4408,40 +4408,45 @@ mod tests {
         }
         let (c, s) = fp8_cache(true);
         let f16 = FLASHCORE_F16;
-        // An append writes a scale per (position, head): repeated ones are refused.
-        for strides in [[0, 0, 1, 1], [0, 0, 0, 0]] {
-            let repeated = FlashcoreKvScales {
-                v_scale: FlashcoreTensor {
-                    strides,
-                    ..s.v_scale
-                },
-                ..s
-            };
-            assert_eq!(
-                check(&c, Some(&repeated), &new(f16), &vnew(f16), None, None),
-                FLASHCORE_ERROR_BAD_STRIDES
-            );
-            assert!(last_error().contains("v_scale"), "{}", last_error());
-        }
-        // Nor may the scales it writes share memory with each other or the codes.
-        for shared in [
-            FlashcoreKvScales {
-                v_scale: s.k_scale,
-                ..s
+        // An append writes a scale per (position, head): repeated ones are refused, and
+        // scales sharing memory with each other or the codes.
+        let v_strides = |strides| FlashcoreKvScales {
+            v_scale: FlashcoreTensor {
+                strides,
+                ..s.v_scale
             },
-            FlashcoreKvScales {
-                k_scale: FlashcoreTensor {
-                    ptr: c.v.ptr + 64,
-                    ..s.k_scale
-                },
-                ..s
+            ..s
+        };
+        let k_inside_v = FlashcoreKvScales {
+            k_scale: FlashcoreTensor {
+                ptr: c.v.ptr + 64,
+                ..s.k_scale
             },
+            ..s
+        };
+        let shared = FlashcoreKvScales {
+            v_scale: s.k_scale,
+            ..s
+        };
+        for (scales, code, words) in [
+            (
+                v_strides([0, 0, 1, 1]),
+                FLASHCORE_ERROR_BAD_STRIDES,
+                "v_scale",
+            ),
+            (
+                v_strides([0, 0, 0, 0]),
+                FLASHCORE_ERROR_BAD_STRIDES,
+                "v_scale",
+            ),
+            (shared, FLASHCORE_ERROR_INVALID_ARGUMENT, "overlaps"),
+            (k_inside_v, FLASHCORE_ERROR_INVALID_ARGUMENT, "overlaps"),
         ] {
             assert_eq!(
-                check(&c, Some(&shared), &new(f16), &vnew(f16), None, None),
-                FLASHCORE_ERROR_INVALID_ARGUMENT
+                check(&c, Some(&scales), &new(f16), &vnew(f16), None, None),
+                code
             );
-            assert!(last_error().contains("overlaps"), "{}", last_error());
+            assert!(last_error().contains(words), "{}", last_error());
         }
         // New tokens of one 16-bit dtype only.
         for (k, v) in [

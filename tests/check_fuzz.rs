@@ -640,18 +640,52 @@ fn host_arrays(rng: &mut Rng, c: &CacheCase, batch: i64) -> (*const i32, *const 
     (c.seqlens.as_ptr(), table)
 }
 
+/// What a decode call against a cache starts from: an e4m3 cache one time in three,
+/// 1 to 8 sequences, 1 or 8 KV heads each serving 1 or 4 query heads, a head dim of the
+/// cache's kind, a 16-bit dtype, and a valid cache (no room needed beyond the lengths).
+struct DecodeDraw {
+    fp8: bool,
+    batch: i64,
+    hq: i64,
+    d: i64,
+    dt: i32,
+    c: CacheCase,
+}
+
+impl DecodeDraw {
+    fn new(rng: &mut Rng) -> DecodeDraw {
+        let fp8 = rng.chance(3);
+        let batch = rng.pick(&[1i64, 3, 8]);
+        let hkv = rng.pick(&[1i64, 8]);
+        let hq = hkv * rng.pick(&[1, 4]);
+        let d = cache_head_dim(rng, fp8);
+        let dt = dtype16(rng);
+        let c = cache_case(rng, [batch, hkv, d], (dt, fp8), 0);
+        DecodeDraw {
+            fp8,
+            batch,
+            hq,
+            d,
+            dt,
+            c,
+        }
+    }
+}
+
 #[test]
 fn decode_checks_answer_every_argument_with_a_code() {
     for seed in SEEDS {
         let mut rng = Rng(seed ^ 2);
         for _ in 0..ROUNDS {
-            let fp8 = rng.chance(3);
-            let batch = rng.pick(&[1i64, 3, 8]);
-            let (hkv, sq) = (rng.pick(&[1i64, 8]), rng.pick(&[1i64, 5, 16]));
-            let hq = hkv * rng.pick(&[1, 4]);
-            let d = cache_head_dim(&mut rng, fp8);
-            let dt = dtype16(&mut rng);
-            let mut c = cache_case(&mut rng, [batch, hkv, d], (dt, fp8), 0);
+            let sq = rng.pick(&[1i64, 5, 16]);
+            let DecodeDraw {
+                fp8,
+                batch,
+                hq,
+                d,
+                dt,
+                mut c,
+            } = DecodeDraw::new(&mut rng);
             let mut q = bshd(region(0), dt, [batch, sq, hq, d]);
             let mut o = bshd(region(3), dt, [batch, sq, hq, d]);
             let mut lse = if rng.chance(2) { region(4) } else { 0 };
@@ -738,12 +772,14 @@ fn decode_varlen_checks_answer_every_argument_with_a_code() {
     for seed in SEEDS {
         let mut rng = Rng(seed ^ 6);
         for _ in 0..ROUNDS {
-            let fp8 = rng.chance(3);
-            let batch = rng.pick(&[1i64, 3, 8]);
-            let (hkv, d) = (rng.pick(&[1i64, 8]), cache_head_dim(&mut rng, fp8));
-            let hq = hkv * rng.pick(&[1, 4]);
-            let dt = dtype16(&mut rng);
-            let mut c = cache_case(&mut rng, [batch, hkv, d], (dt, fp8), 0);
+            let DecodeDraw {
+                fp8,
+                batch,
+                hq,
+                d,
+                dt,
+                mut c,
+            } = DecodeDraw::new(&mut rng);
             let mut cu = vec![0i32];
             for _ in 0..batch {
                 let n = rng.pick(&[0, 1, 4, 16, 40]);

@@ -25,7 +25,7 @@ mod common;
 
 use std::sync::Arc;
 
-use common::{down, ptr, rel_l2_of_row_groups, seeds, up};
+use common::{down, ptr, rel_l2_of_row_groups, seeds, up, worse};
 use cudarc::driver::CudaStream;
 use flashcore::host::attention::{Attention, PathChoice};
 use flashcore::host::device::Device;
@@ -244,10 +244,7 @@ fn measure(c: &Fp8Case, got_o: &[f64], got_lse: &[f64], want: &RefOutput) -> Mea
     let shape = [c.batch, c.seqlen_q, c.heads_q, d];
     let groups = rel_l2_of_row_groups(got_o, &want.out, shape, sees_outliers);
     Measured {
-        // (f64::max would pass over a NaN; a NaN must fail.)
-        out_err: groups.into_iter().flatten().fold(0.0, |worst, e| {
-            if e.is_nan() || e > worst { e } else { worst }
-        }),
+        out_err: groups.into_iter().flatten().fold(0.0, worse),
         lse_err,
         lse_excess,
         bad_empty_rows,

@@ -8,7 +8,7 @@ mod common;
 
 use std::sync::Arc;
 
-use common::{FAR, FarPair};
+use common::{FAR, FarPair, worse};
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
 
 use flashcore::Error;
@@ -201,23 +201,9 @@ fn longest_sequences_are_exact() {
                 let s: f64 = q[i * d..][..d].iter().zip(&k).map(|(a, b)| a * b).sum();
                 (v.clone(), (seen as f64).ln() + scale * s)
             };
-            // A NaN (O's poison, unwritten) must fail: f64::max would pass over it.
-            let err_o = reference::rel_l2(row, &want_o);
-            worst_o = if err_o.is_nan() || err_o > worst_o {
-                err_o
-            } else {
-                worst_o
-            };
-            let got = lse[i] as f64;
-            // A NaN (the LSE's poison, unwritten) is an infinite error, which max keeps.
-            let err = if want_lse.is_finite() && got.is_finite() {
-                (got - want_lse).abs() / want_lse.abs().max(1.0)
-            } else if got == want_lse {
-                0.0
-            } else {
-                f64::INFINITY
-            };
-            worst_lse = worst_lse.max(err);
+            // A NaN (O's poison, unwritten) must fail.
+            worst_o = worse(worst_o, reference::rel_l2(row, &want_o));
+            worst_lse = worse(worst_lse, lse_error(lse[i], want_lse));
         }
         let line = format!(
             "d{d} Sk {sk} Sq {sq} causal {causal}: out {worst_o:.2e} lse {worst_lse:.2e} in \
@@ -303,35 +289,13 @@ fn a_needle_in_the_longest_sequences_is_found_anywhere() {
                 let row = &o[i * d..][..d];
                 // Zero rows: an absolute error (every element must be 0).
                 let err_o = if want_o.iter().all(|&x| x == 0.0) {
-                    row.iter().fold(0.0, |m: f64, x| {
-                        if x.is_nan() {
-                            f64::INFINITY
-                        } else {
-                            m.max(x.abs())
-                        }
-                    })
+                    row.iter().map(|x| x.abs()).fold(0.0, worse)
                 } else {
                     reference::rel_l2(row, &want_o)
                 };
-                let got = lse[i] as f64;
-                let err_lse = if want_lse.is_finite() && got.is_finite() {
-                    (got - want_lse).abs() / want_lse.abs().max(1.0)
-                } else if got == want_lse {
-                    0.0
-                } else {
-                    f64::INFINITY
-                };
-                // NaN must fail: f64::max would pass over it.
-                worst_o = if err_o.is_nan() || err_o > worst_o {
-                    err_o
-                } else {
-                    worst_o
-                };
-                worst_lse = if err_lse.is_nan() || err_lse > worst_lse {
-                    err_lse
-                } else {
-                    worst_lse
-                };
+                // NaN must fail.
+                worst_o = worse(worst_o, err_o);
+                worst_lse = worse(worst_lse, lse_error(lse[i], want_lse));
             }
             let line = format!(
                 "d{d} Sk {sk} Sq {sq} causal {causal}: needle at {needle}: out {worst_o:.2e} lse \
@@ -344,6 +308,20 @@ fn a_needle_in_the_longest_sequences_is_found_anywhere() {
         }
     }
     assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+/// A row's LSE error relative to max(1, |want|): 0 where both are the same infinity (a
+/// row that sees no key), infinite where only one is finite or `got` is NaN (the poison,
+/// unwritten).
+fn lse_error(got: f32, want: f64) -> f64 {
+    let got = got as f64;
+    if want.is_finite() && got.is_finite() {
+        (got - want).abs() / want.abs().max(1.0)
+    } else if got == want {
+        0.0
+    } else {
+        f64::INFINITY
+    }
 }
 
 /// One key past the limit, and the lengths near 2^31 that once wrapped, are typed errors

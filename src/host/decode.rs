@@ -154,12 +154,17 @@ const APPEND_MAX_BLOCKS: usize = 1 << 12;
 
 /// What an append writes (the cache's K and V, and an e4m3 cache's scales) must be
 /// memory of its own: each element once (no zero or aliasing strides), K apart from V
-/// element by element (they may interleave; the scales' own checks keep them apart from
-/// the codes and each other), and all of it apart from the lengths and the block table
-/// the kernel reads meanwhile.
+/// element by element (they may interleave), the scales apart from the codes and each
+/// other ([`KvScales::check_apart`]), and all of it apart from the lengths and the block
+/// table the kernel reads meanwhile.
 fn check_append_targets(cache: &KvCache, batch: usize) -> Result<()> {
     for (name, t) in [("k_cache", &cache.k), ("v_cache", &cache.v)] {
         check_no_self_overlap(name, t)?;
+    }
+    if let Some(scales) = &cache.scales {
+        // A scale per (position, head): repeated or shared ones (which a decode may read)
+        // would be written by several threads at once.
+        scales.check_apart(cache)?;
     }
     if !views_disjoint(&cache.k, &cache.v) {
         return Err(Error::InvalidArgument(
@@ -558,11 +563,6 @@ pub fn validate_append(
     }
     let [batch, new_tokens, heads_kv, head_dim] = k_new.shape;
     let shape = cache.validate(batch)?;
-    if let Some(scales) = &cache.scales {
-        // The append writes a scale per (position, head): repeated or shared ones (which
-        // a decode may read) would be written by several threads at once.
-        scales.check_apart(cache)?;
-    }
     if (heads_kv, head_dim) != (shape.heads_kv, shape.head_dim) {
         return Err(Error::ShapeMismatch(format!(
             "new tokens have {heads_kv} heads of {head_dim}, the cache {} of {}",

@@ -206,3 +206,13 @@ pub fn rel_l2_of_row_groups(
     }
     groups.map(|(g, w)| (!g.is_empty()).then(|| flashcore::reference::rel_l2(&g, &w)))
 }
+
+/// The larger of two errors, a NaN the worst of all (`f64::max` would pass over it, and a
+/// NaN must never pass). Folds a worst error: `errors.fold(0.0, worse)`.
+pub fn worse(worst: f64, err: f64) -> f64 {
+    if err.is_nan() || err > worst {
+        err
+    } else {
+        worst
+    }
+}
