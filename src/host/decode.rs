@@ -155,7 +155,7 @@ const APPEND_MAX_BLOCKS: usize = 1 << 12;
 /// What an append writes (the cache's K and V, and an e4m3 cache's scales) must be
 /// memory of its own: each element once (no zero or aliasing strides), K apart from V
 /// element by element (they may interleave), the scales apart from the codes and each
-/// other ([`KvScales::check_apart`]), and all of it apart from the lengths and the block
+/// other ([`KvScales::check_apart`](super::kv_cache::KvScales::check_apart)), and all of it apart from the lengths and the block
 /// table the kernel reads meanwhile.
 fn check_append_targets(cache: &KvCache, batch: usize) -> Result<()> {
     for (name, t) in [("k_cache", &cache.k), ("v_cache", &cache.v)] {
